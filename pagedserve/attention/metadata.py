@@ -1,0 +1,36 @@
+"""The batch description every attention backend reads.
+
+A step's tokens are packed without padding: sequence ``i`` owns query rows
+``query_start_loc[i]:query_start_loc[i+1]``. Its keys are the ``context_lens[i]`` tokens already
+in the paged cache followed by the new rows, ``seq_lens[i]`` in all. Token ``j`` of a sequence
+lives in cache slot ``block_tables[i, j // block_size] * block_size + j % block_size``;
+``slot_mapping`` gives that slot for each new row, so backends write keys and values first and
+then attend over the cache alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_seqs: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    context_lens: torch.Tensor  # int32 [num_seqs]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    # Host copies, so loops over sequences never read device memory.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1

@@ -1,0 +1,25 @@
+"""Every environment variable pagedserve reads, typed, in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints are kept (PAGEDSERVE_CACHE_DIR, else ~/.cache/pagedserve)."""
+    root = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "pagedserve"
+
+
+def log_level() -> str:
+    """PAGEDSERVE_LOG_LEVEL: DEBUG, INFO (default), WARNING or ERROR."""
+    return os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO").upper()
+
+
+def cpu_kv_cache_fraction() -> float:
+    """PAGEDSERVE_CPU_KV_FRACTION: share of available RAM the CPU KV pool may take (0.25)."""
+    return float(os.environ.get("PAGEDSERVE_CPU_KV_FRACTION", "0.25"))

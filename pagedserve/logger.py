@@ -1,0 +1,21 @@
+"""The package logger: one stream handler, level from PAGEDSERVE_LOG_LEVEL."""
+
+from __future__ import annotations
+
+import logging
+
+from pagedserve import envs
+
+_ROOT = "pagedserve"
+
+
+def get_logger(name: str) -> logging.Logger:
+    root = logging.getLogger(_ROOT)
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s",
+                                               "%H:%M:%S"))
+        root.addHandler(handler)
+        root.setLevel(envs.log_level())
+        root.propagate = False
+    return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")

@@ -1,0 +1,43 @@
+"""Platform registry: each entry is imported only when asked for, so a CPU install never imports
+triton, habana or a GPU runtime."""
+
+from __future__ import annotations
+
+import importlib
+
+from pagedserve.platforms.interface import Platform, PlatformUnavailable
+
+_REGISTRY = {
+    "cuda": "pagedserve.platforms.cuda.platform:CudaPlatform",
+    "rocm": "pagedserve.platforms.rocm.platform:RocmPlatform",
+    "hpu": "pagedserve.platforms.hpu.platform:HpuPlatform",
+    "cpu": "pagedserve.platforms.cpu.platform:CpuPlatform",
+}
+# "auto" tries accelerators first and always ends on the CPU.
+_AUTO_ORDER = ("cuda", "rocm", "hpu", "cpu")
+DEVICE_NAMES = ("auto", *_REGISTRY)
+
+
+def _load(name: str) -> type[Platform]:
+    module_name, class_name = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def resolve_platform(name: str = "auto") -> type[Platform]:
+    """The platform class for ``--device NAME``; raises ``PlatformUnavailable`` in one line."""
+    if name == "auto":
+        for candidate in _AUTO_ORDER:
+            platform = _load(candidate)
+            if platform.is_available():
+                return platform
+        raise PlatformUnavailable("no usable device found")
+    if name not in _REGISTRY:
+        raise PlatformUnavailable(
+            f"unknown device {name!r}; choose one of: {', '.join(DEVICE_NAMES)}"
+        )
+    platform = _load(name)
+    platform.check_available()
+    return platform
+
+
+__all__ = ["DEVICE_NAMES", "Platform", "PlatformUnavailable", "resolve_platform"]

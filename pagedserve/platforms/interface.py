@@ -1,0 +1,100 @@
+"""What every device supplies to the device-agnostic engine.
+
+A platform is a class with class attributes and classmethod hooks; the engine asks it for
+kernels and memory facts and never checks which device it runs on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from pagedserve.attention.backend import AttentionBackend
+
+
+class PlatformUnavailable(RuntimeError):
+    """The requested device or its software stack is missing; the message is one line."""
+
+
+class MemoryInfo(NamedTuple):
+    free_bytes: int
+    total_bytes: int
+
+
+class Platform:
+    name: ClassVar[str]
+    device_type: ClassVar[str]
+    dist_backend: ClassVar[str]
+    supports_graphs: ClassVar[bool] = False
+    supports_fp8_kv_cache: ClassVar[bool] = False
+    # Swap space lives in page-locked host memory where copies to the device are async.
+    pin_swap_memory: ClassVar[bool] = False
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise ``PlatformUnavailable`` with a one-line reason if this device cannot be used."""
+        raise NotImplementedError
+
+    @classmethod
+    def is_available(cls) -> bool:
+        try:
+            cls.check_available()
+        except PlatformUnavailable:
+            return False
+        return True
+
+    @classmethod
+    def device(cls) -> torch.device:
+        return torch.device(cls.device_type)
+
+    @classmethod
+    def default_dtype(cls) -> torch.dtype:
+        return torch.bfloat16
+
+    @classmethod
+    def attention_backend(cls) -> type[AttentionBackend]:
+        raise NotImplementedError
+
+    @classmethod
+    def quant_linear_kernel(cls, method: str):
+        """The matmul kernel for a quantized checkpoint format (awq, gptq, fp8)."""
+        raise NotImplementedError(
+            f"quantization method {method!r} has no kernel on the {cls.name} platform yet"
+        )
+
+    @classmethod
+    def memory_info(cls) -> MemoryInfo:
+        raise NotImplementedError
+
+    @classmethod
+    def kv_cache_budget_bytes(cls, utilization: float, peak_used_bytes: int) -> int:
+        """Bytes the KV pool may take once weights and activations (``peak_used_bytes``) sit."""
+        info = cls.memory_info()
+        return max(0, int(info.total_bytes * utilization) - peak_used_bytes)
+
+    @classmethod
+    def copy_blocks(cls, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks within one pool (all layers, keys and values): dst[i] <- src[i].
+
+        ``kv_cache`` is ``[num_layers, 2, num_blocks, ...]``; ``src``/``dst`` are int64 block
+        ids on the cache's device. Used for copy-on-write.
+        """
+        kv_cache[:, :, dst] = kv_cache[:, :, src]
+
+    @classmethod
+    def swap_blocks(
+        cls, src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        """Move blocks between the device pool and the host swap pool (either direction)."""
+        moved = src_cache[:, :, src.to(src_cache.device)]
+        dst_cache[:, :, dst.to(dst_cache.device)] = moved.to(dst_cache.device, non_blocking=True)
+
+    @classmethod
+    def synchronize(cls) -> None:
+        """Wait for queued device work; a no-op where execution is synchronous."""
+
+    @classmethod
+    def seed_everything(cls, seed: int) -> None:
+        torch.manual_seed(seed)

@@ -1,0 +1,101 @@
+"""Per-request sampling settings, named as in vLLM so users can switch by changing an import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next tokens of one request.
+
+    Validation raises ``ValueError`` with the parameter's name so the server can turn it into a
+    400 whose ``param`` field points at the culprit.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.best_of is None:
+            self.best_of = self.n
+        self._validate()
+        if self.is_greedy:
+            # Greedy ignores the truncation knobs; normalising them lets the sampler skip them.
+            self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
+
+    def _validate(self) -> None:
+        checks = [
+            (self.n >= 1, "n", f"n must be at least 1, got {self.n}"),
+            (self.best_of >= self.n, "best_of",
+             f"best_of must be >= n ({self.n}), got {self.best_of}"),
+            (self.temperature >= 0.0, "temperature",
+             f"temperature must be non-negative, got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k",
+             f"top_k must be -1 (disable) or at least 1, got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.repetition_penalty > 0.0, "repetition_penalty",
+             f"repetition_penalty must be positive, got {self.repetition_penalty}"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+             f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.min_tokens >= 0, "min_tokens",
+             f"min_tokens must be non-negative, got {self.min_tokens}"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+             f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
+            (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidSamplingParam(param, message)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs for this request (best_of >= n)."""
+        return self.best_of  # type: ignore[return-value]
+
+
+class InvalidSamplingParam(ValueError):
+    """A sampling parameter outside its range; ``param`` names it for API error bodies."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
