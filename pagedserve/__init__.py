@@ -1,0 +1,36 @@
+"""pagedserve: an LLM serving engine with PagedAttention and continuous batching.
+
+``from pagedserve import LLM, SamplingParams`` mirrors vLLM's offline API. Heavy modules load
+on first use so ``import pagedserve`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from pagedserve.entrypoints.llm import LLM
+    from pagedserve.outputs import CompletionOutput, RequestOutput
+    from pagedserve.sampling_params import SamplingParams
+
+_LAZY = {
+    "LLM": "pagedserve.entrypoints.llm",
+    "SamplingParams": "pagedserve.sampling_params",
+    "RequestOutput": "pagedserve.outputs",
+    "CompletionOutput": "pagedserve.outputs",
+    "EngineConfig": "pagedserve.config",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig",
+           "__version__"]

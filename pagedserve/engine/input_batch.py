@@ -1,0 +1,74 @@
+"""Turn a ``SchedulerOutput`` into the packed tensors one forward pass reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.core.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    meta: AttentionMetadata
+    # Row of each sampling sequence's last token, in scheduling order.
+    logits_indices: torch.Tensor  # int64 [num_sampling]
+
+
+def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+    """Pack every scheduled chunk back to back. The loop is per sequence; everything per token
+    is a numpy array op."""
+    ids, query_lens, context_lens, tables, sample_rows = [], [], [], [], []
+    row = 0
+    for item in out.scheduled:
+        start, n = item.num_computed_tokens, item.num_new_tokens
+        ids.append(item.request.all_token_ids[start:start + n])
+        query_lens.append(n)
+        context_lens.append(start)
+        tables.append(item.block_ids)
+        row += n
+        if item.samples:
+            sample_rows.append(row - 1)
+    query_lens_np = np.asarray(query_lens, dtype=np.int64)
+    context_np = np.asarray(context_lens, dtype=np.int64)
+    seq_lens_np = context_np + query_lens_np
+    starts = np.concatenate(([0], np.cumsum(query_lens_np)))
+    # position of each row = its sequence's context length + its offset inside the chunk
+    seq_of_row = np.repeat(np.arange(len(query_lens)), query_lens_np)
+    positions = np.arange(starts[-1]) - starts[seq_of_row] + context_np[seq_of_row]
+
+    max_blocks = max(len(t) for t in tables)
+    table_np = np.zeros((len(tables), max_blocks), dtype=np.int64)
+    for i, t in enumerate(tables):
+        table_np[i, :len(t)] = t
+    slots = table_np[seq_of_row, positions // block_size] * block_size + positions % block_size
+
+    def to_dev(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(array).to(device=device, dtype=dtype, non_blocking=True)
+
+    meta = AttentionMetadata(
+        num_seqs=len(query_lens),
+        num_tokens=int(starts[-1]),
+        max_query_len=int(query_lens_np.max()),
+        max_seq_len=int(seq_lens_np.max()),
+        block_size=block_size,
+        query_start_loc=to_dev(starts, torch.int32),
+        seq_lens=to_dev(seq_lens_np, torch.int32),
+        context_lens=to_dev(context_np, torch.int32),
+        block_tables=to_dev(table_np, torch.int32),
+        slot_mapping=to_dev(slots, torch.int64),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens_np.tolist(),
+    )
+    return ModelInputs(
+        input_ids=to_dev(np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
+                         torch.int64),
+        positions=to_dev(positions, torch.int64),
+        meta=meta,
+        logits_indices=to_dev(np.asarray(sample_rows, dtype=np.int64), torch.int64),
+    )

@@ -1,0 +1,347 @@
+"""The synchronous engine: add requests, call ``step`` until done, read ``RequestOutput``s.
+
+One step = schedule -> run the model -> apply the sampled tokens (stop checks, detokenizing,
+freeing finished requests' blocks). Everything device-specific sits behind the platform.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.config import ConfigError, EngineConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.model_runner import KVCacheSpec, ModelRunner, StepResult
+from pagedserve.engine.request_state import RequestState, SequenceState, token_logprobs
+from pagedserve.logger import get_logger
+from pagedserve.models import loader
+from pagedserve.outputs import RequestMetrics, RequestOutput
+from pagedserve.platforms import resolve_platform
+from pagedserve.sample.metadata import SamplingMetadata
+from pagedserve.sampling_params import SamplingParams
+
+logger = get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class PromptTooLong(ValueError):
+    """The prompt leaves no room to generate within the context window."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    blocks_used: int
+    blocks_free: int
+    kv_usage: float
+    kv_allocated_slots: int
+    kv_filled_slots: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+    @property
+    def kv_waste(self) -> float:
+        """Share of allocated slots not holding a token (internal fragmentation)."""
+        if not self.kv_allocated_slots:
+            return 0.0
+        return 1.0 - self.kv_filled_slots / self.kv_allocated_slots
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        start = time.perf_counter()
+        self.platform = resolve_platform(config.device)
+        self.platform.seed_everything(config.seed)
+        source = loader.resolve_model(config.model)
+        self.model_name = config.served_model_name or source.name
+        self.arch = loader.load_arch_config(source)
+        self.tokenizer = loader.load_tokenizer(source)
+        self.generation_config = loader.load_generation_config(source)
+        self.dtype = self._resolve_dtype()
+        self.max_model_len = self._resolve_max_model_len()
+        self.runner = ModelRunner(self.platform, self.arch, self.dtype, self.max_model_len)
+        self.runner.load_weights(loader.iter_weights(source))
+        num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(KVCacheSpec(num_blocks, config.block_size, self.dtype))
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.max_model_len),
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        ), self.kv)
+        self.eos_token_ids = self._eos_token_ids()
+        self._states: dict[str, RequestState] = {}
+        self._seqs: dict[str, SequenceState] = {}
+        self._prompt_tokens = self._generation_tokens = 0
+        self._next_id = 0
+        logger.info(
+            "engine ready in %.1fs: platform=%s model=%s (%s) dtype=%s max_model_len=%d "
+            "kv_blocks=%d x %d tokens = %d concurrent tokens",
+            time.perf_counter() - start, self.platform.name, self.model_name, source.origin,
+            str(self.dtype).removeprefix("torch."), self.max_model_len, num_blocks,
+            config.block_size, num_blocks * config.block_size)
+
+    # ---- set-up -------------------------------------------------------------------------
+    def _resolve_dtype(self) -> torch.dtype:
+        if self.config.dtype == "auto":
+            return self.platform.default_dtype()
+        return _DTYPES[self.config.dtype]
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.arch.max_position_embeddings
+        if self.arch.sliding_window and self.arch.sliding_window < limit:
+            # Sliding-window attention is not implemented: stay inside one window.
+            limit = self.arch.sliding_window
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ConfigError(f"--max-model-len {wanted} exceeds the model's limit of {limit}")
+        return wanted
+
+    def _num_kv_blocks(self) -> int:
+        spec = KVCacheSpec(1, self.config.block_size, self.dtype)
+        per_block = spec.bytes_per_block(self.arch)
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            budget = self.platform.kv_cache_budget_bytes(
+                self.config.gpu_memory_utilization, self.runner.weight_bytes())
+            # Never reserve more than every sequence at full length could use.
+            useful = self.config.max_num_seqs * (self.max_model_len + self.config.block_size)
+            budget = min(budget, useful // self.config.block_size * per_block)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
+                "raise --kv-cache-memory-bytes or --gpu-memory-utilization")
+        return int(num_blocks)
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids = set(self.arch.eos_token_ids)
+        gen_eos = self.generation_config.get("eos_token_id")
+        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None
+                   else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # ---- requests -----------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = self._check_prompt(token_ids, params)
+        state = RequestState(request_id, text, token_ids, params,
+                             RequestMetrics(arrival_time=time.time()))
+        for i in range(params.best_of):
+            seq_id = request_id if params.best_of == 1 else f"{request_id}#{i}"
+            request = Request(seq_id, token_ids, params, max_tokens, self.eos_token_ids)
+            seq = SequenceState(
+                index=i, request=request,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params),
+                generator=self._generator(params, i),
+                logprobs=[] if params.logprobs is not None else None)
+            state.seqs.append(seq)
+            self._seqs[seq_id] = seq
+            self.scheduler.add_request(request)
+        self._states[request_id] = state
+        return request_id
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
+        """Validate the prompt against the context window and the pool; return max_tokens."""
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.arch.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise PromptTooLong(
+                f"the prompt has {len(token_ids)} tokens but the model's context length is "
+                f"{self.max_model_len}; shorten the prompt")
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if len(token_ids) + max_tokens > capacity:
+            raise PromptTooLong(
+                f"the request needs up to {len(token_ids) + max_tokens} tokens of KV cache "
+                f"but the whole pool holds {capacity}; lower max_tokens or enlarge the cache")
+        return max_tokens
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        generator = torch.Generator(device=self.runner.device)
+        generator.manual_seed(params.seed + index)
+        return generator
+
+    def abort_request(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return
+        for seq in state.seqs:
+            self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
+            self._seqs.pop(seq.request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states)
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        now = time.time()
+        for item in out.scheduled:
+            metrics = self._states[self._parent_id(item.request)].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        result = self.runner.execute(out, self._sampling_metadata(out))
+        self.scheduler.advance(out)
+        self._prompt_tokens += sum(
+            max(0, min(s.num_new_tokens, s.request.num_prompt_tokens - s.num_computed_tokens))
+            for s in out.scheduled)
+        touched = self._apply_prompt_logprobs(result)
+        touched |= self._apply_samples(result)
+        return self._collect_outputs(touched)
+
+    def _parent_id(self, request: Request) -> str:
+        return request.request_id.split("#", 1)[0]
+
+    def _sampling_metadata(self, out: SchedulerOutput) -> SamplingMetadata | None:
+        rows = [self._seqs[s.request.request_id] for s in out.scheduled if s.samples]
+        if not rows:
+            return None
+        return SamplingMetadata.build(
+            params=[r.request.params for r in rows],
+            prompt_token_ids=[r.request.prompt_token_ids for r in rows],
+            output_token_ids=[r.request.output_token_ids for r in rows],
+            generators=[r.generator for r in rows],
+            eos_token_ids=sorted(self.eos_token_ids),
+            vocab_size=self.arch.vocab_size,
+            device=self.runner.device,
+        )
+
+    def _apply_prompt_logprobs(self, result: StepResult) -> set[str]:
+        touched = set()
+        for seq_id, chunk in result.prompt_logprobs.items():
+            seq = self._seqs[seq_id]
+            if seq.index != 0:
+                continue
+            state = self._states[self._parent_id(seq.request)]
+            r = chunk.result
+            entries = [
+                token_logprobs(tok, lp, rank, ids, vals, seq.detokenizer.decode_token)
+                for tok, lp, rank, ids, vals in zip(
+                    r.token_ids.tolist(), r.logprobs.tolist(), r.ranks.tolist(),
+                    r.top_ids.tolist(), r.top_logprobs.tolist())
+            ]
+            state.record_prompt_logprobs(chunk.first_position, entries)
+            touched.add(state.request_id)
+        return touched
+
+    def _apply_samples(self, result: StepResult) -> set[str]:
+        sampled = result.sampler_output
+        if sampled is None:
+            return set()
+        # One host transfer for the whole batch.
+        tokens = sampled.token_ids.tolist()
+        logprobs = sampled.logprobs.tolist()
+        ranks = sampled.ranks.tolist()
+        top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
+        top_vals = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        touched = set()
+        now = time.time()
+        for i, seq_id in enumerate(result.sampled_request_ids):
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq.finished:
+                continue
+            seq.cumulative_logprob += logprobs[i]
+            if seq.logprobs is not None:
+                k = seq.request.params.logprobs
+                seq.logprobs.append(token_logprobs(
+                    tokens[i], logprobs[i], ranks[i], top_ids[i][:k] if k else [],
+                    top_vals[i][:k] if k else [], seq.detokenizer.decode_token))
+            self._append_token(seq, tokens[i])
+            state = self._states[self._parent_id(seq.request)]
+            state.metrics.first_token_time = state.metrics.first_token_time or now
+            state.metrics.last_token_time = now
+            touched.add(state.request_id)
+        return touched
+
+    def _append_token(self, seq: SequenceState, token: int) -> None:
+        request = seq.request
+        request.append_output(token)
+        self._generation_tokens += 1
+        seq.detokenizer.append(token)
+        status = self._stop_status(seq, token)
+        if status is not None:
+            self.scheduler.finish(request, status)
+
+    def _stop_status(self, seq: SequenceState, token: int) -> RequestStatus | None:
+        request, params = seq.request, seq.request.params
+        past_min = request.num_output_tokens >= params.min_tokens
+        if past_min and not params.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if past_min and token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if past_min and seq.detokenizer.stop_reason is not None:
+            request.stop_reason = seq.detokenizer.stop_reason
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _collect_outputs(self, touched: set[str]) -> list[RequestOutput]:
+        outputs = []
+        for request_id in touched:
+            state = self._states[request_id]
+            if state.finished:
+                for seq in state.seqs:
+                    if seq.detokenizer.stop_reason is None:
+                        seq.detokenizer.flush()
+                    self._seqs.pop(seq.request.request_id, None)
+                del self._states[request_id]
+                state.metrics.finished_time = time.time()
+            outputs.append(state.to_output())
+        return outputs
+
+    # ---- introspection ------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        allocated, filled = self.scheduler.kv_waste_slots()
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=pool.num_blocks,
+            blocks_used=pool.num_used,
+            blocks_free=pool.num_free,
+            kv_usage=self.kv.usage(),
+            kv_allocated_slots=allocated,
+            kv_filled_slots=filled,
+            prefix_queried_tokens=self.kv.prefix_stats.queried_tokens,
+            prefix_hit_tokens=self.kv.prefix_stats.hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+        )

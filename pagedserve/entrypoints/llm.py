@@ -1,0 +1,109 @@
+"""The offline API, named as in vLLM: ``LLM(...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+ChatMessages = list[dict[str, str]]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        seed: int = 0,
+        **kwargs,
+    ) -> None:
+        config = EngineConfig(
+            model=model, device=device, dtype=dtype, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            seed=seed, **kwargs)
+        self.engine = LLMEngine(config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs keep input order."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(prompt_list)} prompts but {len(params_list)} "
+                                 "sampling params")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.engine.tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            for conv in conversations
+        ]
+        # The template already holds any BOS token; tokenize without adding another.
+        token_lists = [self.engine.tokenizer.encode(p, add_special_tokens=False)
+                       for p in prompts]
+        return self.generate(token_lists, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(request_ids)) if use_tqdm and len(request_ids) > 1 else None
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in request_ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)

@@ -1,0 +1,22 @@
+"""Architecture name -> model class, imported on demand."""
+
+from __future__ import annotations
+
+import importlib
+
+from pagedserve.models.config import UnsupportedModel
+
+_MODELS = {
+    "LlamaForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
+    # Mistral and Qwen2 share Llama's layout; their differences live in ModelArchConfig.
+    "MistralForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
+}
+
+
+def model_class(architecture: str):
+    if architecture not in _MODELS:
+        raise UnsupportedModel(f"unsupported architecture {architecture!r}; "
+                               f"supported: {', '.join(_MODELS)}")
+    module, cls = _MODELS[architecture].split(":")
+    return getattr(importlib.import_module(module), cls)

@@ -1,0 +1,78 @@
+"""Paged attention in plain torch, for the CPU (and as the reference the kernels are tested by).
+
+Decode-only steps gather every sequence's blocks into one padded batch and run one masked
+attention; steps with prompt chunks attend per sequence, since their query lengths differ.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.attention.backend import AttentionBackend
+from pagedserve.attention.metadata import AttentionMetadata
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter the step's keys and values into their cache slots."""
+    num_kv_heads, head_size = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, v)
+
+
+def gather_context(
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the first ``num_tokens`` positions of each table:
+    ``[batch, num_tokens, num_kv_heads, head_size]`` each."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-num_tokens // block_size)
+    tables = block_tables[:, :num_blocks]
+    batch = tables.shape[0]
+    keys = kv_cache[0][tables].reshape(batch, num_blocks * block_size, *kv_cache.shape[-2:])
+    values = kv_cache[1][tables].reshape(batch, num_blocks * block_size, *kv_cache.shape[-2:])
+    return keys[:, :num_tokens], values[:, :num_tokens]
+
+
+class TorchPagedAttention(AttentionBackend):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        if meta.is_decode_only:
+            return self._decode(q, kv_cache, meta)
+        return self._prefill(q, k, v, kv_cache, meta)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """q ``[B, Lq, H, D]``, keys/values ``[B, Lk, Hkv, D]`` -> ``[B, Lq, H, D]``."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask, is_causal=causal, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return out.transpose(1, 2)
+
+    def _decode(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        keys, values = gather_context(kv_cache, meta.block_tables, meta.max_seq_len)
+        positions = torch.arange(meta.max_seq_len, device=q.device)
+        mask = (positions[None, :] < meta.seq_lens[:, None])[:, None, None, :]
+        return self._attend(q[:, None], keys, values, mask, causal=False)[:, 0]
+
+    def _prefill(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        start = 0
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            rows = slice(start, start + q_len)
+            start += q_len
+            if q_len == seq_len:
+                # No cached context: attend over the fresh keys directly.
+                out[rows] = self._attend(q[None, rows], k[None, rows], v[None, rows],
+                                         None, causal=q_len > 1)[0]
+                continue
+            keys, values = gather_context(kv_cache, meta.block_tables[i:i + 1], seq_len)
+            # Query row r sits at position seq_len - q_len + r and sees keys up to it.
+            key_pos = torch.arange(seq_len, device=q.device)
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            out[rows] = self._attend(q[None, rows], keys, values, mask, causal=False)[0]
+        return out
