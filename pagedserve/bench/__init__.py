@@ -1,0 +1,16 @@
+"""Benchmarks run as ``pagedserve bench NAME``; each module has ``add_args`` and ``main``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "throughput": "offline engine vs HF transformers static batching",
+}
+
+
+def register_bench_commands(sub: argparse._SubParsersAction) -> None:
+    for name, help_text in BENCHMARKS.items():
+        parser = sub.add_parser(name, help=help_text)
+        importlib.import_module(f"pagedserve.bench.{name}").add_args(parser)

@@ -95,6 +95,10 @@ class LLMEngine:
             config.block_size, num_blocks * config.block_size)
 
     # ---- set-up -------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return KVCacheSpec(1, self.config.block_size, self.dtype).bytes_per_block(self.arch)
+
     def _resolve_dtype(self) -> torch.dtype:
         if self.config.dtype == "auto":
             return self.platform.default_dtype()
@@ -111,8 +115,7 @@ class LLMEngine:
         return wanted
 
     def _num_kv_blocks(self) -> int:
-        spec = KVCacheSpec(1, self.config.block_size, self.dtype)
-        per_block = spec.bytes_per_block(self.arch)
+        per_block = self.kv_bytes_per_block
         budget = self.config.kv_cache_memory_bytes
         if budget is None:
             budget = self.platform.kv_cache_budget_bytes(

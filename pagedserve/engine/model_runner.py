@@ -73,9 +73,9 @@ class ModelRunner:
         swaps move every layer at once; each layer attends over its own view."""
         a = self.arch
         self.block_size = spec.block_size
-        self.kv_cache = torch.zeros(
+        self.kv_cache = self.platform.allocate_kv_cache(
             (a.num_layers, 2, spec.num_blocks, spec.block_size, a.num_kv_heads, a.head_dim),
-            dtype=spec.dtype, device=self.device)
+            spec.dtype)
         self.kv_caches = list(self.kv_cache.unbind(0))
 
     @torch.inference_mode()

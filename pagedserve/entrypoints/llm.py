@@ -34,6 +34,12 @@ class LLM:
             seed=seed, **kwargs)
         self.engine = LLMEngine(config)
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -75,6 +75,13 @@ class Platform:
         return max(0, int(info.total_bytes * utilization) - peak_used_bytes)
 
     @classmethod
+    def allocate_kv_cache(cls, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The KV pool. Backends never read a slot before writing it, except past a
+        sequence's end where they mask, so the pool needs no zeroing (which costs seconds
+        of page faults for a large host pool)."""
+        return torch.empty(shape, dtype=dtype, device=cls.device())
+
+    @classmethod
     def copy_blocks(cls, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks within one pool (all layers, keys and values): dst[i] <- src[i].
 

@@ -55,8 +55,11 @@ class TorchPagedAttention(AttentionBackend):
     def _decode(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         keys, values = gather_context(kv_cache, meta.block_tables, meta.max_seq_len)
         positions = torch.arange(meta.max_seq_len, device=q.device)
-        mask = (positions[None, :] < meta.seq_lens[:, None])[:, None, None, :]
-        return self._attend(q[:, None], keys, values, mask, causal=False)[:, 0]
+        valid = positions[None, :] < meta.seq_lens[:, None]
+        # Slots past a sequence's end were never written (the pool is not zeroed): a zero
+        # attention weight times a NaN there would still be NaN, so clear them.
+        values = values.masked_fill(~valid[:, :, None, None], 0.0)
+        return self._attend(q[:, None], keys, values, valid[:, None, None, :], causal=False)[:, 0]
 
     def _prefill(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)

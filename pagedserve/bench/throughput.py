@@ -1,0 +1,103 @@
+"""``pagedserve bench throughput``: our engine against HF transformers static batching.
+
+The same prompts (varied input and output lengths, ignore_eos) run through both in one
+process. HF gets each batch padded to its longest prompt and generates until the batch's
+longest output, which is what static batching costs; only requested tokens are counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedserve.bench.common import Timer, print_table, random_workload, write_result
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    from pagedserve.engine_args import add_engine_args
+
+    add_engine_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, nargs=2, default=(32, 512))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
+    parser.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[16, 32],
+                        help="static batch sizes to try for HF; the best counts")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
+
+
+def run_engine(llm, work) -> dict:
+    from pagedserve.sampling_params import SamplingParams
+
+    engine = llm.engine
+    for item in work:
+        engine.add_request(item.prompt_token_ids, SamplingParams(
+            max_tokens=item.output_len, temperature=0.0, ignore_eos=True))
+    allocated = filled = steps = 0
+    with Timer() as t:
+        while engine.has_unfinished_requests():
+            engine.step()
+            stats = engine.stats()
+            allocated += stats.kv_allocated_slots
+            filled += stats.kv_filled_slots
+            steps += 1
+    out_tokens = sum(w.output_len for w in work)
+    return {"seconds": t.seconds, "output_tokens": out_tokens,
+            "output_tok_s": out_tokens / t.seconds, "steps": steps,
+            "kv_waste": 1 - filled / allocated if allocated else 0.0}
+
+
+def run_hf(model_path, dtype, device, work, batch_size: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    pad = 0
+    with Timer() as t, torch.inference_mode():
+        for start in range(0, len(work), batch_size):
+            batch = work[start:start + batch_size]
+            width = max(len(w.prompt_token_ids) for w in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, w in enumerate(batch):  # left padding, as HF generation expects
+                ids[i, width - len(w.prompt_token_ids):] = torch.tensor(w.prompt_token_ids)
+                mask[i, width - len(w.prompt_token_ids):] = 1
+            steps = max(w.output_len for w in batch)
+            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                           max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                           pad_token_id=pad)
+    out_tokens = sum(w.output_len for w in work)
+    return {"seconds": t.seconds, "output_tokens": out_tokens,
+            "output_tok_s": out_tokens / t.seconds, "batch_size": batch_size}
+
+
+def main(args: argparse.Namespace) -> None:
+    from pagedserve.engine_args import config_from_args
+    from pagedserve.entrypoints.llm import LLM
+    from pagedserve.models.loader import resolve_model
+
+    llm = LLM.from_config(config_from_args(args))
+    engine = llm.engine
+    avoid = set(engine.tokenizer.all_special_ids)
+    work = random_workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len),
+                           engine.arch.vocab_size, avoid, seed=args.seed)
+    ours = run_engine(llm, work)
+    rows = [{"system": "pagedserve", **ours}]
+    best = None
+    if not args.skip_hf:
+        path = resolve_model(args.model).path
+        for bs in args.hf_batch_sizes:
+            hf = run_hf(path, engine.dtype, engine.runner.device, work, bs)
+            rows.append({"system": f"hf-static-b{bs}", **hf})
+            best = hf if best is None or hf["output_tok_s"] > best["output_tok_s"] else best
+    ratio = ours["output_tok_s"] / best["output_tok_s"] if best else None
+    print_table(f"throughput: {len(work)} prompts, inputs {args.input_len}, outputs "
+                f"{args.output_len}, device {engine.platform.name}, dtype {engine.dtype}",
+                rows, ["system", "seconds", "output_tokens", "output_tok_s", "kv_waste"])
+    if ratio is not None:
+        print(f"\nratio pagedserve / best HF static batch = {ratio:.2f}x")
+    write_result(f"throughput_{engine.platform.name}", {
+        "model": engine.model_name, "device": engine.platform.name,
+        "dtype": str(engine.dtype), "num_prompts": len(work),
+        "input_len": list(args.input_len), "output_len": list(args.output_len),
+        "pagedserve": ours, "hf": rows[1:], "ratio_vs_best_hf": ratio,
+    }, args.out)

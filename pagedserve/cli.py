@@ -1,0 +1,88 @@
+"""``pagedserve``: generate, serve and bench from the command line.
+
+User mistakes (a missing device, a bad flag, an unreadable model) end in one line on stderr
+and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pagedserve.engine_args import add_engine_args, config_from_args
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from pagedserve.entrypoints.llm import LLM
+    from pagedserve.sampling_params import SamplingParams
+
+    llm = LLM.from_config(config_from_args(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.sampling_seed)
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    print(outputs[0].outputs[0].text)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from pagedserve.server.app import run_server
+
+    run_server(args)
+
+
+def _bench(args: argparse.Namespace) -> None:
+    import importlib
+
+    importlib.import_module(f"pagedserve.bench.{args.bench_name}").main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    from pagedserve.server.args import add_server_args
+
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
+    bench_sub = bench.add_subparsers(dest="bench_name", required=True)
+    from pagedserve.bench import register_bench_commands
+
+    register_bench_commands(bench_sub)
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    from pagedserve.config import ConfigError
+    from pagedserve.models.config import UnsupportedModel
+    from pagedserve.models.loader import ModelLoadError
+    from pagedserve.platforms.interface import PlatformUnavailable
+
+    try:
+        args.func(args)
+    except (ConfigError, UnsupportedModel, ModelLoadError, PlatformUnavailable) as exc:
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

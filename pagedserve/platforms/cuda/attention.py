@@ -1,0 +1,98 @@
+"""The CUDA attention backend: Triton kernels over the paged KV cache."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedserve.attention.backend import AttentionBackend
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.platforms.cuda.kernels import (
+    decode_attention,
+    prefill_attention,
+    reshape_and_cache,
+)
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype to allocate the KV cache in for ``--kv-cache-dtype``."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of: "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    return torch.float8_e4m3fn if kv_cache_dtype == "fp8" else model_dtype
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention with Triton: write the new keys and values, then attend over the cache.
+
+    A decode-only batch (every sequence brings one token) runs the split-context decode kernel;
+    any other batch, mixed or not, runs the varlen prefill kernel for all rows, which handles
+    query length 1 too.
+
+    With ``kv_cache_dtype="fp8"`` the cache is float8_e4m3fn and holds ``x / scale`` per tensor
+    (one ``k_scale`` and one ``v_scale`` per layer, float32 on the cache's device); reads
+    multiply the scale back in, folded into the softmax scale and the output. The default 1.0
+    suits models whose keys and values stay well inside e4m3's +-448 range. Checkpoints
+    quantized by llm-compressor or ModelOpt ship per-layer ``k_scale``/``v_scale``
+    (``amax / 448``); pass them to ``set_kv_scales``. Without them, calibrate by running a few
+    hundred representative prompts, recording each layer's ``max |k|`` and ``max |v|`` and
+    setting ``scale = amax / 448``.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        num_kv_heads: int,
+        scale: float,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        super().__init__(num_heads, head_size, num_kv_heads, scale)
+        kv_cache_torch_dtype(kv_cache_dtype, torch.float16)  # validates the name
+        self.kv_cache_dtype = kv_cache_dtype
+        self.k_scale = torch.ones(1, dtype=torch.float32)
+        self.v_scale = torch.ones(1, dtype=torch.float32)
+
+    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        """Set the fp8 cache scales in place (keeps tensor addresses valid for CUDA graphs)."""
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive finite number, got {value}")
+        self.k_scale.fill_(k_scale)
+        self.v_scale.fill_(v_scale)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        self._check_cache_dtype(kv_cache)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        k_scale, v_scale = self._scales_on(kv_cache.device)
+        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
+        if meta.is_decode_only:
+            return decode_attention(
+                q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
+                max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale)
+        return prefill_attention(
+            q, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+            self.scale, max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale)
+
+    def _check_cache_dtype(self, kv_cache: torch.Tensor) -> None:
+        is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+        if is_fp8 != (self.kv_cache_dtype == "fp8"):
+            raise ValueError(f"KV cache is {kv_cache.dtype} but the backend was built with "
+                             f"kv_cache_dtype={self.kv_cache_dtype!r}")
+
+    def _scales_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        # Moved once, on the first forward; later steps reuse the device copies.
+        if self.k_scale.device != device:
+            self.k_scale = self.k_scale.to(device)
+            self.v_scale = self.v_scale.to(device)
+        return self.k_scale, self.v_scale

@@ -1,0 +1,261 @@
+"""Decode attention (one query token per sequence) over the paged KV cache, flash-decoding style.
+
+Inputs (``S`` sequences, ``H`` query heads, ``KVH`` kv heads, ``D`` head size):
+
+- ``q``: ``[S, H, D]``, any strides; row ``i`` is sequence ``i``'s newest token.
+- ``key_cache`` / ``value_cache``: ``[num_blocks, block_size, KVH, D]`` sharing strides; fp32,
+  fp16, bf16 or float8_e4m3fn (read as ``stored * k_scale`` / ``stored * v_scale``).
+- ``block_tables``: int32 ``[S, max_blocks]``; ``seq_lens``: int32 ``[S]``, keys per sequence
+  including the new token, which the backend has already written to the cache. A sequence with
+  ``seq_len == 0`` (padding) gets a zero output.
+
+Stage 1, grid ``(S, KVH, num_partitions)``: each program attends one kv head's GQA group of
+query heads (rows of one ``tl.dot``, padded to 16) over one partition of ``partition_size``
+keys, so a batch of one with a 32k context still spreads over every SM. It writes the
+partition's normalized output and its log2-sum-exp. Stage 2, grid ``(S, H)``, merges the
+partitions of each head with those weights. When the whole context fits one partition, stage 1
+writes the final output and stage 2 is skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.platforms.cuda.kernels.prefill_attention import (
+    LOG2E,
+    NEG_BIG,
+    attend_tile,
+    check_cache_pair,
+    dot_precision,
+)
+
+# Shortest partition the heuristic picks: shorter ones spend more on the merge than they save.
+MIN_PARTITION_SIZE = 128
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    block_tables_ptr, seq_lens_ptr,
+    k_scale_ptr, v_scale_ptr,
+    sm_scale, partition_size,
+    stride_qs, stride_qh, stride_qd,
+    stride_os, stride_oh, stride_od,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_bt, stride_btn,
+    stride_ps, stride_ph, stride_pp,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_PARTITION: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = part * partition_size
+
+    rows = tl.arange(0, GROUP_PAD)
+    head = kv_head * GROUP + rows
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_mask = offs_d < HEAD_SIZE
+    io_mask = (rows < GROUP)[:, None] & d_mask[None, :]
+    o_ptrs = (out_ptr + seq.to(tl.int64) * stride_os + head[:, None] * stride_oh
+              + offs_d[None, :] * stride_od)
+    if start >= seq_len:
+        # Partitions past this sequence's end (the grid fits the longest) have nothing to do;
+        # stage 2 only reads the partitions a sequence has. Padding rows still get an output.
+        if SINGLE_PARTITION:
+            zeros = tl.zeros([GROUP_PAD, HEAD_PAD], dtype=out_ptr.dtype.element_ty)
+            tl.store(o_ptrs, zeros, mask=io_mask)
+        return
+
+    q_ptrs = (q_ptr + seq.to(tl.int64) * stride_qs + head[:, None] * stride_qh
+              + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+    q_pos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (seq_len - 1)
+    qk_scale = sm_scale * LOG2E
+    if HAS_SCALES:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    k_ptr = k_cache_ptr + kv_head * stride_ch
+    v_ptr = v_cache_ptr + kv_head * stride_ch
+    bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    end = tl.minimum(start + partition_size, seq_len)
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, q_pos, n0, end, k_ptr, v_ptr, bt_row_ptr, stride_btn,
+            stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, False, DOT_PREC)
+    if full_end < end:  # the ragged last tile of the sequence
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, q_pos, full_end, end, k_ptr, v_ptr, bt_row_ptr, stride_btn,
+            stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, True, DOT_PREC)
+
+    out = acc / l_i[:, None]
+    if SINGLE_PARTITION:
+        if HAS_SCALES:
+            out = out * tl.load(v_scale_ptr)
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        # v_scale is applied once, after the merge.
+        p_off = seq.to(tl.int64) * stride_ps + head * stride_ph + part * stride_pp
+        tl.store(part_out_ptr + p_off[:, None] * HEAD_PAD + offs_d[None, :], out, mask=io_mask)
+        tl.store(part_lse_ptr + p_off, m_i + tl.log2(l_i), mask=rows < GROUP)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, v_scale_ptr,
+    partition_size,
+    stride_os, stride_oh, stride_od,
+    stride_ps, stride_ph, stride_pp,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_parts = tl.cdiv(seq_len, partition_size)
+    offs_d = tl.arange(0, HEAD_PAD)
+    base = seq.to(tl.int64) * stride_ps + head * stride_ph
+
+    # Online merge over chunks of partitions, so long contexts need no large register tile.
+    m = tl.full([], NEG_BIG, dtype=tl.float32)
+    total = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
+    for p0 in range(0, num_parts, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        p_mask = offs_p < num_parts
+        lse = tl.load(part_lse_ptr + base + offs_p * stride_pp, mask=p_mask, other=float("-inf"))
+        o_ptrs = part_out_ptr + (base + offs_p * stride_pp)[:, None] * HEAD_PAD + offs_d[None, :]
+        o = tl.load(o_ptrs, mask=p_mask[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        total = total * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        m = m_new
+
+    out = acc / tl.maximum(total, 1e-30)  # total is 0 only for an empty (padding) sequence
+    if HAS_SCALES:
+        out = out * tl.load(v_scale_ptr)
+    o_ptrs = out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # Triton's interpreter on the CPU: any small number works
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pick_partition_size(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int
+) -> int:
+    """Partition length giving about four stage-1 programs per SM, never under 128 keys.
+
+    Large batches fill the GPU on their own and get a single partition (no merge pass).
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    want_parts = triton.cdiv(4 * num_sms, programs)
+    size = triton.next_power_of_2(triton.cdiv(max(max_seq_len, 1), want_parts))
+    return max(size, MIN_PARTITION_SIZE, block_n)
+
+
+def _decode_config(head_pad: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for H100/H200-class GPUs; decode is bandwidth-bound."""
+    if dtype == torch.float32 or head_pad > 128:
+        return 32, 4, 2
+    return 64, 4, 3
+
+
+def decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    partition_size: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """One decode step of attention; layouts in the module docstring.
+
+    ``max_seq_len`` sizes the grid and must be at least every ``seq_lens`` entry (an upper bound
+    is fine, e.g. under CUDA graphs). ``partition_size`` (a power of two, multiple of
+    ``block_n``) overrides the heuristic; fix it when capturing graphs so the grid is stable.
+    """
+    num_seqs, num_heads, head_size = q.shape
+    num_kv_heads = key_cache.shape[2]
+    check_cache_pair(key_cache, value_cache)
+    if seq_lens.shape[0] != num_seqs:
+        raise ValueError(f"decode takes one query row per sequence: q has {num_seqs} rows, "
+                         f"seq_lens {seq_lens.shape[0]}")
+    has_scales = key_cache.dtype == torch.float8_e4m3fn
+    if has_scales and (k_scale is None or v_scale is None):
+        raise ValueError("an fp8 KV cache needs k_scale and v_scale")
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad = max(16, triton.next_power_of_2(group))  # tl.dot wants M >= 16
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    cfg_n, num_warps, num_stages = _decode_config(head_pad, q.dtype)
+    block_n = max(block_n or cfg_n, 16)
+    if partition_size is None:
+        partition_size = pick_partition_size(
+            num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device), block_n)
+    block_n = min(block_n, partition_size)
+    if partition_size % block_n:
+        raise ValueError(f"partition_size {partition_size} must be a multiple of {block_n}")
+    num_parts = triton.cdiv(max(max_seq_len, 1), partition_size)
+    single = num_parts == 1
+
+    if single:  # stage 1 writes `out`; the buffers are never read
+        part_out = part_lse = out
+        part_strides = (0, 0, 0)
+    else:
+        part_lse = torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32,
+                               device=q.device)
+        part_out = torch.empty(num_seqs, num_heads, num_parts, head_pad, dtype=torch.float32,
+                               device=q.device)
+        part_strides = part_lse.stride()
+    scales = (k_scale, v_scale) if has_scales else (seq_lens, seq_lens)
+    _decode_partition_kernel[(num_seqs, num_kv_heads, num_parts)](
+        q, key_cache, value_cache, out, part_out, part_lse,
+        block_tables, seq_lens, *scales,
+        scale, partition_size,
+        *q.stride(), *out.stride(), *key_cache.stride(), *block_tables.stride(),
+        *part_strides,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_N=block_n,
+        SINGLE_PARTITION=single, HAS_SCALES=has_scales, DOT_PREC=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not single:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, seq_lens, scales[1],
+            partition_size,
+            *out.stride(), *part_strides,
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+            BLOCK_P=min(32, triton.next_power_of_2(num_parts)),
+            HAS_SCALES=has_scales,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,225 @@
+"""Causal varlen prefill attention over the paged KV cache (prefix caching, chunked prefill).
+
+Inputs (``N`` tokens packed without padding, ``H`` query heads, ``KVH`` kv heads, ``D`` head size):
+
+- ``q``: ``[N, H, D]``, any strides. Sequence ``i`` owns rows ``query_start_loc[i]:[i+1]``.
+- ``key_cache`` / ``value_cache``: ``[num_blocks, block_size, KVH, D]``, any strides, but both
+  must share them (they are ``kv_cache[0]`` and ``kv_cache[1]`` of one layer). fp32, fp16, bf16
+  or float8_e4m3fn; an fp8 cache is read as ``stored * k_scale`` (resp. ``v_scale``).
+- ``block_tables``: int32 ``[num_seqs, max_blocks]``, any strides.
+- ``seq_lens``: int32 ``[num_seqs]``, keys per sequence including this step's tokens, which
+  must already be in the cache (the backend writes them first). The first
+  ``seq_len - query_len`` keys are the cached context; query row ``t`` of a sequence sits at
+  absolute position ``context_len + t`` and sees keys ``0..context_len + t``.
+
+Grid ``(cdiv(max_query_len, BLOCK_M // GROUP_PAD), num_seqs, KVH)``: one program takes
+``BLOCK_M`` rows made of ``BLOCK_M // GROUP_PAD`` tokens times all ``GROUP`` query heads that
+share one kv head, so each K/V tile is loaded once per GQA group and a decode row (query_len 1)
+in a mixed batch still fills ``GROUP`` rows of the tile. Key tiles that every row may see run
+without a mask; only the diagonal tiles pay for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Finite stand-in for -inf as the running max: exp2(-inf - -inf) would give NaN on rows whose
+# first tile is fully masked.
+NEG_BIG = tl.constexpr(-1.0e30)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def attend_tile(
+    acc, m_i, l_i, q, q_pos,
+    n0, kv_end,
+    k_ptr, v_ptr, bt_row_ptr, stride_btn,
+    stride_cb, stride_cs, stride_cd,
+    qk_scale,
+    offs_d, d_mask,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One online-softmax step over keys ``n0 .. n0 + BLOCK_N`` of one sequence and kv head.
+
+    ``k_ptr``/``v_ptr`` already point at the kv head; ``bt_row_ptr`` at the sequence's block
+    table row. Scores are in the log2 domain (``qk_scale`` includes log2(e)). With ``MASKED``
+    keys at or past ``kv_end`` and keys after a row's ``q_pos`` are dropped; without it every
+    key in the tile must be valid and visible to every row.
+    """
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    bt_ptrs = bt_row_ptr + (offs_n // BLOCK_SIZE) * stride_btn
+    if MASKED:
+        n_valid = offs_n < kv_end
+        block_ids = tl.load(bt_ptrs, mask=n_valid, other=0)
+    else:
+        block_ids = tl.load(bt_ptrs)
+    # int64 before scaling: one layer's cache can pass 2**31 elements.
+    slots = block_ids.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs
+    k_ptrs = k_ptr + slots[None, :] + offs_d[:, None] * stride_cd
+    v_ptrs = v_ptr + slots[:, None] + offs_d[None, :] * stride_cd
+    if MASKED:
+        k = tl.load(k_ptrs, mask=n_valid[None, :] & d_mask[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
+
+    s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * qk_scale
+    if MASKED:
+        visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    if MASKED:
+        v = tl.load(v_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
+    else:
+        v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    k_scale_ptr, v_scale_ptr,
+    sm_scale,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_bt, stride_btn,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SCALES: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    tok0 = q_block * BLOCK_Q
+    if tok0 >= q_len:  # the grid is sized for the longest query
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = tok0 + rows // GROUP_PAD
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_mask = (tok < q_len) & (rows % GROUP_PAD < GROUP)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_mask = offs_d < HEAD_SIZE
+    io_mask = row_mask[:, None] & d_mask[None, :]
+    q_ptrs = (q_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_qt
+              + head[:, None] * stride_qh + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+    q_pos = ctx_len + tok
+
+    qk_scale = sm_scale * LOG2E
+    if HAS_SCALES:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    k_ptr = k_cache_ptr + kv_head * stride_ch
+    v_ptr = v_cache_ptr + kv_head * stride_ch
+    bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # Keys 0..ctx_len + tok0 are visible to every row of this tile: no mask.
+    full_end = (ctx_len + tok0 + 1) // BLOCK_N * BLOCK_N
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, q_pos, n0, seq_len, k_ptr, v_ptr, bt_row_ptr, stride_btn,
+            stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, False, DOT_PREC)
+    kv_end = tl.minimum(seq_len, ctx_len + tok0 + BLOCK_Q)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, q_pos, n0, kv_end, k_ptr, v_ptr, bt_row_ptr, stride_btn,
+            stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, True, DOT_PREC)
+
+    out = acc / l_i[:, None]
+    if HAS_SCALES:
+        out = out * tl.load(v_scale_ptr)
+    o_ptrs = (out_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_ot
+              + head[:, None] * stride_oh + offs_d[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 models expect fp32 results; tf32 would cost ~3 decimal digits.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    if key_cache.stride() != value_cache.stride() or key_cache.shape != value_cache.shape:
+        raise ValueError("key_cache and value_cache must have the same shape and strides")
+    if key_cache.dtype != value_cache.dtype:
+        raise ValueError("key_cache and value_cache must have the same dtype")
+
+
+def _prefill_config(head_pad: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for H100/H200-class GPUs."""
+    if dtype == torch.float32 or head_pad > 128:
+        return 64, 32, 4, 2
+    return 128, 64, 8, 2
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of ``q`` over the paged cache; layouts in the module docstring.
+
+    ``k_scale``/``v_scale`` are one-element float32 tensors, required for an fp8 cache.
+    ``block_m``/``block_n`` override the tile shape (tests use them to cover tile edges).
+    """
+    num_tokens, num_heads, head_size = q.shape
+    num_kv_heads = key_cache.shape[2]
+    check_cache_pair(key_cache, value_cache)
+    has_scales = key_cache.dtype == torch.float8_e4m3fn
+    if has_scales and (k_scale is None or v_scale is None):
+        raise ValueError("an fp8 KV cache needs k_scale and v_scale")
+    if out is None:
+        out = torch.empty_like(q)
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    cfg_m, cfg_n, num_warps, num_stages = _prefill_config(head_pad, q.dtype)
+    block_m = max(block_m or cfg_m, 16, group_pad)  # tl.dot wants M >= 16
+    block_n = max(block_n or cfg_n, 16)
+    num_seqs = seq_lens.shape[0]
+    if max_query_len == 0 or num_seqs == 0:
+        return out
+    grid = (triton.cdiv(max_query_len, block_m // group_pad), num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, key_cache, value_cache, out,
+        block_tables, query_start_loc, seq_lens,
+        k_scale if has_scales else seq_lens, v_scale if has_scales else seq_lens,
+        scale,
+        *q.stride(), *out.stride(), *key_cache.stride(), *block_tables.stride(),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_SCALES=has_scales, DOT_PREC=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
