@@ -43,6 +43,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            # JSON object keys arrive as strings; the sampler indexes tensors with them.
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         if self.best_of is None:
             self.best_of = self.n
         self._validate()
@@ -78,6 +81,8 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
              f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
+            (all(-100.0 <= b <= 100.0 for b in (self.logit_bias or {}).values()), "logit_bias",
+             "logit_bias values must be in [-100, 100]"),
         ]
         for ok, param, message in checks:
             if not ok:

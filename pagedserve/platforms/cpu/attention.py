@@ -39,8 +39,18 @@ class TorchPagedAttention(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         if meta.is_decode_only:
-            return self._decode(q, kv_cache, meta)
-        return self._prefill(q, k, v, kv_cache, meta)
+            return self._decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len)
+        out = torch.empty_like(q)
+        decode_seqs = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        if decode_seqs:
+            # Decoding sequences in a mixed step still go through one batched call.
+            seqs = torch.tensor(decode_seqs, device=q.device)
+            rows = meta.query_start_loc[seqs].long()
+            out[rows] = self._decode(q[rows], kv_cache, meta.block_tables[seqs],
+                                     meta.seq_lens[seqs],
+                                     max(meta.seq_lens_cpu[i] for i in decode_seqs))
+        self._prefill(q, k, v, kv_cache, meta, out)
+        return out
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
@@ -52,25 +62,28 @@ class TorchPagedAttention(AttentionBackend):
         )
         return out.transpose(1, 2)
 
-    def _decode(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        keys, values = gather_context(kv_cache, meta.block_tables, meta.max_seq_len)
-        positions = torch.arange(meta.max_seq_len, device=q.device)
-        valid = positions[None, :] < meta.seq_lens[:, None]
+    def _decode(self, q, kv_cache, block_tables, seq_lens, max_seq_len: int) -> torch.Tensor:
+        """One query row per sequence, all sequences in one padded, masked attention."""
+        keys, values = gather_context(kv_cache, block_tables, max_seq_len)
+        positions = torch.arange(max_seq_len, device=q.device)
+        valid = positions[None, :] < seq_lens[:, None]
         # Slots past a sequence's end were never written (the pool is not zeroed): a zero
         # attention weight times a NaN there would still be NaN, so clear them.
         values = values.masked_fill(~valid[:, :, None, None], 0.0)
         return self._attend(q[:, None], keys, values, valid[:, None, None, :], causal=False)[:, 0]
 
-    def _prefill(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        out = torch.empty_like(q)
+    def _prefill(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """Sequences with more than one query row, one attention call each."""
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             rows = slice(start, start + q_len)
             start += q_len
+            if q_len == 1:
+                continue
             if q_len == seq_len:
                 # No cached context: attend over the fresh keys directly.
                 out[rows] = self._attend(q[None, rows], k[None, rows], v[None, rows],
-                                         None, causal=q_len > 1)[0]
+                                         None, causal=True)[0]
                 continue
             keys, values = gather_context(kv_cache, meta.block_tables[i:i + 1], seq_len)
             # Query row r sits at position seq_len - q_len + r and sees keys up to it.
@@ -78,4 +91,3 @@ class TorchPagedAttention(AttentionBackend):
             query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = key_pos[None, :] <= query_pos[:, None]
             out[rows] = self._attend(q[None, rows], keys, values, mask, causal=False)[0]
-        return out

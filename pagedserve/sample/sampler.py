@@ -1,0 +1,133 @@
+"""Turns one step's logits into next tokens and their logprobs, all as batched tensor ops.
+
+Order of operations (vLLM's): logit_bias, min_tokens, repetition penalty, presence/frequency
+penalties; then temperature, top-k, top-p, min-p; then greedy argmax or a random draw.
+
+Logprobs are those of the model's distribution after the first group (bias, min_tokens,
+penalties) and before temperature and truncation, which is what vLLM reports by default: a
+client sees how likely the model found a token, not an artefact of its sampling knobs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from pagedserve.sample.logprobs import LogprobsTensors, compute_logprobs
+from pagedserve.sample.metadata import Penalties, SamplingMetadata
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: torch.Tensor  # int64 [N]
+    logprobs: torch.Tensor  # float32 [N]: logprob of the sampled token
+    ranks: torch.Tensor  # int64 [N]: rank of the sampled token (1 = most likely)
+    top_ids: torch.Tensor | None  # int64 [N, K], K = meta.max_num_logprobs; None if K == 0
+    top_logprobs: torch.Tensor | None  # float32 [N, K]
+
+
+class Sampler:
+    """Stateless; a class so the model runner can hold and swap it like its other parts."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = process_logits(logits, meta)
+        token_ids = sample(logits, meta)
+        return SamplerOutput(token_ids, *compute_logprobs(logits, token_ids, meta.max_num_logprobs))
+
+
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """Logprobs of the actual next prompt tokens under the raw logits at prompt positions."""
+    return compute_logprobs(logits, next_token_ids, k)
+
+
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """float32 logits after logit_bias, min_tokens and penalties; never edits the input."""
+    logits = logits.to(torch.float32, copy=meta.edits_logits)
+    if meta.logit_bias is not None:
+        rows, token_ids, bias = meta.logit_bias
+        logits.index_put_((rows, token_ids), bias, accumulate=True)
+    if meta.min_tokens_mask is not None:
+        logits.index_put_(meta.min_tokens_mask, logits.new_tensor(float("-inf")))
+    if meta.penalties is not None:
+        logits = apply_penalties(logits, meta.penalties)
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    counts = p.output_counts
+    if p.prompt_mask is not None:
+        # HF: shrink a seen token's logit towards "less likely" whatever its sign.
+        seen = p.prompt_mask | (counts > 0)
+        penalised = torch.where(logits > 0, logits / p.repetition, logits * p.repetition)
+        logits = torch.where(seen, penalised, logits)
+    return logits - (counts * p.frequency + (counts > 0) * p.presence)
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """int64 [N] next tokens; greedy rows take the argmax, which top_k=1 reproduces exactly."""
+    greedy = logits.argmax(dim=-1) if meta.greedy is not None else None
+    if meta.all_greedy:
+        return greedy
+    # Division makes a fresh tensor, so truncation may mask in place without touching `logits`,
+    # which the logprobs still need.
+    scaled = truncate(logits / meta.temperature, meta)
+    sampled = exponential_race(scaled.softmax(dim=-1), meta.generators)
+    return sampled if greedy is None else torch.where(meta.greedy, greedy, sampled)
+
+
+def truncate(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Set to -inf, in place, the tokens outside each row's top-k, top-p nucleus and min-p."""
+    if meta.top_p is not None:
+        logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
+    elif meta.top_k is not None:
+        _top_k(logits, meta.top_k, meta.max_top_k)
+    if meta.min_p is not None:
+        # p < min_p * p_max  <=>  logit < max_logit + log(min_p); no softmax needed, and
+        # min_p = 0 gives a -inf floor that masks nothing.
+        floor = logits.amax(dim=-1, keepdim=True) + meta.min_p.log().unsqueeze(1)
+        logits.masked_fill_(logits < floor, float("-inf"))
+    return logits
+
+
+def _top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> None:
+    """Top-k alone needs only the k largest values, not a full sort."""
+    kth = logits.topk(max_top_k, dim=-1).values.gather(
+        1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
+    kth.masked_fill_((top_k > max_top_k).unsqueeze(1), float("-inf"))  # rows without top-k
+    logits.masked_fill_(logits < kth, float("-inf"))
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+                 ) -> torch.Tensor:
+    """One ascending sort serves both; top-p acts on the distribution renormalised after
+    top-k. Keeps the smallest set of most likely tokens whose mass reaches p."""
+    sorted_logits, order = logits.sort(dim=-1)
+    vocab_size = logits.shape[-1]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    # Ascending cumulative mass <= 1 - p marks exactly the tail outside the nucleus; the most
+    # likely token always survives, even when rounding pushes the sum past the threshold.
+    tail_mass = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    outside = tail_mass <= 1 - top_p.unsqueeze(1)
+    outside[:, -1] = False
+    sorted_logits.masked_fill_(outside, float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draw from each row of ``probs`` as argmax(p / q), q ~ Exp(1): the same distribution as
+    multinomial, but without a device sync.
+
+    A seeded row draws its own [V] noise from its request's generator, so its token depends only
+    on its own probabilities and generator state, not on the batch around it. The other rows
+    share one draw from the default generator.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    # A zero draw would make a masked token's 0/0 = NaN, which argmax picks over everything.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)

@@ -1,0 +1,310 @@
+"""GGUF -> Hugging Face folder, checked against transformers' own GGUF loading of the same file."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.models import gguf_convert
+from pagedserve.models.config import UnsupportedModel
+from pagedserve.models.loader import (
+    ModelLoadError,
+    ModelSource,
+    default_model_path,
+    iter_weights,
+    load_arch_config,
+    load_generation_config,
+    load_tokenizer,
+    resolve_model,
+)
+
+TEXTS = [
+    "Hello, world!",
+    "  two leading spaces,\ta tab\n\nand blank lines  ",
+    "naïve café, 日本語, Ελληνικά, emoji 🤖👍🏽",
+    "<|im_start|>user\nspecial tokens stay whole<|im_end|>",
+    "1234567 + 3.14159 = it's what we'll see",
+]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2+2? 🤔"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "And 3+3?"},
+]
+
+
+class Fresh(NamedTuple):
+    source: ModelSource
+    cache_root: Path
+    seconds: float
+
+
+class Reference(NamedTuple):
+    config: object  # transformers LlamaConfig
+    tensors: dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def fresh(gguf_path: Path, tmp_path_factory) -> Fresh:
+    """The default model converted into an empty cache: the slow first start, once per run."""
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDSERVE_CACHE_DIR", str(root))
+        start = time.perf_counter()
+        source = resolve_model(None)
+        return Fresh(source, root, time.perf_counter() - start)
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path: Path) -> Reference:
+    """transformers' legacy GGUF loader: its own name map, Q/K un-permutation and dequantizing."""
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)  # only its parameter names are used
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
+    return Reference(config, parsed["tensors"])
+
+
+def test_first_resolve_converts_into_the_cache(fresh: Fresh) -> None:
+    source = fresh.source
+    assert source.origin == "gguf-converted"
+    assert source.name == "SmolLM2-135M-Instruct"
+    assert source.path.parent == fresh.cache_root / "gguf"
+    assert len(source.path.name) == 16
+    assert source.path.name == gguf_convert.file_sha256(default_model_path())[:16]
+    assert (source.path / "model.safetensors").is_file()
+    # Only the published folder is left: no half-written temp dirs.
+    assert [p.name for p in (fresh.cache_root / "gguf").iterdir()] == [source.path.name]
+
+
+def test_weights_equal_transformers_gguf_loading(fresh: Fresh, reference: Reference) -> None:
+    ours = dict(iter_weights(fresh.source))
+    assert ours.keys() == reference.tensors.keys()
+    assert "lm_head.weight" not in ours  # SmolLM2 ties it to the embeddings
+    for name, expected in reference.tensors.items():
+        assert ours[name].dtype == torch.float32, name
+        assert ours[name].shape == expected.shape, name
+        assert torch.equal(ours[name], expected), name
+    # A spot check that the Q/K rows really moved: undoing nothing would not match.
+    q = "model.layers.0.self_attn.q_proj.weight"
+    permuted = gguf_convert.unpermute_rows(ours[q].numpy(), 9)
+    assert not np.array_equal(permuted, ours[q].numpy())
+
+
+def test_config_matches_transformers_gguf_config(fresh: Fresh, reference: Reference) -> None:
+    ours = json.loads((fresh.source.path / "config.json").read_text())
+    ref = reference.config.to_dict()
+    keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+            "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"]
+    assert {k: ours[k] for k in keys} == {k: ref[k] for k in keys}
+    assert ours["rms_norm_eps"] == pytest.approx(ref["rms_norm_eps"], rel=1e-7)
+    ref_theta = ref.get("rope_theta") or ref["rope_parameters"]["rope_theta"]
+    assert ours["rope_theta"] == pytest.approx(ref_theta)
+    assert ours["architectures"] == ["LlamaForCausalLM"]
+
+    arch = load_arch_config(fresh.source)
+    assert (arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim) == (30, 9, 3, 64)
+    assert arch.tie_word_embeddings and arch.eos_token_ids == (2,) and arch.rope_theta == 1e5
+    assert load_generation_config(fresh.source) == {
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+
+def test_folder_runs_like_transformers_gguf_model(fresh: Fresh, reference: Reference) -> None:
+    """End to end: our folder, loaded by transformers, gives the GGUF model's logits."""
+    from transformers import LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # every weight is loaded below; random init would only cost time
+        expected_model = LlamaForCausalLM(reference.config)
+    tied = {"lm_head.weight": reference.tensors["model.embed_tokens.weight"]}
+    expected_model.load_state_dict({**reference.tensors, **tied})
+    ours = LlamaForCausalLM.from_pretrained(fresh.source.path, dtype=torch.float32)
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 2, 198, 1, 520, 9531, 198]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, expected_model(ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_tokenizer_encodes_like_transformers_gguf_tokenizer(fresh: Fresh, gguf_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    expected = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    ours = load_tokenizer(fresh.source)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == expected.encode(text), text
+        assert ours.decode(ids) == expected.decode(ids) == text
+    assert ours.chat_template == expected.chat_template is not None
+    for prompt in (True, False):
+        ours_chat = ours.apply_chat_template(CHAT, add_generation_prompt=prompt, tokenize=False)
+        assert ours_chat == expected.apply_chat_template(
+            CHAT, add_generation_prompt=prompt, tokenize=False)
+        assert ours.encode(ours_chat) == expected.encode(ours_chat)
+    assert ours_chat.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    for attr in ("bos_token", "eos_token", "pad_token", "unk_token", "eos_token_id"):
+        assert getattr(ours, attr) == getattr(expected, attr), attr
+    assert (ours.eos_token, ours.eos_token_id) == ("<|im_end|>", 2)
+    assert len(ours) == len(expected) == 49152
+
+
+def test_cache_hit_skips_the_gguf_parser(
+    fresh: Fresh, gguf_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the GGUF was parsed on a cache hit")
+
+    monkeypatch.setattr(gguf, "GGUFReader", forbidden)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", forbidden)
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(fresh.cache_root))
+    start = time.perf_counter()
+    by_default = resolve_model(None)
+    seconds = time.perf_counter() - start
+    by_path = resolve_model(str(gguf_path))
+    assert by_default == by_path == ModelSource(fresh.source.path, fresh.source.name, "gguf-cache")
+    assert seconds < 3.0
+
+
+def test_losing_a_conversion_race_keeps_the_winner(
+    gguf_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes convert at once: the second rename fails and the first result stands."""
+    final = tmp_path / "gguf" / gguf_convert.file_sha256(gguf_path)[:16]
+
+    def other_process_finishes_first(path: Path, out_dir: Path) -> None:
+        final.mkdir(parents=True)
+        (final / gguf_convert.STAMP_FILE).write_text('{"name": "winner"}')
+        (out_dir / "config.json").write_text("{}")
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf", other_process_finishes_first)
+    result = gguf_convert.cached_convert(gguf_path, tmp_path)
+    assert result.path == final and not result.reused
+    assert json.loads((final / gguf_convert.STAMP_FILE).read_text()) == {"name": "winner"}
+    assert [p.name for p in final.parent.iterdir()] == [final.name]
+
+
+def test_truncated_gguf_is_a_one_line_error(gguf_path: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = tmp_path / "broken.Q4_1.gguf"
+    with gguf_path.open("rb") as f:
+        broken.write_bytes(f.read(3_000_000))
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match="broken.Q4_1.gguf is not a readable GGUF") as err:
+        resolve_model(broken)
+    assert "\n" not in str(err.value)
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []  # the temp dir was removed
+
+
+# A tiny synthetic llama GGUF: an independent check of the layout rules, and cheap error cases.
+HIDDEN, HEADS, KV_HEADS, VOCAB = 32, 4, 2, 64
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute, verbatim."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape))
+
+
+def write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray], arch: str = "llama") -> None:
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(128)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(2 * HIDDEN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-6)
+    for name, values in tensors.items():
+        if name == "token_embd.weight":  # quantized, to check dims of block-quantized tensors
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(values, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_tiny_gguf_layout_matches_llama_cpp_inverse(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    head_dim = HIDDEN // HEADS
+    hf = {
+        "model.embed_tokens.weight": rng.standard_normal((VOCAB, HIDDEN), dtype=np.float32),
+        "model.layers.0.self_attn.q_proj.weight":
+            rng.standard_normal((HIDDEN, HIDDEN), dtype=np.float32),
+        "model.layers.0.self_attn.k_proj.weight":
+            rng.standard_normal((KV_HEADS * head_dim, HIDDEN), dtype=np.float32),
+        "model.layers.0.mlp.down_proj.weight":
+            rng.standard_normal((HIDDEN, 2 * HIDDEN), dtype=np.float32),
+    }
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, {
+        "token_embd.weight": hf["model.embed_tokens.weight"],
+        "blk.0.attn_q.weight": llama_cpp_permute(
+            hf["model.layers.0.self_attn.q_proj.weight"], HEADS, HEADS),
+        "blk.0.attn_k.weight": llama_cpp_permute(
+            hf["model.layers.0.self_attn.k_proj.weight"], HEADS, KV_HEADS),
+        "blk.0.ffn_down.weight": hf["model.layers.0.mlp.down_proj.weight"],
+    })
+    reader = gguf_convert.open_gguf(path)
+    config = gguf_convert.hf_config(reader)
+    assert (config["vocab_size"], config["head_dim"], config["num_key_value_heads"]) == (64, 8, 2)
+    assert config["tie_word_embeddings"] is True
+    # Shards of ~one tensor each, to exercise the index that iter_weights must follow.
+    out = tmp_path / "folder"
+    out.mkdir()
+    gguf_convert.write_safetensors(gguf_convert.iter_hf_tensors(reader, config), out,
+                                   max_shard_bytes=HIDDEN * HIDDEN * 4)
+    assert (out / "model.safetensors.index.json").is_file()
+    ours = dict(iter_weights(ModelSource(out, "tiny", "hf-folder")))
+    assert ours.keys() == hf.keys()
+    embed = hf["model.embed_tokens.weight"]
+    q8_roundtrip = gguf.quants.dequantize(
+        gguf.quants.quantize(embed, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(ours["model.embed_tokens.weight"].numpy(), q8_roundtrip)
+    np.testing.assert_allclose(ours["model.embed_tokens.weight"].numpy(), embed, atol=0.05)
+    for name in hf.keys() - {"model.embed_tokens.weight"}:
+        np.testing.assert_array_equal(ours[name].numpy(), hf[name], err_msg=name)
+
+
+def test_tiny_gguf_of_another_architecture_is_unsupported(tmp_path: Path) -> None:
+    path = tmp_path / "tiny-gpt2.gguf"
+    write_tiny_gguf(path, {"token_embd.weight": np.zeros((VOCAB, HIDDEN), np.float32)}, "gpt2")
+    with pytest.raises(UnsupportedModel, match="GGUF architecture 'gpt2' is not supported"):
+        gguf_convert.hf_config(gguf_convert.open_gguf(path))
+
+
+def test_unknown_gguf_tensor_is_unsupported() -> None:
+    assert gguf_convert.hf_tensor_name("blk.7.ffn_up.weight") == "model.layers.7.mlp.up_proj.weight"
+    assert gguf_convert.hf_tensor_name("output.weight") == "lm_head.weight"
+    with pytest.raises(UnsupportedModel, match="'rope_freqs.weight' has no LlamaForCausalLM"):
+        gguf_convert.hf_tensor_name("rope_freqs.weight")
+
+
+@pytest.mark.parametrize("file_name, expected", [
+    ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+    ("llama-2-7b-chat.Q4_K_M.gguf", "llama-2-7b-chat"),
+    ("tinyllama-f16.gguf", "tinyllama"),
+    ("plain.gguf", "plain"),
+])
+def test_display_name_drops_the_quant_suffix(file_name: str, expected: str) -> None:
+    assert gguf_convert.display_name(Path(file_name)) == expected
