@@ -37,7 +37,7 @@ class CpuPlatform(Platform):
 
     @classmethod
     def attention_backend(cls):
-        from pagedserve.platforms.cpu.attention import TorchPagedAttention
+        from pagedserve.attention.torch_paged import TorchPagedAttention
 
         return TorchPagedAttention
 

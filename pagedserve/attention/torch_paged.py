@@ -1,4 +1,5 @@
-"""Paged attention in plain torch, for the CPU (and as the reference the kernels are tested by).
+"""Paged attention in portable torch ops: the CPU platform's kernel, the HPU platform's
+fallback, and the reference the Triton kernels are tested against.
 
 Decode-only steps gather every sequence's blocks into one padded batch and run one masked
 attention; steps with prompt chunks attend per sequence, since their query lengths differ.
@@ -23,16 +24,14 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def gather_context(
     kv_cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of the first ``num_tokens`` positions of each table:
-    ``[batch, num_tokens, num_kv_heads, head_size]`` each."""
+) -> torch.Tensor:
+    """Keys and values of the first ``num_tokens`` positions of each table, gathered in one
+    indexing op: ``[2, batch, num_tokens, num_kv_heads, head_size]``."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-num_tokens // block_size)
     tables = block_tables[:, :num_blocks]
-    batch = tables.shape[0]
-    keys = kv_cache[0][tables].reshape(batch, num_blocks * block_size, *kv_cache.shape[-2:])
-    values = kv_cache[1][tables].reshape(batch, num_blocks * block_size, *kv_cache.shape[-2:])
-    return keys[:, :num_tokens], values[:, :num_tokens]
+    kv = kv_cache[:, tables].flatten(2, 3)
+    return kv[:, :, :num_tokens]
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -64,13 +63,13 @@ class TorchPagedAttention(AttentionBackend):
 
     def _decode(self, q, kv_cache, block_tables, seq_lens, max_seq_len: int) -> torch.Tensor:
         """One query row per sequence, all sequences in one padded, masked attention."""
-        keys, values = gather_context(kv_cache, block_tables, max_seq_len)
+        kv = gather_context(kv_cache, block_tables, max_seq_len)
         positions = torch.arange(max_seq_len, device=q.device)
         valid = positions[None, :] < seq_lens[:, None]
-        # Slots past a sequence's end were never written (the pool is not zeroed): a zero
-        # attention weight times a NaN there would still be NaN, so clear them.
-        values = values.masked_fill(~valid[:, :, None, None], 0.0)
-        return self._attend(q[:, None], keys, values, valid[:, None, None, :], causal=False)[:, 0]
+        # Slots past a sequence's end may never have been written (the pool is not zeroed):
+        # a masked score or a zero weight times NaN is still NaN, so clear them.
+        kv = kv.masked_fill(~valid[None, :, :, None, None], 0.0)
+        return self._attend(q[:, None], kv[0], kv[1], valid[:, None, None, :], causal=False)[:, 0]
 
     def _prefill(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
         """Sequences with more than one query row, one attention call each."""
