@@ -1,4 +1,4 @@
-"""Engine configuration: one frozen dataclass, validated with errors that name the flag to change."""
+"""Engine configuration: one frozen dataclass, validated with errors naming the flag to change."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 class ConfigError(ValueError):
@@ -32,10 +33,14 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     served_model_name: str | None = None
+    # "dummy" fills the weights with random values on the device instead of reading them:
+    # benchmarks of real shapes without multi-GB checkpoints.
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ConfigError(f"--block-size must be a power of two up to 128, got {self.block_size}")
+            raise ConfigError(
+                f"--block-size must be a power of two up to 128, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -52,6 +57,7 @@ class EngineConfig:
             (self.preemption_mode, PREEMPTION_MODES, "--preemption-mode"),
             (self.kv_cache_dtype, KV_CACHE_DTYPES, "--kv-cache-dtype"),
             (self.dtype, DTYPES, "--dtype"),
+            (self.load_format, LOAD_FORMATS, "--load-format"),
         ):
             if value not in allowed:
                 raise ConfigError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.config import DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, EngineConfig
+from pagedserve.config import (
+    DTYPES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    PREEMPTION_MODES,
+    EngineConfig,
+)
 from pagedserve.platforms import DEVICE_NAMES
 
 
@@ -32,6 +38,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--served-model-name", default=None)
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="dummy: random weights of the checkpoint's shapes (benchmarks)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -44,4 +52,5 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         preemption_mode=args.preemption_mode, enforce_eager=args.enforce_eager,
         seed=args.seed, served_model_name=args.served_model_name,
+        load_format=args.load_format,
     )

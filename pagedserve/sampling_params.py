@@ -35,6 +35,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, no text (and no stop strings)
     use_beam_search: bool = False
     length_penalty: float = 1.0
 

@@ -20,7 +20,8 @@ class AttentionBackend(ABC):
     """
 
     def __init__(
-        self, num_heads: int, head_size: int, num_kv_heads: int, scale: float
+        self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
@@ -29,6 +30,7 @@ class AttentionBackend(ABC):
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        self.kv_cache_dtype = kv_cache_dtype
 
     @abstractmethod
     def forward(

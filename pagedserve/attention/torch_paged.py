@@ -22,19 +22,42 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, v)
 
 
-def gather_context(
-    kv_cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int
-) -> torch.Tensor:
-    """Keys and values of the first ``num_tokens`` positions of each table, gathered in one
-    indexing op: ``[2, batch, num_tokens, num_kv_heads, head_size]``."""
-    block_size = kv_cache.shape[2]
-    num_blocks = -(-num_tokens // block_size)
-    tables = block_tables[:, :num_blocks]
-    kv = kv_cache[:, tables].flatten(2, 3)
-    return kv[:, :, :num_tokens]
+def context_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  num_tokens: int, block_size: int) -> torch.Tensor:
+    """Cache slot of each of the first ``num_tokens`` positions of every sequence, flattened
+    ``[batch * num_tokens]``. Positions past a sequence's end repeat its last slot, so every
+    gathered key and value was written (finite) and masking the scores is enough."""
+    positions = torch.arange(num_tokens, device=block_tables.device)[None, :]
+    positions = torch.minimum(positions, (seq_lens.long() - 1)[:, None])
+    blocks = block_tables.long().gather(1, positions // block_size)
+    return (blocks * block_size + positions % block_size).flatten()
 
 
 class TorchPagedAttention(AttentionBackend):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Gathered keys and values land in one reused buffer: a fresh tensor of that size is
+        # a fresh mmap on the host, and its page faults cost more than the copy itself.
+        self._workspace = torch.empty(0)
+
+    def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[batch, num_tokens, num_kv_heads, head_size]`` of each sequence."""
+        _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+        slots = context_slots(block_tables, seq_lens, num_tokens, block_size)
+        row = num_kv_heads * head_size
+        n = slots.numel() * row
+        if self._workspace.numel() < 2 * n or self._workspace.dtype != kv_cache.dtype \
+                or self._workspace.device != kv_cache.device:
+            self._workspace = torch.empty(2 * n + n // 2, dtype=kv_cache.dtype,
+                                          device=kv_cache.device)
+        keys = self._workspace[:n].view(-1, row)
+        values = self._workspace[n:2 * n].view(-1, row)
+        torch.index_select(kv_cache[0].view(-1, row), 0, slots, out=keys)
+        torch.index_select(kv_cache[1].view(-1, row), 0, slots, out=values)
+        shape = (block_tables.shape[0], num_tokens, num_kv_heads, head_size)
+        return keys.view(shape), values.view(shape)
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         if meta.is_decode_only:
@@ -63,13 +86,10 @@ class TorchPagedAttention(AttentionBackend):
 
     def _decode(self, q, kv_cache, block_tables, seq_lens, max_seq_len: int) -> torch.Tensor:
         """One query row per sequence, all sequences in one padded, masked attention."""
-        kv = gather_context(kv_cache, block_tables, max_seq_len)
+        keys, values = self._gather(kv_cache, block_tables, seq_lens, max_seq_len)
         positions = torch.arange(max_seq_len, device=q.device)
         valid = positions[None, :] < seq_lens[:, None]
-        # Slots past a sequence's end may never have been written (the pool is not zeroed):
-        # a masked score or a zero weight times NaN is still NaN, so clear them.
-        kv = kv.masked_fill(~valid[None, :, :, None, None], 0.0)
-        return self._attend(q[:, None], kv[0], kv[1], valid[:, None, None, :], causal=False)[:, 0]
+        return self._attend(q[:, None], keys, values, valid[:, None, None, :], causal=False)[:, 0]
 
     def _prefill(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
         """Sequences with more than one query row, one attention call each."""
@@ -84,7 +104,8 @@ class TorchPagedAttention(AttentionBackend):
                 out[rows] = self._attend(q[None, rows], k[None, rows], v[None, rows],
                                          None, causal=True)[0]
                 continue
-            keys, values = gather_context(kv_cache, meta.block_tables[i:i + 1], seq_len)
+            keys, values = self._gather(kv_cache, meta.block_tables[i:i + 1],
+                                        meta.seq_lens[i:i + 1], seq_len)
             # Query row r sits at position seq_len - q_len + r and sees keys up to it.
             key_pos = torch.arange(seq_len, device=q.device)
             query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)

@@ -7,6 +7,7 @@ import importlib
 
 BENCHMARKS = {
     "throughput": "offline engine vs HF transformers static batching",
+    "decode": "decode step time against the memory roofline",
 }
 
 

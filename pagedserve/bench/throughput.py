@@ -21,7 +21,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
     parser.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[16, 32],
                         help="static batch sizes to try for HF; the best counts")
+    parser.add_argument("--hf-max-prompts", type=int, default=None,
+                        help="time HF on the first N prompts only (its rate is what counts)")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--shape", default=None,
+                        help="benchmark a real model shape with random weights "
+                             "(dummy load format), e.g. llama3-8b, smollm2-135m")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
 
 
@@ -31,7 +36,7 @@ def run_engine(llm, work) -> dict:
     engine = llm.engine
     for item in work:
         engine.add_request(item.prompt_token_ids, SamplingParams(
-            max_tokens=item.output_len, temperature=0.0, ignore_eos=True))
+            max_tokens=item.output_len, temperature=0.0, ignore_eos=True, detokenize=False))
     allocated = filled = steps = 0
     with Timer() as t:
         while engine.has_unfinished_requests():
@@ -46,11 +51,20 @@ def run_engine(llm, work) -> dict:
             "kv_waste": 1 - filled / allocated if allocated else 0.0}
 
 
-def run_hf(model_path, dtype, device, work, batch_size: int) -> dict:
+def load_hf_model(model_path, dtype, device, random_weights: bool):
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    if random_weights:
+        config = AutoConfig.from_pretrained(model_path)
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+
+
+def run_hf(model, device, work, batch_size: int) -> dict:
+    import torch
+
     pad = 0
     with Timer() as t, torch.inference_mode():
         for start in range(0, len(work), batch_size):
@@ -70,12 +84,30 @@ def run_hf(model_path, dtype, device, work, batch_size: int) -> dict:
             "output_tok_s": out_tokens / t.seconds, "batch_size": batch_size}
 
 
-def main(args: argparse.Namespace) -> None:
+def engine_from_args(args: argparse.Namespace):
+    """The LLM the flags describe; ``--shape`` swaps in random weights of a real shape."""
+    import dataclasses
+    import tempfile
+    from pathlib import Path
+
     from pagedserve.engine_args import config_from_args
     from pagedserve.entrypoints.llm import LLM
+
+    config = config_from_args(args)
+    if args.shape:
+        from pagedserve.bench.dummy_model import write_dummy_folder
+
+        folder = write_dummy_folder(args.shape, Path(tempfile.mkdtemp()) / args.shape)
+        config = dataclasses.replace(config, model=str(folder), load_format="dummy",
+                                     served_model_name=args.shape)
+    return LLM.from_config(config)
+
+
+def main(args: argparse.Namespace) -> None:
     from pagedserve.models.loader import resolve_model
 
-    llm = LLM.from_config(config_from_args(args))
+    llm = engine_from_args(args)
+    config = llm.engine.config
     engine = llm.engine
     avoid = set(engine.tokenizer.all_special_ids)
     work = random_workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len),
@@ -84,9 +116,11 @@ def main(args: argparse.Namespace) -> None:
     rows = [{"system": "pagedserve", **ours}]
     best = None
     if not args.skip_hf:
-        path = resolve_model(args.model).path
+        path = resolve_model(config.model, require_weights=not args.shape).path
+        hf_model = load_hf_model(path, engine.dtype, engine.runner.device, bool(args.shape))
+        hf_work = work[:args.hf_max_prompts] if args.hf_max_prompts else work
         for bs in args.hf_batch_sizes:
-            hf = run_hf(path, engine.dtype, engine.runner.device, work, bs)
+            hf = run_hf(hf_model, engine.runner.device, hf_work, bs)
             rows.append({"system": f"hf-static-b{bs}", **hf})
             best = hf if best is None or hf["output_tok_s"] > best["output_tok_s"] else best
     ratio = ours["output_tok_s"] / best["output_tok_s"] if best else None
@@ -95,7 +129,7 @@ def main(args: argparse.Namespace) -> None:
                 rows, ["system", "seconds", "output_tokens", "output_tok_s", "kv_waste"])
     if ratio is not None:
         print(f"\nratio pagedserve / best HF static batch = {ratio:.2f}x")
-    write_result(f"throughput_{engine.platform.name}", {
+    write_result(f"throughput_{engine.platform.name}_{engine.model_name}", {
         "model": engine.model_name, "device": engine.platform.name,
         "dtype": str(engine.dtype), "num_prompts": len(work),
         "input_len": list(args.input_len), "output_len": list(args.output_len),

@@ -46,14 +46,16 @@ class StepResult(NamedTuple):
 
 class ModelRunner:
     def __init__(self, platform: type[Platform], arch: ModelArchConfig, dtype: torch.dtype,
-                 max_model_len: int) -> None:
+                 max_model_len: int, kv_cache_dtype: str = "auto") -> None:
         self.platform = platform
         self.arch = arch
         self.dtype = dtype
+        self.max_model_len = max_model_len
         self.device = platform.device()
+        self.kv_dtype = platform.kv_cache_torch_dtype(kv_cache_dtype, dtype)
         backend_cls = platform.attention_backend()
         backend = backend_cls(arch.num_heads, arch.head_dim, arch.num_kv_heads,
-                              arch.head_dim ** -0.5)
+                              arch.head_dim ** -0.5, kv_cache_dtype=kv_cache_dtype)
         with torch.device(self.device):
             model = model_class(arch.architecture)(arch, backend, max_model_len)
         self.model = model.to(dtype=dtype).eval()
@@ -61,9 +63,21 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 16
+        self.graphs = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model.load_weights(weights)
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int) -> None:
+        """Random weights in place, generated on the device: norms at 1, the rest small
+        normal values so activations stay in range at any depth."""
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        for name, param in self.model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -81,7 +95,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None) -> StepResult:
         inputs = build_inputs(out, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self._forward(inputs)
         sampled_ids = [s.request.request_id for s in out.scheduled if s.samples]
         sampler_output = None
         if sampled_ids:
@@ -89,6 +103,42 @@ class ModelRunner:
             sampler_output = self.sampler(logits.float(), sampling)
         return StepResult(sampled_ids, sampler_output,
                           self._prompt_logprobs(out, hidden))
+
+    def _forward(self, inputs) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(inputs.meta):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        """Capture decode steps where the platform supports graphs (after the KV pool)."""
+        runner_cls = self.platform.graph_runner()
+        if runner_cls is None:
+            return
+        self.graphs = runner_cls(self.model, self.kv_caches, max_num_seqs, self.max_model_len,
+                                 self.block_size)
+        self.graphs.capture()
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, num_tokens: int, max_num_seqs: int, block_size: int) -> int:
+        """Peak device bytes of a forward over ``num_tokens`` prompt tokens plus sampling for
+        ``max_num_seqs`` rows, with a throwaway KV pool just large enough."""
+        from pagedserve.core.request import Request
+        from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
+        from pagedserve.sampling_params import SamplingParams
+
+        num_blocks = -(-num_tokens // block_size)
+        self.platform.reset_peak_memory()
+        self.allocate_kv_cache(KVCacheSpec(num_blocks, block_size, self.kv_dtype))
+        dummy = Request("profile", [0] * num_tokens, SamplingParams(), max_tokens=1)
+        out = SchedulerOutput([ScheduledRequest(dummy, 0, num_tokens, list(range(num_blocks)),
+                                                samples=True)])
+        hidden = self._forward(build_inputs(out, block_size, self.device))
+        rows = hidden[-1:].expand(max_num_seqs, -1)
+        self.model.compute_logits(rows).float().softmax(-1)
+        self.platform.synchronize()
+        peak = self.platform.peak_memory_bytes()
+        self.kv_cache, self.kv_caches = None, []
+        return peak
 
     def _prompt_logprobs(self, out: SchedulerOutput,
                          hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:

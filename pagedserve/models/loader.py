@@ -56,12 +56,15 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model(model: str | os.PathLike[str] | None) -> ModelSource:
-    """None -> the default GGUF; a ``.gguf`` file -> its converted folder; a folder -> itself."""
+def resolve_model(
+    model: str | os.PathLike[str] | None, require_weights: bool = True
+) -> ModelSource:
+    """None -> the default GGUF; a ``.gguf`` file -> its converted folder; a folder -> itself.
+    ``require_weights=False`` accepts a folder with no weights (``--load-format dummy``)."""
     start = time.perf_counter()
     path = default_model_path() if model is None else Path(model).expanduser()
     if path.is_dir():
-        source = _folder_source(path)
+        source = _folder_source(path, require_weights)
     elif path.is_file() and path.suffix.lower() == ".gguf":
         source = _gguf_source(path)
     elif not path.exists():
@@ -76,12 +79,13 @@ def resolve_model(model: str | os.PathLike[str] | None) -> ModelSource:
     return source
 
 
-def _folder_source(path: Path) -> ModelSource:
+def _folder_source(path: Path, require_weights: bool) -> ModelSource:
     if not (path / "config.json").is_file():
         raise ModelLoadError(
             f"{path} has no config.json; pass a Hugging Face model folder or a .gguf file"
         )
-    _weight_files(path)  # fail here, before the engine builds anything, if there are none
+    if require_weights:
+        _weight_files(path)  # fail here, before the engine builds anything, if there are none
     name = gguf_convert.converted_name(path) or path.resolve().name
     return ModelSource(path, name, "hf-folder")
 

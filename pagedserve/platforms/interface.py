@@ -31,6 +31,9 @@ class Platform:
     supports_fp8_kv_cache: ClassVar[bool] = False
     # Swap space lives in page-locked host memory where copies to the device are async.
     pin_swap_memory: ClassVar[bool] = False
+    # A dummy forward at the largest batch measures activation memory before the KV pool is
+    # sized; platforms without a peak-memory counter size the pool from free memory instead.
+    profiles_memory: ClassVar[bool] = False
 
     @classmethod
     def check_available(cls) -> None:
@@ -56,6 +59,16 @@ class Platform:
     @classmethod
     def attention_backend(cls) -> type[AttentionBackend]:
         raise NotImplementedError
+
+    @classmethod
+    def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+        """The element type of the KV pool for ``--kv-cache-dtype``."""
+        if kv_cache_dtype != "auto":
+            from pagedserve.config import ConfigError
+
+            raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype} is not supported on the "
+                              f"{cls.name} platform; use auto")
+        return model_dtype
 
     @classmethod
     def quant_linear_kernel(cls, method: str):
@@ -97,6 +110,19 @@ class Platform:
         """Move blocks between the device pool and the host swap pool (either direction)."""
         moved = src_cache[:, :, src.to(src_cache.device)]
         dst_cache[:, :, dst.to(dst_cache.device)] = moved.to(dst_cache.device, non_blocking=True)
+
+    @classmethod
+    def reset_peak_memory(cls) -> None:
+        """Start a new peak-memory measurement (only where ``profiles_memory``)."""
+
+    @classmethod
+    def peak_memory_bytes(cls) -> int:
+        return 0
+
+    @classmethod
+    def graph_runner(cls):
+        """A class that captures and replays decode steps, or None where graphs don't exist."""
+        return None
 
     @classmethod
     def synchronize(cls) -> None:

@@ -1,0 +1,79 @@
+"""``pagedserve bench decode``: time of one decode step at several batch sizes, against the
+memory roofline (weight bytes + KV bytes read, over copy bandwidth measured in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    from pagedserve.engine_args import add_engine_args
+
+    add_engine_args(parser)
+    parser.add_argument("--shape", default=None, help="random weights of a real shape")
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 32, 128, 256])
+    parser.add_argument("--context-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--out", default=None)
+
+
+def copy_bandwidth(platform, nbytes: int = 1 << 30) -> float:
+    """Bytes moved (read + written) per second by a large device-to-device copy."""
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=platform.device())
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    platform.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    platform.synchronize()
+    return 2 * nbytes * 10 / (time.perf_counter() - start)
+
+
+def time_decode(engine, batch: int, context: int, steps: int) -> float:
+    """Median seconds per decode step with ``batch`` sequences at about ``context`` tokens."""
+    from pagedserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True,
+                            detokenize=False)
+    for i in range(batch):
+        engine.add_request([(i * 7 + j) % 1000 + 10 for j in range(context)], params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()  # prefill (and the first decode) outside the timing
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[:-1] or times)
+
+
+def main(args: argparse.Namespace) -> None:
+    from pagedserve.bench.common import print_table, write_result
+    from pagedserve.bench.throughput import engine_from_args
+
+    llm = engine_from_args(args)
+    engine = llm.engine
+    bandwidth = copy_bandwidth(engine.platform)
+    weights = engine.runner.weight_bytes()
+    kv_per_token = engine.kv_bytes_per_block // engine.config.block_size
+    rows = []
+    for batch in args.batch_sizes:
+        step = time_decode(engine, batch, args.context_len, args.steps)
+        kv_read = batch * (args.context_len + args.steps // 2) * kv_per_token
+        roofline = (weights + kv_read) / bandwidth
+        rows.append({"batch": batch, "step_ms": step * 1e3, "roofline_ms": roofline * 1e3,
+                     "ratio_to_roofline": step / roofline,
+                     "tok_s": batch / step})
+    print_table(f"decode step, context {args.context_len}, copy bandwidth "
+                f"{bandwidth / 1e9:.0f} GB/s, weights {weights / 2**30:.2f} GiB",
+                rows, ["batch", "step_ms", "roofline_ms", "ratio_to_roofline", "tok_s"])
+    write_result(f"decode_{engine.platform.name}_{engine.model_name}", {
+        "model": engine.model_name, "copy_bandwidth_bytes_s": bandwidth,
+        "weight_bytes": weights, "context_len": args.context_len, "rows": rows}, args.out)

@@ -1,0 +1,51 @@
+"""Checkpoint folders of real model shapes with no weights, for ``--load-format dummy``.
+
+The tokenizer maps id ``i`` to the word ``<i>``: benchmarks send token ids, and this keeps
+every id of any vocabulary decodable without shipping a real tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SHAPES: dict[str, dict] = {
+    "llama3-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
+        bos_token_id=128000, eos_token_id=128001,
+    ),
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152,
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
+        rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2,
+    ),
+    "qwen2-7b": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064,
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151643,
+    ),
+}
+
+
+def write_dummy_folder(shape: str, folder: Path) -> Path:
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of: {', '.join(SHAPES)}")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = SHAPES[shape]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    vocab = {f"<{i}>": i for i in range(cfg["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    eos = f"<{cfg['eos_token_id']}>"
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos).save_pretrained(folder)
+    return folder

@@ -1,0 +1,85 @@
+"""NVIDIA GPUs: Triton paged attention, CUDA graphs for decode, pinned-memory swap."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from pagedserve.platforms.interface import MemoryInfo, Platform, PlatformUnavailable
+
+
+class CudaPlatform(Platform):
+    name: ClassVar[str] = "cuda"
+    device_type: ClassVar[str] = "cuda"
+    dist_backend: ClassVar[str] = "nccl"
+    supports_graphs: ClassVar[bool] = True
+    supports_fp8_kv_cache: ClassVar[bool] = True
+    pin_swap_memory: ClassVar[bool] = True
+    profiles_memory: ClassVar[bool] = True
+
+    @classmethod
+    def check_available(cls) -> None:
+        if not torch.cuda.is_available() or torch.version.hip is not None:
+            raise PlatformUnavailable(
+                "no CUDA device: torch.cuda.is_available() is False in this torch build "
+                f"({torch.__version__})")
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            raise PlatformUnavailable(
+                "the cuda platform needs triton: pip install triton") from exc
+
+    @classmethod
+    def device(cls) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    @classmethod
+    def default_dtype(cls) -> torch.dtype:
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    @classmethod
+    def attention_backend(cls):
+        from pagedserve.platforms.cuda.attention import TritonAttentionBackend
+
+        return TritonAttentionBackend
+
+    @classmethod
+    def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+        return torch.float8_e4m3fn if kv_cache_dtype.startswith("fp8") else model_dtype
+
+    @classmethod
+    def memory_info(cls) -> MemoryInfo:
+        free, total = torch.cuda.mem_get_info()
+        return MemoryInfo(free_bytes=free, total_bytes=total)
+
+    @classmethod
+    def kv_cache_budget_bytes(cls, utilization: float, peak_used_bytes: int) -> int:
+        # Other processes on the card count against the budget too.
+        info = cls.memory_info()
+        others = info.total_bytes - info.free_bytes - torch.cuda.memory_reserved()
+        return max(0, int(info.total_bytes * utilization) - peak_used_bytes - max(0, others))
+
+    @classmethod
+    def reset_peak_memory(cls) -> None:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    @classmethod
+    def peak_memory_bytes(cls) -> int:
+        return torch.cuda.max_memory_allocated()
+
+    @classmethod
+    def synchronize(cls) -> None:
+        torch.cuda.synchronize()
+
+    @classmethod
+    def seed_everything(cls, seed: int) -> None:
+        torch.manual_seed(seed)
+        torch.cuda.manual_seed_all(seed)
+
+    @classmethod
+    def graph_runner(cls):
+        from pagedserve.platforms.cuda.graphs import CudaGraphRunner
+
+        return CudaGraphRunner

@@ -1,0 +1,48 @@
+"""AMD Instinct GPUs through PyTorch's ROCm build.
+
+ROCm's PyTorch exposes HIP devices under the ``torch.cuda`` API and Triton compiles for AMD
+GPUs, so this platform reuses the CUDA platform's Triton kernels, memory queries and graph
+capture (HIP graphs), and differs in detection, naming and FP8 support. Never run on real AMD
+hardware by this project: see docs/platforms.md.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from pagedserve.platforms.cuda.platform import CudaPlatform
+from pagedserve.platforms.interface import PlatformUnavailable
+
+
+class RocmPlatform(CudaPlatform):
+    name: ClassVar[str] = "rocm"
+    dist_backend: ClassVar[str] = "nccl"  # RCCL answers to the nccl backend name
+    # MI300 uses the e4m3fnuz FP8 variant, which our cache kernels do not encode yet.
+    supports_fp8_kv_cache: ClassVar[bool] = False
+
+    @classmethod
+    def check_available(cls) -> None:
+        if torch.version.hip is None:
+            raise PlatformUnavailable(
+                f"no ROCm device: this torch build ({torch.__version__}) has no HIP support")
+        if not torch.cuda.is_available():
+            raise PlatformUnavailable("no ROCm device: torch sees no AMD GPU")
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            raise PlatformUnavailable(
+                "the rocm platform needs triton (pytorch-triton-rocm)") from exc
+
+    @classmethod
+    def default_dtype(cls) -> torch.dtype:
+        return torch.bfloat16
+
+    @classmethod
+    def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+        if kv_cache_dtype != "auto":
+            from pagedserve.config import ConfigError
+
+            raise ConfigError("--kv-cache-dtype fp8 is not supported on rocm yet; use auto")
+        return model_dtype
