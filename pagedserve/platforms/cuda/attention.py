@@ -8,21 +8,10 @@ import torch
 
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.platforms.cuda.kernels import (
-    decode_attention,
-    prefill_attention,
-    reshape_and_cache,
-)
-
-KV_CACHE_DTYPES = ("auto", "fp8")
-
-
-def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype to allocate the KV cache in for ``--kv-cache-dtype``."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of: "
-                         f"{', '.join(KV_CACHE_DTYPES)}")
-    return torch.float8_e4m3fn if kv_cache_dtype == "fp8" else model_dtype
+from pagedserve.config import KV_CACHE_DTYPES
+from pagedserve.platforms.cuda.kernels.decode_attention import decode_attention
+from pagedserve.platforms.cuda.kernels.prefill_attention import prefill_attention
+from pagedserve.platforms.cuda.kernels.reshape_and_cache import reshape_and_cache
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -32,9 +21,10 @@ class TritonAttentionBackend(AttentionBackend):
     any other batch, mixed or not, runs the varlen prefill kernel for all rows, which handles
     query length 1 too.
 
-    With ``kv_cache_dtype="fp8"`` the cache is float8_e4m3fn and holds ``x / scale`` per tensor
-    (one ``k_scale`` and one ``v_scale`` per layer, float32 on the cache's device); reads
-    multiply the scale back in, folded into the softmax scale and the output. The default 1.0
+    With ``kv_cache_dtype="fp8"`` (or ``"fp8_e4m3"``) the cache is float8_e4m3fn and holds
+    ``x / scale`` per tensor (one ``k_scale`` and one ``v_scale`` per layer, float32 on the
+    cache's device); reads multiply the scale back in, folded into the softmax scale and the
+    output, and the matmuls run in fp16 (e4m3 widens to it in one instruction). The default 1.0
     suits models whose keys and values stay well inside e4m3's +-448 range. Checkpoints
     quantized by llm-compressor or ModelOpt ship per-layer ``k_scale``/``v_scale``
     (``amax / 448``); pass them to ``set_kv_scales``. Without them, calibrate by running a few
@@ -50,9 +40,12 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         kv_cache_dtype: str = "auto",
     ) -> None:
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of: "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         super().__init__(num_heads, head_size, num_kv_heads, scale)
-        kv_cache_torch_dtype(kv_cache_dtype, torch.float16)  # validates the name
         self.kv_cache_dtype = kv_cache_dtype
+        self.fp8 = kv_cache_dtype.startswith("fp8")  # every fp8 name means e4m3 here
         self.k_scale = torch.ones(1, dtype=torch.float32)
         self.v_scale = torch.ones(1, dtype=torch.float32)
 
@@ -85,8 +78,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.scale, max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale)
 
     def _check_cache_dtype(self, kv_cache: torch.Tensor) -> None:
-        is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
-        if is_fp8 != (self.kv_cache_dtype == "fp8"):
+        if (kv_cache.dtype == torch.float8_e4m3fn) != self.fp8:
             raise ValueError(f"KV cache is {kv_cache.dtype} but the backend was built with "
                              f"kv_cache_dtype={self.kv_cache_dtype!r}")
 

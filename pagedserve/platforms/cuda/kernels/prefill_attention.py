@@ -5,7 +5,8 @@ Inputs (``N`` tokens packed without padding, ``H`` query heads, ``KVH`` kv heads
 - ``q``: ``[N, H, D]``, any strides. Sequence ``i`` owns rows ``query_start_loc[i]:[i+1]``.
 - ``key_cache`` / ``value_cache``: ``[num_blocks, block_size, KVH, D]``, any strides, but both
   must share them (they are ``kv_cache[0]`` and ``kv_cache[1]`` of one layer). fp32, fp16, bf16
-  or float8_e4m3fn; an fp8 cache is read as ``stored * k_scale`` (resp. ``v_scale``).
+  or float8_e4m3fn; an fp8 cache is read as ``stored * k_scale`` (resp. ``v_scale``), with
+  the matmuls in fp16 whatever the query dtype (see ``fp8_compute_dtype``).
 - ``block_tables``: int32 ``[num_seqs, max_blocks]``, any strides.
 - ``seq_lens``: int32 ``[num_seqs]``, keys per sequence including this step's tokens, which
   must already be in the cache (the backend writes them first). The first
@@ -83,6 +84,17 @@ def attend_tile(
 
 
 @triton.jit
+def fp8_compute_dtype(q):
+    """The query in fp16, the dtype the matmuls over an fp8 cache run in.
+
+    e4m3 widens to fp16 exactly in one instruction but to bf16 in several, which made decode
+    of a bf16 model over an fp8 cache slower than over a bf16 one. Clamped so a query beyond
+    fp16's range saturates instead of becoming inf.
+    """
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
@@ -120,6 +132,8 @@ def _prefill_kernel(
     q_ptrs = (q_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_qt
               + head[:, None] * stride_qh + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+    if HAS_SCALES:
+        q = fp8_compute_dtype(q)
     q_pos = ctx_len + tok
 
     qk_scale = sm_scale * LOG2E
@@ -167,10 +181,14 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None
 
 
 def _prefill_config(head_pad: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for H100/H200-class GPUs."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for H100/H200-class GPUs.
+
+    Measured on an H200 (bf16, head 128, GQA 4): 128/64/4/3 led on chunked prefills with cached
+    context and was within 4% of the best on a fresh 8k prompt.
+    """
     if dtype == torch.float32 or head_pad > 128:
         return 64, 32, 4, 2
-    return 128, 64, 8, 2
+    return 128, 64, 4, 3
 
 
 def prefill_attention(

@@ -36,8 +36,10 @@ def _round_to_e4m3(x):
     lsb = (bits >> 20) & 1
     normal = ((bits + 0x7FFFF + lsb) & -0x100000).to(tl.float32, bitcast=True)
     # Below 2**-6 e4m3 is subnormal with a fixed step of 2**-9: adding 1.5 * 2**14 puts x in a
-    # binade whose fp32 step is 2**-9, so the add itself rounds to nearest even.
-    subnormal = (x + 24576.0) - 24576.0
+    # binade whose fp32 step is 2**-9, so the add itself rounds to nearest even. On |x| so the
+    # sign survives even when the result is zero.
+    subnormal = (tl.abs(x) + 24576.0) - 24576.0
+    subnormal = tl.where(bits < 0, -subnormal, subnormal)
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
 
 

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The CUDA tests and H200 benchmarks in one go, for the device tool (or any NVIDIA machine).
+#   scripts/gpu_check.sh                 everything, in this order
+#   scripts/gpu_check.sh PART [PART...]  some of: engine-tests kernel-tests attention llama
+#                                        decode mixed smollm2 fp8
+# Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then  # packages the machine lacks (gguf)
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+    .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+parts=${*:-engine-tests kernel-tests attention llama decode mixed smollm2 fp8}
+bench() { python3 -m pagedserve.cli bench "$@" 2>&1 | grep -v "^INFO.*tqdm"; }
+common=(--device cuda --num-prompts 1000 --max-num-batched-tokens 8192)
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+for part in $parts; do
+  echo "=== $part $(date +%T)"
+  case $part in
+    engine-tests) python3 -m pytest -q -m cuda -p no:cacheprovider \
+        tests/platforms/cuda/test_engine_cuda.py -s 2>&1 | tee "$OUT/gpu_engine_tests.log" ;;
+    kernel-tests) python3 -m pytest -q -m cuda -p no:cacheprovider \
+        tests/platforms/cuda/test_triton_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" ;;
+    attention) python3 scripts/bench_attention.py --out "$OUT/attention_h200.json" ;;
+    llama) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
+        --output-len 128 128 --hf-batch-sizes 128 --hf-max-prompts 256 \
+        --out "$OUT/throughput_h200_llama3-8b_128.json" ;;
+    decode) bench decode --device cuda --shape llama3-8b --batch-sizes 1 32 128 256 \
+        --context-len 512 --out "$OUT/decode_h200_llama3-8b.json" ;;
+    mixed) bench throughput "${common[@]}" --shape llama3-8b --input-len 64 1024 \
+        --output-len 16 512 --hf-batch-sizes 64 --hf-max-prompts 128 \
+        --out "$OUT/throughput_h200_llama3-8b_mixed.json" ;;
+    smollm2) bench throughput "${common[@]}" --shape smollm2-135m --input-len 128 128 \
+        --output-len 128 128 --hf-batch-sizes 128 256 --hf-max-prompts 512 \
+        --out "$OUT/throughput_h200_smollm2.json" ;;
+    fp8) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
+        --output-len 128 128 --kv-cache-dtype fp8 --skip-hf \
+        --out "$OUT/throughput_h200_llama3-8b_fp8.json" ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
+echo "=== done $(date +%T)"
