@@ -1,0 +1,256 @@
+"""``pagedserve bench serve``: load a running server through its streaming completions API.
+
+N clients (``--concurrency``) each send their next request as soon as the last one finished,
+until ``--num-prompts`` are done. Prompts are random token ids from ``random_workload`` with
+``ignore_eos``, so output lengths are exact and the same ``--seed`` gives the same work as
+``pagedserve bench throughput``. ``--compare-offline`` then runs that work through the offline
+engine in this process (at most ``--concurrency`` sequences at once, like the clients) to show
+what HTTP costs. Both share the machine with the client, and maybe with other jobs: with
+``--repeat K`` they alternate for K rounds (fresh prompts each round) and the best round of
+each is reported.
+
+Per request: TTFT (send to first streamed token), TPOT ((end - first token) / (tokens - 1)),
+inter-token latency (gaps between chunks; a chunk may carry several tokens when the server's
+handler fell behind the engine) and end-to-end latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import time
+from dataclasses import dataclass, field
+
+from pagedserve.bench.common import WorkItem, print_table, random_workload, write_result
+
+PERCENTILES = (50, 90, 99)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    from pagedserve.engine_args import add_engine_args
+
+    add_engine_args(parser)  # --model picks the tokenizer; the rest is for --compare-offline
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, nargs=2, default=(32, 256))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 64))
+    parser.add_argument("--compare-offline", action="store_true",
+                        help="also run the same requests through the offline engine here")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds (new prompts each; HTTP and offline alternate); the best "
+                             "round of each counts")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+async def _one(client, url: str, model: str, item: WorkItem) -> RequestResult:
+    body = {"model": model, "prompt": item.prompt_token_ids, "max_tokens": item.output_len,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    last = None
+    result = RequestResult(ok=False)
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            result.error = (await response.aread()).decode(errors="replace")[:200]
+            return result
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                result.error = event["error"]["message"]
+                return result
+            now = time.perf_counter()
+            if event.get("choices"):
+                if last is None:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+            if event.get("usage"):
+                result.output_tokens = event["usage"]["completion_tokens"]
+    result.e2e = time.perf_counter() - start
+    result.ok = result.output_tokens == item.output_len
+    result.error = "" if result.ok else f"got {result.output_tokens} of {item.output_len}"
+    return result
+
+
+async def run_load(base_url: str, api_key: str | None, work: list[WorkItem], concurrency: int,
+                   ) -> tuple[list[RequestResult], float, str, dict[str, float]]:
+    """All requests through ``concurrency`` closed-loop clients; returns results, seconds,
+    the served model's name, and the CPU seconds the server and this client used."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=None, headers=headers, limits=limits) as client:
+        models = (await client.get(f"{base_url}/v1/models")).raise_for_status().json()
+        model = models["data"][0]["id"]
+        url = f"{base_url}/v1/completions"
+        # One short request first, so nothing one-off (first-call set-up) lands in the timings.
+        await _one(client, url, model, _warm_up_item(work))
+        queue = list(reversed(work))
+        results: list[RequestResult] = []
+
+        async def client_loop() -> None:
+            while queue:
+                results.append(await _one(client, url, model, queue.pop()))
+
+        server_cpu, client_cpu = await _server_cpu(client, base_url), time.process_time()
+        start = time.perf_counter()
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        seconds = time.perf_counter() - start
+        cpu = {"server_cpu_s": await _server_cpu(client, base_url) - server_cpu,
+               "client_cpu_s": time.process_time() - client_cpu}
+        return results, seconds, model, cpu
+
+
+async def _server_cpu(client, base_url: str) -> float:
+    """CPU seconds the server process has used: on a shared machine, CPU time per token
+    says more about HTTP's cost than wall time does."""
+    text = (await client.get(f"{base_url}/metrics")).text
+    match = re.search(r"^process_cpu_seconds_total (\S+)$", text, re.M)
+    return float(match.group(1)) if match else float("nan")
+
+
+def summarize(results: list[RequestResult], seconds: float, work: list[WorkItem],
+              cpu: dict[str, float]) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(len(w.prompt_token_ids) for w in work)
+    cpu_s = cpu["server_cpu_s"] + cpu["client_cpu_s"]
+    summary = {
+        "completed": len(ok), "failed": len(results) - len(ok), "seconds": seconds,
+        "request_throughput": len(ok) / seconds, "output_tok_s": out_tokens / seconds,
+        "total_tok_s": (in_tokens + out_tokens) / seconds, "output_tokens": out_tokens,
+        **cpu, "cpu_ms_per_token": cpu_s * 1000 / max(out_tokens, 1),
+    }
+    series = {
+        "ttft_ms": [r.ttft for r in ok],
+        "tpot_ms": [r.tpot for r in ok if r.tpot is not None],
+        "itl_ms": [gap for r in ok for gap in r.itl],
+        "e2e_ms": [r.e2e for r in ok],
+    }
+    for name, values in series.items():
+        summary[name] = _stats([v * 1000 for v in values])
+    errors = sorted({r.error for r in results if not r.ok})
+    if errors:
+        summary["errors"] = errors[:5]
+    return summary
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    stats = {"mean": sum(ordered) / len(ordered)}
+    for p in PERCENTILES:  # nearest-rank percentile
+        stats[f"p{p}"] = ordered[min(len(ordered) - 1, max(0, -(-p * len(ordered) // 100) - 1))]
+    return stats
+
+
+def offline_llm(args: argparse.Namespace):
+    import dataclasses
+
+    from pagedserve.engine_args import config_from_args
+    from pagedserve.entrypoints.llm import LLM
+
+    config = config_from_args(args)
+    # As many sequences in flight as the HTTP clients keep, so only the HTTP path differs.
+    return LLM.from_config(dataclasses.replace(
+        config, max_num_seqs=min(config.max_num_seqs, args.concurrency)))
+
+
+def run_offline(llm, work: list[WorkItem]) -> dict:
+    from pagedserve.bench.throughput import run_engine
+
+    run_engine(llm, [_warm_up_item(work)])  # as for the server
+    cpu = time.process_time()
+    result = run_engine(llm, work)
+    result["cpu_s"] = time.process_time() - cpu
+    result["cpu_ms_per_token"] = result["cpu_s"] * 1000 / result["output_tokens"]
+    return result
+
+
+def _warm_up_item(work: list[WorkItem]) -> WorkItem:
+    # Shorter than a KV block, so the timed requests get no prefix-cache hit from it.
+    return WorkItem(work[0].prompt_token_ids[:8], 2)
+
+
+def _workload(args: argparse.Namespace, seed: int) -> list[WorkItem]:
+    from pagedserve.models import loader
+
+    source = loader.resolve_model(args.model)
+    vocab_size = loader.load_arch_config(source).vocab_size
+    avoid = set(loader.load_tokenizer(source).all_special_ids)
+    return random_workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len),
+                           vocab_size, avoid, seed=seed)
+
+
+def main(args: argparse.Namespace) -> None:
+    http_runs, offline_runs, llm, model = [], [], None, ""
+    for i in range(args.repeat):
+        # A new seed each round, so no round gets prefix-cache hits from the one before.
+        work = _workload(args, args.seed + i)
+        results, seconds, model, cpu = asyncio.run(
+            run_load(args.base_url.rstrip("/"), args.api_key, work, args.concurrency))
+        http_runs.append(summarize(results, seconds, work, cpu))
+        if args.compare_offline:
+            llm = llm or offline_llm(args)
+            offline_runs.append(run_offline(llm, work))
+    payload = {"model": model, "base_url": args.base_url, "concurrency": args.concurrency,
+               "num_prompts": args.num_prompts, "input_len": list(args.input_len),
+               "output_len": list(args.output_len), "seed": args.seed,
+               **_report(args, model, http_runs, offline_runs)}
+    write_result(f"serve_c{args.concurrency}", payload, args.out)
+
+
+def _report(args: argparse.Namespace, model: str, http_runs: list[dict],
+            offline_runs: list[dict]) -> dict:
+    """Print the tables; return the results part of the JSON."""
+    # On a shared machine, the best round is the one least disturbed by other processes.
+    http = max(http_runs, key=lambda r: r["output_tok_s"])
+    print_table(f"serve: {model} at {args.base_url}, concurrency {args.concurrency}, "
+                f"{args.num_prompts} prompts, inputs {args.input_len}, outputs "
+                f"{args.output_len}", [{"round": i, **r} for i, r in enumerate(http_runs)],
+                ["round", "completed", "failed", "seconds", "request_throughput",
+                 "output_tok_s", "total_tok_s", "server_cpu_s", "client_cpu_s",
+                 "cpu_ms_per_token"])
+    print_table("latencies of the best round (ms)",
+                [{"metric": k, **http[k]} for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")],
+                ["metric", "mean", *(f"p{p}" for p in PERCENTILES)])
+    result = {"http": http, "http_rounds": http_runs}
+    if offline_runs:
+        offline = max(offline_runs, key=lambda r: r["output_tok_s"])
+        ratio = http["output_tok_s"] / offline["output_tok_s"]
+        print_table("offline engine, same requests",
+                    [{"round": i, **r} for i, r in enumerate(offline_runs)],
+                    ["round", "seconds", "output_tokens", "output_tok_s", "cpu_s",
+                     "cpu_ms_per_token"])
+        cpu_ratio = http["cpu_ms_per_token"] / offline["cpu_ms_per_token"]
+        print(f"\nHTTP / offline output token throughput (best rounds) = {ratio:.3f}: "
+              f"{(1 - ratio) * 100:.1f}% lower through HTTP")
+        print(f"HTTP / offline CPU time per token (server + client) = {cpu_ratio:.3f}")
+        result.update(offline=offline, offline_rounds=offline_runs, http_over_offline=ratio,
+                      cpu_per_token_http_over_offline=cpu_ratio)
+    return result

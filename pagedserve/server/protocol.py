@@ -1,0 +1,289 @@
+"""The OpenAI wire format as pydantic models: requests in, responses and stream chunks out.
+
+Request fields are optional where OpenAI allows ``null``; defaults are applied when the request
+becomes ``SamplingParams``. vLLM's extra sampling fields (top_k, min_p, ...) are accepted too.
+Unknown fields are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
+
+# OpenAI's stand-in for a logprob of -inf, which JSON cannot carry.
+MIN_LOGPROB = -9999.0
+
+# A prompt: text, a list of texts, token ids, or a list of token id lists.
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+# ---- requests ---------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    # torch seeds are 64-bit; out of range would fail inside the engine instead of here.
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_fields(self) -> dict:
+        return dict(
+            n=_default(self.n, 1), temperature=_default(self.temperature, 1.0),
+            top_p=_default(self.top_p, 1.0), top_k=_default(self.top_k, -1),
+            min_p=_default(self.min_p, 0.0), seed=self.seed,
+            presence_penalty=_default(self.presence_penalty, 0.0),
+            frequency_penalty=_default(self.frequency_penalty, 0.0),
+            repetition_penalty=_default(self.repetition_penalty, 1.0),
+            logit_bias=_logit_bias(self.logit_bias), stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidSamplingParam("stream_options",
+                                       "stream_options is only allowed when stream is true")
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: PromptInput
+    max_tokens: int | None = 16
+    best_of: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        self.check_stream_options()
+        params = SamplingParams(
+            **self._sampling_fields(), best_of=self.best_of, max_tokens=max_tokens,
+            logprobs=self.logprobs,
+            # Echoed prompts carry logprobs too; they need the prompt's own.
+            prompt_logprobs=self.logprobs if self.echo else None)
+        if self.stream and params.best_of > params.n:
+            raise InvalidSamplingParam("best_of", "best_of > n is not supported when streaming")
+        return params
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """OpenAI renamed max_tokens to max_completion_tokens; the new name wins."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        self.check_stream_options()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidSamplingParam("top_logprobs", "top_logprobs requires logprobs: true")
+        logprobs = _default(self.top_logprobs, 0) if self.logprobs else None
+        return SamplingParams(**self._sampling_fields(), max_tokens=max_tokens,
+                              logprobs=logprobs)
+
+
+def _default(value, default):
+    return default if value is None else value
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """JSON object keys are strings; OpenAI's are token ids written as strings."""
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise InvalidSamplingParam("logit_bias", "logit_bias keys must be token ids") from None
+
+
+# ---- responses --------------------------------------------------------------------------
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy format: parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "pagedserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---- server-sent events -----------------------------------------------------------------
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(event: BaseModel) -> str:
+    """One stream event. Unset fields are left out, as OpenAI does in chunks."""
+    return f"data: {event.model_dump_json(exclude_none=True)}\n\n"

@@ -1,0 +1,232 @@
+"""``POST /v1/completions``: one engine request per prompt, n choices each.
+
+Choice ``i`` of prompt ``p`` has index ``p * n + i``, as in OpenAI. Logprobs use the legacy
+format (parallel lists of tokens, token_logprobs, top_logprobs and text_offset); with ``echo``
+the prompt's tokens come first, the very first one without a logprob.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi.responses import StreamingResponse
+
+from pagedserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from pagedserve.server.errors import bad_request, stream_error
+from pagedserve.server.protocol import (
+    MIN_LOGPROB,
+    SSE_DONE,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptInput,
+    UsageInfo,
+    random_id,
+    sse,
+)
+from pagedserve.server.serving_models import (
+    MAX_SEQUENCES_PER_REQUEST,
+    ChoiceProgress,
+    EngineClient,
+    ServedModel,
+    TimedStream,
+    close_all,
+)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str | None  # None when the client sent token ids
+    token_ids: list[int]
+
+
+@dataclass
+class CompletionServing:
+    model: ServedModel
+    client: EngineClient
+
+    async def create(self, request: CompletionRequest) -> CompletionResponse | StreamingResponse:
+        arrival = time.perf_counter()
+        self.model.check_name(request.model)
+        prompts = self._prompts(request.prompt)
+        params = [request.to_sampling_params(
+            self.model.check_prompt(len(p.token_ids), request.max_tokens)) for p in prompts]
+        self.model.check_params(params[0], num_prompts=len(prompts))
+        request_id = random_id("cmpl")
+        streams = await self.client.submit_all(
+            request_id, [p.token_ids for p in prompts], params, arrival)
+        if request.stream:
+            return StreamingResponse(self._stream(request, request_id, prompts, streams),
+                                     media_type="text/event-stream")
+        tasks = [asyncio.ensure_future(s.final()) for s in streams]
+        try:
+            finals = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # after a failure, stop (and abort) the others too
+                task.cancel()
+        return self._response(request, request_id, prompts, finals)
+
+    def _prompts(self, prompt: PromptInput) -> list[Prompt]:
+        if isinstance(prompt, str):
+            items = [prompt]
+        elif not prompt:
+            raise bad_request("prompt must not be empty", param="prompt")
+        elif isinstance(prompt[0], int):
+            items = [prompt]
+        else:
+            items = prompt
+        if len(items) > MAX_SEQUENCES_PER_REQUEST:
+            raise bad_request(f"at most {MAX_SEQUENCES_PER_REQUEST} prompts per request",
+                              param="prompt")
+        return [Prompt(p, self.model.encode(p)) if isinstance(p, str) else Prompt(None, p)
+                for p in items]
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        return prompt.text if prompt.text is not None else self.model.decode(prompt.token_ids)
+
+    # ---- whole responses ----------------------------------------------------------------
+    def _response(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
+                  finals: list[RequestOutput]) -> CompletionResponse:
+        choices = []
+        for p, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
+            for out in final.outputs:
+                choices.append(self._choice(request, p * (request.n or 1) + out.index,
+                                            prompt, final, out))
+        completion_tokens = sum(len(o.token_ids) for f in finals for o in f.outputs)
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        return CompletionResponse(id=request_id, model=self.model.name, choices=choices,
+                                  usage=UsageInfo.of(prompt_tokens, completion_tokens))
+
+    def _choice(self, request: CompletionRequest, index: int, prompt: Prompt,
+                final: RequestOutput, out: CompletionOutput) -> CompletionChoice:
+        text = out.text
+        builder = _LogprobsBuilder() if request.logprobs is not None else None
+        if request.echo:
+            text = self._prompt_text(prompt) + text
+            if builder is not None:
+                builder.add_prompt(prompt.token_ids, final.prompt_logprobs, self.model.decode)
+        if builder is not None:
+            builder.add_output(out.token_ids, out.logprobs or [])
+        return CompletionChoice(index=index, text=text,
+                                logprobs=builder.logprobs if builder else None,
+                                finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+
+    # ---- streams ------------------------------------------------------------------------
+    async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
+                      streams: list[TimedStream]) -> AsyncIterator[str]:
+        n = request.n or 1
+        progress: dict[int, ChoiceProgress] = {}
+        completion_tokens = 0
+        try:
+            async for p, output in _merge(streams):
+                for out in output.outputs:
+                    state = progress.setdefault(p * n + out.index, ChoiceProgress())
+                    chunk = self._delta(request, p * n + out.index, prompts[p], output, out,
+                                        state)
+                    if chunk is not None:
+                        yield sse(CompletionResponse(id=request_id, model=self.model.name,
+                                                     choices=[chunk]))
+                if output.finished:
+                    completion_tokens += sum(len(o.token_ids) for o in output.outputs)
+            if request.include_usage_in_stream:
+                prompt_tokens = sum(len(p.token_ids) for p in prompts)
+                yield sse(CompletionResponse(id=request_id, model=self.model.name, choices=[],
+                                             usage=UsageInfo.of(prompt_tokens,
+                                                                completion_tokens)))
+        except Exception as exc:
+            yield sse(stream_error(exc))
+        finally:
+            close_all(streams)
+        yield SSE_DONE
+
+    def _delta(self, request: CompletionRequest, index: int, prompt: Prompt,
+               output: RequestOutput, out: CompletionOutput,
+               state: ChoiceProgress) -> CompletionChoice | None:
+        """The chunk for what this choice gained since the last one, or None if nothing."""
+        if state.done:
+            return None
+        text = out.text[state.num_chars:]
+        token_ids = out.token_ids[state.num_tokens:]
+        finish = out.finish_reason
+        if not text and not finish and not (token_ids and request.logprobs is not None):
+            return None
+        builder = None
+        if request.logprobs is not None:
+            builder = _LogprobsBuilder(offset=state.text_offset)
+        if request.echo and not state.started:
+            text = self._prompt_text(prompt) + text
+            if builder is not None:
+                builder.add_prompt(prompt.token_ids, output.prompt_logprobs, self.model.decode)
+        if builder is not None:
+            # The engine may have appended entries past this snapshot's tokens already.
+            entries = (out.logprobs or [])[state.num_tokens:len(out.token_ids)]
+            builder.add_output(token_ids, entries)
+            state.text_offset = builder.offset
+        state.advance(out)
+        return CompletionChoice(index=index, text=text,
+                                logprobs=builder.logprobs if builder else None,
+                                finish_reason=finish, stop_reason=out.stop_reason)
+
+
+async def _merge(streams: list[TimedStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, each tagged with its stream's position."""
+    if len(streams) == 1:  # the common case needs no task per output
+        async for output in streams[0]:
+            yield 0, output
+        return
+    iterators = [aiter(s) for s in streams]
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    output = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, output
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+@dataclass
+class _LogprobsBuilder:
+    """Appends tokens to legacy logprobs; a token's text_offset is where the previous token's
+    text ended, counted over every token sent so far for the choice."""
+
+    logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+    offset: int = 0
+
+    def add(self, token: str, logprob: float | None, top: dict[str, float] | None) -> None:
+        self.logprobs.tokens.append(token)
+        self.logprobs.token_logprobs.append(logprob)
+        self.logprobs.top_logprobs.append(top)
+        self.logprobs.text_offset.append(self.offset)
+        self.offset += len(token)
+
+    def add_entry(self, token: int, entry: TokenLogprobs) -> None:
+        """The sampled token and its top alternatives (the entry holds both)."""
+        top = {lp.decoded_token or "": max(lp.logprob, MIN_LOGPROB) for lp in entry.values()}
+        self.add(entry[token].decoded_token or "", max(entry[token].logprob, MIN_LOGPROB), top)
+
+    def add_prompt(self, token_ids: list[int], entries: list[TokenLogprobs | None] | None,
+                   decode) -> None:
+        """The first prompt token (and any the engine could not score) has no logprob."""
+        entries = entries or []
+        for i, token in enumerate(token_ids):
+            entry = entries[i] if i < len(entries) else None
+            if entry is None or token not in entry:
+                self.add(decode([token]), None, None)
+            else:
+                self.add_entry(token, entry)
+
+    def add_output(self, token_ids: list[int], entries: list[TokenLogprobs]) -> None:
+        for token, entry in zip(token_ids, entries, strict=False):
+            self.add_entry(token, entry)

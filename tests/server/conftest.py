@@ -1,0 +1,158 @@
+"""A real ``pagedserve serve`` in a subprocess, on a tiny random-weight model with a chat
+template, and the offline engine on the same model for reference outputs."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.tiny_models import write_tiny_model
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+MAX_MODEL_LEN = 1024
+KV_BYTES = 4 << 20
+# Generous: other processes may share the two cores with the test run.
+STARTUP_TIMEOUT_S = 180
+HTTP_TIMEOUT_S = 120
+
+
+def engine_kwargs() -> dict:
+    """What the server runs with, for building the matching offline LLM."""
+    return dict(device="cpu", max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES)
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log: Path
+    api_key: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self):
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused",
+                      max_retries=0, timeout=HTTP_TIMEOUT_S)
+
+    def async_client(self):
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused",
+                           max_retries=0, timeout=HTTP_TIMEOUT_S)
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        kwargs.setdefault("timeout", HTTP_TIMEOUT_S)
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        return httpx.post(self.url + path, headers=headers, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled samples and request_finished_total by reason, e.g.
+        ``{"num_requests_running": 0.0, "request_finished_total{abort}": 2.0}``."""
+        text = httpx.get(f"{self.url}/metrics", timeout=HTTP_TIMEOUT_S).text
+        values = {name: float(v) for name, v in re.findall(
+            r"^pagedserve:(\w+) (\S+)$", text, re.M)}
+        for reason, v in re.findall(
+                r'^pagedserve:request_finished_total\{finished_reason="(\w+)"\} (\S+)$', text,
+                re.M):
+            values[f"request_finished_total{{{reason}}}"] = float(v)
+        return values
+
+    def wait_for_metrics(self, done, timeout: float = 60.0) -> dict[str, float]:
+        """Poll /metrics until ``done(values)``; fail with the last values on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            values = self.metrics()
+            if done(values):
+                return values
+            if time.monotonic() > deadline:
+                pytest.fail(f"metrics never reached the expected state: {values}")
+            time.sleep(0.1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def launch_server(model: Path, log_dir: Path, *extra: str,
+                  api_key: str | None = None) -> Iterator[Server]:
+    port = _free_port()
+    log = log_dir / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(model),
+           "--port", str(port), "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
+           "--kv-cache-memory-bytes", str(KV_BYTES), "--log-level", "warning", *extra]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    with log.open("w") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PAGEDSERVE_LOG_LEVEL": "WARNING"})
+    server = Server(f"http://127.0.0.1:{port}", process, log, api_key)
+    try:
+        _wait_healthy(server)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_healthy(server: Server) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            pytest.fail(f"server exited with {server.process.returncode}:\n"
+                        f"{server.log.read_text()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log.read_text()}")
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer
+
+    folder = write_tiny_model(tmp_path_factory.mktemp("tiny-chat") / "model", "llama3")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def server(chat_model, tmp_path_factory) -> Iterator[Server]:
+    with launch_server(chat_model, tmp_path_factory.mktemp("logs")) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def offline(chat_model):
+    from pagedserve import LLM
+
+    return LLM(model=str(chat_model), **engine_kwargs())

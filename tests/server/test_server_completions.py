@@ -1,0 +1,138 @@
+"""/v1/completions through the official OpenAI SDK, checked against the offline engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import SamplingParams
+
+PROMPT = "the quick brown fox"
+
+
+def _offline(offline, prompt, **params):
+    params.setdefault("temperature", 0.0)
+    return offline.generate(prompt, SamplingParams(**params), use_tqdm=False)[0]
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, [5, 17, 42, 99, 7]])
+def test_greedy_matches_offline_with_exact_usage(server, offline, prompt):
+    expected = _offline(offline, prompt, max_tokens=12).outputs[0]
+    got = server.client().completions.create(model="model", prompt=prompt, max_tokens=12,
+                                             temperature=0)
+    choice = got.choices[0]
+    assert choice.text == expected.text
+    assert choice.finish_reason == expected.finish_reason
+    prompt_ids = offline.get_tokenizer().encode(prompt) if isinstance(prompt, str) else prompt
+    assert got.usage.prompt_tokens == len(prompt_ids)
+    assert got.usage.completion_tokens == len(expected.token_ids)
+    assert got.usage.total_tokens == len(prompt_ids) + len(expected.token_ids)
+    assert got.model == "model" and got.object == "text_completion"
+
+
+def test_stream_chunks_join_to_the_full_text(server):
+    client = server.client()
+    kwargs = dict(model="model", prompt=PROMPT, max_tokens=24, temperature=0)
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == full.choices[0].finish_reason
+    assert all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+
+
+def test_n3_seeded_sampling_matches_offline(server, offline):
+    params = dict(n=3, temperature=1.0, top_p=0.9, seed=1234, max_tokens=10)
+    expected = _offline(offline, PROMPT, **params).outputs
+    got = server.client().completions.create(model="model", prompt=PROMPT, **params)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [o.text for o in expected]
+    assert got.usage.completion_tokens == sum(len(o.token_ids) for o in expected)
+
+
+def test_n_streamed_with_several_prompts(server):
+    client = server.client()
+    kwargs = dict(model="model", prompt=["hello world", PROMPT], n=2, max_tokens=8,
+                  temperature=0.7, seed=3)
+    full = client.completions.create(**kwargs)
+    assert [c.index for c in full.choices] == [0, 1, 2, 3]
+    streamed = {i: "" for i in range(4)}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert [streamed[i] for i in range(4)] == [c.text for c in full.choices]
+
+
+def test_logprobs_match_offline(server, offline):
+    expected = _offline(offline, PROMPT, max_tokens=6, logprobs=2).outputs[0]
+    got = server.client().completions.create(model="model", prompt=PROMPT, max_tokens=6,
+                                             temperature=0, logprobs=2)
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for token_id, entry, value, top in zip(expected.token_ids, expected.logprobs,
+                                           lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value == pytest.approx(entry[token_id].logprob, abs=1e-4)
+        assert 1 <= len(top) <= 3  # the sampled token plus the top 2
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_echo_with_logprobs_covers_the_prompt(server, offline):
+    prompt_ids = offline.get_tokenizer().encode(PROMPT)
+    got = server.client().completions.create(model="model", prompt=PROMPT, max_tokens=4,
+                                             temperature=0, echo=True, logprobs=1)
+    choice = got.choices[0]
+    expected = _offline(offline, PROMPT, max_tokens=4, prompt_logprobs=1)
+    assert choice.text == PROMPT + expected.outputs[0].text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt_ids) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i, token in enumerate(prompt_ids[1:], start=1):
+        want = expected.prompt_logprobs[i][token].logprob
+        assert lp.token_logprobs[i] == pytest.approx(want, abs=1e-4)
+    assert all(v is not None for v in lp.token_logprobs[len(prompt_ids):])
+
+
+def test_stream_echo_and_logprobs(server):
+    client = server.client()
+    kwargs = dict(model="model", prompt=PROMPT, max_tokens=8, temperature=0, echo=True,
+                  logprobs=1)
+    full = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)]
+    assert "".join(c.text for c in chunks) == full.text
+    assert [t for c in chunks for t in c.logprobs.tokens] == full.logprobs.tokens
+    assert [o for c in chunks for o in c.logprobs.text_offset] == full.logprobs.text_offset
+
+
+def test_stop_string_matches_offline(server, offline):
+    free_text = _offline(offline, PROMPT, max_tokens=30).outputs[0].text
+    # The first plain ASCII character after the start makes a stop string that must fire.
+    stop = next(ch for ch in free_text[1:] if ch.isascii() and ch.isprintable())
+    expected = _offline(offline, PROMPT, max_tokens=30, stop=[stop]).outputs[0]
+    got = server.client().completions.create(model="model", prompt=PROMPT, max_tokens=30,
+                                             temperature=0, stop=[stop]).choices[0]
+    assert got.finish_reason == "stop" == expected.finish_reason
+    assert got.text == expected.text and stop not in got.text
+
+
+def test_vllm_extras_match_offline(server, offline):
+    extras = dict(top_k=5, min_p=0.05, repetition_penalty=1.3, ignore_eos=True, min_tokens=4,
+                  stop_token_ids=[300])
+    expected = _offline(offline, PROMPT, max_tokens=10, seed=9, temperature=0.8,
+                        presence_penalty=0.5, frequency_penalty=0.2,
+                        logit_bias={7: 5.0}, **extras).outputs[0]
+    got = server.client().completions.create(
+        model="model", prompt=PROMPT, max_tokens=10, seed=9, temperature=0.8,
+        presence_penalty=0.5, frequency_penalty=0.2, logit_bias={"7": 5.0}, user="tester",
+        extra_body=extras).choices[0]
+    assert got.text == expected.text
+
+
+def test_models_health_version(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["model"]
+    import httpx
+
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]

@@ -1,0 +1,165 @@
+"""Bad input gets an OpenAI error object with the right status, and the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import HTTP_TIMEOUT_S, MAX_MODEL_LEN, launch_server
+
+GOOD = {"prompt": "hello", "max_tokens": 2, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+# (path, body, status, param); every body is GOOD or CHAT with one thing wrong.
+BAD_REQUESTS = [
+    ("/v1/completions", {**GOOD, "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {**GOOD, "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {**GOOD, "n": 0}, 400, "n"),
+    ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "best_of": 1, "n": 2}, 400, "best_of"),
+    ("/v1/completions", {**GOOD, "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {**GOOD, "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {**GOOD, "logit_bias": {"100000": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {**GOOD, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {**GOOD, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {**GOOD, "n": [1]}, 400, "n"),
+    ("/v1/completions", {**GOOD, "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": ""}, 400, None),
+    ("/v1/completions", {**GOOD, "prompt": [1, 2, 10**6]}, 400, None),
+    ("/v1/completions", {**GOOD, "prompt": [[1, 2], []]}, 400, None),
+    ("/v1/completions", {**GOOD, "prompt": {"text": "hi"}}, 400, "prompt"),
+    ("/v1/completions", {"max_tokens": 2}, 400, "prompt"),
+    ("/v1/completions", [GOOD], 400, None),
+    ("/v1/completions", {**GOOD, "n": 2000}, 400, "n"),
+    ("/v1/completions", {**GOOD, "prompt": [[5]] * 1100}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "seed": 2**70}, 400, "seed"),
+    ("/v1/completions", {**GOOD, "stream": True, "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, 400, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "model"),
+]
+
+
+def _assert_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    return error
+
+
+def _assert_still_serving(server) -> None:
+    response = server.post("/v1/completions", json=GOOD)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS)
+def test_bad_request_gets_openai_error(server, path, body, status, param):
+    error = _assert_error(server.post(path, json=body), status)
+    assert error["param"] == param
+
+
+def test_every_bad_request_left_the_server_healthy(server):
+    for path, body, status, _ in BAD_REQUESTS:
+        if isinstance(body, dict) and "stream_options" not in body:
+            assert server.post(path, json={**body, "stream": True}).status_code == status
+    _assert_still_serving(server)
+    values = server.wait_for_metrics(lambda m: m["kv_cache_blocks_used"] == 0)
+    assert values["num_requests_running"] == 0
+
+
+def test_too_long_prompt_names_both_lengths(server):
+    prompt = list(range(10, 10 + MAX_MODEL_LEN + 5))
+    error = _assert_error(server.post("/v1/completions", json={**GOOD, "prompt": prompt}), 400)
+    assert str(MAX_MODEL_LEN + 5) in error["message"] and str(MAX_MODEL_LEN) in error["message"]
+    assert error["code"] == "context_length_exceeded"
+    prompt = list(range(10, 110))
+    body = {**GOOD, "prompt": prompt, "max_tokens": MAX_MODEL_LEN - 50}
+    error = _assert_error(server.post("/v1/completions", json=body), 400)
+    assert "100" in error["message"] and str(MAX_MODEL_LEN) in error["message"]
+
+
+def test_malformed_bodies_and_unknown_routes(server):
+    headers = {"Content-Type": "application/json"}
+    _assert_error(server.post("/v1/completions", content=b'{"prompt": "hi",', headers=headers),
+                  400)
+    _assert_error(server.post("/v1/completions", content=b"[1, 2]", headers=headers), 400)
+    _assert_error(server.post("/v1/completions", content=b"\xff\xfe", headers=headers), 400)
+    for value in (b"NaN", b"-Infinity"):  # Python's JSON parser accepts these
+        body = b'{"prompt": "hi", "temperature": ' + value + b"}"
+        error = _assert_error(server.post("/v1/completions", content=body, headers=headers), 400)
+        assert error["param"] == "temperature"
+    _assert_error(httpx.get(f"{server.url}/v1/nothing-here"), 404)
+    _assert_error(httpx.delete(f"{server.url}/v1/models"), 405)
+    _assert_still_serving(server)
+
+
+def test_oversized_body_is_413(server):
+    huge = b'{"prompt": "' + b"a" * (5 << 20) + b'"}'
+    headers = {"Content-Type": "application/json"}
+    error = _assert_error(server.post("/v1/completions", content=huge, headers=headers), 413)
+    assert error["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the cap must hold while reading
+        for i in range(0, len(huge), 1 << 20):
+            yield huge[i:i + (1 << 20)]
+
+    try:
+        response = server.post("/v1/completions", content=chunks(), headers=headers)
+        _assert_error(response, 413)
+    except httpx.HTTPError:
+        pass  # the server may close the connection before the upload ends: also a refusal
+    _assert_still_serving(server)
+
+
+def test_sdk_raises_bad_request_and_not_found(server):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as excinfo:
+        client.completions.create(model="model", prompt="hi", temperature=-1)
+    assert excinfo.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=CHAT["messages"])
+
+
+@pytest.fixture(scope="module")
+def keyed_server(chat_model, tmp_path_factory):
+    with launch_server(chat_model, tmp_path_factory.mktemp("keyed"),
+                       api_key="s3cret-key") as s:
+        yield s
+
+
+def test_api_key_is_enforced(keyed_server):
+    url = keyed_server.url
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-key"},
+                    {"Authorization": "Bearer s3cret-key-and-more"}):
+        response = httpx.post(f"{url}/v1/completions", json=GOOD, headers=headers,
+                              timeout=HTTP_TIMEOUT_S)
+        assert _assert_error(response, 401)["code"] == "invalid_api_key"
+        _assert_error(httpx.get(f"{url}/v1/models", headers=headers), 401)
+    # Malformed bodies are refused for the key before anything reads them.
+    _assert_error(httpx.post(f"{url}/v1/completions", content=b"{", timeout=HTTP_TIMEOUT_S),
+                  401)
+    assert httpx.get(f"{url}/health").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+    got = keyed_server.client().completions.create(model="model", prompt="hi", max_tokens=2)
+    assert got.usage.completion_tokens == 2
