@@ -38,6 +38,7 @@ class SamplingParams:
     detokenize: bool = True  # False: token ids only, no text (and no stop strings)
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    early_stopping: bool | str = False  # beam search: True, False or "never" (as in HF)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +83,10 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
              f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
+            (self.early_stopping in (True, False, "never"), "early_stopping",
+             f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}"),
+            (not (self.use_beam_search and self.stop), "stop",
+             "beam search does not support stop strings; use stop_token_ids"),
             (all(-100.0 <= b <= 100.0 for b in (self.logit_bias or {}).values()), "logit_bias",
              "logit_bias values must be in [-100, 100]"),
         ]

@@ -8,6 +8,9 @@ import importlib
 BENCHMARKS = {
     "throughput": "offline engine vs HF transformers static batching",
     "decode": "decode step time against the memory roofline",
+    "serve": "load a running server through its streaming API (TTFT, TPOT, ITL, throughput)",
+    "sharing": "KV blocks saved by n/beam sharing, TTFT with prefix caching, ITL with "
+               "chunked prefill",
 }
 
 

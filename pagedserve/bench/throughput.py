@@ -27,6 +27,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default=None,
                         help="benchmark a real model shape with random weights "
                              "(dummy load format), e.g. llama3-8b, smollm2-135m")
+    parser.add_argument("--profile", action="store_true",
+                        help="print where the engine's host time goes (cProfile, top 30)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
 
 
@@ -104,34 +106,53 @@ def engine_from_args(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> None:
+    import gc
+
     from pagedserve.models.loader import resolve_model
 
     llm = engine_from_args(args)
-    config = llm.engine.config
     engine = llm.engine
     avoid = set(engine.tokenizer.all_special_ids)
     work = random_workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len),
                            engine.arch.vocab_size, avoid, seed=args.seed)
-    ours = run_engine(llm, work)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        ours = profiler.runcall(run_engine, llm, work)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    else:
+        ours = run_engine(llm, work)
+    setup = {
+        "model": engine.model_name, "device": engine.platform.name,
+        "dtype": str(engine.dtype), "num_prompts": len(work),
+        "input_len": list(args.input_len), "output_len": list(args.output_len),
+        "kv_cache_dtype": engine.config.kv_cache_dtype, "kv_blocks": engine.kv.num_blocks,
+        "max_concurrent_tokens": engine.kv.num_blocks * engine.kv.block_size,
+    }
+    model_path, dtype, device = engine.config.model, engine.dtype, engine.runner.device
+    platform = engine.platform
+    # The engine's KV pool fills the card: release it before HF loads its own copy.
+    del llm, engine
+    gc.collect()
+    platform.release_cached_memory()
     rows = [{"system": "pagedserve", **ours}]
     best = None
     if not args.skip_hf:
-        path = resolve_model(config.model, require_weights=not args.shape).path
-        hf_model = load_hf_model(path, engine.dtype, engine.runner.device, bool(args.shape))
+        path = resolve_model(model_path, require_weights=not args.shape).path
+        hf_model = load_hf_model(path, dtype, device, bool(args.shape))
         hf_work = work[:args.hf_max_prompts] if args.hf_max_prompts else work
         for bs in args.hf_batch_sizes:
-            hf = run_hf(hf_model, engine.runner.device, hf_work, bs)
+            hf = run_hf(hf_model, device, hf_work, bs)
             rows.append({"system": f"hf-static-b{bs}", **hf})
             best = hf if best is None or hf["output_tok_s"] > best["output_tok_s"] else best
     ratio = ours["output_tok_s"] / best["output_tok_s"] if best else None
     print_table(f"throughput: {len(work)} prompts, inputs {args.input_len}, outputs "
-                f"{args.output_len}, device {engine.platform.name}, dtype {engine.dtype}",
+                f"{args.output_len}, device {setup['device']}, dtype {dtype}",
                 rows, ["system", "seconds", "output_tokens", "output_tok_s", "kv_waste"])
     if ratio is not None:
         print(f"\nratio pagedserve / best HF static batch = {ratio:.2f}x")
-    write_result(f"throughput_{engine.platform.name}_{engine.model_name}", {
-        "model": engine.model_name, "device": engine.platform.name,
-        "dtype": str(engine.dtype), "num_prompts": len(work),
-        "input_len": list(args.input_len), "output_len": list(args.output_len),
-        "pagedserve": ours, "hf": rows[1:], "ratio_vs_best_hf": ratio,
+    write_result(f"throughput_{setup['device']}_{setup['model']}", {
+        **setup, "pagedserve": ours, "hf": rows[1:], "ratio_vs_best_hf": ratio,
     }, args.out)

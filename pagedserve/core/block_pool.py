@@ -1,4 +1,5 @@
-"""Physical KV blocks of one pool: ref counts, the free queue, and the prefix-cache index."""
+"""Physical KV blocks of one pool (the device pool or the host swap pool): ref counts, the free
+queue, and the prefix-cache index."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ class BlockPool:
     """Owns ``num_blocks`` block ids and who holds them.
 
     Invariants:
+      * a block's ref count is the number of block tables holding it, never negative;
       * a block is in ``_free`` exactly when its ref count is 0;
+      * ``num_shared`` counts blocks whose ref count is above 1;
       * ``_free`` is in eviction order: blocks freed earlier are reused first (LRU), so a cached
         block keeps its contents until the pool truly needs it;
       * a block with a hash is findable through ``lookup`` until it is reallocated, at which
@@ -28,6 +31,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_shared = 0
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
 
@@ -58,6 +62,8 @@ class BlockPool:
         """Add a holder; a cached block sitting in the free queue comes back into use."""
         if self.ref_counts[block] == 0:
             del self._free[block]
+        elif self.ref_counts[block] == 1:
+            self.num_shared += 1
         self.ref_counts[block] += 1
 
     def release(self, block: int) -> None:
@@ -67,6 +73,8 @@ class BlockPool:
         self.ref_counts[block] = count - 1
         if count == 1:
             self._free[block] = None
+        elif count == 2:
+            self.num_shared -= 1
 
     def register_hash(self, block: int, block_hash: bytes) -> None:
         """Make a full block findable by ``lookup``; the first block with a hash wins."""

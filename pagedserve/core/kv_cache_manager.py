@@ -1,18 +1,53 @@
-"""Maps each request's logical KV blocks to physical blocks of the pool.
+"""Maps each stream's logical KV blocks to physical blocks: in the device pool, or in the host
+swap pool while its request is swapped out.
 
-A request's block table grows as its tokens are scheduled: ``allocate_slots`` reserves room for
+A stream's block table grows as its tokens are scheduled: ``allocate_slots`` reserves room for
 the next ``k`` tokens before the step that computes them, and ``free`` returns every block the
-moment the request finishes, is aborted or is preempted. Full blocks are hashed as soon as
-their tokens are scheduled, so later requests with the same prefix reuse them.
+moment the stream finishes, is aborted or is preempted. Full blocks are hashed as soon as their
+tokens are scheduled, so later requests with the same prefix reuse them.
+
+Sharing and the copy-on-write rule
+    A block may sit in several tables: full blocks through the prefix cache (matched by content
+    hash), and any block, the partly filled last one included, after ``fork``. Its ref count is
+    the number of tables holding it. Tokens are only written at positions at or after a stream's
+    ``num_computed_tokens``, so a full block is never written again and prefix sharing never
+    copies. Before a step writes into a block that another table also holds, ``allocate_slots``
+    gives the writer a fresh block and queues the copy (src, dst) in ``BlockOps.copies``.
+
+Swap protocol
+    ``swap_out`` moves streams to the host pool: each distinct device block gets one host block,
+    so sharing survives with the same ref counts; the device refs are released and the (device,
+    host) pairs are queued. ``swap_in`` is the reverse, and re-registers full blocks' hashes.
+    The runner applies a step's ops before its forward pass in the order swap-outs, swap-ins,
+    copies. That order is safe because the scheduler never swaps in during a step that
+    preempts: a block freed by a swap-out is read before a copy or a new token overwrites it,
+    and a block brought back by a swap-in is written before a copy reads it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from pagedserve.core.block_hash import BlockHash, hash_full_blocks
 from pagedserve.core.block_pool import BlockPool
 from pagedserve.core.request import Request
+
+BlockPairs = list[tuple[int, int]]
+
+
+@dataclass
+class BlockOps:
+    """Block moves the runner applies before a step's forward pass (order: see module doc)."""
+
+    swap_out: BlockPairs = field(default_factory=list)  # (device block, host block)
+    swap_in: BlockPairs = field(default_factory=list)  # (host block, device block)
+    copies: BlockPairs = field(default_factory=list)  # (src, dst), both in the device pool
+    num_host_blocks: int = 0  # size of the host swap pool the swap pairs index into
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.swap_out or self.swap_in or self.copies)
 
 
 @dataclass
@@ -26,12 +61,17 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks \
+            else None
         self.enable_caching = enable_caching
         self.tables: dict[str, list[int]] = {}
+        self.host_tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
+        self._ops = BlockOps(num_host_blocks=num_host_blocks)
         self.prefix_stats = PrefixCacheStats()
 
     @property
@@ -57,30 +97,54 @@ class KVCacheManager:
             blocks.append(block)
         return blocks
 
+    def blocks_needed(self, request: Request, num_new_tokens: int,
+                      cached_blocks: Sequence[int] = ()) -> int:
+        """Free blocks that scheduling ``num_new_tokens`` more tokens takes: fresh blocks,
+        private copies of shared blocks the tokens go into, and cached blocks that must come
+        back out of the free queue."""
+        table = self.tables.get(request.request_id, [])
+        num_tokens = (request.num_computed_tokens + len(cached_blocks) * self.block_size
+                      + num_new_tokens)
+        fresh = self.blocks_for(num_tokens) - len(table) - len(cached_blocks)
+        copies = len(self._shared_write_targets(request, table, num_new_tokens))
+        revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
+        return fresh + copies + revived
+
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, cached_blocks: list[int] = (),
+        self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = (),
         reserve_blocks: int = 0,
     ) -> bool:
         """Reserve room for ``num_new_tokens`` after the request's computed (and newly cached)
-        tokens. Returns False, changing nothing, if that would leave fewer than
-        ``reserve_blocks`` free."""
-        table = self.tables.setdefault(request.request_id, [])
-        num_tokens = (request.num_computed_tokens + len(cached_blocks) * self.block_size
-                      + num_new_tokens)
-        new_blocks = self.blocks_for(num_tokens) - len(table) - len(cached_blocks)
-        # Cached blocks with no holder sit in the free queue: taking them costs free blocks too.
-        revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
-        if new_blocks + revived + reserve_blocks > self.pool.num_free:
-            if not table:
-                del self.tables[request.request_id]
+        tokens, copying shared blocks they go into. Returns False, changing nothing, if that
+        would leave fewer than ``reserve_blocks`` free."""
+        needed = self.blocks_needed(request, num_new_tokens, cached_blocks)
+        if needed + reserve_blocks > self.pool.num_free:
             return False
+        table = self.tables.setdefault(request.request_id, [])
+        self._copy_on_write(request, table, num_new_tokens)
         for block in cached_blocks:
             self.pool.share(block)
             table.append(block)
-        for _ in range(new_blocks):
+        num_tokens = (request.num_computed_tokens + len(cached_blocks) * self.block_size
+                      + num_new_tokens)
+        while len(table) < self.blocks_for(num_tokens):
             table.append(self.pool.allocate())
         self._hash_full_blocks(request, table, num_tokens)
         return True
+
+    def _shared_write_targets(self, request: Request, table: list[int],
+                              num_new_tokens: int) -> list[int]:
+        """Indices of the blocks the next tokens go into that another table also holds."""
+        first = request.num_computed_tokens // self.block_size
+        last = min(len(table), self.blocks_for(request.num_computed_tokens + num_new_tokens))
+        return [i for i in range(first, last) if self.pool.ref_counts[table[i]] > 1]
+
+    def _copy_on_write(self, request: Request, table: list[int], num_new_tokens: int) -> None:
+        for i in self._shared_write_targets(request, table, num_new_tokens):
+            shared = table[i]
+            table[i] = self.pool.allocate()
+            self.pool.release(shared)
+            self._ops.copies.append((shared, table[i]))
 
     def _hash_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:
         if not self.enable_caching:
@@ -97,16 +161,81 @@ class KVCacheManager:
             hashes.append(block_hash)
             self.pool.register_hash(table[i], block_hash)
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the parent's whole table, last partial block included: every block
+        gains a holder, and whichever stream writes into a shared block first copies it."""
+        table = self.tables.get(parent.request_id, [])
+        for block in table:
+            self.pool.share(block)
+        self.tables[child.request_id] = list(table)
+        if parent.request_id in self._hashes:
+            self._hashes[child.request_id] = list(self._hashes[parent.request_id])
+
+    # ---- swapping -----------------------------------------------------------------------
+    def can_swap_out(self, requests: Sequence[Request]) -> bool:
+        if self.host_pool is None:
+            return False
+        return len(_distinct_blocks(self.tables, requests)) <= self.host_pool.num_free
+
+    def can_swap_in(self, requests: Sequence[Request], reserve_blocks: int = 0) -> bool:
+        needed = len(_distinct_blocks(self.host_tables, requests))
+        return needed + reserve_blocks <= self.pool.num_free
+
+    def swap_out(self, requests: Sequence[Request]) -> None:
+        """Move the streams' blocks to the host pool; call ``can_swap_out`` first."""
+        self._ops.swap_out += _move_tables(
+            requests, self.tables, self.pool, self.host_tables, self.host_pool)
+
+    def swap_in(self, requests: Sequence[Request]) -> None:
+        """Bring the streams' blocks back from the host pool; call ``can_swap_in`` first."""
+        self._ops.swap_in += _move_tables(
+            requests, self.host_tables, self.host_pool, self.tables, self.pool)
+        for request in requests:
+            table = self.tables[request.request_id]
+            for block, block_hash in zip(table, self._hashes.get(request.request_id, [])):
+                self.pool.register_hash(block, block_hash)
+
+    def take_block_ops(self) -> BlockOps:
+        """The block moves queued since the last call, for the coming step."""
+        ops, self._ops = self._ops, BlockOps(num_host_blocks=self._ops.num_host_blocks)
+        return ops
+
+    # ---- release and stats --------------------------------------------------------------
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_stats.queried_tokens += num_prompt_tokens
         self.prefix_stats.hit_tokens += num_hit_tokens
 
     def free(self, request_id: str) -> None:
-        """Return a request's blocks. Tail blocks are released first so they are evicted
-        before the prefix blocks other requests are likelier to share."""
+        """Return a stream's blocks, wherever they are. Tail blocks are released first so they
+        are evicted before the prefix blocks other requests are likelier to share."""
         for block in reversed(self.tables.pop(request_id, [])):
             self.pool.release(block)
+        for block in reversed(self.host_tables.pop(request_id, [])):
+            self.host_pool.release(block)
         self._hashes.pop(request_id, None)
 
     def usage(self) -> float:
         return self.pool.num_used / self.pool.num_blocks
+
+
+def _distinct_blocks(tables: dict[str, list[int]], requests: Sequence[Request]) -> set[int]:
+    return {b for r in requests for b in tables.get(r.request_id, [])}
+
+
+def _move_tables(requests: Sequence[Request], src_tables: dict[str, list[int]],
+                 src_pool: BlockPool, dst_tables: dict[str, list[int]],
+                 dst_pool: BlockPool) -> BlockPairs:
+    """Re-home the streams' tables in the other pool, one block there per distinct block here,
+    and return the (src, dst) pairs whose contents must move."""
+    moved: dict[int, int] = {}
+    for request in requests:
+        table = src_tables.pop(request.request_id, [])
+        for block in table:
+            if block in moved:
+                dst_pool.share(moved[block])
+            else:
+                moved[block] = dst_pool.allocate()
+        for block in reversed(table):
+            src_pool.release(block)
+        dst_tables[request.request_id] = [moved[b] for b in table]
+    return list(moved.items())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from pagedserve.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    SWAPPED = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
@@ -52,6 +54,7 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    group: SequenceGroup | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -71,3 +74,55 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def fork(self, request_id: str) -> Request:
+        """This stream's tokens and progress under a new id (its blocks are forked by the KV
+        cache manager)."""
+        child = dataclasses.replace(self, request_id=request_id,
+                                    output_token_ids=list(self.output_token_ids))
+        child.all_token_ids = list(self.all_token_ids)
+        return child
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """The streams of one user request, scheduled, preempted and resumed as one unit, so the
+    blocks they share never end up split between the device pool and the swap pool.
+
+    A group starts with one stream holding the prompt. Parallel sampling (``n``/``best_of``)
+    lists the other streams in ``pending_forks``: they fork from the first once all but the
+    prompt's last token are in the cache, then each computes that last token itself and draws
+    its first sample from its own logits row. Beam search forks and drops streams as the engine
+    picks beams. ``width`` is the most streams the group will hold at once.
+    """
+
+    seqs: list[Request]
+    width: int = 1
+    pending_forks: list[Request] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # Preempted and resumed but not yet sampled since: not preempted again until it has.
+    resumed: bool = False
+
+    def __post_init__(self) -> None:
+        self.width = max(self.width, len(self.seqs) + len(self.pending_forks))
+        for request in self.seqs + self.pending_forks:
+            request.group = self
+
+    @property
+    def root(self) -> Request:
+        return self.seqs[0]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.pending_forks
+
+    @property
+    def ready_to_fork(self) -> bool:
+        root = self.seqs[0] if self.seqs else None
+        return bool(self.pending_forks) and root is not None and (
+            root.num_computed_tokens == root.num_tokens - 1)
+
+    def move_to(self, status: RequestStatus) -> None:
+        self.status = status
+        for request in self.seqs:
+            request.status = status

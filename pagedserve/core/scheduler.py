@@ -1,22 +1,34 @@
-"""Iteration-level scheduler: at every step, decide which tokens of which requests to compute.
+"""Iteration-level scheduler: at every step, decide which tokens of which streams to compute.
 
-There are no prefill and decode phases. Each request has ``num_computed_tokens``; a step gives
+There are no prefill and decode phases. Each stream has ``num_computed_tokens``; a step gives
 it the next ``k`` tokens of its stream under a token budget. A new prompt, a chunk of a long
-prompt, one decode token and a recompute after preemption are all the same operation. Running
-requests are served first (oldest first), then waiting ones are admitted while the budget,
-``max_num_seqs`` and the KV pool allow. When the pool runs dry, the newest running request is
-preempted: its blocks are freed and it waits at the head of the queue to be recomputed.
+prompt, one decode token and a recompute after preemption are all the same operation.
+
+The unit of scheduling is a ``SequenceGroup`` (the streams of one request). A step serves the
+running groups first, oldest first, then brings back swapped-out groups, then admits waiting
+ones, while the budget, ``max_num_seqs`` and the KV pool allow. Swapped groups come back
+before anything new is admitted, and only in a step that preempted nothing.
+
+Preemption policy
+    When a running stream needs blocks and none are free, the newest running group is
+    preempted whole, by swap (its blocks move to the host pool) or by recompute (its blocks are
+    dropped and it waits at the head of the queue to be computed again). ``auto`` swaps groups
+    of several streams, whose shared blocks a recompute would duplicate, and recomputes single
+    streams; when the swap pool is full, swap falls back to recompute. A group that was resumed
+    is not preempted again before it has sampled (no thrashing): the stream that needs room
+    waits a step instead, unless it belongs to the oldest group and nothing else is left. A
+    group is never preempted after any of its streams was given blocks in the step, so every
+    queued block copy belongs to a stream that runs.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.kv_cache_manager import BlockOps, KVCacheManager
+from pagedserve.core.request import Request, RequestStatus, SequenceGroup
 
 
 @dataclass(frozen=True)
@@ -25,6 +37,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    preemption_mode: str = "auto"  # auto | swap | recompute
     # Free blocks kept back when admitting new requests, so running ones can grow a step or
     # two without immediately preempting the newcomer.
     watermark: float = 0.01
@@ -43,6 +56,8 @@ class ScheduledRequest(NamedTuple):
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Swaps and copy-on-write copies to apply before the forward pass.
+    block_ops: BlockOps = field(default_factory=BlockOps)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -53,83 +68,185 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class _Chunk(NamedTuple):
+    cached_blocks: list[int]  # prefix-cache hits taken before computing
+    num_new_tokens: int
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv.num_blocks)
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.add_group(SequenceGroup([request]))
+
+    def add_group(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            budget = self._resume_swapped(out, budget)
+            if not self.swapped:
+                self._admit_waiting(out, budget)
+        out.block_ops = self.kv.take_block_ops()
         return out
 
+    # ---- running groups -----------------------------------------------------------------
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._make_room(request, num_new, out):
-                break  # the request itself was preempted; it was the newest, so nothing follows
-            self._emit(out, request, num_new)
-            budget -= num_new
-            i += 1
+            group = self.running[i]
+            budget = self._schedule_group(group, i, out, budget, may_preempt=True)
+            if i < len(self.running) and self.running[i] is group:
+                i += 1  # otherwise the group was preempted and the next one moved up
         return budget
 
-    def _make_room(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Allocate for ``request``, preempting the newest running requests until it fits."""
-        while not self.kv.allocate_slots(request, num_new):
-            victim = self.running.pop()
-            self._preempt(victim)
-            out.preempted.append(victim)
-            if victim is request:
+    def _schedule_group(self, group: SequenceGroup, index: int, out: SchedulerOutput,
+                        budget: int, may_preempt: bool) -> int:
+        """Give each stream of ``group`` its next chunk; returns the budget left."""
+        if group.ready_to_fork:
+            self._fork_pending(group)
+        allocated = False
+        for seq in list(group.seqs):
+            chunk = self._next_chunk(group, seq, budget) if budget else None
+            if chunk is None:
+                continue
+            if not self._make_room(group, index, seq, chunk, out, may_preempt, allocated):
+                break
+            allocated = True
+            seq.num_computed_tokens += len(chunk.cached_blocks) * self.kv.block_size
+            if chunk.num_new_tokens:
+                self._emit(out, seq, chunk.num_new_tokens)
+                budget -= chunk.num_new_tokens
+        return budget
+
+    def _next_chunk(self, group: SequenceGroup, seq: Request, budget: int) -> _Chunk | None:
+        """The tokens ``seq`` computes next under ``budget``, or None if it has none to run.
+        The root of pending forks stops one token short: each fork computes the last one."""
+        cached = self._cached_prefix(seq)
+        start = seq.num_computed_tokens + len(cached) * self.kv.block_size
+        num_left = seq.num_tokens - start - (1 if group.pending_forks else 0)
+        num_new = min(num_left, budget)
+        if num_new < num_left and not self.config.enable_chunked_prefill:
+            return None
+        if num_new == 0 and not cached:
+            return None
+        return _Chunk(cached, num_new)
+
+    def _cached_prefix(self, seq: Request) -> list[int]:
+        # Prompt logprobs need every prompt position computed, so they bypass the cache.
+        if (seq.num_computed_tokens or seq.request_id in self.kv.tables
+                or seq.params.prompt_logprobs is not None):
+            return []
+        return self.kv.find_cached_prefix(seq)
+
+    def _make_room(self, group: SequenceGroup, index: int, seq: Request, chunk: _Chunk,
+                   out: SchedulerOutput, may_preempt: bool, allocated: bool) -> bool:
+        """Allocate ``chunk`` for ``seq``, preempting newer groups while it does not fit.
+        False if it cannot run this step (the group itself may have been preempted)."""
+        while not self.kv.allocate_slots(seq, chunk.num_new_tokens, chunk.cached_blocks):
+            victim = self._pick_victim(index, include_self=not allocated) if may_preempt \
+                else None
+            if victim is None:
+                return False
+            self._preempt(victim, out)
+            if victim is group:
                 return False
         return True
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute-style preemption: drop the KV blocks and requeue at the front."""
-        self.kv.free(request.request_id)
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        request.status = RequestStatus.WAITING
+    def _pick_victim(self, index: int, include_self: bool) -> SequenceGroup | None:
+        """The newest group from ``index`` on that has sampled since it last resumed. Only the
+        oldest group, with nothing scheduled yet, falls back to the newest resumed one: if
+        every group waited for a resumed one, none might move again."""
+        candidates = self.running[index if include_self else index + 1:]
+        for group in reversed(candidates):
+            if not group.resumed:
+                return group
+        return candidates[-1] if candidates and index == 0 and include_self else None
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        self.running.remove(group)
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        out.preempted.extend(group.seqs)
+        for seq in group.seqs:
+            seq.num_preemptions += 1
+        if self._swaps(group) and self.kv.can_swap_out(group.seqs):
+            self.kv.swap_out(group.seqs)
+            group.move_to(RequestStatus.SWAPPED)
+            self.swapped.appendleft(group)
+            return
+        for seq in group.seqs:
+            self.kv.free(seq.request_id)
+            seq.num_computed_tokens = 0
+        group.move_to(RequestStatus.WAITING)
+        self.waiting.appendleft(group)
+
+    def _swaps(self, group: SequenceGroup) -> bool:
+        mode = self.config.preemption_mode
+        return mode == "swap" or (mode == "auto" and len(group.seqs) > 1)
+
+    def _fork_pending(self, group: SequenceGroup) -> None:
+        root = group.root
+        for child in group.pending_forks:
+            child.num_computed_tokens = root.num_computed_tokens
+            self.kv.fork(root, child)
+            group.seqs.append(child)
+        group.pending_forks = []
+        group.move_to(group.status)
+
+    # ---- swapped and waiting groups -----------------------------------------------------
+    def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and self._can_resume(self.swapped[0]):
+            group = self.swapped.popleft()
+            self.kv.swap_in(group.seqs)
+            budget = self._start(group, out, budget, resumed=True)
+        return budget
+
+    def _can_resume(self, group: SequenceGroup) -> bool:
+        return (self._free_seq_slots() >= group.width
+                and self.kv.can_swap_in(group.seqs, self._watermark_blocks))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            # Prompt logprobs need every prompt position computed, so they bypass the cache.
-            wants_prompt_logprobs = request.params.prompt_logprobs is not None
-            cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(request)
-            num_cached = len(cached) * self.kv.block_size
-            num_new = request.num_tokens - num_cached
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new = budget
-            if not self.kv.allocate_slots(request, num_new, cached, self._watermark_blocks):
-                break
-            self.waiting.popleft()
-            if request.num_preemptions == 0:
-                self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached)
-                request.num_cached_tokens = num_cached
-            request.num_computed_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._emit(out, request, num_new)
-            budget -= num_new
+        while self.waiting and budget > 0 and self._can_admit(self.waiting[0], budget):
+            group = self.waiting.popleft()
+            root = group.root
+            budget = self._start(group, out, budget, resumed=root.num_preemptions > 0)
+            if root.num_preemptions == 0:
+                root.num_cached_tokens = root.num_computed_tokens
+                self.kv.record_prefix_lookup(root.num_prompt_tokens, root.num_cached_tokens)
+
+    def _can_admit(self, group: SequenceGroup, budget: int) -> bool:
+        """The group's first chunk fits the budget and leaves the watermark free."""
+        if self._free_seq_slots() < group.width:
+            return False
+        chunk = self._next_chunk(group, group.root, budget)
+        if chunk is None:
+            return group.ready_to_fork  # a one-token prompt: the forks compute it
+        needed = self.kv.blocks_needed(group.root, chunk.num_new_tokens, chunk.cached_blocks)
+        return needed + self._watermark_blocks <= self.kv.pool.num_free
+
+    def _start(self, group: SequenceGroup, out: SchedulerOutput, budget: int,
+               resumed: bool) -> int:
+        group.move_to(RequestStatus.RUNNING)
+        group.resumed = resumed
+        self.running.append(group)
+        return self._schedule_group(group, len(self.running) - 1, out, budget,
+                                    may_preempt=False)
+
+    def _free_seq_slots(self) -> int:
+        return self.config.max_num_seqs - sum(g.width for g in self.running)
 
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         computed = request.num_computed_tokens
@@ -138,30 +255,44 @@ class Scheduler:
             samples=computed + num_new == request.num_tokens,
         ))
 
+    # ---- after the step -----------------------------------------------------------------
     def advance(self, out: SchedulerOutput) -> None:
         """Mark the scheduled tokens computed; call once the step's forward pass ran."""
         for item in out.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
+            if item.samples:
+                item.request.group.resumed = False
+
+    def fork(self, parent: Request, child_id: str) -> Request:
+        """A new stream continuing ``parent`` (beam search), sharing all its blocks."""
+        child = parent.fork(child_id)
+        self.kv.fork(parent, child)
+        parent.group.seqs.append(child)
+        return child
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Stop a request wherever it is and return its blocks at once."""
+        """Stop a stream wherever it is and return its blocks at once."""
         if request.status.finished:
             return
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
+        group = request.group
+        if request in group.pending_forks:
+            group.pending_forks.remove(request)
         else:
-            self.waiting.remove(request)
+            group.seqs.remove(request)
+            self.kv.free(request.request_id)
         request.status = status
-        self.kv.free(request.request_id)
+        if group.is_empty:
+            self._queue_of(group).remove(group)
 
-    def finish_many(self, requests: Iterable[Request], status: RequestStatus) -> None:
-        for request in list(requests):
-            self.finish(request, status)
+    def _queue_of(self, group: SequenceGroup) -> list[SequenceGroup] | deque[SequenceGroup]:
+        return {RequestStatus.WAITING: self.waiting, RequestStatus.RUNNING: self.running,
+                RequestStatus.SWAPPED: self.swapped}[group.status]
 
     def kv_waste_slots(self) -> tuple[int, int]:
-        """(allocated slots, slots holding computed tokens) over running requests."""
+        """(allocated slots, slots holding computed tokens) over running streams."""
         allocated = filled = 0
-        for request in self.running:
-            allocated += len(self.kv.block_table(request.request_id)) * self.kv.block_size
-            filled += request.num_computed_tokens
+        for group in self.running:
+            for request in group.seqs:
+                allocated += len(self.kv.block_table(request.request_id)) * self.kv.block_size
+                filled += request.num_computed_tokens
         return allocated, filled

@@ -6,23 +6,33 @@ freeing finished requests' blocks). Everything device-specific sits behind the p
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from pagedserve.config import ConfigError, EngineConfig
+from pagedserve.core.beam_search import BeamCandidates, BeamContinuation, BeamSearch
 from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request import Request, RequestStatus, SequenceGroup
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.model_runner import KVCacheSpec, ModelRunner, StepResult
-from pagedserve.engine.request_state import RequestState, SequenceState, token_logprobs
+from pagedserve.engine.request_state import (
+    RequestState,
+    SequenceState,
+    beam_completion,
+    token_logprobs,
+)
 from pagedserve.logger import get_logger
 from pagedserve.models import loader
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.platforms import resolve_platform
 from pagedserve.sample.metadata import SamplingMetadata
+from pagedserve.sample.sampler import SamplerOutput
 from pagedserve.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
@@ -49,6 +59,15 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    num_swapped: int = 0  # requests whose KV blocks sit in the host swap pool
+    blocks_shared: int = 0  # device blocks held by more than one stream
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of queried prompt tokens served by the prefix cache."""
+        if not self.prefix_queried_tokens:
+            return 0.0
+        return self.prefix_hit_tokens / self.prefix_queried_tokens
 
     @property
     def kv_waste(self) -> float:
@@ -64,29 +83,40 @@ class LLMEngine:
         start = time.perf_counter()
         self.platform = resolve_platform(config.device)
         self.platform.seed_everything(config.seed)
-        source = loader.resolve_model(config.model)
+        source = loader.resolve_model(config.model,
+                                      require_weights=config.load_format != "dummy")
         self.model_name = config.served_model_name or source.name
         self.arch = loader.load_arch_config(source)
         self.tokenizer = loader.load_tokenizer(source)
         self.generation_config = loader.load_generation_config(source)
         self.dtype = self._resolve_dtype()
         self.max_model_len = self._resolve_max_model_len()
-        self.runner = ModelRunner(self.platform, self.arch, self.dtype, self.max_model_len)
-        self.runner.load_weights(loader.iter_weights(source))
+        self.runner = ModelRunner(self.platform, self.arch, self.dtype, self.max_model_len,
+                                  config.kv_cache_dtype)
+        if config.load_format == "dummy":
+            self.runner.init_dummy_weights(config.seed)
+        else:
+            self.runner.load_weights(loader.iter_weights(source))
         num_blocks = self._num_kv_blocks()
-        self.runner.allocate_kv_cache(KVCacheSpec(num_blocks, config.block_size, self.dtype))
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner.allocate_kv_cache(
+            KVCacheSpec(num_blocks, config.block_size, self.runner.kv_dtype))
+        if not config.enforce_eager:
+            self.runner.capture_graphs(config.max_num_seqs)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 num_host_blocks=self._num_swap_blocks())
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.max_model_len),
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            preemption_mode=config.preemption_mode,
         ), self.kv)
         self.eos_token_ids = self._eos_token_ids()
         self._states: dict[str, RequestState] = {}
         self._seqs: dict[str, SequenceState] = {}
         self._prompt_tokens = self._generation_tokens = 0
         self._next_id = 0
+        self._fork_ids = itertools.count(1)
         logger.info(
             "engine ready in %.1fs: platform=%s model=%s (%s) dtype=%s max_model_len=%d "
             "kv_blocks=%d x %d tokens = %d concurrent tokens",
@@ -97,7 +127,8 @@ class LLMEngine:
     # ---- set-up -------------------------------------------------------------------------
     @property
     def kv_bytes_per_block(self) -> int:
-        return KVCacheSpec(1, self.config.block_size, self.dtype).bytes_per_block(self.arch)
+        spec = KVCacheSpec(1, self.config.block_size, self.runner.kv_dtype)
+        return spec.bytes_per_block(self.arch)
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.config.dtype == "auto":
@@ -119,7 +150,7 @@ class LLMEngine:
         budget = self.config.kv_cache_memory_bytes
         if budget is None:
             budget = self.platform.kv_cache_budget_bytes(
-                self.config.gpu_memory_utilization, self.runner.weight_bytes())
+                self.config.gpu_memory_utilization, self._peak_memory_bytes())
             # Never reserve more than every sequence at full length could use.
             useful = self.config.max_num_seqs * (self.max_model_len + self.config.block_size)
             budget = min(budget, useful // self.config.block_size * per_block)
@@ -129,6 +160,22 @@ class LLMEngine:
                 f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
                 "raise --kv-cache-memory-bytes or --gpu-memory-utilization")
         return int(num_blocks)
+
+    def _peak_memory_bytes(self) -> int:
+        """Weights plus the activations of the largest step, measured where the platform can."""
+        if not self.platform.profiles_memory:
+            return self.runner.weight_bytes()
+        budget = self.config.resolved_max_num_batched_tokens(self.max_model_len)
+        peak = self.runner.profile_peak_memory(budget, self.config.max_num_seqs,
+                                               self.config.block_size)
+        logger.info("memory profile: weights %.2f GiB, peak with activations %.2f GiB",
+                    self.runner.weight_bytes() / 2**30, peak / 2**30)
+        return peak
+
+    def _num_swap_blocks(self) -> int:
+        """Blocks of --swap-space, but never more than every sequence at full length."""
+        useful = self.config.max_num_seqs * (self.max_model_len // self.config.block_size + 1)
+        return min(int(self.config.swap_space * 2**30) // self.kv_bytes_per_block, useful)
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = set(self.arch.eos_token_ids)
@@ -155,20 +202,47 @@ class LLMEngine:
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self._check_prompt(token_ids, params)
         state = RequestState(request_id, text, token_ids, params,
-                             RequestMetrics(arrival_time=time.time()))
-        for i in range(params.best_of):
-            seq_id = request_id if params.best_of == 1 else f"{request_id}#{i}"
-            request = Request(seq_id, token_ids, params, max_tokens, self.eos_token_ids)
-            seq = SequenceState(
-                index=i, request=request,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params),
-                generator=self._generator(params, i),
-                logprobs=[] if params.logprobs is not None else None)
-            state.seqs.append(seq)
-            self._seqs[seq_id] = seq
-            self.scheduler.add_request(request)
+                             RequestMetrics(arrival_time=time.time()),
+                             beam=self._beam_search(params, max_tokens))
+        # Beam search starts from one stream; parallel sampling forks best_of from the prompt.
+        num_streams = 1 if state.beam is not None else params.best_of
+        requests = [
+            Request(request_id if params.best_of == 1 else f"{request_id}#{i}", token_ids,
+                    self._stream_params(params), max_tokens, self.eos_token_ids)
+            for i in range(num_streams)
+        ]
+        for i, request in enumerate(requests):
+            state.seqs.append(self._add_seq(state, request, i))
+        self.scheduler.add_group(SequenceGroup(requests[:1], width=params.best_of,
+                                               pending_forks=requests[1:]))
         self._states[request_id] = state
         return request_id
+
+    def _add_seq(self, state: RequestState, request: Request, index: int) -> SequenceState:
+        params = state.params
+        seq = SequenceState(
+            index=index, request=request,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, params),
+            generator=self._generator(params, index),
+            logprobs=[] if params.logprobs is not None and state.beam is None else None,
+            beam_candidates=state.beam.num_candidates if state.beam is not None else 0)
+        self._seqs[request.request_id] = seq
+        return seq
+
+    def _beam_search(self, params: SamplingParams, max_tokens: int) -> BeamSearch | None:
+        if not params.use_beam_search:
+            return None
+        stops = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= self.eos_token_ids
+        return BeamSearch(params.best_of, max_tokens, stops, params.length_penalty,
+                          params.early_stopping)
+
+    def _stream_params(self, params: SamplingParams) -> SamplingParams:
+        """Beams are scored from their logprobs, so their rows sample greedily and cheaply."""
+        if not params.use_beam_search:
+            return params
+        return dataclasses.replace(params, temperature=0.0, logprobs=None)
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
         """Validate the prompt against the context window and the pool; return max_tokens."""
@@ -183,12 +257,23 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens but the model's context length is "
                 f"{self.max_model_len}; shorten the prompt")
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.best_of > self.config.max_num_seqs:
+            raise ValueError(f"best_of ({params.best_of}) exceeds --max-num-seqs "
+                             f"({self.config.max_num_seqs})")
         capacity = self.kv.num_blocks * self.kv.block_size
-        if len(token_ids) + max_tokens > capacity:
+        needed = self._worst_case_blocks(len(token_ids), max_tokens, params.best_of)
+        if needed * self.kv.block_size > capacity:
             raise PromptTooLong(
-                f"the request needs up to {len(token_ids) + max_tokens} tokens of KV cache "
-                f"but the whole pool holds {capacity}; lower max_tokens or enlarge the cache")
+                f"the request needs up to {needed * self.kv.block_size} tokens of KV cache "
+                f"but the whole pool holds {capacity}; lower max_tokens (or n, best_of) or "
+                "enlarge the cache")
         return max_tokens
+
+    def _worst_case_blocks(self, num_prompt: int, max_tokens: int, num_streams: int) -> int:
+        """Blocks of ``num_streams`` streams sharing the prompt and then fully diverging, each
+        extra one with its own copy of the prompt's last partial block."""
+        extra = self.kv.blocks_for(max_tokens) + 1
+        return self.kv.blocks_for(num_prompt + max_tokens) + (num_streams - 1) * extra
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None:
@@ -212,12 +297,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if out.is_empty:
+            # Nothing runs, but preempted streams' blocks must still reach the swap pool.
+            self.runner.apply_block_ops(out.block_ops)
             return []
         now = time.time()
         for item in out.scheduled:
             metrics = self._states[self._parent_id(item.request)].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+                metrics.num_cached_tokens = item.request.num_cached_tokens
         result = self.runner.execute(out, self._sampling_metadata(out))
         self.scheduler.advance(out)
         self._prompt_tokens += sum(
@@ -234,7 +322,7 @@ class LLMEngine:
         rows = [self._seqs[s.request.request_id] for s in out.scheduled if s.samples]
         if not rows:
             return None
-        return SamplingMetadata.build(
+        meta = SamplingMetadata.build(
             params=[r.request.params for r in rows],
             prompt_token_ids=[r.request.prompt_token_ids for r in rows],
             output_token_ids=[r.request.output_token_ids for r in rows],
@@ -243,6 +331,9 @@ class LLMEngine:
             vocab_size=self.arch.vocab_size,
             device=self.runner.device,
         )
+        # Beams read their candidates from the top-k logprobs.
+        meta.max_num_logprobs = max(meta.max_num_logprobs, *(r.beam_candidates for r in rows))
+        return meta
 
     def _apply_prompt_logprobs(self, result: StepResult) -> set[str]:
         touched = set()
@@ -252,50 +343,117 @@ class LLMEngine:
                 continue
             state = self._states[self._parent_id(seq.request)]
             r = chunk.result
+            n = len(r.logprobs)
+            # Row i scores the prompt token that follows position first_position + i.
+            targets = seq.request.prompt_token_ids[chunk.first_position + 1:][:n]
+            top_ids = r.top_ids.tolist() if r.top_ids is not None else [[]] * n
+            top_vals = r.top_logprobs.tolist() if r.top_logprobs is not None else [[]] * n
             entries = [
                 token_logprobs(tok, lp, rank, ids, vals, seq.detokenizer.decode_token)
                 for tok, lp, rank, ids, vals in zip(
-                    r.token_ids.tolist(), r.logprobs.tolist(), r.ranks.tolist(),
-                    r.top_ids.tolist(), r.top_logprobs.tolist())
+                    targets, r.logprobs.tolist(), r.ranks.tolist(), top_ids, top_vals,
+                    strict=True)
             ]
             state.record_prompt_logprobs(chunk.first_position, entries)
             touched.add(state.request_id)
         return touched
 
     def _apply_samples(self, result: StepResult) -> set[str]:
-        sampled = result.sampler_output
-        if sampled is None:
+        if result.sampler_output is None:
             return set()
-        # One host transfer for the whole batch.
-        tokens = sampled.token_ids.tolist()
-        logprobs = sampled.logprobs.tolist()
-        ranks = sampled.ranks.tolist()
-        top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
-        top_vals = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-        touched = set()
+        rows = _HostSamples.of(result.sampler_output)
+        touched, beam_states = set(), {}
         now = time.time()
         for i, seq_id in enumerate(result.sampled_request_ids):
             seq = self._seqs.get(seq_id)
             if seq is None or seq.finished:
                 continue
-            seq.cumulative_logprob += logprobs[i]
-            if seq.logprobs is not None:
-                k = seq.request.params.logprobs
-                seq.logprobs.append(token_logprobs(
-                    tokens[i], logprobs[i], ranks[i], top_ids[i][:k] if k else [],
-                    top_vals[i][:k] if k else [], seq.detokenizer.decode_token))
-            self._append_token(seq, tokens[i])
             state = self._states[self._parent_id(seq.request)]
-            state.metrics.first_token_time = state.metrics.first_token_time or now
-            state.metrics.last_token_time = now
+            if state.beam is not None:
+                state.beam_offers[seq_id] = (rows.top_ids[i], rows.top_logprobs[i])
+                beam_states[state.request_id] = state
+                continue
+            self._apply_sample(seq, rows, i)
+            _record_token_time(state, now)
             touched.add(state.request_id)
+        for state in beam_states.values():
+            if self._beam_step(state):
+                _record_token_time(state, now)
+                touched.add(state.request_id)
         return touched
+
+    def _apply_sample(self, seq: SequenceState, rows: _HostSamples, i: int) -> None:
+        seq.cumulative_logprob += rows.logprobs[i]
+        if seq.logprobs is not None:
+            k = seq.request.params.logprobs
+            seq.logprobs.append(token_logprobs(
+                rows.tokens[i], rows.logprobs[i], rows.ranks[i],
+                rows.top_ids[i][:k] if k else [], rows.top_logprobs[i][:k] if k else [],
+                seq.detokenizer.decode_token))
+        self._append_token(seq, rows.tokens[i])
+
+    # ---- beam search --------------------------------------------------------------------
+    def _beam_step(self, state: RequestState) -> bool:
+        """Once every running beam has offered its candidates, choose the next beams. Returns
+        True when the search is done and the request has its outputs."""
+        if any(s.request.request_id not in state.beam_offers for s in state.seqs):
+            return False
+        beams = [BeamCandidates(s.request.output_token_ids, s.cumulative_logprob,
+                                *state.beam_offers.pop(s.request.request_id))
+                 for s in state.seqs]
+        continuations = state.beam.step(beams)
+        self._generation_tokens += len(beams)
+        if state.beam.done:
+            self._finish_beam_search(state)
+            return True
+        self._rebuild_beams(state, continuations)
+        return False
+
+    def _rebuild_beams(self, state: RequestState,
+                       continuations: list[BeamContinuation]) -> None:
+        """Turn this step's beams into the next: a beam chosen once continues in place, one
+        chosen again forks (sharing all its blocks), one not chosen is dropped (freeing its
+        own)."""
+        old = state.seqs
+        chosen: list[SequenceState] = []
+        for c in continuations:
+            parent = old[c.parent]
+            chosen.append(self._fork_beam(state, parent) if parent in chosen else parent)
+        for seq in old:
+            if seq not in chosen:
+                self._drop_seq(seq, RequestStatus.FINISHED_ABORTED)
+        for seq, c in zip(chosen, continuations):
+            seq.request.append_output(c.token_id)
+            seq.cumulative_logprob = c.cumulative_logprob
+        state.seqs = chosen
+
+    def _fork_beam(self, state: RequestState, parent: SequenceState) -> SequenceState:
+        child_id = f"{state.request_id}#{next(self._fork_ids)}"
+        request = self.scheduler.fork(parent.request, child_id)
+        return self._add_seq(state, request, parent.index)
+
+    def _drop_seq(self, seq: SequenceState, status: RequestStatus) -> None:
+        self.scheduler.finish(seq.request, status)
+        self._seqs.pop(seq.request.request_id, None)
+
+    def _finish_beam_search(self, state: RequestState) -> None:
+        for seq in state.seqs:
+            self._drop_seq(seq, RequestStatus.FINISHED_STOPPED)
+        state.seqs = []
+        state.beam_offers.clear()
+        params = state.params
+        state.beam_outputs = [
+            beam_completion(i, hypothesis, IncrementalDetokenizer(
+                self.tokenizer, state.prompt_token_ids, params) if params.detokenize else None)
+            for i, hypothesis in enumerate(state.beam.best(params.n))
+        ]
 
     def _append_token(self, seq: SequenceState, token: int) -> None:
         request = seq.request
         request.append_output(token)
         self._generation_tokens += 1
-        seq.detokenizer.append(token)
+        if request.params.detokenize:
+            seq.detokenizer.append(token)
         status = self._stop_status(seq, token)
         if status is not None:
             self.scheduler.finish(request, status)
@@ -347,4 +505,28 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            num_swapped=len(self.scheduler.swapped),
+            blocks_shared=pool.num_shared,
         )
+
+
+class _HostSamples(NamedTuple):
+    """A step's sampler output as host lists: one transfer per tensor for the whole batch."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+    @classmethod
+    def of(cls, sampled: SamplerOutput) -> _HostSamples:
+        return cls(
+            sampled.token_ids.tolist(), sampled.logprobs.tolist(), sampled.ranks.tolist(),
+            sampled.top_ids.tolist() if sampled.top_ids is not None else None,
+            sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None)
+
+
+def _record_token_time(state: RequestState, now: float) -> None:
+    state.metrics.first_token_time = state.metrics.first_token_time or now
+    state.metrics.last_token_time = now

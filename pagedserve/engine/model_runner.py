@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.engine.input_batch import build_inputs
 from pagedserve.logger import get_logger
@@ -62,6 +63,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.swap_cache: torch.Tensor | None = None  # host pool, allocated at the first swap
         self.block_size = 16
         self.graphs = None
 
@@ -94,6 +96,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None) -> StepResult:
+        self.apply_block_ops(out.block_ops)
         inputs = build_inputs(out, self.block_size, self.device)
         hidden = self._forward(inputs)
         sampled_ids = [s.request.request_id for s in out.scheduled if s.samples]
@@ -103,6 +106,27 @@ class ModelRunner:
             sampler_output = self.sampler(logits.float(), sampling)
         return StepResult(sampled_ids, sampler_output,
                           self._prompt_logprobs(out, hidden))
+
+    @torch.inference_mode()
+    def apply_block_ops(self, ops: BlockOps) -> None:
+        """Swap and copy whole blocks (all layers, keys and values) in the order the scheduler
+        relies on: swap-outs, swap-ins, then copy-on-write copies. The host swap pool is
+        allocated at the first swap, in page-locked memory where the platform wants it."""
+        if (ops.swap_out or ops.swap_in) and self.swap_cache is None:
+            shape = list(self.kv_cache.shape)
+            shape[2] = ops.num_host_blocks
+            self.swap_cache = torch.empty(shape, dtype=self.kv_cache.dtype,
+                                          pin_memory=self.platform.pin_swap_memory)
+        for pairs, src_cache, dst_cache in ((ops.swap_out, self.kv_cache, self.swap_cache),
+                                            (ops.swap_in, self.swap_cache, self.kv_cache)):
+            if pairs:
+                src, dst = torch.tensor(pairs, dtype=torch.int64).unbind(1)
+                self.platform.swap_blocks(src_cache, dst_cache, src, dst)
+                # The host side of a swap is read or reused as soon as this returns.
+                self.platform.synchronize()
+        if ops.copies:
+            src, dst = torch.tensor(ops.copies, dtype=torch.int64, device=self.device).unbind(1)
+            self.platform.copy_blocks(self.kv_cache, src, dst)
 
     def _forward(self, inputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs.meta):

@@ -1,5 +1,6 @@
 """Per-request bookkeeping above the core: the n (or best_of) token streams of one user
-request, their detokenizers, seeds and logprobs, and how they become a ``RequestOutput``."""
+request, or its running beams, with their detokenizers, seeds and logprobs, and how they become
+a ``RequestOutput``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.core.beam_search import BeamSearch, Hypothesis
 from pagedserve.core.request import Request
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import (
@@ -27,6 +29,7 @@ class SequenceState:
     generator: torch.Generator | None
     logprobs: list[TokenLogprobs] | None
     cumulative_logprob: float = 0.0
+    beam_candidates: int = 0  # next tokens a beam offers each step; 0 if not a beam
 
     @property
     def finished(self) -> bool:
@@ -52,8 +55,13 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
+    # The streams (for beam search: the running beams; none once the search is done).
     seqs: list[SequenceState] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    beam: BeamSearch | None = None
+    # Each running beam's (token ids, logprobs) offer, kept until every beam has made one.
+    beam_offers: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    beam_outputs: list[CompletionOutput] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -69,6 +77,19 @@ class RequestState:
 
     def to_output(self) -> RequestOutput:
         finished = self.finished
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
+            outputs=self._completions(finished),
+            finished=finished,
+            metrics=self.metrics,
+        )
+
+    def _completions(self, finished: bool) -> list[CompletionOutput]:
+        if self.beam is not None:
+            return list(self.beam_outputs)
         seqs = self.seqs
         if finished and self.params.best_of > self.params.n:
             # best_of: keep the n streams the model found most likely.
@@ -76,15 +97,25 @@ class RequestState:
         outputs = [s.completion() for s in seqs]
         for i, o in enumerate(outputs):
             o.index = i
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=self.prompt_logprobs,
-            outputs=outputs,
-            finished=finished,
-            metrics=self.metrics,
-        )
+        return outputs
+
+
+def beam_completion(index: int, hypothesis: Hypothesis,
+                    detokenizer: IncrementalDetokenizer | None) -> CompletionOutput:
+    """A finished beam as an output; ``detokenizer`` is fresh for this hypothesis, or None
+    for token ids only."""
+    if detokenizer is not None:
+        for token in hypothesis.token_ids:
+            detokenizer.append(token)
+        detokenizer.flush()
+    return CompletionOutput(
+        index=index,
+        text=detokenizer.text if detokenizer is not None else "",
+        token_ids=list(hypothesis.token_ids),
+        cumulative_logprob=hypothesis.cumulative_logprob,
+        logprobs=None,
+        finish_reason="stop" if hypothesis.stopped else "length",
+    )
 
 
 def token_logprobs(sampled: int, logprob: float, rank: int, top_ids: list[int],

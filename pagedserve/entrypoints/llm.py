@@ -61,6 +61,24 @@ class LLM:
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]
         return self._run(ids, use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        beam_width: int,
+        max_tokens: int,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        ignore_eos: bool = False,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Beam search as in HF transformers; each output lists all ``beam_width`` finished
+        beams, best first."""
+        params = SamplingParams(
+            n=beam_width, best_of=beam_width, use_beam_search=True, temperature=0.0,
+            max_tokens=max_tokens, length_penalty=length_penalty,
+            early_stopping=early_stopping, ignore_eos=ignore_eos)
+        return self.generate(prompts, params, use_tqdm)
+
     def chat(
         self,
         messages: ChatMessages | Sequence[ChatMessages],

@@ -125,6 +125,10 @@ class Platform:
         return None
 
     @classmethod
+    def release_cached_memory(cls) -> None:
+        """Hand memory freed by Python back to the device (allocator caches)."""
+
+    @classmethod
     def synchronize(cls) -> None:
         """Wait for queued device work; a no-op where execution is synchronous."""
 

@@ -83,7 +83,7 @@ def test_pool_exhaustion_preempts_newest_and_everyone_finishes():
             break
         out = _step(sched)
         for victim in out.preempted:
-            assert victim.num_computed_tokens == 0 and victim in sched.waiting
+            assert victim.num_computed_tokens == 0 and victim.group in sched.waiting
     assert not sched.has_unfinished
     assert all(r.num_output_tokens == 10 for r in reqs)
     assert sched.num_preemptions > 0

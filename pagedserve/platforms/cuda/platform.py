@@ -70,6 +70,10 @@ class CudaPlatform(Platform):
         return torch.cuda.max_memory_allocated()
 
     @classmethod
+    def release_cached_memory(cls) -> None:
+        torch.cuda.empty_cache()
+
+    @classmethod
     def synchronize(cls) -> None:
         torch.cuda.synchronize()
 

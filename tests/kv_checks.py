@@ -1,0 +1,93 @@
+"""Checks shared by the KV-sharing tests: pool bookkeeping, and a model-free KV cache.
+
+``SimulatedCache`` stores token ids where the real cache stores keys and values, and applies a
+step's ``BlockOps`` in the runner's order (swap-outs, swap-ins, copies). A stream whose context
+slots hold exactly its own tokens would attend over the right keys, so reading them back
+checks forks, copy-on-write, swaps and the prefix cache end to end.
+"""
+
+from __future__ import annotations
+
+from pagedserve.core.block_pool import BlockPool
+from pagedserve.core.kv_cache_manager import BlockOps, KVCacheManager
+from pagedserve.core.request import Request
+from pagedserve.core.scheduler import ScheduledRequest
+
+
+def check_pool(pool: BlockPool | None, tables: dict[str, list[int]]) -> None:
+    """Ref counts equal table references; a block is free exactly when nobody holds it."""
+    if pool is None:
+        assert not any(tables.values())
+        return
+    holders = [0] * pool.num_blocks
+    for table in tables.values():
+        for block in table:
+            holders[block] += 1
+    free = set(pool._free)
+    for block in range(pool.num_blocks):
+        assert pool.ref_counts[block] == holders[block] >= 0, f"block {block} count drifted"
+        assert (block in free) == (holders[block] == 0), f"block {block} free and in use"
+    assert pool.num_shared == sum(1 for h in holders if h > 1)
+
+
+def check_pools(kv: KVCacheManager) -> None:
+    check_pool(kv.pool, kv.tables)
+    check_pool(kv.host_pool, kv.host_tables)
+
+
+def assert_pools_full(kv: KVCacheManager) -> None:
+    assert kv.pool.num_free == kv.pool.num_blocks
+    assert kv.host_pool is None or kv.host_pool.num_free == kv.host_pool.num_blocks
+
+
+class SimulatedCache:
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        bs = kv.block_size
+        self.device = [[None] * bs for _ in range(kv.pool.num_blocks)]
+        num_host = kv.host_pool.num_blocks if kv.host_pool else 0
+        self.host = [[None] * bs for _ in range(num_host)]
+
+    def apply(self, ops: BlockOps) -> None:
+        for device, host in ops.swap_out:
+            self.host[host] = list(self.device[device])
+        for host, device in ops.swap_in:
+            self.device[device] = list(self.host[host])
+        # One gather, then one scatter, like the batched tensor copy.
+        rows = [list(self.device[src]) for src, _ in ops.copies]
+        for (_, dst), row in zip(ops.copies, rows):
+            self.device[dst] = row
+
+    def write(self, request: Request, table: list[int], start: int, num: int) -> None:
+        bs = self.kv.block_size
+        for pos in range(start, start + num):
+            self.device[table[pos // bs]][pos % bs] = request.all_token_ids[pos]
+
+    def read(self, table: list[int], num: int, host: bool = False) -> list[int | None]:
+        blocks = self.host if host else self.device
+        bs = self.kv.block_size
+        return [blocks[table[pos // bs]][pos % bs] for pos in range(num)]
+
+    def run_step(self, scheduled: list[ScheduledRequest]) -> None:
+        """Write every chunk's tokens, then check each stream sees its whole prefix; no two
+        streams may write the same slot."""
+        bs = self.kv.block_size
+        slots = [(item.block_ids[pos // bs], pos % bs) for item in scheduled
+                 for pos in range(item.num_computed_tokens,
+                                  item.num_computed_tokens + item.num_new_tokens)]
+        assert len(slots) == len(set(slots)), "two streams wrote the same slot"
+        for item in scheduled:
+            self.write(item.request, item.block_ids, item.num_computed_tokens,
+                       item.num_new_tokens)
+        for item in scheduled:
+            end = item.num_computed_tokens + item.num_new_tokens
+            assert self.read(item.block_ids, end) == item.request.all_token_ids[:end]
+
+    def check_request(self, request: Request) -> None:
+        """A resting stream's computed tokens are where its table says, in either pool."""
+        rid, n = request.request_id, request.num_computed_tokens
+        if rid in self.kv.host_tables:
+            got = self.read(self.kv.host_tables[rid], n, host=True)
+        else:
+            got = self.read(self.kv.tables.get(rid, []), n)
+        assert got == request.all_token_ids[:n], f"{rid} lost its cached tokens"
