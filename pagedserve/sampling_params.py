@@ -36,6 +36,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, no text (and no stop strings)
+    # "cumulative": a RequestOutput every step the request advances (streaming);
+    # "final_only": one when it finishes, which spares offline runs the per-step copies.
+    output_kind: str = "cumulative"
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # beam search: True, False or "never" (as in HF)
@@ -83,6 +86,8 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
              f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
+            (self.output_kind in ("cumulative", "final_only"), "output_kind",
+             f"output_kind must be cumulative or final_only, got {self.output_kind!r}"),
             (self.early_stopping in (True, False, "never"), "early_stopping",
              f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}"),
             (not (self.use_beam_search and self.stop), "stop",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA tests and H200 benchmarks in one go, for the device tool (or any NVIDIA machine).
-#   scripts/gpu_check.sh                 everything, in this order
+#   scripts/gpu_check.sh                 everything, most wanted first
 #   scripts/gpu_check.sh PART [PART...]  some of: engine-tests kernel-tests attention llama
 #                                        decode mixed smollm2 fp8
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
@@ -14,9 +14,9 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
-parts=${*:-engine-tests kernel-tests attention llama decode mixed smollm2 fp8}
+parts=${*:-llama engine-tests smollm2 decode fp8 mixed kernel-tests attention}
 bench() { python3 -m pagedserve.cli bench "$@" 2>&1 | grep -v "^INFO.*tqdm"; }
-common=(--device cuda --num-prompts 1000 --max-num-batched-tokens 8192)
+common=(--device cuda --num-prompts 1000 --max-num-batched-tokens 8192 --max-num-seqs 1024)
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
@@ -34,7 +34,7 @@ for part in $parts; do
     decode) bench decode --device cuda --shape llama3-8b --batch-sizes 1 32 128 256 \
         --context-len 512 --out "$OUT/decode_h200_llama3-8b.json" ;;
     mixed) bench throughput "${common[@]}" --shape llama3-8b --input-len 64 1024 \
-        --output-len 16 512 --hf-batch-sizes 64 --hf-max-prompts 128 \
+        --output-len 16 512 --hf-batch-sizes 64 --hf-max-prompts 64 \
         --out "$OUT/throughput_h200_llama3-8b_mixed.json" ;;
     smollm2) bench throughput "${common[@]}" --shape smollm2-135m --input-len 128 128 \
         --output-len 128 128 --hf-batch-sizes 128 256 --hf-max-prompts 512 \

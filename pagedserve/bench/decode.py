@@ -36,22 +36,25 @@ def copy_bandwidth(platform, nbytes: int = 1 << 30) -> float:
 
 
 def time_decode(engine, batch: int, context: int, steps: int) -> float:
-    """Median seconds per decode step with ``batch`` sequences at about ``context`` tokens."""
+    """Median seconds of the steps in which all ``batch`` sequences decode one token each and
+    no prompt token is computed."""
     from pagedserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True,
                             detokenize=False)
     for i in range(batch):
         engine.add_request([(i * 7 + j) % 1000 + 10 for j in range(context)], params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
-            or engine.scheduler.waiting:
-        engine.step()  # prefill (and the first decode) outside the timing
     times = []
     while engine.has_unfinished_requests():
+        before = engine.stats()
         start = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[:-1] or times)
+        elapsed = time.perf_counter() - start
+        after = engine.stats()
+        if (after.prompt_tokens == before.prompt_tokens
+                and after.generation_tokens - before.generation_tokens == batch):
+            times.append(elapsed)
+    return statistics.median(times)
 
 
 def main(args: argparse.Namespace) -> None:

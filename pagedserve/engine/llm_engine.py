@@ -484,6 +484,8 @@ class LLMEngine:
                     self._seqs.pop(seq.request.request_id, None)
                 del self._states[request_id]
                 state.metrics.finished_time = time.time()
+            elif state.params.output_kind == "final_only":
+                continue
             outputs.append(state.to_output())
         return outputs
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from pagedserve.config import EngineConfig
@@ -58,6 +59,8 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(prompt_list)} prompts but {len(params_list)} "
                                  "sampling params")
+        # Offline callers only read finished outputs; skip building the intermediate ones.
+        params_list = [dataclasses.replace(sp, output_kind="final_only") for sp in params_list]
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]
         return self._run(ids, use_tqdm)
 

@@ -109,7 +109,11 @@ class Platform:
     ) -> None:
         """Move blocks between the device pool and the host swap pool (either direction)."""
         moved = src_cache[:, :, src.to(src_cache.device)]
-        dst_cache[:, :, dst.to(dst_cache.device)] = moved.to(dst_cache.device, non_blocking=True)
+        # Only host-to-device copies may run ahead: a device-to-host result is scattered on
+        # the CPU right away, so that copy must have landed first.
+        to_device = dst_cache.device.type != "cpu"
+        dst_cache[:, :, dst.to(dst_cache.device)] = moved.to(dst_cache.device,
+                                                             non_blocking=to_device)
 
     @classmethod
     def reset_peak_memory(cls) -> None:
