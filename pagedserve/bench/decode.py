@@ -61,6 +61,10 @@ def main(args: argparse.Namespace) -> None:
     from pagedserve.bench.common import print_table, write_result
     from pagedserve.bench.throughput import engine_from_args
 
+    if args.max_num_batched_tokens is None:
+        # Every batch's prompts prefill in one step, so all its sequences then decode together.
+        args.max_num_batched_tokens = max(args.batch_sizes) * args.context_len
+    args.max_num_seqs = max(args.max_num_seqs, max(args.batch_sizes))
     llm = engine_from_args(args)
     engine = llm.engine
     bandwidth = copy_bandwidth(engine.platform)
