@@ -43,8 +43,7 @@ class TritonAttentionBackend(AttentionBackend):
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of: "
                              f"{', '.join(KV_CACHE_DTYPES)}")
-        super().__init__(num_heads, head_size, num_kv_heads, scale)
-        self.kv_cache_dtype = kv_cache_dtype
+        super().__init__(num_heads, head_size, num_kv_heads, scale, kv_cache_dtype)
         self.fp8 = kv_cache_dtype.startswith("fp8")  # every fp8 name means e4m3 here
         self.k_scale = torch.ones(1, dtype=torch.float32)
         self.v_scale = torch.ones(1, dtype=torch.float32)
