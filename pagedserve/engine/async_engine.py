@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from pagedserve.engine.llm_engine import EngineStats, LLMEngine
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.stats import EngineStats
 from pagedserve.logger import get_logger
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams

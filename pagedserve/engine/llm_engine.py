@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -27,6 +26,8 @@ from pagedserve.engine.request_state import (
     beam_completion,
     token_logprobs,
 )
+from pagedserve.engine.stats import EngineStats
+from pagedserve.engine.stop_conditions import stop_status
 from pagedserve.logger import get_logger
 from pagedserve.models import loader
 from pagedserve.outputs import RequestMetrics, RequestOutput
@@ -42,39 +43,6 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 class PromptTooLong(ValueError):
     """The prompt leaves no room to generate within the context window."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_blocks: int
-    blocks_used: int
-    blocks_free: int
-    kv_usage: float
-    kv_allocated_slots: int
-    kv_filled_slots: int
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-    num_swapped: int = 0  # requests whose KV blocks sit in the host swap pool
-    blocks_shared: int = 0  # device blocks held by more than one stream
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        """Share of queried prompt tokens served by the prefix cache."""
-        if not self.prefix_queried_tokens:
-            return 0.0
-        return self.prefix_hit_tokens / self.prefix_queried_tokens
-
-    @property
-    def kv_waste(self) -> float:
-        """Share of allocated slots not holding a token (internal fragmentation)."""
-        if not self.kv_allocated_slots:
-            return 0.0
-        return 1.0 - self.kv_filled_slots / self.kv_allocated_slots
 
 
 class LLMEngine:
@@ -454,24 +422,9 @@ class LLMEngine:
         self._generation_tokens += 1
         if request.params.detokenize:
             seq.detokenizer.append(token)
-        status = self._stop_status(seq, token)
+        status = stop_status(request, token, seq.detokenizer.stop_reason)
         if status is not None:
             self.scheduler.finish(request, status)
-
-    def _stop_status(self, seq: SequenceState, token: int) -> RequestStatus | None:
-        request, params = seq.request, seq.request.params
-        past_min = request.num_output_tokens >= params.min_tokens
-        if past_min and not params.ignore_eos and token in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if past_min and token in params.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if past_min and seq.detokenizer.stop_reason is not None:
-            request.stop_reason = seq.detokenizer.stop_reason
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _collect_outputs(self, touched: set[str]) -> list[RequestOutput]:
         outputs = []
