@@ -117,6 +117,8 @@ class KVCacheManager:
         """Reserve room for ``num_new_tokens`` after the request's computed (and newly cached)
         tokens, copying shared blocks they go into. Returns False, changing nothing, if that
         would leave fewer than ``reserve_blocks`` free."""
+        if not cached_blocks and self._fits_in_last_block(request, num_new_tokens):
+            return True
         needed = self.blocks_needed(request, num_new_tokens, cached_blocks)
         if needed + reserve_blocks > self.pool.num_free:
             return False
@@ -131,6 +133,16 @@ class KVCacheManager:
             table.append(self.pool.allocate())
         self._hash_full_blocks(request, table, num_tokens)
         return True
+
+    def _fits_in_last_block(self, request: Request, num_new_tokens: int) -> bool:
+        """The common decode case, decided without building lists: the tokens land in a block
+        the request alone holds and do not fill it (so nothing to copy, allocate or hash)."""
+        table = self.tables.get(request.request_id)
+        start = request.num_computed_tokens
+        block = start // self.block_size
+        return (table is not None and block < len(table)
+                and (start + num_new_tokens) // self.block_size == block
+                and self.pool.ref_counts[table[block]] == 1)
 
     def _shared_write_targets(self, request: Request, table: list[int],
                               num_new_tokens: int) -> list[int]:

@@ -21,7 +21,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+        return self in _FINISH_REASONS  # a dict lookup: checked for every stream every step
 
     @property
     def finish_reason(self) -> str | None:
