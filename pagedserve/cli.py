@@ -35,7 +35,7 @@ def _serve(args: argparse.Namespace) -> None:
 def _bench(args: argparse.Namespace) -> None:
     import importlib
 
-    importlib.import_module(f"pagedserve.bench.{args.bench_name}").main(args)
+    importlib.import_module(f"pagedserve.bench.{args.bench_name.replace('-', '_')}").main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,7 @@
 # The CUDA tests and H200 benchmarks in one go, for the device tool (or any NVIDIA machine).
 #   scripts/gpu_check.sh                 everything, most wanted first
 #   scripts/gpu_check.sh PART [PART...]  some of: engine-tests kernel-tests attention llama
-#                                        decode mixed smollm2 fp8
+#                                        decode step-overhead mixed smollm2 fp8
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
-parts=${*:-llama engine-tests smollm2 decode fp8 mixed kernel-tests attention}
+parts=${*:-llama engine-tests smollm2 decode step-overhead fp8 mixed kernel-tests attention}
 bench() { python3 -m pagedserve.cli bench "$@" 2>&1 | grep -v "^INFO.*tqdm"; }
 common=(--device cuda --num-prompts 1000 --max-num-batched-tokens 8192 --max-num-seqs 1024)
 
@@ -39,6 +39,7 @@ for part in $parts; do
     smollm2) bench throughput "${common[@]}" --shape smollm2-135m --input-len 128 128 \
         --output-len 128 128 --hf-batch-sizes 128 256 --hf-max-prompts 512 \
         --out "$OUT/throughput_h200_smollm2.json" ;;
+    step-overhead) bench step-overhead --device cuda --out "$OUT/step_overhead_h200.json" ;;
     fp8) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
         --output-len 128 128 --kv-cache-dtype fp8 --skip-hf \
         --out "$OUT/throughput_h200_llama3-8b_fp8.json" ;;

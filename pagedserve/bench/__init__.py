@@ -8,6 +8,7 @@ import importlib
 BENCHMARKS = {
     "throughput": "offline engine vs HF transformers static batching",
     "decode": "decode step time against the memory roofline",
+    "step-overhead": "host-side cost per sequence per decode step",
     "serve": "load a running server through its streaming API (TTFT, TPOT, ITL, throughput)",
     "sharing": "KV blocks saved by n/beam sharing, TTFT with prefix caching, ITL with "
                "chunked prefill",
@@ -17,4 +18,4 @@ BENCHMARKS = {
 def register_bench_commands(sub: argparse._SubParsersAction) -> None:
     for name, help_text in BENCHMARKS.items():
         parser = sub.add_parser(name, help=help_text)
-        importlib.import_module(f"pagedserve.bench.{name}").add_args(parser)
+        importlib.import_module(f"pagedserve.bench.{name.replace('-', '_')}").add_args(parser)

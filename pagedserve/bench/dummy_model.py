@@ -24,6 +24,14 @@ SHAPES: dict[str, dict] = {
         rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2,
     ),
+    # Compute-free: what is left of a step's time is the engine's host-side work.
+    "tiny-llama": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2,
+    ),
     "qwen2-7b": dict(
         architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064,
         hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
