@@ -88,6 +88,18 @@ def run_hf(model, device, work, batch_size: int) -> dict:
             "output_tok_s": out_tokens / t.seconds, "batch_size": batch_size}
 
 
+def run_hf_batches(args: argparse.Namespace, model_path, dtype, device, work) -> list[dict]:
+    """HF transformers on (the first ``--hf-max-prompts`` of) the same work, one row per
+    static batch size."""
+    from pagedserve.models.loader import resolve_model
+
+    path = resolve_model(model_path, require_weights=not args.shape).path
+    model = load_hf_model(path, dtype, device, bool(args.shape))
+    hf_work = work[:args.hf_max_prompts] if args.hf_max_prompts else work
+    return [{"system": f"hf-static-b{bs}", **run_hf(model, device, hf_work, bs)}
+            for bs in args.hf_batch_sizes]
+
+
 def engine_from_args(args: argparse.Namespace):
     """The LLM the flags describe; ``--shape`` swaps in random weights of a real shape."""
     import dataclasses
@@ -109,8 +121,6 @@ def engine_from_args(args: argparse.Namespace):
 
 def main(args: argparse.Namespace) -> None:
     import gc
-
-    from pagedserve.models.loader import resolve_model
 
     llm = engine_from_args(args)
     engine = llm.engine
@@ -139,17 +149,10 @@ def main(args: argparse.Namespace) -> None:
     del llm, engine
     gc.collect()
     platform.release_cached_memory()
-    rows = [{"system": "pagedserve", **ours}]
-    best = None
-    if not args.skip_hf:
-        path = resolve_model(model_path, require_weights=not args.shape).path
-        hf_model = load_hf_model(path, dtype, device, bool(args.shape))
-        hf_work = work[:args.hf_max_prompts] if args.hf_max_prompts else work
-        for bs in args.hf_batch_sizes:
-            hf = run_hf(hf_model, device, hf_work, bs)
-            rows.append({"system": f"hf-static-b{bs}", **hf})
-            best = hf if best is None or hf["output_tok_s"] > best["output_tok_s"] else best
-    ratio = ours["output_tok_s"] / best["output_tok_s"] if best else None
+    hf_rows = [] if args.skip_hf else run_hf_batches(args, model_path, dtype, device, work)
+    rows = [{"system": "pagedserve", **ours}, *hf_rows]
+    best = max((r["output_tok_s"] for r in hf_rows), default=None)
+    ratio = ours["output_tok_s"] / best if best else None
     print_table(f"throughput: {len(work)} prompts, inputs {args.input_len}, outputs "
                 f"{args.output_len}, device {setup['device']}, dtype {dtype}",
                 rows, ["system", "seconds", "output_tokens", "output_tok_s", "kv_waste"])
