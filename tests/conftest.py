@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run under Triton's interpreter, which must be chosen
+    # before anything imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagedserve.models.loader import resolve_model
 
