@@ -58,7 +58,10 @@ class Platform:
 
     @classmethod
     def attention_backend(cls) -> type[AttentionBackend]:
-        raise NotImplementedError
+        """Paged attention for this device; by default the portable torch implementation."""
+        from pagedserve.attention.torch_paged import TorchPagedAttention
+
+        return TorchPagedAttention
 
     @classmethod
     def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

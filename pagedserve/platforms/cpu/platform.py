@@ -36,12 +36,6 @@ class CpuPlatform(Platform):
         return torch.float32
 
     @classmethod
-    def attention_backend(cls):
-        from pagedserve.attention.torch_paged import TorchPagedAttention
-
-        return TorchPagedAttention
-
-    @classmethod
     def memory_info(cls) -> MemoryInfo:
         total = _meminfo_bytes("MemTotal")
         if total is None:

@@ -45,12 +45,6 @@ class HpuPlatform(Platform):
         return torch.bfloat16
 
     @classmethod
-    def attention_backend(cls):
-        from pagedserve.attention.torch_paged import TorchPagedAttention
-
-        return TorchPagedAttention
-
-    @classmethod
     def memory_info(cls) -> MemoryInfo:
         free, total = _hpu_module().mem_get_info()
         return MemoryInfo(free_bytes=free, total_bytes=total)
