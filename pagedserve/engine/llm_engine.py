@@ -32,7 +32,7 @@ from pagedserve.logger import get_logger
 from pagedserve.models import loader
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.platforms import resolve_platform
-from pagedserve.sample.metadata import SamplingMetadata
+from pagedserve.sample.metadata import SamplingMetadata, check_token_ids
 from pagedserve.sample.sampler import SamplerOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -169,6 +169,8 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self._check_prompt(token_ids, params)
+        # A bad id inside a batched scatter would fail the whole step, so reject it here.
+        check_token_ids(params, self.arch.vocab_size)
         state = RequestState(request_id, text, token_ids, params,
                              RequestMetrics(arrival_time=time.time()),
                              beam=self._beam_search(params, max_tokens))

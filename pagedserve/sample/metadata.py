@@ -64,9 +64,8 @@ class SamplingMetadata:
         eos_token_ids: Sequence[int],
     ) -> SamplingMetadata:
         """``vocab_size`` is the logits' width (the model's padded vocabulary), not the
-        tokenizer's. ``generators[i]`` is row i's request generator (on ``device``) or None."""
-        for p in params:
-            check_token_ids(p, vocab_size)
+        tokenizer's. ``generators[i]`` is row i's request generator (on ``device``) or None.
+        Token ids in the params must already be checked (``check_token_ids``, at admission)."""
         greedy = [p.is_greedy for p in params]
         return cls(
             all_greedy=all(greedy),
@@ -83,7 +82,7 @@ class SamplingMetadata:
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Reject token ids outside the vocabulary; the engine should call this when it admits a
+    """Reject token ids outside the vocabulary; the engine calls this when it admits a
     request, since an out-of-range index in a batched scatter would fail the whole step."""
     for name, ids in (("logit_bias", params.logit_bias or {}),
                       ("stop_token_ids", params.stop_token_ids)):

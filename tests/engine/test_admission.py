@@ -1,0 +1,38 @@
+"""Requests the engine cannot serve are rejected when added, and leave nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.llm_engine import PromptTooLong
+from tests.tiny_models import VOCAB, write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    folder = write_tiny_model(tmp_path_factory.mktemp("llama3"), "llama3")
+    return LLM(model=str(folder), device="cpu", kv_cache_memory_bytes=1 << 20, max_model_len=64)
+
+
+@pytest.mark.parametrize("prompt,params,error", [
+    ([5, 6], SamplingParams(logit_bias={VOCAB: 1.0}), "logit_bias"),
+    ([5, 6], SamplingParams(stop_token_ids=[VOCAB + 3]), "stop_token_ids"),
+    ([5, VOCAB], SamplingParams(), "prompt token ids"),
+    ([], SamplingParams(), "empty"),
+    (list(range(3, 67)), SamplingParams(), "context length is 64"),
+])
+def test_bad_request_is_rejected_and_engine_keeps_serving(llm, prompt, params, error):
+    engine = llm.engine
+    with pytest.raises(ValueError, match=error):
+        engine.add_request(prompt, params)
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.pool.num_free == engine.kv.num_blocks
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) >= 1
+
+
+def test_prompt_too_long_names_both_numbers(llm):
+    with pytest.raises(PromptTooLong, match="70 tokens.*64"):
+        llm.engine.add_request(list(range(3, 73)), SamplingParams())
