@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from pagedserve.sample.metadata import SamplingMetadata
+from pagedserve.sample.metadata import SamplingMetadata, check_token_ids
 from pagedserve.sample.sampler import Sampler, process_logits, prompt_logprobs, truncate
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 
@@ -233,9 +233,11 @@ def test_min_tokens_blocks_eos_and_stop_tokens():
 
 
 def test_out_of_vocab_token_ids_are_rejected():
+    # The engine runs this check at admission; build() trusts checked params.
     with pytest.raises(InvalidSamplingParam) as err:
-        build([SamplingParams(logit_bias={40: 1.0})], vocab_size=40)
+        check_token_ids(SamplingParams(logit_bias={40: 1.0}), vocab_size=40)
     assert err.value.param == "logit_bias"
+    check_token_ids(SamplingParams(logit_bias={39: 1.0}), vocab_size=40)
 
 
 # ---- truncation ----------------------------------------------------------------------------
