@@ -24,11 +24,15 @@ class CudaPlatform(Platform):
             raise PlatformUnavailable(
                 "no CUDA device: torch.cuda.is_available() is False in this torch build "
                 f"({torch.__version__})")
+        cls._require_triton("pip install triton")
+
+    @classmethod
+    def _require_triton(cls, how_to_install: str) -> None:
         try:
             import triton  # noqa: F401
         except ImportError as exc:
             raise PlatformUnavailable(
-                "the cuda platform needs triton: pip install triton") from exc
+                f"the {cls.name} platform needs triton: {how_to_install}") from exc
 
     @classmethod
     def device(cls) -> torch.device:

@@ -29,11 +29,7 @@ class RocmPlatform(CudaPlatform):
                 f"no ROCm device: this torch build ({torch.__version__}) has no HIP support")
         if not torch.cuda.is_available():
             raise PlatformUnavailable("no ROCm device: torch sees no AMD GPU")
-        try:
-            import triton  # noqa: F401
-        except ImportError as exc:
-            raise PlatformUnavailable(
-                "the rocm platform needs triton (pytorch-triton-rocm)") from exc
+        cls._require_triton("pip install pytorch-triton-rocm")
 
     @classmethod
     def default_dtype(cls) -> torch.dtype:
