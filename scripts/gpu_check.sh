@@ -2,7 +2,7 @@
 # The CUDA tests and H200 benchmarks in one go, for the device tool (or any NVIDIA machine).
 #   scripts/gpu_check.sh                 everything, most wanted first
 #   scripts/gpu_check.sh PART [PART...]  some of: engine-tests kernel-tests attention llama
-#                                        decode step-overhead mixed smollm2 fp8
+#                                        llama-breakdown decode step-overhead mixed smollm2 fp8
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,11 +26,15 @@ for part in $parts; do
     engine-tests) python3 -m pytest -q -m cuda -p no:cacheprovider \
         tests/platforms/cuda/test_engine_cuda.py -s 2>&1 | tee "$OUT/gpu_engine_tests.log" ;;
     kernel-tests) python3 -m pytest -q -m cuda -p no:cacheprovider \
-        tests/platforms/cuda/test_triton_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" ;;
+        tests/platforms/cuda/test_triton_kernels.py tests/platforms/cuda/test_layer_kernels.py \
+        2>&1 | tee "$OUT/gpu_kernel_tests.log" ;;
     attention) python3 scripts/bench_attention.py --out "$OUT/attention_h200.json" ;;
     llama) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
         --output-len 128 128 --hf-batch-sizes 128 --hf-max-prompts 256 \
         --out "$OUT/throughput_h200_llama3-8b_128.json" ;;
+    llama-breakdown) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
+        --output-len 128 128 --skip-hf --breakdown \
+        --out "$OUT/throughput_h200_llama3-8b_128_breakdown.json" ;;
     decode) bench decode --device cuda --shape llama3-8b --batch-sizes 1 32 128 256 \
         --context-len 512 --out "$OUT/decode_h200_llama3-8b.json" ;;
     mixed) bench throughput "${common[@]}" --shape llama3-8b --input-len 64 1024 \

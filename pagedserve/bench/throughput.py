@@ -29,13 +29,48 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "(dummy load format), e.g. llama3-8b, smollm2-135m")
     parser.add_argument("--profile", action="store_true",
                         help="print where the engine's host time goes (cProfile, top 30)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="time scheduling, the forward pass (synchronized) and output "
+                             "handling separately; adds one device sync per step")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
 
 
-def run_engine(llm, work) -> dict:
+class PhaseTimes:
+    """Seconds spent in the scheduler and in the forward pass of ``engine``'s steps, measured
+    by wrapping both; the forward is followed by a device sync so its time is the device's."""
+
+    def __init__(self, engine) -> None:
+        import time
+
+        self.schedule = self.execute = 0.0
+        schedule, execute = engine.scheduler.schedule, engine.runner.execute
+        sync = engine.platform.synchronize
+
+        def timed_schedule():
+            start = time.perf_counter()
+            out = schedule()
+            self.schedule += time.perf_counter() - start
+            return out
+
+        def timed_execute(*args):
+            start = time.perf_counter()
+            result = execute(*args)
+            sync()
+            self.execute += time.perf_counter() - start
+            return result
+
+        engine.scheduler.schedule, engine.runner.execute = timed_schedule, timed_execute
+
+    def as_dict(self, total: float) -> dict:
+        return {"schedule_s": self.schedule, "forward_s": self.execute,
+                "other_host_s": total - self.schedule - self.execute}
+
+
+def run_engine(llm, work, breakdown: bool = False) -> dict:
     from pagedserve.sampling_params import SamplingParams
 
     engine = llm.engine
+    phases = PhaseTimes(engine) if breakdown else None
     for item in work:
         engine.add_request(item.prompt_token_ids, SamplingParams(
             max_tokens=item.output_len, temperature=0.0, ignore_eos=True, detokenize=False,
@@ -52,7 +87,8 @@ def run_engine(llm, work) -> dict:
     out_tokens = sum(w.output_len for w in work)
     return {"seconds": t.seconds, "output_tokens": out_tokens,
             "output_tok_s": out_tokens / t.seconds, "steps": steps,
-            "kv_waste": 1 - filled / allocated if allocated else 0.0}
+            "kv_waste": 1 - filled / allocated if allocated else 0.0,
+            **(phases.as_dict(t.seconds) if phases else {})}
 
 
 def load_hf_model(model_path, dtype, device, random_weights: bool):
@@ -132,10 +168,10 @@ def main(args: argparse.Namespace) -> None:
         import pstats
 
         profiler = cProfile.Profile()
-        ours = profiler.runcall(run_engine, llm, work)
+        ours = profiler.runcall(run_engine, llm, work, args.breakdown)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     else:
-        ours = run_engine(llm, work)
+        ours = run_engine(llm, work, args.breakdown)
     setup = {
         "model": engine.model_name, "device": engine.platform.name,
         "dtype": str(engine.dtype), "num_prompts": len(work),
@@ -156,6 +192,9 @@ def main(args: argparse.Namespace) -> None:
     print_table(f"throughput: {len(work)} prompts, inputs {args.input_len}, outputs "
                 f"{args.output_len}, device {setup['device']}, dtype {dtype}",
                 rows, ["system", "seconds", "output_tokens", "output_tok_s", "kv_waste"])
+    if args.breakdown:
+        print_table("where the engine's time went (seconds)", [ours],
+                    ["seconds", "schedule_s", "forward_s", "other_host_s", "steps"])
     if ratio is not None:
         print(f"\nratio pagedserve / best HF static batch = {ratio:.2f}x")
     write_result(f"throughput_{setup['device']}_{setup['model']}", {

@@ -58,7 +58,8 @@ class ModelRunner:
         backend = backend_cls(arch.num_heads, arch.head_dim, arch.num_kv_heads,
                               arch.head_dim ** -0.5, kv_cache_dtype=kv_cache_dtype)
         with torch.device(self.device):
-            model = model_class(arch.architecture)(arch, backend, max_model_len)
+            model = model_class(arch.architecture)(arch, backend, max_model_len,
+                                                    platform.layer_ops())
         self.model = model.to(dtype=dtype).eval()
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
@@ -145,17 +146,25 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int, max_num_seqs: int, block_size: int) -> int:
         """Peak device bytes of a forward over ``num_tokens`` prompt tokens plus sampling for
-        ``max_num_seqs`` rows, with a throwaway KV pool just large enough."""
+        ``max_num_seqs`` rows, with a throwaway KV pool just large enough. The tokens are split
+        into prompts of at most ``max_model_len``, as a real step's would be."""
         from pagedserve.core.request import Request
         from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
         from pagedserve.sampling_params import SamplingParams
 
-        num_blocks = -(-num_tokens // block_size)
+        lengths = [min(self.max_model_len, num_tokens - start)
+                   for start in range(0, num_tokens, self.max_model_len)]
+        tables, next_block = [], 0
+        for n in lengths:
+            blocks = -(-n // block_size)
+            tables.append(list(range(next_block, next_block + blocks)))
+            next_block += blocks
         self.platform.reset_peak_memory()
-        self.allocate_kv_cache(KVCacheSpec(num_blocks, block_size, self.kv_dtype))
-        dummy = Request("profile", [0] * num_tokens, SamplingParams(), max_tokens=1)
-        out = SchedulerOutput([ScheduledRequest(dummy, 0, num_tokens, list(range(num_blocks)),
-                                                samples=True)])
+        self.allocate_kv_cache(KVCacheSpec(next_block, block_size, self.kv_dtype))
+        out = SchedulerOutput([
+            ScheduledRequest(Request(f"profile-{i}", [0] * n, SamplingParams(), max_tokens=1),
+                             0, n, table, samples=True)
+            for i, (n, table) in enumerate(zip(lengths, tables))])
         hidden = self._forward(build_inputs(out, block_size, self.device))
         rows = hidden[-1:].expand(max_num_seqs, -1)
         self.model.compute_logits(rows).float().softmax(-1)

@@ -14,6 +14,7 @@ from torch import nn
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.config import ModelArchConfig
+from pagedserve.models.layer_ops import LayerOps
 from pagedserve.models.layers import PagedAttention, RMSNorm, SiluAndMul
 from pagedserve.models.rotary import RotaryEmbedding
 
@@ -52,12 +53,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, ops: type[LayerOps]) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(ops)
 
     def shard_sizes(self) -> list[int]:
         return [self.intermediate_size, self.intermediate_size]
@@ -68,12 +69,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, ops: type[LayerOps]) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, backend)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
         if residual is None:
@@ -87,14 +88,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend,
-                 max_positions: int) -> None:
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
+                 ops: type[LayerOps]) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+                                 ops)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            LlamaDecoderLayer(cfg, rotary, backend, ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
@@ -105,11 +107,11 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend,
-                 max_positions: int) -> None:
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
+                 ops: type[LayerOps]) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend, max_positions)
+        self.model = LlamaModel(cfg, backend, max_positions, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.models.layer_ops import LayerOps
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     """Llama 3.1's frequency-dependent scaling: long wavelengths are divided by ``factor``,
@@ -42,23 +44,17 @@ def inverse_frequencies(head_dim: int, theta: float,
 
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None) -> None:
+                 scaling: dict[str, Any] | None, ops: type[LayerOps]) -> None:
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         # Plain attributes, not buffers: the tables stay float32 when the model is cast to a
         # lower precision, as in the reference implementation.
         self.cos, self.sin = angles.cos(), angles.sin()
+        self.ops = ops
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[T, H, D]``, k ``[T, Hkv, D]`` rotated by each row's position."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return rotated.to(x.dtype)
+        """q ``[T, H, D]``, k ``[T, Hkv, D]`` rotated by each row's position (possibly in
+        place)."""
+        return self.ops.rotary(positions, q, k, self.cos, self.sin)

@@ -12,6 +12,7 @@ import torch
 
 if TYPE_CHECKING:
     from pagedserve.attention.backend import AttentionBackend
+    from pagedserve.models.layer_ops import LayerOps
 
 
 class PlatformUnavailable(RuntimeError):
@@ -62,6 +63,13 @@ class Platform:
         from pagedserve.attention.torch_paged import TorchPagedAttention
 
         return TorchPagedAttention
+
+    @classmethod
+    def layer_ops(cls) -> type[LayerOps]:
+        """RMSNorm, SwiGLU and rotary embeddings for this device; by default plain torch."""
+        from pagedserve.models.layer_ops import LayerOps
+
+        return LayerOps
 
     @classmethod
     def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

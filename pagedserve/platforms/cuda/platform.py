@@ -49,6 +49,12 @@ class CudaPlatform(Platform):
         return TritonAttentionBackend
 
     @classmethod
+    def layer_ops(cls):
+        from pagedserve.platforms.cuda.layer_ops import TritonLayerOps
+
+        return TritonLayerOps
+
+    @classmethod
     def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
         return torch.float8_e4m3fn if kv_cache_dtype.startswith("fp8") else model_dtype
 

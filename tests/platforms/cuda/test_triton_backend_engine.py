@@ -1,5 +1,6 @@
-"""The whole engine on the Triton backend, on the CPU under Triton's interpreter: greedy tokens
-equal the portable torch backend's, with chunked prefill reading context back from the cache.
+"""The whole engine on the Triton kernels (attention and fused layer ops), on the CPU under
+Triton's interpreter: greedy tokens equal the portable torch ops', with chunked prefill reading
+context back from the cache.
 
 Runs in a fresh process because the interpreter must be chosen before triton is imported.
 """
@@ -22,6 +23,7 @@ SCRIPT = textwrap.dedent("""
     from pagedserve import LLM, SamplingParams
     from pagedserve.platforms.cpu.platform import CpuPlatform
     from pagedserve.platforms.cuda.attention import TritonAttentionBackend
+    from pagedserve.platforms.cuda.layer_ops import TritonLayerOps
 
     folder = sys.argv[1]
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 61)), [300, 3]]
@@ -34,6 +36,7 @@ SCRIPT = textwrap.dedent("""
 
     reference = run()
     CpuPlatform.attention_backend = classmethod(lambda cls: TritonAttentionBackend)
+    CpuPlatform.layer_ops = classmethod(lambda cls: TritonLayerOps)
     got = run()
     print(reference, got)
     sys.exit(0 if got == reference else 1)
