@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA tests and H200 benchmarks in one go, for the device tool (or any NVIDIA machine).
 #   scripts/gpu_check.sh                 everything, most wanted first
-#   scripts/gpu_check.sh PART [PART...]  some of: engine-tests kernel-tests attention llama
+#   scripts/gpu_check.sh PART [PART...]  some of: engine-tests kernel-tests layer-tests llama
 #                                        llama-breakdown decode step-overhead mixed smollm2 fp8
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
@@ -14,7 +14,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
-parts=${*:-llama engine-tests smollm2 decode step-overhead fp8 mixed kernel-tests attention}
+parts=${*:-llama engine-tests layer-tests smollm2 decode step-overhead fp8 mixed kernel-tests attention}
 bench() { python3 -m pagedserve.cli bench "$@" 2>&1 | grep -v "^INFO.*tqdm"; }
 common=(--device cuda --num-prompts 1000 --max-num-batched-tokens 8192 --max-num-seqs 1024)
 
@@ -26,8 +26,9 @@ for part in $parts; do
     engine-tests) python3 -m pytest -q -m cuda -p no:cacheprovider \
         tests/platforms/cuda/test_engine_cuda.py -s 2>&1 | tee "$OUT/gpu_engine_tests.log" ;;
     kernel-tests) python3 -m pytest -q -m cuda -p no:cacheprovider \
-        tests/platforms/cuda/test_triton_kernels.py tests/platforms/cuda/test_layer_kernels.py \
-        2>&1 | tee "$OUT/gpu_kernel_tests.log" ;;
+        tests/platforms/cuda/test_triton_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" ;;
+    layer-tests) python3 -m pytest -q -p no:cacheprovider \
+        tests/platforms/cuda/test_layer_kernels.py 2>&1 | tee "$OUT/gpu_layer_tests.log" ;;
     attention) python3 scripts/bench_attention.py --out "$OUT/attention_h200.json" ;;
     llama) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
         --output-len 128 128 --hf-batch-sizes 128 --hf-max-prompts 256 \
