@@ -31,6 +31,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"
     enforce_eager: bool = False
+    # Schedule step N+1 while step N computes; None: where the platform's host runs ahead.
+    async_scheduling: bool | None = None
     seed: int = 0
     served_model_name: str | None = None
     # "dummy" fills the weights with random values on the device instead of reading them:

@@ -36,6 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    action="store_false")
     g.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES)
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the device computes this one "
+                        "(default: on for GPUs)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
@@ -51,6 +54,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         preemption_mode=args.preemption_mode, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         seed=args.seed, served_model_name=args.served_model_name,
         load_format=args.load_format,
     )

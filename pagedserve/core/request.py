@@ -52,6 +52,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
+    # Tokens sampled by steps that ran but not yet appended: with async scheduling the next
+    # step is scheduled (and reads its input token on the device) before the host sees them.
+    num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     group: SequenceGroup | None = field(default=None, repr=False)
@@ -64,6 +67,11 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens the request has, counting sampled ones the host has not seen yet."""
+        return len(self.all_token_ids) + self.num_pending_tokens
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -72,6 +80,8 @@ class Request:
         return len(self.output_token_ids)
 
     def append_output(self, token_id: int) -> None:
+        if self.num_pending_tokens:
+            self.num_pending_tokens -= 1
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 

@@ -82,6 +82,7 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv.num_blocks)
+        self._schedule_pending = False
 
     def add_request(self, request: Request) -> None:
         self.add_group(SequenceGroup([request]))
@@ -93,7 +94,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, schedule_pending: bool = False) -> SchedulerOutput:
+        """The next step. With ``schedule_pending`` a stream whose last sampled token is still
+        in flight computes it (async scheduling: the runner takes that input token from the
+        previous step's output on the device); otherwise such a stream waits."""
+        self._schedule_pending = schedule_pending
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
@@ -135,15 +140,21 @@ class Scheduler:
     def _next_chunk(self, group: SequenceGroup, seq: Request, budget: int) -> _Chunk | None:
         """The tokens ``seq`` computes next under ``budget``, or None if it has none to run.
         The root of pending forks stops one token short: each fork computes the last one."""
+        num_tokens = self._num_tokens(seq)
+        if num_tokens - seq.num_prompt_tokens >= seq.max_tokens:
+            return None  # the token in flight is its last
         cached = self._cached_prefix(seq)
         start = seq.num_computed_tokens + len(cached) * self.kv.block_size
-        num_left = seq.num_tokens - start - (1 if group.pending_forks else 0)
+        num_left = num_tokens - start - (1 if group.pending_forks else 0)
         num_new = min(num_left, budget)
         if num_new < num_left and not self.config.enable_chunked_prefill:
             return None
         if num_new == 0 and not cached:
             return None
         return _Chunk(cached, num_new)
+
+    def _num_tokens(self, seq: Request) -> int:
+        return seq.num_known_tokens if self._schedule_pending else seq.num_tokens
 
     def _cached_prefix(self, seq: Request) -> list[int]:
         # Prompt logprobs need every prompt position computed, so they bypass the cache.
@@ -252,15 +263,17 @@ class Scheduler:
         computed = request.num_computed_tokens
         out.scheduled.append(ScheduledRequest(
             request, computed, num_new, self.kv.block_table(request.request_id),
-            samples=computed + num_new == request.num_tokens,
+            samples=computed + num_new == self._num_tokens(request),
         ))
 
     # ---- after the step -----------------------------------------------------------------
     def advance(self, out: SchedulerOutput) -> None:
-        """Mark the scheduled tokens computed; call once the step's forward pass ran."""
+        """Mark the scheduled tokens computed, and each sampled token pending until the engine
+        appends it; call once the step's forward pass is queued."""
         for item in out.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
             if item.samples:
+                item.request.num_pending_tokens += 1
                 item.request.group.resumed = False
 
     def fork(self, parent: Request, child_id: str) -> Request:

@@ -8,7 +8,17 @@ import numpy as np
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.core.request import Request
 from pagedserve.core.scheduler import SchedulerOutput
+
+
+@dataclass
+class InFlightTokens:
+    """The tokens sampled by the step before this one, still on the device: under async
+    scheduling a stream's next input can be one of them, unknown to the host."""
+
+    token_ids: torch.Tensor  # int64 [num_sampled], on the device
+    rows: dict[Request, int]  # stream -> its row in token_ids
 
 
 @dataclass
@@ -20,14 +30,22 @@ class ModelInputs:
     logits_indices: torch.Tensor  # int64 [num_sampling]
 
 
-def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
+                 in_flight: InFlightTokens | None = None) -> ModelInputs:
     """Pack every scheduled chunk back to back. The loop is per sequence; everything per token
-    is a numpy array op."""
+    is a numpy array op. A chunk ending in a token still in flight (``in_flight``) gets it
+    copied from the previous step's output on the device."""
     ids, query_lens, context_lens, tables, sample_rows = [], [], [], [], []
+    fill_rows, fill_sources = [], []
     row = 0
     for item in out.scheduled:
         start, n = item.num_computed_tokens, item.num_new_tokens
-        ids.append(item.request.all_token_ids[start:start + n])
+        tokens = item.request.all_token_ids[start:start + n]
+        if len(tokens) < n:  # only the last token can be in flight
+            fill_rows.append(row + n - 1)
+            fill_sources.append(in_flight.rows[item.request])
+            tokens = [*tokens, 0]
+        ids.append(tokens)
         query_lens.append(n)
         context_lens.append(start)
         tables.append(item.block_ids)
@@ -65,9 +83,13 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device) ->
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens_np.tolist(),
     )
+    input_ids = to_dev(np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
+                       torch.int64)
+    if fill_rows:
+        input_ids[to_dev(np.asarray(fill_rows), torch.int64)] = in_flight.token_ids[
+            to_dev(np.asarray(fill_sources), torch.int64)]
     return ModelInputs(
-        input_ids=to_dev(np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
-                         torch.int64),
+        input_ids=input_ids,
         positions=to_dev(positions, torch.int64),
         meta=meta,
         logits_indices=to_dev(np.asarray(sample_rows, dtype=np.int64), torch.int64),

@@ -2,6 +2,14 @@
 
 One step = schedule -> run the model -> apply the sampled tokens (stop checks, detokenizing,
 freeing finished requests' blocks). Everything device-specific sits behind the platform.
+
+Async scheduling (default where the platform's host runs ahead of the device): a step queues
+its forward pass, then applies the previous step's tokens while the device computes, so the
+host's per-step work hides behind the device's. The step after is scheduled before the host
+has seen those tokens; a stream then takes its next input from the previous step's output on
+the device, and a stream that turns out to have stopped wastes one step, whose token is
+dropped. Requests whose next logits depend on the host's view of earlier tokens (penalties,
+min_tokens, beam search, prompt logprobs) switch the engine back to one step at a time.
 """
 
 from __future__ import annotations
@@ -80,6 +88,10 @@ class LLMEngine:
             preemption_mode=config.preemption_mode,
         ), self.kv)
         self.eos_token_ids = self._eos_token_ids()
+        self.async_scheduling = (self.platform.runs_ahead if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._in_flight: StepResult | None = None  # the queued step not yet applied
+        self._num_step_by_step = 0  # unfinished requests that need synchronous steps
         self._states: dict[str, RequestState] = {}
         self._seqs: dict[str, SequenceState] = {}
         self._prompt_tokens = self._generation_tokens = 0
@@ -186,6 +198,7 @@ class LLMEngine:
         self.scheduler.add_group(SequenceGroup(requests[:1], width=params.best_of,
                                                pending_forks=requests[1:]))
         self._states[request_id] = state
+        self._num_step_by_step += not _can_run_ahead(params)
         return request_id
 
     def _add_seq(self, state: RequestState, request: Request, index: int) -> SequenceState:
@@ -253,37 +266,60 @@ class LLMEngine:
         return generator
 
     def abort_request(self, request_id: str) -> None:
-        state = self._states.pop(request_id, None)
+        state = self._states.get(request_id)
         if state is None:
             return
+        self._forget(state)
         for seq in state.seqs:
             self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
-            self._seqs.pop(seq.request.request_id, None)
+        if not self._states:
+            self._in_flight = None  # it computes for aborted requests only
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        run_ahead = self.async_scheduling and not self._num_step_by_step
+        if self._in_flight is not None and not run_ahead:
+            return self._apply(self._take_in_flight())  # settle before a synchronous step
+        out = self.scheduler.schedule(schedule_pending=run_ahead)
         if out.is_empty:
             # Nothing runs, but preempted streams' blocks must still reach the swap pool.
             self.runner.apply_block_ops(out.block_ops)
-            return []
+            return self._apply(self._take_in_flight()) if self._in_flight is not None else []
         now = time.time()
         for item in out.scheduled:
             metrics = self._states[self._parent_id(item.request)].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
                 metrics.num_cached_tokens = item.request.num_cached_tokens
-        result = self.runner.execute(out, self._sampling_metadata(out))
+        previous = self._in_flight
+        result = self.runner.execute(out, self._sampling_metadata(out),
+                                     previous.in_flight_tokens() if previous else None)
         self.scheduler.advance(out)
         self._prompt_tokens += sum(
             max(0, min(s.num_new_tokens, s.request.num_prompt_tokens - s.num_computed_tokens))
             for s in out.scheduled)
+        if not run_ahead:
+            return self._apply(result)
+        # The device computes this step while the host applies the previous one.
+        self._in_flight = result
+        return self._apply(previous) if previous is not None else []
+
+    def _take_in_flight(self) -> StepResult:
+        result, self._in_flight = self._in_flight, None
+        return result
+
+    def _apply(self, result: StepResult) -> list[RequestOutput]:
+        """A computed step's effects: prompt logprobs, sampled tokens, finished requests."""
         touched = self._apply_prompt_logprobs(result)
         touched |= self._apply_samples(result)
-        return self._collect_outputs(touched)
+        outputs = self._collect_outputs(touched)
+        if not self._states:
+            # Everything the step in flight computes belongs to finished requests.
+            self._in_flight = None
+        return outputs
 
     def _parent_id(self, request: Request) -> str:
         return request.request_id.split("#", 1)[0]
@@ -331,12 +367,15 @@ class LLMEngine:
     def _apply_samples(self, result: StepResult) -> set[str]:
         if result.sampler_output is None:
             return set()
-        rows = _HostSamples.of(result.sampler_output)
+        rows = _HostSamples.of(self.runner.fetch_samples(result))
         touched, beam_states = set(), {}
         now = time.time()
-        for i, seq_id in enumerate(result.sampled_request_ids):
+        for i, request in enumerate(result.sampled):
+            seq_id = request.request_id
             seq = self._seqs.get(seq_id)
-            if seq is None or seq.finished:
+            # A stream that stopped (or was aborted, its id perhaps reused) since the step was
+            # scheduled: its token is dropped.
+            if seq is None or seq.request is not request or seq.finished:
                 continue
             state = self._states[self._parent_id(seq.request)]
             if state.beam is not None:
@@ -436,13 +475,20 @@ class LLMEngine:
                 for seq in state.seqs:
                     if seq.detokenizer.stop_reason is None:
                         seq.detokenizer.flush()
-                    self._seqs.pop(seq.request.request_id, None)
-                del self._states[request_id]
+                self._forget(state)
                 state.metrics.finished_time = time.time()
             elif state.params.output_kind == "final_only":
                 continue
             outputs.append(state.to_output())
         return outputs
+
+    def _forget(self, state: RequestState) -> None:
+        """Drop a finished or aborted request's bookkeeping (its streams stay in
+        ``state.seqs``)."""
+        for seq in state.seqs:
+            self._seqs.pop(seq.request.request_id, None)
+        del self._states[state.request_id]
+        self._num_step_by_step -= not _can_run_ahead(state.params)
 
     # ---- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -482,6 +528,15 @@ class _HostSamples(NamedTuple):
             sampled.token_ids.tolist(), sampled.logprobs.tolist(), sampled.ranks.tolist(),
             sampled.top_ids.tolist() if sampled.top_ids is not None else None,
             sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None)
+
+
+def _can_run_ahead(params: SamplingParams) -> bool:
+    """Whether a request's next step may be scheduled before the host has seen its last token:
+    not when the next logits read the outputs so far (penalties, min_tokens), when the host
+    picks the tokens (beam search) or when prompt logprobs are read back as they are made."""
+    return not (params.use_beam_search or params.min_tokens or params.prompt_logprobs is not None
+                or params.repetition_penalty != 1.0 or params.presence_penalty
+                or params.frequency_penalty)
 
 
 def _record_token_time(state: RequestState, now: float) -> None:

@@ -9,12 +9,13 @@ from typing import NamedTuple
 import torch
 
 from pagedserve.core.kv_cache_manager import BlockOps
+from pagedserve.core.request import Request
 from pagedserve.core.scheduler import SchedulerOutput
-from pagedserve.engine.input_batch import build_inputs
+from pagedserve.engine.input_batch import InFlightTokens, build_inputs
 from pagedserve.logger import get_logger
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.registry import model_class
-from pagedserve.platforms.interface import Platform
+from pagedserve.platforms.interface import DeviceEvent, Platform
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
 
@@ -40,9 +41,18 @@ class PromptLogprobsChunk(NamedTuple):
 
 
 class StepResult(NamedTuple):
-    sampled_request_ids: list[str]
-    sampler_output: SamplerOutput | None
+    sampled: list[Request]  # the streams that sampled, in sampler row order
+    sampler_output: SamplerOutput | None  # on the device
+    # The same, copied to the host without blocking; readable once ``ready`` has passed.
+    host_output: SamplerOutput | None
+    ready: DeviceEvent | None
     prompt_logprobs: dict[str, PromptLogprobsChunk]
+
+    def in_flight_tokens(self) -> InFlightTokens | None:
+        if self.sampler_output is None:
+            return None
+        return InFlightTokens(self.sampler_output.token_ids,
+                              {request: row for row, request in enumerate(self.sampled)})
 
 
 class ModelRunner:
@@ -96,17 +106,33 @@ class ModelRunner:
         self.kv_caches = list(self.kv_cache.unbind(0))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None) -> StepResult:
+    def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None,
+                in_flight: InFlightTokens | None = None) -> StepResult:
+        """Queue one step on the device and return without waiting for it: the sampled
+        tokens are copied to the host in the background (``fetch_samples`` waits for them).
+        ``in_flight``: the previous step's tokens, for chunks whose input is one of them."""
         self.apply_block_ops(out.block_ops)
-        inputs = build_inputs(out, self.block_size, self.device)
+        inputs = build_inputs(out, self.block_size, self.device, in_flight)
         hidden = self._forward(inputs)
-        sampled_ids = [s.request.request_id for s in out.scheduled if s.samples]
-        sampler_output = None
-        if sampled_ids:
+        sampled = [s.request for s in out.scheduled if s.samples]
+        sampler_output = host_output = ready = None
+        if sampled:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             sampler_output = self.sampler(logits.float(), sampling)
-        return StepResult(sampled_ids, sampler_output,
+            # Where the host runs ahead, the copy lands later: ``ready`` marks when.
+            host_output = SamplerOutput(*(
+                None if t is None else t.to("cpu", non_blocking=self.platform.runs_ahead)
+                for t in sampler_output))
+            ready = self.platform.record_event()
+        return StepResult(sampled, sampler_output, host_output, ready,
                           self._prompt_logprobs(out, hidden))
+
+    @staticmethod
+    def fetch_samples(result: StepResult) -> SamplerOutput:
+        """The step's sampled tokens on the host, waiting for the device if need be."""
+        if result.ready is not None:
+            result.ready.synchronize()
+        return result.host_output
 
     @torch.inference_mode()
     def apply_block_ops(self, ops: BlockOps) -> None:

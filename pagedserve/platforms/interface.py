@@ -6,7 +6,7 @@ kernels and memory facts and never checks which device it runs on.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol
 
 import torch
 
@@ -17,6 +17,12 @@ if TYPE_CHECKING:
 
 class PlatformUnavailable(RuntimeError):
     """The requested device or its software stack is missing; the message is one line."""
+
+
+class DeviceEvent(Protocol):
+    """A point in the device's queue of work (``torch.cuda.Event`` and its kin)."""
+
+    def synchronize(self) -> None: ...
 
 
 class MemoryInfo(NamedTuple):
@@ -35,6 +41,9 @@ class Platform:
     # A dummy forward at the largest batch measures activation memory before the KV pool is
     # sized; platforms without a peak-memory counter size the pool from free memory instead.
     profiles_memory: ClassVar[bool] = False
+    # The host queues device work and runs ahead of it, so scheduling the next step while
+    # this one computes (async scheduling) hides the host's per-step work.
+    runs_ahead: ClassVar[bool] = False
 
     @classmethod
     def check_available(cls) -> None:
@@ -142,6 +151,11 @@ class Platform:
     @classmethod
     def release_cached_memory(cls) -> None:
         """Hand memory freed by Python back to the device (allocator caches)."""
+
+    @classmethod
+    def record_event(cls) -> DeviceEvent | None:
+        """Mark the work queued so far, or None where the device runs synchronously."""
+        return None
 
     @classmethod
     def synchronize(cls) -> None:

@@ -69,7 +69,7 @@ class SamplingMetadata:
         greedy = [p.is_greedy for p in params]
         return cls(
             all_greedy=all(greedy),
-            greedy=torch.tensor(greedy, device=device) if any(greedy) else None,
+            greedy=to_device(greedy, torch.bool, device) if any(greedy) else None,
             **_random_sampling(params, greedy, vocab_size, device),
             generators={row: g for row, (g, greedy_row)
                         in enumerate(zip(generators, greedy, strict=True))
@@ -79,6 +79,12 @@ class SamplingMetadata:
             min_tokens_mask=_min_tokens_mask(params, output_token_ids, eos_token_ids, device),
             penalties=_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),
         )
+
+
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without a stream sync (``torch.tensor(..., device=)``
+    waits for the device; a non-blocking copy lets the host run ahead of it)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
@@ -101,13 +107,13 @@ def _random_sampling(
     top_ks = [p.top_k for p in random_rows if 0 < p.top_k < vocab_size]
 
     def floats(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return to_device(values, torch.float32, device)
 
     temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
     return dict(
         temperature=floats(temperature).unsqueeze(1) if random_rows else None,
-        top_k=torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
-                           device=device) if top_ks else None,
+        top_k=to_device([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+                        torch.int64, device) if top_ks else None,
         max_top_k=max(top_ks, default=0),
         top_p=floats([p.top_p for p in params])
         if any(p.top_p < 1.0 for p in random_rows) else None,
@@ -124,8 +130,8 @@ def _logit_bias(
     if not entries:
         return None
     rows, toks, biases = zip(*entries, strict=True)
-    return (torch.tensor(rows, device=device), torch.tensor(toks, device=device),
-            torch.tensor(biases, dtype=torch.float32, device=device))
+    return (to_device(rows, torch.int64, device), to_device(toks, torch.int64, device),
+            to_device(biases, torch.float32, device))
 
 
 def _min_tokens_mask(
@@ -143,7 +149,7 @@ def _min_tokens_mask(
     if not entries:
         return None
     rows, toks = zip(*entries, strict=True)
-    return torch.tensor(rows, device=device), torch.tensor(toks, device=device)
+    return to_device(rows, torch.int64, device), to_device(toks, torch.int64, device)
 
 
 def _penalties(
@@ -163,7 +169,7 @@ def _penalties(
     prompts = [prompt if r else [] for prompt, r in zip(prompt_token_ids, uses_rep, strict=True)]
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+        return to_device(values, torch.float32, device).unsqueeze(1)
 
     return Penalties(
         output_counts=token_counts(outputs, vocab_size, device),
@@ -176,9 +182,10 @@ def _penalties(
 
 def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """int32 [N, V] occurrence counts: one flat scatter_add, no padding of the ragged lists."""
-    lengths = torch.tensor([len(ids) for ids in token_ids], device=device)
-    flat = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.int64, device=device)
-    rows = torch.repeat_interleave(torch.arange(len(token_ids), device=device), lengths)
+    lengths = torch.tensor([len(ids) for ids in token_ids])
+    flat = to_device(list(chain.from_iterable(token_ids)), torch.int64, device)
+    rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths).to(device,
+                                                                             non_blocking=True)
     counts = torch.zeros(len(token_ids) * vocab_size, dtype=torch.int32, device=device)
     counts.scatter_add_(0, rows * vocab_size + flat, torch.ones_like(flat, dtype=torch.int32))
     return counts.view(len(token_ids), vocab_size)

@@ -190,8 +190,8 @@ def test_chunked_prefill_matches_whole_prompts(llama):
     batches = []
     schedule = chunked.engine.scheduler.schedule
 
-    def recording_schedule():
-        out = schedule()
+    def recording_schedule(**kwargs):
+        out = schedule(**kwargs)
         batches.append([s.num_new_tokens for s in out.scheduled])
         return out
 

@@ -35,7 +35,7 @@ def test_step_failure_fails_requests_in_flight_then_serving_resumes(engine):
     real_execute = runner.execute
     failed = []
 
-    def execute_failing_once(out, meta):
+    def execute_failing_once(out, meta, *rest):
         # Fail the first step that runs both requests, after blocks were allocated for it.
         if not failed and len(out.scheduled) == 2:
             failed.append(True)

@@ -17,6 +17,7 @@ class CudaPlatform(Platform):
     supports_fp8_kv_cache: ClassVar[bool] = True
     pin_swap_memory: ClassVar[bool] = True
     profiles_memory: ClassVar[bool] = True
+    runs_ahead: ClassVar[bool] = True
 
     @classmethod
     def check_available(cls) -> None:
@@ -86,6 +87,12 @@ class CudaPlatform(Platform):
     @classmethod
     def synchronize(cls) -> None:
         torch.cuda.synchronize()
+
+    @classmethod
+    def record_event(cls) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     @classmethod
     def seed_everything(cls, seed: int) -> None:
