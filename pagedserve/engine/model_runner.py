@@ -95,6 +95,14 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+    def weight_bytes_read_per_token_step(self) -> int:
+        """Weight bytes a decode step reads: every parameter except the input embedding table,
+        of which a step reads one row per sequence (unless it doubles as the LM head)."""
+        embedding = self.model.get_input_embeddings().weight
+        if any(p is embedding for p in self.model.lm_head.parameters()):
+            return self.weight_bytes()
+        return self.weight_bytes() - embedding.numel() * embedding.element_size()
+
     def allocate_kv_cache(self, spec: KVCacheSpec) -> None:
         """One tensor ``[layers, 2, blocks, block_size, kv_heads, head_dim]`` so block copies and
         swaps move every layer at once; each layer attends over its own view."""

@@ -39,7 +39,10 @@ from pagedserve.platforms.cuda.kernels.prefill_attention import (
 MIN_PARTITION_SIZE = 128
 
 
-@triton.jit
+# Ints that change from step to step (block-table width, partition count) are not specialised
+# on (Triton compiles a variant per "== 1" / "divisible by 16" pattern), so a new batch shape
+# never pays a compile mid-run.
+@triton.jit(do_not_specialize=["partition_size", "stride_bt", "stride_ps", "stride_ph"])
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, seq_lens_ptr,
@@ -117,7 +120,7 @@ def _decode_partition_kernel(
         tl.store(part_lse_ptr + p_off, m_i + tl.log2(l_i), mask=rows < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition_size", "stride_ps", "stride_ph"])
 def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, v_scale_ptr,
     partition_size,

@@ -94,7 +94,8 @@ def fp8_compute_dtype(q):
     return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
 
-@triton.jit
+# The block-table width changes from step to step: not specialised on, so no mid-run compiles.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
