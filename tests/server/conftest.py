@@ -152,6 +152,13 @@ def server(chat_model, tmp_path_factory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
+def ahead_server(chat_model, tmp_path_factory) -> Iterator[Server]:
+    """The server with async scheduling forced on, as it runs by default on GPUs."""
+    with launch_server(chat_model, tmp_path_factory.mktemp("logs"), "--async-scheduling") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
 def offline(chat_model):
     from pagedserve import LLM
 

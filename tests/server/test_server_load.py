@@ -1,4 +1,6 @@
-"""Many clients at once, clients that hang up, and what /metrics says about both."""
+"""Many clients at once, clients that hang up, and what /metrics says about both; the load
+and hang-up tests run against the server twice, one step at a time and with async
+scheduling."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
 from pagedserve import SamplingParams
 
@@ -13,11 +16,16 @@ LONG = 1000
 WORDS = "the quick brown fox jumps over lazy dog hello world paged attention serving".split()
 
 
+@pytest.fixture(params=["server", "ahead_server"])
+def served(request):
+    return request.getfixturevalue(request.param)
+
+
 def _prompts(n: int) -> list[str]:
     return [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(2 + i % 7)) for i in range(n)]
 
 
-def test_32_concurrent_clients_all_get_their_own_answer(server, offline):
+def test_32_concurrent_clients_all_get_their_own_answer(served, offline):
     prompts = _prompts(32)
     expected = offline.generate(prompts, SamplingParams(max_tokens=10, temperature=0),
                                 use_tqdm=False)
@@ -33,11 +41,11 @@ def test_32_concurrent_clients_all_get_their_own_answer(server, offline):
         return got.choices[0].text
 
     async def run_all() -> list[str]:
-        async with server.async_client() as client:
+        async with served.async_client() as client:
             return await asyncio.gather(*(one(client, i) for i in range(32)))
 
     assert asyncio.run(run_all()) == [e.outputs[0].text for e in expected]
-    server.wait_for_metrics(lambda m: m["kv_cache_blocks_used"] == 0)
+    served.wait_for_metrics(lambda m: m["kv_cache_blocks_used"] == 0)
 
 
 def _long_request(stream: bool) -> dict:
@@ -46,10 +54,10 @@ def _long_request(stream: bool) -> dict:
             "temperature": 0, "stream": stream}
 
 
-def test_client_leaving_mid_stream_aborts_and_frees_blocks(server):
-    before = server.metrics()
+def test_client_leaving_mid_stream_aborts_and_frees_blocks(served):
+    before = served.metrics()
     with httpx.Client(timeout=60) as client:
-        with client.stream("POST", f"{server.url}/v1/completions",
+        with client.stream("POST", f"{served.url}/v1/completions",
                            json=_long_request(True)) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
@@ -57,7 +65,7 @@ def test_client_leaving_mid_stream_aborts_and_frees_blocks(server):
                     assert json.loads(line[6:])["choices"][0]["text"] is not None
                     break
     # Leaving the block closed the connection after one chunk.
-    _assert_aborted_with_blocks_back(server, before)
+    _assert_aborted_with_blocks_back(served, before)
 
 
 def _assert_aborted_with_blocks_back(server, before: dict) -> None:
@@ -70,13 +78,13 @@ def _assert_aborted_with_blocks_back(server, before: dict) -> None:
     assert after["generation_tokens_total"] - before["generation_tokens_total"] < LONG
 
 
-def test_client_timing_out_on_a_plain_request_aborts_it(server):
-    before = server.metrics()
+def test_client_timing_out_on_a_plain_request_aborts_it(served):
+    before = served.metrics()
     try:
-        httpx.post(f"{server.url}/v1/completions", json=_long_request(False), timeout=1.0)
+        httpx.post(f"{served.url}/v1/completions", json=_long_request(False), timeout=1.0)
     except httpx.TimeoutException:
         pass
-    _assert_aborted_with_blocks_back(server, before)
+    _assert_aborted_with_blocks_back(served, before)
 
 
 def test_metrics_exposes_engine_state_and_latencies(server):
