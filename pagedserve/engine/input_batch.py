@@ -10,7 +10,6 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.request import Request
 from pagedserve.core.scheduler import SchedulerOutput
-from pagedserve.platforms.interface import DeviceEvent, Platform
 
 
 @dataclass
@@ -35,24 +34,20 @@ class InputBuilder:
     """Packs a ``SchedulerOutput`` into the tensors one forward pass reads.
 
     The loop is per sequence; everything per token is a numpy op. The int64 and the int32
-    arrays each go to the device in one non-blocking copy, from persistent host staging
-    buffers (page-locked where the platform copies asynchronously) into persistent device
-    buffers; both grow to the largest step seen, the memory profile's at start-up, so a
-    running engine allocates nothing here (allocating page-locked memory stalls the device).
-    A step's inputs are views of the device buffers, valid until the next ``build``: the
-    device reads them in stream order, before the next step's copy lands. Two staging
-    buffers alternate, and one is refilled only once the copy that last read it has run
-    (its event), so the host packs step N+1 while step N's copy may still be queued.
+    arrays each go to the device in one non-blocking copy, into persistent device buffers
+    that grow to the largest step seen (the memory profile's, at start-up). A step's inputs
+    are views of those buffers, valid until the next ``build``; the device reads them in
+    stream order, before the next step's copy lands. The host side is
+    staged in page-locked memory where the platform copies asynchronously: torch's caching
+    host allocator hands such a block out again only after the copy that read it has run, so
+    the host can pack step N+1 while step N's copy is still queued.
     """
 
-    def __init__(self, platform: type[Platform], block_size: int) -> None:
-        self.platform = platform
+    def __init__(self, block_size: int, device: torch.device, pin_memory: bool) -> None:
         self.block_size = block_size
-        self.device = platform.device()
-        self._device_buffers: dict[torch.dtype, torch.Tensor] = {}
-        # per dtype: two (host buffer, event of the copy that last read it) slots
-        self._staging: dict[torch.dtype, list[tuple[torch.Tensor, DeviceEvent | None]]] = {}
-        self._turn = 0
+        self.device = device
+        self.pin_memory = pin_memory
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
 
     def build(self, out: SchedulerOutput, in_flight: InFlightTokens | None = None) -> ModelInputs:
         """``in_flight``: the previous step's sampled tokens; a chunk ending in one of them
@@ -113,36 +108,21 @@ class InputBuilder:
                            logits_indices=logits_indices)
 
     def _stage(self, dtype: torch.dtype, *parts) -> list[torch.Tensor]:
-        """The arrays back to back in a staging buffer, copied to the device at once; returns
+        """The arrays back to back in one host tensor, copied to the device at once; returns
         a device view of each."""
         sizes = [len(p) for p in parts]
         total = sum(sizes)
-        slot = self._turn % 2
-        if dtype not in self._staging or self._staging[dtype][slot][0].numel() < total:
-            self._grow(dtype, total)
-        slots = self._staging[dtype]
-        host, event = slots[slot]
-        if event is not None:
-            event.synchronize()
+        host = torch.empty(total, dtype=dtype, pin_memory=self.pin_memory)
         host_np = host.numpy()
         offset = 0
         for part, size in zip(parts, sizes):
             host_np[offset:offset + size] = part
             offset += size
-        packed = self._device_buffers[dtype][:total]
-        packed.copy_(host[:total], non_blocking=self.platform.pin_host_memory)
-        slots[slot] = (host, self.platform.record_event())
-        if dtype == torch.int32:  # the last region of a step: the next step takes turns
-            self._turn += 1
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.numel() < total:
+            grown = 2 * buffer.numel() if buffer is not None else 0
+            buffer = self._buffers[dtype] = torch.empty(max(total, grown), dtype=dtype,
+                                                        device=self.device)
+        packed = buffer[:total]
+        packed.copy_(host, non_blocking=True)
         return list(packed.split(sizes))
-
-    def _grow(self, dtype: torch.dtype, total: int) -> None:
-        """Room for ``total`` elements (at least double the old), after every copy from the
-        old staging buffers has run."""
-        self.platform.synchronize()
-        device = self._device_buffers.get(dtype)
-        size = max(total, 2 * device.numel() if device is not None else 0)
-        self._device_buffers[dtype] = torch.empty(size, dtype=dtype, device=self.device)
-        self._staging[dtype] = [
-            (torch.empty(size, dtype=dtype, pin_memory=self.platform.pin_host_memory), None)
-            for _ in range(2)]

@@ -76,7 +76,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.swap_cache: torch.Tensor | None = None  # host pool, allocated at the first swap
         self.block_size = 16
-        self.inputs = InputBuilder(platform, self.block_size)
+        self.inputs = InputBuilder(self.block_size, self.device, platform.pin_host_memory)
         self.graphs = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -109,7 +109,7 @@ class ModelRunner:
         swaps move every layer at once; each layer attends over its own view."""
         a = self.arch
         self.block_size = spec.block_size
-        self.inputs = InputBuilder(self.platform, spec.block_size)
+        self.inputs = InputBuilder(spec.block_size, self.device, self.platform.pin_host_memory)
         self.kv_cache = self.platform.allocate_kv_cache(
             (a.num_layers, 2, spec.num_blocks, spec.block_size, a.num_kv_heads, a.head_dim),
             spec.dtype)
