@@ -11,7 +11,7 @@ import torch
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.request import Request
 from pagedserve.core.scheduler import SchedulerOutput
-from pagedserve.engine.input_batch import InFlightTokens, InputBuilder
+from pagedserve.engine.input_batch import InFlightTokens, build_inputs
 from pagedserve.logger import get_logger
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.registry import model_class
@@ -76,7 +76,6 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.swap_cache: torch.Tensor | None = None  # host pool, allocated at the first swap
         self.block_size = 16
-        self.inputs = InputBuilder(self.block_size, self.device, platform.pin_host_memory)
         self.graphs = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -109,7 +108,6 @@ class ModelRunner:
         swaps move every layer at once; each layer attends over its own view."""
         a = self.arch
         self.block_size = spec.block_size
-        self.inputs = InputBuilder(spec.block_size, self.device, self.platform.pin_host_memory)
         self.kv_cache = self.platform.allocate_kv_cache(
             (a.num_layers, 2, spec.num_blocks, spec.block_size, a.num_kv_heads, a.head_dim),
             spec.dtype)
@@ -122,7 +120,7 @@ class ModelRunner:
         tokens are copied to the host in the background (``fetch_samples`` waits for them).
         ``in_flight``: the previous step's tokens, for chunks whose input is one of them."""
         self.apply_block_ops(out.block_ops)
-        inputs = self.inputs.build(out, in_flight)
+        inputs = build_inputs(out, self.block_size, self.device, in_flight)
         hidden = self._forward(inputs)
         sampled = [s.request for s in out.scheduled if s.samples]
         sampler_output = host_output = ready = None
@@ -153,7 +151,7 @@ class ModelRunner:
             shape = list(self.kv_cache.shape)
             shape[2] = ops.num_host_blocks
             self.swap_cache = torch.empty(shape, dtype=self.kv_cache.dtype,
-                                          pin_memory=self.platform.pin_host_memory)
+                                          pin_memory=self.platform.pin_swap_memory)
         for pairs, src_cache, dst_cache in ((ops.swap_out, self.kv_cache, self.swap_cache),
                                             (ops.swap_in, self.swap_cache, self.kv_cache)):
             if pairs:
@@ -201,7 +199,7 @@ class ModelRunner:
             ScheduledRequest(Request(f"profile-{i}", [0] * n, SamplingParams(), max_tokens=1),
                              0, n, table, samples=True)
             for i, (n, table) in enumerate(zip(lengths, tables))])
-        hidden = self._forward(self.inputs.build(out))
+        hidden = self._forward(build_inputs(out, block_size, self.device))
         rows = hidden[-1:].expand(max_num_seqs, -1)
         self.model.compute_logits(rows).float().softmax(-1)
         self.platform.synchronize()

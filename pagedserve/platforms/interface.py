@@ -36,9 +36,8 @@ class Platform:
     dist_backend: ClassVar[str]
     supports_graphs: ClassVar[bool] = False
     supports_fp8_kv_cache: ClassVar[bool] = False
-    # Host buffers that feed the device (swap space, each step's inputs) live in page-locked
-    # memory, where copies to and from the device are async.
-    pin_host_memory: ClassVar[bool] = False
+    # Swap space lives in page-locked host memory where copies to the device are async.
+    pin_swap_memory: ClassVar[bool] = False
     # A dummy forward at the largest batch measures activation memory before the KV pool is
     # sized; platforms without a peak-memory counter size the pool from free memory instead.
     profiles_memory: ClassVar[bool] = False

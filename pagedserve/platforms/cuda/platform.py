@@ -15,7 +15,7 @@ class CudaPlatform(Platform):
     dist_backend: ClassVar[str] = "nccl"
     supports_graphs: ClassVar[bool] = True
     supports_fp8_kv_cache: ClassVar[bool] = True
-    pin_host_memory: ClassVar[bool] = True
+    pin_swap_memory: ClassVar[bool] = True
     profiles_memory: ClassVar[bool] = True
     runs_ahead: ClassVar[bool] = True
 

@@ -32,7 +32,7 @@ class HpuPlatform(Platform):
     name: ClassVar[str] = "hpu"
     device_type: ClassVar[str] = "hpu"
     dist_backend: ClassVar[str] = "hccl"
-    pin_host_memory: ClassVar[bool] = False
+    pin_swap_memory: ClassVar[bool] = False
 
     @classmethod
     def check_available(cls) -> None:
