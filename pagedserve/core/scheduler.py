@@ -218,29 +218,36 @@ class Scheduler:
         group.move_to(group.status)
 
     # ---- swapped and waiting groups -----------------------------------------------------
+    # Both loops only add running groups, so they count free sequence slots down themselves
+    # instead of summing the running widths for every group they look at.
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and self._can_resume(self.swapped[0]):
+        free_slots = self._free_seq_slots()
+        while self.swapped and budget > 0 and self._can_resume(self.swapped[0], free_slots):
             group = self.swapped.popleft()
+            free_slots -= group.width
             self.kv.swap_in(group.seqs)
             budget = self._start(group, out, budget, resumed=True)
         return budget
 
-    def _can_resume(self, group: SequenceGroup) -> bool:
-        return (self._free_seq_slots() >= group.width
+    def _can_resume(self, group: SequenceGroup, free_slots: int) -> bool:
+        return (free_slots >= group.width
                 and self.kv.can_swap_in(group.seqs, self._watermark_blocks))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and self._can_admit(self.waiting[0], budget):
+        free_slots = self._free_seq_slots()
+        while (self.waiting and budget > 0
+               and self._can_admit(self.waiting[0], budget, free_slots)):
             group = self.waiting.popleft()
+            free_slots -= group.width
             root = group.root
             budget = self._start(group, out, budget, resumed=root.num_preemptions > 0)
             if root.num_preemptions == 0:
                 root.num_cached_tokens = root.num_computed_tokens
                 self.kv.record_prefix_lookup(root.num_prompt_tokens, root.num_cached_tokens)
 
-    def _can_admit(self, group: SequenceGroup, budget: int) -> bool:
+    def _can_admit(self, group: SequenceGroup, budget: int, free_slots: int) -> bool:
         """The group's first chunk fits the budget and leaves the watermark free."""
-        if self._free_seq_slots() < group.width:
+        if free_slots < group.width:
             return False
         chunk = self._next_chunk(group, group.root, budget)
         if chunk is None:
