@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from pagedserve.core.block_pool import BlockPool
 from pagedserve.core.kv_cache_manager import BlockOps, KVCacheManager
-from pagedserve.core.request import Request
-from pagedserve.core.scheduler import ScheduledRequest
+from pagedserve.core.scheduler import ScheduledSequence
+from pagedserve.core.sequence import Sequence
 
 
-def check_pool(pool: BlockPool | None, tables: dict[str, list[int]]) -> None:
+def check_pool(pool: BlockPool | None, tables: dict[Sequence, list[int]]) -> None:
     """Ref counts equal table references; a block is free exactly when nobody holds it."""
     if pool is None:
         assert not any(tables.values())
@@ -58,17 +58,17 @@ class SimulatedCache:
         for (_, dst), row in zip(ops.copies, rows):
             self.device[dst] = row
 
-    def write(self, request: Request, table: list[int], start: int, num: int) -> None:
+    def write(self, seq: Sequence, table: list[int], start: int, num: int) -> None:
         bs = self.kv.block_size
         for pos in range(start, start + num):
-            self.device[table[pos // bs]][pos % bs] = request.all_token_ids[pos]
+            self.device[table[pos // bs]][pos % bs] = seq.all_token_ids[pos]
 
     def read(self, table: list[int], num: int, host: bool = False) -> list[int | None]:
         blocks = self.host if host else self.device
         bs = self.kv.block_size
         return [blocks[table[pos // bs]][pos % bs] for pos in range(num)]
 
-    def run_step(self, scheduled: list[ScheduledRequest]) -> None:
+    def run_step(self, scheduled: list[ScheduledSequence]) -> None:
         """Write every chunk's tokens, then check each stream sees its whole prefix; no two
         streams may write the same slot."""
         bs = self.kv.block_size
@@ -77,17 +77,17 @@ class SimulatedCache:
                                   item.num_computed_tokens + item.num_new_tokens)]
         assert len(slots) == len(set(slots)), "two streams wrote the same slot"
         for item in scheduled:
-            self.write(item.request, item.block_ids, item.num_computed_tokens,
+            self.write(item.seq, item.block_ids, item.num_computed_tokens,
                        item.num_new_tokens)
         for item in scheduled:
             end = item.num_computed_tokens + item.num_new_tokens
-            assert self.read(item.block_ids, end) == item.request.all_token_ids[:end]
+            assert self.read(item.block_ids, end) == item.seq.all_token_ids[:end]
 
-    def check_request(self, request: Request) -> None:
-        """A resting stream's computed tokens are where its table says, in either pool."""
-        rid, n = request.request_id, request.num_computed_tokens
-        if rid in self.kv.host_tables:
-            got = self.read(self.kv.host_tables[rid], n, host=True)
+    def check_sequence(self, seq: Sequence) -> None:
+        """A resting sequence's computed tokens are where its table says, in either pool."""
+        n = seq.num_computed_tokens
+        if seq in self.kv.host_tables:
+            got = self.read(self.kv.host_tables[seq], n, host=True)
         else:
-            got = self.read(self.kv.tables.get(rid, []), n)
-        assert got == request.all_token_ids[:n], f"{rid} lost its cached tokens"
+            got = self.read(self.kv.tables.get(seq, []), n)
+        assert got == seq.all_token_ids[:n], f"{seq} lost its cached tokens"

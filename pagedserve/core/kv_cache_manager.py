@@ -4,7 +4,7 @@ swap pool while its request is swapped out.
 A stream's block table grows as its tokens are scheduled: ``allocate_slots`` reserves room for
 the next ``k`` tokens before the step that computes them, and ``free`` returns every block the
 moment the stream finishes, is aborted or is preempted. Full blocks are hashed as soon as their
-tokens are scheduled, so later requests with the same prefix reuse them.
+tokens are scheduled, so later seqs with the same prefix reuse them.
 
 Sharing and the copy-on-write rule
     A block may sit in several tables: full blocks through the prefix cache (matched by content
@@ -26,12 +26,12 @@ Swap protocol
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pagedserve.core.block_hash import BlockHash, hash_full_blocks
 from pagedserve.core.block_pool import BlockPool
-from pagedserve.core.request import Request
+from pagedserve.core.sequence import Sequence
 
 BlockPairs = list[tuple[int, int]]
 
@@ -68,9 +68,9 @@ class KVCacheManager:
         self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks \
             else None
         self.enable_caching = enable_caching
-        self.tables: dict[str, list[int]] = {}
-        self.host_tables: dict[str, list[int]] = {}
-        self._hashes: dict[str, list[BlockHash]] = {}
+        self.tables: dict[Sequence, list[int]] = {}
+        self.host_tables: dict[Sequence, list[int]] = {}
+        self._hashes: dict[Sequence, list[BlockHash]] = {}
         self._ops = BlockOps(num_host_blocks=num_host_blocks)
         self.prefix_stats = PrefixCacheStats()
 
@@ -81,130 +81,130 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_table(self, request_id: str) -> list[int]:
-        return self.tables.get(request_id, [])
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self.tables.get(seq, [])
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """Leading blocks of ``request`` already in the cache. At least one token is always
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Leading blocks of ``seq`` already in the cache. At least one token is always
         left to compute, since the step must produce logits for the next token."""
         if not self.enable_caching:
             return []
         blocks = []
-        for block_hash in hash_full_blocks(request.all_token_ids[:-1], self.block_size):
+        for block_hash in hash_full_blocks(seq.all_token_ids[:-1], self.block_size):
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             blocks.append(block)
         return blocks
 
-    def blocks_needed(self, request: Request, num_new_tokens: int,
-                      cached_blocks: Sequence[int] = ()) -> int:
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int,
+                      cached_blocks: Collection[int] = ()) -> int:
         """Free blocks that scheduling ``num_new_tokens`` more tokens takes: fresh blocks,
         private copies of shared blocks the tokens go into, and cached blocks that must come
         back out of the free queue."""
-        table = self.tables.get(request.request_id, [])
-        num_tokens = (request.num_computed_tokens + len(cached_blocks) * self.block_size
+        table = self.tables.get(seq, [])
+        num_tokens = (seq.num_computed_tokens + len(cached_blocks) * self.block_size
                       + num_new_tokens)
         fresh = self.blocks_for(num_tokens) - len(table) - len(cached_blocks)
-        copies = len(self._shared_write_targets(request, table, num_new_tokens))
+        copies = len(self._shared_write_targets(seq, table, num_new_tokens))
         revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
         return fresh + copies + revived
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = (),
+        self, seq: Sequence, num_new_tokens: int, cached_blocks: Collection[int] = (),
         reserve_blocks: int = 0,
     ) -> bool:
-        """Reserve room for ``num_new_tokens`` after the request's computed (and newly cached)
+        """Reserve room for ``num_new_tokens`` after the sequence's computed (and newly cached)
         tokens, copying shared blocks they go into. Returns False, changing nothing, if that
         would leave fewer than ``reserve_blocks`` free."""
-        if not cached_blocks and self._fits_in_last_block(request, num_new_tokens):
+        if not cached_blocks and self._fits_in_last_block(seq, num_new_tokens):
             return True
-        needed = self.blocks_needed(request, num_new_tokens, cached_blocks)
+        needed = self.blocks_needed(seq, num_new_tokens, cached_blocks)
         if needed + reserve_blocks > self.pool.num_free:
             return False
-        table = self.tables.setdefault(request.request_id, [])
-        self._copy_on_write(request, table, num_new_tokens)
+        table = self.tables.setdefault(seq, [])
+        self._copy_on_write(seq, table, num_new_tokens)
         for block in cached_blocks:
             self.pool.share(block)
             table.append(block)
-        num_tokens = (request.num_computed_tokens + len(cached_blocks) * self.block_size
+        num_tokens = (seq.num_computed_tokens + len(cached_blocks) * self.block_size
                       + num_new_tokens)
         while len(table) < self.blocks_for(num_tokens):
             table.append(self.pool.allocate())
-        self._hash_full_blocks(request, table, num_tokens)
+        self._hash_full_blocks(seq, table, num_tokens)
         return True
 
-    def _fits_in_last_block(self, request: Request, num_new_tokens: int) -> bool:
+    def _fits_in_last_block(self, seq: Sequence, num_new_tokens: int) -> bool:
         """The common decode case, decided without building lists: the tokens land in a block
-        the request alone holds and do not fill it (so nothing to copy, allocate or hash)."""
-        table = self.tables.get(request.request_id)
-        start = request.num_computed_tokens
+        the sequence alone holds and do not fill it (so nothing to copy, allocate or hash)."""
+        table = self.tables.get(seq)
+        start = seq.num_computed_tokens
         block = start // self.block_size
         return (table is not None and block < len(table)
                 and (start + num_new_tokens) // self.block_size == block
                 and self.pool.ref_counts[table[block]] == 1)
 
-    def _shared_write_targets(self, request: Request, table: list[int],
+    def _shared_write_targets(self, seq: Sequence, table: list[int],
                               num_new_tokens: int) -> list[int]:
         """Indices of the blocks the next tokens go into that another table also holds."""
-        first = request.num_computed_tokens // self.block_size
-        last = min(len(table), self.blocks_for(request.num_computed_tokens + num_new_tokens))
+        first = seq.num_computed_tokens // self.block_size
+        last = min(len(table), self.blocks_for(seq.num_computed_tokens + num_new_tokens))
         return [i for i in range(first, last) if self.pool.ref_counts[table[i]] > 1]
 
-    def _copy_on_write(self, request: Request, table: list[int], num_new_tokens: int) -> None:
-        for i in self._shared_write_targets(request, table, num_new_tokens):
+    def _copy_on_write(self, seq: Sequence, table: list[int], num_new_tokens: int) -> None:
+        for i in self._shared_write_targets(seq, table, num_new_tokens):
             shared = table[i]
             table[i] = self.pool.allocate()
             self.pool.release(shared)
             self._ops.copies.append((shared, table[i]))
 
-    def _hash_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:
+    def _hash_full_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
         if not self.enable_caching:
             return
-        hashes = self._hashes.setdefault(request.request_id, [])
+        hashes = self._hashes.setdefault(seq, [])
         num_full = num_tokens // self.block_size
         if num_full <= len(hashes):
             return
         parent = hashes[-1] if hashes else None
-        known = request.all_token_ids[:num_full * self.block_size]
+        known = seq.all_token_ids[:num_full * self.block_size]
         for i, block_hash in enumerate(
             hash_full_blocks(known, self.block_size, len(hashes), parent), start=len(hashes)
         ):
             hashes.append(block_hash)
             self.pool.register_hash(table[i], block_hash)
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give ``child`` the parent's whole table, last partial block included: every block
         gains a holder, and whichever stream writes into a shared block first copies it."""
-        table = self.tables.get(parent.request_id, [])
+        table = self.tables.get(parent, [])
         for block in table:
             self.pool.share(block)
-        self.tables[child.request_id] = list(table)
-        if parent.request_id in self._hashes:
-            self._hashes[child.request_id] = list(self._hashes[parent.request_id])
+        self.tables[child] = list(table)
+        if parent in self._hashes:
+            self._hashes[child] = list(self._hashes[parent])
 
     # ---- swapping -----------------------------------------------------------------------
-    def can_swap_out(self, requests: Sequence[Request]) -> bool:
+    def can_swap_out(self, seqs: Collection[Sequence]) -> bool:
         if self.host_pool is None:
             return False
-        return len(_distinct_blocks(self.tables, requests)) <= self.host_pool.num_free
+        return len(_distinct_blocks(self.tables, seqs)) <= self.host_pool.num_free
 
-    def can_swap_in(self, requests: Sequence[Request], reserve_blocks: int = 0) -> bool:
-        needed = len(_distinct_blocks(self.host_tables, requests))
+    def can_swap_in(self, seqs: Collection[Sequence], reserve_blocks: int = 0) -> bool:
+        needed = len(_distinct_blocks(self.host_tables, seqs))
         return needed + reserve_blocks <= self.pool.num_free
 
-    def swap_out(self, requests: Sequence[Request]) -> None:
+    def swap_out(self, seqs: Collection[Sequence]) -> None:
         """Move the streams' blocks to the host pool; call ``can_swap_out`` first."""
         self._ops.swap_out += _move_tables(
-            requests, self.tables, self.pool, self.host_tables, self.host_pool)
+            seqs, self.tables, self.pool, self.host_tables, self.host_pool)
 
-    def swap_in(self, requests: Sequence[Request]) -> None:
+    def swap_in(self, seqs: Collection[Sequence]) -> None:
         """Bring the streams' blocks back from the host pool; call ``can_swap_in`` first."""
         self._ops.swap_in += _move_tables(
-            requests, self.host_tables, self.host_pool, self.tables, self.pool)
-        for request in requests:
-            table = self.tables[request.request_id]
-            for block, block_hash in zip(table, self._hashes.get(request.request_id, [])):
+            seqs, self.host_tables, self.host_pool, self.tables, self.pool)
+        for seq in seqs:
+            table = self.tables[seq]
+            for block, block_hash in zip(table, self._hashes.get(seq, [])):
                 self.pool.register_hash(block, block_hash)
 
     def take_block_ops(self) -> BlockOps:
@@ -217,31 +217,31 @@ class KVCacheManager:
         self.prefix_stats.queried_tokens += num_prompt_tokens
         self.prefix_stats.hit_tokens += num_hit_tokens
 
-    def free(self, request_id: str) -> None:
+    def free(self, seq: Sequence) -> None:
         """Return a stream's blocks, wherever they are. Tail blocks are released first so they
-        are evicted before the prefix blocks other requests are likelier to share."""
-        for block in reversed(self.tables.pop(request_id, [])):
+        are evicted before the prefix blocks other seqs are likelier to share."""
+        for block in reversed(self.tables.pop(seq, [])):
             self.pool.release(block)
-        for block in reversed(self.host_tables.pop(request_id, [])):
+        for block in reversed(self.host_tables.pop(seq, [])):
             self.host_pool.release(block)
-        self._hashes.pop(request_id, None)
+        self._hashes.pop(seq, None)
 
     def usage(self) -> float:
         return self.pool.num_used / self.pool.num_blocks
 
 
-def _distinct_blocks(tables: dict[str, list[int]], requests: Sequence[Request]) -> set[int]:
-    return {b for r in requests for b in tables.get(r.request_id, [])}
+def _distinct_blocks(tables: dict[Sequence, list[int]], seqs: Collection[Sequence]) -> set[int]:
+    return {b for s in seqs for b in tables.get(s, [])}
 
 
-def _move_tables(requests: Sequence[Request], src_tables: dict[str, list[int]],
-                 src_pool: BlockPool, dst_tables: dict[str, list[int]],
+def _move_tables(seqs: Collection[Sequence], src_tables: dict[Sequence, list[int]],
+                 src_pool: BlockPool, dst_tables: dict[Sequence, list[int]],
                  dst_pool: BlockPool) -> BlockPairs:
     """Re-home the streams' tables in the other pool, one block there per distinct block here,
     and return the (src, dst) pairs whose contents must move."""
     moved: dict[int, int] = {}
-    for request in requests:
-        table = src_tables.pop(request.request_id, [])
+    for seq in seqs:
+        table = src_tables.pop(seq, [])
         for block in table:
             if block in moved:
                 dst_pool.share(moved[block])
@@ -249,5 +249,5 @@ def _move_tables(requests: Sequence[Request], src_tables: dict[str, list[int]],
                 moved[block] = dst_pool.allocate()
         for block in reversed(table):
             src_pool.release(block)
-        dst_tables[request.request_id] = [moved[b] for b in table]
+        dst_tables[seq] = [moved[b] for b in table]
     return list(moved.items())

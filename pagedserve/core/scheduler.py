@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pagedserve.core.kv_cache_manager import BlockOps, KVCacheManager
-from pagedserve.core.request import Request, RequestStatus, SequenceGroup
+from pagedserve.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ class SchedulerConfig:
     watermark: float = 0.01
 
 
-class ScheduledRequest(NamedTuple):
-    request: Request
+class ScheduledSequence(NamedTuple):
+    seq: Sequence
     num_computed_tokens: int  # tokens already in the cache before this step
     num_new_tokens: int
     block_ids: list[int]
@@ -54,8 +54,8 @@ class ScheduledRequest(NamedTuple):
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
     # Swaps and copy-on-write copies to apply before the forward pass.
     block_ops: BlockOps = field(default_factory=BlockOps)
 
@@ -83,9 +83,6 @@ class Scheduler:
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv.num_blocks)
         self._schedule_pending = False
-
-    def add_request(self, request: Request) -> None:
-        self.add_group(SequenceGroup([request]))
 
     def add_group(self, group: SequenceGroup) -> None:
         self.waiting.append(group)
@@ -137,7 +134,7 @@ class Scheduler:
                 budget -= chunk.num_new_tokens
         return budget
 
-    def _next_chunk(self, group: SequenceGroup, seq: Request, budget: int) -> _Chunk | None:
+    def _next_chunk(self, group: SequenceGroup, seq: Sequence, budget: int) -> _Chunk | None:
         """The tokens ``seq`` computes next under ``budget``, or None if it has none to run.
         The root of pending forks stops one token short: each fork computes the last one."""
         num_tokens = self._num_tokens(seq)
@@ -153,17 +150,17 @@ class Scheduler:
             return None
         return _Chunk(cached, num_new)
 
-    def _num_tokens(self, seq: Request) -> int:
+    def _num_tokens(self, seq: Sequence) -> int:
         return seq.num_known_tokens if self._schedule_pending else seq.num_tokens
 
-    def _cached_prefix(self, seq: Request) -> list[int]:
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
         # Prompt logprobs need every prompt position computed, so they bypass the cache.
-        if (seq.num_computed_tokens or seq.request_id in self.kv.tables
+        if (seq.num_computed_tokens or seq in self.kv.tables
                 or seq.params.prompt_logprobs is not None):
             return []
         return self.kv.find_cached_prefix(seq)
 
-    def _make_room(self, group: SequenceGroup, index: int, seq: Request, chunk: _Chunk,
+    def _make_room(self, group: SequenceGroup, index: int, seq: Sequence, chunk: _Chunk,
                    out: SchedulerOutput, may_preempt: bool, allocated: bool) -> bool:
         """Allocate ``chunk`` for ``seq``, preempting newer groups while it does not fit.
         False if it cannot run this step (the group itself may have been preempted)."""
@@ -195,13 +192,13 @@ class Scheduler:
             seq.num_preemptions += 1
         if self._swaps(group) and self.kv.can_swap_out(group.seqs):
             self.kv.swap_out(group.seqs)
-            group.move_to(RequestStatus.SWAPPED)
+            group.move_to(SequenceStatus.SWAPPED)
             self.swapped.appendleft(group)
             return
         for seq in group.seqs:
-            self.kv.free(seq.request_id)
+            self.kv.free(seq)
             seq.num_computed_tokens = 0
-        group.move_to(RequestStatus.WAITING)
+        group.move_to(SequenceStatus.WAITING)
         self.waiting.appendleft(group)
 
     def _swaps(self, group: SequenceGroup) -> bool:
@@ -257,7 +254,7 @@ class Scheduler:
 
     def _start(self, group: SequenceGroup, out: SchedulerOutput, budget: int,
                resumed: bool) -> int:
-        group.move_to(RequestStatus.RUNNING)
+        group.move_to(SequenceStatus.RUNNING)
         group.resumed = resumed
         self.running.append(group)
         return self._schedule_group(group, len(self.running) - 1, out, budget,
@@ -266,11 +263,11 @@ class Scheduler:
     def _free_seq_slots(self) -> int:
         return self.config.max_num_seqs - sum(g.width for g in self.running)
 
-    def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
-        computed = request.num_computed_tokens
-        out.scheduled.append(ScheduledRequest(
-            request, computed, num_new, self.kv.block_table(request.request_id),
-            samples=computed + num_new == self._num_tokens(request),
+    def _emit(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        computed = seq.num_computed_tokens
+        out.scheduled.append(ScheduledSequence(
+            seq, computed, num_new, self.kv.block_table(seq),
+            samples=computed + num_new == self._num_tokens(seq),
         ))
 
     # ---- after the step -----------------------------------------------------------------
@@ -278,41 +275,41 @@ class Scheduler:
         """Mark the scheduled tokens computed, and each sampled token pending until the engine
         appends it; call once the step's forward pass is queued."""
         for item in out.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
+            item.seq.num_computed_tokens += item.num_new_tokens
             if item.samples:
-                item.request.num_pending_tokens += 1
-                item.request.group.resumed = False
+                item.seq.num_pending_tokens += 1
+                item.seq.group.resumed = False
 
-    def fork(self, parent: Request, child_id: str) -> Request:
+    def fork(self, parent: Sequence) -> Sequence:
         """A new stream continuing ``parent`` (beam search), sharing all its blocks."""
-        child = parent.fork(child_id)
+        child = parent.fork()
         self.kv.fork(parent, child)
         parent.group.seqs.append(child)
         return child
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Stop a stream wherever it is and return its blocks at once."""
-        if request.status.finished:
+        if seq.status.finished:
             return
-        group = request.group
-        if request in group.pending_forks:
-            group.pending_forks.remove(request)
+        group = seq.group
+        if seq in group.pending_forks:
+            group.pending_forks.remove(seq)
         else:
-            group.seqs.remove(request)
-            self.kv.free(request.request_id)
-        request.status = status
+            group.seqs.remove(seq)
+            self.kv.free(seq)
+        seq.status = status
         if group.is_empty:
             self._queue_of(group).remove(group)
 
     def _queue_of(self, group: SequenceGroup) -> list[SequenceGroup] | deque[SequenceGroup]:
-        return {RequestStatus.WAITING: self.waiting, RequestStatus.RUNNING: self.running,
-                RequestStatus.SWAPPED: self.swapped}[group.status]
+        return {SequenceStatus.WAITING: self.waiting, SequenceStatus.RUNNING: self.running,
+                SequenceStatus.SWAPPED: self.swapped}[group.status]
 
     def kv_waste_slots(self) -> tuple[int, int]:
         """(allocated slots, slots holding computed tokens) over running streams."""
         allocated = filled = 0
         for group in self.running:
-            for request in group.seqs:
-                allocated += len(self.kv.block_table(request.request_id)) * self.kv.block_size
-                filled += request.num_computed_tokens
+            for seq in group.seqs:
+                allocated += len(self.kv.block_table(seq)) * self.kv.block_size
+                filled += seq.num_computed_tokens
         return allocated, filled

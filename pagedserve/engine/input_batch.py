@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.core.request import Request
 from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.core.sequence import Sequence
 
 
 @dataclass
@@ -18,7 +18,7 @@ class InFlightTokens:
     scheduling a stream's next input can be one of them, unknown to the host."""
 
     token_ids: torch.Tensor  # int64 [num_sampled], on the device
-    rows: dict[Request, int]  # stream -> its row in token_ids
+    rows: dict[Sequence, int]  # stream -> its row in token_ids
 
 
 @dataclass
@@ -40,10 +40,10 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
     row = 0
     for item in out.scheduled:
         start, n = item.num_computed_tokens, item.num_new_tokens
-        tokens = item.request.all_token_ids[start:start + n]
+        tokens = item.seq.all_token_ids[start:start + n]
         if len(tokens) < n:  # only the last token can be in flight
             fill_rows.append(row + n - 1)
-            fill_sources.append(in_flight.rows[item.request])
+            fill_sources.append(in_flight.rows[item.seq])
             tokens = [*tokens, 0]
         ids.append(tokens)
         query_lens.append(n)

@@ -9,8 +9,8 @@ from typing import NamedTuple
 import torch
 
 from pagedserve.core.kv_cache_manager import BlockOps
-from pagedserve.core.request import Request
 from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.core.sequence import Sequence
 from pagedserve.engine.input_batch import InFlightTokens, build_inputs
 from pagedserve.logger import get_logger
 from pagedserve.models.config import ModelArchConfig
@@ -41,18 +41,18 @@ class PromptLogprobsChunk(NamedTuple):
 
 
 class StepResult(NamedTuple):
-    sampled: list[Request]  # the streams that sampled, in sampler row order
+    sampled: list[Sequence]  # the streams that sampled, in sampler row order
     sampler_output: SamplerOutput | None  # on the device
     # The same, copied to the host without blocking; readable once ``ready`` has passed.
     host_output: SamplerOutput | None
     ready: DeviceEvent | None
-    prompt_logprobs: dict[str, PromptLogprobsChunk]
+    prompt_logprobs: dict[Sequence, PromptLogprobsChunk]
 
     def in_flight_tokens(self) -> InFlightTokens | None:
         if self.sampler_output is None:
             return None
         return InFlightTokens(self.sampler_output.token_ids,
-                              {request: row for row, request in enumerate(self.sampled)})
+                              {seq: row for row, seq in enumerate(self.sampled)})
 
 
 class ModelRunner:
@@ -122,7 +122,7 @@ class ModelRunner:
         self.apply_block_ops(out.block_ops)
         inputs = build_inputs(out, self.block_size, self.device, in_flight)
         hidden = self._forward(inputs)
-        sampled = [s.request for s in out.scheduled if s.samples]
+        sampled = [s.seq for s in out.scheduled if s.samples]
         sampler_output = host_output = ready = None
         if sampled:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -182,8 +182,7 @@ class ModelRunner:
         """Peak device bytes of a forward over ``num_tokens`` prompt tokens plus sampling for
         ``max_num_seqs`` rows, with a throwaway KV pool just large enough. The tokens are split
         into prompts of at most ``max_model_len``, as a real step's would be."""
-        from pagedserve.core.request import Request
-        from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
+        from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
         from pagedserve.sampling_params import SamplingParams
 
         lengths = [min(self.max_model_len, num_tokens - start)
@@ -196,9 +195,9 @@ class ModelRunner:
         self.platform.reset_peak_memory()
         self.allocate_kv_cache(KVCacheSpec(next_block, block_size, self.kv_dtype))
         out = SchedulerOutput([
-            ScheduledRequest(Request(f"profile-{i}", [0] * n, SamplingParams(), max_tokens=1),
-                             0, n, table, samples=True)
-            for i, (n, table) in enumerate(zip(lengths, tables))])
+            ScheduledSequence(Sequence([0] * n, SamplingParams(), max_tokens=1),
+                              0, n, table, samples=True)
+            for n, table in zip(lengths, tables)])
         hidden = self._forward(build_inputs(out, block_size, self.device))
         rows = hidden[-1:].expand(max_num_seqs, -1)
         self.model.compute_logits(rows).float().softmax(-1)
@@ -208,20 +207,20 @@ class ModelRunner:
         return peak
 
     def _prompt_logprobs(self, out: SchedulerOutput,
-                         hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:
+                         hidden: torch.Tensor) -> dict[Sequence, PromptLogprobsChunk]:
         results = {}
         row = 0
         for item in out.scheduled:
-            request, start, n = item.request, item.num_computed_tokens, item.num_new_tokens
-            k = request.params.prompt_logprobs
+            seq, start, n = item.seq, item.num_computed_tokens, item.num_new_tokens
+            k = seq.params.prompt_logprobs
             # Rows whose next token is still a prompt token (not after a preemption restart).
-            last = min(start + n, request.num_prompt_tokens - 1)
-            if k is not None and request.num_preemptions == 0 and last > start:
+            last = min(start + n, seq.num_prompt_tokens - 1)
+            if k is not None and seq.num_preemptions == 0 and last > start:
                 rows = hidden[row:row + last - start]
-                targets = torch.tensor(request.prompt_token_ids[start + 1:last + 1],
+                targets = torch.tensor(seq.prompt_token_ids[start + 1:last + 1],
                                        device=hidden.device)
                 logits = self.model.compute_logits(rows).float()
-                results[request.request_id] = PromptLogprobsChunk(
+                results[seq] = PromptLogprobsChunk(
                     start, prompt_logprobs(logits, targets, k))
             row += n
         return results

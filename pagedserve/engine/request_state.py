@@ -1,6 +1,5 @@
-"""Per-request bookkeeping above the core: the n (or best_of) token streams of one user
-request, or its running beams, with their detokenizers, seeds and logprobs, and how they become
-a ``RequestOutput``."""
+"""The engine's side of a request: its sequences' detokenizers, seeds and logprobs (the core
+holds their tokens and blocks), and how it becomes a ``RequestOutput``."""
 
 from __future__ import annotations
 
@@ -8,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.core.beam_search import BeamSearch, Hypothesis
-from pagedserve.core.request import Request
+from pagedserve.core.beam_search import BeamSearch
+from pagedserve.core.sequence import Sequence, SequenceGroup
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import (
     CompletionOutput,
@@ -23,28 +22,31 @@ from pagedserve.sampling_params import SamplingParams
 
 @dataclass(eq=False)
 class SequenceState:
+    """One sequence of a request. Beams carry no detokenizer, generator or logprobs: they
+    sample greedily, are scored from the sampler's top-k, and are decoded once chosen."""
+
     index: int
-    request: Request
-    detokenizer: IncrementalDetokenizer
+    seq: Sequence
+    request: RequestState
+    detokenizer: IncrementalDetokenizer | None
     generator: torch.Generator | None
     logprobs: list[TokenLogprobs] | None
     cumulative_logprob: float = 0.0
-    beam_candidates: int = 0  # next tokens a beam offers each step; 0 if not a beam
 
     @property
     def finished(self) -> bool:
-        return self.request.status.finished
+        return self.seq.status.finished
 
     def completion(self) -> CompletionOutput:
-        r = self.request
+        s = self.seq
         return CompletionOutput(
             index=self.index,
             text=self.detokenizer.text,
-            token_ids=list(r.output_token_ids),
+            token_ids=list(s.output_token_ids),
             cumulative_logprob=self.cumulative_logprob,
             logprobs=self.logprobs,
-            finish_reason=r.status.finish_reason,
-            stop_reason=r.stop_reason,
+            finish_reason=s.status.finish_reason,
+            stop_reason=s.stop_reason,
         )
 
 
@@ -55,17 +57,26 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
-    # The streams (for beam search: the running beams; none once the search is done).
+    group: SequenceGroup
+    # The sequences (for beam search: the running beams; none once the search is done).
     seqs: list[SequenceState] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-    beam: BeamSearch | None = None
-    # Each running beam's (token ids, logprobs) offer, kept until every beam has made one.
-    beam_offers: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
-    beam_outputs: list[CompletionOutput] = field(default_factory=list)
+    beam: BeamState | None = None
 
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the host has seen the last token:
+        not when the next logits read the outputs so far (penalties, min_tokens), when the
+        host picks the tokens (beam search) or when prompt logprobs are read back as they are
+        made."""
+        p = self.params
+        return not (p.use_beam_search or p.min_tokens or p.prompt_logprobs is not None
+                    or p.repetition_penalty != 1.0 or p.presence_penalty
+                    or p.frequency_penalty)
 
     def record_prompt_logprobs(self, first_position: int,
                                entries: list[TokenLogprobs]) -> None:
@@ -89,10 +100,10 @@ class RequestState:
 
     def _completions(self, finished: bool) -> list[CompletionOutput]:
         if self.beam is not None:
-            return list(self.beam_outputs)
+            return list(self.beam.outputs)
         seqs = self.seqs
         if finished and self.params.best_of > self.params.n:
-            # best_of: keep the n streams the model found most likely.
+            # best_of: keep the n sequences the model found most likely.
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:self.params.n]
         outputs = [s.completion() for s in seqs]
         for i, o in enumerate(outputs):
@@ -100,22 +111,14 @@ class RequestState:
         return outputs
 
 
-def beam_completion(index: int, hypothesis: Hypothesis,
-                    detokenizer: IncrementalDetokenizer | None) -> CompletionOutput:
-    """A finished beam as an output; ``detokenizer`` is fresh for this hypothesis, or None
-    for token ids only."""
-    if detokenizer is not None:
-        for token in hypothesis.token_ids:
-            detokenizer.append(token)
-        detokenizer.flush()
-    return CompletionOutput(
-        index=index,
-        text=detokenizer.text if detokenizer is not None else "",
-        token_ids=list(hypothesis.token_ids),
-        cumulative_logprob=hypothesis.cumulative_logprob,
-        logprobs=None,
-        finish_reason="stop" if hypothesis.stopped else "length",
-    )
+@dataclass(eq=False)
+class BeamState:
+    """A beam-search request's search, the candidates its running beams offered this step
+    (kept until every beam has offered), and its outputs once done."""
+
+    search: BeamSearch
+    offers: dict[Sequence, tuple[list[int], list[float]]] = field(default_factory=dict)
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 def token_logprobs(sampled: int, logprob: float, rank: int, top_ids: list[int],

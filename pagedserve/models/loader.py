@@ -157,6 +157,18 @@ def load_generation_config(source: ModelSource) -> dict[str, Any]:
     return _read_json(path) if path.is_file() else {}
 
 
+def eos_token_ids(source: ModelSource, arch: ModelArchConfig, tokenizer) -> frozenset[int]:
+    """Every id that ends generation: the config's, generation_config.json's, the
+    tokenizer's."""
+    ids = set(arch.eos_token_ids)
+    gen_eos = load_generation_config(source).get("eos_token_id")
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None
+               else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())

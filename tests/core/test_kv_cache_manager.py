@@ -4,14 +4,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.request import Request
+from pagedserve.core.sequence import Sequence
 from pagedserve.sampling_params import SamplingParams
 
 BLOCK = 4
 
 
-def _request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, tokens, SamplingParams(), max_tokens=64)
+def _request(tokens: list[int]) -> Sequence:
+    return Sequence(tokens, SamplingParams(), max_tokens=64)
 
 
 def _check_invariants(kv: KVCacheManager) -> None:
@@ -38,19 +38,19 @@ ops = st.lists(
 @given(ops=ops, caching=st.booleans())
 def test_random_operations_keep_ref_counts_exact(ops, caching):
     kv = KVCacheManager(num_blocks=12, block_size=BLOCK, enable_caching=caching)
-    live: dict[str, Request] = {}
+    live: dict[int, Sequence] = {}
     for op, slot, n, vocab in ops:
-        rid = f"r{slot}"
+        rid = slot
         if op == "new" and rid not in live:
             # Small vocabularies make shared prefixes (prefix-cache hits) common.
-            req = _request(rid, [(i * 7 + vocab) % (vocab + 1) for i in range(n + 3)])
+            req = _request([(i * 7 + vocab) % (vocab + 1) for i in range(n + 3)])
             cached = kv.find_cached_prefix(req)
             num_cached = len(cached) * BLOCK
             if kv.allocate_slots(req, req.num_tokens - num_cached, cached):
                 req.num_computed_tokens = req.num_tokens
                 live[rid] = req
             else:
-                assert rid not in kv.tables
+                assert req not in kv.tables
         elif op == "append" and rid in live:
             req = live[rid]
             for _ in range(n):
@@ -58,42 +58,40 @@ def test_random_operations_keep_ref_counts_exact(ops, caching):
             if kv.allocate_slots(req, n):
                 req.num_computed_tokens += n
             else:
-                kv.free(rid)
-                del live[rid]
+                kv.free(live.pop(rid))
         elif op == "free" and rid in live:
-            kv.free(rid)
-            del live[rid]
+            kv.free(live.pop(rid))
         _check_invariants(kv)
         for req in live.values():
-            assert len(kv.block_table(req.request_id)) * BLOCK >= req.num_computed_tokens
-    for rid in list(live):
-        kv.free(rid)
+            assert len(kv.block_table(req)) * BLOCK >= req.num_computed_tokens
+    for req in live.values():
+        kv.free(req)
     _check_invariants(kv)
     assert kv.pool.num_free == kv.pool.num_blocks
 
 
 def test_prefix_hit_reuses_blocks_and_leaves_last_token_to_compute():
     kv = KVCacheManager(num_blocks=16, block_size=BLOCK)
-    first = _request("a", list(range(12)))
+    first = _request(list(range(12)))
     assert kv.allocate_slots(first, 12)
-    second = _request("b", list(range(12)))
+    second = _request(list(range(12)))
     cached = kv.find_cached_prefix(second)
     # 12 tokens = 3 full blocks, but the last token must be recomputed: 2 blocks reused.
-    assert cached == kv.block_table("a")[:2]
+    assert cached == kv.block_table(first)[:2]
     assert kv.allocate_slots(second, 12 - 8, cached)
-    assert kv.block_table("b")[:2] == kv.block_table("a")[:2]
-    assert kv.block_table("b")[2] != kv.block_table("a")[2]
+    assert kv.block_table(second)[:2] == kv.block_table(first)[:2]
+    assert kv.block_table(second)[2] != kv.block_table(first)[2]
 
 
 def test_differing_prefix_does_not_hit():
     kv = KVCacheManager(num_blocks=16, block_size=BLOCK)
-    assert kv.allocate_slots(_request("a", list(range(12))), 12)
-    other = _request("b", [99] + list(range(1, 12)))
+    assert kv.allocate_slots(_request(list(range(12))), 12)
+    other = _request([99] + list(range(1, 12)))
     assert kv.find_cached_prefix(other) == []
 
 
 def test_failed_allocation_changes_nothing():
     kv = KVCacheManager(num_blocks=2, block_size=BLOCK)
-    req = _request("a", list(range(12)))
+    req = _request(list(range(12)))
     assert not kv.allocate_slots(req, 12)
-    assert kv.pool.num_free == 2 and "a" not in kv.tables
+    assert kv.pool.num_free == 2 and req not in kv.tables

@@ -6,12 +6,13 @@ as the runner does, writes every chunk and checks that each stream sees exactly 
 
 import random
 import zlib
+from dataclasses import dataclass
 
 import pytest
 
 from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.request import Request, RequestStatus, SequenceGroup
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
+from pagedserve.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedserve.sampling_params import SamplingParams
 from tests.kv_checks import SimulatedCache, assert_pools_full, check_pools
 
@@ -25,13 +26,21 @@ def _scheduler(num_blocks=16, host_blocks=32, budget=16, mode="auto", max_seqs=8
     return Scheduler(cfg, kv)
 
 
-def _req(rid, prompt, max_tokens=8):
-    return Request(rid, list(prompt), SamplingParams(), max_tokens=max_tokens)
+@dataclass(eq=False)
+class _Named(Sequence):
+    """A sequence with a name, so that simulated samples differ between sequences but not
+    between runs."""
+
+    name: str = ""
 
 
-def _token(request: Request) -> int:
+def _req(name, prompt, max_tokens=8):
+    return _Named(list(prompt), SamplingParams(), max_tokens=max_tokens, name=name)
+
+
+def _token(seq: _Named) -> int:
     """A deterministic "sample" that differs between streams."""
-    return zlib.crc32(f"{request.request_id}:{request.num_tokens}".encode()) % 40 + 1
+    return zlib.crc32(f"{seq.name}:{seq.num_tokens}".encode()) % 40 + 1
 
 
 class _Sim:
@@ -42,7 +51,7 @@ class _Sim:
         self.sched = sched
         self.cache = SimulatedCache(sched.kv)
         self.beam_groups: set[int] = set()
-        self.offers: set[str] = set()
+        self.offers: set[Sequence] = set()
         self.samples: dict[int, int] = {}  # id(group) -> tokens sampled so far
         self.preempted_at: dict[int, int] = {}
         self.thrashes = 0
@@ -62,40 +71,41 @@ class _Sim:
         self._note_preemptions(out.preempted)
         for item in out.scheduled:
             if item.samples:
-                self._sample(item.request)
+                self._sample(item.seq)
         check_pools(self.sched.kv)
         return out
 
-    def _note_preemptions(self, preempted: list[Request]) -> None:
+    def _note_preemptions(self, preempted: list[Sequence]) -> None:
         for group in {id(r.group): r.group for r in preempted}.values():
             progress = self.samples[id(group)]
             if self.preempted_at.get(id(group)) == progress:
                 self.thrashes += 1
             self.preempted_at[id(group)] = progress
 
-    def _sample(self, request: Request) -> None:
+    def _sample(self, request: Sequence) -> None:
         group = request.group
         self.samples[id(group)] += 1
         if id(group) not in self.beam_groups:
             request.append_output(_token(request))
             if request.num_output_tokens >= request.max_tokens:
-                self.sched.finish(request, RequestStatus.FINISHED_LENGTH)
+                self.sched.finish(request, SequenceStatus.FINISHED_LENGTH)
             return
-        self.offers.add(request.request_id)
-        if all(s.request_id in self.offers for s in group.seqs):
+        self.offers.add(request)
+        if all(s in self.offers for s in group.seqs):
             self._beam_step(group)
 
     def _beam_step(self, group: SequenceGroup) -> None:
         beams = list(group.seqs)
-        self.offers -= {b.request_id for b in beams}
+        self.offers -= set(beams)
         if beams[0].num_output_tokens + 1 >= beams[0].max_tokens:
             for beam in beams:
-                self.sched.finish(beam, RequestStatus.FINISHED_STOPPED)
+                self.sched.finish(beam, SequenceStatus.FINISHED_STOPPED)
             return
         if len(beams) > 1:
-            self.sched.finish(beams[-1], RequestStatus.FINISHED_ABORTED)
+            self.sched.finish(beams[-1], SequenceStatus.FINISHED_ABORTED)
             self.forks += 1
-            beams[-1] = self.sched.fork(beams[0], f"{beams[0].request_id}.{self.forks}")
+            beams[-1] = self.sched.fork(beams[0])
+            beams[-1].name = f"{beams[0].name}.{self.forks}"
         for beam in beams:
             beam.append_output(_token(beam))
 
@@ -107,20 +117,20 @@ class _Sim:
         raise AssertionError("the workload did not finish")
 
 
-def _random_workload(sim: _Sim, rng: random.Random, num: int) -> list[Request]:
+def _random_workload(sim: _Sim, rng: random.Random, num: int) -> list[Sequence]:
     everyone = []
     for i in range(num):
         prompt = [rng.randrange(1, 6) for _ in range(rng.randint(1, 12))]
         kind, width = rng.choice(["single", "parallel", "beam"]), rng.randint(2, 3)
         root = _req(f"g{i}", prompt, max_tokens=rng.randint(3, 12))
         if kind == "single":
-            sim.add(SequenceGroup([root]))
+            sim.add(SequenceGroup(root.name, [root]))
         elif kind == "parallel":
             forks = [_req(f"g{i}#{k}", prompt, root.max_tokens) for k in range(1, width)]
-            sim.add(SequenceGroup([root], width=width, pending_forks=forks))
+            sim.add(SequenceGroup(root.name, [root], width=width, pending_forks=forks))
             everyone += forks
         else:
-            sim.add(SequenceGroup([root], width=width), beam=True)
+            sim.add(SequenceGroup(root.name, [root], width=width), beam=True)
         everyone.append(root)
     return everyone
 
@@ -144,15 +154,15 @@ def test_parallel_streams_fork_after_all_but_the_last_prompt_token():
     sim = _Sim(sched)
     root = _req("a", range(1, 11))  # 10 tokens: 2 full blocks and a half-full one
     forks = [_req(f"a#{k}", range(1, 11)) for k in (1, 2, 3)]
-    sim.add(SequenceGroup([root], width=4, pending_forks=forks))
+    sim.add(SequenceGroup(root.name, [root], width=4, pending_forks=forks))
     out = sim.step()
-    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 9)]
+    assert [(s.seq.name, s.num_new_tokens) for s in out.scheduled] == [("a", 9)]
     out = sim.step()
     # Every stream computes the last prompt token itself, so each samples from its own row.
-    assert [(s.request.request_id, s.num_new_tokens, s.samples) for s in out.scheduled] == [
-        (r.request_id, 1, True) for r in [root, *forks]]
+    assert [(s.seq.name, s.num_new_tokens, s.samples) for s in out.scheduled] == [
+        (r.name, 1, True) for r in [root, *forks]]
     kv = sched.kv
-    assert len({kv.block_table(r.request_id)[0] for r in [root, *forks]}) == 1
+    assert len({kv.block_table(r)[0] for r in [root, *forks]}) == 1
     # Full blocks stay shared; the partial last block was copied by all but its last writer.
     assert len(out.block_ops.copies) == 3
     assert kv.pool.num_used == 2 + 4
@@ -162,17 +172,18 @@ def test_multi_stream_groups_swap_and_single_streams_recompute_in_auto_mode():
     sched = _scheduler(num_blocks=10, budget=64)
     sim = _Sim(sched)
     old = _req("old", range(1, 13), max_tokens=20)
-    sim.add(SequenceGroup([old]))
+    sim.add(SequenceGroup(old.name, [old]))
     sim.step()
     pair = _req("pair", range(1, 9), max_tokens=20)
-    sim.add(SequenceGroup([pair], width=2, pending_forks=[_req("pair#1", range(1, 9), 20)]))
+    sim.add(SequenceGroup(pair.name, [pair], width=2,
+                          pending_forks=[_req("pair#1", range(1, 9), 20)]))
     single = _req("single", range(20, 28), max_tokens=20)
-    sim.add(SequenceGroup([single]))
+    sim.add(SequenceGroup(single.name, [single]))
     swapped = recomputed = False
     for _ in range(60):
         out = sim.step()
         if any(r.group is pair.group for r in out.preempted):
-            swapped |= pair.status is RequestStatus.SWAPPED and bool(out.block_ops.swap_out)
+            swapped |= pair.status is SequenceStatus.SWAPPED and bool(out.block_ops.swap_out)
         recomputed |= single in out.preempted
         if single in out.preempted:
             assert single.num_computed_tokens == 0 and single.group in sched.waiting
@@ -183,15 +194,15 @@ def test_swapped_group_comes_back_before_new_requests():
     sched = _scheduler(num_blocks=8, budget=64, mode="swap")
     sim = _Sim(sched)
     a, b = _req("a", range(1, 9), max_tokens=12), _req("b", range(1, 9), max_tokens=12)
-    sim.add(SequenceGroup([a]))
-    sim.add(SequenceGroup([b]))
+    sim.add(SequenceGroup(a.name, [a]))
+    sim.add(SequenceGroup(b.name, [b]))
     while b.group not in sched.swapped:
         sim.step()
     newcomer = _req("c", range(30, 34), max_tokens=2)
-    sim.add(SequenceGroup([newcomer]))
-    while newcomer.status is RequestStatus.WAITING:
+    sim.add(SequenceGroup(newcomer.name, [newcomer]))
+    while newcomer.status is SequenceStatus.WAITING:
         sim.step()
-    assert b.status is not RequestStatus.SWAPPED
+    assert b.status is not SequenceStatus.SWAPPED
     sim.run()
     assert_pools_full(sched.kv)
 
@@ -200,8 +211,8 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
     sched = _scheduler(num_blocks=8, host_blocks=1, budget=64, mode="swap")
     sim = _Sim(sched)
     a, b = _req("a", range(1, 9), max_tokens=12), _req("b", range(1, 9), max_tokens=12)
-    sim.add(SequenceGroup([a]))
-    sim.add(SequenceGroup([b]))
+    sim.add(SequenceGroup(a.name, [a]))
+    sim.add(SequenceGroup(b.name, [b]))
     sim.run()
     assert sched.num_preemptions > 0 and sched.kv.host_pool.num_used == 0
     assert b.num_preemptions > 0
@@ -210,7 +221,7 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
 def test_resumed_group_is_not_preempted_again_before_it_samples():
     sched = _scheduler(num_blocks=9, budget=64, mode="swap")
     sim = _Sim(sched)
-    groups = [SequenceGroup([_req(f"r{i}", range(1 + i, 8 + i), max_tokens=14)])
+    groups = [SequenceGroup(f"r{i}", [_req(f"r{i}", range(1 + i, 8 + i), max_tokens=14)])
               for i in range(3)]
     for group in groups:
         sim.add(group)

@@ -1,6 +1,6 @@
 from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
+from pagedserve.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedserve.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -13,8 +13,12 @@ def _scheduler(num_blocks=64, budget=32, max_seqs=8, chunked=True, caching=False
     return Scheduler(cfg, kv)
 
 
-def _req(rid, n, max_tokens=8):
-    return Request(rid, list(range(1, n + 1)), SamplingParams(), max_tokens=max_tokens)
+def _req(n, max_tokens=8):
+    return Sequence(list(range(1, n + 1)), SamplingParams(), max_tokens=max_tokens)
+
+
+def _add(sched, seq):
+    sched.add_group(SequenceGroup("request", [seq]))
 
 
 def _step(sched, token=7):
@@ -23,26 +27,25 @@ def _step(sched, token=7):
     sched.advance(out)
     for item in out.scheduled:
         if item.samples:
-            item.request.append_output(token)
-            if item.request.num_output_tokens >= item.request.max_tokens:
-                sched.finish(item.request, RequestStatus.FINISHED_LENGTH)
+            item.seq.append_output(token)
+            if item.seq.num_output_tokens >= item.seq.max_tokens:
+                sched.finish(item.seq, SequenceStatus.FINISHED_LENGTH)
     return out
 
 
 def test_prefill_and_decode_share_a_step():
     sched = _scheduler()
-    a = _req("a", 5)
-    sched.add_request(a)
+    a, b = _req(5), _req(6)
+    _add(sched, a)
     _step(sched)
-    sched.add_request(_req("b", 6))
+    _add(sched, b)
     out = _step(sched)
-    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1),
-                                                                                 ("b", 6)]
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 6)]
 
 
 def test_long_prompt_is_chunked_under_the_budget():
     sched = _scheduler(budget=8)
-    sched.add_request(_req("a", 20))
+    _add(sched, _req(20))
     chunks = [_step(sched).scheduled[0].num_new_tokens for _ in range(3)]
     assert chunks == [8, 8, 4]
     assert _step(sched).scheduled[0].samples
@@ -50,34 +53,35 @@ def test_long_prompt_is_chunked_under_the_budget():
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget():
     sched = _scheduler(budget=8, chunked=False)
-    sched.add_request(_req("a", 8))
-    sched.add_request(_req("b", 8))
+    a, b = _req(8), _req(8)
+    _add(sched, a)
+    _add(sched, b)
     out = _step(sched)
-    assert [s.request.request_id for s in out.scheduled] == ["a"]
+    assert [s.seq for s in out.scheduled] == [a]
 
 
 def test_max_num_seqs_caps_the_batch():
     sched = _scheduler(max_seqs=2)
-    for i in range(4):
-        sched.add_request(_req(f"r{i}", 3))
+    for _ in range(4):
+        _add(sched, _req(3))
     assert len(_step(sched).scheduled) == 2
     assert len(sched.waiting) == 2
 
 
 def test_finished_request_returns_blocks_at_once():
     sched = _scheduler()
-    a = _req("a", 5, max_tokens=1)
-    sched.add_request(a)
+    a = _req(5, max_tokens=1)
+    _add(sched, a)
     _step(sched)
-    assert a.status is RequestStatus.FINISHED_LENGTH
+    assert a.status is SequenceStatus.FINISHED_LENGTH
     assert sched.kv.pool.num_free == sched.kv.num_blocks
 
 
 def test_pool_exhaustion_preempts_newest_and_everyone_finishes():
     sched = _scheduler(num_blocks=6, budget=64)
-    reqs = [_req(f"r{i}", 6, max_tokens=10) for i in range(3)]
+    reqs = [_req(6, max_tokens=10) for i in range(3)]
     for r in reqs:
-        sched.add_request(r)
+        _add(sched, r)
     for _ in range(200):
         if not sched.has_unfinished:
             break
@@ -92,11 +96,11 @@ def test_pool_exhaustion_preempts_newest_and_everyone_finishes():
 
 def test_abort_waiting_and_running():
     sched = _scheduler(max_seqs=1)
-    a, b = _req("a", 4), _req("b", 4)
-    sched.add_request(a)
-    sched.add_request(b)
+    a, b = _req(4), _req(4)
+    _add(sched, a)
+    _add(sched, b)
     _step(sched)
-    sched.finish(a, RequestStatus.FINISHED_ABORTED)
-    sched.finish(b, RequestStatus.FINISHED_ABORTED)
+    sched.finish(a, SequenceStatus.FINISHED_ABORTED)
+    sched.finish(b, SequenceStatus.FINISHED_ABORTED)
     assert not sched.has_unfinished
     assert sched.kv.pool.num_free == sched.kv.num_blocks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.engine.llm_engine import PromptTooLong
+from pagedserve.engine.input_processor import PromptTooLong
 from tests.tiny_models import VOCAB, write_tiny_model
 
 

@@ -95,8 +95,8 @@ def _hf_logprobs(model, prompt: list[int], sample: list[int]) -> list[float]:
 def _blocks_used_mid_run(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple:
     engine = llm.engine
     engine.add_request(prompt, params, "mid")
-    seq = engine._seqs["mid" if params.n == 1 else "mid#0"]
-    while seq.request.num_output_tokens < 8:
+    seq = engine.outputs.requests["mid"].seqs[0].seq
+    while seq.num_output_tokens < 8:
         engine.step()
     used, shared = engine.kv.pool.num_used, engine.stats().blocks_shared
     while engine.has_unfinished_requests():

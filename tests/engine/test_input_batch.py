@@ -5,24 +5,24 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.core.request import Request
-from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
+from pagedserve.core.sequence import Sequence
 from pagedserve.engine.input_batch import InFlightTokens, build_inputs
 from pagedserve.sampling_params import SamplingParams
 
 
-def _request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, tokens, SamplingParams(), max_tokens=8)
+def _sequence(tokens: list[int]) -> Sequence:
+    return Sequence(tokens, SamplingParams(), max_tokens=8)
 
 
 def test_mixed_step_packs_chunks_positions_slots_and_tables():
     block = 4
-    prefill = _request("p", [11, 12, 13, 14, 15, 16])  # chunk of tokens 2..5, cached 0..1
-    decode = _request("d", [21, 22, 23])
+    prefill = _sequence([11, 12, 13, 14, 15, 16])  # chunk of tokens 2..5, cached 0..1
+    decode = _sequence([21, 22, 23])
     decode.num_pending_tokens = 1  # its 4th token is still being sampled
     out = SchedulerOutput([
-        ScheduledRequest(prefill, 2, 4, [7, 3], samples=True),
-        ScheduledRequest(decode, 3, 1, [5], samples=True),
+        ScheduledSequence(prefill, 2, 4, [7, 3], samples=True),
+        ScheduledSequence(decode, 3, 1, [5], samples=True),
     ])
     in_flight = InFlightTokens(torch.tensor([90, 91]), {decode: 1})
     inputs = build_inputs(out, block, torch.device("cpu"), in_flight)

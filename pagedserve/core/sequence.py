@@ -1,4 +1,11 @@
-"""A request as the core sees it: token ids, progress, status. No tensors, no device."""
+"""What the core schedules: token streams (``Sequence``) and the user requests that own them
+(``SequenceGroup``). Token ids, progress, status; no tensors, no device.
+
+Vocabulary, used everywhere in the package: a *request* is what a user asked for (one prompt,
+one ``request_id``, one ``SequenceGroup`` in the core, one ``RequestState`` in the engine); a
+*sequence* is one token stream of it. ``n``/``best_of`` and beam search give a request several
+sequences. A sequence knows its group by reference; ids are the caller's opaque strings and the
+core never parses them."""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ from dataclasses import dataclass, field
 from pagedserve.sampling_params import SamplingParams
 
 
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     SWAPPED = enum.auto()
@@ -29,20 +36,20 @@ class RequestStatus(enum.Enum):
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 
 
 @dataclass(eq=False)
-class Request:
-    """One token stream. ``num_computed_tokens`` counts tokens whose keys and values are in the
-    cache; every scheduling decision (prefill, chunk, decode, recompute) is "compute the next k
-    tokens of ``all_token_ids``"."""
+class Sequence:
+    """One token stream, known by reference (equality and hashing are identity): the KV cache
+    manager and the engine key their tables by the object. ``num_computed_tokens`` counts
+    tokens whose keys and values are in the cache; every scheduling decision (prefill, chunk,
+    decode, recompute) is "compute the next k tokens of ``all_token_ids``"."""
 
-    request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
@@ -55,7 +62,7 @@ class Request:
     # Tokens sampled by steps that ran but not yet appended: with async scheduling the next
     # step is scheduled (and reads its input token on the device) before the host sees them.
     num_pending_tokens: int = 0
-    status: RequestStatus = RequestStatus.WAITING
+    status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None
     group: SequenceGroup | None = field(default=None, repr=False)
 
@@ -68,7 +75,7 @@ class Request:
 
     @property
     def num_known_tokens(self) -> int:
-        """Tokens the request has, counting sampled ones the host has not seen yet."""
+        """Tokens the sequence has, counting sampled ones the host has not seen yet."""
         return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
@@ -85,11 +92,10 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-    def fork(self, request_id: str) -> Request:
-        """This stream's tokens and progress under a new id (its blocks are forked by the KV
+    def fork(self) -> Sequence:
+        """A new stream with this one's tokens and progress (its blocks are forked by the KV
         cache manager)."""
-        child = dataclasses.replace(self, request_id=request_id,
-                                    output_token_ids=list(self.output_token_ids))
+        child = dataclasses.replace(self, output_token_ids=list(self.output_token_ids))
         child.all_token_ids = list(self.all_token_ids)
         return child
 
@@ -106,20 +112,21 @@ class SequenceGroup:
     picks beams. ``width`` is the most streams the group will hold at once.
     """
 
-    seqs: list[Request]
+    request_id: str
+    seqs: list[Sequence]
     width: int = 1
-    pending_forks: list[Request] = field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
+    pending_forks: list[Sequence] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
     # Preempted and resumed but not yet sampled since: not preempted again until it has.
     resumed: bool = False
 
     def __post_init__(self) -> None:
         self.width = max(self.width, len(self.seqs) + len(self.pending_forks))
-        for request in self.seqs + self.pending_forks:
-            request.group = self
+        for seq in self.seqs + self.pending_forks:
+            seq.group = self
 
     @property
-    def root(self) -> Request:
+    def root(self) -> Sequence:
         return self.seqs[0]
 
     @property
@@ -132,7 +139,7 @@ class SequenceGroup:
         return bool(self.pending_forks) and root is not None and (
             root.num_computed_tokens == root.num_tokens - 1)
 
-    def move_to(self, status: RequestStatus) -> None:
+    def move_to(self, status: SequenceStatus) -> None:
         self.status = status
-        for request in self.seqs:
-            request.status = status
+        for seq in self.seqs:
+            seq.status = status

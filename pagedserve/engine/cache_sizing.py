@@ -1,0 +1,50 @@
+"""How many KV blocks the device pool and the host swap pool get, from the memory the platform
+reports once weights and the largest step's activations are in place."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from pagedserve.config import ConfigError, EngineConfig
+from pagedserve.engine.model_runner import KVCacheSpec, ModelRunner
+from pagedserve.logger import get_logger
+from pagedserve.platforms.interface import Platform
+
+logger = get_logger(__name__)
+
+
+class CacheSizes(NamedTuple):
+    num_blocks: int  # device pool
+    num_host_blocks: int  # swap pool
+    bytes_per_block: int
+
+
+def size_kv_cache(config: EngineConfig, platform: type[Platform], runner: ModelRunner,
+                  max_model_len: int, max_num_batched_tokens: int) -> CacheSizes:
+    per_block = KVCacheSpec(1, config.block_size, runner.kv_dtype).bytes_per_block(runner.arch)
+    # Never reserve more than every sequence at full length could use.
+    useful_blocks = config.max_num_seqs * (max_model_len // config.block_size + 1)
+    budget = config.kv_cache_memory_bytes
+    if budget is None:
+        peak = _peak_memory_bytes(config, platform, runner, max_num_batched_tokens)
+        budget = platform.kv_cache_budget_bytes(config.gpu_memory_utilization, peak)
+        budget = min(budget, useful_blocks * per_block)
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ConfigError(
+            f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
+            "raise --kv-cache-memory-bytes or --gpu-memory-utilization")
+    num_host_blocks = min(int(config.swap_space * 2**30) // per_block, useful_blocks)
+    return CacheSizes(int(num_blocks), num_host_blocks, per_block)
+
+
+def _peak_memory_bytes(config: EngineConfig, platform: type[Platform], runner: ModelRunner,
+                       max_num_batched_tokens: int) -> int:
+    """Weights plus the activations of the largest step, measured where the platform can."""
+    if not platform.profiles_memory:
+        return runner.weight_bytes()
+    peak = runner.profile_peak_memory(max_num_batched_tokens, config.max_num_seqs,
+                                      config.block_size)
+    logger.info("memory profile: weights %.2f GiB, peak with activations %.2f GiB",
+                runner.weight_bytes() / 2**30, peak / 2**30)
+    return peak

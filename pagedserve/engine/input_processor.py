@@ -1,0 +1,126 @@
+"""Input processing, the engine's first stage: validate a user request, tokenize its prompt and
+build its state: the ``SequenceGroup`` the core schedules and the ``RequestState`` the output
+stage fills."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.core.beam_search import BeamSearch
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.sequence import Sequence, SequenceGroup
+from pagedserve.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from pagedserve.engine.request_state import BeamState, RequestState, SequenceState
+from pagedserve.outputs import RequestMetrics
+from pagedserve.sample.metadata import check_token_ids
+from pagedserve.sampling_params import SamplingParams
+
+
+class PromptTooLong(ValueError):
+    """The prompt leaves no room to generate within the context window."""
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """What a request is checked against."""
+
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    eos_token_ids: frozenset[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, limits: InputLimits, kv: KVCacheManager,
+                 device: torch.device) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.kv = kv  # for the pool's size: a request that could never fit is refused
+        self.device = device
+
+    def process(self, request_id: str, prompt: str | list[int],
+                params: SamplingParams) -> RequestState:
+        """A validated request with its sequences; ``state.group`` goes to the scheduler.
+        Raises ``ValueError`` (``PromptTooLong`` among them) for input it cannot run."""
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+        max_tokens = self._check(token_ids, params)
+        # A bad id inside a batched scatter would fail the whole step, so reject it here.
+        check_token_ids(params, self.limits.vocab_size)
+        beam = self._beam_state(params, max_tokens)
+        # Beam search starts from one sequence; parallel sampling forks best_of from the prompt.
+        seq_params = _beam_params(params) if beam is not None else params
+        seqs = [Sequence(token_ids, seq_params, max_tokens, self.limits.eos_token_ids)
+                for _ in range(1 if beam is not None else params.best_of)]
+        group = SequenceGroup(request_id, seqs[:1], width=params.best_of,
+                              pending_forks=seqs[1:])
+        state = RequestState(request_id, text, token_ids, params,
+                             RequestMetrics(arrival_time=time.time()), group, beam=beam)
+        state.seqs = [self._sequence_state(state, seq, i) for i, seq in enumerate(seqs)]
+        return state
+
+    def _sequence_state(self, state: RequestState, seq: Sequence, index: int) -> SequenceState:
+        if state.beam is not None:
+            return SequenceState(index, seq, state, None, None, None)
+        params = state.params
+        return SequenceState(
+            index, seq, state,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, params),
+            generator=self._generator(params, index),
+            logprobs=[] if params.logprobs is not None else None)
+
+    def _check(self, token_ids: list[int], params: SamplingParams) -> int:
+        """Validate the prompt against the context window and the pool; return max_tokens."""
+        limits = self.limits
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if min(token_ids) < 0 or max(token_ids) >= limits.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {limits.vocab_size})")
+        room = limits.max_model_len - len(token_ids)
+        if room < 1:
+            raise PromptTooLong(
+                f"the prompt has {len(token_ids)} tokens but the model's context length is "
+                f"{limits.max_model_len}; shorten the prompt")
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.best_of > limits.max_num_seqs:
+            raise ValueError(f"best_of ({params.best_of}) exceeds --max-num-seqs "
+                             f"({limits.max_num_seqs})")
+        capacity = self.kv.num_blocks * self.kv.block_size
+        needed = self._worst_case_blocks(len(token_ids), max_tokens, params.best_of)
+        if needed * self.kv.block_size > capacity:
+            raise PromptTooLong(
+                f"the request needs up to {needed * self.kv.block_size} tokens of KV cache "
+                f"but the whole pool holds {capacity}; lower max_tokens (or n, best_of) or "
+                "enlarge the cache")
+        return max_tokens
+
+    def _worst_case_blocks(self, num_prompt: int, max_tokens: int, num_seqs: int) -> int:
+        """Blocks of ``num_seqs`` sequences sharing the prompt and then fully diverging, each
+        extra one with its own copy of the prompt's last partial block."""
+        extra = self.kv.blocks_for(max_tokens) + 1
+        return self.kv.blocks_for(num_prompt + max_tokens) + (num_seqs - 1) * extra
+
+    def _beam_state(self, params: SamplingParams, max_tokens: int) -> BeamState | None:
+        if not params.use_beam_search:
+            return None
+        stops = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= self.limits.eos_token_ids
+        return BeamState(BeamSearch(params.best_of, max_tokens, stops, params.length_penalty,
+                                    params.early_stopping))
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(params.seed + index)
+        return generator
+
+
+def _beam_params(params: SamplingParams) -> SamplingParams:
+    """Beams are scored from their logprobs, so their rows sample greedily and cheaply."""
+    return dataclasses.replace(params, temperature=0.0, logprobs=None)

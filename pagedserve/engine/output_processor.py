@@ -1,0 +1,167 @@
+"""Output processing, the engine's last stage: a computed step's sampled tokens and logprobs
+become sequence updates (detokenized text, stop checks, logprob entries, beam choices) and
+``RequestOutput``s. It also holds the requests in flight, by id and by sequence."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from pagedserve.core.sequence import Sequence, SequenceStatus
+from pagedserve.engine.beam_driver import BeamDriver
+from pagedserve.engine.model_runner import StepResult
+from pagedserve.engine.request_state import RequestState, SequenceState, token_logprobs
+from pagedserve.engine.stop_conditions import stop_status
+from pagedserve.outputs import RequestOutput
+from pagedserve.sample.sampler import SamplerOutput
+
+FinishFn = Callable[[Sequence, SequenceStatus], None]
+
+
+class OutputProcessor:
+    def __init__(self, finish: FinishFn, beams: BeamDriver) -> None:
+        self._finish = finish  # stops a sequence in the core and frees its blocks
+        self._beams = beams
+        self.requests: dict[str, RequestState] = {}
+        self._seqs: dict[Sequence, SequenceState] = {}
+        self.num_generation_tokens = 0
+        # Requests in flight that need the engine to run one step at a time.
+        self.num_step_by_step = 0
+
+    # ---- the requests in flight ---------------------------------------------------------
+    def add(self, state: RequestState) -> None:
+        self.requests[state.request_id] = state
+        for seq in state.seqs:
+            self._seqs[seq.seq] = seq
+        self.num_step_by_step += not state.runs_ahead
+
+    def pop(self, request_id: str) -> RequestState | None:
+        """Forget a request (finished or aborted); its sequences stay in ``state.seqs``."""
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            for seq in state.seqs:
+                self._seqs.pop(seq.seq, None)
+            self.num_step_by_step -= not state.runs_ahead
+        return state
+
+    def sequence(self, seq: Sequence) -> SequenceState:
+        return self._seqs[seq]
+
+    # ---- a computed step ----------------------------------------------------------------
+    def process(self, result: StepResult, samples: SamplerOutput | None) -> list[RequestOutput]:
+        """Apply a step's prompt logprobs and samples (``samples``: on the host); return the
+        outputs of the requests it changed, finished ones forgotten."""
+        touched = self._apply_prompt_logprobs(result)
+        if samples is not None:
+            touched |= self._apply_samples(result.sampled, _HostSamples.of(samples))
+        return self._outputs(touched)
+
+    def _apply_prompt_logprobs(self, result: StepResult) -> set[RequestState]:
+        touched = set()
+        for seq, chunk in result.prompt_logprobs.items():
+            state = self._seqs.get(seq)
+            if state is None or state.index != 0:
+                continue
+            r = chunk.result
+            n = len(r.logprobs)
+            # Row i scores the prompt token that follows position first_position + i.
+            targets = seq.prompt_token_ids[chunk.first_position + 1:][:n]
+            top_ids = r.top_ids.tolist() if r.top_ids is not None else [[]] * n
+            top_vals = r.top_logprobs.tolist() if r.top_logprobs is not None else [[]] * n
+            decode = state.detokenizer.decode_token
+            entries = [
+                token_logprobs(tok, lp, rank, ids, vals, decode)
+                for tok, lp, rank, ids, vals in zip(
+                    targets, r.logprobs.tolist(), r.ranks.tolist(), top_ids, top_vals,
+                    strict=True)
+            ]
+            state.request.record_prompt_logprobs(chunk.first_position, entries)
+            touched.add(state.request)
+        return touched
+
+    def _apply_samples(self, sampled: list[Sequence], rows: _HostSamples) -> set[RequestState]:
+        touched, beam_requests = set(), set()
+        now = time.time()
+        for i, seq in enumerate(sampled):
+            state = self._seqs.get(seq)
+            # A sequence that stopped or was aborted since the step was scheduled: its token
+            # is dropped.
+            if state is None or state.finished:
+                continue
+            if state.request.beam is not None:
+                self._beams.offer(state, rows.top_ids[i], rows.top_logprobs[i])
+                beam_requests.add(state.request)
+                continue
+            self._apply_sample(state, rows, i)
+            _record_token_time(state.request, now)
+            touched.add(state.request)
+        for request in beam_requests:
+            if self._beam_step(request):
+                _record_token_time(request, now)
+                touched.add(request)
+        return touched
+
+    def _apply_sample(self, state: SequenceState, rows: _HostSamples, i: int) -> None:
+        seq, token = state.seq, rows.tokens[i]
+        state.cumulative_logprob += rows.logprobs[i]
+        if state.logprobs is not None:
+            k = seq.params.logprobs
+            state.logprobs.append(token_logprobs(
+                token, rows.logprobs[i], rows.ranks[i],
+                rows.top_ids[i][:k] if k else [], rows.top_logprobs[i][:k] if k else [],
+                state.detokenizer.decode_token))
+        seq.append_output(token)
+        self.num_generation_tokens += 1
+        if seq.params.detokenize:
+            state.detokenizer.append(token)
+        status = stop_status(seq, token, state.detokenizer.stop_reason)
+        if status is not None:
+            self._finish(seq, status)
+
+    def _beam_step(self, request: RequestState) -> bool:
+        """Whether the search finished this step (beams that continue stay silent)."""
+        before = request.seqs
+        num_tokens, done = self._beams.step(request)
+        self.num_generation_tokens += num_tokens
+        for seq in before:
+            self._seqs.pop(seq.seq, None)
+        for seq in request.seqs:  # the beams that go on, forks among them
+            self._seqs[seq.seq] = seq
+        return done
+
+    def _outputs(self, touched: set[RequestState]) -> list[RequestOutput]:
+        outputs = []
+        for state in touched:
+            if state.finished:
+                for seq in state.seqs:
+                    if seq.detokenizer.stop_reason is None:
+                        seq.detokenizer.flush()
+                self.pop(state.request_id)
+                state.metrics.finished_time = time.time()
+            elif state.params.output_kind == "final_only":
+                continue
+            outputs.append(state.to_output())
+        return outputs
+
+
+class _HostSamples(NamedTuple):
+    """A step's sampler output as host lists: one transfer per tensor for the whole batch."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+    @classmethod
+    def of(cls, sampled: SamplerOutput) -> _HostSamples:
+        return cls(
+            sampled.token_ids.tolist(), sampled.logprobs.tolist(), sampled.ranks.tolist(),
+            sampled.top_ids.tolist() if sampled.top_ids is not None else None,
+            sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None)
+
+
+def _record_token_time(state: RequestState, now: float) -> None:
+    state.metrics.first_token_time = state.metrics.first_token_time or now
+    state.metrics.last_token_time = now
