@@ -51,3 +51,23 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+
+    def add_delta(self, delta: RequestOutput) -> None:
+        """Extend this output with a later "delta" output of the same request, so that it
+        reads as the "cumulative" one would."""
+        by_index = {o.index: o for o in self.outputs}
+        for new in delta.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                self.outputs.append(new)
+                continue
+            old.text += new.text
+            old.token_ids.extend(new.token_ids)
+            if new.logprobs is not None:
+                old.logprobs = old.logprobs if old.logprobs is not None else []
+                old.logprobs.extend(new.logprobs)
+            old.cumulative_logprob = new.cumulative_logprob
+            old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.finished, self.metrics, self.error = delta.finished, delta.metrics, delta.error

@@ -36,7 +36,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, no text (and no stop strings)
-    # "cumulative": a RequestOutput every step the request advances (streaming);
+    # "cumulative": a RequestOutput every step the request advances, holding everything so far;
+    # "delta": the same, holding only what is new (text, token ids, logprobs) since the last;
     # "final_only": one when it finishes, which spares offline runs the per-step copies.
     output_kind: str = "cumulative"
     use_beam_search: bool = False
@@ -86,8 +87,11 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
              f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
-            (self.output_kind in ("cumulative", "final_only"), "output_kind",
-             f"output_kind must be cumulative or final_only, got {self.output_kind!r}"),
+            (self.output_kind in ("cumulative", "delta", "final_only"), "output_kind",
+             f"output_kind must be cumulative, delta or final_only, got {self.output_kind!r}"),
+            # The n best of best_of are known only at the end, after deltas of all of them.
+            (not (self.output_kind == "delta" and self.best_of > self.n), "best_of",
+             "best_of > n needs output_kind cumulative or final_only"),
             (self.early_stopping in (True, False, "never"), "early_stopping",
              f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}"),
             (not (self.use_beam_search and self.stop), "stop",

@@ -32,19 +32,27 @@ class SequenceState:
     generator: torch.Generator | None
     logprobs: list[TokenLogprobs] | None
     cumulative_logprob: float = 0.0
+    # What earlier outputs held (characters, tokens): a "delta" output starts past them.
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
 
     @property
     def finished(self) -> bool:
         return self.seq.status.finished
 
-    def completion(self) -> CompletionOutput:
+    def completion(self, delta: bool) -> CompletionOutput:
+        """Everything so far, or with ``delta`` what is new since the last delta."""
         s = self.seq
+        text, tokens = self.detokenizer.text, s.output_token_ids
+        chars, num = (self.num_sent_chars, self.num_sent_tokens) if delta else (0, 0)
+        if delta:
+            self.num_sent_chars, self.num_sent_tokens = len(text), len(tokens)
         return CompletionOutput(
             index=self.index,
-            text=self.detokenizer.text,
-            token_ids=list(s.output_token_ids),
+            text=text[chars:],
+            token_ids=tokens[num:],
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs,
+            logprobs=self.logprobs[num:len(tokens)] if self.logprobs is not None else None,
             finish_reason=s.status.finish_reason,
             stop_reason=s.stop_reason,
         )
@@ -62,6 +70,7 @@ class RequestState:
     seqs: list[SequenceState] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     beam: BeamState | None = None
+    sent_prompt_logprobs: bool = False  # "delta" outputs carry them once, when complete
 
     @property
     def finished(self) -> bool:
@@ -88,24 +97,33 @@ class RequestState:
 
     def to_output(self) -> RequestOutput:
         finished = self.finished
+        delta = self.params.output_kind == "delta"
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=self.prompt_logprobs,
-            outputs=self._completions(finished),
+            prompt_logprobs=self._delta_prompt_logprobs() if delta else self.prompt_logprobs,
+            outputs=self._completions(finished, delta),
             finished=finished,
             metrics=self.metrics,
         )
 
-    def _completions(self, finished: bool) -> list[CompletionOutput]:
+    def _delta_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        logprobs = self.prompt_logprobs
+        if self.sent_prompt_logprobs or logprobs is None \
+                or len(logprobs) < len(self.prompt_token_ids):
+            return None
+        self.sent_prompt_logprobs = True
+        return logprobs
+
+    def _completions(self, finished: bool, delta: bool) -> list[CompletionOutput]:
         if self.beam is not None:
             return list(self.beam.outputs)
         seqs = self.seqs
         if finished and self.params.best_of > self.params.n:
             # best_of: keep the n sequences the model found most likely.
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:self.params.n]
-        outputs = [s.completion() for s in seqs]
+        outputs = [s.completion(delta) for s in seqs]
         for i, o in enumerate(outputs):
             o.index = i
         return outputs
