@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 
 class Logprob(NamedTuple):
@@ -50,16 +51,18 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    error: str | None = None
 
-    def add_delta(self, delta: RequestOutput) -> None:
+    def add_delta(self, delta: OutputDelta) -> None:
         """Extend this output with a later "delta" output of the same request, so that it
         reads as the "cumulative" one would."""
         by_index = {o.index: o for o in self.outputs}
         for new in delta.outputs:
             old = by_index.get(new.index)
             if old is None:
-                self.outputs.append(new)
+                self.outputs.append(CompletionOutput(
+                    new.index, new.text, list(new.token_ids), new.cumulative_logprob,
+                    None if new.logprobs is None else list(new.logprobs), new.finish_reason,
+                    new.stop_reason))
                 continue
             old.text += new.text
             old.token_ids.extend(new.token_ids)
@@ -70,4 +73,13 @@ class RequestOutput:
             old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
-        self.finished, self.metrics, self.error = delta.finished, delta.metrics, delta.error
+        self.finished = delta.finished
+
+
+class OutputDelta(Protocol):
+    """What ``RequestOutput.add_delta`` reads: a "delta" ``RequestOutput``, or the wire form
+    the engine-core process sends."""
+
+    outputs: Sequence[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[TokenLogprobs | None] | None

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.core.beam_search import BeamSearch
-from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.sequence import Sequence, SequenceGroup
 from pagedserve.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from pagedserve.engine.request_state import BeamState, RequestState, SequenceState
@@ -26,20 +25,54 @@ class PromptTooLong(ValueError):
 
 @dataclass(frozen=True)
 class InputLimits:
-    """What a request is checked against."""
+    """What a request is checked against, and the check: plain data, so that a process
+    without the engine (the API server's) can check requests before sending them."""
 
     vocab_size: int
     max_model_len: int
     max_num_seqs: int
     eos_token_ids: frozenset[int]
+    num_kv_blocks: int
+    block_size: int
+
+    def check(self, token_ids: list[int], params: SamplingParams) -> int:
+        """Validate a tokenized request against the context window and the KV pool; return
+        its max_tokens. Raises ``ValueError`` (``PromptTooLong`` among them)."""
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise PromptTooLong(
+                f"the prompt has {len(token_ids)} tokens but the model's context length is "
+                f"{self.max_model_len}; shorten the prompt")
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.best_of > self.max_num_seqs:
+            raise ValueError(f"best_of ({params.best_of}) exceeds --max-num-seqs "
+                             f"({self.max_num_seqs})")
+        capacity = self.num_kv_blocks * self.block_size
+        needed = self._worst_case_blocks(len(token_ids), max_tokens, params.best_of)
+        if needed * self.block_size > capacity:
+            raise PromptTooLong(
+                f"the request needs up to {needed * self.block_size} tokens of KV cache "
+                f"but the whole pool holds {capacity}; lower max_tokens (or n, best_of) or "
+                "enlarge the cache")
+        # A bad id inside a batched scatter would fail the whole step, so reject it here.
+        check_token_ids(params, self.vocab_size)
+        return max_tokens
+
+    def _worst_case_blocks(self, num_prompt: int, max_tokens: int, num_seqs: int) -> int:
+        """Blocks of ``num_seqs`` sequences sharing the prompt and then fully diverging, each
+        extra one with its own copy of the prompt's last partial block."""
+        extra = -(-max_tokens // self.block_size) + 1
+        return -(-(num_prompt + max_tokens) // self.block_size) + (num_seqs - 1) * extra
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, limits: InputLimits, kv: KVCacheManager,
-                 device: torch.device) -> None:
+    def __init__(self, tokenizer: Tokenizer, limits: InputLimits, device: torch.device) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
-        self.kv = kv  # for the pool's size: a request that could never fit is refused
         self.device = device
 
     def process(self, request_id: str, prompt: str | list[int],
@@ -48,9 +81,7 @@ class InputProcessor:
         Raises ``ValueError`` (``PromptTooLong`` among them) for input it cannot run."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
-        max_tokens = self._check(token_ids, params)
-        # A bad id inside a batched scatter would fail the whole step, so reject it here.
-        check_token_ids(params, self.limits.vocab_size)
+        max_tokens = self.limits.check(token_ids, params)
         beam = self._beam_state(params, max_tokens)
         # Beam search starts from one sequence; parallel sampling forks best_of from the prompt.
         seq_params = _beam_params(params) if beam is not None else params
@@ -72,37 +103,6 @@ class InputProcessor:
             detokenizer=IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, params),
             generator=self._generator(params, index),
             logprobs=[] if params.logprobs is not None else None)
-
-    def _check(self, token_ids: list[int], params: SamplingParams) -> int:
-        """Validate the prompt against the context window and the pool; return max_tokens."""
-        limits = self.limits
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if min(token_ids) < 0 or max(token_ids) >= limits.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {limits.vocab_size})")
-        room = limits.max_model_len - len(token_ids)
-        if room < 1:
-            raise PromptTooLong(
-                f"the prompt has {len(token_ids)} tokens but the model's context length is "
-                f"{limits.max_model_len}; shorten the prompt")
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        if params.best_of > limits.max_num_seqs:
-            raise ValueError(f"best_of ({params.best_of}) exceeds --max-num-seqs "
-                             f"({limits.max_num_seqs})")
-        capacity = self.kv.num_blocks * self.kv.block_size
-        needed = self._worst_case_blocks(len(token_ids), max_tokens, params.best_of)
-        if needed * self.kv.block_size > capacity:
-            raise PromptTooLong(
-                f"the request needs up to {needed * self.kv.block_size} tokens of KV cache "
-                f"but the whole pool holds {capacity}; lower max_tokens (or n, best_of) or "
-                "enlarge the cache")
-        return max_tokens
-
-    def _worst_case_blocks(self, num_prompt: int, max_tokens: int, num_seqs: int) -> int:
-        """Blocks of ``num_seqs`` sequences sharing the prompt and then fully diverging, each
-        extra one with its own copy of the prompt's last partial block."""
-        extra = self.kv.blocks_for(max_tokens) + 1
-        return self.kv.blocks_for(num_prompt + max_tokens) + (num_seqs - 1) * extra
 
     def _beam_state(self, params: SamplingParams, max_tokens: int) -> BeamState | None:
         if not params.use_beam_search:

@@ -55,6 +55,7 @@ class LLMEngine:
         source = loader.resolve_model(config.model,
                                       require_weights=config.load_format != "dummy")
         self.model_name = config.served_model_name or source.name
+        self.model_path = source.path
         self.arch = loader.load_arch_config(source)
         self.tokenizer = loader.load_tokenizer(source)
         self.dtype = self._resolve_dtype()
@@ -83,9 +84,9 @@ class LLMEngine:
             preemption_mode=config.preemption_mode,
         ), self.kv)
         self.eos_token_ids = loader.eos_token_ids(source, self.arch, self.tokenizer)
-        self.inputs = InputProcessor(self.tokenizer, InputLimits(
-            self.arch.vocab_size, self.max_model_len, config.max_num_seqs, self.eos_token_ids),
-            self.kv, self.runner.device)
+        self.limits = InputLimits(self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
+                                  self.eos_token_ids, sizes.num_blocks, config.block_size)
+        self.inputs = InputProcessor(self.tokenizer, self.limits, self.runner.device)
         self.outputs = OutputProcessor(self.scheduler.finish,
                                        BeamDriver(self.scheduler, self.tokenizer))
         self.async_scheduling = (self.platform.runs_ahead if config.async_scheduling is None

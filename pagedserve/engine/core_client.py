@@ -1,0 +1,253 @@
+"""The API server's handle on the engine-core process (``core_process``).
+
+``start`` spawns the core and waits until its engine is up; from then on the server's event
+loop sends commands (add, abort) on one ZeroMQ socket and a receiving task reads one
+``CoreOutputs`` per engine step from another, adding each request's delta to the
+``RequestOutput`` it keeps and waking that request's stream. Requests are checked here, with the
+engine's own ``InputLimits.check``, before they are sent, so a bad one is refused without a
+round trip.
+
+Failure rules:
+  * a request the core refuses, or whose step failed, ends its stream with an error; the
+    others go on;
+  * if the core process dies, every stream ends with ``EngineDeadError`` at once, and
+    ``is_running`` turns False (``/health`` answers 503);
+  * a stream closed before its request finished (client gone) aborts the request in the core,
+    which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine import core_messages as msg
+from pagedserve.engine.core_process import CoreAddresses, run_engine_core
+from pagedserve.engine.stats import EngineStats
+from pagedserve.logger import get_logger
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
+
+logger = get_logger(__name__)
+
+_SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class EngineStartError(RuntimeError):
+    """The engine core could not start; the message is one line."""
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while this request was in flight; the request was aborted."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is not running, so no request can be served."""
+
+
+@dataclass(frozen=True)
+class PromptRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A request in flight: the output built from its deltas, and its stream's queue."""
+
+    output: RequestOutput
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative ``RequestOutput``, ending after the
+    finished one. ``close()`` before the end aborts the request and frees its KV blocks."""
+
+    def __init__(self, request_id: str, client: EngineCoreClient, queue: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._client = client
+        self._queue = queue
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        # The output is updated in place, so items queued behind this one add nothing.
+        while not self._queue.empty() and not isinstance(item, BaseException):
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._client.abort(self.request_id)
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.facts: msg.EngineFacts | None = None
+        self.tokenizer = None
+        self.stats: EngineStats | None = None  # the core's latest snapshot
+        self._pending: dict[str, _Pending] = {}
+        self._process: multiprocessing.Process | None = None
+        self._ipc_dir: Path | None = None
+        self._dead: str | None = None  # why the core is gone, once it is
+        self._receiver: asyncio.Task | None = None
+
+    # ---- life cycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        """Spawn the core and block until its engine is ready; ``EngineStartError`` if it
+        cannot start (bad model, device or flag)."""
+        import zmq
+        import zmq.asyncio
+
+        from pagedserve.models import loader
+
+        self._ipc_dir = Path(tempfile.mkdtemp(prefix="pagedserve-"))
+        addresses = CoreAddresses(f"ipc://{self._ipc_dir}/commands",
+                                  f"ipc://{self._ipc_dir}/outputs")
+        self._zmq = zmq.asyncio.Context()
+        self._commands = zmq.Context.shadow(self._zmq).socket(zmq.PUSH)
+        self._commands.setsockopt(zmq.SNDHWM, 0)  # a send never blocks the event loop
+        self._commands.bind(addresses.commands)
+        self._outputs = self._zmq.socket(zmq.PULL)
+        self._outputs.bind(addresses.outputs)
+        ready_reader, ready_writer = multiprocessing.get_context("spawn").Pipe(duplex=False)
+        # spawn, not fork: the child initialises its device runtime itself.
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(self.config, addresses, ready_writer),
+            name="pagedserve-engine-core", daemon=True)
+        self._process.start()
+        ready_writer.close()
+        self.facts = self._wait_ready(ready_reader)
+        self.tokenizer = loader.load_tokenizer(loader.resolve_model(self.facts.model_path))
+
+    def _wait_ready(self, reader) -> msg.EngineFacts:
+        while not reader.poll(0.5) and self._process.is_alive():
+            pass
+        try:
+            message = msg.decode_core_message(reader.recv_bytes())
+        except EOFError:  # it died before saying anything
+            self._process.join()
+            message = msg.CoreFailed(
+                f"the engine core exited with code {self._process.exitcode} while starting")
+        if isinstance(message, msg.CoreFailed):
+            self._process.join()
+            self._close_transport()
+            raise EngineStartError(message.message)
+        return message.facts
+
+    def run_in(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start reading outputs, and watching the core, on the server's event loop."""
+        self._receiver = loop.create_task(self._receive())
+        loop.add_reader(self._process.sentinel, self._core_exited)
+
+    async def shutdown(self) -> None:
+        """Stop the core (politely, then by force) and fail what is still in flight."""
+        if self._process is None:
+            return
+        asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        self._mark_dead("the server is shutting down")
+        if self._process.is_alive():
+            self._send(msg.Shutdown())
+            await asyncio.to_thread(self._process.join, _SHUTDOWN_TIMEOUT_S)
+        if self._process.is_alive():
+            self._process.kill()
+            await asyncio.to_thread(self._process.join)
+        if self._receiver is not None:
+            self._receiver.cancel()
+        self._close_transport()
+
+    def _close_transport(self) -> None:
+        self._commands.close(linger=0)
+        self._outputs.close(linger=0)
+        self._zmq.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and self._process is not None and self._process.is_alive()
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_requests(self, requests: Sequence[PromptRequest]) -> list[RequestStream]:
+        """Check every request, then send them in one command so the core admits them in
+        the same step. Raises ``ValueError`` (nothing sent) if any is refused."""
+        if not self.is_running:
+            raise EngineDeadError(self._dead or "the engine is not running")
+        for r in requests:
+            if r.request_id in self._pending:
+                raise ValueError(f"request id {r.request_id!r} is already in use")
+            self.facts.limits.check(r.prompt_token_ids, r.params)
+        streams = []
+        for r in requests:
+            pending = _Pending(RequestOutput(r.request_id, None, r.prompt_token_ids, None, [],
+                                             finished=False))
+            self._pending[r.request_id] = pending
+            streams.append(RequestStream(r.request_id, self, pending.queue))
+        self._send(msg.AddRequests([msg.NewRequest(r.request_id, r.prompt_token_ids, r.params)
+                                    for r in requests]))
+        return streams
+
+    def abort(self, request_id: str) -> None:
+        if self._pending.pop(request_id, None) is not None and self.is_running:
+            self._send(msg.AbortRequests([request_id]))
+
+    def _send(self, command: msg.Command) -> None:
+        self._commands.send(msg.encode(command))
+
+    # ---- outputs ------------------------------------------------------------------------
+    async def _receive(self) -> None:
+        while True:
+            message = msg.decode_core_message(await self._outputs.recv())
+            self._dispatch(message)
+
+    def _dispatch(self, message: msg.CoreOutputs) -> None:
+        for delta in message.outputs:
+            pending = self._pending.get(delta.request_id)
+            if pending is None:
+                continue  # aborted meanwhile
+            pending.output.add_delta(delta)
+            pending.queue.put_nowait(pending.output)
+            if delta.finished:
+                del self._pending[delta.request_id]
+        for failure in message.failures:
+            pending = self._pending.pop(failure.request_id, None)
+            if pending is not None:
+                pending.queue.put_nowait(_failure_error(failure))
+        self.stats = message.stats
+
+    def _core_exited(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        self._process.join()  # it has exited: this only collects the exit code
+        logger.error("the engine core process exited (code %s); failing %d requests",
+                     self._process.exitcode, len(self._pending))
+        self._mark_dead(f"the engine core process exited with code {self._process.exitcode}")
+
+    def _mark_dead(self, reason: str) -> None:
+        self._dead = self._dead or reason
+        pending, self._pending = self._pending, {}
+        for p in pending.values():
+            p.queue.put_nowait(EngineDeadError(self._dead))
+
+
+def _failure_error(failure: msg.RequestFailure) -> Exception:
+    if failure.kind == "invalid":
+        return InvalidSamplingParam(failure.param, failure.message) if failure.param \
+            else ValueError(failure.message)
+    return EngineStepError(failure.message)

@@ -1,0 +1,107 @@
+"""What the API server and the engine-core process say to each other, as msgspec types.
+
+Plain data only (the engine's own dataclasses among it), encoded as MessagePack: no pickle, so
+a message can be no more than the types below. Commands go to the core; one ``CoreOutputs``
+comes back per engine step, holding every request's new output of that step.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pagedserve.engine.input_processor import InputLimits
+from pagedserve.engine.stats import EngineStats
+from pagedserve.outputs import Logprob, RequestOutput, TokenLogprobs
+from pagedserve.sampling_params import SamplingParams
+
+
+class NewRequest(msgspec.Struct, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class AddRequests(msgspec.Struct, tag=True, array_like=True):
+    """Requests the core admits in the same step (all prompts of one API request, say)."""
+
+    requests: list[NewRequest]
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+Command = AddRequests | AbortRequests | Shutdown
+
+
+class EngineFacts(msgspec.Struct):
+    """What the API server needs to know of the engine, sent once the core is up."""
+
+    model_name: str
+    model_path: str  # the folder holding the tokenizer
+    limits: InputLimits
+
+
+class CoreReady(msgspec.Struct, tag=True, array_like=True):
+    facts: EngineFacts
+
+
+class CoreFailed(msgspec.Struct, tag=True, array_like=True):
+    """The core could not start (bad model, device, flag); the message is one line."""
+
+    message: str
+
+
+class SequenceDelta(msgspec.Struct, array_like=True):
+    """What one sequence gained in a step (a "delta" ``CompletionOutput``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    """A request's output of one step, without what the API server knows already (its
+    prompt): the server adds it to the ``RequestOutput`` it keeps (``add_delta``)."""
+
+    request_id: str
+    outputs: list[SequenceDelta]
+    finished: bool
+    prompt_logprobs: list[TokenLogprobs | None] | None
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> RequestDelta:
+        return cls(output.request_id, [
+            SequenceDelta(o.index, o.text, o.token_ids, o.cumulative_logprob, o.logprobs,
+                          o.finish_reason, o.stop_reason) for o in output.outputs],
+            output.finished, output.prompt_logprobs)
+
+
+class RequestFailure(msgspec.Struct, array_like=True):
+    request_id: str
+    message: str
+    param: str | None = None
+    # "invalid" for input the engine refused, "step" for a step that failed under it.
+    kind: str = "step"
+
+
+class CoreOutputs(msgspec.Struct, tag=True, array_like=True):
+    outputs: list[RequestDelta]
+    failures: list[RequestFailure]
+    stats: EngineStats
+
+
+CoreMessage = CoreReady | CoreFailed | CoreOutputs
+
+_encoder = msgspec.msgpack.Encoder()
+encode = _encoder.encode
+decode_command = msgspec.msgpack.Decoder(Command).decode
+decode_core_message = msgspec.msgpack.Decoder(CoreMessage).decode

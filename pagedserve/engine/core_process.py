@@ -1,0 +1,133 @@
+"""The engine-core process: it builds the ``LLMEngine`` and does nothing but step it.
+
+The API server process (``core_client``) owns HTTP, tokenizing and streaming; the two share no
+interpreter and no GIL. The core pulls commands from one ZeroMQ socket and pushes one
+``CoreOutputs`` per engine step to another: every request's new tokens and text of that step
+(detokenizing stays here, where it overlaps the device's work under async scheduling),
+failures, and a stats snapshot for /metrics.
+
+Loop rules, as the in-process engine thread had them:
+  * commands queued while a step ran are all applied before the next step, so requests sent
+    together are admitted together;
+  * a request the engine refuses fails alone (``RequestFailure`` kind "invalid");
+  * an exception inside ``step`` aborts every request in flight, each gets a failure, and the
+    loop goes on serving new ones;
+  * the process exits on ``Shutdown``, or when its parent is gone (checked while idle), so a
+    killed server never leaves a process holding the device.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine import core_messages as msg
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.logger import get_logger
+
+logger = get_logger(__name__)
+
+# How long an idle core waits for a command before it checks that its parent still runs.
+_IDLE_POLL_MS = 500
+
+
+@dataclass(frozen=True)
+class CoreAddresses:
+    commands: str  # the core pulls commands here
+    outputs: str  # and pushes its outputs here
+
+
+def run_engine_core(config: EngineConfig, addresses: CoreAddresses, ready: Connection) -> None:
+    """Entry point of the core process: start the engine, report on ``ready`` that it is up
+    (or why not, in one line), then loop."""
+    import zmq
+
+    try:
+        engine = LLMEngine(config)
+    except Exception as exc:
+        logger.debug("engine core failed to start", exc_info=True)
+        ready.send_bytes(msg.encode(msg.CoreFailed(str(exc) or type(exc).__name__)))
+        return
+    facts = msg.EngineFacts(engine.model_name, str(engine.model_path), engine.limits)
+    ready.send_bytes(msg.encode(msg.CoreReady(facts)))
+    ready.close()
+    context = zmq.Context()
+    commands = context.socket(zmq.PULL)
+    commands.connect(addresses.commands)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(addresses.outputs)
+    try:
+        EngineCore(engine, commands, outputs).run()
+    finally:
+        context.destroy(linger=0)
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, commands, outputs) -> None:
+        self.engine = engine
+        self._commands = commands  # zmq PULL socket
+        self._outputs = outputs  # zmq PUSH socket
+        self._parent = os.getppid()
+        self._failures: list[msg.RequestFailure] = []
+
+    def run(self) -> None:
+        logger.info("engine core process %d started", os.getpid())
+        while True:
+            busy = self.engine.has_unfinished_requests()
+            commands = self._receive(block=not busy)
+            if commands is None:
+                return
+            for command in commands:
+                if isinstance(command, msg.Shutdown):
+                    return
+                self._apply(command)
+            outputs = self._step() if self.engine.has_unfinished_requests() else []
+            if outputs or self._failures or commands:
+                self._send(outputs)
+
+    def _receive(self, block: bool) -> list[msg.Command] | None:
+        """Every queued command; while idle, waits for the first. None: the parent died."""
+        import zmq
+
+        commands = []
+        while block and not self._commands.poll(_IDLE_POLL_MS):
+            if os.getppid() != self._parent:
+                logger.warning("the API server process is gone; the engine core stops")
+                return None
+        while True:
+            try:
+                commands.append(msg.decode_command(self._commands.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return commands
+
+    def _apply(self, command: msg.AddRequests | msg.AbortRequests) -> None:
+        if isinstance(command, msg.AbortRequests):
+            for request_id in command.request_ids:
+                self.engine.abort_request(request_id)
+            return
+        for new in command.requests:
+            try:
+                self.engine.add_request(new.prompt_token_ids, new.params, new.request_id)
+            except ValueError as exc:  # checked in the server already; refused here alone
+                self._failures.append(msg.RequestFailure(
+                    new.request_id, str(exc), getattr(exc, "param", None), kind="invalid"))
+
+    def _step(self) -> list[msg.RequestDelta]:
+        try:
+            return [msg.RequestDelta.of(o) for o in self.engine.step()]
+        except Exception as exc:
+            request_ids = list(self.engine.outputs.requests)
+            logger.exception("engine step failed; aborting the %d requests in flight",
+                             len(request_ids))
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            message = f"the engine failed while running this request: " \
+                      f"{type(exc).__name__}: {exc}"
+            self._failures += [msg.RequestFailure(r, message) for r in request_ids]
+            return []
+
+    def _send(self, outputs: list[msg.RequestDelta]) -> None:
+        failures, self._failures = self._failures, []
+        self._outputs.send(msg.encode(msg.CoreOutputs(outputs, failures, self.engine.stats())))
