@@ -25,7 +25,7 @@ from pagedserve.config import ConfigError, EngineConfig
 from pagedserve.core.beam_search import BeamCandidates, BeamContinuation, BeamSearch
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus, SequenceGroup
-from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.model_runner import KVCacheSpec, ModelRunner, StepResult
 from pagedserve.engine.request_state import (
@@ -46,8 +46,6 @@ from pagedserve.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 class PromptTooLong(ValueError):
     """The prompt leaves no room to generate within the context window."""
@@ -65,8 +63,9 @@ class LLMEngine:
         self.arch = loader.load_arch_config(source)
         self.tokenizer = loader.load_tokenizer(source)
         self.generation_config = loader.load_generation_config(source)
-        self.dtype = self._resolve_dtype()
-        self.max_model_len = self._resolve_max_model_len()
+        self.resolved = config.resolve(self.arch, self.platform)
+        self.dtype = self.resolved.dtype
+        self.max_model_len = self.resolved.max_model_len
         self.runner = ModelRunner(self.platform, self.arch, self.dtype, self.max_model_len,
                                   config.kv_cache_dtype)
         if config.load_format == "dummy":
@@ -80,16 +79,9 @@ class LLMEngine:
             self.runner.capture_graphs(config.max_num_seqs)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  num_host_blocks=self._num_swap_blocks())
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.max_model_len),
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            preemption_mode=config.preemption_mode,
-        ), self.kv)
+        self.scheduler = Scheduler(config.scheduler_config(self.resolved), self.kv)
         self.eos_token_ids = self._eos_token_ids()
-        self.async_scheduling = (self.platform.runs_ahead if config.async_scheduling is None
-                                 else config.async_scheduling)
+        self.async_scheduling = self.resolved.async_scheduling
         self._in_flight: StepResult | None = None  # the queued step not yet applied
         self._num_step_by_step = 0  # unfinished requests that need synchronous steps
         self._states: dict[str, RequestState] = {}
@@ -109,21 +101,6 @@ class LLMEngine:
     def kv_bytes_per_block(self) -> int:
         spec = KVCacheSpec(1, self.config.block_size, self.runner.kv_dtype)
         return spec.bytes_per_block(self.arch)
-
-    def _resolve_dtype(self) -> torch.dtype:
-        if self.config.dtype == "auto":
-            return self.platform.default_dtype()
-        return _DTYPES[self.config.dtype]
-
-    def _resolve_max_model_len(self) -> int:
-        limit = self.arch.max_position_embeddings
-        if self.arch.sliding_window and self.arch.sliding_window < limit:
-            # Sliding-window attention is not implemented: stay inside one window.
-            limit = self.arch.sliding_window
-        wanted = self.config.max_model_len or limit
-        if wanted > limit:
-            raise ConfigError(f"--max-model-len {wanted} exceeds the model's limit of {limit}")
-        return wanted
 
     def _num_kv_blocks(self) -> int:
         per_block = self.kv_bytes_per_block
@@ -145,7 +122,7 @@ class LLMEngine:
         """Weights plus the activations of the largest step, measured where the platform can."""
         if not self.platform.profiles_memory:
             return self.runner.weight_bytes()
-        budget = self.config.resolved_max_num_batched_tokens(self.max_model_len)
+        budget = self.resolved.max_num_batched_tokens
         peak = self.runner.profile_peak_memory(budget, self.config.max_num_seqs,
                                                self.config.block_size)
         logger.info("memory profile: weights %.2f GiB, peak with activations %.2f GiB",
