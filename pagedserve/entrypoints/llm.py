@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import OPTION_NAMES, EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -15,25 +16,13 @@ ChatMessages = list[dict[str, str]]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        device: str = "auto",
-        dtype: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        seed: int = 0,
-        **kwargs,
-    ) -> None:
-        config = EngineConfig(
-            model=model, device=device, dtype=dtype, block_size=block_size,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            seed=seed, **kwargs)
-        self.engine = LLMEngine(config)
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        """``options`` are ``EngineConfig``'s fields: the engine flags, with underscores."""
+        unknown = sorted(set(options) - set(OPTION_NAMES))
+        if unknown:
+            raise TypeError(f"LLM() got unknown option(s) {', '.join(unknown)}; valid options: "
+                            f"{', '.join(OPTION_NAMES)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **options))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:

@@ -12,6 +12,7 @@ import torch
 
 if TYPE_CHECKING:
     from pagedserve.attention.backend import AttentionBackend
+    from pagedserve.attention.metadata import AttentionMetadata
     from pagedserve.models.layer_ops import LayerOps
 
 
@@ -25,6 +26,25 @@ class DeviceEvent(Protocol):
     def synchronize(self) -> None: ...
 
 
+class GraphRunner(Protocol):
+    """Captures decode steps once and replays them (CUDA graphs and their kin).
+
+    Built after the KV pool, for batches of up to ``max_num_seqs`` sequences and contexts of up
+    to ``max_model_len`` tokens; the model runner replays a step only where ``can_run`` says so
+    and runs the model eagerly otherwise.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
+                 max_num_seqs: int, max_model_len: int, block_size: int) -> None: ...
+
+    def capture(self) -> None: ...
+
+    def can_run(self, meta: AttentionMetadata) -> bool: ...
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor: ...
+
+
 class MemoryInfo(NamedTuple):
     free_bytes: int
     total_bytes: int
@@ -33,9 +53,6 @@ class MemoryInfo(NamedTuple):
 class Platform:
     name: ClassVar[str]
     device_type: ClassVar[str]
-    dist_backend: ClassVar[str]
-    supports_graphs: ClassVar[bool] = False
-    supports_fp8_kv_cache: ClassVar[bool] = False
     # Swap space lives in page-locked host memory where copies to the device are async.
     pin_swap_memory: ClassVar[bool] = False
     # A dummy forward at the largest batch measures activation memory before the KV pool is
@@ -91,13 +108,6 @@ class Platform:
         return model_dtype
 
     @classmethod
-    def quant_linear_kernel(cls, method: str):
-        """The matmul kernel for a quantized checkpoint format (awq, gptq, fp8)."""
-        raise NotImplementedError(
-            f"quantization method {method!r} has no kernel on the {cls.name} platform yet"
-        )
-
-    @classmethod
     def memory_info(cls) -> MemoryInfo:
         raise NotImplementedError
 
@@ -144,7 +154,7 @@ class Platform:
         return 0
 
     @classmethod
-    def graph_runner(cls):
+    def graph_runner(cls) -> type[GraphRunner] | None:
         """A class that captures and replays decode steps, or None where graphs don't exist."""
         return None
 

@@ -22,7 +22,8 @@ BLOCK = 4
 def _scheduler(num_blocks=16, host_blocks=32, budget=16, mode="auto", max_seqs=8):
     kv = KVCacheManager(num_blocks, BLOCK, enable_caching=True, num_host_blocks=host_blocks)
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                          max_model_len=256, preemption_mode=mode, watermark=0.0)
+                          max_model_len=256, enable_chunked_prefill=True,
+                          preemption_mode=mode, watermark=0.0)
     return Scheduler(cfg, kv)
 
 

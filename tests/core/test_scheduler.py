@@ -9,7 +9,8 @@ BLOCK = 4
 def _scheduler(num_blocks=64, budget=32, max_seqs=8, chunked=True, caching=False):
     kv = KVCacheManager(num_blocks, BLOCK, enable_caching=caching)
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                          max_model_len=256, enable_chunked_prefill=chunked, watermark=0.0)
+                          max_model_len=256, enable_chunked_prefill=chunked,
+                          preemption_mode="auto", watermark=0.0)
     return Scheduler(cfg, kv)
 
 

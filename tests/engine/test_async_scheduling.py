@@ -26,7 +26,7 @@ def _llm(folder, async_scheduling: bool, num_blocks: int | None = None, **kwargs
         kv_bytes = num_blocks * probe.engine.kv_bytes_per_block
     llm = LLM(model=str(folder), device="cpu", kv_cache_memory_bytes=kv_bytes,
               async_scheduling=async_scheduling, **kwargs)
-    assert llm.engine.async_scheduling is async_scheduling
+    assert llm.engine.resolved.async_scheduling is async_scheduling
     return llm
 
 

@@ -24,7 +24,6 @@ def _meminfo_bytes(key: str) -> int | None:
 class CpuPlatform(Platform):
     name: ClassVar[str] = "cpu"
     device_type: ClassVar[str] = "cpu"
-    dist_backend: ClassVar[str] = "gloo"
 
     @classmethod
     def check_available(cls) -> None:

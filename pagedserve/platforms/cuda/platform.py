@@ -6,15 +6,17 @@ from typing import ClassVar
 
 import torch
 
-from pagedserve.platforms.interface import MemoryInfo, Platform, PlatformUnavailable
+from pagedserve.platforms.interface import (
+    GraphRunner,
+    MemoryInfo,
+    Platform,
+    PlatformUnavailable,
+)
 
 
 class CudaPlatform(Platform):
     name: ClassVar[str] = "cuda"
     device_type: ClassVar[str] = "cuda"
-    dist_backend: ClassVar[str] = "nccl"
-    supports_graphs: ClassVar[bool] = True
-    supports_fp8_kv_cache: ClassVar[bool] = True
     pin_swap_memory: ClassVar[bool] = True
     profiles_memory: ClassVar[bool] = True
     runs_ahead: ClassVar[bool] = True
@@ -100,7 +102,7 @@ class CudaPlatform(Platform):
         torch.cuda.manual_seed_all(seed)
 
     @classmethod
-    def graph_runner(cls):
+    def graph_runner(cls) -> type[GraphRunner]:
         from pagedserve.platforms.cuda.graphs import CudaGraphRunner
 
         return CudaGraphRunner

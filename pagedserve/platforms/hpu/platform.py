@@ -31,7 +31,6 @@ def _hpu_module():
 class HpuPlatform(Platform):
     name: ClassVar[str] = "hpu"
     device_type: ClassVar[str] = "hpu"
-    dist_backend: ClassVar[str] = "hccl"
     pin_swap_memory: ClassVar[bool] = False
 
     @classmethod

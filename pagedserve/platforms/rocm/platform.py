@@ -18,9 +18,6 @@ from pagedserve.platforms.interface import PlatformUnavailable
 
 class RocmPlatform(CudaPlatform):
     name: ClassVar[str] = "rocm"
-    dist_backend: ClassVar[str] = "nccl"  # RCCL answers to the nccl backend name
-    # MI300 uses the e4m3fnuz FP8 variant, which our cache kernels do not encode yet.
-    supports_fp8_kv_cache: ClassVar[bool] = False
 
     @classmethod
     def check_available(cls) -> None:
@@ -37,6 +34,7 @@ class RocmPlatform(CudaPlatform):
 
     @classmethod
     def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+        # MI300 uses the e4m3fnuz FP8 variant, which our cache kernels do not encode yet.
         if kv_cache_dtype != "auto":
             from pagedserve.config import ConfigError
 

@@ -1,0 +1,103 @@
+"""EngineConfig: validation names the flag, and derived values are resolved in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagedserve.config import ConfigError, EngineConfig
+from pagedserve.platforms.interface import Platform
+
+
+class _Gpu(Platform):
+    name = "fake-gpu"
+    device_type = "cpu"
+    runs_ahead = True
+
+    @classmethod
+    def default_dtype(cls) -> torch.dtype:
+        return torch.float16
+
+
+class _Cpu(Platform):
+    name = "fake-cpu"
+    device_type = "cpu"
+
+    @classmethod
+    def default_dtype(cls) -> torch.dtype:
+        return torch.float32
+
+
+def _arch(max_position_embeddings: int = 4096, sliding_window: int | None = None):
+    return SimpleNamespace(max_position_embeddings=max_position_embeddings,
+                           sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("field, flag", [
+    ("device", "--device"), ("dtype", "--dtype"), ("kv_cache_dtype", "--kv-cache-dtype"),
+    ("preemption_mode", "--preemption-mode"), ("load_format", "--load-format"),
+])
+def test_bad_choice_names_the_flag_and_the_choices(field, flag):
+    with pytest.raises(ConfigError, match=f"^{flag} must be one of auto, .*got 'bogus'"):
+        EngineConfig(**{field: "bogus"})
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"block_size": 12}, "--block-size"),
+    ({"max_num_seqs": 0}, "--max-num-seqs"),
+    ({"max_num_batched_tokens": 0}, "--max-num-batched-tokens"),
+    ({"max_model_len": 0}, "--max-model-len"),
+    ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization"),
+    ({"kv_cache_memory_bytes": 0}, "--kv-cache-memory-bytes"),
+    ({"swap_space": -1.0}, "--swap-space"),
+])
+def test_bad_value_names_the_flag(kwargs, flag):
+    with pytest.raises(ConfigError, match=f"^{flag} "):
+        EngineConfig(**kwargs)
+
+
+def test_every_option_has_help():
+    for f in dataclasses.fields(EngineConfig):
+        assert f.metadata["help"], f.name
+
+
+def test_resolve_defaults_follow_the_model_and_the_platform():
+    gpu = EngineConfig().resolve(_arch(8192), _Gpu)
+    assert (gpu.dtype, gpu.max_model_len, gpu.max_num_batched_tokens, gpu.async_scheduling) \
+        == (torch.float16, 8192, 2048, True)
+    cpu = EngineConfig().resolve(_arch(8192), _Cpu)
+    assert (cpu.dtype, cpu.async_scheduling) == (torch.float32, False)
+
+
+def test_resolve_explicit_values_win():
+    config = EngineConfig(dtype="bfloat16", max_model_len=1000, max_num_batched_tokens=512,
+                          async_scheduling=False)
+    resolved = config.resolve(_arch(8192), _Gpu)
+    assert (resolved.dtype, resolved.max_model_len, resolved.max_num_batched_tokens,
+            resolved.async_scheduling) == (torch.bfloat16, 1000, 512, False)
+
+
+def test_max_model_len_stays_inside_the_sliding_window():
+    assert EngineConfig().resolve(_arch(32768, 4096), _Cpu).max_model_len == 4096
+    with pytest.raises(ConfigError, match="--max-model-len 5000 exceeds the model's limit of 4096"):
+        EngineConfig(max_model_len=5000).resolve(_arch(32768, 4096), _Cpu)
+
+
+def test_without_chunked_prefill_a_whole_prompt_fits_the_budget():
+    config = EngineConfig(enable_chunked_prefill=False)
+    assert config.resolve(_arch(8192), _Cpu).max_num_batched_tokens == 8192
+    assert config.resolve(_arch(1024), _Cpu).max_num_batched_tokens == 2048
+    small = dataclasses.replace(config, max_num_batched_tokens=1024)
+    with pytest.raises(ConfigError, match="--max-num-batched-tokens"):
+        small.resolve(_arch(8192), _Cpu)
+
+
+def test_scheduler_config_is_built_from_the_resolved_values():
+    config = EngineConfig(max_num_seqs=7, preemption_mode="swap", enable_chunked_prefill=False)
+    resolved = config.resolve(_arch(3000), _Cpu)
+    sched = config.scheduler_config(resolved)
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len,
+            sched.enable_chunked_prefill, sched.preemption_mode) == (7, 3000, 3000, False, "swap")
