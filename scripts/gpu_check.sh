@@ -3,6 +3,7 @@
 #   scripts/gpu_check.sh                 everything, most wanted first
 #   scripts/gpu_check.sh PART [PART...]  some of: engine-tests kernel-tests layer-tests llama
 #                                        llama-breakdown decode step-overhead mixed smollm2 fp8
+#                                        serve
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,41 @@ mkdir -p "$OUT"
 parts=${*:-llama engine-tests layer-tests smollm2 decode step-overhead fp8 mixed kernel-tests attention}
 bench() { python3 -m pagedserve.cli bench "$@" 2>&1 | grep -v "^INFO.*tqdm"; }
 common=(--device cuda --num-prompts 1000 --max-num-batched-tokens 8192 --max-num-seqs 1024)
+
+# The HTTP server (engine core in its own process) against the offline engine, 8B shape,
+# 1,000 x 128/128: streaming and plain at concurrency 256, streaming at concurrency 1, and two
+# client processes at 128 each (if their sum matches one client's 256, the client is not the
+# bottleneck). Server and offline engine share the GPU, so each takes 45% of its memory.
+serve_bench() {
+  local model=/tmp/llama3-8b-shape port=8123
+  python3 -c "from pathlib import Path; from pagedserve.bench.dummy_model import \
+write_dummy_folder as w; w('llama3-8b', Path('$model'))"
+  local engine=(--model "$model" --load-format dummy --device cuda --gpu-memory-utilization 0.45
+                --max-num-batched-tokens 8192 --max-num-seqs 1024)
+  python3 -m pagedserve.cli serve "${engine[@]}" --port $port > "$OUT/serve_h200_server.log" 2>&1 &
+  local server=$!
+  until curl -sf localhost:$port/health > /dev/null; do
+    kill -0 $server 2>/dev/null || { echo "server died"; tail -20 "$OUT/serve_h200_server.log"; return; }
+    sleep 2
+  done
+  local load=(--base-url http://127.0.0.1:$port "${engine[@]}" --input-len 128 128
+              --output-len 128 128)
+  bench serve "${load[@]}" --concurrency 256 --num-prompts 1000 --compare-offline \
+    --out "$OUT/serve_h200_c256.json"
+  bench serve "${load[@]}" --concurrency 256 --num-prompts 1000 --no-stream --compare-offline \
+    --out "$OUT/serve_h200_c256_nostream.json"
+  bench serve "${load[@]}" --concurrency 1 --num-prompts 16 --compare-offline \
+    --out "$OUT/serve_h200_c1.json"
+  local clients=()
+  for i in 1 2; do
+    bench serve "${load[@]}" --concurrency 128 --num-prompts 500 --seed $((10 + i)) \
+      --out "$OUT/serve_h200_c128_client$i.json" > "$OUT/serve_h200_client$i.log" &
+    clients+=($!)
+  done
+  wait "${clients[@]}"
+  tail -n 25 "$OUT"/serve_h200_client*.log
+  kill $server; wait $server
+}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
@@ -51,6 +87,7 @@ for part in $parts; do
     fp8) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
         --output-len 128 128 --kv-cache-dtype fp8 --skip-hf \
         --out "$OUT/throughput_h200_llama3-8b_fp8.json" ;;
+    serve) serve_bench ;;
     *) echo "unknown part $part" ;;
   esac
 done

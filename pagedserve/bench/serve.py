@@ -38,6 +38,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, nargs=2, default=(32, 256))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 64))
+    parser.add_argument("--no-stream", dest="stream", action="store_false",
+                        help="plain JSON responses instead of server-sent events (TTFT and "
+                             "inter-token latencies are then not measured)")
     parser.add_argument("--compare-offline", action="store_true",
                         help="also run the same requests through the offline engine here")
     parser.add_argument("--repeat", type=int, default=1,
@@ -50,36 +53,55 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 class RequestResult:
     ok: bool
     output_tokens: int = 0
-    ttft: float = 0.0
+    ttft: float | None = None  # streams only
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
 
     @property
     def tpot(self) -> float | None:
-        if self.output_tokens < 2:
+        if self.output_tokens < 2 or self.ttft is None:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-async def _one(client, url: str, model: str, item: WorkItem) -> RequestResult:
+async def _one(client, url: str, model: str, item: WorkItem, stream: bool) -> RequestResult:
     body = {"model": model, "prompt": item.prompt_token_ids, "max_tokens": item.output_len,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "temperature": 0.0, "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     start = time.perf_counter()
-    last = None
     result = RequestResult(ok=False)
+    if stream:
+        await _read_events(client, url, body, start, result)
+    else:
+        response = await client.post(url, json=body)
+        if response.status_code == 200:
+            result.output_tokens = response.json()["usage"]["completion_tokens"]
+        else:
+            result.error = response.text[:200]
+    if result.error:
+        return result
+    result.e2e = time.perf_counter() - start
+    result.ok = result.output_tokens == item.output_len
+    result.error = "" if result.ok else f"got {result.output_tokens} of {item.output_len}"
+    return result
+
+
+async def _read_events(client, url: str, body: dict, start: float,
+                       result: RequestResult) -> None:
+    last = None
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
             result.error = (await response.aread()).decode(errors="replace")[:200]
-            return result
+            return
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
             if "error" in event:
                 result.error = event["error"]["message"]
-                return result
+                return
             now = time.perf_counter()
             if event.get("choices"):
                 if last is None:
@@ -89,13 +111,10 @@ async def _one(client, url: str, model: str, item: WorkItem) -> RequestResult:
                 last = now
             if event.get("usage"):
                 result.output_tokens = event["usage"]["completion_tokens"]
-    result.e2e = time.perf_counter() - start
-    result.ok = result.output_tokens == item.output_len
-    result.error = "" if result.ok else f"got {result.output_tokens} of {item.output_len}"
-    return result
 
 
 async def run_load(base_url: str, api_key: str | None, work: list[WorkItem], concurrency: int,
+                   stream: bool = True,
                    ) -> tuple[list[RequestResult], float, str, dict[str, float]]:
     """All requests through ``concurrency`` closed-loop clients; returns results, seconds,
     the served model's name, and the CPU seconds the server and this client used."""
@@ -108,13 +127,13 @@ async def run_load(base_url: str, api_key: str | None, work: list[WorkItem], con
         model = models["data"][0]["id"]
         url = f"{base_url}/v1/completions"
         # One short request first, so nothing one-off (first-call set-up) lands in the timings.
-        await _one(client, url, model, _warm_up_item(work))
+        await _one(client, url, model, _warm_up_item(work), stream)
         queue = list(reversed(work))
         results: list[RequestResult] = []
 
         async def client_loop() -> None:
             while queue:
-                results.append(await _one(client, url, model, queue.pop()))
+                results.append(await _one(client, url, model, queue.pop(), stream))
 
         server_cpu, client_cpu = await _server_cpu(client, base_url), time.process_time()
         start = time.perf_counter()
@@ -146,7 +165,7 @@ def summarize(results: list[RequestResult], seconds: float, work: list[WorkItem]
         **cpu, "cpu_ms_per_token": cpu_s * 1000 / max(out_tokens, 1),
     }
     series = {
-        "ttft_ms": [r.ttft for r in ok],
+        "ttft_ms": [r.ttft for r in ok if r.ttft is not None],
         "tpot_ms": [r.tpot for r in ok if r.tpot is not None],
         "itl_ms": [gap for r in ok for gap in r.itl],
         "e2e_ms": [r.e2e for r in ok],
@@ -213,16 +232,19 @@ def main(args: argparse.Namespace) -> None:
         # A new seed each round, so no round gets prefix-cache hits from the one before.
         work = _workload(args, args.seed + i)
         results, seconds, model, cpu = asyncio.run(
-            run_load(args.base_url.rstrip("/"), args.api_key, work, args.concurrency))
+            run_load(args.base_url.rstrip("/"), args.api_key, work, args.concurrency,
+                     args.stream))
         http_runs.append(summarize(results, seconds, work, cpu))
         if args.compare_offline:
             llm = llm or offline_llm(args)
             offline_runs.append(run_offline(llm, work))
     payload = {"model": model, "base_url": args.base_url, "concurrency": args.concurrency,
+               "stream": args.stream,
                "num_prompts": args.num_prompts, "input_len": list(args.input_len),
                "output_len": list(args.output_len), "seed": args.seed,
                **_report(args, model, http_runs, offline_runs)}
-    write_result(f"serve_c{args.concurrency}", payload, args.out)
+    write_result(f"serve_c{args.concurrency}{'' if args.stream else '_nostream'}", payload,
+                 args.out)
 
 
 def _report(args: argparse.Namespace, model: str, http_runs: list[dict],

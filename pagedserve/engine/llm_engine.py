@@ -204,4 +204,5 @@ class LLMEngine:
             generation_tokens=self.outputs.num_generation_tokens,
             num_swapped=len(self.scheduler.swapped),
             blocks_shared=pool.num_shared,
+            process_cpu_s=time.process_time(),
         )

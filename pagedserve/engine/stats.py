@@ -21,7 +21,8 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     num_swapped: int = 0  # requests whose KV blocks sit in the host swap pool
-    blocks_shared: int = 0  # device blocks held by more than one stream
+    blocks_shared: int = 0  # device blocks held by more than one sequence
+    process_cpu_s: float = 0.0  # CPU time of the engine's process (the core's, under serve)
 
     @property
     def prefix_hit_rate(self) -> float:
