@@ -1,0 +1,95 @@
+"""The engine core in its own process: what happens when it dies mid-stream, and that neither
+a clean shutdown nor a killed server leaves it running."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import HTTP_TIMEOUT_S, launch_server
+
+# The core must be noticed dead, and every stream failed, well within this.
+FAIL_FAST_S = 10.0
+
+
+def _core_pid(server_pid: int) -> int:
+    """The engine-core child of the server (not multiprocessing's helper processes)."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    for pid in map(int, children):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            return pid
+    raise AssertionError(f"no engine-core child among {children}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent's wait is missing
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_core_death_mid_stream_fails_the_stream_and_turns_health_red(chat_model, tmp_path):
+    with launch_server(chat_model, tmp_path) as served:
+        core = _core_pid(served.process.pid)
+        body = {"prompt": [5, 6, 7], "max_tokens": 900, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body,
+                          timeout=HTTP_TIMEOUT_S) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 3:
+                        break
+            os.kill(core, signal.SIGKILL)
+            killed = time.monotonic()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert time.monotonic() - killed < FAIL_FAST_S
+        errors = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+        assert errors and "error" in errors[-1], rest[-3:]
+        assert errors[-1]["error"]["type"] == "server_error"
+        assert rest[-1] == "data: [DONE]"
+        health = httpx.get(f"{served.url}/health", timeout=HTTP_TIMEOUT_S)
+        assert health.status_code == 503
+        assert "engine" in health.json()["error"]["message"]
+        # New work is refused at once with an OpenAI error; the HTTP process still answers.
+        refused = served.post("/v1/completions", json={"prompt": [5], "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
+        assert httpx.get(f"{served.url}/version", timeout=HTTP_TIMEOUT_S).status_code == 200
+        assert served.process.poll() is None
+
+
+def test_shutdown_stops_the_core(chat_model, tmp_path):
+    with launch_server(chat_model, tmp_path) as served:
+        core = _core_pid(served.process.pid)
+        served.process.send_signal(signal.SIGTERM)
+        served.process.wait(timeout=60)
+        assert _wait_gone(core, 10.0)
+
+
+@pytest.mark.slow
+def test_a_killed_server_does_not_leave_the_core_running(chat_model, tmp_path):
+    with launch_server(chat_model, tmp_path) as served:
+        core = _core_pid(served.process.pid)
+        served.process.kill()
+        served.process.wait(timeout=30)
+        # The orphaned core notices its parent is gone while idle and exits by itself.
+        assert _wait_gone(core, 10.0)
