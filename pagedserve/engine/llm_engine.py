@@ -42,6 +42,7 @@ from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.platforms import resolve_platform
 from pagedserve.sample.metadata import SamplingMetadata, check_token_ids
 from pagedserve.sample.sampler import SamplerOutput
+from pagedserve.sample.seeds import stream_seed
 from pagedserve.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
@@ -262,7 +263,7 @@ class LLMEngine:
         if params.seed is None:
             return None
         generator = torch.Generator(device=self.runner.device)
-        generator.manual_seed(params.seed + index)
+        generator.manual_seed(stream_seed(params.seed, index))
         return generator
 
     def abort_request(self, request_id: str) -> None:

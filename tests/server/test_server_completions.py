@@ -136,3 +136,18 @@ def test_models_health_version(server):
 
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_seed_uses_all_its_bits_and_each_choice_its_own_stream(server):
+    client = server.client()
+
+    def texts(seed: int, n: int = 1) -> list[str]:
+        got = client.completions.create(model="model", prompt=PROMPT, max_tokens=12,
+                                        temperature=1.0, seed=seed, n=n)
+        return [c.text for c in got.choices]
+
+    assert texts(5) == texts(5)
+    assert texts(5) != texts(2**32 + 5)
+    pair = texts(77, n=2)
+    assert pair[0] == texts(77)[0]
+    assert pair[1] != texts(78)[0]
