@@ -54,6 +54,12 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "model"),
+    # A repetition penalty whose division overflows float32 made NaN logprobs.
+    ("/v1/completions", {**GOOD, "repetition_penalty": 1e-38, "logprobs": 1}, 400,
+     "repetition_penalty"),
+    ("/v1/completions", {**GOOD, "repetition_penalty": 1e38}, 400, "repetition_penalty"),
+    ("/v1/chat/completions", {**CHAT, "repetition_penalty": 1e-38}, 400,
+     "repetition_penalty"),
 ]
 
 
