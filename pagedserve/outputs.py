@@ -39,6 +39,9 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+    # Every token sampled for the request, best_of's discarded streams and beam search's
+    # dropped beams included (one per running beam per step): what OpenAI's usage counts.
+    num_generated_tokens: int = 0
 
 
 @dataclass

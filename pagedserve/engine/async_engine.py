@@ -6,8 +6,12 @@ Handlers put commands (add, abort) on a queue the thread drains between steps; t
 outputs back with ``loop.call_soon_threadsafe``, one call per event loop per step. The event loop
 never waits on the model, and the model never waits on the event loop.
 
+Requests added together (``add_requests``: the prompts of one API request) travel as one
+command, so they all enter the engine in the same step, as do all commands queued during a step.
+
 Failure rules:
-  * a rejected request (bad prompt, bad parameters) fails only its own ``add_request`` call;
+  * a rejected request (bad prompt, bad parameters) fails only its own ``add_requests`` call,
+    and none of the requests of that call runs;
   * an exception inside ``step`` aborts every request in flight (their blocks go back to the
     pool), each stream raises ``EngineStepError``, and the thread keeps serving new requests;
   * a stream closed before its request finished (client gone) aborts the request.
@@ -22,6 +26,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.stats import EngineStats
@@ -41,6 +46,12 @@ class EngineStepError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine thread is not running, so no request can be served."""
+
+
+class NewRequest(NamedTuple):
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,19 +120,27 @@ class AsyncLLMEngine:
                           params: SamplingParams) -> RequestStream:
         """Queue a request; returns once the engine accepted it, raises what it rejected
         it with (``ValueError`` for bad input)."""
+        return (await self.add_requests([NewRequest(request_id, prompt, params)]))[0]
+
+    async def add_requests(self, requests: list[NewRequest]) -> list[RequestStream]:
+        """Queue requests that enter the engine together (in the same step); returns once the
+        engine accepted all of them. If it rejects one, none of them runs and this raises
+        what it rejected it with."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
-        sink = _Sink(loop, asyncio.Queue())
-        self._commands.put(partial(self._add, request_id, prompt, params, sink, accepted))
+        sinks = [_Sink(loop, asyncio.Queue()) for _ in requests]
+        self._commands.put(partial(self._add, requests, sinks, accepted))
         try:
             await accepted
         except asyncio.CancelledError:
-            # The client left while we waited; this abort is queued behind the add.
-            self.abort(request_id)
+            # The client left while we waited; these aborts are queued behind the add.
+            for request in requests:
+                self.abort(request.request_id)
             raise
-        return RequestStream(request_id, self, sink.queue)
+        return [RequestStream(r.request_id, self, sink.queue)
+                for r, sink in zip(requests, sinks, strict=True)]
 
     def abort(self, request_id: str) -> None:
         self._commands.put(partial(self._abort, request_id))
@@ -152,15 +171,22 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return commands
 
-    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-             sink: _Sink, accepted: asyncio.Future) -> None:
+    def _add(self, requests: list[NewRequest], sinks: list[_Sink],
+             accepted: asyncio.Future) -> None:
+        loop = accepted.get_loop()
+        added: list[str] = []
         try:
-            self.engine.add_request(prompt, params, request_id)
-        except Exception as exc:  # any rejection belongs to this request alone
-            _call_soon(sink.loop, _settle, accepted, exc)
+            for r in requests:
+                self.engine.add_request(r.prompt, r.params, r.request_id)
+                added.append(r.request_id)
+        except Exception as exc:  # any rejection belongs to these requests alone
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            _call_soon(loop, _settle, accepted, exc)
             return
-        self._sinks[request_id] = sink
-        _call_soon(sink.loop, _settle, accepted, None)
+        for r, sink in zip(requests, sinks, strict=True):
+            self._sinks[r.request_id] = sink
+        _call_soon(loop, _settle, accepted, None)
 
     def _abort(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None:

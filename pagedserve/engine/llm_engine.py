@@ -43,15 +43,16 @@ from pagedserve.platforms import resolve_platform
 from pagedserve.sample.metadata import SamplingMetadata, check_token_ids
 from pagedserve.sample.sampler import SamplerOutput
 from pagedserve.sample.seeds import stream_seed
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 
 logger = get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class PromptTooLong(ValueError):
-    """The prompt leaves no room to generate within the context window."""
+class PromptTooLong(InvalidSamplingParam):
+    """The prompt leaves no room to generate within the context window, or the request could
+    not fit the KV pool; ``param`` names what to shorten (``prompt`` or ``max_tokens``)."""
 
 
 class LLMEngine:
@@ -229,25 +230,31 @@ class LLMEngine:
         return dataclasses.replace(params, temperature=0.0, logprobs=None)
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
-        """Validate the prompt against the context window and the pool; return max_tokens."""
+        """Validate the prompt against the context window, the vocabulary and the pool;
+        return max_tokens. This is the only place prompts are checked: each error names the
+        parameter to change (``InvalidSamplingParam.param``), which the server reports."""
         if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.arch.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise InvalidSamplingParam("prompt", "the prompt is empty")
         room = self.max_model_len - len(token_ids)
         if room < 1:
             raise PromptTooLong(
-                f"the prompt has {len(token_ids)} tokens but the model's context length is "
-                f"{self.max_model_len}; shorten the prompt")
+                "prompt", f"the prompt has {len(token_ids)} tokens but the model's context "
+                f"length is {self.max_model_len}; shorten the prompt")
+        vocab = self.arch.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise InvalidSamplingParam("prompt", f"prompt token ids must be in [0, {vocab})")
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.best_of > self.config.max_num_seqs:
-            raise ValueError(f"best_of ({params.best_of}) exceeds --max-num-seqs "
-                             f"({self.config.max_num_seqs})")
+            # best_of defaults to n: name the one the caller set.
+            param = "n" if params.best_of == params.n else "best_of"
+            raise InvalidSamplingParam(
+                param, f"{param}={params.best_of} exceeds the {self.config.max_num_seqs} "
+                "sequences the engine runs at once (max_num_seqs)")
         capacity = self.kv.num_blocks * self.kv.block_size
         needed = self._worst_case_blocks(len(token_ids), max_tokens, params.best_of)
         if needed * self.kv.block_size > capacity:
             raise PromptTooLong(
+                "max_tokens",
                 f"the request needs up to {needed * self.kv.block_size} tokens of KV cache "
                 f"but the whole pool holds {capacity}; lower max_tokens (or n, best_of) or "
                 "enlarge the cache")
@@ -379,11 +386,16 @@ class LLMEngine:
             if seq is None or seq.request is not request or seq.finished:
                 continue
             state = self._states[self._parent_id(seq.request)]
+            if request.max_tokens == 0:  # only the prompt was asked for: no token is output
+                self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+                touched.add(state.request_id)
+                continue
             if state.beam is not None:
                 state.beam_offers[seq_id] = (rows.top_ids[i], rows.top_logprobs[i])
                 beam_states[state.request_id] = state
                 continue
             self._apply_sample(seq, rows, i)
+            state.metrics.num_generated_tokens += 1
             _record_token_time(state, now)
             touched.add(state.request_id)
         for state in beam_states.values():
@@ -413,6 +425,7 @@ class LLMEngine:
                  for s in state.seqs]
         continuations = state.beam.step(beams)
         self._generation_tokens += len(beams)
+        state.metrics.num_generated_tokens += len(beams)
         if state.beam.done:
             self._finish_beam_search(state)
             return True
