@@ -127,8 +127,8 @@ def _free_port() -> int:
 
 
 @contextmanager
-def launch_server(model: Path, log_dir: Path, *extra: str,
-                  api_key: str | None = None) -> Iterator[Server]:
+def launch_server(model: Path, log_dir: Path, *extra: str, api_key: str | None = None,
+                  env: dict[str, str] | None = None) -> Iterator[Server]:
     port = _free_port()
     log = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(model),
@@ -137,8 +137,9 @@ def launch_server(model: Path, log_dir: Path, *extra: str,
     if api_key:
         cmd += ["--api-key", api_key]
     with log.open("w") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PAGEDSERVE_LOG_LEVEL": "WARNING"})
+        process = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, "PAGEDSERVE_LOG_LEVEL": "WARNING", **(env or {})})
     server = Server(f"http://127.0.0.1:{port}", process, log, api_key)
     try:
         _wait_healthy(server)
