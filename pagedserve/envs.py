@@ -23,3 +23,9 @@ def log_level() -> str:
 def cpu_kv_cache_fraction() -> float:
     """PAGEDSERVE_CPU_KV_FRACTION: share of available RAM the CPU KV pool may take (0.25)."""
     return float(os.environ.get("PAGEDSERVE_CPU_KV_FRACTION", "0.25"))
+
+
+def api_key() -> str | None:
+    """PAGEDSERVE_API_KEY: the key ``pagedserve serve`` requires when --api-key is not given
+    (an environment variable does not show in the process list)."""
+    return os.environ.get("PAGEDSERVE_API_KEY") or None

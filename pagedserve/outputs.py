@@ -40,6 +40,9 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+    # Every token sampled for the request, best_of's discarded streams and beam search's
+    # dropped beams included (one per running beam per step): what OpenAI's usage counts.
+    num_generated_tokens: int = 0
 
 
 @dataclass
@@ -73,6 +76,8 @@ class RequestOutput:
             old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.metrics is not None:
+            self.metrics = delta.metrics
         self.finished = delta.finished
 
 
@@ -83,3 +88,4 @@ class OutputDelta(Protocol):
     outputs: Sequence[CompletionOutput]
     finished: bool
     prompt_logprobs: list[TokenLogprobs | None] | None
+    metrics: RequestMetrics | None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+_MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass
@@ -30,7 +31,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0: compute the prompt (and its logprobs), generate nothing
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -74,10 +75,14 @@ class SamplingParams:
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0.0, "repetition_penalty",
-             f"repetition_penalty must be positive, got {self.repetition_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-             f"max_tokens must be at least 1, got {self.max_tokens}"),
+            # Bounded so that dividing or multiplying a logit by it stays finite in float32.
+            (_MIN_REPETITION_PENALTY <= self.repetition_penalty <= 1 / _MIN_REPETITION_PENALTY,
+             "repetition_penalty", f"repetition_penalty must be in [{_MIN_REPETITION_PENALTY}, "
+             f"{1 / _MIN_REPETITION_PENALTY:g}], got {self.repetition_penalty}"),
+            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens",
+             f"max_tokens must be non-negative, got {self.max_tokens}"),
+            (not (self.use_beam_search and self.max_tokens == 0), "max_tokens",
+             "beam search needs max_tokens of at least 1"),
             (self.min_tokens >= 0, "min_tokens",
              f"min_tokens must be non-negative, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",

@@ -145,11 +145,14 @@ async def run_load(base_url: str, api_key: str | None, work: list[WorkItem], con
 
 
 async def _server_cpu(client, base_url: str) -> float:
-    """CPU seconds the server process has used: on a shared machine, CPU time per token
-    says more about HTTP's cost than wall time does."""
+    """CPU seconds the server's processes (API server and engine core) have used: on a
+    shared machine, CPU time per token says more about HTTP's cost than wall time does."""
     text = (await client.get(f"{base_url}/metrics")).text
-    match = re.search(r"^process_cpu_seconds_total (\S+)$", text, re.M)
-    return float(match.group(1)) if match else float("nan")
+    total = 0.0
+    for name in ("process_cpu_seconds_total", "pagedserve:engine_core_cpu_seconds_total"):
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        total += float(match.group(1)) if match else float("nan")
+    return total
 
 
 def summarize(results: list[RequestResult], seconds: float, work: list[WorkItem],

@@ -141,7 +141,8 @@ class Scheduler:
         """The tokens ``seq`` computes next under ``budget``, or None if it has none to run.
         The root of pending forks stops one token short: each fork computes the last one."""
         num_tokens = self._num_tokens(seq)
-        if num_tokens - seq.num_prompt_tokens >= seq.max_tokens:
+        # With max_tokens 0 the prompt still runs, once: its sample is dropped by the engine.
+        if num_tokens - seq.num_prompt_tokens >= max(seq.max_tokens, 1):
             return None  # the token in flight is its last
         cached = self._cached_prefix(seq)
         start = seq.num_computed_tokens + len(cached) * self.kv.block_size

@@ -32,7 +32,7 @@ from pagedserve.engine.core_process import CoreAddresses, run_engine_core
 from pagedserve.engine.stats import EngineStats
 from pagedserve.logger import get_logger
 from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
+from pagedserve.sampling_params import InvalidSamplingParam
 
 logger = get_logger(__name__)
 
@@ -49,13 +49,6 @@ class EngineStepError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine core is not running, so no request can be served."""
-
-
-@dataclass(frozen=True)
-class PromptRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
 
 
 @dataclass(eq=False)
@@ -184,8 +177,12 @@ class EngineCoreClient:
     def is_running(self) -> bool:
         return self._dead is None and self._process is not None and self._process.is_alive()
 
+    @property
+    def dead_reason(self) -> str:
+        return self._dead or "it has not started"
+
     # ---- requests -----------------------------------------------------------------------
-    def add_requests(self, requests: Sequence[PromptRequest]) -> list[RequestStream]:
+    def add_requests(self, requests: Sequence[msg.NewRequest]) -> list[RequestStream]:
         """Check every request, then send them in one command so the core admits them in
         the same step. Raises ``ValueError`` (nothing sent) if any is refused."""
         if not self.is_running:
@@ -200,8 +197,7 @@ class EngineCoreClient:
                                              finished=False))
             self._pending[r.request_id] = pending
             streams.append(RequestStream(r.request_id, self, pending.queue))
-        self._send(msg.AddRequests([msg.NewRequest(r.request_id, r.prompt_token_ids, r.params)
-                                    for r in requests]))
+        self._send(msg.AddRequests(list(requests)))
         return streams
 
     def abort(self, request_id: str) -> None:

@@ -11,7 +11,7 @@ import msgspec
 
 from pagedserve.engine.input_processor import InputLimits
 from pagedserve.engine.stats import EngineStats
-from pagedserve.outputs import Logprob, RequestOutput, TokenLogprobs
+from pagedserve.outputs import Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -76,13 +76,15 @@ class RequestDelta(msgspec.Struct, array_like=True):
     outputs: list[SequenceDelta]
     finished: bool
     prompt_logprobs: list[TokenLogprobs | None] | None
+    metrics: RequestMetrics | None  # sent once, with the finished output
 
     @classmethod
     def of(cls, output: RequestOutput) -> RequestDelta:
         return cls(output.request_id, [
             SequenceDelta(o.index, o.text, o.token_ids, o.cumulative_logprob, o.logprobs,
                           o.finish_reason, o.stop_reason) for o in output.outputs],
-            output.finished, output.prompt_logprobs)
+            output.finished, output.prompt_logprobs,
+            output.metrics if output.finished else None)
 
 
 class RequestFailure(msgspec.Struct, array_like=True):

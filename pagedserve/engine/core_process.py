@@ -74,6 +74,7 @@ class EngineCore:
 
     def run(self) -> None:
         logger.info("engine core process %d started", os.getpid())
+        self._send([])  # the first stats, for /metrics
         while True:
             busy = self.engine.has_unfinished_requests()
             commands = self._receive(block=not busy)

@@ -16,11 +16,13 @@ from pagedserve.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from pagedserve.engine.request_state import BeamState, RequestState, SequenceState
 from pagedserve.outputs import RequestMetrics
 from pagedserve.sample.metadata import check_token_ids
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sample.seeds import stream_seed
+from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 
 
-class PromptTooLong(ValueError):
-    """The prompt leaves no room to generate within the context window."""
+class PromptTooLong(InvalidSamplingParam):
+    """The prompt leaves no room to generate within the context window, or the request could
+    not fit the KV pool; ``param`` names what to shorten (``prompt`` or ``max_tokens``)."""
 
 
 @dataclass(frozen=True)
@@ -36,25 +38,31 @@ class InputLimits:
     block_size: int
 
     def check(self, token_ids: list[int], params: SamplingParams) -> int:
-        """Validate a tokenized request against the context window and the KV pool; return
-        its max_tokens. Raises ``ValueError`` (``PromptTooLong`` among them)."""
+        """Validate a tokenized request against the context window, the vocabulary and the
+        KV pool; return its max_tokens. This is the only place prompts are checked: each
+        error is an ``InvalidSamplingParam`` naming the parameter to change."""
         if not token_ids:
-            raise ValueError("the prompt is empty")
-        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+            raise InvalidSamplingParam("prompt", "the prompt is empty")
         room = self.max_model_len - len(token_ids)
         if room < 1:
             raise PromptTooLong(
-                f"the prompt has {len(token_ids)} tokens but the model's context length is "
-                f"{self.max_model_len}; shorten the prompt")
+                "prompt", f"the prompt has {len(token_ids)} tokens but the model's context "
+                f"length is {self.max_model_len}; shorten the prompt")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise InvalidSamplingParam(
+                "prompt", f"prompt token ids must be in [0, {self.vocab_size})")
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.best_of > self.max_num_seqs:
-            raise ValueError(f"best_of ({params.best_of}) exceeds --max-num-seqs "
-                             f"({self.max_num_seqs})")
+            # best_of defaults to n: name the one the caller set.
+            param = "n" if params.best_of == params.n else "best_of"
+            raise InvalidSamplingParam(
+                param, f"{param}={params.best_of} exceeds the {self.max_num_seqs} sequences "
+                "the engine runs at once (max_num_seqs)")
         capacity = self.num_kv_blocks * self.block_size
         needed = self._worst_case_blocks(len(token_ids), max_tokens, params.best_of)
         if needed * self.block_size > capacity:
             raise PromptTooLong(
+                "max_tokens",
                 f"the request needs up to {needed * self.block_size} tokens of KV cache "
                 f"but the whole pool holds {capacity}; lower max_tokens (or n, best_of) or "
                 "enlarge the cache")
@@ -117,7 +125,7 @@ class InputProcessor:
         if params.seed is None:
             return None
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(params.seed + index)
+        generator.manual_seed(stream_seed(params.seed, index))
         return generator
 
 

@@ -89,11 +89,16 @@ class OutputProcessor:
             # is dropped.
             if state is None or state.finished:
                 continue
+            if seq.max_tokens == 0:  # only the prompt was asked for: no token is output
+                self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+                touched.add(state.request)
+                continue
             if state.request.beam is not None:
                 self._beams.offer(state, rows.top_ids[i], rows.top_logprobs[i])
                 beam_requests.add(state.request)
                 continue
             self._apply_sample(state, rows, i)
+            state.request.metrics.num_generated_tokens += 1
             _record_token_time(state.request, now)
             touched.add(state.request)
         for request in beam_requests:
@@ -124,6 +129,7 @@ class OutputProcessor:
         before = request.seqs
         num_tokens, done = self._beams.step(request)
         self.num_generation_tokens += num_tokens
+        request.metrics.num_generated_tokens += num_tokens
         for seq in before:
             self._seqs.pop(seq.seq, None)
         for seq in request.seqs:  # the beams that go on, forks among them

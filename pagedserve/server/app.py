@@ -1,27 +1,29 @@
-"""The HTTP server: routes, two guards (API key, body size) and start-up.
+"""The HTTP server: routes and start-up.
 
-Request logic lives in ``serving_*.py``; the wire format in ``protocol.py``. FastAPI and uvicorn
-are imported only here and below, so ``import pagedserve`` works without them.
+Request logic lives in ``serving_*.py``; the wire format in ``protocol.py``; what refuses a
+request before a route sees it (API key, body size and type, read deadline) in ``guards.py``.
+FastAPI and uvicorn are imported only here and below, so ``import pagedserve`` works without
+them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
+import sys
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
+from functools import partial
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedserve import __version__
-from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve import __version__, envs
+from pagedserve.engine.core_client import EngineCoreClient, EngineStartError
 from pagedserve.logger import get_logger
-from pagedserve.server.errors import REQUEST_TOO_LARGE, APIError, install_error_handlers
+from pagedserve.server.errors import APIError, install_error_handlers
+from pagedserve.server.guards import BearerAuth, BodySizeLimit, JSONBodies, ReadDeadlineProtocol
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.server.serving_chat import ChatServing
@@ -34,10 +36,12 @@ logger = get_logger(__name__)
 CLIENT_CLOSED = 499
 
 
-def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
-               max_request_bytes: int = 4 << 20) -> FastAPI:
-    """An app serving ``engine``; the engine thread runs while the app's lifespan does."""
-    model = ServedModel.from_engine(engine.engine)
+def create_app(engine: EngineCoreClient, api_key: str | None = None,
+               max_request_bytes: int = 4 << 20, enable_docs: bool = False) -> FastAPI:
+    """An app serving a started engine core; the app's lifespan reads its outputs and stops it
+    at the end. ``enable_docs`` serves FastAPI's /docs and /redoc, whose pages load their
+    scripts from a public CDN."""
+    model = ServedModel.from_client(engine)
     metrics = ServerMetrics(lambda: engine.stats)
     client = EngineClient(engine, metrics)
     completions = CompletionServing(model, client)
@@ -45,20 +49,25 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        engine.start()
+        engine.run_in(asyncio.get_running_loop())
         yield
-        await asyncio.to_thread(engine.shutdown)
+        await engine.shutdown()
 
-    app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan,
+                  docs_url="/docs" if enable_docs else None,
+                  redoc_url="/redoc" if enable_docs else None)
     install_error_handlers(app)
+    # The last added runs first: the key, then the body's size, then its type.
+    app.add_middleware(JSONBodies)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key, prefix="/v1")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not engine.is_running:
-            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the engine is not running",
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE,
+                           f"the engine is not running: {engine.dead_reason}",
                            type="server_error")
         return Response(status_code=HTTPStatus.OK)
 
@@ -115,75 +124,28 @@ async def _disconnected(raw: Request) -> None:
         pass
 
 
-class BearerAuth:
-    """Requires ``Authorization: Bearer <key>`` on paths under ``prefix``."""
-
-    def __init__(self, app: ASGIApp, api_key: str, prefix: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-        self.prefix = prefix
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.prefix) \
-                and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            # Constant-time comparison: response timing must not reveal the key's prefix.
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(HTTPStatus.UNAUTHORIZED, "missing or incorrect API key; send "
-                                 "'Authorization: Bearer <key>'", code="invalid_api_key")
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class BodySizeLimit:
-    """Answers 413 to a body over ``max_bytes``: at once when Content-Length says so, else as
-    soon as the bytes read pass the cap (chunked uploads declare no length)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large().response()(scope, receive, send)
-            return
-        received = 0
-
-        async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                # FastAPI re-raises HTTPExceptions from body reading; our handler formats it.
-                raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, self._message())
-            return message
-
-        await self.app(scope, counting_receive, send)
-
-    def _message(self) -> str:
-        return f"the request body is larger than the server's limit of {self.max_bytes} bytes"
-
-    def _too_large(self) -> APIError:
-        return APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, self._message(),
-                        code=REQUEST_TOO_LARGE)
-
-
 def run_server(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.engine_args import config_from_args
 
-    engine = AsyncLLMEngine(LLMEngine(config_from_args(args)))
-    app = create_app(engine, args.api_key, args.max_request_bytes)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        logger.warning("listening on %s without --api-key: anyone who can reach this address "
+    engine = EngineCoreClient(config_from_args(args))
+    try:
+        engine.start()
+    except EngineStartError as exc:  # a bad model, device or flag: one line, as the CLI does
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    # The environment keeps the key out of the process list, where --api-key shows it.
+    api_key = args.api_key or envs.api_key()
+    app = create_app(engine, api_key, args.max_request_bytes, args.enable_docs)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        logger.warning("listening on %s without an API key: anyone who can reach this address "
                        "can use the model", args.host)
-    logger.info("serving %s at http://%s:%d/v1", engine.engine.model_name, args.host, args.port)
+    logger.info("serving %s at http://%s:%d/v1", engine.facts.model_name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+                access_log=args.enable_log_requests,
+                timeout_graceful_shutdown=5,
+                http=partial(ReadDeadlineProtocol, read_timeout=args.request_read_timeout),
+                # uvicorn answers 503 once the open connections (this one included) reach
+                # its limit, so the limit is one above the connections to serve.
+                limit_concurrency=args.max_concurrent_connections + 1)

@@ -11,7 +11,29 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="address to bind (default loopback only; 0.0.0.0 exposes the server)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+                   help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: "
+                        "$PAGEDSERVE_API_KEY, which the process list does not show)")
     g.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
                    help="reject request bodies larger than this with 413")
+    g.add_argument("--request-read-timeout", type=_positive(float), default=30.0,
+                   help="seconds a client has to send a whole request (head and body) from "
+                        "its first byte; then 408 and the connection is closed")
+    g.add_argument("--max-concurrent-connections", type=_positive(int), default=1024,
+                   help="connections served at once; requests on any further ones get 503")
+    g.add_argument("--enable-docs", action="store_true",
+                   help="serve /docs and /redoc (their pages load scripts from a public CDN)")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log a line per HTTP request (uvicorn's access log; off by default, "
+                        "it costs the API server time under load)")
     g.add_argument("--log-level", default="info")
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        value = kind(text)
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its errors
+    return parse

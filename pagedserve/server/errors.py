@@ -73,6 +73,8 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
         message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
         return bad_request(message.rstrip(": ")).response()
     where = ".".join(loc) or "body"
+    if first.get("type") == "extra_forbidden":
+        first = {**first, "msg": "this field is unknown or not supported by this server"}
     extra = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     # param names the top-level field; the message keeps the full path.
     return bad_request(f"{where}: {first['msg']}{extra}", param=loc[0] if loc else None

@@ -1,8 +1,9 @@
 """Prometheus metrics, in a registry of the app's own (two apps in one process stay apart).
 
-Engine state (queues, KV blocks, token counters) is read from the engine thread's latest
-``EngineStats`` snapshot when scraped. Latencies are what clients see: they are timed in the
-handlers, from the moment a request arrives to the moment its tokens reach the handler.
+Engine state (queues, KV blocks, token counters, the core process's CPU time) is read from
+the engine core's latest ``EngineStats`` snapshot when scraped. Latencies are what clients
+see: they are timed in the handlers, from the moment a request arrives to the moment its
+tokens reach the handler.
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
+        if s is None:  # the engine core has not reported yet
+            return
         hit_rate = s.prefix_hit_tokens / s.prefix_queried_tokens if s.prefix_queried_tokens \
             else 0.0
         gauges = [
             ("num_requests_running", "Requests being computed", s.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
-            # No swap-out path exists yet: preempted requests recompute.
-            ("num_requests_swapped", "Requests swapped out to host memory", 0),
+            ("num_requests_swapped", "Requests swapped out to host memory", s.num_swapped),
             ("kv_cache_usage_perc", "Share of KV cache blocks in use (0-1)", s.kv_usage),
             ("kv_cache_blocks_used", "KV cache blocks held by requests", s.blocks_used),
             ("kv_cache_blocks_free", "KV cache blocks free (cached or empty)", s.blocks_free),
@@ -59,6 +61,8 @@ class _EngineCollector(Collector):
              s.prefix_queried_tokens),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
              s.prefix_hit_tokens),
+            ("engine_core_cpu_seconds", "CPU time of the engine-core process",
+             s.process_cpu_s),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)

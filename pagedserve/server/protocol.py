@@ -2,24 +2,64 @@
 
 Request fields are optional where OpenAI allows ``null``; defaults are applied when the request
 becomes ``SamplingParams``. vLLM's extra sampling fields (top_k, min_p, ...) are accepted too.
-Unknown fields are ignored, as vLLM does.
+
+Requests are read as strictly as OpenAI reads them: ``"4"``, ``true`` or ``4.0`` is not an
+integer, infinities and NaN are not numbers, and a field this server does not know is refused
+with its name (a field it does not implement, such as ``tools``, must not be silently ignored).
+A few fields that change nothing in the output are accepted and ignored: ``user``, ``store``,
+``metadata``, ``service_tier``, ``safety_identifier`` and ``prompt_cache_key``.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from collections.abc import Iterator
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 
 # OpenAI's stand-in for a logprob of -inf, which JSON cannot carry.
 MIN_LOGPROB = -9999.0
 
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+def _unicode_text(value):
+    """JSON can escape a lone surrogate (``"\\ud800"``), which has no UTF-8 form and which
+    the tokenizer fails on. Checked after the type, on every string inside ``value``, so that
+    the error names the field."""
+    for text in _strings(value):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"lone surrogate U+{ord(text[exc.start]):04X} at character "
+                             f"{exc.start} is not Unicode text") from None
+    return value
+
+
+def _strings(value) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, TextPart):
+        yield value.text
+    elif isinstance(value, list) and value and not isinstance(value[0], int):
+        for item in value:  # token id lists are skipped whole, not walked id by id
+            yield from _strings(item)
+
+
 # A prompt: text, a list of texts, token ids, or a list of token id lists.
-PromptInput = str | list[str] | list[int] | list[list[int]]
+PromptInput = Annotated[str | list[str] | list[int] | list[list[int]],
+                        AfterValidator(_unicode_text)]
 
 
 def random_id(prefix: str) -> str:
@@ -31,14 +71,12 @@ def _now() -> int:
 
 
 # ---- requests ---------------------------------------------------------------------------
-class StreamOptions(BaseModel):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(StrictModel):
     """Fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     n: int | None = None
@@ -46,13 +84,19 @@ class SamplingRequest(BaseModel):
     top_p: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    # torch seeds are 64-bit; out of range would fail inside the engine instead of here.
+    stop: Annotated[str | list[str] | None, AfterValidator(_unicode_text)] = None
+    # OpenAI's range, which every torch generator accepts.
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # Accepted and ignored: who asks, and hints to OpenAI's storage and routing.
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     # vLLM's extras.
     top_k: int | None = None
     min_p: float | None = None
@@ -86,18 +130,26 @@ class SamplingRequest(BaseModel):
             raise InvalidSamplingParam("stream_options",
                                        "stream_options is only allowed when stream is true")
 
+    def field_name(self, param: str) -> str:
+        """The field of this request that an engine parameter came from."""
+        return param
+
 
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput
-    max_tokens: int | None = 16
+    # 0 with echo scores the prompt: its tokens and logprobs come back, nothing is generated.
+    max_tokens: int | None = Field(default=16, ge=0)
     best_of: int | None = None
     logprobs: int | None = None
     echo: bool = False
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self) -> SamplingParams:
         self.check_stream_options()
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidSamplingParam("max_tokens", "max_tokens 0 is only allowed with echo "
+                                       "(the prompt comes back and nothing is generated)")
         params = SamplingParams(
-            **self._sampling_fields(), best_of=self.best_of, max_tokens=max_tokens,
+            **self._sampling_fields(), best_of=self.best_of, max_tokens=self.max_tokens,
             logprobs=self.logprobs,
             # Echoed prompts carry logprobs too; they need the prompt's own.
             prompt_logprobs=self.logprobs if self.echo else None)
@@ -106,43 +158,50 @@ class CompletionRequest(SamplingRequest):
         return params
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, AfterValidator(_unicode_text)] = None
+    name: Annotated[str | None, AfterValidator(_unicode_text)] = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "\n".join(part.text for part in self.content)
         return self.content or ""
 
+    def for_template(self) -> dict[str, str]:
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
 
     @property
-    def requested_max_tokens(self) -> int | None:
+    def max_tokens_field(self) -> str:
         """OpenAI renamed max_tokens to max_completion_tokens; the new name wins."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
-            else self.max_tokens
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens if self.max_completion_tokens is None \
+            else self.max_completion_tokens
+
+    def field_name(self, param: str) -> str:
+        return {"prompt": "messages", "max_tokens": self.max_tokens_field}.get(param, param)
+
+    def to_sampling_params(self) -> SamplingParams:
         self.check_stream_options()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidSamplingParam("top_logprobs", "top_logprobs requires logprobs: true")
         logprobs = _default(self.top_logprobs, 0) if self.logprobs else None
-        return SamplingParams(**self._sampling_fields(), max_tokens=max_tokens,
+        return SamplingParams(**self._sampling_fields(), max_tokens=self.requested_max_tokens,
                               logprobs=logprobs)
 
 

@@ -49,12 +49,13 @@ class ChatServing:
         arrival = time.perf_counter()
         self.model.check_name(request.model)
         token_ids = self._render(request)
-        max_tokens = self.model.check_prompt(len(token_ids), request.requested_max_tokens,
-                                             prompt_param="messages")
-        params = request.to_sampling_params(max_tokens)
+        self.model.check_max_tokens(len(token_ids), request.requested_max_tokens,
+                                    param=request.max_tokens_field)
+        params = request.to_sampling_params()
         self.model.check_params(params)
         request_id = random_id("chatcmpl")
-        stream = await self.client.submit(request_id, token_ids, params, arrival)
+        stream = await self.client.submit(request_id, token_ids, params, arrival,
+                                          request.field_name)
         if request.stream:
             return StreamingResponse(self._stream(request, request_id, len(token_ids), stream),
                                      media_type="text/event-stream")
@@ -66,7 +67,7 @@ class ChatServing:
                               logprobs=self._logprobs(request, o.token_ids, o.logprobs),
                               finish_reason=o.finish_reason, stop_reason=o.stop_reason)
                    for o in final.outputs]
-        completion_tokens = sum(len(o.token_ids) for o in final.outputs)
+        completion_tokens = final.metrics.num_generated_tokens
         return ChatCompletionResponse(id=request_id, model=self.model.name, choices=choices,
                                       usage=UsageInfo.of(len(token_ids), completion_tokens))
 
@@ -75,7 +76,7 @@ class ChatServing:
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions",
                               param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        messages = [m.for_template() for m in request.messages]
         try:
             text = tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=request.add_generation_prompt)
@@ -112,7 +113,7 @@ class ChatServing:
                     if choice is not None:
                         yield chunk([choice])
                 if output.finished:
-                    completion_tokens = sum(len(o.token_ids) for o in output.outputs)
+                    completion_tokens = output.metrics.num_generated_tokens
             if request.include_usage_in_stream:
                 yield chunk([], UsageInfo.of(num_prompt_tokens, completion_tokens))
         except Exception as exc:

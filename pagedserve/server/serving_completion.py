@@ -53,12 +53,13 @@ class CompletionServing:
         arrival = time.perf_counter()
         self.model.check_name(request.model)
         prompts = self._prompts(request.prompt)
-        params = [request.to_sampling_params(
-            self.model.check_prompt(len(p.token_ids), request.max_tokens)) for p in prompts]
-        self.model.check_params(params[0], num_prompts=len(prompts))
+        params = request.to_sampling_params()
+        for prompt in prompts:
+            self.model.check_max_tokens(len(prompt.token_ids), request.max_tokens)
+        self.model.check_params(params, num_prompts=len(prompts))
         request_id = random_id("cmpl")
         streams = await self.client.submit_all(
-            request_id, [p.token_ids for p in prompts], params, arrival)
+            request_id, [p.token_ids for p in prompts], params, arrival, request.field_name)
         if request.stream:
             return StreamingResponse(self._stream(request, request_id, prompts, streams),
                                      media_type="text/event-stream")
@@ -71,11 +72,8 @@ class CompletionServing:
         return self._response(request, request_id, prompts, finals)
 
     def _prompts(self, prompt: PromptInput) -> list[Prompt]:
-        if isinstance(prompt, str):
-            items = [prompt]
-        elif not prompt:
-            raise bad_request("prompt must not be empty", param="prompt")
-        elif isinstance(prompt[0], int):
+        # An empty list is one empty prompt, which the engine refuses as it refuses "".
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
             items = [prompt]
         else:
             items = prompt
@@ -96,7 +94,7 @@ class CompletionServing:
             for out in final.outputs:
                 choices.append(self._choice(request, p * (request.n or 1) + out.index,
                                             prompt, final, out))
-        completion_tokens = sum(len(o.token_ids) for f in finals for o in f.outputs)
+        completion_tokens = sum(f.metrics.num_generated_tokens for f in finals)
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         return CompletionResponse(id=request_id, model=self.model.name, choices=choices,
                                   usage=UsageInfo.of(prompt_tokens, completion_tokens))
@@ -131,7 +129,7 @@ class CompletionServing:
                         yield sse(CompletionResponse(id=request_id, model=self.model.name,
                                                      choices=[chunk]))
                 if output.finished:
-                    completion_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    completion_tokens += output.metrics.num_generated_tokens
             if request.include_usage_in_stream:
                 prompt_tokens = sum(len(p.token_ids) for p in prompts)
                 yield sse(CompletionResponse(id=request_id, model=self.model.name, choices=[],

@@ -1,25 +1,25 @@
-"""The served model as the API sees it (its name, its limits, a tokenizer of its own) and
-how the serving layers hand it requests and read them back."""
+"""The served model as the API sees it (its name, its limits, its tokenizer) and how the
+serving layers hand it requests and read them back."""
 
 from __future__ import annotations
 
-import copy
-from collections.abc import AsyncIterator
+import dataclasses
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-from pagedserve.engine.async_engine import (
-    AsyncLLMEngine,
+from pagedserve.engine.core_client import (
+    EngineCoreClient,
     EngineDeadError,
     EngineStepError,
     RequestStream,
 )
-from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.core_messages import NewRequest
+from pagedserve.engine.input_processor import PromptTooLong
 from pagedserve.outputs import CompletionOutput, RequestOutput
-from pagedserve.sample.metadata import check_token_ids
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.server.errors import SERVER_ERROR, APIError, bad_request, from_value_error
+from pagedserve.server.errors import SERVER_ERROR, APIError, bad_request
 from pagedserve.server.metrics import RequestTimer, ServerMetrics
 from pagedserve.server.protocol import ModelCard, ModelList
 
@@ -33,9 +33,6 @@ MAX_SEQUENCES_PER_REQUEST = 1024
 class ServedModel:
     name: str
     max_model_len: int
-    vocab_size: int
-    # A copy: the engine thread decodes with the engine's tokenizer while handlers encode, and
-    # a Rust tokenizer used from two threads at once can fail with "Already borrowed".
     tokenizer: Any
     card: ModelCard = field(init=False)
 
@@ -43,9 +40,9 @@ class ServedModel:
         self.card = ModelCard(id=self.name, max_model_len=self.max_model_len)
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> ServedModel:
-        return cls(engine.model_name, engine.max_model_len, engine.arch.vocab_size,
-                   copy.deepcopy(engine.tokenizer))
+    def from_client(cls, client: EngineCoreClient) -> ServedModel:
+        facts = client.facts
+        return cls(facts.model_name, facts.limits.max_model_len, client.tokenizer)
 
     def models(self) -> ModelList:
         return ModelList(data=[self.card])
@@ -57,30 +54,20 @@ class ServedModel:
                            f"this server serves {self.name!r}", param="model",
                            code="model_not_found")
 
-    def check_prompt(self, num_prompt_tokens: int, max_tokens: int | None,
-                     prompt_param: str = "prompt") -> int:
-        """Reject prompts that leave no room within the context; return the max_tokens to use
-        (all the room left when the request gave none)."""
+    def check_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None,
+                         param: str = "max_tokens") -> None:
+        """OpenAI refuses a max_tokens that does not fit in the context with the prompt,
+        where the engine would shorten it. Prompts too long by themselves are left to the
+        engine, which checks every prompt (length, token ids) and names the prompt."""
         limit = self.max_model_len
-        if num_prompt_tokens >= limit:
-            raise bad_request(
-                f"the prompt has {num_prompt_tokens} tokens but this model's maximum context "
-                f"length is {limit} tokens; shorten the prompt", param=prompt_param,
-                code=CONTEXT_LENGTH_EXCEEDED)
-        if max_tokens is None:
-            return limit - num_prompt_tokens
-        if max_tokens >= 1 and num_prompt_tokens + max_tokens > limit:
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit > num_prompt_tokens:
             raise bad_request(
                 f"this model's maximum context length is {limit} tokens, but {num_prompt_tokens}"
-                f" prompt tokens plus max_tokens={max_tokens} make "
-                f"{num_prompt_tokens + max_tokens}; lower max_tokens or shorten the prompt",
-                param="max_tokens", code=CONTEXT_LENGTH_EXCEEDED)
-        return max_tokens
+                f" prompt tokens plus {param}={max_tokens} make "
+                f"{num_prompt_tokens + max_tokens}; lower {param} or shorten the prompt",
+                param=param, code=CONTEXT_LENGTH_EXCEEDED)
 
     def check_params(self, params: SamplingParams, num_prompts: int = 1) -> None:
-        """Token ids in logit_bias and stop_token_ids must exist, or the batched sampler step
-        that applies them would fail for every request in the batch."""
-        check_token_ids(params, self.vocab_size)
         if num_prompts * params.num_sequences > MAX_SEQUENCES_PER_REQUEST:
             raise bad_request(
                 f"{num_prompts} prompt(s) x best_of/n {params.num_sequences} would start more "
@@ -96,32 +83,48 @@ class ServedModel:
 
 @dataclass
 class EngineClient:
-    """Submits requests to the engine thread and maps its failures to API errors."""
+    """Submits requests to the engine core and maps its failures to API errors."""
 
-    engine: AsyncLLMEngine
+    engine: EngineCoreClient
     metrics: ServerMetrics
 
     async def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                     arrival: float) -> TimedStream:
+                     arrival: float, field_name: Callable[[str], str]) -> TimedStream:
+        streams = await self._submit([NewRequest(request_id, token_ids, _from_core(params))],
+                                     arrival, field_name)
+        return streams[0]
+
+    async def submit_all(self, request_id: str, prompts: list[list[int]],
+                         params: SamplingParams, arrival: float,
+                         field_name: Callable[[str], str]) -> list[TimedStream]:
+        """One engine request per prompt, all entering the same engine step; if one is
+        refused, none of them runs."""
+        params = _from_core(params)
+        requests = [NewRequest(f"{request_id}-{i}", token_ids, params)
+                    for i, token_ids in enumerate(prompts)]
+        return await self._submit(requests, arrival, field_name)
+
+    async def _submit(self, requests: list[NewRequest], arrival: float,
+                      field_name: Callable[[str], str]) -> list[TimedStream]:
+        """``field_name`` maps the engine's parameter names to the API request's fields (a
+        chat request's prompt is its ``messages``)."""
         try:
-            stream = await self.engine.add_request(request_id, token_ids, params)
+            streams = self.engine.add_requests(requests)
         except EngineDeadError as exc:
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), type=SERVER_ERROR) from exc
         except ValueError as exc:
-            raise from_value_error(exc) from exc
-        return TimedStream(stream, RequestTimer(self.metrics, start=arrival))
+            param = getattr(exc, "param", None)
+            code = CONTEXT_LENGTH_EXCEEDED if isinstance(exc, PromptTooLong) else None
+            raise bad_request(str(exc), param=field_name(param) if param else None,
+                              code=code) from exc
+        return [TimedStream(s, RequestTimer(self.metrics, start=arrival)) for s in streams]
 
-    async def submit_all(self, request_id: str, prompts: list[list[int]],
-                         params: list[SamplingParams], arrival: float) -> list[TimedStream]:
-        """One engine request per prompt; if one is refused, none of them runs."""
-        streams: list[TimedStream] = []
-        try:
-            for i, (token_ids, p) in enumerate(zip(prompts, params, strict=True)):
-                streams.append(await self.submit(f"{request_id}-{i}", token_ids, p, arrival))
-        except BaseException:
-            close_all(streams)
-            raise
-        return streams
+
+def _from_core(params: SamplingParams) -> SamplingParams:
+    """The core sends what each step added and the client adds it up (``add_delta``); the n
+    best of best_of are known only at the end, so those come once, finished."""
+    kind = "delta" if params.best_of == params.n else "final_only"
+    return dataclasses.replace(params, output_kind=kind)
 
 
 @dataclass
@@ -142,6 +145,9 @@ class TimedStream:
         except EngineStepError as exc:
             self.timer.finish("error")
             raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), type=SERVER_ERROR) from exc
+        except EngineDeadError as exc:
+            self.timer.finish("error")
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), type=SERVER_ERROR) from exc
         finally:
             self.close()
 

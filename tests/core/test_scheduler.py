@@ -105,3 +105,17 @@ def test_abort_waiting_and_running():
     sched.finish(b, SequenceStatus.FINISHED_ABORTED)
     assert not sched.has_unfinished
     assert sched.kv.pool.num_free == sched.kv.num_blocks
+
+
+def test_max_tokens_0_computes_the_prompt_once_and_nothing_after():
+    """Prompt scoring: the prompt runs (its last chunk samples, and the engine drops that
+    token), then the stream is never scheduled again, ahead of the host or not."""
+    for pending in (False, True):
+        sched = _scheduler(budget=8)
+        _add(sched, _req(12, max_tokens=0))
+        chunks = []
+        for _ in range(3):
+            out = sched.schedule(schedule_pending=pending)
+            sched.advance(out)
+            chunks += [(s.num_new_tokens, s.samples) for s in out.scheduled]
+        assert chunks == [(8, False), (4, True)]

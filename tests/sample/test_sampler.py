@@ -211,6 +211,26 @@ def test_penalty_values_by_hand():
     torch.testing.assert_close(got, torch.tensor([[1.0, -5.0, -0.25, 0.5]]))
 
 
+@pytest.mark.parametrize("value", [0.0, -1.0, 1e-38, 1e-3, 101.0, 1e38, math.inf, math.nan])
+def test_repetition_penalty_out_of_range_is_rejected(value):
+    """1e-38 divided positive logits into +inf, and inf - inf made NaN logprobs."""
+    with pytest.raises(InvalidSamplingParam) as err:
+        SamplingParams(repetition_penalty=value)
+    assert err.value.param == "repetition_penalty"
+
+
+@pytest.mark.parametrize("penalty", [0.01, 100.0])
+def test_extreme_repetition_penalties_keep_logprobs_finite(penalty):
+    vocab = 64
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0)) * 1e4
+    params = [SamplingParams(repetition_penalty=penalty, logprobs=5, temperature=t)
+              for t in (0.0, 1.0)]
+    every_token = [list(range(vocab))] * 2
+    out = sampler(logits, build(params, prompts=every_token, outputs=every_token,
+                                vocab_size=vocab))
+    assert torch.isfinite(out.logprobs).all() and torch.isfinite(out.top_logprobs).all()
+
+
 def test_logit_bias_steers_greedy():
     logits = torch.tensor([[5.0, 1.0, 0.0, -1.0]] * 2)
     params = [SamplingParams(temperature=0.0, logit_bias={"3": 10.0}),  # JSON-style key

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -75,6 +77,11 @@ class Server:
             values[f"request_finished_total{{{reason}}}"] = float(v)
         return values
 
+    def connect(self, timeout: float = HTTP_TIMEOUT_S) -> socket.socket:
+        """A raw TCP connection, for what an HTTP client library will not send."""
+        url = urlsplit(self.url)
+        return socket.create_connection((url.hostname, url.port), timeout=timeout)
+
     def wait_for_metrics(self, done, timeout: float = 60.0) -> dict[str, float]:
         """Poll /metrics until ``done(values)``; fail with the last values on timeout."""
         deadline = time.monotonic() + timeout
@@ -87,6 +94,32 @@ class Server:
             time.sleep(0.1)
 
 
+@dataclass
+class RawResponse:
+    status: int
+    headers: dict[str, str]  # names in lower case
+    body: bytes
+
+
+def raw_request(method: str, path: str, body: bytes) -> bytes:
+    return (f"{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def read_response(stream: BinaryIO) -> RawResponse | None:
+    """The next HTTP/1.1 response (with a Content-Length body) on a socket's file; None if
+    the server closed the connection instead."""
+    status_line = stream.readline()
+    if not status_line:
+        return None
+    headers = {}
+    while line := stream.readline().strip():
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    body = stream.read(int(headers.get("content-length", 0)))
+    return RawResponse(int(status_line.split()[1]), headers, body)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,8 +127,8 @@ def _free_port() -> int:
 
 
 @contextmanager
-def launch_server(model: Path, log_dir: Path, *extra: str,
-                  api_key: str | None = None) -> Iterator[Server]:
+def launch_server(model: Path, log_dir: Path, *extra: str, api_key: str | None = None,
+                  env: dict[str, str] | None = None) -> Iterator[Server]:
     port = _free_port()
     log = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(model),
@@ -104,8 +137,9 @@ def launch_server(model: Path, log_dir: Path, *extra: str,
     if api_key:
         cmd += ["--api-key", api_key]
     with log.open("w") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PAGEDSERVE_LOG_LEVEL": "WARNING"})
+        process = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, "PAGEDSERVE_LOG_LEVEL": "WARNING", **(env or {})})
     server = Server(f"http://127.0.0.1:{port}", process, log, api_key)
     try:
         _wait_healthy(server)

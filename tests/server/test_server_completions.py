@@ -136,3 +136,73 @@ def test_models_health_version(server):
 
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_seed_uses_all_its_bits_and_each_choice_its_own_stream(server):
+    client = server.client()
+
+    def texts(seed: int, n: int = 1) -> list[str]:
+        got = client.completions.create(model="model", prompt=PROMPT, max_tokens=12,
+                                        temperature=1.0, seed=seed, n=n)
+        return [c.text for c in got.choices]
+
+    assert texts(5) == texts(5)
+    assert texts(5) != texts(2**32 + 5)
+    pair = texts(77, n=2)
+    assert pair[0] == texts(77)[0]
+    assert pair[1] != texts(78)[0]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(server, offline):
+    """What evaluation harnesses send for log-likelihoods: the prompt back with its logprobs,
+    nothing generated."""
+    prompts = [PROMPT, "hello world"]
+    tokenizer = offline.get_tokenizer()
+    expected = offline.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=2,
+                                                        temperature=0), use_tqdm=False)
+    got = server.client().completions.create(model="model", prompt=prompts, max_tokens=0,
+                                             echo=True, logprobs=2, temperature=0)
+    assert [c.index for c in got.choices] == [0, 1]
+    for choice, prompt, want in zip(got.choices, prompts, expected, strict=True):
+        ids = tokenizer.encode(prompt)
+        assert choice.text == prompt and choice.finish_reason == "length"
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(ids)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for i, token in enumerate(ids[1:], start=1):
+            assert lp.token_logprobs[i] == pytest.approx(want.prompt_logprobs[i][token].logprob,
+                                                         abs=1e-4)
+            assert 1 <= len(lp.top_logprobs[i]) <= 3
+    prompt_tokens = sum(len(tokenizer.encode(p)) for p in prompts)
+    assert got.usage.completion_tokens == 0 and got.usage.prompt_tokens == prompt_tokens
+
+
+def test_echo_with_max_tokens_0_streamed_and_as_token_ids(server):
+    client = server.client()
+    ids = [5, 17, 42, 99, 7]
+    full = client.completions.create(model="model", prompt=ids, max_tokens=0, echo=True,
+                                     logprobs=0)
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and len(choice.logprobs.tokens) == len(ids)
+    assert all(v is not None and v <= 0 for v in choice.logprobs.token_logprobs[1:])
+    chunks = [c for c in client.completions.create(model="model", prompt=ids, max_tokens=0,
+                                                   echo=True, logprobs=0, stream=True)]
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [t for c in chunks for t in c.choices[0].logprobs.token_logprobs] == \
+        choice.logprobs.token_logprobs
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # Without logprobs it is just the prompt back.
+    plain = client.completions.create(model="model", prompt=PROMPT, max_tokens=0, echo=True)
+    assert plain.choices[0].text == PROMPT and plain.usage.completion_tokens == 0
+
+
+def test_usage_counts_every_generated_token_with_best_of(server):
+    """OpenAI bills best_of's discarded choices too: usage counts every token generated."""
+    client = server.client()
+    kwargs = dict(model="model", max_tokens=5, temperature=1.0, seed=1, n=2,
+                  extra_body={"ignore_eos": True})
+    got = client.completions.create(**kwargs, prompt=PROMPT, best_of=4)
+    assert len(got.choices) == 2
+    assert got.usage.completion_tokens == 4 * 5
+    got = client.completions.create(**kwargs, prompt=[PROMPT, "hello"], best_of=3)
+    assert len(got.choices) == 4 and got.usage.completion_tokens == 2 * 3 * 5

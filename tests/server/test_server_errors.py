@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
 
-from tests.server.conftest import HTTP_TIMEOUT_S, MAX_MODEL_LEN, launch_server
+from tests.server.conftest import (
+    HTTP_TIMEOUT_S,
+    MAX_MODEL_LEN,
+    launch_server,
+    raw_request,
+    read_response,
+)
 
 GOOD = {"prompt": "hello", "max_tokens": 2, "temperature": 0}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -31,13 +39,17 @@ BAD_REQUESTS = [
     ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {**GOOD, "n": [1]}, 400, "n"),
     ("/v1/completions", {**GOOD, "prompt": []}, 400, "prompt"),
-    ("/v1/completions", {**GOOD, "prompt": ""}, 400, None),
-    ("/v1/completions", {**GOOD, "prompt": [1, 2, 10**6]}, 400, None),
-    ("/v1/completions", {**GOOD, "prompt": [[1, 2], []]}, 400, None),
+    ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": [1, 2, 10**6]}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": [1, -2]}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": [[1, 2], []]}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": ["hi", ""]}, 400, "prompt"),
     ("/v1/completions", {**GOOD, "prompt": {"text": "hi"}}, 400, "prompt"),
     ("/v1/completions", {"max_tokens": 2}, 400, "prompt"),
     ("/v1/completions", [GOOD], 400, None),
     ("/v1/completions", {**GOOD, "n": 2000}, 400, "n"),
+    ("/v1/completions", {**GOOD, "n": 1000}, 400, "n"),
+    ("/v1/completions", {**GOOD, "n": 2, "best_of": 1000}, 400, "best_of"),
     ("/v1/completions", {**GOOD, "prompt": [[5]] * 1100}, 400, "prompt"),
     ("/v1/completions", {**GOOD, "seed": 2**70}, 400, "seed"),
     ("/v1/completions", {**GOOD, "stream": True, "best_of": 3}, 400, "best_of"),
@@ -50,10 +62,56 @@ BAD_REQUESTS = [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
-    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, 400, "logprobs"),
-    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, 400,
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": MAX_MODEL_LEN}, 400,
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {**CHAT, "n": 1000}, 400, "n"),
     ("/v1/chat/completions", {**CHAT, "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "model"),
+    # Strict types, as in OpenAI's schema: no strings, booleans or floats for integers.
+    ("/v1/completions", {**GOOD, "max_tokens": "4"}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "max_tokens": True}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "max_tokens": 4.0}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "prompt": [1, 2, 3.0]}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": [[1, 2], [True]]}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "temperature": "0.5"}, 400, "temperature"),
+    ("/v1/completions", {**GOOD, "stream": "false"}, 400, "stream"),
+    ("/v1/completions", {**GOOD, "echo": 1}, 400, "echo"),
+    ("/v1/completions", {**GOOD, "seed": "7"}, 400, "seed"),
+    ("/v1/completions", {**GOOD, "stop": 5}, 400, "stop"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": "true"}, 400, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "n": "2"}, 400, "n"),
+    # A repetition penalty whose division overflows float32 made NaN logprobs.
+    ("/v1/completions", {**GOOD, "repetition_penalty": 1e-38, "logprobs": 1}, 400,
+     "repetition_penalty"),
+    ("/v1/completions", {**GOOD, "repetition_penalty": 1e38}, 400, "repetition_penalty"),
+    ("/v1/chat/completions", {**CHAT, "repetition_penalty": 1e-38}, 400,
+     "repetition_penalty"),
+    # max_tokens 0 only scores the prompt, which needs the prompt echoed.
+    ("/v1/completions", {**GOOD, "max_tokens": 0, "logprobs": 1}, 400, "max_tokens"),
+    # Fields of OpenAI or vLLM that this server does not implement.
+    *[("/v1/completions", {**GOOD, field: value}, 400, field) for field, value in [
+        ("suffix", "x"), ("guided_json", {"type": "object"}), ("response_format",
+                                                              {"type": "json_object"}),
+        ("prompt_logprobs", 1), ("use_beam_search", True), ("temprature", 0.5)]],
+    *[("/v1/chat/completions", {**CHAT, field: value}, 400, field) for field, value in [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+        ("functions", [{"name": "f"}]), ("function_call", "auto"),
+        ("response_format", {"type": "json_object"}), ("chat_template", "{{ 1 }}"),
+        ("chat_template_kwargs", {}), ("guided_choice", ["a"]), ("echo", True),
+        ("continue_final_message", True), ("reasoning_effort", "low"),
+        ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": ""}),
+        ("parallel_tool_calls", False)]],
+    ("/v1/chat/completions", {**CHAT, "messages": [
+        {"role": "user", "content": "hi", "tool_calls": []}]}, 400, "messages"),
 ]
 
 
@@ -78,9 +136,51 @@ def test_bad_request_gets_openai_error(server, path, body, status, param):
     assert error["param"] == param
 
 
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", b'{"prompt": "hi \\ud800", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "hi \\udfff"], "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}', "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": '
+     b'[{"type": "text", "text": "\\ud83d"}]}], "max_tokens": 2}', "messages"),
+])
+def test_lone_surrogate_is_a_400_and_the_connection_stays_usable(server, path, body, param):
+    """JSON may escape a lone surrogate, which no UTF-8 tokenizer can encode; the pipelined
+    request behind it must still get its answer on the same connection."""
+    good = json.dumps(GOOD).encode()
+    with server.connect() as sock, sock.makefile("rb") as stream:
+        sock.sendall(raw_request("POST", path, body)
+                     + raw_request("POST", "/v1/completions", good))
+        refused = read_response(stream)
+        assert refused is not None and refused.status == 400, refused
+        error = json.loads(refused.body)["error"]
+        assert error["param"] == param and "surrogate" in error["message"]
+        served = read_response(stream)
+        assert served is not None and served.status == 200, served
+        assert json.loads(served.body)["usage"]["completion_tokens"] == 2
+
+
+def test_unsupported_field_is_named_in_the_message(server):
+    error = _assert_error(server.post("/v1/chat/completions",
+                                      json={**CHAT, "tools": [], "response_format": {}}), 400)
+    assert "tools" in error["message"] and "not supported" in error["message"]
+
+
+def test_harmless_openai_fields_are_accepted(server):
+    """Fields that change nothing in the output: who asks, and OpenAI's storage and routing
+    hints. Accepted and ignored, as clients send them routinely."""
+    harmless = {"user": "tester", "store": False, "metadata": {"team": "a"},
+                "service_tier": "auto", "safety_identifier": "hash", "prompt_cache_key": "k"}
+    for path, body in (("/v1/completions", GOOD), ("/v1/chat/completions", CHAT)):
+        response = server.post(path, json={**body, **harmless})
+        assert response.status_code == 200, response.text
+    chat = {**CHAT, "messages": [{"role": "user", "content": "hi", "name": "ann"}]}
+    assert server.post("/v1/chat/completions", json=chat).status_code == 200
+
+
 def test_every_bad_request_left_the_server_healthy(server):
-    for path, body, status, _ in BAD_REQUESTS:
-        if isinstance(body, dict) and "stream_options" not in body:
+    for path, body, status, param in BAD_REQUESTS:
+        if isinstance(body, dict) and param not in ("stream", "stream_options"):
             assert server.post(path, json={**body, "stream": True}).status_code == status
     _assert_still_serving(server)
     values = server.wait_for_metrics(lambda m: m["kv_cache_blocks_used"] == 0)
@@ -104,7 +204,7 @@ def test_malformed_bodies_and_unknown_routes(server):
                   400)
     _assert_error(server.post("/v1/completions", content=b"[1, 2]", headers=headers), 400)
     _assert_error(server.post("/v1/completions", content=b"\xff\xfe", headers=headers), 400)
-    for value in (b"NaN", b"-Infinity"):  # Python's JSON parser accepts these
+    for value in (b"NaN", b"-Infinity", b"Infinity"):  # Python's JSON parser accepts these
         body = b'{"prompt": "hi", "temperature": ' + value + b"}"
         error = _assert_error(server.post("/v1/completions", content=body, headers=headers), 400)
         assert error["param"] == "temperature"

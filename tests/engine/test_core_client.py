@@ -1,0 +1,122 @@
+"""The API server's client of a real engine-core process: outputs built from its deltas
+equal the offline engine's, bad requests are refused before they are sent, closing a stream
+frees the request's blocks in the core, and a stopped core refuses work."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagedserve import LLM
+from pagedserve.config import EngineConfig
+from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
+from pagedserve.engine.core_messages import NewRequest
+from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
+from tests.tiny_models import write_tiny_model
+
+ENGINE = dict(device="cpu", max_model_len=256, kv_cache_memory_bytes=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("llama3"), "llama3")
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model, loop):
+    client = EngineCoreClient(EngineConfig(model=str(tiny_model), **ENGINE))
+    client.start()
+    client.run_in(loop)
+    yield client
+    loop.run_until_complete(client.shutdown())
+
+
+def _delta(**kwargs) -> SamplingParams:
+    return SamplingParams(output_kind="delta", **kwargs)
+
+
+async def _final(stream):
+    last = None
+    async for output in stream:
+        last = output
+    return last
+
+
+async def _until_idle(client: EngineCoreClient, timeout: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while client.stats.blocks_used or client.stats.num_running or client.stats.num_waiting:
+        assert asyncio.get_running_loop().time() < deadline, client.stats
+        await asyncio.sleep(0.02)
+
+
+def test_outputs_equal_the_offline_engine(client, loop, tiny_model):
+    prompts = [[5, 6, 7 + i] for i in range(6)]
+    kinds = [dict(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2),
+             dict(n=2, max_tokens=9, temperature=0.8, seed=11, ignore_eos=True)]
+
+    async def main():
+        streams = client.add_requests([NewRequest(f"r{i}", p, _delta(**kinds[i % 2]))
+                                       for i, p in enumerate(prompts)])
+        return await asyncio.gather(*(_final(s) for s in streams))
+
+    got = loop.run_until_complete(main())
+    llm = LLM(model=str(tiny_model), **ENGINE)
+    want = llm.generate(prompts, [SamplingParams(**kinds[i % 2]) for i in range(len(prompts))],
+                        use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.finished
+        assert [(o.index, o.text, o.token_ids, o.logprobs, o.finish_reason) for o in g.outputs] \
+            == [(o.index, o.text, o.token_ids, o.logprobs, o.finish_reason) for o in w.outputs]
+        assert [o.cumulative_logprob for o in g.outputs] == pytest.approx(
+            [o.cumulative_logprob for o in w.outputs])
+
+
+def test_bad_requests_are_refused_before_anything_is_sent(client, loop):
+    with pytest.raises(InvalidSamplingParam) as err:
+        client.add_requests([NewRequest("ok", [5, 6, 7], _delta(max_tokens=2)),
+                             NewRequest("bad", [10**6], _delta())])
+    assert err.value.param == "prompt"
+    with pytest.raises(ValueError, match="empty"):
+        client.add_requests([NewRequest("bad", [], _delta())])
+
+    async def main():
+        await asyncio.sleep(0.3)
+        assert client.stats.num_waiting == client.stats.num_running == 0
+        # "ok" was never sent, so its id is free.
+        return await _final(client.add_requests(
+            [NewRequest("ok", [5, 6, 7], _delta(max_tokens=2))])[0])
+
+    assert loop.run_until_complete(main()).outputs[0].finish_reason == "length"
+
+
+def test_closing_a_stream_frees_its_blocks_in_the_core(client, loop):
+    async def main():
+        stream = client.add_requests([NewRequest(
+            "long", [5, 6, 7], _delta(max_tokens=200, ignore_eos=True))])[0]
+        first = await anext(stream)
+        assert not first.finished
+        while not client.stats.blocks_used:
+            await asyncio.sleep(0.01)
+        stream.close()
+        await _until_idle(client)
+
+    loop.run_until_complete(main())
+    assert client.stats.blocks_used == 0
+
+
+def test_after_shutdown_requests_are_refused(tiny_model, loop):
+    client = EngineCoreClient(EngineConfig(model=str(tiny_model), **ENGINE))
+    client.start()
+    client.run_in(loop)
+    loop.run_until_complete(client.shutdown())
+    assert not client.is_running and not client._process.is_alive()
+    with pytest.raises(EngineDeadError):
+        client.add_requests([NewRequest("a", [5, 6, 7], _delta())])
