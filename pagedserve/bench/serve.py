@@ -70,16 +70,21 @@ async def _one(client, url: str, model: str, item: WorkItem, stream: bool) -> Re
             "temperature": 0.0, "ignore_eos": True, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
+    import httpx
+
     start = time.perf_counter()
     result = RequestResult(ok=False)
-    if stream:
-        await _read_events(client, url, body, start, result)
-    else:
-        response = await client.post(url, json=body)
-        if response.status_code == 200:
-            result.output_tokens = response.json()["usage"]["completion_tokens"]
+    try:
+        if stream:
+            await _read_events(client, url, body, start, result)
         else:
-            result.error = response.text[:200]
+            response = await client.post(url, json=body)
+            if response.status_code == 200:
+                result.output_tokens = response.json()["usage"]["completion_tokens"]
+            else:
+                result.error = response.text[:200]
+    except httpx.HTTPError as exc:  # counted as failed, with the reason, not fatal
+        result.error = f"{type(exc).__name__} after {time.perf_counter() - start:.1f}s: {exc}"
     if result.error:
         return result
     result.e2e = time.perf_counter() - start
@@ -139,20 +144,21 @@ async def run_load(base_url: str, api_key: str | None, work: list[WorkItem], con
         start = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         seconds = time.perf_counter() - start
-        cpu = {"server_cpu_s": await _server_cpu(client, base_url) - server_cpu,
-               "client_cpu_s": time.process_time() - client_cpu}
+        cpu = {f"{name}_cpu_s": after - before for name, before, after in zip(
+            ("api_server", "engine_core"), server_cpu, await _server_cpu(client, base_url))}
+        cpu["client_cpu_s"] = time.process_time() - client_cpu
         return results, seconds, model, cpu
 
 
-async def _server_cpu(client, base_url: str) -> float:
-    """CPU seconds the server's processes (API server and engine core) have used: on a
+async def _server_cpu(client, base_url: str) -> tuple[float, float]:
+    """CPU seconds the API server process and the engine-core process have used: on a
     shared machine, CPU time per token says more about HTTP's cost than wall time does."""
     text = (await client.get(f"{base_url}/metrics")).text
-    total = 0.0
+    values = []
     for name in ("process_cpu_seconds_total", "pagedserve:engine_core_cpu_seconds_total"):
         match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-        total += float(match.group(1)) if match else float("nan")
-    return total
+        values.append(float(match.group(1)) if match else float("nan"))
+    return values[0], values[1]
 
 
 def summarize(results: list[RequestResult], seconds: float, work: list[WorkItem],
@@ -160,7 +166,7 @@ def summarize(results: list[RequestResult], seconds: float, work: list[WorkItem]
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(len(w.prompt_token_ids) for w in work)
-    cpu_s = cpu["server_cpu_s"] + cpu["client_cpu_s"]
+    cpu_s = sum(cpu.values())
     summary = {
         "completed": len(ok), "failed": len(results) - len(ok), "seconds": seconds,
         "request_throughput": len(ok) / seconds, "output_tok_s": out_tokens / seconds,
@@ -222,7 +228,7 @@ def _warm_up_item(work: list[WorkItem]) -> WorkItem:
 def _workload(args: argparse.Namespace, seed: int) -> list[WorkItem]:
     from pagedserve.models import loader
 
-    source = loader.resolve_model(args.model)
+    source = loader.resolve_model(args.model, require_weights=args.load_format != "dummy")
     vocab_size = loader.load_arch_config(source).vocab_size
     avoid = set(loader.load_tokenizer(source).all_special_ids)
     return random_workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len),
@@ -259,7 +265,8 @@ def _report(args: argparse.Namespace, model: str, http_runs: list[dict],
                 f"{args.num_prompts} prompts, inputs {args.input_len}, outputs "
                 f"{args.output_len}", [{"round": i, **r} for i, r in enumerate(http_runs)],
                 ["round", "completed", "failed", "seconds", "request_throughput",
-                 "output_tok_s", "total_tok_s", "server_cpu_s", "client_cpu_s",
+                 "output_tok_s", "total_tok_s", "api_server_cpu_s", "engine_core_cpu_s",
+                 "client_cpu_s",
                  "cpu_ms_per_token"])
     print_table("latencies of the best round (ms)",
                 [{"metric": k, **http[k]} for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")],

