@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagedserve.models.loader import resolve_model
+from tests.tiny_models import hf_model, write_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +30,38 @@ def default_model_folder(request: pytest.FixtureRequest, tmp_path_factory) -> Pa
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDSERVE_CACHE_DIR", str(root))
         return resolve_model(None).path
+
+
+@pytest.fixture(scope="session")
+def default_llm(default_model_folder: Path):
+    """One engine on the default model for the whole session. Tests finish every request they
+    add and use greedy or per-request seeded sampling, so none depends on another's leftovers."""
+    from pagedserve import LLM
+
+    return LLM(model=str(default_model_folder), device="cpu", kv_cache_memory_bytes=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def default_hf_model(default_model_folder: Path):
+    """transformers' model on the same converted weights: the default model's reference."""
+    return hf_model(default_model_folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory) -> Callable[[str], Path]:
+    """``tiny_model_folder("qwen2")``: that architecture's random-weight checkpoint (see
+    ``tests/tiny_models.py``), written once per session. Shared: tests must not change it."""
+    folders: dict[str, Path] = {}
+
+    def folder(arch: str) -> Path:
+        if arch not in folders:
+            folders[arch] = write_tiny_model(tmp_path_factory.mktemp(arch), arch)
+        return folders[arch]
+
+    return folder
+
+
+@pytest.fixture(scope="session")
+def llama3_folder(tiny_model_folder) -> Path:
+    """The random-weight Llama-3-shaped checkpoint most engine tests run on."""
+    return tiny_model_folder("llama3")
