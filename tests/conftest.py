@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
+import json
 import os
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,22 +18,47 @@ if not torch.cuda.is_available():
     # before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pagedserve.models.loader import resolve_model
+from pagedserve.models.loader import ModelSource, resolve_model
 from tests.tiny_models import hf_model, write_tiny_model
+
+RUN_ID = pytest.StashKey[str]()
+
+
+def _test_run_id(config: pytest.Config) -> str:
+    """One id for a whole test run, shared by its xdist workers."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        return workerinput["testrunuid"]
+    return config.stash.setdefault(RUN_ID, uuid.uuid4().hex)
 
 
 @pytest.fixture(scope="session")
-def default_model_folder(request: pytest.FixtureRequest, tmp_path_factory) -> Path:
+def default_model_source(request: pytest.FixtureRequest, tmp_path_factory) -> ModelSource:
     """The default SmolLM2 GGUF as a Hugging Face folder.
 
     Converted into pytest's own cache (``.pytest_cache/d/pagedserve``), not the user's, so only
-    the first run pays for the conversion and ``pytest --cache-clear`` starts over.
+    the first run pays for the conversion and ``pytest --cache-clear`` starts over. A file lock
+    keeps concurrent test processes (xdist workers) from converting it twice. The origin is
+    ``gguf-converted`` whenever this test run did the conversion, in whichever process did it,
+    so tests/models/test_gguf_convert.py can check that conversion instead of making another.
     """
     cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
     root = cache.mkdir("pagedserve") if cache else tmp_path_factory.mktemp("pagedserve")
-    with pytest.MonkeyPatch.context() as mp:
+    run, record = _test_run_id(request.config), root / "converted-by-run.json"
+    with (root / ".lock").open("w") as lock, pytest.MonkeyPatch.context() as mp:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         mp.setenv("PAGEDSERVE_CACHE_DIR", str(root))
-        return resolve_model(None).path
+        source = resolve_model(None)
+        if source.origin == "gguf-converted":
+            record.write_text(json.dumps({"run": run}))
+        elif record.is_file() and json.loads(record.read_text())["run"] == run:
+            source = dataclasses.replace(source, origin="gguf-converted")
+        return source
+
+
+@pytest.fixture(scope="session")
+def default_model_folder(default_model_source: ModelSource) -> Path:
+    return default_model_source.path
 
 
 @pytest.fixture(scope="session")
