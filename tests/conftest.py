@@ -1,4 +1,11 @@
-"""Fixtures shared across the test tree."""
+"""Fixtures shared across the test tree.
+
+Every test process runs torch on one thread (``OMP_NUM_THREADS``, inherited by the server
+subprocesses); parallelism comes from pytest-xdist workers (``make test`` runs ``-n 2``). With
+two threads each on a 2-core machine where other test runs were busy, torch's OpenMP threads
+spun against each other: the default-model tests used 124 CPU-seconds, against 30 on one
+thread. Set the variable yourself to run with more.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +17,39 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels run under Triton's interpreter, which must be chosen
     # before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pagedserve.models.loader import ModelSource, resolve_model
-from tests.tiny_models import hf_model, write_tiny_model
+from pagedserve.models.loader import ModelSource, resolve_model  # noqa: E402
+from tests.tiny_models import hf_model, write_tiny_model  # noqa: E402
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under ``-n N`` (xdist's default ``--dist load``) hand out whole test files, as
+    ``--dist loadfile`` does, and all of tests/server/ as one unit: a file's module fixtures and
+    the server subprocesses, which take seconds to start, are then built by one worker only.
+    (``--dist loadgroup`` would say this with markers, but cannot regroup tests under pytest 9.2:
+    pytest-xdist 3.8 renames node ids through an attribute pytest no longer reads.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/server/" if path.startswith("tests/server/") else path
+
+    return FileScheduling(config, log)
+
 
 RUN_ID = pytest.StashKey[str]()
 

@@ -4,9 +4,13 @@ together. One engine and one transformers model serve every test here (tests/con
 
 from __future__ import annotations
 
+import pytest
+
 from pagedserve import SamplingParams
 from tests.kv_checks import assert_pools_full
 from tests.tiny_models import hf_beams, hf_greedy
+
+pytestmark = pytest.mark.slow
 
 PROMPTS = [
     "The capital of France is",

@@ -59,6 +59,7 @@ def gguf_path() -> Path:
     return default_model_path()
 
 
+# `fresh` and `reference` take seconds each: the tests that use them are marked slow.
 @pytest.fixture(scope="module")
 def fresh(default_model_source: ModelSource, tmp_path_factory) -> Fresh:
     """The default model converted into an empty cache: the slow first start, once per run.
@@ -111,6 +112,7 @@ def _each_gguf_parsed_once() -> Iterator[None]:
         yield
 
 
+@pytest.mark.slow
 def test_first_resolve_converts_into_the_cache(fresh: Fresh) -> None:
     source = fresh.source
     assert source.origin == "gguf-converted"
@@ -123,6 +125,7 @@ def test_first_resolve_converts_into_the_cache(fresh: Fresh) -> None:
     assert [p.name for p in (fresh.cache_root / "gguf").iterdir()] == [source.path.name]
 
 
+@pytest.mark.slow
 def test_weights_equal_transformers_gguf_loading(fresh: Fresh, reference: Reference) -> None:
     ours = dict(iter_weights(fresh.source))
     assert ours.keys() == reference.tensors.keys()
@@ -137,6 +140,7 @@ def test_weights_equal_transformers_gguf_loading(fresh: Fresh, reference: Refere
     assert not np.array_equal(permuted, ours[q].numpy())
 
 
+@pytest.mark.slow
 def test_config_matches_transformers_gguf_config(fresh: Fresh, reference: Reference) -> None:
     ours = json.loads((fresh.source.path / "config.json").read_text())
     ref = reference.config.to_dict()
@@ -156,6 +160,7 @@ def test_config_matches_transformers_gguf_config(fresh: Fresh, reference: Refere
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
 
+@pytest.mark.slow
 def test_folder_runs_like_transformers_gguf_model(fresh: Fresh, reference: Reference) -> None:
     """End to end: our folder, loaded by transformers, gives the GGUF model's logits."""
     from transformers import LlamaForCausalLM
@@ -172,6 +177,7 @@ def test_folder_runs_like_transformers_gguf_model(fresh: Fresh, reference: Refer
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_tokenizer_encodes_like_transformers_gguf_tokenizer(fresh: Fresh,
                                                              reference: Reference) -> None:
     expected = reference.tokenizer
@@ -193,6 +199,7 @@ def test_tokenizer_encodes_like_transformers_gguf_tokenizer(fresh: Fresh,
     assert len(ours) == len(expected) == 49152
 
 
+@pytest.mark.slow
 def test_cache_hit_skips_the_gguf_parser(
     fresh: Fresh, gguf_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

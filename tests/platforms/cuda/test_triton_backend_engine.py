@@ -36,6 +36,7 @@ def _greedy(folder) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(HAS_CUDA, reason="covered by the cuda engine tests")
 def test_engine_on_triton_interpreter_matches_torch_backend(tiny_model_folder, monkeypatch):
     if IMPORTED_TOO_LATE:
