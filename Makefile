@@ -24,8 +24,9 @@ serve: setup
 lint: setup
 	$(VENV)/bin/ruff check pagedserve tests benchmarks scripts
 
+# Two pytest-xdist workers of one torch thread each (tests/conftest.py says why).
 test: setup lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 bench: setup
 	$(VENV)/bin/pagedserve bench throughput

@@ -91,3 +91,19 @@ class SimulatedCache:
         else:
             got = self.read(self.kv.tables.get(seq, []), n)
         assert got == seq.all_token_ids[:n], f"{seq} lost its cached tokens"
+
+
+def run_checked(engine, prompts, params_list) -> list:
+    """Run an engine's requests to completion one step at a time, checking the pools after
+    every step and that they come back full; the finished outputs, in request order."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in done, f"{out.request_id} finished twice"
+                done[out.request_id] = out
+        check_pools(engine.kv)
+    assert_pools_full(engine.kv)
+    return [done[i] for i in ids]
+

@@ -1,7 +1,11 @@
-"""Random-weight checkpoints of real architectures, written as Hugging Face folders."""
+"""Random-weight checkpoints of real architectures, written as Hugging Face folders, and the
+helpers the engine tests build on them: random prompts, CPU engines with a given pool, and
+transformers' model as the reference."""
 
 from __future__ import annotations
 
+import random
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -70,3 +74,66 @@ def write_tiny_model(folder: Path, arch: str, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     _train_tokenizer().save_pretrained(folder)
     return folder
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    """``n`` ordinary token ids (0-2 are the special tokens)."""
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def random_prompts(seed: int | str, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [random_tokens(rng, n) for n in lengths]
+
+
+def make_llm(folder: Path, *, num_blocks: int | None = None, **kwargs):
+    """An engine on the CPU with a 4 MiB KV pool, or one of exactly ``num_blocks`` blocks."""
+    from pagedserve import LLM
+
+    kwargs.setdefault("kv_cache_memory_bytes", 4 << 20)
+    if num_blocks is not None:
+        block_bytes = _kv_bytes_per_block(folder, kwargs.get("block_size", 16))
+        kwargs["kv_cache_memory_bytes"] = num_blocks * block_bytes
+    return LLM(model=str(folder), device="cpu", **kwargs)
+
+
+@cache
+def _kv_bytes_per_block(folder: Path, block_size: int) -> int:
+    from pagedserve import LLM
+
+    probe = LLM(model=str(folder), device="cpu", block_size=block_size,
+                kv_cache_memory_bytes=1 << 20)
+    return probe.engine.kv_bytes_per_block
+
+
+@cache
+def hf_model(folder: Path):
+    """transformers' float32 model of a checkpoint folder, loaded once per test process. Shared:
+    callers pass generation options to ``generate`` rather than change the model."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy continuation, run to full length as with ``ignore_eos``."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    tokens = out[0, len(prompt):].tolist()
+    assert len(tokens) == new_tokens  # a stop token would have ended it early
+    return tokens
+
+
+def hf_beams(model, prompt: list[int], width: int, n: int, new_tokens: int, eos: int,
+             length_penalty: float = 1.0, early_stopping: bool | str = False) -> list[list[int]]:
+    """transformers' ``n`` returned beams of ``width``, best first, each cut after its stop
+    token (the padding is eos)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), num_beams=width, num_return_sequences=n, do_sample=False,
+            max_new_tokens=new_tokens, length_penalty=length_penalty,
+            early_stopping=early_stopping, eos_token_id=eos, pad_token_id=eos)
+    beams = [row[len(prompt):] for row in out.tolist()]
+    return [b[:b.index(eos) + 1] if eos in b else b for b in beams]

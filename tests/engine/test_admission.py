@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import SamplingParams
 from pagedserve.engine.input_processor import PromptTooLong
-from tests.tiny_models import VOCAB, write_tiny_model
+from tests.tiny_models import VOCAB, make_llm
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    folder = write_tiny_model(tmp_path_factory.mktemp("llama3"), "llama3")
-    return LLM(model=str(folder), device="cpu", kv_cache_memory_bytes=1 << 20, max_model_len=64)
+def llm(llama3_folder):
+    return make_llm(llama3_folder, kv_cache_memory_bytes=1 << 20, max_model_len=64)
 
 
 @pytest.mark.parametrize("prompt,params,error", [

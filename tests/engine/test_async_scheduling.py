@@ -5,34 +5,17 @@ at a time, stops found a step late must drop the extra token, and the pools must
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from tests.kv_checks import assert_pools_full, check_pools
-from tests.tiny_models import VOCAB, write_tiny_model
+from tests.kv_checks import assert_pools_full, run_checked
+from tests.tiny_models import make_llm, random_prompts
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("llama3"), "llama3")
-
-
-def _llm(folder, async_scheduling: bool, num_blocks: int | None = None, **kwargs) -> LLM:
-    kv_bytes = 4 << 20
-    if num_blocks is not None:
-        probe = LLM(model=str(folder), device="cpu", kv_cache_memory_bytes=1 << 20)
-        kv_bytes = num_blocks * probe.engine.kv_bytes_per_block
-    llm = LLM(model=str(folder), device="cpu", kv_cache_memory_bytes=kv_bytes,
-              async_scheduling=async_scheduling, **kwargs)
+def _llm(folder, async_scheduling: bool, **kwargs) -> LLM:
+    llm = make_llm(folder, async_scheduling=async_scheduling, **kwargs)
     assert llm.engine.resolved.async_scheduling is async_scheduling
     return llm
-
-
-def _prompts(seed: int, lengths) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
 
 
 class StepLog:
@@ -51,16 +34,7 @@ class StepLog:
         self.engine.scheduler.schedule = logged
 
     def run(self, prompts, params_list) -> list:
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        done = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    assert out.request_id not in done
-                    done[out.request_id] = out
-            check_pools(self.engine.kv)
-        assert_pools_full(self.engine.kv)
-        return [done[i] for i in ids]
+        return run_checked(self.engine, prompts, params_list)
 
 
 def _summary(outputs) -> list:
@@ -93,59 +67,59 @@ def _stop_tokens(folder, prompts, steps: int) -> list[int]:
     return [o.outputs[0].token_ids[i % steps] for i, o in enumerate(probe)]
 
 
-def test_stops_found_a_step_late_drop_the_extra_token(llama):
-    prompts = _prompts(0, (5, 17, 33, 2, 60, 9))
-    stops = _stop_tokens(llama, prompts, 12)
+def test_stops_found_a_step_late_drop_the_extra_token(llama3_folder):
+    prompts = random_prompts(0, (5, 17, 33, 2, 60, 9))
+    stops = _stop_tokens(llama3_folder, prompts, 12)
     params = [SamplingParams(max_tokens=m, temperature=0.0, stop_token_ids=[stops[i]],
                              logprobs=2)
               for i, m in enumerate((12, 3, 20, 1, 12, 7))]
-    log = _compare(llama, prompts, params)
+    log = _compare(llama3_folder, prompts, params)
     assert all(log.ran_ahead)
     assert {c.finish_reason for o in log.run(prompts, params) for c in o.outputs} == {
         "stop", "length"}
 
 
-def test_chunked_prefill_and_prefix_cache_ahead(llama):
-    shared = _prompts(1, (70,))[0]
-    prompts = [shared + p for p in _prompts(2, (3, 40, 90))] + _prompts(3, (130,))
+def test_chunked_prefill_and_prefix_cache_ahead(llama3_folder):
+    shared = random_prompts(1, (70,))[0]
+    prompts = [shared + p for p in random_prompts(2, (3, 40, 90))] + random_prompts(3, (130,))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
               for n in (9, 4, 15, 6)]
-    _compare(llama, prompts, params, max_num_batched_tokens=32)
+    _compare(llama3_folder, prompts, params, max_num_batched_tokens=32)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_with_tokens_in_flight(llama, mode):
-    prompts = _prompts(4, (30, 45, 20, 50, 38))
+def test_preemption_with_tokens_in_flight(llama3_folder, mode):
+    prompts = random_prompts(4, (30, 45, 20, 50, 38))
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * len(prompts)
-    reference = _llm(llama, False).generate(prompts, params, use_tqdm=False)
-    log = StepLog(_llm(llama, True, num_blocks=14, preemption_mode=mode))
+    reference = _llm(llama3_folder, False).generate(prompts, params, use_tqdm=False)
+    log = StepLog(_llm(llama3_folder, True, num_blocks=14, preemption_mode=mode))
     got = log.run(prompts, params)
     _assert_same(got, reference)
     assert log.engine.scheduler.num_preemptions > 0
 
 
-def test_seeded_parallel_sampling_ahead(llama):
-    prompts = _prompts(5, (12, 25))
+def test_seeded_parallel_sampling_ahead(llama3_folder):
+    prompts = random_prompts(5, (12, 25))
     params = [SamplingParams(n=3, max_tokens=10, temperature=0.9, top_p=0.9, seed=7),
               SamplingParams(n=2, best_of=3, max_tokens=8, temperature=1.0, seed=3)]
-    _compare(llama, prompts, params)
+    _compare(llama3_folder, prompts, params)
 
 
-def test_requests_needing_the_host_history_switch_to_synchronous_steps(llama):
-    prompts = _prompts(6, (10, 14, 20))
+def test_requests_needing_the_host_history_switch_to_synchronous_steps(llama3_folder):
+    prompts = random_prompts(6, (10, 14, 20))
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=6, temperature=0.0, repetition_penalty=1.3,
                              min_tokens=4),
               SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=2)]
-    log = _compare(llama, prompts, params)
+    log = _compare(llama3_folder, prompts, params)
     assert not any(log.ran_ahead[:6])  # the penalised request holds the engine in step
     assert log.ran_ahead[-1]  # ... and once it is done the engine runs ahead again
 
 
-def test_abort_with_a_step_in_flight_frees_everything_and_ids_can_return(llama):
-    llm = _llm(llama, True)
+def test_abort_with_a_step_in_flight_frees_everything_and_ids_can_return(llama3_folder):
+    llm = _llm(llama3_folder, True)
     engine = llm.engine
-    first, second, other = _prompts(7, (20, 11, 9))
+    first, second, other = random_prompts(7, (20, 11, 9))
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     engine.add_request(other, greedy, request_id="other")
     engine.add_request(first, greedy, request_id="a")
@@ -158,7 +132,7 @@ def test_abort_with_a_step_in_flight_frees_everything_and_ids_can_return(llama):
     outputs = {}
     while engine.has_unfinished_requests():
         outputs.update((o.request_id, o) for o in engine.step())
-    expected = _llm(llama, False).generate([second, other], greedy, use_tqdm=False)
+    expected = _llm(llama3_folder, False).generate([second, other], greedy, use_tqdm=False)
     assert outputs["a"].outputs[0].token_ids == expected[0].outputs[0].token_ids
     assert outputs["other"].outputs[0].token_ids == expected[1].outputs[0].token_ids
     assert_pools_full(engine.kv)

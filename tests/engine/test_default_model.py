@@ -1,12 +1,16 @@
 """The default model (SmolLM2-135M-Instruct from its GGUF) through our engine and through HF
-transformers on the same converted weights: greedy tokens equal, prompts batched together."""
+transformers on the same converted weights: greedy tokens and beams equal, prompts batched
+together. One engine and one transformers model serve every test here (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import SamplingParams
+from tests.kv_checks import assert_pools_full
+from tests.tiny_models import hf_beams, hf_greedy
+
+pytestmark = pytest.mark.slow
 
 PROMPTS = [
     "The capital of France is",
@@ -16,34 +20,38 @@ PROMPTS = [
     "experimental results that classical mechanics could not explain. Among them was",
 ]
 NEW = 16
+WIDTH = 4
 
 
-@pytest.fixture(scope="module")
-def llm(default_model_folder):
-    return LLM(model=str(default_model_folder), device="cpu", kv_cache_memory_bytes=256 << 20)
-
-
-def test_greedy_matches_transformers_on_default_model(llm, default_model_folder):
-    from transformers import AutoModelForCausalLM
-
-    tok = llm.get_tokenizer()
+def test_greedy_matches_transformers_on_default_model(default_llm, default_hf_model):
+    tok = default_llm.get_tokenizer()
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(default_model_folder, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
+    outputs = default_llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outputs):
         ids = tok.encode(prompt)
         assert out.prompt_token_ids == ids
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False,
-                              pad_token_id=tok.eos_token_id)
-        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids == hf_greedy(default_hf_model, ids, NEW)
         assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids,
                                                  skip_special_tokens=True)
 
 
-def test_chat_template_answers(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0]
+def test_chat_template_answers(default_llm):
+    out = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_beam_search_matches_transformers_on_the_default_model(default_llm, default_hf_model):
+    # All four beams, best first (num_return_sequences only slices HF's finished list).
+    hf, llm = default_hf_model, default_llm
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.encode(text) for text in ("The capital of France is",
+                                                   "def fibonacci(n):")]
+    outputs = llm.beam_search(prompts, WIDTH, NEW, use_tqdm=False)
+    eos = hf.generation_config.eos_token_id
+    for prompt, out in zip(prompts, outputs):
+        expected = hf_beams(hf, prompt, WIDTH, WIDTH, NEW, eos)
+        assert [c.token_ids for c in out.outputs] == expected
+        assert out.outputs[0].text == tokenizer.decode(expected[0], skip_special_tokens=True)
+    assert_pools_full(llm.engine.kv)

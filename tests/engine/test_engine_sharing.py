@@ -10,57 +10,23 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from tests.kv_checks import assert_pools_full, check_pools
-from tests.tiny_models import VOCAB, write_tiny_model
+from tests.kv_checks import run_checked
+from tests.tiny_models import VOCAB, hf_model, make_llm, random_tokens
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("llama3"), "llama3")
-
-
-def _llm(folder, block_size=16, kv_bytes=4 << 20, **kwargs) -> LLM:
-    return LLM(model=str(folder), device="cpu", block_size=block_size,
-               kv_cache_memory_bytes=kv_bytes, **kwargs)
-
-
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, VOCAB) for _ in range(n)]
 
 
 def _token_ids(outputs) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outputs]
 
 
-def _run_checked(llm: LLM, prompts, params_list: list[SamplingParams]) -> list:
-    """Generate step by step, checking the pools after every step."""
-    engine = llm.engine
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        check_pools(engine.kv)
-    assert_pools_full(engine.kv)
-    return [done[i] for i in ids]
-
-
-def _pool_of(folder, num_blocks: int, block_size: int = 16, **kwargs) -> LLM:
-    probe = _llm(folder, block_size=block_size, kv_bytes=1 << 20)
-    return _llm(folder, block_size=block_size,
-                kv_bytes=num_blocks * probe.engine.kv_bytes_per_block, **kwargs)
-
-
-def test_second_request_with_the_same_prefix_reuses_its_blocks(llama):
+def test_second_request_with_the_same_prefix_reuses_its_blocks(llama3_folder):
     rng = random.Random(0)
-    prefix = _tokens(rng, 300)
-    first, second = prefix + _tokens(rng, 5), prefix + _tokens(rng, 7)
-    expected = _llm(llama, enable_prefix_caching=False).generate([second], GREEDY,
-                                                               use_tqdm=False)
-    llm = _llm(llama)
+    prefix = random_tokens(rng, 300)
+    first, second = prefix + random_tokens(rng, 5), prefix + random_tokens(rng, 7)
+    expected = make_llm(llama3_folder, enable_prefix_caching=False).generate(
+        [second], GREEDY, use_tqdm=False)
+    llm = make_llm(llama3_folder)
     llm.generate([first], GREEDY, use_tqdm=False)
     out = llm.generate([second], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == expected[0].outputs[0].token_ids
@@ -71,15 +37,15 @@ def test_second_request_with_the_same_prefix_reuses_its_blocks(llama):
     assert stats.prefix_hit_rate == pytest.approx(288 / (len(first) + len(second)))
 
 
-def test_eviction_under_pressure_never_frees_a_block_in_use(llama):
+def test_eviction_under_pressure_never_frees_a_block_in_use(llama3_folder):
     rng = random.Random(1)
-    common = _tokens(rng, 64)
-    prompts = [common + _tokens(rng, rng.randint(10, 60)) for _ in range(6)]
-    prompts += [_tokens(rng, rng.randint(30, 90)) for _ in range(4)]
-    expected = _llm(llama, enable_prefix_caching=False).generate(prompts, GREEDY,
-                                                               use_tqdm=False)
-    llm = _pool_of(llama, 16)  # 256 tokens for ten requests
-    got = _run_checked(llm, prompts, [GREEDY] * len(prompts))
+    common = random_tokens(rng, 64)
+    prompts = [common + random_tokens(rng, rng.randint(10, 60)) for _ in range(6)]
+    prompts += [random_tokens(rng, rng.randint(30, 90)) for _ in range(4)]
+    expected = make_llm(llama3_folder, enable_prefix_caching=False).generate(
+        prompts, GREEDY, use_tqdm=False)
+    llm = make_llm(llama3_folder, num_blocks=16)  # 256 tokens for ten requests
+    got = run_checked(llm.engine, prompts, [GREEDY] * len(prompts))
     assert _token_ids(got) == _token_ids(expected)
     stats = llm.engine.stats()
     assert stats.prefix_hit_tokens > 0 and stats.num_preemptions > 0
@@ -104,11 +70,11 @@ def _blocks_used_mid_run(llm: LLM, prompt: list[int], params: SamplingParams) ->
     return used, shared
 
 
-def test_parallel_sampling_shares_the_prompt_blocks(llama):
-    prompt = _tokens(random.Random(2), 200)
+def test_parallel_sampling_shares_the_prompt_blocks(llama3_folder):
+    prompt = random_tokens(random.Random(2), 200)
     sampled = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=24, ignore_eos=True,
                              logprobs=0)
-    llm = _llm(llama, enable_prefix_caching=False)  # all sharing comes from the fork
+    llm = make_llm(llama3_folder, enable_prefix_caching=False)  # all sharing comes from the fork
     single, _ = _blocks_used_mid_run(llm, prompt, SamplingParams(max_tokens=24, seed=7))
     used, shared = _blocks_used_mid_run(llm, prompt, sampled)
     # 12 full prompt blocks shared, plus each stream's own copy of the partial last block.
@@ -118,9 +84,7 @@ def test_parallel_sampling_shares_the_prompt_blocks(llama):
     again = llm.generate([prompt], sampled, use_tqdm=False)[0]
     assert _token_ids([first]) == _token_ids([again])  # seeded: reproducible
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    hf = hf_model(llama3_folder)
     for sample in first.outputs:
         assert len(sample.token_ids) == 24 and all(0 <= t < VOCAB for t in sample.token_ids)
         ours = [entry[t].logprob for t, entry in zip(sample.token_ids, sample.logprobs)]
@@ -129,9 +93,9 @@ def test_parallel_sampling_shares_the_prompt_blocks(llama):
         assert sample.cumulative_logprob == pytest.approx(sum(ours), abs=1e-3)
 
 
-def test_best_of_returns_the_n_most_likely_samples(llama):
-    prompt = _tokens(random.Random(3), 40)
-    llm = _llm(llama)
+def test_best_of_returns_the_n_most_likely_samples(llama3_folder):
+    prompt = random_tokens(random.Random(3), 40)
+    llm = make_llm(llama3_folder)
     every = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=12,
                                                   ignore_eos=True), use_tqdm=False)[0]
     best = llm.generate([prompt], SamplingParams(n=2, best_of=4, temperature=1.0, seed=11,
@@ -143,7 +107,7 @@ def test_best_of_returns_the_n_most_likely_samples(llama):
 
 
 def _mixed_workload(rng: random.Random) -> tuple[list, list[SamplingParams]]:
-    prompts = [_tokens(rng, n) for n in (3, 17, 40, 77, 25, 33)]
+    prompts = [random_tokens(rng, n) for n in (3, 17, 40, 77, 25, 33)]
     beam = SamplingParams(n=2, best_of=2, use_beam_search=True, max_tokens=24,
                           ignore_eos=True)
     pair = SamplingParams(n=2, max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -151,13 +115,14 @@ def _mixed_workload(rng: random.Random) -> tuple[list, list[SamplingParams]]:
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
-def test_preemption_under_a_tiny_pool_matches_an_unconstrained_run(llama, mode):
+def test_preemption_under_a_tiny_pool_matches_an_unconstrained_run(llama3_folder, mode):
     prompts, params = _mixed_workload(random.Random(4))
-    expected = _llm(llama, block_size=4).generate(prompts, params, use_tqdm=False)
+    expected = make_llm(llama3_folder, block_size=4).generate(prompts, params, use_tqdm=False)
     # 36 blocks of 4 tokens: the largest request (77 + 24 tokens) fits, two of them do not.
-    llm = _pool_of(llama, 36, block_size=4, preemption_mode=mode, swap_space=0.001)
+    llm = make_llm(llama3_folder, num_blocks=36, block_size=4, preemption_mode=mode,
+                   swap_space=0.001)
     swaps = _count_swaps(llm)
-    got = _run_checked(llm, prompts, params)
+    got = run_checked(llm.engine, prompts, params)
     assert _token_ids(got) == _token_ids(expected)
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0 and stats.num_swapped == 0
@@ -181,12 +146,12 @@ def _count_swaps(llm: LLM) -> dict[str, int]:
     return counts
 
 
-def test_chunked_prefill_matches_whole_prompts(llama):
+def test_chunked_prefill_matches_whole_prompts(llama3_folder):
     rng = random.Random(5)
-    prompts = [_tokens(rng, n) for n in (40, 77, 120, 5, 9)]
-    whole = _llm(llama, enable_chunked_prefill=False, max_model_len=256,
-                 max_num_batched_tokens=256)
-    chunked = _llm(llama, max_num_batched_tokens=32)
+    prompts = [random_tokens(rng, n) for n in (40, 77, 120, 5, 9)]
+    whole = make_llm(llama3_folder, enable_chunked_prefill=False, max_model_len=256,
+                     max_num_batched_tokens=256)
+    chunked = make_llm(llama3_folder, max_num_batched_tokens=32)
     batches = []
     schedule = chunked.engine.scheduler.schedule
 

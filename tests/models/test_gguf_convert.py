@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -43,12 +46,12 @@ CHAT = [
 class Fresh(NamedTuple):
     source: ModelSource
     cache_root: Path
-    seconds: float
 
 
 class Reference(NamedTuple):
     config: object  # transformers LlamaConfig
     tensors: dict[str, torch.Tensor]
+    tokenizer: object  # transformers' tokenizer built from the GGUF
 
 
 @pytest.fixture(scope="module")
@@ -56,30 +59,60 @@ def gguf_path() -> Path:
     return default_model_path()
 
 
+# `fresh` and `reference` take seconds each: the tests that use them are marked slow.
 @pytest.fixture(scope="module")
-def fresh(gguf_path: Path, tmp_path_factory) -> Fresh:
-    """The default model converted into an empty cache: the slow first start, once per run."""
+def fresh(default_model_source: ModelSource, tmp_path_factory) -> Fresh:
+    """The default model converted into an empty cache: the slow first start, once per run.
+    On a fresh checkout that conversion is the one this run made into pytest's cache for every
+    test (tests/conftest.py); when an earlier run left it there, convert again here."""
+    root = default_model_source.path.parent.parent
+    if (default_model_source.origin == "gguf-converted"
+            and [p.name for p in (root / "gguf").iterdir()] == [default_model_source.path.name]):
+        return Fresh(default_model_source, root)
     root = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDSERVE_CACHE_DIR", str(root))
-        start = time.perf_counter()
-        source = resolve_model(None)
-        return Fresh(source, root, time.perf_counter() - start)
+        return Fresh(resolve_model(None), root)
 
 
 @pytest.fixture(scope="module")
 def reference(gguf_path: Path) -> Reference:
-    """transformers' legacy GGUF loader: its own name map, Q/K un-permutation and dequantizing."""
-    from transformers import AutoConfig, LlamaForCausalLM
+    """transformers' legacy GGUF loader: its own name map, Q/K un-permutation and dequantizing;
+    and its own tokenizer conversion."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)  # only its parameter names are used
-    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
-    return Reference(config, parsed["tensors"])
+    with _each_gguf_parsed_once():
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        with torch.device("meta"):
+            skeleton = LlamaForCausalLM(config)  # only its parameter names are used
+        parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    return Reference(config, parsed["tensors"], tokenizer)
 
 
+@contextmanager
+def _each_gguf_parsed_once() -> Iterator[None]:
+    """transformers parses the file anew for its config, its tensors and its tokenizer, and
+    rebuilds gguf's tensor-name table for every module it maps (each takes seconds on this
+    file). Inside this block the reader and the table are built once per argument and reused:
+    the same objects the repeated calls would build, read-only to their callers."""
+    real_reader = gguf.GGUFReader
+    readers: dict[tuple, gguf.GGUFReader] = {}
+
+    def reader(path, *args, **kwargs) -> gguf.GGUFReader:
+        key = (str(Path(path).resolve()), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real_reader(path, *args, **kwargs)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
+
+
+@pytest.mark.slow
 def test_first_resolve_converts_into_the_cache(fresh: Fresh) -> None:
     source = fresh.source
     assert source.origin == "gguf-converted"
@@ -92,6 +125,7 @@ def test_first_resolve_converts_into_the_cache(fresh: Fresh) -> None:
     assert [p.name for p in (fresh.cache_root / "gguf").iterdir()] == [source.path.name]
 
 
+@pytest.mark.slow
 def test_weights_equal_transformers_gguf_loading(fresh: Fresh, reference: Reference) -> None:
     ours = dict(iter_weights(fresh.source))
     assert ours.keys() == reference.tensors.keys()
@@ -106,6 +140,7 @@ def test_weights_equal_transformers_gguf_loading(fresh: Fresh, reference: Refere
     assert not np.array_equal(permuted, ours[q].numpy())
 
 
+@pytest.mark.slow
 def test_config_matches_transformers_gguf_config(fresh: Fresh, reference: Reference) -> None:
     ours = json.loads((fresh.source.path / "config.json").read_text())
     ref = reference.config.to_dict()
@@ -125,6 +160,7 @@ def test_config_matches_transformers_gguf_config(fresh: Fresh, reference: Refere
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
 
+@pytest.mark.slow
 def test_folder_runs_like_transformers_gguf_model(fresh: Fresh, reference: Reference) -> None:
     """End to end: our folder, loaded by transformers, gives the GGUF model's logits."""
     from transformers import LlamaForCausalLM
@@ -141,10 +177,10 @@ def test_folder_runs_like_transformers_gguf_model(fresh: Fresh, reference: Refer
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_tokenizer_encodes_like_transformers_gguf_tokenizer(fresh: Fresh, gguf_path: Path) -> None:
-    from transformers import AutoTokenizer
-
-    expected = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+@pytest.mark.slow
+def test_tokenizer_encodes_like_transformers_gguf_tokenizer(fresh: Fresh,
+                                                             reference: Reference) -> None:
+    expected = reference.tokenizer
     ours = load_tokenizer(fresh.source)
     for text in TEXTS:
         ids = ours.encode(text)
@@ -163,6 +199,7 @@ def test_tokenizer_encodes_like_transformers_gguf_tokenizer(fresh: Fresh, gguf_p
     assert len(ours) == len(expected) == 49152
 
 
+@pytest.mark.slow
 def test_cache_hit_skips_the_gguf_parser(
     fresh: Fresh, gguf_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -196,18 +233,6 @@ def test_losing_a_conversion_race_keeps_the_winner(
     assert result.path == final and not result.reused
     assert json.loads((final / gguf_convert.STAMP_FILE).read_text()) == {"name": "winner"}
     assert [p.name for p in final.parent.iterdir()] == [final.name]
-
-
-def test_truncated_gguf_is_a_one_line_error(gguf_path: Path, tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    broken = tmp_path / "broken.Q4_1.gguf"
-    with gguf_path.open("rb") as f:
-        broken.write_bytes(f.read(3_000_000))
-    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.raises(ModelLoadError, match="broken.Q4_1.gguf is not a readable GGUF") as err:
-        resolve_model(broken)
-    assert "\n" not in str(err.value)
-    assert list((tmp_path / "cache" / "gguf").iterdir()) == []  # the temp dir was removed
 
 
 # A tiny synthetic llama GGUF: an independent check of the layout rules, and cheap error cases.
@@ -284,6 +309,21 @@ def test_tiny_gguf_layout_matches_llama_cpp_inverse(tmp_path: Path) -> None:
     np.testing.assert_allclose(ours["model.embed_tokens.weight"].numpy(), embed, atol=0.05)
     for name in hf.keys() - {"model.embed_tokens.weight"}:
         np.testing.assert_array_equal(ours[name].numpy(), hf[name], err_msg=name)
+
+
+def test_truncated_gguf_is_a_one_line_error(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file cut short inside its tensor data, as an interrupted download leaves it."""
+    whole = tmp_path / "whole.gguf"
+    write_tiny_gguf(whole, {"token_embd.weight": np.zeros((VOCAB, HIDDEN), np.float32)})
+    data_offset = gguf.GGUFReader(whole).data_offset
+    broken = tmp_path / "broken.Q8_0.gguf"
+    broken.write_bytes(whole.read_bytes()[:data_offset + 1000])  # the tensor holds 2,176
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match="broken.Q8_0.gguf is not a readable GGUF") as err:
+        resolve_model(broken)
+    assert "\n" not in str(err.value)
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []  # the temp dir was removed
 
 
 def test_tiny_gguf_of_another_architecture_is_unsupported(tmp_path: Path) -> None:

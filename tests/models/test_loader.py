@@ -179,6 +179,7 @@ def test_folder_without_tokenizer(tiny_llama, tmp_path: Path) -> None:
     assert_one_line(exc)
 
 
+@pytest.mark.slow  # converts the default model on a fresh checkout
 def test_default_model_folder_is_a_complete_hf_folder(default_model_folder: Path) -> None:
     """The shared fixture: a folder the engine can resolve directly, named after the GGUF."""
     source = resolve_model(default_model_folder)

@@ -30,6 +30,16 @@ KV_BYTES = 4 << 20
 # Generous: other processes may share the two cores with the test run.
 STARTUP_TIMEOUT_S = 180
 HTTP_TIMEOUT_S = 120
+# Fixtures that start a server subprocess (seconds each, once per session or module).
+SERVER_FIXTURES = {"server", "ahead_server", "served", "keyed_server"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that talks to a server subprocess is marked slow: ``-m "not slow"`` leaves
+    the servers unstarted."""
+    for item in items:
+        if SERVER_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
 
 
 def engine_kwargs() -> dict:
