@@ -23,9 +23,9 @@ bench() { python3 -m pagedserve.cli bench "$@" 2>&1 | grep -v "^INFO.*tqdm"; }
 common=(--device cuda --num-prompts 1000 --max-num-batched-tokens 8192 --max-num-seqs 1024)
 
 # The HTTP server (engine core in its own process) against the offline engine, 8B shape,
-# 1,000 x 128/128: streaming and plain at concurrency 256, streaming at concurrency 1, and two
-# client processes at 128 each (if their sum matches one client's 256, the client is not the
-# bottleneck). Server and offline engine share the GPU, so each takes 45% of its memory.
+# 1,000 x 128/128: streaming and plain at concurrency 256, streaming at concurrency 1, each
+# with the offline engine on the same requests in the same call. Server and offline engine
+# share the GPU, so each takes about half of its memory.
 serve_bench() {
   local model=/tmp/llama3-8b-shape port=8123
   python3 -c "from pathlib import Path; from pagedserve.bench.dummy_model import \
@@ -42,26 +42,15 @@ write_dummy_folder as w; w('llama3-8b', Path('$model'))"
   done
   local load=(--base-url http://127.0.0.1:$port "${engine[@]}" --gpu-memory-utilization 0.92
               --input-len 128 128 --output-len 128 128)
-  # Where the engine-core process spends its time, sampled in the middle of the run.
-  local core
-  core=$(pgrep -P $server -f spawn_main | head -1)
-  (sleep 12; py-spy record -p "$core" --duration 10 --rate 200 --format raw --nonblocking \
-    -o "$OUT/serve_h200_core.raw" > /dev/null 2>&1) &
-  bench serve "${load[@]}" --concurrency 256 --num-prompts 1000 --compare-offline \
-    --out "$OUT/serve_h200_c256.json"
-  bench serve "${load[@]}" --concurrency 256 --num-prompts 1000 --no-stream --compare-offline \
-    --out "$OUT/serve_h200_c256_nostream.json"
+  bench serve "${load[@]}" --concurrency 256 --num-prompts 1000 --num-clients 4 \
+    --compare-offline --out "$OUT/serve_h200_c256.json"
+  # Twice the client processes: the same throughput means the clients are not what limits.
+  bench serve "${load[@]}" --concurrency 256 --num-prompts 1000 --num-clients 8 \
+    --out "$OUT/serve_h200_c256_8clients.json"
+  bench serve "${load[@]}" --concurrency 256 --num-prompts 1000 --num-clients 4 --no-stream \
+    --compare-offline --out "$OUT/serve_h200_c256_nostream.json"
   bench serve "${load[@]}" --concurrency 1 --num-prompts 16 --compare-offline \
     --out "$OUT/serve_h200_c1.json"
-  local clients=()
-  for i in 1 2; do
-    bench serve "${load[@]}" --concurrency 128 --num-prompts 500 --seed $((10 + i)) \
-      --out "$OUT/serve_h200_c128_client$i.json" > /dev/null 2>&1 &
-    clients+=($!)
-  done
-  wait "${clients[@]}"
-  python3 -c "import json, sys; print('two clients at 128 each, output tok/s:', [round(json.load(
-open(f))['http']['output_tok_s']) for f in sys.argv[1:]])" "$OUT"/serve_h200_c128_client*.json
   kill $server; wait $server
 }
 

@@ -38,6 +38,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, nargs=2, default=(32, 256))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 64))
+    parser.add_argument("--num-clients", type=int, default=1,
+                        help="client processes sharing --concurrency (one process parsing "
+                             "tens of thousands of events a second is a bottleneck itself)")
     parser.add_argument("--no-stream", dest="stream", action="store_false",
                         help="plain JSON responses instead of server-sent events (TTFT and "
                              "inter-token latencies are then not measured)")
@@ -118,36 +121,84 @@ async def _read_events(client, url: str, body: dict, start: float,
                 result.output_tokens = event["usage"]["completion_tokens"]
 
 
-async def run_load(base_url: str, api_key: str | None, work: list[WorkItem], concurrency: int,
-                   stream: bool = True,
-                   ) -> tuple[list[RequestResult], float, str, dict[str, float]]:
-    """All requests through ``concurrency`` closed-loop clients; returns results, seconds,
-    the served model's name, and the CPU seconds the server and this client used."""
+def run_load(base_url: str, api_key: str | None, work: list[WorkItem], concurrency: int,
+             stream: bool = True, num_clients: int = 1,
+             ) -> tuple[list[RequestResult], float, str, dict[str, float]]:
+    """All requests through ``concurrency`` closed-loop clients, spread over ``num_clients``
+    client processes (one Python process parsing every event can be the bottleneck, not the
+    server); returns results, seconds, the served model's name, and the CPU seconds the
+    server's processes and the clients used."""
+    import multiprocessing
+
+    model, server_cpu = asyncio.run(_prepare(base_url, api_key, work, stream))
+    ctx = multiprocessing.get_context("spawn")
+    start_line, results_queue = ctx.Barrier(num_clients + 1), ctx.Queue()
+    clients = [ctx.Process(target=_client_process, args=(
+        base_url, api_key, model, work[i::num_clients],
+        concurrency // num_clients + (i < concurrency % num_clients), stream, start_line,
+        results_queue)) for i in range(num_clients)]
+    for process in clients:
+        process.start()
+    start_line.wait()  # every client is connected-ready: the clock starts for all at once
+    runs = [results_queue.get() for _ in clients]
+    for process in clients:
+        process.join()
+    seconds = max(r[2] for r in runs) - min(r[1] for r in runs)
+    after = asyncio.run(_read_server_cpu(base_url, api_key))
+    cpu = {f"{name}_cpu_s": a - b for name, b, a in zip(("api_server", "engine_core"),
+                                                         server_cpu, after)}
+    cpu["client_cpu_s"] = sum(r[3] for r in runs)
+    return [result for r in runs for result in r[0]], seconds, model, cpu
+
+
+async def _prepare(base_url: str, api_key: str | None, work: list[WorkItem],
+                   stream: bool) -> tuple[str, tuple[float, float]]:
+    """The served model's name, after one short request (so nothing one-off lands in the
+    timings), and the server's CPU seconds so far."""
+    async with _http_client(api_key, 4) as client:
+        models = (await client.get(f"{base_url}/v1/models")).raise_for_status().json()
+        model = models["data"][0]["id"]
+        await _one(client, f"{base_url}/v1/completions", model, _warm_up_item(work), stream)
+        return model, await _server_cpu(client, base_url)
+
+
+async def _read_server_cpu(base_url: str, api_key: str | None) -> tuple[float, float]:
+    async with _http_client(api_key, 1) as client:
+        return await _server_cpu(client, base_url)
+
+
+def _http_client(api_key: str | None, concurrency: int):
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=None, headers=headers, limits=limits) as client:
-        models = (await client.get(f"{base_url}/v1/models")).raise_for_status().json()
-        model = models["data"][0]["id"]
-        url = f"{base_url}/v1/completions"
-        # One short request first, so nothing one-off (first-call set-up) lands in the timings.
-        await _one(client, url, model, _warm_up_item(work), stream)
-        queue = list(reversed(work))
-        results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=concurrency + 4,
+                          max_keepalive_connections=concurrency + 4)
+    return httpx.AsyncClient(timeout=None, headers=headers, limits=limits)
+
+
+def _client_process(base_url: str, api_key: str | None, model: str, work: list[WorkItem],
+                    concurrency: int, stream: bool, start_line, results_queue) -> None:
+    results_queue.put(asyncio.run(
+        _client_run(base_url, api_key, model, work, concurrency, stream, start_line)))
+
+
+async def _client_run(base_url: str, api_key: str | None, model: str, work: list[WorkItem],
+                      concurrency: int, stream: bool, start_line,
+                      ) -> tuple[list[RequestResult], float, float, float]:
+    """One client process: (results, start and end wall-clock times, CPU seconds)."""
+    queue = list(reversed(work))
+    results: list[RequestResult] = []
+    url = f"{base_url}/v1/completions"
+    async with _http_client(api_key, concurrency) as client:
 
         async def client_loop() -> None:
             while queue:
                 results.append(await _one(client, url, model, queue.pop(), stream))
 
-        server_cpu, client_cpu = await _server_cpu(client, base_url), time.process_time()
-        start = time.perf_counter()
+        await asyncio.to_thread(start_line.wait)
+        cpu, start = time.process_time(), time.time()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-        seconds = time.perf_counter() - start
-        cpu = {f"{name}_cpu_s": after - before for name, before, after in zip(
-            ("api_server", "engine_core"), server_cpu, await _server_cpu(client, base_url))}
-        cpu["client_cpu_s"] = time.process_time() - client_cpu
-        return results, seconds, model, cpu
+        return results, start, time.time(), time.process_time() - cpu
 
 
 async def _server_cpu(client, base_url: str) -> tuple[float, float]:
@@ -240,15 +291,15 @@ def main(args: argparse.Namespace) -> None:
     for i in range(args.repeat):
         # A new seed each round, so no round gets prefix-cache hits from the one before.
         work = _workload(args, args.seed + i)
-        results, seconds, model, cpu = asyncio.run(
-            run_load(args.base_url.rstrip("/"), args.api_key, work, args.concurrency,
-                     args.stream))
+        results, seconds, model, cpu = run_load(
+            args.base_url.rstrip("/"), args.api_key, work, args.concurrency, args.stream,
+            args.num_clients)
         http_runs.append(summarize(results, seconds, work, cpu))
         if args.compare_offline:
             llm = llm or offline_llm(args)
             offline_runs.append(run_offline(llm, work))
     payload = {"model": model, "base_url": args.base_url, "concurrency": args.concurrency,
-               "stream": args.stream,
+               "stream": args.stream, "num_clients": args.num_clients,
                "num_prompts": args.num_prompts, "input_len": list(args.input_len),
                "output_len": list(args.output_len), "seed": args.seed,
                **_report(args, model, http_runs, offline_runs)}
