@@ -102,6 +102,8 @@ class EngineCoreClient:
         self._ipc_dir: Path | None = None
         self._dead: str | None = None  # why the core is gone, once it is
         self._receiver: asyncio.Task | None = None
+        # ZeroMQ, made in ``start``: a context, and the command (PUSH) and output (PULL) sockets.
+        self._zmq = self._commands = self._outputs = None
 
     # ---- life cycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -121,9 +123,10 @@ class EngineCoreClient:
         self._commands.bind(addresses.commands)
         self._outputs = self._zmq.socket(zmq.PULL)
         self._outputs.bind(addresses.outputs)
-        ready_reader, ready_writer = multiprocessing.get_context("spawn").Pipe(duplex=False)
         # spawn, not fork: the child initialises its device runtime itself.
-        self._process = multiprocessing.get_context("spawn").Process(
+        spawn = multiprocessing.get_context("spawn")
+        ready_reader, ready_writer = spawn.Pipe(duplex=False)
+        self._process = spawn.Process(
             target=run_engine_core, args=(self.config, addresses, ready_writer),
             name="pagedserve-engine-core", daemon=True)
         self._process.start()

@@ -54,8 +54,7 @@ class ChatServing:
         params = request.to_sampling_params()
         self.model.check_params(params)
         request_id = random_id("chatcmpl")
-        stream = await self.client.submit(request_id, token_ids, params, arrival,
-                                          request.field_name)
+        stream = self.client.submit(request_id, token_ids, params, arrival, request.field_name)
         if request.stream:
             return StreamingResponse(self._stream(request, request_id, len(token_ids), stream),
                                      media_type="text/event-stream")

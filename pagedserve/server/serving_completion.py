@@ -58,7 +58,7 @@ class CompletionServing:
             self.model.check_max_tokens(len(prompt.token_ids), request.max_tokens)
         self.model.check_params(params, num_prompts=len(prompts))
         request_id = random_id("cmpl")
-        streams = await self.client.submit_all(
+        streams = self.client.submit_all(
             request_id, [p.token_ids for p in prompts], params, arrival, request.field_name)
         if request.stream:
             return StreamingResponse(self._stream(request, request_id, prompts, streams),

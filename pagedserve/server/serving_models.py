@@ -88,24 +88,23 @@ class EngineClient:
     engine: EngineCoreClient
     metrics: ServerMetrics
 
-    async def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                     arrival: float, field_name: Callable[[str], str]) -> TimedStream:
-        streams = await self._submit([NewRequest(request_id, token_ids, _from_core(params))],
-                                     arrival, field_name)
+    def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
+               arrival: float, field_name: Callable[[str], str]) -> TimedStream:
+        streams = self._submit([NewRequest(request_id, token_ids, _from_core(params))],
+                               arrival, field_name)
         return streams[0]
 
-    async def submit_all(self, request_id: str, prompts: list[list[int]],
-                         params: SamplingParams, arrival: float,
-                         field_name: Callable[[str], str]) -> list[TimedStream]:
+    def submit_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                   arrival: float, field_name: Callable[[str], str]) -> list[TimedStream]:
         """One engine request per prompt, all entering the same engine step; if one is
         refused, none of them runs."""
         params = _from_core(params)
         requests = [NewRequest(f"{request_id}-{i}", token_ids, params)
                     for i, token_ids in enumerate(prompts)]
-        return await self._submit(requests, arrival, field_name)
+        return self._submit(requests, arrival, field_name)
 
-    async def _submit(self, requests: list[NewRequest], arrival: float,
-                      field_name: Callable[[str], str]) -> list[TimedStream]:
+    def _submit(self, requests: list[NewRequest], arrival: float,
+                field_name: Callable[[str], str]) -> list[TimedStream]:
         """``field_name`` maps the engine's parameter names to the API request's fields (a
         chat request's prompt is its ``messages``)."""
         try:
