@@ -46,10 +46,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     class FileScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "tests/server/" if path.startswith("tests/server/") else path
+            return "tests/server/" if path.startswith("tests/server/") \
+                and path not in _OWN_SERVERS else path
 
     return FileScheduling(config, log)
 
+
+# Server test files that start servers of their own (and kill them): no shared fixture keeps
+# them on the worker that runs the shared servers.
+_OWN_SERVERS = {"tests/server/test_engine_core_process.py"}
 
 RUN_ID = pytest.StashKey[str]()
 

@@ -23,6 +23,7 @@ import multiprocessing
 import shutil
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,12 +109,15 @@ class EngineCoreClient:
     # ---- life cycle ---------------------------------------------------------------------
     def start(self) -> None:
         """Spawn the core and block until its engine is ready; ``EngineStartError`` if it
-        cannot start (bad model, device or flag)."""
+        cannot start (bad model, device or flag). The API server's tokenizer loads while the
+        core starts."""
         import zmq
         import zmq.asyncio
 
         from pagedserve.models import loader
 
+        # Resolved here first, so a GGUF is converted once, before the core looks for it.
+        source = loader.resolve_model(self.config.model, require_weights=False)
         self._ipc_dir = Path(tempfile.mkdtemp(prefix="pagedserve-"))
         addresses = CoreAddresses(f"ipc://{self._ipc_dir}/commands",
                                   f"ipc://{self._ipc_dir}/outputs")
@@ -131,9 +135,10 @@ class EngineCoreClient:
             name="pagedserve-engine-core", daemon=True)
         self._process.start()
         ready_writer.close()
-        self.facts = self._wait_ready(ready_reader)
-        self.tokenizer = loader.load_tokenizer(
-            loader.resolve_model(self.facts.model_path, require_weights=False))
+        with ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(loader.load_tokenizer, source)
+            self.facts = self._wait_ready(ready_reader)
+            self.tokenizer = tokenizer.result()
 
     def _wait_ready(self, reader) -> msg.EngineFacts:
         while not reader.poll(0.5) and self._process.is_alive():

@@ -42,7 +42,6 @@ class EngineFacts(msgspec.Struct):
     """What the API server needs to know of the engine, sent once the core is up."""
 
     model_name: str
-    model_path: str  # the folder holding the tokenizer
     limits: InputLimits
 
 

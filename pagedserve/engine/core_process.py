@@ -55,7 +55,7 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, ready: Conne
     # out of the collector's sight, a full collection no longer walks it mid-step.
     gc.collect()
     gc.freeze()
-    facts = msg.EngineFacts(engine.model_name, str(engine.model_path), engine.limits)
+    facts = msg.EngineFacts(engine.model_name, engine.limits)
     ready.send_bytes(msg.encode(msg.CoreReady(facts)))
     ready.close()
     context = zmq.Context()

@@ -50,7 +50,6 @@ class LLMEngine:
         source = loader.resolve_model(config.model,
                                       require_weights=config.load_format != "dummy")
         self.model_name = config.served_model_name or source.name
-        self.model_path = source.path
         self.arch = loader.load_arch_config(source)
         self.tokenizer = loader.load_tokenizer(source)
         self.resolved = config.resolve(self.arch, self.platform)
