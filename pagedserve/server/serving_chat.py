@@ -19,17 +19,16 @@ from pagedserve.server.protocol import (
     SSE_DONE,
     AssistantMessage,
     ChatChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatStreamChoice,
     ChatTokenLogprob,
-    DeltaMessage,
     TopLogprob,
     UsageInfo,
+    choice_dict,
     random_id,
     sse,
+    sse_chunk,
 )
 from pagedserve.server.serving_models import (
     ChoiceProgress,
@@ -37,6 +36,8 @@ from pagedserve.server.serving_models import (
     ServedModel,
     TimedStream,
 )
+
+_CHUNK = "chat.completion.chunk"  # the ``object`` of a streamed chunk
 
 
 @dataclass
@@ -95,16 +96,16 @@ class ChatServing:
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
                       num_prompt_tokens: int, stream: TimedStream) -> AsyncIterator[str]:
-        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-            return sse(ChatCompletionChunk(id=request_id, model=self.model.name,
-                                           choices=choices, usage=usage))
+        created = int(time.time())
+
+        def chunk(choices: list[dict], usage: UsageInfo | None = None) -> bytes:
+            return sse_chunk(_CHUNK, request_id, self.model.name, created, choices, usage)
 
         n = request.n or 1
         sent = [ChoiceProgress() for _ in range(n)]
         completion_tokens = 0
         try:
-            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                      content=""))
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}}
                          for i in range(n)])
             async for output in stream:
                 for out in output.outputs:
@@ -122,7 +123,7 @@ class ChatServing:
         yield SSE_DONE
 
     def _delta(self, request: ChatCompletionRequest, out: CompletionOutput,
-               sent: ChoiceProgress) -> ChatStreamChoice | None:
+               sent: ChoiceProgress) -> dict | None:
         if sent.done:
             return None
         text = out.text[sent.num_chars:]
@@ -132,9 +133,9 @@ class ChatServing:
         # The engine may have appended entries past this snapshot's tokens already.
         entries = (out.logprobs or [])[sent.num_tokens:len(out.token_ids)]
         sent.advance(out)
-        return ChatStreamChoice(index=out.index, delta=DeltaMessage(content=text or None),
-                                logprobs=self._logprobs(request, token_ids, entries),
-                                finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+        return choice_dict(out.index, out.finish_reason, out.stop_reason,
+                           self._logprobs(request, token_ids, entries),
+                           delta={"content": text} if text else {})
 
 
 def _token_logprob(token: int, entry: TokenLogprobs, k: int) -> ChatTokenLogprob:

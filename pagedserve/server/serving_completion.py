@@ -25,8 +25,10 @@ from pagedserve.server.protocol import (
     CompletionResponse,
     PromptInput,
     UsageInfo,
+    choice_dict,
     random_id,
     sse,
+    sse_chunk,
 )
 from pagedserve.server.serving_models import (
     MAX_SEQUENCES_PER_REQUEST,
@@ -36,6 +38,8 @@ from pagedserve.server.serving_models import (
     TimedStream,
     close_all,
 )
+
+_CHUNK = "text_completion"  # the ``object`` of a streamed chunk
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,7 @@ class CompletionServing:
         n = request.n or 1
         progress: dict[int, ChoiceProgress] = {}
         completion_tokens = 0
+        created = int(time.time())
         try:
             async for p, output in _merge(streams):
                 for out in output.outputs:
@@ -126,15 +131,13 @@ class CompletionServing:
                     chunk = self._delta(request, p * n + out.index, prompts[p], output, out,
                                         state)
                     if chunk is not None:
-                        yield sse(CompletionResponse(id=request_id, model=self.model.name,
-                                                     choices=[chunk]))
+                        yield sse_chunk(_CHUNK, request_id, self.model.name, created, [chunk])
                 if output.finished:
                     completion_tokens += output.metrics.num_generated_tokens
             if request.include_usage_in_stream:
                 prompt_tokens = sum(len(p.token_ids) for p in prompts)
-                yield sse(CompletionResponse(id=request_id, model=self.model.name, choices=[],
-                                             usage=UsageInfo.of(prompt_tokens,
-                                                                completion_tokens)))
+                yield sse_chunk(_CHUNK, request_id, self.model.name, created, [],
+                                UsageInfo.of(prompt_tokens, completion_tokens))
         except Exception as exc:
             yield sse(stream_error(exc))
         finally:
@@ -143,7 +146,7 @@ class CompletionServing:
 
     def _delta(self, request: CompletionRequest, index: int, prompt: Prompt,
                output: RequestOutput, out: CompletionOutput,
-               state: ChoiceProgress) -> CompletionChoice | None:
+               state: ChoiceProgress) -> dict | None:
         """The chunk for what this choice gained since the last one, or None if nothing."""
         if state.done:
             return None
@@ -165,9 +168,8 @@ class CompletionServing:
             builder.add_output(token_ids, entries)
             state.text_offset = builder.offset
         state.advance(out)
-        return CompletionChoice(index=index, text=text,
-                                logprobs=builder.logprobs if builder else None,
-                                finish_reason=finish, stop_reason=out.stop_reason)
+        return choice_dict(index, finish, out.stop_reason,
+                           builder.logprobs if builder else None, text=text)
 
 
 async def _merge(streams: list[TimedStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
