@@ -14,6 +14,9 @@ import pytest
 
 from tests.server.conftest import HTTP_TIMEOUT_S, launch_server
 
+# Every test here starts a server of its own (an API server and its engine core).
+pytestmark = pytest.mark.slow
+
 # The core must be noticed dead, and every stream failed, well within this.
 FAIL_FAST_S = 10.0
 
@@ -85,7 +88,6 @@ def test_shutdown_stops_the_core(chat_model, tmp_path):
         assert _wait_gone(core, 10.0)
 
 
-@pytest.mark.slow
 def test_a_killed_server_does_not_leave_the_core_running(chat_model, tmp_path):
     with launch_server(chat_model, tmp_path) as served:
         core = _core_pid(served.process.pid)
