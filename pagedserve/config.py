@@ -17,6 +17,7 @@ import torch
 
 from pagedserve.core.scheduler import SchedulerConfig
 from pagedserve.platforms import DEVICE_NAMES
+from pagedserve.quant.formats import QUANTIZATION_CHOICES
 
 if TYPE_CHECKING:
     from pagedserve.models.config import ModelArchConfig
@@ -72,6 +73,11 @@ class EngineConfig:
         0.90, "share of device memory for weights, activations and the KV cache",
         exclusive="kv_cache_size")
     swap_space: float = option(4.0, "GiB of host memory for swapped-out KV blocks")
+    quantization: str = option(
+        "auto", "auto: as the checkpoint is stored (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay "
+                "quantized); none: dequantize at load; fp8: quantize a float checkpoint's "
+                "linear layers at load; awq, gptq, compressed-tensors, gguf: require that "
+                "format", choices=QUANTIZATION_CHOICES)
     kv_cache_dtype: str = option(
         "auto", "KV-cache element type; fp8 halves its size (cuda)", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = option(

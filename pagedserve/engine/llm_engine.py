@@ -36,6 +36,8 @@ from pagedserve.logger import get_logger
 from pagedserve.models import loader
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import resolve_platform
+from pagedserve.quant.formats import checkpoint_format, quantize_at_load
+from pagedserve.quant.weights import Fp8Weight
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sampling_params import SamplingParams
 
@@ -55,12 +57,16 @@ class LLMEngine:
         self.resolved = config.resolve(self.arch, self.platform)
         self.dtype = self.resolved.dtype
         self.max_model_len = self.resolved.max_model_len
+        # Checked before any weight is read, so a bad quantization_config fails at once.
+        fmt = checkpoint_format(self.arch.raw, config.quantization, source.gguf)
+        quantizer = (Fp8Weight.quantize if quantize_at_load(self.arch.raw, config.quantization)
+                     else None)
         self.runner = ModelRunner(self.platform, self.arch, self.dtype, self.max_model_len,
-                                  config.kv_cache_dtype)
+                                  config.kv_cache_dtype, quantizer)
         if config.load_format == "dummy":
             self.runner.init_dummy_weights(config.seed)
         else:
-            self.runner.load_weights(loader.iter_weights(source))
+            self.runner.load_weights(fmt.read(loader.iter_weights(source)))
         sizes = size_kv_cache(config, self.resolved, self.platform, self.runner)
         self.kv_bytes_per_block = sizes.bytes_per_block
         self.runner.allocate_kv_cache(

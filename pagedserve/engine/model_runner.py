@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -14,8 +14,10 @@ from pagedserve.core.sequence import Sequence
 from pagedserve.engine.input_batch import InFlightTokens, build_inputs
 from pagedserve.logger import get_logger
 from pagedserve.models.config import ModelArchConfig
+from pagedserve.models.linear import LinearFactory
 from pagedserve.models.registry import model_class
 from pagedserve.platforms.interface import DeviceEvent, GraphRunner, Platform
+from pagedserve.quant.weights import LoadedWeight
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
 
@@ -57,7 +59,8 @@ class StepResult(NamedTuple):
 
 class ModelRunner:
     def __init__(self, platform: type[Platform], arch: ModelArchConfig, dtype: torch.dtype,
-                 max_model_len: int, kv_cache_dtype: str = "auto") -> None:
+                 max_model_len: int, kv_cache_dtype: str = "auto",
+                 quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None) -> None:
         self.platform = platform
         self.arch = arch
         self.dtype = dtype
@@ -67,9 +70,10 @@ class ModelRunner:
         backend_cls = platform.attention_backend()
         backend = backend_cls(arch.num_heads, arch.head_dim, arch.num_kv_heads,
                               arch.head_dim ** -0.5, kv_cache_dtype=kv_cache_dtype)
+        linears = LinearFactory(platform, dtype, self.device, quantizer)
         with torch.device(self.device):
             model = model_class(arch.architecture)(arch, backend, max_model_len,
-                                                    platform.layer_ops())
+                                                    platform.layer_ops(), linears)
         self.model = model.to(dtype=dtype).eval()
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
@@ -78,19 +82,24 @@ class ModelRunner:
         self.block_size = 16
         self.graphs: GraphRunner | None = None
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
         self.model.load_weights(weights)
 
-    @torch.no_grad()
     def init_dummy_weights(self, seed: int) -> None:
-        """Random weights in place, generated on the device: norms at 1, the rest small
-        normal values so activations stay in range at any depth."""
+        """Random weights of the checkpoint's shapes, generated on the device and loaded like
+        a checkpoint's: norms at 1, the rest small normal values so activations stay in range
+        at any depth."""
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        for name, param in self.model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
+
+        def tensors():
+            for name, shape in self.model.checkpoint_shapes().items():
+                if "norm" in name:
+                    yield name, torch.ones(shape, dtype=self.dtype, device=self.device)
+                else:
+                    yield name, torch.empty(shape, dtype=self.dtype, device=self.device).normal_(
+                        0.0, 0.02, generator=generator)
+
+        self.load_weights(tensors())
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -98,10 +107,9 @@ class ModelRunner:
     def weight_bytes_read_per_token_step(self) -> int:
         """Weight bytes a decode step reads: every parameter except the input embedding table,
         of which a step reads one row per sequence (unless it doubles as the LM head)."""
-        embedding = self.model.get_input_embeddings().weight
-        if any(p is embedding for p in self.model.lm_head.parameters()):
-            return self.weight_bytes()
-        return self.weight_bytes() - embedding.numel() * embedding.element_size()
+        head = set(self.model.lm_head.parameters())
+        table = [p for p in self.model.get_input_embeddings().parameters() if p not in head]
+        return self.weight_bytes() - sum(p.numel() * p.element_size() for p in table)
 
     def allocate_kv_cache(self, spec: KVCacheSpec) -> None:
         """One tensor ``[layers, 2, blocks, block_size, kv_heads, head_dim]`` so block copies and

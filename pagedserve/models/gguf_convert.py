@@ -1,9 +1,11 @@
 """Turn a llama GGUF file into a Hugging Face folder, once, in the pagedserve cache.
 
-The engine only reads Hugging Face folders, so a GGUF is dequantized to float32 safetensors with
-HF tensor names, a ``config.json`` built from its metadata, and a tokenizer. The result lives in
-``<cache>/gguf/<first 16 hex of the file's sha256>/`` and is reused by every later start: a cache
-hit only hashes the file and never parses the GGUF.
+The engine only reads Hugging Face folders, so a GGUF becomes safetensors with HF tensor names,
+a ``config.json`` built from its metadata, and a tokenizer. Q4_0, Q4_1 and Q8_0 matrices keep
+their raw blocks (read by ``quant.formats.gguf``), so they stay quantized in memory; every other
+type is dequantized to float32 here. The result lives in
+``<cache>/gguf/<first 16 hex of the file's sha256>.v<FORMAT_VERSION>/`` and is reused by every
+later start: a cache hit only hashes the file and never parses the GGUF.
 """
 
 from __future__ import annotations
@@ -28,9 +30,15 @@ from pagedserve.models.config import UnsupportedModel
 
 logger = get_logger(__name__)
 
-# Written last into a finished conversion; a folder without it is not one. If the output format
-# ever changes, change the cache folder name too, so old conversions are not reused.
+# Written last into a finished conversion; a folder without it is not one. The output format's
+# version is part of the folder name, so a conversion of an older format is never reused.
 STAMP_FILE = "pagedserve_gguf.json"
+FORMAT_VERSION = 2
+# Types kept as blocks; the name is the stored tensor's suffix (``<module>.gguf_q4_1``).
+BLOCK_TYPES = {gguf.GGMLQuantizationType.Q4_0: "q4_0", gguf.GGMLQuantizationType.Q4_1: "q4_1",
+               gguf.GGMLQuantizationType.Q8_0: "q8_0"}
+_FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                gguf.GGMLQuantizationType.BF16)
 MAX_SHARD_BYTES = 2 << 30
 
 _SUPPORTED_ARCHITECTURES = ("llama",)
@@ -77,7 +85,7 @@ def converted_name(folder: Path) -> str | None:
 def cached_convert(gguf_path: Path, cache_root: Path) -> Conversion:
     """The HF folder for ``gguf_path``, converting it first unless the cache already has it."""
     digest = file_sha256(gguf_path)
-    final = cache_root / "gguf" / digest[:16]
+    final = cache_root / "gguf" / f"{digest[:16]}.v{FORMAT_VERSION}"
     name = display_name(gguf_path)
     if (final / STAMP_FILE).is_file():
         return Conversion(final, name, reused=True)
@@ -115,7 +123,7 @@ def file_sha256(path: Path) -> str:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write config, generation config, float32 safetensors and tokenizer into ``out_dir``."""
+    """Write config, generation config, safetensors and tokenizer into ``out_dir``."""
     reader = open_gguf(gguf_path)
     config = hf_config(reader)
     write_safetensors(iter_hf_tensors(reader, config), out_dir)
@@ -195,19 +203,34 @@ def _eos_token_ids(reader: gguf.GGUFReader) -> int | list[int] | None:
 def iter_hf_tensors(
     reader: gguf.GGUFReader, config: dict[str, Any]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor dequantized to float32, under its HF name and in HF layout."""
+    """Every tensor under its HF name and in HF layout: Q4_0/Q4_1/Q8_0 matrices as their raw
+    blocks ``uint8 [rows, row bytes]``, the rest dequantized to float32."""
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    dequantized: dict[str, int] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         # GGUF lists dims innermost first; HF (and numpy) outermost first.
-        values = values.reshape([int(d) for d in reversed(tensor.shape)])
+        shape = [int(d) for d in reversed(tensor.shape)]
+        block_type = BLOCK_TYPES.get(tensor.tensor_type)
+        if block_type is not None and len(shape) == 2:
+            values = np.asarray(tensor.data, dtype=np.uint8).reshape(shape[0], -1)
+            name = f"{name.removesuffix('.weight')}.gguf_{block_type}"
+        else:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+            values = values.astype(np.float32, copy=False)
+            if tensor.tensor_type not in _FLOAT_TYPES:
+                kind = tensor.tensor_type.name
+                dequantized[kind] = dequantized.get(kind, 0) + 1
         if ".self_attn.q_proj." in name:
             values = unpermute_rows(values, heads)
         elif ".self_attn.k_proj." in name:
             values = unpermute_rows(values, kv_heads)
-        # A copy: plain F32 tensors are read-only views of the memory-mapped file.
-        yield name, torch.from_numpy(np.array(values, dtype=np.float32))
+        # A copy: tensors are read-only views of the memory-mapped file.
+        yield name, torch.from_numpy(np.array(values))
+    if dequantized:
+        logger.info("GGUF tensors of type %s are dequantized to float32 (only Q4_0, Q4_1 and "
+                    "Q8_0 stay quantized)",
+                    ", ".join(f"{kind} ({n})" for kind, n in sorted(dequantized.items())))
 
 
 def hf_tensor_name(gguf_name: str) -> str:

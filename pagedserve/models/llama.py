@@ -1,7 +1,8 @@
 """The Llama family: Llama 2/3 (and SmolLM2), Mistral, and Qwen2 (q/k/v biases).
 
-Parameter names follow Hugging Face checkpoints, except that q/k/v and gate/up projections are
-fused into one matmul each; ``load_weights`` stacks the checkpoint's shards into them.
+Module names follow Hugging Face checkpoints, except that q/k/v and gate/up projections are
+fused into one matmul each; ``load_weights`` hands the checkpoint's shards to them. Linear
+layers come from a ``LinearFactory``, so their weights may be dense or quantized.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from torch import nn
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.config import ModelArchConfig
+from pagedserve.models.embedding import VocabEmbedding
 from pagedserve.models.layer_ops import LayerOps
 from pagedserve.models.layers import PagedAttention, RMSNorm, SiluAndMul
+from pagedserve.models.linear import Linear, LinearFactory
 from pagedserve.models.rotary import RotaryEmbedding
+from pagedserve.quant.weights import LoadedWeight
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)
 _STACKED = {
@@ -27,23 +31,20 @@ _STACKED = {
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, linears: LinearFactory) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = linears(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                bias=cfg.attention_bias)
+        self.o_proj = linears(self.q_size, [cfg.hidden_size])
         self.rotary = rotary
         self.attn = PagedAttention(backend)
 
-    def shard_sizes(self) -> list[int]:
-        return [self.q_size, self.kv_size, self.kv_size]
-
     def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.shard_sizes(), dim=-1)
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.out_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -53,15 +54,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, ops: type[LayerOps]) -> None:
+    def __init__(self, cfg: ModelArchConfig, ops: type[LayerOps],
+                 linears: LinearFactory) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = linears(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = linears(cfg.intermediate_size, [cfg.hidden_size])
         self.act = SiluAndMul(ops)
-
-    def shard_sizes(self) -> list[int]:
-        return [self.intermediate_size, self.intermediate_size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -69,10 +67,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding,
-                 backend: AttentionBackend, ops: type[LayerOps]) -> None:
+                 backend: AttentionBackend, ops: type[LayerOps],
+                 linears: LinearFactory) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, backend)
-        self.mlp = LlamaMLP(cfg, ops)
+        self.self_attn = LlamaAttention(cfg, rotary, backend, linears)
+        self.mlp = LlamaMLP(cfg, ops, linears)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -89,13 +88,15 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
-                 ops: type[LayerOps]) -> None:
+                 ops: type[LayerOps], linears: LinearFactory) -> None:
         super().__init__()
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                  ops)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, linears.dtype,
+                                           linears.device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary, backend, ops) for _ in range(cfg.num_layers))
+            LlamaDecoderLayer(cfg, rotary, backend, ops, linears)
+            for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
@@ -108,62 +109,103 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
-                 ops: type[LayerOps]) -> None:
+                 ops: type[LayerOps], linears: LinearFactory) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend, max_positions, ops)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model = LlamaModel(cfg, backend, max_positions, ops, linears)
+        # The LM head stays in the checkpoint's precision under at-load quantization.
+        self.lm_head = linears(cfg.hidden_size, [cfg.vocab_size], quantize_at_load=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` for a packed batch of tokens."""
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def get_input_embeddings(self) -> nn.Embedding:
+    def get_input_embeddings(self) -> VocabEmbedding:
         return self.model.embed_tokens
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor a Hugging Face checkpoint of this model holds, with its shape."""
+        c = self.config
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight":
+                                              (c.vocab_size, c.hidden_size),
+                                              "model.norm.weight": (c.hidden_size,)}
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        layer = {"input_layernorm.weight": (c.hidden_size,),
+                 "post_attention_layernorm.weight": (c.hidden_size,),
+                 "self_attn.q_proj.weight": (q, c.hidden_size),
+                 "self_attn.k_proj.weight": (kv, c.hidden_size),
+                 "self_attn.v_proj.weight": (kv, c.hidden_size),
+                 "self_attn.o_proj.weight": (c.hidden_size, q),
+                 "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+                 "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+                 "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)}
+        if c.attention_bias:
+            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                          "self_attn.v_proj.bias": (kv,)})
+        for i in range(c.num_layers):
+            shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
+        return shapes
+
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in, stacking q/k/v and gate/up shards into fused weights.
-        Raises if a parameter is left unloaded, so a partial checkpoint cannot run silently."""
-        params = dict(self.named_parameters())
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
+        """Hand checkpoint weights to their modules: q/k/v and gate/up shards to the fused
+        linear layers, everything else copied into its parameter. Raises if anything is left
+        unloaded, so a partial checkpoint cannot run silently."""
+        params = dict(self.named_parameters())  # norms and biases; weights come later
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, weight in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             target, shard = _fused_target(name)
-            if target not in params:
+            owner_name, _, kind = target.rpartition(".")
+            owner = self.get_submodule(owner_name) if _has_module(self, owner_name) else None
+            if isinstance(owner, Linear) and kind == "weight":
+                owner.load_shard(shard or 0, weight)
+            elif isinstance(owner, VocabEmbedding):
+                owner.load(weight)
+            elif target in params:
+                param = params[target]
+                if shard is None:
+                    param.copy_(weight)
+                else:
+                    offset = owner.shard_offset(shard)
+                    param[offset:offset + owner.out_sizes[shard]].copy_(weight)
+            else:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
-            param = params[target]
-            if shard is None:
-                param.copy_(tensor)
-            else:
-                owner = self.get_submodule(target.rsplit(".", 2)[0])
-                sizes = owner.shard_sizes()
-                offset = sum(sizes[:shard])
-                param[offset:offset + sizes[shard]].copy_(tensor)
             loaded.add(f"{target}#{shard}")
-        self._check_complete(params, loaded)
+        if self.config.tie_word_embeddings:
+            self.lm_head.set_weight(self.model.embed_tokens.as_weight())
+        self._check_complete(loaded)
 
-    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
-        expected = set()
-        for name in params:
-            if "qkv_proj" in name:
-                expected |= {f"{name}#{i}" for i in range(3)}
-            elif "gate_up_proj" in name:
-                expected |= {f"{name}#{i}" for i in range(2)}
-            else:
-                expected.add(f"{name}#None")
-        missing = sorted(expected - loaded)
+    def _check_complete(self, loaded: set[str]) -> None:
+        missing = [name for name, m in self.named_modules()
+                   if isinstance(m, (Linear, VocabEmbedding)) and not m.loaded]
+        for name, _ in self.named_parameters():
+            owner_name, _, kind = name.rpartition(".")
+            owner = self.get_submodule(owner_name)
+            if isinstance(owner, (Linear, VocabEmbedding)) and kind != "bias":
+                continue  # weights: counted through ``loaded`` above
+            fused = isinstance(owner, Linear) and len(owner.out_sizes) > 1
+            shards = range(len(owner.out_sizes)) if fused else [None]
+            missing += [f"{name}#{s}" for s in shards if f"{name}#{s}" not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0]}")
+
+
+def _has_module(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _fused_target(name: str) -> tuple[str, int | None]:

@@ -40,6 +40,7 @@ class ModelSource:
     path: Path  # a Hugging Face folder: config.json, *.safetensors, tokenizer files
     name: str  # for display and the served model name
     origin: str  # "hf-folder" | "gguf-cache" (conversion reused) | "gguf-converted" (just now)
+    gguf: bool = False  # a converted GGUF, whose Q4_0/Q4_1/Q8_0 tensors are stored as blocks
 
 
 def default_model_path() -> Path:
@@ -86,8 +87,9 @@ def _folder_source(path: Path, require_weights: bool) -> ModelSource:
         )
     if require_weights:
         _weight_files(path)  # fail here, before the engine builds anything, if there are none
-    name = gguf_convert.converted_name(path) or path.resolve().name
-    return ModelSource(path, name, "hf-folder")
+    converted = gguf_convert.converted_name(path)
+    return ModelSource(path, converted or path.resolve().name, "hf-folder",
+                       gguf=converted is not None)
 
 
 def _gguf_source(path: Path) -> ModelSource:
@@ -96,7 +98,7 @@ def _gguf_source(path: Path) -> ModelSource:
     except gguf_convert.GGUFConvertError as exc:
         raise ModelLoadError(str(exc)) from exc
     origin = "gguf-cache" if result.reused else "gguf-converted"
-    return ModelSource(result.path, result.name, origin)
+    return ModelSource(result.path, result.name, origin, gguf=True)
 
 
 def load_arch_config(source: ModelSource) -> ModelArchConfig:

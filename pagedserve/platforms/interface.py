@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from pagedserve.attention.backend import AttentionBackend
     from pagedserve.attention.metadata import AttentionMetadata
     from pagedserve.models.layer_ops import LayerOps
+    from pagedserve.quant.linear_method import LinearMethod
+    from pagedserve.quant.weights import LoadedWeight
 
 
 class PlatformUnavailable(RuntimeError):
@@ -96,6 +98,15 @@ class Platform:
         from pagedserve.models.layer_ops import LayerOps
 
         return LayerOps
+
+    @classmethod
+    def linear_method(cls, weight: LoadedWeight) -> LinearMethod:
+        """How a linear layer with this loaded weight (dense or quantized) is held and
+        multiplied here; by default dequantized at load into a dense weight, so every format
+        loads on every device."""
+        from pagedserve.quant.linear_method import DenseLinearMethod
+
+        return DenseLinearMethod()
 
     @classmethod
     def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from pagedserve.platforms.interface import MemoryInfo, Platform
+
+if TYPE_CHECKING:
+    from pagedserve.quant.linear_method import LinearMethod
+    from pagedserve.quant.weights import LoadedWeight
 
 
 def _meminfo_bytes(key: str) -> int | None:
@@ -33,6 +37,17 @@ class CpuPlatform(Platform):
     def default_dtype(cls) -> torch.dtype:
         # bf16 matmuls are slow on CPUs without AMX; float32 is the safe fast default.
         return torch.float32
+
+    @classmethod
+    def linear_method(cls, weight: LoadedWeight) -> LinearMethod:
+        """Grouped 4- and 8-bit weights stay quantized in torch's int4 CPU kernel; FP8 and
+        everything else are dequantized at load (CPUs have no FP8 arithmetic)."""
+        from pagedserve.platforms.cpu.quant_linear import Int4PackLinearMethod, kernel_group
+        from pagedserve.quant.weights import GroupQuantWeight
+
+        if isinstance(weight, GroupQuantWeight) and kernel_group(weight.group_size):
+            return Int4PackLinearMethod()
+        return super().linear_method(weight)
 
     @classmethod
     def memory_info(cls) -> MemoryInfo:

@@ -1,0 +1,126 @@
+"""The forms a linear layer's weight takes between the checkpoint and the kernel.
+
+Every checkpoint format unpacks into one of these, whatever its packing on disk; every
+platform's linear method starts from one of these. So a format never knows which device runs
+it, and a kernel never knows which format its weight came from.
+
+- ``torch.Tensor``: a dense weight ``[N, K]``.
+- ``GroupQuantWeight``: integers with a scale and an offset per group of input columns.
+- ``Fp8Weight``: float8 e4m3 values with a scale per output row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+
+@dataclass
+class GroupQuantWeight:
+    """``W[n, k] = values[n, k] * scales[n, k // group_size] + offsets[n, k // group_size]``.
+
+    An offset rather than an integer zero point covers both conventions in use: AWQ and GPTQ
+    store ``(q - z) * s`` (offset ``-z * s``), GGUF's Q4_1 stores ``q * d + m`` (offset ``m``).
+
+    ``input_perm`` (GPTQ act-order): column ``j`` here is column ``input_perm[j]`` of the
+    checkpoint's weight, so the layer computes ``x[:, input_perm] @ W.T``. Sorting the columns
+    by group once at load makes every group contiguous.
+    """
+
+    values: torch.Tensor  # uint8 [N, K], each in 0 .. 2**bits - 1
+    scales: torch.Tensor  # float32 [N, ceil(K / group_size)]
+    offsets: torch.Tensor  # float32 [N, ceil(K / group_size)]
+    bits: int
+    group_size: int
+    input_perm: torch.Tensor | None = None  # int64 [K]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def group_of_column(self) -> torch.Tensor:
+        return torch.arange(self.values.shape[1]) // self.group_size
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense weight in the checkpoint's column order, computed in ``dtype``
+        (float32 is exact for every format read here: 8-bit values times fp16 scales)."""
+        groups = self.group_of_column()
+        dense = (self.values.to(dtype) * self.scales.to(dtype)[:, groups]
+                 + self.offsets.to(dtype)[:, groups])
+        if self.input_perm is None:
+            return dense
+        original = torch.empty_like(dense)
+        original[:, self.input_perm] = dense
+        return original
+
+
+@dataclass
+class Fp8Weight:
+    """``W[n, k] = float(values[n, k]) * scales[n]``; a per-tensor scale is repeated per row,
+    so the shards of a fused layer concatenate. ``input_scale``: a static activation scale
+    (None: scaled per token at run time)."""
+
+    values: torch.Tensor  # float8_e4m3fn [N, K]
+    scales: torch.Tensor  # float32 [N]
+    input_scale: float | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @classmethod
+    def quantize(cls, dense: torch.Tensor) -> Fp8Weight:
+        """``--quantization fp8``: one scale per output row, mapping its largest magnitude to
+        e4m3's largest finite value, with no activation scale (scaled per token)."""
+        dense = dense.float()
+        fmax = torch.finfo(torch.float8_e4m3fn).max
+        scales = (dense.abs().amax(dim=1) / fmax).clamp(min=torch.finfo(torch.float32).tiny)
+        values = (dense / scales[:, None]).clamp(-fmax, fmax).to(torch.float8_e4m3fn)
+        return cls(values, scales)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.values.to(dtype) * self.scales.to(dtype)[:, None]
+
+
+LoadedWeight = Union[torch.Tensor, GroupQuantWeight, Fp8Weight]
+
+
+def dequantize(weight: LoadedWeight) -> torch.Tensor:
+    return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+
+
+def concat_shards(shards: list[LoadedWeight]) -> LoadedWeight:
+    """One weight from the output shards of a fused layer (q/k/v, gate/up), in order.
+
+    Shards of one kind stay quantized: 4-bit and 8-bit shards of one group size meet in 8-bit
+    values (a 4-bit value is a valid 8-bit one, its offsets unchanged). Shards that cannot meet
+    (different kinds, group sizes or act-order permutations) are dequantized.
+    """
+    if len(shards) == 1:
+        return shards[0]
+    first = shards[0]
+    if all(isinstance(s, GroupQuantWeight) for s in shards) and _groups_match(shards):
+        return GroupQuantWeight(
+            torch.cat([s.values for s in shards]), torch.cat([s.scales for s in shards]),
+            torch.cat([s.offsets for s in shards]), max(s.bits for s in shards),
+            first.group_size, first.input_perm)
+    if all(isinstance(s, Fp8Weight) for s in shards):
+        static = [s.input_scale for s in shards]
+        return Fp8Weight(torch.cat([s.values for s in shards]),
+                         torch.cat([s.scales for s in shards]),
+                         None if None in static else max(static))
+    return torch.cat([dequantize(s).float() for s in shards])
+
+
+def _groups_match(shards: list[GroupQuantWeight]) -> bool:
+    first = shards[0]
+    for s in shards[1:]:
+        if s.group_size != first.group_size:
+            return False
+        if (s.input_perm is None) != (first.input_perm is None):
+            return False
+        if s.input_perm is not None and not torch.equal(s.input_perm, first.input_perm):
+            return False
+    return True
