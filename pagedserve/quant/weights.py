@@ -12,7 +12,6 @@ it, and a kernel never knows which format its weight came from.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -84,7 +83,7 @@ class Fp8Weight:
         return self.values.to(dtype) * self.scales.to(dtype)[:, None]
 
 
-LoadedWeight = Union[torch.Tensor, GroupQuantWeight, Fp8Weight]
+LoadedWeight = torch.Tensor | GroupQuantWeight | Fp8Weight
 
 
 def dequantize(weight: LoadedWeight) -> torch.Tensor:
