@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagedserve.models.loader import ModelSource, resolve_model  # noqa: E402
-from tests.tiny_models import hf_model, write_tiny_model  # noqa: E402
+from tests.tiny_models import hf_model_of_source, write_tiny_model  # noqa: E402
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -102,13 +102,15 @@ def default_llm(default_model_folder: Path):
     add and use greedy or per-request seeded sampling, so none depends on another's leftovers."""
     from pagedserve import LLM
 
-    return LLM(model=str(default_model_folder), device="cpu", kv_cache_memory_bytes=256 << 20)
+    return LLM(model=str(default_model_folder), device="cpu", kv_cache_memory_bytes=256 << 20,
+               quantization="none")
 
 
 @pytest.fixture(scope="session")
-def default_hf_model(default_model_folder: Path):
-    """transformers' model on the same converted weights: the default model's reference."""
-    return hf_model(default_model_folder)
+def default_hf_model(default_model_source: ModelSource):
+    """transformers' model holding the default model's dequantized weights (the GGUF blocks
+    unpack exactly as the gguf package dequantizes them: tests/quant/test_gguf_blocks.py)."""
+    return hf_model_of_source(default_model_source)
 
 
 @pytest.fixture(scope="session")

@@ -115,6 +115,25 @@ def hf_model(folder: Path):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
+def hf_model_of_source(source):
+    """transformers' float32 model of a source whose folder transformers cannot read itself
+    (a converted GGUF keeps block tensors): its config, and its weights as pagedserve reads
+    them, dequantized."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pagedserve.models.loader import iter_weights, load_arch_config
+    from pagedserve.quant.formats import checkpoint_format
+
+    config = AutoConfig.from_pretrained(source.path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    fmt = checkpoint_format(load_arch_config(source).raw, "none", source.gguf)
+    state = {name: weight.float() for name, weight in fmt.read(iter_weights(source))}
+    model.load_state_dict(state, strict=not config.tie_word_embeddings)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     """transformers' greedy continuation, run to full length as with ``ignore_eos``."""
     ids = torch.tensor([prompt])
