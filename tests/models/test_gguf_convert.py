@@ -27,6 +27,8 @@ from pagedserve.models.loader import (
     load_tokenizer,
     resolve_model,
 )
+from pagedserve.quant.formats import checkpoint_format
+from tests.tiny_models import hf_model_of_source
 
 TEXTS = [
     "Hello, world!",
@@ -118,8 +120,8 @@ def test_first_resolve_converts_into_the_cache(fresh: Fresh) -> None:
     assert source.origin == "gguf-converted"
     assert source.name == "SmolLM2-135M-Instruct"
     assert source.path.parent == fresh.cache_root / "gguf"
-    assert len(source.path.name) == 16
-    assert source.path.name == gguf_convert.file_sha256(default_model_path())[:16]
+    digest = gguf_convert.file_sha256(default_model_path())[:16]
+    assert source.path.name == f"{digest}.v{gguf_convert.FORMAT_VERSION}"
     assert (source.path / "model.safetensors").is_file()
     # Only the published folder is left: no half-written temp dirs.
     assert [p.name for p in (fresh.cache_root / "gguf").iterdir()] == [source.path.name]
@@ -127,7 +129,12 @@ def test_first_resolve_converts_into_the_cache(fresh: Fresh) -> None:
 
 @pytest.mark.slow
 def test_weights_equal_transformers_gguf_loading(fresh: Fresh, reference: Reference) -> None:
-    ours = dict(iter_weights(fresh.source))
+    """transformers dequantizes with the gguf package: our blocks, unpacked, equal it."""
+    stored = dict(iter_weights(fresh.source))
+    kinds = sorted({name.rpartition(".")[2] for name in stored})
+    assert kinds == ["gguf_q4_1", "gguf_q8_0", "weight"]
+    assert stored["model.embed_tokens.gguf_q8_0"].dtype == torch.uint8
+    ours = dict(checkpoint_format({}, "none", gguf_blocks=True).read(stored.items()))
     assert ours.keys() == reference.tensors.keys()
     assert "lm_head.weight" not in ours  # SmolLM2 ties it to the embeddings
     for name, expected in reference.tensors.items():
@@ -162,7 +169,8 @@ def test_config_matches_transformers_gguf_config(fresh: Fresh, reference: Refere
 
 @pytest.mark.slow
 def test_folder_runs_like_transformers_gguf_model(fresh: Fresh, reference: Reference) -> None:
-    """End to end: our folder, loaded by transformers, gives the GGUF model's logits."""
+    """End to end: our folder's config and dequantized weights, in transformers' model, give
+    the GGUF model's logits."""
     from transformers import LlamaForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -170,7 +178,7 @@ def test_folder_runs_like_transformers_gguf_model(fresh: Fresh, reference: Refer
         expected_model = LlamaForCausalLM(reference.config)
     tied = {"lm_head.weight": reference.tensors["model.embed_tokens.weight"]}
     expected_model.load_state_dict({**reference.tensors, **tied})
-    ours = LlamaForCausalLM.from_pretrained(fresh.source.path, dtype=torch.float32)
+    ours = hf_model_of_source(fresh.source)
     ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 2, 198, 1, 520, 9531, 198]])
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, expected_model(ids).logits,
@@ -213,7 +221,8 @@ def test_cache_hit_skips_the_gguf_parser(
     by_default = resolve_model(None)
     seconds = time.perf_counter() - start
     by_path = resolve_model(str(gguf_path))
-    assert by_default == by_path == ModelSource(fresh.source.path, fresh.source.name, "gguf-cache")
+    assert by_default == by_path == ModelSource(fresh.source.path, fresh.source.name,
+                                                "gguf-cache", gguf=True)
     assert seconds < 3.0
 
 
@@ -221,7 +230,8 @@ def test_losing_a_conversion_race_keeps_the_winner(
     gguf_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two processes convert at once: the second rename fails and the first result stands."""
-    final = tmp_path / "gguf" / gguf_convert.file_sha256(gguf_path)[:16]
+    final = (tmp_path / "gguf"
+             / f"{gguf_convert.file_sha256(gguf_path)[:16]}.v{gguf_convert.FORMAT_VERSION}")
 
     def other_process_finishes_first(path: Path, out_dir: Path) -> None:
         final.mkdir(parents=True)
@@ -248,6 +258,11 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int) -> np.nd
             .reshape(weights.shape))
 
 
+TINY_TYPES = {"token_embd.weight": gguf.GGMLQuantizationType.Q8_0,
+              "blk.0.attn_q.weight": gguf.GGMLQuantizationType.Q4_0,
+              "blk.0.attn_k.weight": gguf.GGMLQuantizationType.Q4_1}
+
+
 def write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray], arch: str = "llama") -> None:
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(128)
@@ -258,9 +273,9 @@ def write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray], arch: str = "lla
     writer.add_head_count_kv(KV_HEADS)
     writer.add_layer_norm_rms_eps(1e-6)
     for name, values in tensors.items():
-        if name == "token_embd.weight":  # quantized, to check dims of block-quantized tensors
-            q8 = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(name, gguf.quants.quantize(values, q8), raw_dtype=q8)
+        kind = TINY_TYPES.get(name)
+        if kind is not None:  # quantized, to check the blocks of each kept type
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, values)
     writer.write_header_to_file()
@@ -300,15 +315,28 @@ def test_tiny_gguf_layout_matches_llama_cpp_inverse(tmp_path: Path) -> None:
     gguf_convert.write_safetensors(gguf_convert.iter_hf_tensors(reader, config), out,
                                    max_shard_bytes=HIDDEN * HIDDEN * 4)
     assert (out / "model.safetensors.index.json").is_file()
-    ours = dict(iter_weights(ModelSource(out, "tiny", "hf-folder")))
+    stored = dict(iter_weights(ModelSource(out, "tiny", "hf-folder")))
+    assert sorted(stored) == ["model.embed_tokens.gguf_q8_0", "model.layers.0.mlp.down_proj.weight",
+                              "model.layers.0.self_attn.k_proj.gguf_q4_1",
+                              "model.layers.0.self_attn.q_proj.gguf_q4_0"]
+    ours = dict(checkpoint_format({}, "none", gguf_blocks=True).read(stored.items()))
     assert ours.keys() == hf.keys()
-    embed = hf["model.embed_tokens.weight"]
-    q8_roundtrip = gguf.quants.dequantize(
-        gguf.quants.quantize(embed, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
-    np.testing.assert_array_equal(ours["model.embed_tokens.weight"].numpy(), q8_roundtrip)
-    np.testing.assert_allclose(ours["model.embed_tokens.weight"].numpy(), embed, atol=0.05)
-    for name in hf.keys() - {"model.embed_tokens.weight"}:
-        np.testing.assert_array_equal(ours[name].numpy(), hf[name], err_msg=name)
+    gguf_names = {"model.embed_tokens.weight": "token_embd.weight",
+                  "model.layers.0.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+                  "model.layers.0.self_attn.k_proj.weight": "blk.0.attn_k.weight"}
+    for name, gguf_name in gguf_names.items():
+        # gguf's own round trip, of the rows as llama.cpp stores them, then unpermuted.
+        kind, values = TINY_TYPES[gguf_name], hf[name]
+        heads = {"q": HEADS, "k": KV_HEADS}.get(name.split(".")[-2][0])
+        if heads:
+            values = llama_cpp_permute(values, HEADS, heads)
+        expected = gguf.quants.dequantize(gguf.quants.quantize(values, kind), kind)
+        if heads:
+            expected = gguf_convert.unpermute_rows(expected, heads)
+        np.testing.assert_array_equal(ours[name].numpy(), expected, err_msg=name)
+        np.testing.assert_allclose(ours[name].numpy(), hf[name], atol=0.6, err_msg=name)
+    np.testing.assert_array_equal(ours["model.layers.0.mlp.down_proj.weight"].numpy(),
+                                  hf["model.layers.0.mlp.down_proj.weight"])
 
 
 def test_truncated_gguf_is_a_one_line_error(tmp_path: Path,

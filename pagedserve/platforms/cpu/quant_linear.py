@@ -4,7 +4,8 @@ int4), in torch's own CPU kernels.
 4-bit weights go through ``_weight_int4pack_mm_for_cpu``, which dequantizes
 ``(q - 8) * scale + zero`` per group inside its matmul, so ``zero = offset + 8 * scale``. Its
 scales and zeros share the activation dtype, and its group size must divide K: a K that is not a
-multiple of the group is padded with zero columns (and zero activations). 8-bit weights of any
+multiple of the group is padded with zero columns (and zero activations), and N with zero rows
+to the multiple of 16 it needs (sliced off the output). 8-bit weights of any
 group size split into two 4-bit halves, ``q = 16 * hi + lo``, each its own int4 matmul:
 ``_weight_int8pack_mm`` takes one scale per row only, and Q8_0 or GPTQ 8-bit have one per group.
 """
@@ -36,7 +37,7 @@ class Int4PackLinearMethod(LinearMethod):
             _param(layer, f"scale_zero{i}", scale_zero)
         layer.num_halves = len(halves)
         layer.kernel_group = group
-        layer.padded_k = _padded(weight.shape[1], group)
+        layer.out_features, layer.padded_k = weight.shape[0], _padded(weight.shape[1], group)
         layer.input_perm = weight.input_perm
 
     def apply(self, layer, x):
@@ -50,7 +51,7 @@ class Int4PackLinearMethod(LinearMethod):
                 x, getattr(layer, f"packed{i}"), layer.kernel_group,
                 getattr(layer, f"scale_zero{i}"))
             out = part if out is None else out + part
-        return out
+        return out if out.shape[-1] == layer.out_features else out[..., :layer.out_features]
 
 
 def kernel_group(group_size: int) -> int | None:
@@ -65,11 +66,13 @@ def _padded(k: int, group: int) -> int:
 
 def _pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
           kernel_group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Values ``[N, K]`` in 0..15 -> the kernel's packed weight and ``[K' / g, N, 2]`` scales
-    and zeros, K padded to ``K'``, a multiple of the kernel group ``g``."""
+    """Values ``[N, K]`` in 0..15 -> the kernel's packed weight and ``[K' / g, N', 2]`` scales
+    and zeros, K padded to ``K'``, a multiple of the kernel group ``g``, and N to ``N'``, a
+    multiple of 16."""
     n, k = values.shape
-    padded = _padded(k, kernel_group)
-    values = F.pad(values.to(torch.int32), (0, padded - k))
+    padded, rows = _padded(k, kernel_group), _padded(n, 16)
+    values = F.pad(values.to(torch.int32), (0, padded - k, 0, rows - n))
+    scales, offsets = (F.pad(t, (0, 0, 0, rows - n)) for t in (scales, offsets))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
     # Kernel group j lies in the checkpoint's group j * g // group_size.
     groups = torch.arange(padded // kernel_group) * kernel_group // group_size

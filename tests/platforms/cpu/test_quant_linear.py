@@ -1,0 +1,82 @@
+"""The CPU's grouped-int linear method against float64 math on the dequantized weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pagedserve.platforms.cpu.platform import CpuPlatform
+from pagedserve.platforms.cpu.quant_linear import Int4PackLinearMethod
+from pagedserve.quant.linear_method import DenseLinearMethod
+from pagedserve.quant.weights import GroupQuantWeight
+
+
+def random_weight(n: int, k: int, bits: int, group: int, seed: int,
+                  act_order: bool = False) -> GroupQuantWeight:
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-k // group)
+    values = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, groups, generator=g) * 0.02 + 0.005).half().float()
+    offsets = -(2 ** (bits - 1)) * scales + torch.randn(n, groups, generator=g).half() * 0.01
+    perm = torch.randperm(k, generator=g) if act_order else None
+    return GroupQuantWeight(values, scales, offsets, bits, group, perm)
+
+
+def reference(x: torch.Tensor, w: GroupQuantWeight) -> torch.Tensor:
+    """float64, from the definition: W[n, k] = v * s[n, k // G] + o[n, k // G]; act-order
+    columns in checkpoint order."""
+    k = w.values.shape[1]
+    groups = torch.arange(k) // w.group_size
+    dense = (w.values.double() * w.scales.double()[:, groups]
+             + w.offsets.double()[:, groups])
+    if w.input_perm is not None:
+        original = torch.empty_like(dense)
+        original[:, w.input_perm] = dense
+        dense = original
+    return x.double() @ dense.T
+
+
+CASES = [  # n, k, bits, group
+    (48, 64, 4, 32), (33, 100, 4, 32), (17, 256, 4, 128), (40, 96, 4, 96),
+    (64, 576, 4, 576), (48, 64, 8, 32), (31, 160, 8, 64), (24, 128, 8, 128),
+]
+
+
+@pytest.mark.parametrize("n, k, bits, group", CASES)
+@pytest.mark.parametrize("m", [1, 3, 300])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_matches_float64(n, k, bits, group, m, dtype, tol) -> None:
+    w = random_weight(n, k, bits, group, seed=n * k + bits)
+    assert isinstance(CpuPlatform.linear_method(w), Int4PackLinearMethod)
+    layer = nn.Module()
+    Int4PackLinearMethod().create_weights(layer, w, dtype, torch.device("cpu"))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    out = Int4PackLinearMethod().apply(layer, x)
+    assert out.dtype == dtype and out.shape == (m, n)
+    expected = reference(x, w)
+    err = (out.double() - expected).abs().max() / expected.abs().max()
+    assert err < tol
+
+
+def test_act_order_permutes_the_input() -> None:
+    w = random_weight(40, 128, 4, 32, seed=3, act_order=True)
+    layer = nn.Module()
+    Int4PackLinearMethod().create_weights(layer, w, torch.float32, torch.device("cpu"))
+    x = torch.randn(5, 128)
+    out = Int4PackLinearMethod().apply(layer, x)
+    expected = reference(x, w)
+    assert (out.double() - expected).abs().max() / expected.abs().max() < 2e-5
+    # Ignoring the permutation would be far off.
+    unpermuted = reference(x, GroupQuantWeight(w.values, w.scales, w.offsets, 4, 32))
+    assert (unpermuted - expected).abs().max() / expected.abs().max() > 0.1
+
+
+def test_groups_the_kernel_cannot_split_are_dequantized() -> None:
+    w = random_weight(16, 48, 4, 48, seed=1)  # 48 is not a multiple of 32
+    method = CpuPlatform.linear_method(w)
+    assert isinstance(method, DenseLinearMethod)
+    layer = nn.Module()
+    method.create_weights(layer, w, torch.float32, torch.device("cpu"))
+    x = torch.randn(2, 48)
+    torch.testing.assert_close(method.apply(layer, x).double(), reference(x, w))
