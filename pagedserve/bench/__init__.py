@@ -10,6 +10,7 @@ BENCHMARKS = {
     "decode": "decode step time against the memory roofline",
     "step-overhead": "host-side cost per sequence per decode step",
     "serve": "load a running server through its streaming API (TTFT, TPOT, ITL, throughput)",
+    "quant-accuracy": "greedy agreement of each weight format with float32",
     "sharing": "KV blocks saved by n/beam sharing, TTFT with prefix caching, ITL with "
                "chunked prefill",
 }

@@ -19,6 +19,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 32, 128, 256])
     parser.add_argument("--context-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--requantize", choices=("int8",), default=None,
+                        help="int8: requantize every linear layer to 8 bits in groups of 32 "
+                             "(symmetric, as GGUF's Q8_0), e.g. of a --quantization none model")
     parser.add_argument("--out", default=None)
 
 
@@ -59,6 +62,20 @@ def time_decode(engine, batch: int, context: int, steps: int) -> float:
     return statistics.median(times)
 
 
+def requantize(model, bits: int, group_size: int) -> None:
+    """Replace every dense linear weight by its symmetric ``bits``-bit quantization."""
+    import torch
+
+    from pagedserve.models.linear import Linear
+    from pagedserve.quant.weights import GroupQuantWeight
+
+    for layer in model.modules():
+        weight = getattr(layer, "weight", None)
+        if isinstance(layer, Linear) and isinstance(weight, torch.Tensor):
+            del layer.weight  # the tied LM head's is the embedding's, which stays
+            layer.set_weight(GroupQuantWeight.quantize(weight.detach(), bits, group_size))
+
+
 def main(args: argparse.Namespace) -> None:
     from pagedserve.bench.common import print_table, write_result
     from pagedserve.bench.throughput import engine_from_args
@@ -69,6 +86,8 @@ def main(args: argparse.Namespace) -> None:
     args.max_num_seqs = max(args.max_num_seqs, max(args.batch_sizes))
     llm = engine_from_args(args)
     engine = llm.engine
+    if args.requantize == "int8":
+        requantize(engine.runner.model, bits=8, group_size=32)
     bandwidth = copy_bandwidth(engine.platform)
     weights = engine.runner.weight_bytes_read_per_token_step()
     kv_per_token = engine.kv_bytes_per_block // engine.config.block_size
@@ -83,7 +102,12 @@ def main(args: argparse.Namespace) -> None:
     print_table(f"decode step, context {args.context_len}, copy bandwidth "
                 f"{bandwidth / 1e9:.0f} GB/s, weights read per step {weights / 2**30:.2f} GiB",
                 rows, ["batch", "step_ms", "roofline_ms", "ratio_to_roofline", "tok_s"])
-    write_result(f"decode_{engine.platform.name}_{engine.model_name}", {
-        "model": engine.model_name, "copy_bandwidth_bytes_s": bandwidth,
+    label = "_".join(filter(None, (engine.platform.name, engine.model_name,
+                                   args.quantization, str(engine.dtype).removeprefix("torch."),
+                                   args.requantize)))
+    write_result(f"decode_{label}", {
+        "model": engine.model_name, "quantization": args.quantization,
+        "requantize": args.requantize, "dtype": str(engine.dtype),
+        "copy_bandwidth_bytes_s": bandwidth,
         "weight_bytes_read_per_step": weights, "context_len": args.context_len,
         "rows": rows}, args.out)

@@ -39,6 +39,22 @@ class GroupQuantWeight:
     def shape(self) -> torch.Size:
         return self.values.shape
 
+    @classmethod
+    def quantize(cls, dense: torch.Tensor, bits: int, group_size: int) -> GroupQuantWeight:
+        """Symmetric round-to-nearest, as GGUF's Q8_0 and Q4_0 do: per group, the largest
+        magnitude maps to the largest positive code (used by benchmarks to make an 8-bit
+        model of a float one)."""
+        n, k = dense.shape
+        groups = -(-k // group_size)
+        padded = torch.nn.functional.pad(dense.float(), (0, groups * group_size - k))
+        blocks = padded.view(n, groups, group_size)
+        half = 2 ** (bits - 1)
+        scales = blocks.abs().amax(dim=-1) / (half - 1)
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes = (blocks / scales[..., None]).round().clamp(-half, half - 1) + half
+        values = codes.view(n, -1)[:, :k].to(torch.uint8)
+        return cls(values.contiguous(), scales, -half * scales, bits, group_size)
+
     def group_of_column(self) -> torch.Tensor:
         return torch.arange(self.values.shape[1]) // self.group_size
 
