@@ -138,3 +138,13 @@ def test_unsupported_config_is_refused_before_any_weight_is_read(
     with pytest.raises(QuantConfigError) as err:
         make_llm(bad, dtype="float32")
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_module_listed_as_unconverted_must_be_stored_float(fp8_checkpoints):
+    folder = fp8_checkpoints("llama3", True).quantized
+    config = _config(folder)
+    config["quantization_config"]["modules_to_not_convert"] = ["model.layers.0.mlp.down_proj"]
+    fmt = checkpoint_format(config, "auto", False)
+    with pytest.raises(QuantConfigError, match=r"model\.layers\.0\.mlp\.down_proj is in "
+                                               r"quantization_config\.modules_to_not_convert"):
+        dict(fmt.read(iter_weights(resolve_model(str(folder)))))
