@@ -56,12 +56,14 @@ def _train_tokenizer():
                                    pad_token="<pad>")
 
 
-def write_tiny_model(folder: Path, arch: str, seed: int = 0) -> Path:
-    """A random-weight float32 checkpoint plus a small byte-level BPE tokenizer."""
+def write_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    """A random-weight float32 checkpoint plus a small byte-level BPE tokenizer; ``overrides``
+    change the architecture's config (``hidden_size=128``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
-    cfg_dict = dict(ARCH_CONFIGS[arch], vocab_size=VOCAB, bos_token_id=0, eos_token_id=1)
+    cfg_dict = dict(ARCH_CONFIGS[arch], vocab_size=VOCAB, bos_token_id=0, eos_token_id=1,
+                    **overrides)
     model_type = cfg_dict.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg_dict)
     torch.manual_seed(seed)
