@@ -74,10 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     from pagedserve.models.config import UnsupportedModel
     from pagedserve.models.loader import ModelLoadError
     from pagedserve.platforms.interface import PlatformUnavailable
+    from pagedserve.quant.formats import QuantConfigError
 
     try:
         args.func(args)
-    except (ConfigError, UnsupportedModel, ModelLoadError, PlatformUnavailable) as exc:
+    except (ConfigError, UnsupportedModel, ModelLoadError, PlatformUnavailable,
+            QuantConfigError) as exc:
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

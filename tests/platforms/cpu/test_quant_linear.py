@@ -10,32 +10,7 @@ from pagedserve.platforms.cpu.platform import CpuPlatform
 from pagedserve.platforms.cpu.quant_linear import Int4PackLinearMethod
 from pagedserve.quant.linear_method import DenseLinearMethod
 from pagedserve.quant.weights import GroupQuantWeight
-
-
-def random_weight(n: int, k: int, bits: int, group: int, seed: int,
-                  act_order: bool = False) -> GroupQuantWeight:
-    g = torch.Generator().manual_seed(seed)
-    groups = -(-k // group)
-    values = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8)
-    scales = (torch.rand(n, groups, generator=g) * 0.02 + 0.005).half().float()
-    offsets = -(2 ** (bits - 1)) * scales + torch.randn(n, groups, generator=g).half() * 0.01
-    perm = torch.randperm(k, generator=g) if act_order else None
-    return GroupQuantWeight(values, scales, offsets, bits, group, perm)
-
-
-def reference(x: torch.Tensor, w: GroupQuantWeight) -> torch.Tensor:
-    """float64, from the definition: W[n, k] = v * s[n, k // G] + o[n, k // G]; act-order
-    columns in checkpoint order."""
-    k = w.values.shape[1]
-    groups = torch.arange(k) // w.group_size
-    dense = (w.values.double() * w.scales.double()[:, groups]
-             + w.offsets.double()[:, groups])
-    if w.input_perm is not None:
-        original = torch.empty_like(dense)
-        original[:, w.input_perm] = dense
-        dense = original
-    return x.double() @ dense.T
-
+from tests.quant.group_weights import random_weight, reference
 
 CASES = [  # n, k, bits, group
     (48, 64, 4, 32), (33, 100, 4, 32), (17, 256, 4, 128), (40, 96, 4, 96),
