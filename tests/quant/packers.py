@@ -4,8 +4,9 @@ and know its exact dequantized weight.
 The packers follow the formats as AutoAWQ and AutoGPTQ write them (see the docstrings of
 ``pagedserve.quant.formats.awq`` and ``.gptq``), in arithmetic of their own: word by word sums of
 shifted fields, never pagedserve's unpacking code. ``spec_values``/``spec_zeros`` read single
-fields back with plain Python integers. test_awq_packing.py and test_gptq_packing.py check
-both against words that AutoAWQ 0.2.9 and AutoGPTQ 0.7.1 packed.
+fields back with plain Python integers. test_awq.py and test_gptq.py check both against words
+that AutoAWQ 0.2.9 and AutoGPTQ 0.7.1 packed (scripts/xcheck_awq_gptq_packers.py makes them,
+and checks the packers against those packages' own code on random weights, act-order too).
 
 ``write_quantized_pair`` turns a float checkpoint into a quantized folder (config.json with its
 ``quantization_config``) and a float32 folder holding the dequantized weights, for transformers.

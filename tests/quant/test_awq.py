@@ -13,6 +13,7 @@ from pagedserve.quant.formats.awq import AwqFormat
 from pagedserve.quant.formats.base import QuantConfigError
 from tests.quant.packers import (
     PROMPT_LENS,
+    Quantized,
     assert_greedy_matches,
     linear_methods,
     pack_awq,
@@ -33,8 +34,8 @@ AUTOAWQ_QWEIGHT = [[1241970097, -1030849223, 1241970097, -1030849223],
 AUTOAWQ_QZEROS = [[2023420195, 878099678, -284002150, -1412615082]]
 
 
-def _known_weights(k: int = 32):
-    n = 32
+def _known_weights():
+    n = k = 32
     q = torch.tensor([[(5 * i + 3 * j + 1) % 16 for j in range(k)] for i in range(n)])
     z = torch.tensor([[(7 * i + 2) % 15 + 1] for i in range(n)])
     return q, z
@@ -42,8 +43,6 @@ def _known_weights(k: int = 32):
 
 def test_packer_and_unpacker_agree_with_autoawq_words():
     q, z = _known_weights()
-    from tests.quant.packers import Quantized
-
     packed = pack_awq(Quantized(q, z, torch.full((32, 1), 0.5, dtype=torch.float16),
                                 torch.zeros(32, dtype=torch.int64), 4))
     assert packed["qweight"][:2].tolist() == AUTOAWQ_QWEIGHT

@@ -41,8 +41,9 @@ class AwqFormat(PackedFormat):
         group_size = require(config, group_key, (32, 64, 128))
         require(config, "zero_point", (True,), True)
         version = config.get("version", "gemm")
-        require({"version": version.lower() if isinstance(version, str) else version},
-                "version", ("gemm",))
+        if str(version).lower() != "gemm":  # AutoAWQ writes "GEMM"; transformers "gemm"
+            raise QuantConfigError(f"quantization_config.version: {version!r} is not supported "
+                                   f"(only AutoAWQ's GEMM packing is read); supported: 'gemm'")
         skipped = config.get("modules_to_not_convert")
         if skipped is not None and not isinstance(skipped, list):
             raise QuantConfigError(

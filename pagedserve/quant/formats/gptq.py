@@ -48,8 +48,8 @@ class GptqFormat(PackedFormat):
         require(config, "sym", (True, False), True)
         require(config, "desc_act", (True, False), False)
         # GPTQModel writes checkpoint_format; some of its versions wrote format.
-        format_key = "format" if "format" in config and "checkpoint_format" not in config \
-            else "checkpoint_format"
+        format_key = ("format" if "format" in config and "checkpoint_format" not in config
+                      else "checkpoint_format")
         checkpoint = require(config, format_key, CHECKPOINT_FORMATS, "gptq")
         require(config, "is_marlin_format", (False,), False)
         return cls(bits, group_size, checkpoint == "gptq")
@@ -80,9 +80,9 @@ class GptqFormat(PackedFormat):
 def _input_perm(module: str, g_idx: torch.Tensor | None, k: int,
                 group: int) -> torch.Tensor | None:
     """The column order that makes each group contiguous, or None if it already is."""
-    in_order = torch.arange(k) // group
     if g_idx is None:
         return None
+    in_order = torch.arange(k) // group
     g_idx = g_idx.to(torch.int64)
     if g_idx.shape != (k,):
         raise QuantConfigError(f"gptq checkpoint: {module}.g_idx has shape "
