@@ -102,8 +102,8 @@ def _library() -> ctypes.CDLL | None:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.pq_matmul.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, ptr, i32, ptr, i32]
     lib.pq_matmul.restype = i32
-    lib.pq_dequant.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, ptr, i32]
-    lib.pq_dequant.restype = None
+    lib.pq_dequant_t.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, ptr, i32]
+    lib.pq_dequant_t.restype = None
     return lib
 
 
@@ -189,14 +189,15 @@ def _weight_args(w: NativeQuantWeight) -> tuple:
 
 def _dequant_mm(lib: ctypes.CDLL, x: torch.Tensor, w: NativeQuantWeight,
                 y: torch.Tensor) -> torch.Tensor:
-    """y = x @ W^T, W dequantized a tile of rows at a time into a reused float32 buffer."""
-    rows = max(LANES, DEQUANT_TILE_BYTES // (4 * w.k) // LANES * LANES)
-    tile = torch.empty(min(rows, w.n), w.k, dtype=torch.float32)
+    """y = x @ W^T, W^T dequantized a tile of columns at a time into a reused float32 buffer
+    small enough to stay in cache for torch.mm."""
+    cols = max(LANES, DEQUANT_TILE_BYTES // (4 * w.k) // LANES * LANES)
+    buffer = torch.empty(w.k * min(cols, w.n), dtype=torch.float32)
     threads = torch.get_num_threads()
-    for n0 in range(0, w.n, rows):
-        n1 = min(n0 + rows, w.n)
-        part = tile[:n1 - n0]
-        lib.pq_dequant(*_weight_args(w), n0, n1, part.data_ptr(), threads)
+    for n0 in range(0, w.n, cols):
+        n1 = min(n0 + cols, w.n)
+        tile = buffer[:w.k * (n1 - n0)].view(w.k, n1 - n0)
+        lib.pq_dequant_t(*_weight_args(w), n0, n1, tile.data_ptr(), threads)
         # y[:, n0:n1] has row stride n and unit column stride, which BLAS writes in place.
-        torch.mm(x, part.t(), out=y[:, n0:n1])
+        torch.mm(x, tile, out=y[:, n0:n1])
     return y

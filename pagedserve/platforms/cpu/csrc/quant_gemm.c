@@ -17,11 +17,15 @@
  * per-group sums of x are computed once per row of x. Activations stay float32.
  *
  * Written with GCC vector extensions, so one source becomes AVX2/FMA code under
- * -march=native on x86 (and AVX-512 or NEON code elsewhere, as 8-float vectors).
+ * -march=native on x86 (and SSE or NEON code elsewhere, as pairs of 4-float vectors); only
+ * the byte widening needs an intrinsic.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #define LANES 8
 #define KSTEP 4
@@ -54,23 +58,29 @@ static inline int group_len(const Shape *s, int g) {
     return g < s->n_groups - 1 ? s->group_stride : s->kp - g * s->group_stride;
 }
 
+/* 8 bytes widened to 8 int32 lanes. GCC 12 turns the portable conversion into 8 scalar byte
+ * extractions, a few times slower than the whole kernel's budget, so AVX2 gets vpmovzxbd. */
 static inline v8i load_bytes(const uint8_t *p) {
+#ifdef __AVX2__
+    return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
     v8b b;
     memcpy(&b, p, sizeof b);
     return __builtin_convertvector(b, v8i);
+#endif
 }
 
 /* The 4 weight vectors (8 rows each) of padded columns k .. k + 3 starting at byte p. */
-static inline void unpack4(const uint8_t *p, int bits, v8f w[KSTEP]) {
-    if (bits == 4) {
-        v8i lo = load_bytes(p), hi = load_bytes(p + LANES);
-        w[0] = __builtin_convertvector(lo & 15, v8f);
-        w[1] = __builtin_convertvector(lo >> 4, v8f);
-        w[2] = __builtin_convertvector(hi & 15, v8f);
-        w[3] = __builtin_convertvector(hi >> 4, v8f);
-    } else {
-        for (int j = 0; j < KSTEP; j++)
+static inline void unpack(const uint8_t *p, int bits, v8f w[KSTEP]) {
+    for (int j = 0; j < KSTEP; j += 2) {
+        if (bits == 4) {
+            v8i pair = load_bytes(p + j / 2 * LANES);
+            w[j] = __builtin_convertvector(pair & 15, v8f);
+            w[j + 1] = __builtin_convertvector(pair >> 4, v8f);
+        } else {
             w[j] = __builtin_convertvector(load_bytes(p + j * LANES), v8f);
+            w[j + 1] = __builtin_convertvector(load_bytes(p + (j + 1) * LANES), v8f);
+        }
     }
 }
 
@@ -89,7 +99,7 @@ static inline __attribute__((always_inline)) void block_rows(
         int len = group_len(s, g);
         for (int k = k0; k < k0 + len; k += KSTEP) {
             v8f w[KSTEP];
-            unpack4(wq + (size_t)k * LANES * bits / 8, bits, w);
+            unpack(wq + (size_t)k * LANES * bits / 8, bits, w);
             for (int j = 0; j < KSTEP; j++)
                 for (int m = 0; m < mr; m++)
                     acc[j % chains][m] += w[j] * xp[(size_t)m * s->kp + k + j];
@@ -177,35 +187,52 @@ int pq_matmul(const uint8_t *wq, const float *scales, const float *offsets, int 
     return 0;
 }
 
-/* Rows [n0, n1) of W as float32 into out [n1 - n0, k]; n0 is a multiple of 8. */
-void pq_dequant(const uint8_t *wq, const float *scales, const float *offsets, int n, int k,
-                int bits, int group_size, int n0, int n1, float *out, int threads) {
-    Shape s = shape_of(n, k, bits, group_size);
-    int b0 = n0 / LANES, b1 = (n1 + LANES - 1) / LANES;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int b = b0; b < b1; b++) {
-        const uint8_t *wb = wq + (size_t)b * s.block_bytes;
-        const float *sc = scales + (size_t)b * s.n_groups * LANES;
-        const float *of = offsets + (size_t)b * s.n_groups * LANES;
-        float tile[KSTEP][LANES];
-        for (int g = 0; g < s.n_groups; g++) {
-            v8f scale, offset;
-            memcpy(&scale, sc + g * LANES, sizeof scale);
-            memcpy(&offset, of + g * LANES, sizeof offset);
-            int kg = g * s.group_size, len = group_len(&s, g);
-            for (int j = 0; j < len; j += KSTEP) {
-                v8f w[KSTEP];
-                unpack4(wb + (size_t)(g * s.group_stride + j) * LANES * bits / 8, bits, w);
-                for (int i = 0; i < KSTEP; i++) {
-                    v8f v = w[i] * scale + offset;
-                    memcpy(tile[i], &v, sizeof v);
-                }
-                /* Transpose the 8-row x 4-column tile into out's rows, dropping padding. */
-                int cols = min3(KSTEP, s.group_size - j, k - kg - j);
-                for (int r = 0; r < LANES && b * LANES + r < n1; r++)
+/* Blocks [b0, b1) of W, transposed, into out (row stride ld, block b0 at column col0).
+ * Each row of out gets one contiguous run of stores per group, not a vector per block. */
+static void dequant_blocks(const Shape *s, const uint8_t *wq, const float *scales,
+                           const float *offsets, int b0, int b1, int n1, float *out, int ld,
+                           int col0) {
+    for (int g = 0; g < s->n_groups; g++) {
+        int kg = g * s->group_size, len = group_len(s, g);
+        for (int j = 0; j < len; j += KSTEP) {
+            /* Padding columns (past the group or past k) are dropped here. */
+            int cols = min3(KSTEP, s->group_size - j, s->k - kg - j);
+            for (int b = b0; b < b1; b++) {
+                size_t meta = ((size_t)b * s->n_groups + g) * LANES;
+                v8f scale, offset, w[KSTEP];
+                memcpy(&scale, scales + meta, sizeof scale);
+                memcpy(&offset, offsets + meta, sizeof offset);
+                unpack(wq + (size_t)b * s->block_bytes
+                           + (size_t)(g * s->group_stride + j) * LANES * s->bits / 8,
+                       s->bits, w);
+                int valid = n1 - b * LANES < LANES ? n1 - b * LANES : LANES;
+                float *dst = out + (size_t)(kg + j) * ld + col0 + (b - b0) * LANES;
+                if (cols == KSTEP && valid == LANES) { /* constant trip count: no spills */
+                    for (int i = 0; i < KSTEP; i++) {
+                        v8f v = w[i] * scale + offset;
+                        memcpy(dst + (size_t)i * ld, &v, sizeof v);
+                    }
+                } else {
                     for (int i = 0; i < cols; i++)
-                        out[(size_t)(b * LANES + r - n0) * k + kg + j + i] = tile[i][r];
+                        store_block(w[i] * scale + offset, dst + (size_t)i * ld, valid);
+                }
             }
         }
+    }
+}
+
+/* Rows [n0, n1) of W, transposed, as float32 into out [k, n1 - n0]; n0 is a multiple of 8.
+ * Transposed because a block's 8 rows then make one vector store, and torch.mm multiplies
+ * x [m, k] by it as readily as by W^T. */
+void pq_dequant_t(const uint8_t *wq, const float *scales, const float *offsets, int n, int k,
+                  int bits, int group_size, int n0, int n1, float *out, int threads) {
+    Shape s = shape_of(n, k, bits, group_size);
+    int b0 = n0 / LANES, b1 = (n1 + LANES - 1) / LANES;
+    /* Chunks of 8 blocks: 256-byte runs of each row, whole cache lines per thread. */
+    int chunks = (b1 - b0 + 7) / 8;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int c = 0; c < chunks; c++) {
+        int cb0 = b0 + c * 8, cb1 = cb0 + 8 < b1 ? cb0 + 8 : b1;
+        dequant_blocks(&s, wq, scales, offsets, cb0, cb1, n1, out, n1 - n0, c * 8 * LANES);
     }
 }
