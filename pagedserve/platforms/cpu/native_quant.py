@@ -32,7 +32,7 @@ LANES = 8  # rows per block: one per float32 lane of an AVX2 vector
 KSTEP = 4  # every group is padded to a multiple of this many columns
 # Up to this many rows of x the kernel reads the packed weight once for all of them; above,
 # dequantizing to float32 tiles and multiplying with torch.mm (MKL) is faster.
-GEMV_MAX_ROWS = 16
+GEMV_MAX_ROWS = 24
 # Rows of W dequantized per torch.mm call: tiles stay in the L2/L3 caches.
 DEQUANT_TILE_BYTES = 1 << 20
 
