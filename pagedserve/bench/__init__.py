@@ -12,6 +12,7 @@ BENCHMARKS = {
     "serve": "load a running server through its streaming API (TTFT, TPOT, ITL, throughput)",
     "sharing": "KV blocks saved by n/beam sharing, TTFT with prefix caching, ITL with "
                "chunked prefill",
+    "quant-kernels": "native CPU 4/8-bit quantized matmuls against torch's CPU ops",
 }
 
 
