@@ -13,6 +13,7 @@ BENCHMARKS = {
     "quant-accuracy": "greedy agreement of each weight format with float32",
     "sharing": "KV blocks saved by n/beam sharing, TTFT with prefix caching, ITL with "
                "chunked prefill",
+    "quant-kernels": "native CPU 4/8-bit quantized matmuls against torch's CPU ops",
 }
 
 

@@ -1,0 +1,203 @@
+"""Grouped-quantized linear layers on the CPU through a small C kernel built at first use.
+
+torch's CPU int4/int8 matmuls read quantized weights at a fraction of memory bandwidth on AVX2
+machines, so decoding gains little from quantizing. ``csrc/quant_gemm.c`` (its header
+describes the packed layout) is compiled with the system C compiler for the host CPU, cached
+under ``cache_dir()/cpu_kernels``, and called through ctypes with tensor data pointers. When no
+compiler works, ``available()`` says so and callers keep torch's ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedserve import envs
+from pagedserve.logger import get_logger
+
+logger = get_logger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
+COMPILER = "cc"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+LANES = 8  # rows per block: one per float32 lane of an AVX2 vector
+KSTEP = 4  # every group is padded to a multiple of this many columns
+# Up to this many rows of x the kernel reads the packed weight once for all of them; above,
+# dequantizing to float32 tiles and multiplying with torch.mm (MKL) is faster.
+GEMV_MAX_ROWS = 24
+# Rows of W dequantized per torch.mm call: tiles stay in the L2/L3 caches.
+DEQUANT_TILE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class NativeQuantWeight:
+    """W [n, k] in the kernel's packed layout: ``qweight`` holds 8-row blocks of values,
+    ``scales`` and ``offsets`` are float32 [n_blocks, n_groups, 8]."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    bits: int
+    group_size: int
+    n: int
+    k: int
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"qweight": self.qweight, "scales": self.scales, "offsets": self.offsets}
+
+
+def available() -> bool:
+    """Whether the kernel library builds (or is cached) and loads; logs once if not."""
+    return _library() is not None
+
+
+def library_path(source: bytes | None = None) -> Path:
+    """Where the library built from ``source`` (default: the shipped C file) is cached. The
+    name hashes everything the binary depends on, so a new source, compiler, flag set or CPU
+    gets its own build."""
+    digest = hashlib.sha256(SOURCE.read_bytes() if source is None else source)
+    for part in (" ".join(FLAGS), _compiler_version(), _cpu_flags()):
+        digest.update(b"\0" + part.encode())
+    return envs.cache_dir() / "cpu_kernels" / f"quant_gemm-{digest.hexdigest()[:20]}.so"
+
+
+@functools.cache
+def _compiler_version() -> str:
+    try:
+        done = subprocess.run([COMPILER, "--version"], capture_output=True, text=True,
+                              check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "missing"
+    return done.stdout
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return os.uname().machine
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    path = library_path()
+    try:
+        if not path.exists():
+            _build(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        logger.warning("native CPU quant kernels unavailable, using torch ops: %s",
+                       detail.strip().splitlines()[0] if detail.strip() else type(e).__name__)
+        return None
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.pq_matmul.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, ptr, i32, ptr, i32]
+    lib.pq_matmul.restype = i32
+    lib.pq_dequant_t.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, ptr, i32]
+    lib.pq_dequant_t.restype = None
+    return lib
+
+
+def _build(path: Path) -> None:
+    """Compile into a temporary file beside ``path`` and rename it into place, so a process
+    that builds concurrently never loads a half-written library."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        subprocess.run([COMPILER, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True,
+                       text=True, check=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("built native CPU quant kernels: %s", path)
+
+
+def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
+         group_size: int) -> NativeQuantWeight:
+    """Rearrange W = values * scales + offsets (per group of ``group_size`` columns) into the
+    kernel's layout: rows padded to 8-row blocks, each group padded to a multiple of 4
+    columns, 4-bit values two to a byte."""
+    n, k = values.shape
+    n_groups = -(-k // group_size)
+    if bits not in (4, 8):
+        raise ValueError(f"native quant kernels take bits 4 or 8, not {bits}")
+    if values.dtype != torch.uint8 or scales.shape != (n, n_groups) \
+            or offsets.shape != (n, n_groups):
+        raise ValueError(f"expected uint8 values [n, k] and float32 scales/offsets "
+                         f"[n, {n_groups}]; got {values.dtype} {tuple(values.shape)}, "
+                         f"{tuple(scales.shape)}, {tuple(offsets.shape)}")
+    blocks = -(-n // LANES)
+    padded = torch.zeros(blocks * LANES, _padded_k(k, group_size), dtype=torch.uint8)
+    padded[:n, _padded_columns(k, group_size)] = values
+    if bits == 4:
+        padded = padded[:, 0::2] | (padded[:, 1::2] << 4)
+    qweight = padded.view(blocks, LANES, -1).transpose(1, 2).contiguous()
+    return NativeQuantWeight(qweight, _blocked(scales, blocks), _blocked(offsets, blocks),
+                             bits, group_size, n, k)
+
+
+def _padded_k(k: int, group_size: int) -> int:
+    stride = -(-group_size // KSTEP) * KSTEP
+    last = k - (-(-k // group_size) - 1) * group_size
+    return (k - last) // group_size * stride + -(-last // KSTEP) * KSTEP
+
+
+def _padded_columns(k: int, group_size: int) -> torch.Tensor:
+    col = torch.arange(k)
+    return col // group_size * (-(-group_size // KSTEP) * KSTEP) + col % group_size
+
+
+def _blocked(meta: torch.Tensor, blocks: int) -> torch.Tensor:
+    out = torch.zeros(blocks * LANES, meta.shape[1], dtype=torch.float32)
+    out[:meta.shape[0]] = meta
+    return out.view(blocks, LANES, -1).transpose(1, 2).contiguous()
+
+
+def matmul(x: torch.Tensor, w: NativeQuantWeight) -> torch.Tensor:
+    """float32 x [m, k] @ W^T -> float32 [m, n]."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.k:
+        raise ValueError(f"expected float32 x [m, {w.k}], got {x.dtype} {tuple(x.shape)}")
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("native CPU quant kernels are unavailable (see the log)")
+    x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, w.n, dtype=torch.float32)
+    if m > GEMV_MAX_ROWS:
+        return _dequant_mm(lib, x, w, y)
+    if m and lib.pq_matmul(*_weight_args(w), x.data_ptr(), m, y.data_ptr(),
+                           torch.get_num_threads()):
+        raise MemoryError("native quant matmul could not allocate its scratch buffer")
+    return y
+
+
+def _weight_args(w: NativeQuantWeight) -> tuple:
+    return (w.qweight.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), w.n, w.k, w.bits,
+            w.group_size)
+
+
+def _dequant_mm(lib: ctypes.CDLL, x: torch.Tensor, w: NativeQuantWeight,
+                y: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T, W^T dequantized a tile of columns at a time into a reused float32 buffer
+    small enough to stay in cache for torch.mm."""
+    cols = max(LANES, DEQUANT_TILE_BYTES // (4 * w.k) // LANES * LANES)
+    buffer = torch.empty(w.k * min(cols, w.n), dtype=torch.float32)
+    threads = torch.get_num_threads()
+    for n0 in range(0, w.n, cols):
+        n1 = min(n0 + cols, w.n)
+        tile = buffer[:w.k * (n1 - n0)].view(w.k, n1 - n0)
+        lib.pq_dequant_t(*_weight_args(w), n0, n1, tile.data_ptr(), threads)
+        # y[:, n0:n1] has row stride n and unit column stride, which BLAS writes in place.
+        torch.mm(x, tile, out=y[:, n0:n1])
+    return y
