@@ -40,13 +40,22 @@ class CpuPlatform(Platform):
 
     @classmethod
     def linear_method(cls, weight: LoadedWeight) -> LinearMethod:
-        """Grouped 4- and 8-bit weights stay quantized in torch's int4 CPU kernel; FP8 and
-        everything else are dequantized at load (CPUs have no FP8 arithmetic)."""
-        from pagedserve.platforms.cpu.quant_linear import Int4PackLinearMethod, kernel_group
+        """Grouped 4- and 8-bit weights stay quantized: in the native kernel, else in torch's
+        int4 kernel where its groups fit; FP8 and everything else are dequantized at load
+        (CPUs have no FP8 arithmetic)."""
+        from pagedserve.platforms.cpu import native_quant
+        from pagedserve.platforms.cpu.quant_linear import (
+            Int4PackLinearMethod,
+            NativeQuantLinearMethod,
+            kernel_group,
+        )
         from pagedserve.quant.weights import GroupQuantWeight
 
-        if isinstance(weight, GroupQuantWeight) and kernel_group(weight.group_size):
-            return Int4PackLinearMethod()
+        if isinstance(weight, GroupQuantWeight):
+            if native_quant.available():
+                return NativeQuantLinearMethod()
+            if kernel_group(weight.group_size):
+                return Int4PackLinearMethod()
         return super().linear_method(weight)
 
     @classmethod

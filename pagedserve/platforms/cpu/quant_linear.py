@@ -1,7 +1,11 @@
 """The CPU's linear methods for grouped-quantized weights (AWQ, GPTQ, GGUF, compressed-tensors
-int4), in torch's own CPU kernels.
+int4).
 
-4-bit weights go through ``_weight_int4pack_mm_for_cpu``, which dequantizes
+``NativeQuantLinearMethod``: the C kernel of ``native_quant`` (built at first use), in float32
+activations; where no C compiler works, ``Int4PackLinearMethod``: torch's own CPU kernels, in the
+model's dtype.
+
+In torch's kernels, 4-bit weights go through ``_weight_int4pack_mm_for_cpu``, which dequantizes
 ``(q - 8) * scale + zero`` per group inside its matmul, so ``zero = offset + 8 * scale``. Its
 scales and zeros share the activation dtype, and its group size must divide K: a K that is not a
 multiple of the group is padded with zero columns (and zero activations), and N with zero rows
@@ -16,10 +20,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.platforms.cpu import native_quant
 from pagedserve.quant.linear_method import LinearMethod
 from pagedserve.quant.weights import GroupQuantWeight
 
 _INT4_GROUPS = (32, 64, 128, 256)
+
+
+class NativeQuantLinearMethod(LinearMethod):
+    def create_weights(self, layer, weight: GroupQuantWeight, dtype, device) -> None:
+        packed = native_quant.pack(weight.values, weight.scales, weight.offsets, weight.bits,
+                                   weight.group_size)
+        for name, tensor in packed.tensors().items():
+            _param(layer, name, tensor)
+        layer.native = packed
+        layer.input_perm = weight.input_perm
+
+    def apply(self, layer, x):
+        if layer.input_perm is not None:
+            x = x.index_select(-1, layer.input_perm)
+        out = native_quant.matmul(x.reshape(-1, x.shape[-1]).float(), layer.native)
+        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
 class Int4PackLinearMethod(LinearMethod):
