@@ -119,21 +119,10 @@ def hf_model(folder: Path):
 
 def hf_model_of_source(source):
     """transformers' float32 model of a source whose folder transformers cannot read itself
-    (a converted GGUF keeps block tensors): its config, and its weights as pagedserve reads
-    them, dequantized."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    (a converted GGUF keeps block tensors): its config, and its weights dequantized."""
+    from pagedserve.bench.hf_model import load_hf_model
 
-    from pagedserve.models.loader import iter_weights, load_arch_config
-    from pagedserve.quant.formats import checkpoint_format
-
-    config = AutoConfig.from_pretrained(source.path)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    fmt = checkpoint_format(load_arch_config(source).raw, "none", source.gguf)
-    state = {name: weight.float() for name, weight in fmt.read(iter_weights(source))}
-    model.load_state_dict(state, strict=not config.tie_word_embeddings)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model
+    return load_hf_model(source, torch.float32, "cpu")
 
 
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:

@@ -87,17 +87,6 @@ def run_engine(llm, work, breakdown: bool = False) -> dict:
             **(phases.as_dict(t.seconds) if phases else {})}
 
 
-def load_hf_model(model_path, dtype, device, random_weights: bool):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if random_weights:
-        config = AutoConfig.from_pretrained(model_path)
-        with torch.device(device):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-
-
 def run_hf(model, device, work, batch_size: int) -> dict:
     import torch
 
@@ -123,10 +112,11 @@ def run_hf(model, device, work, batch_size: int) -> dict:
 def run_hf_batches(args: argparse.Namespace, model_path, dtype, device, work) -> list[dict]:
     """HF transformers on (the first ``--hf-max-prompts`` of) the same work, one row per
     static batch size."""
+    from pagedserve.bench.hf_model import load_hf_model
     from pagedserve.models.loader import resolve_model
 
-    path = resolve_model(model_path, require_weights=not args.shape).path
-    model = load_hf_model(path, dtype, device, bool(args.shape))
+    source = resolve_model(model_path, require_weights=not args.shape)
+    model = load_hf_model(source, dtype, device, bool(args.shape))
     hf_work = work[:args.hf_max_prompts] if args.hf_max_prompts else work
     return [{"system": f"hf-static-b{bs}", **run_hf(model, device, hf_work, bs)}
             for bs in args.hf_batch_sizes]
