@@ -136,6 +136,32 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     return tokens
 
 
+def assert_greedy_matches(llm, hf, prompts: list[list[int]], new_tokens: int = 16,
+                          rel_tol: float = 1e-3) -> int:
+    """The engine's greedy tokens equal transformers' on every prompt, except that at the
+    first differing step the two candidates may be a near-tie in transformers' logits (within
+    ``rel_tol``): rounding may break a tie either way, and the comparison of that prompt stops
+    there. Returns how many prompts matched to the end."""
+    from pagedserve import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    exact = 0
+    for prompt, out in zip(prompts, outputs):
+        ours, ref = out.outputs[0].token_ids, hf_greedy(hf, prompt, new_tokens)
+        step = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+        if step is None:
+            assert len(ours) == len(ref)
+            exact += 1
+            continue
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + ref[:step]])).logits[0, -1].double()
+        a, b = logits[ref[step]].item(), logits[ours[step]].item()
+        assert abs(a - b) <= rel_tol * max(abs(a), abs(b)), (
+            f"diverged at step {step}: transformers {ref[step]} ({a}), engine {ours[step]} ({b})")
+    return exact
+
+
 def hf_beams(model, prompt: list[int], width: int, n: int, new_tokens: int, eos: int,
              length_penalty: float = 1.0, early_stopping: bool | str = False) -> list[list[int]]:
     """transformers' ``n`` returned beams of ``width``, best first, each cut after its stop

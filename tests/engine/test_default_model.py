@@ -8,7 +8,7 @@ import pytest
 
 from pagedserve import SamplingParams
 from tests.kv_checks import assert_pools_full
-from tests.tiny_models import hf_beams, hf_greedy
+from tests.tiny_models import assert_greedy_matches, hf_beams, hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -55,3 +55,24 @@ def test_beam_search_matches_transformers_on_the_default_model(default_llm, defa
         assert [c.token_ids for c in out.outputs] == expected
         assert out.outputs[0].text == tokenizer.decode(expected[0], skip_special_tokens=True)
     assert_pools_full(llm.engine.kv)
+
+
+def test_native_q4_1_matches_transformers_on_the_dequantized_weights(default_model_folder,
+                                                                      default_llm,
+                                                                      default_hf_model):
+    """By default the GGUF's Q4_1 layers and Q8_0 table stay quantized, in a quarter of the
+    memory, and compute the same greedy tokens as the float model holding their values."""
+    from pagedserve import LLM
+    from pagedserve.models.linear import Linear
+
+    llm = LLM(model=str(default_model_folder), device="cpu", dtype="float32",
+              kv_cache_memory_bytes=32 << 20)
+    model = llm.engine.runner.model
+    methods = {type(m.method).__name__ for m in model.modules() if isinstance(m, Linear)}
+    assert methods <= {"NativeQuantLinearMethod", "Int4PackLinearMethod"}, methods
+    assert model.get_input_embeddings().weight is None  # the Q8_0 table, row by row
+    dense = default_llm.engine.runner.weight_bytes()
+    assert llm.engine.runner.weight_bytes() < 0.3 * dense
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    assert assert_greedy_matches(llm, default_hf_model, prompts, NEW) >= 2

@@ -14,7 +14,6 @@ from pagedserve.quant.formats.base import QuantConfigError
 from tests.quant.packers import (
     PROMPT_LENS,
     Quantized,
-    assert_greedy_matches,
     linear_methods,
     pack_awq,
     quantize,
@@ -22,7 +21,7 @@ from tests.quant.packers import (
     spec_zeros,
     write_quantized_pair,
 )
-from tests.tiny_models import hf_model, make_llm, random_prompts
+from tests.tiny_models import assert_greedy_matches, hf_model, make_llm, random_prompts
 
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
        "version": "gemm", "modules_to_not_convert": None}

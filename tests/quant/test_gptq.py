@@ -14,7 +14,6 @@ from pagedserve.quant.formats.gptq import GptqFormat
 from tests.quant.packers import (
     PROMPT_LENS,
     Quantized,
-    assert_greedy_matches,
     linear_methods,
     pack_gptq,
     quantize,
@@ -22,7 +21,7 @@ from tests.quant.packers import (
     spec_zeros,
     write_quantized_pair,
 )
-from tests.tiny_models import hf_model, make_llm, random_prompts
+from tests.tiny_models import assert_greedy_matches, hf_model, make_llm, random_prompts
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False,
         "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True,
