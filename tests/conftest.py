@@ -113,6 +113,18 @@ def default_hf_model(default_model_source: ModelSource):
     return hf_model_of_source(default_model_source)
 
 
+@pytest.fixture(params=["native", "int4pack"])
+def cpu_quant_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test on each CPU kernel for grouped 4/8-bit weights (the native one, and torch's
+    int4pack where no C compiler works); returns the linear method's class name."""
+    from pagedserve.platforms.cpu import native_quant
+
+    if request.param == "int4pack":
+        monkeypatch.setattr(native_quant, "available", lambda: False)
+    return {"native": "NativeQuantLinearMethod", "int4pack": "Int4PackLinearMethod"}[
+        request.param]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_folder(tmp_path_factory) -> Callable[[str], Path]:
     """``tiny_model_folder("qwen2")``: that architecture's random-weight checkpoint (see

@@ -73,14 +73,14 @@ def test_unpack_is_exact(n, k, group):
 
 @pytest.mark.parametrize("arch,group", [("llama3", 64), ("qwen2", 32)])
 def test_engine_matches_transformers_on_dequantized_weights(arch, group, tiny_model_folder,
-                                                            tmp_path):
+                                                            tmp_path, cpu_quant_kernel):
     skip = ["model.layers.1.mlp.down_proj"]  # stored dense, as modules_to_not_convert says
     config = dict(AWQ, group_size=group, modules_to_not_convert=skip)
     write_quantized_pair(tiny_model_folder(arch), tmp_path / "awq", tmp_path / "float", config,
                          skip=tuple(skip))
     llm = make_llm(tmp_path / "awq", dtype="float32")
     methods = linear_methods(llm)
-    assert methods["model.layers.0.self_attn.qkv_proj"] == "Int4PackLinearMethod"
+    assert methods["model.layers.0.self_attn.qkv_proj"] == cpu_quant_kernel
     assert methods["model.layers.1.mlp.down_proj"] == "DenseLinearMethod"
     assert_greedy_matches(llm, hf_model(tmp_path / "float"), random_prompts(arch, PROMPT_LENS))
 

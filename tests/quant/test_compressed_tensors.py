@@ -127,9 +127,11 @@ def test_ignored_modules_stay_float_and_ignore_is_honoured(ct_checkpoint):
 def test_engine_matches_transformers(ct_checkpoint, scheme, arch):
     ckpt = ct_checkpoint(scheme, arch)
     llm = make_llm(ckpt.quantized, dtype="float32")
-    if scheme.startswith("w4"):  # the CPU runs these in its int4 kernel, not dequantized
-        down = llm.engine.runner.model.model.layers[0].mlp.down_proj
-        assert type(down.method).__name__ == "Int4PackLinearMethod"
+    down = llm.engine.runner.model.model.layers[0].mlp.down_proj
+    if scheme.startswith("w4"):  # the CPU runs these quantized, not dequantized
+        assert type(down.method).__name__ in ("NativeQuantLinearMethod", "Int4PackLinearMethod")
+    else:
+        assert type(down.method).__name__ == "DenseLinearMethod"
     assert_greedy_matches_hf(llm, ckpt.reference)
 
 

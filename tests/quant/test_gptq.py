@@ -145,12 +145,13 @@ def quantized_pairs(tiny_model_folder, tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen2"])
 @pytest.mark.parametrize("case", sorted(ENGINE_CASES))
-def test_engine_matches_transformers_on_dequantized_weights(case, arch, quantized_pairs):
+def test_engine_matches_transformers_on_dequantized_weights(case, arch, quantized_pairs,
+                                                            cpu_quant_kernel):
     quantized, dequantized = quantized_pairs(case, arch)
     llm = make_llm(quantized, dtype="float32")
     methods = linear_methods(llm)
-    assert methods["model.layers.0.self_attn.qkv_proj"] == "Int4PackLinearMethod"
-    assert methods["model.layers.1.mlp.down_proj"] == "Int4PackLinearMethod"
+    assert methods["model.layers.0.self_attn.qkv_proj"] == cpu_quant_kernel
+    assert methods["model.layers.1.mlp.down_proj"] == cpu_quant_kernel
     if ENGINE_CASES[case].get("desc_act"):  # q/k/v share one act-order: fused, still packed
         assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.input_perm is not None
     assert_greedy_matches(llm, hf_model(dequantized), random_prompts(case + arch, PROMPT_LENS))
