@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA tests and H200 benchmarks in one go, for the device tool (or any NVIDIA machine).
 #   scripts/gpu_check.sh                 everything, most wanted first
-#   scripts/gpu_check.sh PART [PART...]  some of: engine-tests kernel-tests layer-tests llama
-#                                        llama-breakdown decode step-overhead mixed smollm2 fp8
-#                                        serve
+#   scripts/gpu_check.sh PART [PART...]  some of: engine-tests quant-tests kernel-tests
+#                                        layer-tests llama llama-breakdown decode
+#                                        step-overhead mixed smollm2 fp8 serve
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +61,8 @@ for part in $parts; do
   case $part in
     engine-tests) python3 -m pytest -q -m cuda -p no:cacheprovider \
         tests/platforms/cuda/test_engine_cuda.py -s 2>&1 | tee "$OUT/gpu_engine_tests.log" ;;
+    quant-tests) python3 -m pytest -q -m cuda -p no:cacheprovider \
+        tests/quant/test_quant_cuda.py 2>&1 | tee "$OUT/gpu_quant_tests.log" ;;
     kernel-tests) python3 -m pytest -q -m cuda -p no:cacheprovider \
         tests/platforms/cuda/test_triton_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" ;;
     layer-tests) python3 -m pytest -q -p no:cacheprovider \

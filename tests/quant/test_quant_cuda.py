@@ -1,0 +1,43 @@
+"""Every grouped-int and FP8 format loads on an NVIDIA GPU (dequantized at load until the
+Triton kernels of the next issue) and matches transformers on the dequantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.quant.fp8_ct_checkpoints import write_fp8
+from tests.quant.packers import PROMPT_LENS, linear_methods, write_quantized_pair
+from tests.tiny_models import assert_greedy_matches, hf_model, random_prompts
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda)"),
+]
+
+CONFIGS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
+            "version": "gemm"},
+    "gptq-act-order": {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True,
+                       "desc_act": True, "checkpoint_format": "gptq"},
+    "gptq-8bit": {"quant_method": "gptq", "bits": 8, "group_size": 64, "sym": False,
+                  "desc_act": False, "checkpoint_format": "gptq_v2"},
+}
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+@pytest.mark.parametrize("fmt", [*CONFIGS, "fp8-static"])
+def test_format_loads_on_cuda(fmt, arch, tiny_model_folder, tmp_path):
+    from pagedserve import LLM
+
+    if fmt == "fp8-static":
+        ckpt = write_fp8(tiny_model_folder(arch), tmp_path / "fp8", static=True)
+        quantized, reference = ckpt.quantized, ckpt.reference
+    else:
+        quantized, reference = tmp_path / "q", tmp_path / "float"
+        write_quantized_pair(tiny_model_folder(arch), quantized, reference, CONFIGS[fmt])
+    llm = LLM(model=str(quantized), device="cuda", dtype="float32",
+              kv_cache_memory_bytes=64 << 20)
+    assert set(linear_methods(llm).values()) == {"DenseLinearMethod"}
+    prompts = random_prompts(fmt + arch, PROMPT_LENS)
+    assert assert_greedy_matches(llm, hf_model(reference), prompts) >= 1
