@@ -10,6 +10,8 @@ import argparse
 import statistics
 import time
 
+REQUANTIZED = ("int8", "fp8")
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     from pagedserve.engine_args import add_engine_args
@@ -19,9 +21,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 32, 128, 256])
     parser.add_argument("--context-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--requantize", choices=("int8",), default=None,
-                        help="int8: requantize every linear layer to 8 bits in groups of 32 "
-                             "(symmetric, as GGUF's Q8_0), e.g. of a --quantization none model")
+    parser.add_argument("--requantize", choices=REQUANTIZED, default=None,
+                        help="requantize every linear layer of a --quantization none model: "
+                             "int8: 8 bits in groups of 32, symmetric, as GGUF's Q8_0; fp8: "
+                             "e4m3 with a scale per row, as --quantization fp8")
     parser.add_argument("--out", default=None)
 
 
@@ -62,18 +65,22 @@ def time_decode(engine, batch: int, context: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def requantize(model, bits: int, group_size: int) -> None:
-    """Replace every dense linear weight by its symmetric ``bits``-bit quantization."""
+def requantize(model, kind: str) -> None:
+    """Replace every dense linear weight by its ``kind`` (``REQUANTIZED``) quantization."""
     import torch
 
     from pagedserve.models.linear import Linear
-    from pagedserve.quant.weights import GroupQuantWeight
+    from pagedserve.quant.weights import Fp8Weight, GroupQuantWeight
 
     for layer in model.modules():
         weight = getattr(layer, "weight", None)
+        if kind == "fp8" and isinstance(layer, Linear) and not layer.quantize_at_load:
+            continue  # the LM head, which --quantization fp8 leaves in float too
         if isinstance(layer, Linear) and isinstance(weight, torch.Tensor):
+            dense = weight.detach()
             del layer.weight  # the tied LM head's is the embedding's, which stays
-            layer.set_weight(GroupQuantWeight.quantize(weight.detach(), bits, group_size))
+            layer.set_weight(Fp8Weight.quantize(dense) if kind == "fp8"
+                             else GroupQuantWeight.quantize(dense, bits=8, group_size=32))
 
 
 def main(args: argparse.Namespace) -> None:
@@ -86,8 +93,8 @@ def main(args: argparse.Namespace) -> None:
     args.max_num_seqs = max(args.max_num_seqs, max(args.batch_sizes))
     llm = engine_from_args(args)
     engine = llm.engine
-    if args.requantize == "int8":
-        requantize(engine.runner.model, bits=8, group_size=32)
+    if args.requantize:
+        requantize(engine.runner.model, args.requantize)
     bandwidth = copy_bandwidth(engine.platform)
     weights = engine.runner.weight_bytes_read_per_token_step()
     kv_per_token = engine.kv_bytes_per_block // engine.config.block_size

@@ -22,14 +22,15 @@ PROMPTS = [
     "Dear hiring manager,", "The quick brown fox", "Machine learning models are trained",
     "The best way to learn a language is", "<html>\n  <head>\n",
 ]
-# name -> engine options, and whether the linear layers are requantized to 8 bits afterwards
+# name -> engine options, and what the linear layers are requantized to afterwards
+DEQUANTIZED = {"quantization": "none", "dtype": "float32"}
 FORMATS = {
-    "float32": ({"quantization": "none", "dtype": "float32"}, False),
-    "bfloat16": ({"quantization": "none", "dtype": "bfloat16"}, False),
-    "native (float32 activations)": ({"quantization": "auto", "dtype": "float32"}, False),
-    "native (bfloat16 activations)": ({"quantization": "auto", "dtype": "bfloat16"}, False),
-    "int8, groups of 32": ({"quantization": "none", "dtype": "float32"}, True),
-    "fp8 at load": ({"quantization": "fp8", "dtype": "float32"}, False),
+    "float32": (DEQUANTIZED, None),
+    "bfloat16": ({"quantization": "none", "dtype": "bfloat16"}, None),
+    "GGUF blocks (float32 activations)": ({"quantization": "auto", "dtype": "float32"}, None),
+    "GGUF blocks (bfloat16 activations)": ({"quantization": "auto", "dtype": "bfloat16"}, None),
+    "int8, groups of 32": (DEQUANTIZED, "int8"),
+    "fp8, a scale per row": (DEQUANTIZED, "fp8"),
 }
 
 
@@ -59,18 +60,18 @@ def run_format(model: str | None, name: str, new_tokens: int) -> dict:
     from pagedserve.bench.decode import requantize
     from pagedserve.sampling_params import SamplingParams
 
-    options, to_int8 = FORMATS[name]
+    options, requantized = FORMATS[name]
     llm = LLM(model=model, device="cpu", kv_cache_memory_bytes=256 << 20, **options)
-    if to_int8:
-        requantize(llm.engine.runner.model, bits=8, group_size=32)
+    if requantized:
+        requantize(llm.engine.runner.model, requantized)
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
 
     def logprobs_of(continuations: list[list[int]]) -> list[list[float]]:
         score = SamplingParams(max_tokens=1, prompt_logprobs=0)
-        seqs = [{"prompt_token_ids": p + c} for p, c in zip(prompts, continuations)]
+        seqs = [p + c for p, c in zip(prompts, continuations)]
         results = llm.generate(seqs, score, use_tqdm=False)
         return [[entry[tok].logprob for entry, tok in zip(r.prompt_logprobs[-len(c):], c)]
                 for r, c in zip(results, continuations)]
