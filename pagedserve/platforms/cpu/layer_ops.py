@@ -36,7 +36,7 @@ def library() -> ctypes.CDLL | None:
         "lo_rms_norm": [p, i64, p, i64, p, f32, p, i64, i32, i32, i32],
         "lo_silu_and_mul": [p, i64, p, i64, i32, i32, i32],
         "lo_rotary": [p, p, i64, i64, i32, p, i64, i64, i32, p, p, i32, i32, i32],
-        "lo_paged_decode": [p, i64, i64, p, i64, i64, p, i64, i64, p, p, p, p, i64, p,
+        "lo_paged_decode": [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, p, p, i64, p,
                             i32, i32, i32, i32, i32, f32, p, i32],
     }
     for name, argtypes in signatures.items():

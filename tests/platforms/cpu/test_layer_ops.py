@@ -52,6 +52,7 @@ def test_rms_norm(rows, with_residual):
 def test_silu_and_mul(rows):
     torch.manual_seed(rows)
     x = torch.randn(rows, 2 * 1536) * 4
+    x[0, :4] = torch.tensor([-100.0, 100.0, -88.5, 89.0])  # past exp's clamped range
     close(CpuLayerOps.silu_and_mul(x), LayerOps.silu_and_mul(x.double()))
 
 
@@ -177,3 +178,16 @@ def test_platform_picks_native_ops_when_they_build(monkeypatch):
     monkeypatch.setattr(layer_ops, "available", lambda: False)
     assert CpuPlatform.layer_ops() is LayerOps
     assert CpuPlatform.attention_backend() is TorchPagedAttention
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (4, 4)])
+def test_decode_attention_splits_query_head_groups(monkeypatch, threads, heads, kv_heads):
+    """Few sequences on many threads: each kv head's query heads are split into slices."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    dim, seq_lens = 64, [45]
+    cache, keys, values, meta = decode_case(4, heads, kv_heads, dim, seq_lens, seed=threads)
+    q = torch.randn(1, heads, dim)
+    k, v = keys[0][-1:], values[0][-1:]
+    out = CpuPagedAttention(heads, dim, kv_heads, 0.125).forward(q, k, v, cache, meta)
+    close(out, dense_reference(q, keys, values, 0.125, heads // kv_heads))
