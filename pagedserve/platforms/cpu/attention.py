@@ -18,7 +18,9 @@ class CpuPagedAttention(TorchPagedAttention):
     context is gathered. Prefill, mixed steps and other dtypes take ``TorchPagedAttention``.
 
     One backend serves every layer, so the step's metadata is checked and turned into
-    kernel arguments once, on the first layer that sees it."""
+    kernel arguments once, on the first layer that sees it: a step builds a new
+    ``AttentionMetadata`` and never mutates it. The backend holds the last one, so a later
+    step's object cannot reuse its identity."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

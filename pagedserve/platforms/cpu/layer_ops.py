@@ -70,7 +70,7 @@ class CpuLayerOps(LayerOps):
 
     @staticmethod
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-        if not _rows(x):
+        if not (_rows(x) and x.shape[1] % 2 == 0):
             return LayerOps.silu_and_mul(x)
         inter = x.shape[1] // 2
         out = torch.empty(x.shape[0], inter, dtype=F32)
@@ -82,7 +82,8 @@ class CpuLayerOps(LayerOps):
     @staticmethod
     def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """As ``LayerOps.rotary``, rotating q and k in place."""
+        """As ``LayerOps.rotary``, rotating q and k in place. Positions are not bounds-checked:
+        they must index the tables, as the engine's always do."""
         if not (q.dtype == F32 and k.dtype == F32 and q.stride(2) == 1 and k.stride(2) == 1
                 and positions.dtype == torch.int64 and positions.is_contiguous()
                 and cos.dtype == F32 and sin.dtype == F32 and cos.is_contiguous()

@@ -129,7 +129,7 @@ def dense_reference(q, keys, values, scale, group):
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (9, 3)])
-@pytest.mark.parametrize("dim", [16, 64, 128])
+@pytest.mark.parametrize("dim", [16, 64, 128, 20])  # 20: not a multiple of the vector width
 def test_decode_attention_matches_dense_reference(block_size, heads, kv_heads, dim):
     seq_lens = [1, 2, 33, 100, 17, 64]
     cache, keys, values, meta = decode_case(block_size, heads, kv_heads, dim, seq_lens,
