@@ -2,32 +2,23 @@
 
 torch's CPU int4/int8 matmuls read quantized weights at a fraction of memory bandwidth on AVX2
 machines, so decoding gains little from quantizing. ``csrc/quant_gemm.c`` (its header
-describes the packed layout) is compiled with the system C compiler for the host CPU, cached
-under ``cache_dir()/cpu_kernels``, and called through ctypes with tensor data pointers. When no
-compiler works, ``available()`` says so and callers keep torch's ops.
+describes the packed layout) is built by ``native_build`` at first use and called through
+ctypes with tensor data pointers. When no compiler works, ``available()`` says so and callers
+keep torch's ops.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pagedserve import envs
-from pagedserve.logger import get_logger
+from pagedserve.platforms.cpu import native_build
 
-logger = get_logger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
-COMPILER = "cc"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+SOURCE = native_build.CSRC / "quant_gemm.c"
 LANES = 8  # rows per block: one per float32 lane of an AVX2 vector
 KSTEP = 4  # every group is padded to a multiple of this many columns
 # Up to this many rows of x the kernel reads the packed weight once for all of them; above,
@@ -60,44 +51,14 @@ def available() -> bool:
 
 
 def library_path(source: bytes | None = None) -> Path:
-    """Where the library built from ``source`` (default: the shipped C file) is cached. The
-    name hashes everything the binary depends on, so a new source, compiler, flag set or CPU
-    gets its own build."""
-    digest = hashlib.sha256(SOURCE.read_bytes() if source is None else source)
-    for part in (" ".join(FLAGS), _compiler_version(), _cpu_flags()):
-        digest.update(b"\0" + part.encode())
-    return envs.cache_dir() / "cpu_kernels" / f"quant_gemm-{digest.hexdigest()[:20]}.so"
-
-
-@functools.cache
-def _compiler_version() -> str:
-    try:
-        done = subprocess.run([COMPILER, "--version"], capture_output=True, text=True,
-                              check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "missing"
-    return done.stdout
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return os.uname().machine
+    """Where the library built from ``source`` (default: the shipped C file) is cached."""
+    return native_build.library_path(SOURCE, source)
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    path = library_path()
-    try:
-        if not path.exists():
-            _build(path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", None) or str(e)
-        logger.warning("native CPU quant kernels unavailable, using torch ops: %s",
-                       detail.strip().splitlines()[0] if detail.strip() else type(e).__name__)
+    lib = native_build.load_library(SOURCE)
+    if lib is None:
         return None
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.pq_matmul.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, ptr, i32, ptr, i32]
@@ -105,22 +66,6 @@ def _library() -> ctypes.CDLL | None:
     lib.pq_dequant_t.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, ptr, i32]
     lib.pq_dequant_t.restype = None
     return lib
-
-
-def _build(path: Path) -> None:
-    """Compile into a temporary file beside ``path`` and rename it into place, so a process
-    that builds concurrently never loads a half-written library."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        subprocess.run([COMPILER, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True,
-                       text=True, check=True)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    logger.info("built native CPU quant kernels: %s", path)
 
 
 def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,

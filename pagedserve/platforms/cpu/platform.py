@@ -1,4 +1,5 @@
-"""The CPU platform: always available, torch kernels, KV pool in host RAM."""
+"""The CPU platform: always available, KV pool in host RAM. Quantized matmuls, decode attention
+and the layer ops run small C kernels built at first use, torch ops where they do not build."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from pagedserve.platforms.interface import MemoryInfo, Platform
 
 if TYPE_CHECKING:
+    from pagedserve.attention.backend import AttentionBackend
+    from pagedserve.models.layer_ops import LayerOps
     from pagedserve.quant.linear_method import LinearMethod
     from pagedserve.quant.weights import LoadedWeight
 
@@ -37,6 +40,22 @@ class CpuPlatform(Platform):
     def default_dtype(cls) -> torch.dtype:
         # bf16 matmuls are slow on CPUs without AMX; float32 is the safe fast default.
         return torch.float32
+
+    @classmethod
+    def attention_backend(cls) -> type[AttentionBackend]:
+        from pagedserve.platforms.cpu import layer_ops
+
+        if layer_ops.available():
+            from pagedserve.platforms.cpu.attention import CpuPagedAttention
+
+            return CpuPagedAttention
+        return super().attention_backend()
+
+    @classmethod
+    def layer_ops(cls) -> type[LayerOps]:
+        from pagedserve.platforms.cpu import layer_ops
+
+        return layer_ops.CpuLayerOps if layer_ops.available() else super().layer_ops()
 
     @classmethod
     def linear_method(cls, weight: LoadedWeight) -> LinearMethod:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.platforms.cpu import native_quant
+from pagedserve.platforms.cpu import native_build, native_quant
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -120,9 +120,8 @@ def test_fresh_process_reuses_the_cached_library(built):
 
 def test_missing_compiler_reports_unavailable_once(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native_quant, "COMPILER", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(native_build, "COMPILER", str(tmp_path / "no-such-cc"))
     native_quant._library.cache_clear()
-    native_quant._compiler_version.cache_clear()
     logger = logging.getLogger("pagedserve")
     logger.addHandler(caplog.handler)  # the package logger does not propagate to the root
     try:
@@ -131,7 +130,6 @@ def test_missing_compiler_reports_unavailable_once(monkeypatch, tmp_path, caplog
     finally:
         logger.removeHandler(caplog.handler)
         native_quant._library.cache_clear()
-        native_quant._compiler_version.cache_clear()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "unavailable" in warnings[0].getMessage()
     assert not list(tmp_path.glob("cpu_kernels/*"))

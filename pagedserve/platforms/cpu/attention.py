@@ -1,0 +1,60 @@
+"""The CPU attention backend: decode-only float32 steps in one C call that reads keys and
+values straight from the paged cache; everything else in the portable torch ops."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.torch_paged import TorchPagedAttention
+from pagedserve.platforms.cpu.layer_ops import library
+
+F32 = torch.float32
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """``lo_paged_decode`` (``csrc/layer_ops.c``) writes the step's keys and values and
+    attends per (sequence, head) with an online softmax, walking the block table, so no
+    context is gathered. Prefill, mixed steps and other dtypes take ``TorchPagedAttention``.
+
+    One backend serves every layer, so the step's metadata is checked and turned into
+    kernel arguments once, on the first layer that sees it: a step builds a new
+    ``AttentionMetadata`` and never mutates it. The backend holds the last one, so a later
+    step's object cannot reuse its identity."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._meta: AttentionMetadata | None = None
+        self._meta_args: tuple | None = None
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if meta is not self._meta:
+            self._meta, self._meta_args = meta, _meta_args(meta)
+        if self._meta_args is None or not _native_layout(q, k, v, kv_cache):
+            return super().forward(q, k, v, kv_cache, meta)
+        out = torch.empty(q.shape, dtype=F32)
+        num_blocks, block_size = kv_cache.shape[1:3]
+        library().lo_paged_decode(
+            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+            v.data_ptr(), v.stride(0), v.stride(1), kv_cache.data_ptr(), num_blocks,
+            *self._meta_args, self.num_heads, self.num_kv_heads, self.head_size, block_size,
+            self.scale, out.data_ptr(), torch.get_num_threads())
+        return out
+
+
+def _meta_args(meta: AttentionMetadata) -> tuple | None:
+    """(slot_mapping, block_tables, its row stride, seq_lens, num_seqs) for the kernel, or
+    None where the step is not decode-only or the metadata has another layout."""
+    slots, tables, seq_lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
+    if not (meta.is_decode_only and slots.dtype == torch.int64 and slots.is_contiguous()
+            and tables.dtype == torch.int32 and tables.stride(1) == 1
+            and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()):
+        return None
+    return (slots.data_ptr(), tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
+            meta.num_seqs)
+
+
+def _native_layout(q, k, v, kv_cache) -> bool:
+    return (q.dtype == F32 and k.dtype == F32 and v.dtype == F32 and kv_cache.dtype == F32
+            and q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+            and kv_cache.is_contiguous())

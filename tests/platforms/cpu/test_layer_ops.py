@@ -1,0 +1,193 @@
+"""The native CPU layer ops and decode attention against float64 references: the plain-torch
+``LayerOps`` for the elementwise ops, dense attention over a NaN-poisoned paged pool."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.torch_paged import TorchPagedAttention
+from pagedserve.models.layer_ops import LayerOps
+from pagedserve.platforms.cpu import layer_ops
+from pagedserve.platforms.cpu.attention import CpuPagedAttention
+from pagedserve.platforms.cpu.layer_ops import CpuLayerOps
+from pagedserve.platforms.cpu.platform import CpuPlatform
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not layer_ops.available():
+        pytest.skip("no working C compiler for the native kernels (see the log)")
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 2e-5) -> None:
+    assert actual.dtype == torch.float32 and torch.isfinite(actual).all()
+    torch.testing.assert_close(actual.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 129])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(rows, with_residual):
+    torch.manual_seed(rows)
+    hidden = 576
+    # x is a strided view, as a slice of a wider projection would be.
+    x = torch.randn(rows, hidden + 8)[:, :hidden]
+    weight = torch.rand(hidden) + 0.5
+    residual = torch.randn(rows, hidden) if with_residual else None
+    expected = LayerOps.rms_norm(x.double(), weight.double(), 1e-6,
+                                 None if residual is None else residual.double())
+    got = CpuLayerOps.rms_norm(x, weight, 1e-6, residual)
+    if with_residual:
+        close(got[0], expected[0])
+        assert got[1] is residual  # the sum is written in place
+        close(got[1], expected[1])
+    else:
+        close(got, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_silu_and_mul(rows):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 2 * 1536) * 4
+    x[0, :4] = torch.tensor([-100.0, 100.0, -88.5, 89.0])  # past exp's clamped range
+    close(CpuLayerOps.silu_and_mul(x), LayerOps.silu_and_mul(x.double()))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (2, 1, 16)])
+def test_rotary(rows, heads, kv_heads, dim):
+    torch.manual_seed(rows)
+    max_pos = 300
+    angles = torch.rand(max_pos, dim // 2) * 50
+    cos, sin = angles.cos(), angles.sin()
+    # q and k are strided views of one fused projection, as in the model.
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, :heads * dim].view(rows, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    positions = torch.randint(0, max_pos, (rows,))
+    positions[0] = max_pos - 1
+    eq, ek = LayerOps.rotary(positions, q.double(), k.double(), cos.double(), sin.double())
+    gq, gk = CpuLayerOps.rotary(positions, q, k, cos, sin)
+    close(gq, eq)
+    close(gk, ek)
+    assert gq.data_ptr() == q.data_ptr()  # rotated in place
+
+
+def test_ops_fall_back_for_other_dtypes():
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    torch.testing.assert_close(CpuLayerOps.rms_norm(x, w, 1e-6), LayerOps.rms_norm(x, w, 1e-6))
+    torch.testing.assert_close(CpuLayerOps.silu_and_mul(x), LayerOps.silu_and_mul(x))
+
+
+def decode_case(block_size: int, heads: int, kv_heads: int, dim: int, seq_lens: list[int],
+                seed: int):
+    """A NaN-poisoned pool holding each sequence's context; the step's k/v are not in it."""
+    gen = random.Random(seed)
+    torch.manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 5
+    cache = torch.full((2, num_blocks, block_size, kv_heads, dim), float("nan"))
+    free = list(range(num_blocks))
+    gen.shuffle(free)
+    tables, keys, values, slots = [], [], [], []
+    for n in seq_lens:
+        blocks = [free.pop() for _ in range(-(-n // block_size))]
+        tables.append(blocks)
+        k, v = torch.randn(2, n, kv_heads, dim).unbind()
+        keys.append(k)
+        values.append(v)
+        for p in range(n - 1):
+            cache[0, blocks[p // block_size], p % block_size] = k[p]
+            cache[1, blocks[p // block_size], p % block_size] = v[p]
+        slots.append(blocks[(n - 1) // block_size] * block_size + (n - 1) % block_size)
+    # Padding past a table's end points at a poisoned block, which must never be read.
+    width = max(len(t) for t in tables) + 1
+    table_t = torch.tensor([t + [free[0]] * (width - len(t)) for t in tables],
+                           dtype=torch.int32)
+    num = len(seq_lens)
+    meta = AttentionMetadata(
+        num_seqs=num, num_tokens=num, max_query_len=1, max_seq_len=max(seq_lens),
+        block_size=block_size, query_start_loc=torch.arange(num + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        context_lens=torch.tensor(seq_lens, dtype=torch.int32) - 1, block_tables=table_t,
+        slot_mapping=torch.tensor(slots), query_lens_cpu=[1] * num, seq_lens_cpu=seq_lens)
+    return cache, keys, values, meta
+
+
+def dense_reference(q, keys, values, scale, group):
+    outs = []
+    for qi, k, v in zip(q.double(), keys, values):
+        k = k.double().repeat_interleave(group, dim=1)
+        v = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,khd->hk", qi, k) * scale
+        outs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (9, 3)])
+@pytest.mark.parametrize("dim", [16, 64, 128, 20])  # 20: not a multiple of the vector width
+def test_decode_attention_matches_dense_reference(block_size, heads, kv_heads, dim):
+    seq_lens = [1, 2, 33, 100, 17, 64]
+    cache, keys, values, meta = decode_case(block_size, heads, kv_heads, dim, seq_lens,
+                                            seed=block_size * dim + heads)
+    # q/k/v are strided views of a fused projection, as in the model.
+    num = len(seq_lens)
+    qkv = torch.randn(num, (heads + 2 * kv_heads) * dim) * 2
+    q = qkv[:, :heads * dim].view(num, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(num, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(num, kv_heads, dim)
+    for i, n in enumerate(seq_lens):
+        k[i], v[i] = keys[i][n - 1], values[i][n - 1]
+    scale = dim ** -0.5
+    out = CpuPagedAttention(heads, dim, kv_heads, scale).forward(q, k, v, cache, meta)
+    close(out, dense_reference(q, keys, values, scale, heads // kv_heads))
+    flat = cache.view(2, -1, kv_heads, dim)
+    assert torch.equal(flat[0, meta.slot_mapping], k)
+    assert torch.equal(flat[1, meta.slot_mapping], v)
+
+
+def test_decode_attention_with_large_scores():
+    """Scores far apart (a key aligned with q among random ones) exercise the rescaling."""
+    heads, kv_heads, dim = 2, 1, 64
+    seq_lens = [70]
+    cache, keys, values, meta = decode_case(4, heads, kv_heads, dim, seq_lens, seed=3)
+    q = keys[0][40, :, None].expand(1, heads, dim).contiguous() * 6
+    k, v = keys[0][69:], values[0][69:]
+    out = CpuPagedAttention(heads, dim, kv_heads, 1.0).forward(q, k, v, cache, meta)
+    close(out, dense_reference(q, keys, values, 1.0, heads // kv_heads))
+
+
+def test_non_decode_steps_take_the_torch_path(monkeypatch):
+    cache, keys, values, meta = decode_case(4, 2, 1, 16, [5, 9], seed=1)
+    meta.max_query_len = 2  # not decode-only: the native kernel must not run
+    calls = []
+    monkeypatch.setattr(TorchPagedAttention, "forward",
+                        lambda self, *args: calls.append(args) or args[0])
+    q = torch.randn(2, 2, 16)
+    CpuPagedAttention(2, 16, 1, 0.25).forward(q, q[:, :1], q[:, :1], cache, meta)
+    assert len(calls) == 1
+
+
+def test_platform_picks_native_ops_when_they_build(monkeypatch):
+    assert CpuPlatform.layer_ops() is CpuLayerOps
+    assert CpuPlatform.attention_backend() is CpuPagedAttention
+    monkeypatch.setattr(layer_ops, "available", lambda: False)
+    assert CpuPlatform.layer_ops() is LayerOps
+    assert CpuPlatform.attention_backend() is TorchPagedAttention
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (4, 4)])
+def test_decode_attention_splits_query_head_groups(monkeypatch, threads, heads, kv_heads):
+    """Few sequences on many threads: each kv head's query heads are split into slices."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    dim, seq_lens = 64, [45]
+    cache, keys, values, meta = decode_case(4, heads, kv_heads, dim, seq_lens, seed=threads)
+    q = torch.randn(1, heads, dim)
+    k, v = keys[0][-1:], values[0][-1:]
+    out = CpuPagedAttention(heads, dim, kv_heads, 0.125).forward(q, k, v, cache, meta)
+    close(out, dense_reference(q, keys, values, 0.125, heads // kv_heads))
