@@ -23,7 +23,6 @@ CASES = [  # n, k, bits, group
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 def test_matches_float64(n, k, bits, group, m, dtype, tol) -> None:
     w = random_weight(n, k, bits, group, seed=n * k + bits)
-    assert isinstance(CpuPlatform.linear_method(w), Int4PackLinearMethod)
     layer = nn.Module()
     Int4PackLinearMethod().create_weights(layer, w, dtype, torch.device("cpu"))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
@@ -47,7 +46,22 @@ def test_act_order_permutes_the_input() -> None:
     assert (unpermuted - expected).abs().max() / expected.abs().max() > 0.1
 
 
-def test_groups_the_kernel_cannot_split_are_dequantized() -> None:
+def test_the_platform_prefers_the_native_kernel(monkeypatch) -> None:
+    from pagedserve.platforms.cpu import native_quant
+    from pagedserve.platforms.cpu.quant_linear import NativeQuantLinearMethod
+
+    w = random_weight(16, 64, 4, 32, seed=1)
+    assert native_quant.available()  # CI has a C compiler
+    assert isinstance(CpuPlatform.linear_method(w), NativeQuantLinearMethod)
+    monkeypatch.setattr(native_quant, "available", lambda: False)
+    assert isinstance(CpuPlatform.linear_method(w), Int4PackLinearMethod)
+
+
+def test_without_the_native_kernel_groups_int4pack_cannot_split_are_dequantized(
+        monkeypatch) -> None:
+    from pagedserve.platforms.cpu import native_quant
+
+    monkeypatch.setattr(native_quant, "available", lambda: False)
     w = random_weight(16, 48, 4, 48, seed=1)  # 48 is not a multiple of 32
     method = CpuPlatform.linear_method(w)
     assert isinstance(method, DenseLinearMethod)
