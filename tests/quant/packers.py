@@ -20,8 +20,11 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+from pagedserve.quant.formats.base import QuantConfigError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i]
 
@@ -190,3 +193,24 @@ def linear_methods(llm) -> dict[str, str]:
     """Each linear layer's method class, by module name."""
     return {name: type(m.method).__name__ for name, m in llm.engine.runner.model.named_modules()
             if getattr(m, "method", None) is not None}
+
+
+def assert_refused_before_weights(source: Path, folder: Path, quantization_config: dict,
+                                  field: str) -> None:
+    """``source``'s config with ``quantization_config`` over a weight file that is not one:
+    starting an engine fails with a one-line error naming ``field``, so it came before any
+    weight was read."""
+    from tests.tiny_models import make_llm
+
+    folder.mkdir()
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantConfigError) as err:
+        make_llm(folder, dtype="float32")
+    message = str(err.value)
+    assert f"quantization_config.{field}" in message and "\n" not in message

@@ -3,8 +3,6 @@ dequantized weights, and the configs we refuse."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ from pagedserve.quant.formats.base import QuantConfigError
 from tests.quant.packers import (
     PROMPT_LENS,
     Quantized,
+    assert_refused_before_weights,
     linear_methods,
     pack_awq,
     quantize,
@@ -95,19 +94,7 @@ def test_engine_matches_transformers_on_dequantized_weights(arch, group, tiny_mo
 ])
 def test_bad_config_is_refused_before_any_weight_is_read(change, field, llama3_folder,
                                                          tmp_path):
-    folder = tmp_path / "bad"
-    folder.mkdir()
-    for f in llama3_folder.iterdir():
-        if f.suffix != ".safetensors":
-            (folder / f.name).write_bytes(f.read_bytes())
-    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = dict(AWQ, **change)
-    (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(QuantConfigError) as err:
-        make_llm(folder, dtype="float32")
-    message = str(err.value)
-    assert f"quantization_config.{field}" in message and "\n" not in message
+    assert_refused_before_weights(llama3_folder, tmp_path / "bad", dict(AWQ, **change), field)
 
 
 def test_missing_qzeros_names_the_tensor():

@@ -3,8 +3,6 @@ transformers on the dequantized weights, and the configs we refuse."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ from pagedserve.quant.formats.gptq import GptqFormat
 from tests.quant.packers import (
     PROMPT_LENS,
     Quantized,
+    assert_refused_before_weights,
     linear_methods,
     pack_gptq,
     quantize,
@@ -175,19 +174,7 @@ def test_quantization_none_matches_transformers(quantized_pairs):
 ])
 def test_bad_config_is_refused_before_any_weight_is_read(change, field, llama3_folder,
                                                          tmp_path):
-    folder = tmp_path / "bad"
-    folder.mkdir()
-    for f in llama3_folder.iterdir():
-        if f.suffix != ".safetensors":
-            (folder / f.name).write_bytes(f.read_bytes())
-    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
     qc = dict(GPTQ, **change)
     if "format" in change:
         del qc["checkpoint_format"]
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = qc
-    (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(QuantConfigError) as err:
-        make_llm(folder, dtype="float32")
-    message = str(err.value)
-    assert f"quantization_config.{field}" in message and "\n" not in message
+    assert_refused_before_weights(llama3_folder, tmp_path / "bad", qc, field)

@@ -21,8 +21,8 @@ Tensors = Iterable[tuple[str, torch.Tensor]]
 
 
 class QuantConfigError(ValueError):
-    """A ``quantization_config`` value or ``--quantization`` choice we cannot load; the
-    one-line message names the field and its value."""
+    """A ``quantization_config`` value, ``--quantization`` choice or quantized tensor we
+    cannot load; the one-line message names the field (or tensor) and its value."""
 
 
 def require(config: dict[str, Any], key: str, allowed: tuple, default: Any = None) -> Any:
