@@ -36,8 +36,7 @@ from pagedserve.logger import get_logger
 from pagedserve.models import loader
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import resolve_platform
-from pagedserve.quant.formats import checkpoint_format, quantize_at_load
-from pagedserve.quant.weights import Fp8Weight
+from pagedserve.quant.formats import checkpoint_format, load_quantizer
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sampling_params import SamplingParams
 
@@ -57,13 +56,14 @@ class LLMEngine:
         self.resolved = config.resolve(self.arch, self.platform)
         self.dtype = self.resolved.dtype
         self.max_model_len = self.resolved.max_model_len
+        dummy = config.load_format == "dummy"
         # Checked before any weight is read, so a bad quantization_config fails at once.
-        fmt = checkpoint_format(self.arch.raw, config.quantization, source.gguf)
-        quantizer = (Fp8Weight.quantize if quantize_at_load(self.arch.raw, config.quantization)
-                     else None)
+        fmt = None if dummy else checkpoint_format(self.arch.raw, config.quantization,
+                                                   source.gguf)
         self.runner = ModelRunner(self.platform, self.arch, self.dtype, self.max_model_len,
-                                  config.kv_cache_dtype, quantizer)
-        if config.load_format == "dummy":
+                                  config.kv_cache_dtype,
+                                  load_quantizer(self.arch.raw, config.quantization, dummy))
+        if dummy:
             self.runner.init_dummy_weights(config.seed)
         else:
             self.runner.load_weights(fmt.read(loader.iter_weights(source)))

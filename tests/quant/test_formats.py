@@ -72,3 +72,27 @@ def test_symmetric_quantize_round_trips_within_half_a_step() -> None:
     step = w.scales.double()[:, torch.arange(100) // 32]
     assert (error <= step / 2 + 1e-12).all()
     assert w.values.max() <= 255 and (w.values == 128).any()
+
+
+@pytest.mark.parametrize("quantization, kind", [
+    ("awq", GroupQuantWeight), ("gptq", GroupQuantWeight), ("gguf", GroupQuantWeight),
+    ("fp8", Fp8Weight), ("none", None),
+])
+def test_dummy_weights_take_the_named_form(quantization, kind, llama3_folder) -> None:
+    """``--load-format dummy --quantization X``: random weights of real shapes, held as X."""
+    from pagedserve import LLM
+    from pagedserve.models.linear import Linear
+
+    llm = LLM(model=str(llama3_folder), device="cpu", load_format="dummy", dtype="float32",
+              quantization=quantization, kv_cache_memory_bytes=1 << 20)
+    model = llm.engine.runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    expected = {GroupQuantWeight: "NativeQuantLinearMethod", Fp8Weight: "DenseLinearMethod",
+                None: "DenseLinearMethod"}[kind]
+    assert type(qkv.method).__name__ == expected
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    if kind is GroupQuantWeight:
+        assert qkv.native.bits == 4 and qkv.native.group_size == (32 if quantization == "gguf"
+                                                                   else 128)
+    out = llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0].token_ids
+    assert len(out) > 0 and len(layers) == 2 * 4 + 1  # q/k/v, o, gate/up, down; LM head

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import torch
 
 from pagedserve.quant.formats.base import CheckpointFormat, QuantConfigError, Tensors
 from pagedserve.quant.weights import LoadedWeight, dequantize
@@ -47,9 +50,21 @@ def checkpoint_format(hf_config: dict[str, Any], quantization: str,
     return Dequantized(fmt) if quantization == "none" else fmt
 
 
-def quantize_at_load(hf_config: dict[str, Any], quantization: str) -> bool:
-    """``--quantization fp8`` on a float checkpoint: its linear weights become FP8 at load."""
-    return quantization == "fp8" and not hf_config.get("quantization_config")
+def load_quantizer(hf_config: dict[str, Any], quantization: str,
+                   dummy: bool) -> Callable[[torch.Tensor], LoadedWeight] | None:
+    """What the linear layers' dense weights become at load, if anything: FP8 for
+    ``--quantization fp8`` on a float checkpoint; with ``--load-format dummy``, the random
+    weights take the form ``--quantization`` names (4-bit in groups of 128 for awq, gptq and
+    compressed-tensors, 4-bit in groups of 32 for gguf), so benchmarks of real shapes run the
+    quantized kernels without files."""
+    from pagedserve.quant.weights import Fp8Weight, GroupQuantWeight
+
+    if quantization == "fp8" and (dummy or not hf_config.get("quantization_config")):
+        return Fp8Weight.quantize
+    if dummy and quantization not in ("auto", "none"):
+        group = 32 if quantization == "gguf" else 128
+        return functools.partial(GroupQuantWeight.quantize, bits=4, group_size=group)
+    return None
 
 
 def _stored_method(hf_config: dict[str, Any], gguf_blocks: bool) -> str | None:
