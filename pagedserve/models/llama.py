@@ -166,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             target, shard = _fused_target(name)
             owner_name, _, kind = target.rpartition(".")
-            owner = self.get_submodule(owner_name) if _has_module(self, owner_name) else None
+            owner = _submodule(self, owner_name)
             if isinstance(owner, Linear) and kind == "weight":
                 owner.load_shard(shard or 0, weight)
             elif isinstance(owner, VocabEmbedding):
@@ -200,12 +200,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0]}")
 
 
-def _has_module(model: nn.Module, name: str) -> bool:
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
     try:
-        model.get_submodule(name)
+        return model.get_submodule(name)
     except AttributeError:
-        return False
-    return True
+        return None
 
 
 def _fused_target(name: str) -> tuple[str, int | None]:
