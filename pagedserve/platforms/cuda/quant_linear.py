@@ -21,9 +21,8 @@ class W4A16LinearMethod(LinearMethod):
         # Parameters (never trained), so weight byte counts include them.
         layer.qweight = nn.Parameter(packed.qweight, requires_grad=False)
         layer.scales = nn.Parameter(packed.scales, requires_grad=False)
-        layer.zeros = nn.Parameter(packed.zeros, requires_grad=False)
-        layer.group_size = packed.group_size
-        layer.packed_in_features = packed.in_features
+        layer.shifts = nn.Parameter(packed.shifts, requires_grad=False)
+        layer.packing = packed._replace(qweight=None, scales=None, shifts=None)
         perm = weight.input_perm
         layer.input_perm = (None if perm is None
                             else nn.Parameter(perm.to(device), requires_grad=False))
@@ -34,12 +33,11 @@ class W4A16LinearMethod(LinearMethod):
         if layer.input_perm is not None:
             x = x.index_select(-1, layer.input_perm)
         x2 = x.reshape(-1, x.shape[-1])
-        packed = w4a16.PackedW4(layer.qweight, layer.scales, layer.zeros,
-                                layer.packed_in_features, layer.group_size)
+        packed = layer.packing._replace(qweight=layer.qweight, scales=layer.scales,
+                                        shifts=layer.shifts)
         return w4a16.matmul(x2, packed).reshape(*x.shape[:-1], packed.qweight.shape[1])
 
 
 def supports(weight) -> bool:
-    """4-bit (or narrower) grouped weights with no zero scale (a zero point needs one)."""
-    return (isinstance(weight, GroupQuantWeight) and weight.bits <= 4
-            and bool((weight.scales != 0).all()))
+    """4-bit (or narrower) grouped weights."""
+    return isinstance(weight, GroupQuantWeight) and weight.bits <= 4

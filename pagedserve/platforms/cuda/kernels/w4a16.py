@@ -5,9 +5,11 @@ Layout the kernel reads (built once at load by ``pack``):
 - ``qweight`` int32 ``[ceil(K / 8), N]``: word ``[j, n]`` holds ``W[n, 8j .. 8j + 7]``, nibble
   ``i`` (bits ``4i .. 4i + 3``) for column ``8j + i``; K is padded with zero nibbles. N is the
   contiguous dimension, so a tile of words is read coalesced along the output features.
-- ``scales``, ``zeros`` ``[ceil(K / G), N]``, float16 where that is exact for the scales, else
-  float32: ``W[n, k] = (q[n, k] - zeros[k // G, n]) * scales[k // G, n]``. A zero point rather
-  than an offset keeps AWQ's and GPTQ's integer zero points exact in float16.
+- ``scales``, ``shifts`` ``[ceil(K / G), N]``: with ``zero_point``,
+  ``W[n, k] = (q[n, k] - shifts[g, n]) * scales[g, n]`` (``g = k // G``), which keeps AWQ's and
+  GPTQ's integer zero points exact in float16; otherwise ``q * scales + shifts`` (GGUF's
+  ``q * d + m``). Float16 where that form is exact in it (checkpoints store float16 scales),
+  else float32, so packing never rounds the weight.
 
 One kernel serves every M: a program computes a ``BLOCK_M x BLOCK_N`` tile of ``y`` over one
 of ``SPLIT_K`` slices of K, reading each tile of W once for all its rows. Decode (small M) uses
@@ -31,9 +33,10 @@ import triton.language as tl
 class PackedW4(NamedTuple):
     qweight: torch.Tensor  # int32 [ceil(K / 8), N]
     scales: torch.Tensor  # float16 or float32 [ceil(K / G), N]
-    zeros: torch.Tensor  # same dtype and shape as scales
+    shifts: torch.Tensor  # same dtype and shape as scales
     in_features: int
     group_size: int
+    zero_point: bool
 
 
 class _Config(NamedTuple):
@@ -47,7 +50,7 @@ class _Config(NamedTuple):
 def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
          device: torch.device) -> PackedW4:
     """From ``GroupQuantWeight`` fields (values ``[N, K]`` in 0..15, float32 scales and offsets
-    ``[N, ceil(K / G)]``, no zero scale) to the kernel's layout on ``device``."""
+    ``[N, ceil(K / G)]``) to the kernel's layout on ``device``."""
     n, k = values.shape
     words = -(-k // 8)
     v = values.to(device)
@@ -55,16 +58,19 @@ def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, grou
     packed = (v << (4 * torch.arange(8, device=device))).sum(-1)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
     s = scales.to(device=device, dtype=torch.float64)
-    z = -offsets.to(device=device, dtype=torch.float64) / s
-    dtype = torch.float16 if _fits_half(s, z) else torch.float32
+    o = offsets.to(device=device, dtype=torch.float64)
+    z = -o / s  # inf or nan where a scale is 0: not exact in half, so the offset form
+    if _exact_in_half(s) and _exact_in_half(z):
+        zero_point, shifts, dtype = True, z, torch.float16
+    else:  # float32 is exact for the inputs as they are
+        zero_point, shifts = False, o
+        dtype = torch.float16 if _exact_in_half(s) and _exact_in_half(o) else torch.float32
     return PackedW4(packed.T.contiguous(), s.T.to(dtype).contiguous(),
-                    z.T.to(dtype).contiguous(), k, group_size)
+                    shifts.T.to(dtype).contiguous(), k, group_size, zero_point)
 
 
-def _fits_half(s: torch.Tensor, z: torch.Tensor) -> bool:
-    """Scales exact in float16 (AWQ's, GPTQ's and GGUF's are float16 on disk) and zero points
-    inside its range (integer zero points are then exact too)."""
-    return bool(torch.equal(s.half().double(), s) and z.abs().max() < 60000)
+def _exact_in_half(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.half().double(), t))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -73,7 +79,7 @@ def _w4a16_kernel(
     M, N, K, group_size, k_per_split,
     stride_xm, stride_om, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ONE_GROUP_PER_BLOCK: tl.constexpr,
+    ONE_GROUP_PER_BLOCK: tl.constexpr, ZERO_POINT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -103,7 +109,10 @@ def _w4a16_kernel(
             g_ptrs = (offs_k // group_size)[:, None] * N + offs_n[None, :]
             s = tl.load(s_ptr + g_ptrs, mask=mask_w, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g_ptrs, mask=mask_w, other=0.0).to(tl.float32)
-        w = ((q - z) * s).to(x.dtype)
+        if ZERO_POINT:
+            w = ((q - z) * s).to(x.dtype)
+        else:
+            w = (q * s + z).to(x.dtype)
         if x.dtype == tl.float32:
             acc += tl.dot(x, w, input_precision="ieee")
         else:
@@ -141,16 +150,19 @@ def _split_k(programs: int, k_blocks: int, device: torch.device) -> int:
     return max(1, min(-(-target // programs), k_blocks // 4))
 
 
-def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None) -> torch.Tensor:
-    """``x [M, K]`` (float16, bfloat16 or float32, rows contiguous) times the packed weight:
-    ``[M, N]`` in ``x``'s dtype. ``split_k`` overrides the choice of slices (tests)."""
+def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K]`` (float16, bfloat16 or float32) times the packed weight: ``[M, N]`` in
+    ``x``'s dtype, written into ``out`` (contiguous) if given. ``split_k`` overrides the
+    choice of slices (tests)."""
     m, k = x.shape
     n = w.qweight.shape[1]
     if k != w.in_features:
         raise ValueError(f"x has {k} columns, the weight {w.in_features}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     cfg = _config(m)
@@ -166,11 +178,12 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None) -> torch.Te
                                                   device=x.device)
     one_group = w.group_size % block_k == 0 or w.scales.shape[0] == 1
     _w4a16_kernel[(grid_mn[0], grid_mn[1], splits)](
-        x, w.qweight, w.scales, w.zeros, target,
+        x, w.qweight, w.scales, w.shifts, target,
         m, n, k, w.group_size, k_per_split,
         x.stride(0), target.stride(-2), target.stride(0) if splits > 1 else 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        ONE_GROUP_PER_BLOCK=one_group, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ONE_GROUP_PER_BLOCK=one_group, ZERO_POINT=w.zero_point,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         out.copy_(target.sum(0))
