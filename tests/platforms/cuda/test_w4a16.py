@@ -129,13 +129,16 @@ def test_pack_keeps_gguf_offsets_in_float16():
     assert packed.scales.dtype == torch.float16 and not packed.zero_point
 
 
-def test_pack_falls_back_to_float32_and_zero_scales():
+@pytest.mark.parametrize("half_exact", [True, False])
+def test_pack_falls_back_to_offsets_for_zero_scales(half_exact):
     weight = random_weight(4, 32, 32, seed=2)
-    weight.scales = weight.scales * (1 + 1e-6)  # not exact in float16
+    if not half_exact:
+        weight.scales = weight.scales * (1 + 1e-6)
     weight.scales[0, 0] = 0.0
     weight.offsets[0, 0] = 0.25
     packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 32, torch.device("cpu"))
-    assert packed.scales.dtype == torch.float32 and not packed.zero_point
+    assert not packed.zero_point
+    assert packed.scales.dtype == (torch.float16 if half_exact else torch.float32)
     x = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))
     assert_close(w4a16.matmul(x, packed), reference(x, weight), torch.float32)
 

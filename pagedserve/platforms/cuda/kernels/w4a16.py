@@ -53,9 +53,10 @@ def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, grou
     ``[N, ceil(K / G)]``) to the kernel's layout on ``device``."""
     n, k = values.shape
     words = -(-k // 8)
-    v = values.to(device)
-    v = torch.nn.functional.pad(v, (0, words * 8 - k)).view(n, words, 8).to(torch.int64)
-    packed = (v << (4 * torch.arange(8, device=device))).sum(-1)
+    v = torch.nn.functional.pad(values.to(device), (0, words * 8 - k)).view(n, words, 8)
+    packed = torch.zeros((n, words), dtype=torch.int64, device=device)
+    for i in range(8):  # a nibble at a time: int64 of [N, K / 8], not of [N, K]
+        packed |= v[..., i].to(torch.int64) << (4 * i)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
     s = scales.to(device=device, dtype=torch.float64)
     o = offsets.to(device=device, dtype=torch.float64)
@@ -70,7 +71,7 @@ def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, grou
 
 
 def _exact_in_half(t: torch.Tensor) -> bool:
-    return bool(torch.equal(t.half().double(), t))
+    return bool(torch.isfinite(t).all() and torch.equal(t.half().double(), t))
 
 
 @triton.jit(do_not_specialize=["M"])
