@@ -107,9 +107,9 @@ def _row(r: dict) -> str:
 
 
 def main() -> None:
+    args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_w4a16.py needs an NVIDIA GPU: torch.cuda.is_available() is False")
-    args = parse_args()
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {copy_gbs:.0f} GB/s  "
