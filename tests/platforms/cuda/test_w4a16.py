@@ -210,3 +210,28 @@ def test_graph_capture_cuda():
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, reference(x, weight), torch.bfloat16)
+
+
+@pytest.mark.parametrize("config", [
+    {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True,
+     "checkpoint_format": "gptq"},
+    {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"},
+], ids=["gptq-act-order", "awq"])
+def test_engine_matches_transformers(config, tiny_model_folder, tmp_path, monkeypatch):
+    """A tiny model whose 4-bit layers run the kernel (here on the CPU platform, under the
+    interpreter without a GPU) against transformers on the dequantized weights."""
+    from pagedserve import LLM
+    from pagedserve.platforms.cpu.platform import CpuPlatform
+    from pagedserve.platforms.cuda.platform import CudaPlatform
+    from tests.quant.packers import PROMPT_LENS, linear_methods, write_quantized_pair
+    from tests.tiny_models import assert_greedy_matches, hf_model, random_prompts
+
+    monkeypatch.setattr(CpuPlatform, "linear_method",
+                        classmethod(lambda cls, w: CudaPlatform.linear_method(w)))
+    quantized, reference_dir = tmp_path / "q", tmp_path / "float"
+    write_quantized_pair(tiny_model_folder("llama3"), quantized, reference_dir, config)
+    llm = LLM(model=str(quantized), device=DEVICE.type, dtype="float32",
+              kv_cache_memory_bytes=64 << 20)
+    assert "W4A16LinearMethod" in set(linear_methods(llm).values())
+    prompts = random_prompts(config["quant_method"], PROMPT_LENS)
+    assert assert_greedy_matches(llm, hf_model(reference_dir), prompts) >= 1
