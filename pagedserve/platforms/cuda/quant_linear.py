@@ -22,7 +22,9 @@ class W4A16LinearMethod(LinearMethod):
         layer.qweight = nn.Parameter(packed.qweight, requires_grad=False)
         layer.scales = nn.Parameter(packed.scales, requires_grad=False)
         layer.shifts = nn.Parameter(packed.shifts, requires_grad=False)
-        layer.packing = packed._replace(qweight=None, scales=None, shifts=None)
+        # Zero between calls: the kernel's split-K slices count themselves here.
+        layer.register_buffer("counters", packed.counters)
+        layer.packing = packed._replace(qweight=None, scales=None, shifts=None, counters=None)
         perm = weight.input_perm
         layer.input_perm = (None if perm is None
                             else nn.Parameter(perm.to(device), requires_grad=False))
@@ -34,7 +36,7 @@ class W4A16LinearMethod(LinearMethod):
             x = x.index_select(-1, layer.input_perm)
         x2 = x.reshape(-1, x.shape[-1])
         packed = layer.packing._replace(qweight=layer.qweight, scales=layer.scales,
-                                        shifts=layer.shifts)
+                                        shifts=layer.shifts, counters=layer.counters)
         return w4a16.matmul(x2, packed).reshape(*x.shape[:-1], packed.qweight.shape[1])
 
 

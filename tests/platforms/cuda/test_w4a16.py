@@ -76,12 +76,16 @@ def reference(x: torch.Tensor, weight: GroupQuantWeight) -> torch.Tensor:
     return x @ dense.T
 
 
-def run_kernel(x: torch.Tensor, weight: GroupQuantWeight, split_k: int | None = None):
+def run_kernel(x: torch.Tensor, weight: GroupQuantWeight, split_k: int | None = None,
+               gather_unpack: bool = False):
     packed = w4a16.pack(weight.values, weight.scales, weight.offsets, weight.group_size,
                         x.device)
     out = torch.full((x.shape[0], weight.shape[0]), float("nan"), dtype=x.dtype,
                      device=x.device)
-    assert w4a16.matmul(x, packed, split_k=split_k, out=out) is out
+    for _ in range(2):  # the split-K counters must be back at zero for the second call
+        out.fill_(float("nan"))
+        assert w4a16.matmul(x, packed, split_k, out, gather_unpack) is out
+        assert not packed.counters.any()
     return out
 
 
@@ -110,6 +114,15 @@ def test_kernel_matches_reference(case, dtype):
     weight = random_weight(n, k, group, seed=m, style="awq" if m % 2 else "gguf")
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(DEVICE, dtype)
     assert_close(run_kernel(x, weight, split_k), reference(x, weight), dtype)
+
+
+@pytest.mark.parametrize("case", INTERP_CASES[1:3], ids=lambda c: "m{}n{}k{}g{}s{}".format(*c))
+def test_gather_unpack_matches_reference(case):
+    m, n, k, group, split_k = case
+    weight = random_weight(n, k, group, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(DEVICE)
+    assert_close(run_kernel(x, weight, split_k, gather_unpack=True), reference(x, weight),
+                 torch.float32)
 
 
 def test_pack_keeps_zero_points_exact_in_float16():
