@@ -27,6 +27,7 @@ SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
           ("down", 4096, 14336))
 MS = (1, 2, 4, 8, 16, 64, 256, 1024)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DEVICE = "cuda"
 
 
 def parse_args() -> argparse.Namespace:
@@ -42,7 +43,7 @@ def copy_bandwidth_gbs() -> float:
     """Device-to-device copy rate (bytes read + written), the practical bandwidth ceiling."""
     from triton.testing import do_bench
 
-    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), return_mode="median")
     return 2 * src.numel() / ms / 1e6
@@ -52,10 +53,10 @@ def random_packed(n: int, k: int, group: int):
     from pagedserve.platforms.cuda.kernels import w4a16
 
     groups = -(-k // group)
-    values = torch.randint(0, 16, (n, k), dtype=torch.uint8, device="cuda")
-    scales = (torch.rand(n, groups, device="cuda") * 0.02 + 0.002).half().float()
-    offsets = -torch.randint(0, 16, (n, groups), device="cuda").float() * scales
-    return w4a16.pack(values, scales, offsets, group, torch.device("cuda"))
+    values = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=DEVICE)
+    scales = (torch.rand(n, groups, device=DEVICE) * 0.02 + 0.002).half().float()
+    offsets = -torch.randint(0, 16, (n, groups), device=DEVICE).float() * scales
+    return w4a16.pack(values, scales, offsets, group, torch.device(DEVICE))
 
 
 def bench_shape(name: str, n: int, k: int, args: argparse.Namespace,
@@ -64,7 +65,7 @@ def bench_shape(name: str, n: int, k: int, args: argparse.Namespace,
     packed = random_packed(n, k, args.group_size)
     packed_bytes = sum(t.numel() * t.element_size()
                        for t in (packed.qweight, packed.scales, packed.shifts))
-    dense = torch.randn(n, k, device="cuda", dtype=dtype) * 0.02
+    dense = torch.randn(n, k, device=DEVICE, dtype=dtype) * 0.02
     rows = []
     for m in args.ms:
         ms_w4, ms_gather, ms_mm = time_all(m, packed, dense)
@@ -87,8 +88,8 @@ def time_all(m: int, packed, dense: torch.Tensor) -> tuple[float, float, float]:
     unpacking) and of ``torch.mm`` on the dense weight, for M rows; NaN for one that fails."""
     from pagedserve.platforms.cuda.kernels import w4a16
 
-    x = torch.randn(m, dense.shape[1], device="cuda", dtype=dense.dtype)
-    out = torch.empty(m, dense.shape[0], device="cuda", dtype=dense.dtype)
+    x = torch.randn(m, dense.shape[1], device=DEVICE, dtype=dense.dtype)
+    out = torch.empty(m, dense.shape[0], device=DEVICE, dtype=dense.dtype)
     return (_time(lambda: w4a16.matmul(x, packed, out=out)),
             _time(lambda: w4a16.matmul(x, packed, out=out, gather_unpack=True)),
             _time(lambda: torch.mm(x, dense.T, out=out)))

@@ -153,7 +153,10 @@ def _w4a16_kernel(
         # (counted by an atomic, which orders the stores before it) adds them in slice order
         # and resets the counter for the next call.
         tl.store(partial_ptr + pid_s.to(tl.int64) * M * N + tile, acc, mask=mask_out)
-        done = tl.atomic_add(counter_ptr + pid_n, 1)
+        # Every thread's stores before the one thread's atomic (whose release then covers
+        # them); the partial sums are read past L1, which may hold a previous call's.
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if done == num_splits - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for i in range(0, num_splits):
