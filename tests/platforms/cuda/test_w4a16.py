@@ -66,14 +66,16 @@ def random_weight(n: int, k: int, group: int, seed: int, style: str = "awq",
 
 
 def reference(x: torch.Tensor, weight: GroupQuantWeight) -> torch.Tensor:
-    """``x @ W.T`` in float64 straight from the fields (act-order included)."""
-    groups = torch.arange(weight.shape[1]) // weight.group_size
-    dense = (weight.values.double() * weight.scales.double()[:, groups]
-             + weight.offsets.double()[:, groups])
-    x = x.double().cpu()
+    """``x @ W.T`` in float64 straight from the fields (act-order included), computed on
+    ``x``'s device and returned on the CPU."""
+    dev = x.device
+    groups = torch.arange(weight.shape[1], device=dev) // weight.group_size
+    dense = (weight.values.to(dev).double() * weight.scales.to(dev).double()[:, groups]
+             + weight.offsets.to(dev).double()[:, groups])
+    x = x.double()
     if weight.input_perm is not None:
-        x = x[:, weight.input_perm]
-    return x @ dense.T
+        x = x[:, weight.input_perm.to(dev)]
+    return (x @ dense.T).cpu()
 
 
 def run_kernel(x: torch.Tensor, weight: GroupQuantWeight, split_k: int | None = None,
@@ -180,6 +182,16 @@ def test_platform_routes_4bit_only():
 
 
 # Llama-3-8B: (N, K) of fused qkv, o, gate/up and down.
+_llama_weights: dict[tuple[int, int], GroupQuantWeight] = {}
+
+
+def _llama_weight(n: int, k: int) -> GroupQuantWeight:
+    if (n, k) not in _llama_weights:
+        _llama_weights.clear()  # one shape at a time: the tests run grouped by shape
+        _llama_weights[n, k] = random_weight(n, k, 128, seed=n + k, style="awq")
+    return _llama_weights[n, k]
+
+
 LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 
@@ -190,7 +202,7 @@ LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 @pytest.mark.parametrize("shape", LLAMA_SHAPES, ids=lambda s: f"n{s[0]}k{s[1]}")
 def test_kernel_llama_sizes_cuda(shape, m, dtype):
     n, k = shape
-    weight = random_weight(n, k, 128, seed=n + k, style="awq")
+    weight = _llama_weight(n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     assert_close(run_kernel(x, weight), reference(x, weight), dtype)
 
