@@ -82,7 +82,7 @@ def _exact_in_half(t: torch.Tensor) -> bool:
 
 @triton.jit
 def _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N,
-            BLOCK_K: tl.constexpr, GATHER_UNPACK: tl.constexpr):
+            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GATHER_UNPACK: tl.constexpr):
     """The ``[BLOCK_K, BLOCK_N]`` tile of 4-bit codes from row ``k0``, as int32. Nibbles past
     the end of K are the zeros ``pack`` padded with."""
     if GATHER_UNPACK:  # every row loads its word: 8x the load instructions, no reshape
@@ -98,7 +98,7 @@ def _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N,
                         mask=mask, other=0)
         shifts = (tl.arange(0, 8) * 4)[None, :, None]
         q = (words[:, None, :] >> shifts) & 0xF
-        q = tl.reshape(q, (BLOCK_K, q.shape[2]))
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
     return q
 
 
@@ -126,7 +126,7 @@ def _w4a16_kernel(
         mask_k = offs_k < k_end
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        q = _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N, BLOCK_K, GATHER_UNPACK)
+        q = _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N, BLOCK_K, BLOCK_N, GATHER_UNPACK)
         q = q.to(tl.float32)
         if ONE_GROUP_PER_BLOCK:
             g_ptrs = (k0 // group_size) * N + offs_n[None, :]
