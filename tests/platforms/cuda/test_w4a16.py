@@ -144,6 +144,15 @@ def test_pack_keeps_gguf_offsets_in_float16():
     assert packed.scales.dtype == torch.float16 and not packed.zero_point
 
 
+def test_dummy_weights_pack_like_awq():
+    """``--load-format dummy --quantization awq``'s weights: float16 scales and integer zero
+    points, so benchmarks read the bytes a real AWQ checkpoint's layer would."""
+    dense = torch.randn(16, 256, generator=torch.Generator().manual_seed(7)) * 0.02
+    weight = GroupQuantWeight.quantize(dense, bits=4, group_size=128)
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 128, torch.device("cpu"))
+    assert packed.scales.dtype == torch.float16 and packed.zero_point
+
+
 @pytest.mark.parametrize("half_exact", [True, False])
 def test_pack_falls_back_to_offsets_for_zero_scales(half_exact):
     weight = random_weight(4, 32, 32, seed=2)
