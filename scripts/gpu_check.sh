@@ -4,6 +4,7 @@
 #   scripts/gpu_check.sh PART [PART...]  some of: engine-tests quant-tests kernel-tests
 #                                        layer-tests llama llama-breakdown decode
 #                                        step-overhead mixed smollm2 fp8 serve
+#                                        w4a16 decode-awq awq
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -87,6 +88,16 @@ for part in $parts; do
         --output-len 128 128 --kv-cache-dtype fp8 --skip-hf \
         --out "$OUT/throughput_h200_llama3-8b_fp8.json" ;;
     serve) serve_bench ;;
+    w4a16) python3 -m pytest -q -m cuda -p no:cacheprovider tests/platforms/cuda/test_w4a16.py \
+        2>&1 | tee "$OUT/gpu_w4a16_tests.log"
+      python3 scripts/bench_w4a16.py --out "$OUT/w4a16_h200.json" 2>&1 \
+        | tee "$OUT/w4a16_h200.log" ;;
+    decode-awq) bench decode --device cuda --shape llama3-8b --load-format dummy \
+        --quantization awq --batch-sizes 1 32 --context-len 512 \
+        --out "$OUT/decode_h200_llama3-8b_awq.json" ;;
+    awq) bench throughput "${common[@]}" --shape llama3-8b --load-format dummy \
+        --quantization awq --input-len 128 128 --output-len 128 128 --skip-hf \
+        --out "$OUT/throughput_h200_llama3-8b_awq_128.json" ;;
     *) echo "unknown part $part" ;;
   esac
 done

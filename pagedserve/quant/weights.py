@@ -42,14 +42,17 @@ class GroupQuantWeight:
     @classmethod
     def quantize(cls, dense: torch.Tensor, bits: int, group_size: int) -> GroupQuantWeight:
         """Symmetric round-to-nearest, as GGUF's Q8_0 and Q4_0 do: per group, the largest
-        magnitude maps to the largest positive code (used by benchmarks to make an 8-bit
-        model of a float one)."""
+        magnitude maps to the largest positive code, the scale rounded to float16 as those
+        formats (and AWQ, GPTQ) store it (used by benchmarks to make a quantized model of a
+        float one, so kernels see the scales real checkpoints have)."""
         n, k = dense.shape
         groups = -(-k // group_size)
         padded = torch.nn.functional.pad(dense.float(), (0, groups * group_size - k))
         blocks = padded.view(n, groups, group_size)
         half = 2 ** (bits - 1)
         scales = blocks.abs().amax(dim=-1) / (half - 1)
+        rounded = scales.half().float()
+        scales = torch.where(rounded > 0, rounded, scales)  # float32 where float16 underflows
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))
         codes = (blocks / scales[..., None]).round().clamp(-half, half - 1) + half
         values = codes.view(n, -1)[:, :k].to(torch.uint8)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -12,6 +12,10 @@ from pagedserve.platforms.interface import (
     Platform,
     PlatformUnavailable,
 )
+
+if TYPE_CHECKING:
+    from pagedserve.quant.linear_method import LinearMethod
+    from pagedserve.quant.weights import LoadedWeight
 
 
 class CudaPlatform(Platform):
@@ -56,6 +60,16 @@ class CudaPlatform(Platform):
         from pagedserve.platforms.cuda.layer_ops import TritonLayerOps
 
         return TritonLayerOps
+
+    @classmethod
+    def linear_method(cls, weight: LoadedWeight) -> LinearMethod:
+        """4-bit grouped weights stay packed (W4A16 Triton kernel); 8-bit, FP8 and dense
+        weights take the inherited path (dequantized at load)."""
+        from pagedserve.platforms.cuda import quant_linear
+
+        if quant_linear.supports(weight):
+            return quant_linear.W4A16LinearMethod()
+        return super().linear_method(weight)
 
     @classmethod
     def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -1,0 +1,238 @@
+"""``y = x @ W.T`` with a 4-bit grouped weight, dequantized in registers (W4A16).
+
+Layout the kernel reads (built once at load by ``pack``):
+
+- ``qweight`` int32 ``[ceil(K / 8), N]``: word ``[j, n]`` holds ``W[n, 8j .. 8j + 7]``, nibble
+  ``i`` (bits ``4i .. 4i + 3``) for column ``8j + i``; K is padded with zero nibbles. N is the
+  contiguous dimension, so a tile of words is read coalesced along the output features.
+- ``scales``, ``shifts`` ``[ceil(K / G), N]``: with ``zero_point``,
+  ``W[n, k] = (q[n, k] - shifts[g, n]) * scales[g, n]`` (``g = k // G``), which keeps AWQ's and
+  GPTQ's integer zero points exact in float16; otherwise ``q * scales + shifts`` (GGUF's
+  ``q * d + m``). Float16 where that form is exact in it (checkpoints store float16 scales),
+  else float32, so packing never rounds the weight.
+
+One kernel serves every M: a program computes a ``BLOCK_M x BLOCK_N`` tile of ``y`` over one
+of ``SPLIT_K`` slices of K, reading each tile of W once for all its rows. Decode (small M) uses
+one block of rows and splits K so that enough programs stream the weight; prefill (large M)
+uses large tiles and no split. Accumulation is float32. With a split, each slice writes its
+float32 partial sum and the last slice of a tile to finish (an atomic counter per block of N,
+kept with the weight and reset by that slice) adds them in slice order: deterministic, and one
+launch. Configurations are fixed per range of M (no autotuning) and M is not specialized on,
+so a new batch size compiles nothing; nothing in ``matmul`` synchronizes with the host or
+allocates but the output and the partial sums, so CUDA graphs capture it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+_SPLIT_BLOCK_N = 64  # BLOCK_N of every configuration whose rows fit one block (split K)
+
+
+class PackedW4(NamedTuple):
+    qweight: torch.Tensor  # int32 [ceil(K / 8), N]
+    scales: torch.Tensor  # float16 or float32 [ceil(K / G), N]
+    shifts: torch.Tensor  # same dtype and shape as scales
+    counters: torch.Tensor  # int32 [ceil(N / SPLIT_BLOCK_N)], zero between calls
+    in_features: int
+    group_size: int
+    zero_point: bool
+
+
+class _Config(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
+         device: torch.device) -> PackedW4:
+    """From ``GroupQuantWeight`` fields (values ``[N, K]`` in 0..15, float32 scales and offsets
+    ``[N, ceil(K / G)]``) to the kernel's layout on ``device``."""
+    n, k = values.shape
+    words = -(-k // 8)
+    v = torch.nn.functional.pad(values.to(device), (0, words * 8 - k)).view(n, words, 8)
+    packed = torch.zeros((n, words), dtype=torch.int64, device=device)
+    for i in range(8):  # a nibble at a time: int64 of [N, K / 8], not of [N, K]
+        packed |= v[..., i].to(torch.int64) << (4 * i)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    s = scales.to(device=device, dtype=torch.float64)
+    o = offsets.to(device=device, dtype=torch.float64)
+    z = -o / s  # inf or nan where a scale is 0: not exact in half, so the offset form
+    if _exact_in_half(s) and _exact_in_half(z):
+        zero_point, shifts, dtype = True, z, torch.float16
+    else:  # float32 is exact for the inputs as they are
+        zero_point, shifts = False, o
+        dtype = torch.float16 if _exact_in_half(s) and _exact_in_half(o) else torch.float32
+    counters = torch.zeros(-(-n // _SPLIT_BLOCK_N), dtype=torch.int32, device=device)
+    return PackedW4(packed.T.contiguous(), s.T.to(dtype).contiguous(),
+                    shifts.T.to(dtype).contiguous(), counters, k, group_size, zero_point)
+
+
+def _exact_in_half(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all() and torch.equal(t.half().double(), t))
+
+
+@triton.jit
+def _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N,
+            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GATHER_UNPACK: tl.constexpr):
+    """The ``[BLOCK_K, BLOCK_N]`` tile of 4-bit codes from row ``k0``, as int32. Nibbles past
+    the end of K are the zeros ``pack`` padded with."""
+    if GATHER_UNPACK:  # every row loads its word: 8x the load instructions, no reshape
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = (offs_k < k_end)[:, None] & mask_n[None, :]
+        words = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=mask, other=0)
+        q = (words >> ((tl.arange(0, BLOCK_K) % 8) * 4)[:, None]) & 0xF
+    else:  # each word once, its 8 nibbles spread along a middle axis, merged into rows
+        rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        mask = (rows * 8 < k_end)[:, None] & mask_n[None, :]
+        words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=mask, other=0)
+        shifts = (tl.arange(0, 8) * 4)[None, :, None]
+        q = (words[:, None, :] >> shifts) & 0xF
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+    return q
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w4a16_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
+    M, N, K, group_size, k_per_split, num_splits,
+    stride_xm, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ONE_GROUP_PER_BLOCK: tl.constexpr, ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr,
+    GATHER_UNPACK: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_end
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        q = _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N, BLOCK_K, BLOCK_N, GATHER_UNPACK)
+        q = q.to(tl.float32)
+        if ONE_GROUP_PER_BLOCK:
+            g_ptrs = (k0 // group_size) * N + offs_n[None, :]
+            s = tl.load(s_ptr + g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
+        else:
+            g_ptrs = (offs_k // group_size)[:, None] * N + offs_n[None, :]
+            mask_g = mask_k[:, None] & mask_n[None, :]
+            s = tl.load(s_ptr + g_ptrs, mask=mask_g, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g_ptrs, mask=mask_g, other=0.0).to(tl.float32)
+        if ZERO_POINT:
+            w = ((q - z) * s).to(x.dtype)
+        else:
+            w = (q * s + z).to(x.dtype)
+        if x.dtype == tl.float32:
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
+    mask_out = mask_m[:, None] & mask_n[None, :]
+    tile = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if SPLIT:
+        # Each slice leaves its float32 partial sum; the last slice of a tile to finish
+        # (counted by an atomic, which orders the stores before it) adds them in slice order
+        # and resets the counter for the next call.
+        tl.store(partial_ptr + pid_s.to(tl.int64) * M * N + tile, acc, mask=mask_out)
+        # Every thread's stores before the one thread's atomic (whose release then covers
+        # them); the partial sums are read past L1, which may hold a previous call's.
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == num_splits - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in range(0, num_splits):
+                total += tl.load(partial_ptr + i * M * N + tile, mask=mask_out, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_out)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
+
+
+def _config(m: int) -> _Config:
+    # Fixed configurations by M; small M streams W (bandwidth), large M amortizes the dequant
+    # of each W tile over many rows (compute).
+    if m <= 16:
+        return _Config(16, _SPLIT_BLOCK_N, 128, 4, 4)
+    # Compiled for sm_90 (no GPU), these use 128, 138, 127 and 251 registers, spilling none.
+    if m <= 64:
+        return _Config(64, _SPLIT_BLOCK_N, 64, 8, 4)
+    if m <= 256:
+        return _Config(64, 128, 64, 8, 4)
+    return _Config(128, 128, 64, 8, 3)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split_k(programs: int, k_blocks: int, device: torch.device) -> int:
+    """Slices of K so that about two waves of programs stream the weight, each slice at least
+    four blocks of K long."""
+    target = 2 * _num_sms(device)
+    if programs >= target:
+        return 1
+    return max(1, min(-(-target // programs), k_blocks // 4))
+
+
+def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
+           out: torch.Tensor | None = None, gather_unpack: bool = False) -> torch.Tensor:
+    """``x [M, K]`` (float16, bfloat16 or float32) times the packed weight: ``[M, N]`` in
+    ``x``'s dtype, written into ``out`` (contiguous) if given. ``split_k`` overrides the
+    choice of slices and ``gather_unpack`` the way codes are unpacked (tests, benchmarks)."""
+    m, k = x.shape
+    n = w.qweight.shape[1]
+    if k != w.in_features:
+        raise ValueError(f"x has {k} columns, the weight {w.in_features}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg = _config(m)
+    block_k = cfg.block_k
+    if w.group_size < block_k and w.group_size % 16 == 0:
+        block_k = w.group_size  # so that each block of K lies in one group
+    grid_m, grid_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
+    k_blocks = triton.cdiv(k, block_k)
+    splits = 1
+    if grid_m == 1:  # the counters are per block of N
+        splits = split_k or _split_k(grid_n, k_blocks, x.device)
+    k_per_split = triton.cdiv(k_blocks, splits) * block_k
+    splits = triton.cdiv(k, k_per_split)
+    # Where the slices leave their partial sums (not written when there is one slice).
+    partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
+                          device=x.device)
+    _w4a16_kernel[(grid_m, grid_n, splits)](
+        x, w.qweight, w.scales, w.shifts, out, partial, w.counters,
+        m, n, k, w.group_size, k_per_split, splits,
+        x.stride(0), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        ONE_GROUP_PER_BLOCK=w.group_size % block_k == 0 or w.scales.shape[0] == 1,
+        ZERO_POINT=w.zero_point, SPLIT=splits > 1, GATHER_UNPACK=gather_unpack,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

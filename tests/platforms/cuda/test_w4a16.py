@@ -1,0 +1,315 @@
+"""The W4A16 Triton kernel and linear method against a float64 reference computed from the
+weight's values, scales and offsets.
+
+Without CUDA the kernel runs under Triton's interpreter: tiny shapes in float32 and float16 (the
+interpreter cannot do bf16, triton-lang/triton#11584). With CUDA the ``cuda`` tests add bf16 at
+Llama-3-8B sizes. Outputs are poisoned with NaN before each run, so a missed write shows.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+HAS_CUDA = torch.cuda.is_available()
+# As in test_triton_kernels: the interpreter must be chosen before triton is first imported.
+IMPORTED_TOO_LATE = (not HAS_CUDA and "triton" in sys.modules
+                     and os.environ.get("TRITON_INTERPRET") != "1")
+if not HAS_CUDA and not IMPORTED_TOO_LATE:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from pagedserve.quant.weights import GroupQuantWeight  # noqa: E402
+
+if not IMPORTED_TOO_LATE:
+    from pagedserve.platforms.cuda import quant_linear
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU (torch.cuda)")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_runnable(request: pytest.FixtureRequest) -> None:
+    if IMPORTED_TOO_LATE and request.node.originalname != "test_in_a_fresh_interpreter_process":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1; run in a fresh process")
+
+
+@pytest.mark.skipif(not IMPORTED_TOO_LATE, reason="the kernels run in this process")
+def test_in_a_fresh_interpreter_process():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+def random_weight(n: int, k: int, group: int, seed: int, style: str = "awq",
+                  act_order: bool = False) -> GroupQuantWeight:
+    """AWQ/GPTQ style: float16 scales, integer zero points (offset ``-z * s``); GGUF style:
+    float16 scale and minimum (offset ``m``)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-k // group)
+    values = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(n, groups, generator=gen) * 0.02 + 0.002).half().float()
+    if style == "awq":
+        offsets = -torch.randint(0, 16, (n, groups), generator=gen).float() * scales
+    else:
+        offsets = (torch.randn(n, groups, generator=gen) * 0.1).half().float()
+    perm = torch.randperm(k, generator=gen) if act_order else None
+    return GroupQuantWeight(values, scales, offsets, 4, group, perm)
+
+
+def reference(x: torch.Tensor, weight: GroupQuantWeight) -> torch.Tensor:
+    """``x @ W.T`` in float64 straight from the fields (act-order included), computed on
+    ``x``'s device and returned on the CPU."""
+    dev = x.device
+    groups = torch.arange(weight.shape[1], device=dev) // weight.group_size
+    dense = (weight.values.to(dev).double() * weight.scales.to(dev).double()[:, groups]
+             + weight.offsets.to(dev).double()[:, groups])
+    x = x.double()
+    if weight.input_perm is not None:
+        x = x[:, weight.input_perm.to(dev)]
+    return (x @ dense.T).cpu()
+
+
+def run_kernel(x: torch.Tensor, weight: GroupQuantWeight, split_k: int | None = None,
+               gather_unpack: bool = False):
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, weight.group_size,
+                        x.device)
+    out = torch.full((x.shape[0], weight.shape[0]), float("nan"), dtype=x.dtype,
+                     device=x.device)
+    for _ in range(2):  # the split-K counters must be back at zero for the second call
+        out.fill_(float("nan"))
+        assert w4a16.matmul(x, packed, split_k, out, gather_unpack) is out
+        assert not packed.counters.any()
+    return out
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not out.isnan().any()
+    # float16/bf16: the dequantized weight is rounded to the activation dtype before the dot.
+    rel = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    err = (out.double().cpu() - ref).abs().max().item()
+    assert err <= rel * ref.abs().max().item() + 1e-4, err
+
+
+# (M, N, K, group, split_k): M across the small and the tiled configurations, K not a
+# multiple of the block (100, 200), groups 32/128/per-channel, N not a multiple of the block.
+INTERP_CASES = [
+    (1, 40, 100, 32, None),
+    (3, 64, 256, 128, 2),
+    (17, 70, 96, 96, None),
+    (40, 33, 200, 32, 3),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", INTERP_CASES, ids=lambda c: "m{}n{}k{}g{}s{}".format(*c))
+def test_kernel_matches_reference(case, dtype):
+    m, n, k, group, split_k = case
+    weight = random_weight(n, k, group, seed=m, style="awq" if m % 2 else "gguf")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(DEVICE, dtype)
+    assert_close(run_kernel(x, weight, split_k), reference(x, weight), dtype)
+
+
+@pytest.mark.parametrize("case", INTERP_CASES[1:3], ids=lambda c: "m{}n{}k{}g{}s{}".format(*c))
+def test_gather_unpack_matches_reference(case):
+    m, n, k, group, split_k = case
+    weight = random_weight(n, k, group, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(DEVICE)
+    assert_close(run_kernel(x, weight, split_k, gather_unpack=True), reference(x, weight),
+                 torch.float32)
+
+
+def test_pack_keeps_zero_points_exact_in_float16():
+    weight = random_weight(8, 64, 32, seed=1)
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 32, torch.device("cpu"))
+    assert packed.scales.dtype == torch.float16 and packed.zero_point
+    assert torch.equal(packed.shifts.float(), packed.shifts.float().round())
+    assert packed.qweight.shape == (8, 8) and packed.qweight.dtype == torch.int32
+    # Nibble i of word j is column 8j + i.
+    word = packed.qweight[0, 0].item() & 0xFFFFFFFF
+    assert [(word >> (4 * i)) & 0xF for i in range(8)] == weight.values[0, :8].tolist()
+
+
+def test_pack_keeps_gguf_offsets_in_float16():
+    weight = random_weight(8, 64, 32, seed=1, style="gguf")
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 32, torch.device("cpu"))
+    assert packed.scales.dtype == torch.float16 and not packed.zero_point
+
+
+def test_dummy_weights_pack_like_awq():
+    """``--load-format dummy --quantization awq``'s weights: float16 scales and integer zero
+    points, so benchmarks read the bytes a real AWQ checkpoint's layer would."""
+    dense = torch.randn(16, 256, generator=torch.Generator().manual_seed(7)) * 0.02
+    weight = GroupQuantWeight.quantize(dense, bits=4, group_size=128)
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 128, torch.device("cpu"))
+    assert packed.scales.dtype == torch.float16 and packed.zero_point
+
+
+@pytest.mark.parametrize("half_exact", [True, False])
+def test_pack_falls_back_to_offsets_for_zero_scales(half_exact):
+    weight = random_weight(4, 32, 32, seed=2)
+    if not half_exact:
+        weight.scales = weight.scales * (1 + 1e-6)
+    weight.scales[0, 0] = 0.0
+    weight.offsets[0, 0] = 0.25
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 32, torch.device("cpu"))
+    assert not packed.zero_point  # (0 - z) * 0 cannot give the offset
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))
+    assert_close(w4a16.matmul(x, packed), reference(x, weight), torch.float32)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_linear_method_with_act_order(act_order):
+    weight = random_weight(48, 160, 32, seed=3, act_order=act_order)
+    layer = nn.Module()
+    method = quant_linear.W4A16LinearMethod()
+    method.create_weights(layer, weight, torch.float32, DEVICE)
+    assert all(not p.requires_grad for p in layer.parameters())
+    x = torch.randn(2, 3, 160, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    out = method.apply(layer, x)
+    assert out.shape == (2, 3, 48) and out.dtype == torch.float32
+    assert_close(out.reshape(6, 48), reference(x.reshape(6, 160), weight), torch.float32)
+
+
+def test_platform_routes_4bit_only():
+    from pagedserve.platforms.cuda.platform import CudaPlatform
+    from pagedserve.quant.linear_method import DenseLinearMethod
+
+    four = random_weight(8, 64, 32, seed=5)
+    eight = GroupQuantWeight(four.values, four.scales, four.offsets, 8, 32)
+    assert isinstance(CudaPlatform.linear_method(four), quant_linear.W4A16LinearMethod)
+    assert isinstance(CudaPlatform.linear_method(eight), DenseLinearMethod)
+    assert isinstance(CudaPlatform.linear_method(torch.zeros(8, 64)), DenseLinearMethod)
+
+
+# Llama-3-8B: (N, K) of fused qkv, o, gate/up and down.
+_llama_weights: dict[tuple[int, int], GroupQuantWeight] = {}
+
+
+def _llama_weight(n: int, k: int) -> GroupQuantWeight:
+    if (n, k) not in _llama_weights:
+        _llama_weights.clear()  # one shape at a time: the tests run grouped by shape
+        _llama_weights[n, k] = random_weight(n, k, 128, seed=n + k, style="awq")
+    return _llama_weights[n, k]
+
+
+LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 7, 16, 300])
+@pytest.mark.parametrize("shape", LLAMA_SHAPES, ids=lambda s: f"n{s[0]}k{s[1]}")
+def test_kernel_llama_sizes_cuda(shape, m, dtype):
+    n, k = shape
+    weight = _llama_weight(n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+    assert_close(run_kernel(x, weight), reference(x, weight), dtype)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("group", [32, 64, 128, 4096])
+def test_group_sizes_cuda(group):
+    weight = random_weight(1024, 4096, group, seed=group, style="gguf", act_order=True)
+    layer = nn.Module()
+    method = quant_linear.W4A16LinearMethod()
+    method.create_weights(layer, weight, torch.bfloat16, DEVICE)
+    for m in (1, 5, 64, 257):
+        x = torch.randn(m, 4096, device=DEVICE, dtype=torch.bfloat16)
+        assert_close(method.apply(layer, x), reference(x, weight), torch.bfloat16)
+
+
+@cuda
+@needs_cuda
+def test_graph_capture_cuda():
+    weight = random_weight(4096, 4096, 128, seed=6)
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 128, DEVICE)
+    x = torch.randn(4, 4096, device=DEVICE, dtype=torch.bfloat16)
+    w4a16.matmul(x, packed)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = w4a16.matmul(x, packed)
+    x.copy_(torch.randn_like(x))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, reference(x, weight), torch.bfloat16)
+
+
+@pytest.mark.parametrize("config", [
+    {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True,
+     "checkpoint_format": "gptq"},
+    {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"},
+], ids=["gptq-act-order", "awq"])
+def test_engine_matches_transformers(config, tiny_model_folder, tmp_path, monkeypatch):
+    """A tiny model whose 4-bit layers run the kernel (here on the CPU platform, under the
+    interpreter without a GPU) against transformers on the dequantized weights."""
+    from pagedserve import LLM
+    from pagedserve.platforms.cpu.platform import CpuPlatform
+    from pagedserve.platforms.cuda.platform import CudaPlatform
+    from tests.quant.packers import PROMPT_LENS, linear_methods, write_quantized_pair
+    from tests.tiny_models import assert_greedy_matches, hf_model, random_prompts
+
+    monkeypatch.setattr(CpuPlatform, "linear_method",
+                        classmethod(lambda cls, w: CudaPlatform.linear_method(w)))
+    quantized, reference_dir = tmp_path / "q", tmp_path / "float"
+    write_quantized_pair(tiny_model_folder("llama3"), quantized, reference_dir, config)
+    llm = LLM(model=str(quantized), device=DEVICE.type, dtype="float32",
+              kv_cache_memory_bytes=64 << 20)
+    assert "W4A16LinearMethod" in set(linear_methods(llm).values())
+    prompts = random_prompts(config["quant_method"], PROMPT_LENS)
+    assert assert_greedy_matches(llm, hf_model(reference_dir), prompts) >= 1
+
+
+# Compiles the kernel for an H100/H200 (sm_90) with Triton's bundled toolchain, no GPU needed:
+# catches what only the real compiler rejects. Run in its own process, away from the
+# interpreter this module switches on.
+_COMPILE_SM90 = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagedserve.platforms.cuda.kernels import w4a16
+
+fn = w4a16._w4a16_kernel
+pointers = {"x_ptr": "ACT", "qw_ptr": "i32", "s_ptr": "SCALE", "z_ptr": "SCALE",
+            "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
+for act, scale, m, split, gather in [("bf16", "fp16", 1, True, False),
+                                     ("bf16", "fp16", 1, True, True),
+                                     ("fp16", "fp32", 40, True, False),
+                                     ("bf16", "fp16", 200, False, False),
+                                     ("fp32", "fp32", 1000, False, False)]:
+    cfg = w4a16._config(m)
+    consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  ONE_GROUP_PER_BLOCK=not gather, ZERO_POINT=scale == "fp16", SPLIT=split,
+                  GATHER_UNPACK=gather)
+    sig = {}
+    for name in fn.arg_names:
+        kind = pointers.get(name)
+        sig[name] = ("constexpr" if name in consts else "i32" if kind is None
+                     else "*" + kind.replace("ACT", act).replace("SCALE", scale))
+    src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_compiles_for_sm90():
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-4000:]
