@@ -58,6 +58,27 @@ class CudaPlatform(Platform):
         return TritonLayerOps
 
     @classmethod
+    def linear_method(cls, weight):
+        """FP8 weights run W8A8 in the FP8 tensor cores where the GPU has them (compute
+        capability 8.9+); elsewhere, and for every other weight, the inherited method."""
+        from pagedserve.quant.weights import Fp8Weight
+
+        if isinstance(weight, Fp8Weight) and cls.supports_fp8_matmul():
+            from pagedserve.platforms.cuda.fp8_linear import Fp8LinearMethod
+
+            return Fp8LinearMethod(cls.fp8_dtype())
+        return super().linear_method(weight)
+
+    @classmethod
+    def supports_fp8_matmul(cls) -> bool:
+        return torch.cuda.get_device_capability() >= (8, 9)
+
+    @classmethod
+    def fp8_dtype(cls) -> torch.dtype:
+        """The FP8 type this GPU's matmuls read."""
+        return torch.float8_e4m3fn
+
+    @classmethod
     def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
         return torch.float8_e4m3fn if kv_cache_dtype.startswith("fp8") else model_dtype
 

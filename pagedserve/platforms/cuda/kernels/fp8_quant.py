@@ -11,10 +11,12 @@ a matmul whose K must be a multiple of 16 reads a padded copy at no extra cost.
 - static (per tensor): the given scale, read from a device tensor (no host sync, so it can be
   captured in a CUDA graph); values beyond ``fmax`` saturate.
 
-Quotients are computed in float32 and rounded to nearest even before the FP8 cast, with
-``reshape_and_cache``'s ``_round_to_e4m3`` (the cast alone rounds wrongly in Triton's
-interpreter). e4m3fnuz's grid is e4m3fn's halved (its exponent bias is one larger), so it
-rounds ``2 * q`` on e4m3fn's grid and halves the result, both steps exact.
+Quotients are computed in float32 and correctly rounded (``div_rn``: a GPU's default float32
+division is approximate, which would break ties differently from a float64 reference), then
+rounded to nearest even on the FP8 grid by ``reshape_and_cache``'s ``_round_to_e4m3`` before
+the cast (the cast alone rounds wrongly in Triton's interpreter). e4m3fnuz's grid is e4m3fn's
+halved (its exponent bias is one larger), so it rounds ``2 * q`` on e4m3fn's grid and halves the
+result, both steps exact.
 """
 
 from __future__ import annotations
@@ -42,11 +44,11 @@ def _fp8_quant_kernel(
         for start in range(0, K, BLOCK):
             x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
             absmax = tl.maximum(absmax, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.max(absmax, axis=0) / fmax, min_scale)
+        scale = tl.maximum(tl.div_rn(tl.max(absmax, axis=0), fmax), min_scale)
         tl.store(scale_ptr + row, scale)
     for start in range(0, K_OUT, BLOCK):
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
-        q = tl.clamp(x.to(tl.float32) / scale, -fmax, fmax)
+        q = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -fmax, fmax)
         q = _round_to_e4m3(q * 2.0) * 0.5 if FNUZ else _round_to_e4m3(q)
         tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty),
                  mask=start + cols < K_OUT)
