@@ -42,10 +42,9 @@ class Fp8LinearMethod(LinearMethod):
         per_tensor = input_scale is not None and bool((scales == scales[0]).all())
         padded = _pad_values(values, _round_up(n), _round_up(k))
         _param(layer, "fp8_weight", padded.to(device))
-        _param(layer, "fp8_weight_scale", (
-            scales[0].reshape(()) if per_tensor
-            else torch.ones(1, padded.shape[0]).index_copy_(1, torch.arange(n), scales[None])
-        ).to(device))
+        _param(layer, "fp8_weight_scale",
+               (scales[0].reshape(()) if per_tensor else _pad_scales(scales, padded.shape[0]))
+               .to(device))
         layer.fp8_input_scale = (None if input_scale is None else
                                  nn.Parameter(torch.tensor(float(input_scale), device=device),
                                               requires_grad=False))
@@ -95,6 +94,12 @@ def _pad_values(values: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     padded = torch.zeros((rows, cols), dtype=torch.uint8, device=values.device)
     padded[:values.shape[0], :values.shape[1]] = values.view(torch.uint8)
     return padded.view(values.dtype)
+
+
+def _pad_scales(scales: torch.Tensor, columns: int) -> torch.Tensor:
+    padded = torch.ones((1, columns), dtype=torch.float32, device=scales.device)
+    padded[0, :scales.shape[0]] = scales
+    return padded
 
 
 def _round_up(n: int) -> int:
