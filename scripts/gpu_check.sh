@@ -4,7 +4,8 @@
 #   scripts/gpu_check.sh PART [PART...]  some of: engine-tests quant-tests kernel-tests
 #                                        layer-tests llama llama-breakdown decode
 #                                        step-overhead mixed smollm2 fp8 serve
-#                                        w4a16 decode-awq awq
+#                                        w4a16 decode-awq awq fp8-tests fp8-w8a8
+#                                        decode-fp8
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -87,6 +88,14 @@ for part in $parts; do
     fp8) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
         --output-len 128 128 --kv-cache-dtype fp8 --skip-hf \
         --out "$OUT/throughput_h200_llama3-8b_fp8.json" ;;
+    fp8-tests) python3 -m pytest -q -m cuda -p no:cacheprovider -s \
+        tests/platforms/cuda/test_fp8_linear.py 2>&1 | tee "$OUT/gpu_fp8_tests.log" ;;
+    fp8-w8a8) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
+        --output-len 128 128 --load-format dummy --quantization fp8 --skip-hf \
+        --out "$OUT/throughput_h200_llama3-8b_fp8_w8a8.json" ;;
+    decode-fp8) bench decode --device cuda --shape llama3-8b --load-format dummy \
+        --quantization fp8 --batch-sizes 1 32 --context-len 512 \
+        --out "$OUT/decode_h200_llama3-8b_fp8_w8a8.json" ;;
     serve) serve_bench ;;
     w4a16) python3 -m pytest -q -m cuda -p no:cacheprovider tests/platforms/cuda/test_w4a16.py \
         2>&1 | tee "$OUT/gpu_w4a16_tests.log"

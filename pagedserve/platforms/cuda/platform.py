@@ -63,13 +63,28 @@ class CudaPlatform(Platform):
 
     @classmethod
     def linear_method(cls, weight: LoadedWeight) -> LinearMethod:
-        """4-bit grouped weights stay packed (W4A16 Triton kernel); 8-bit, FP8 and dense
-        weights take the inherited path (dequantized at load)."""
+        """4-bit grouped weights stay packed (W4A16 Triton kernel); FP8 weights run W8A8 in the
+        FP8 tensor cores where the GPU has them (compute capability 8.9+); 8-bit, dense, and
+        FP8 elsewhere take the inherited path (dequantized at load)."""
         from pagedserve.platforms.cuda import quant_linear
+        from pagedserve.quant.weights import Fp8Weight
 
         if quant_linear.supports(weight):
             return quant_linear.W4A16LinearMethod()
+        if isinstance(weight, Fp8Weight) and cls.supports_fp8_matmul():
+            from pagedserve.platforms.cuda.fp8_linear import Fp8LinearMethod
+
+            return Fp8LinearMethod(cls.fp8_dtype())
         return super().linear_method(weight)
+
+    @classmethod
+    def supports_fp8_matmul(cls) -> bool:
+        return torch.cuda.get_device_capability() >= (8, 9)
+
+    @classmethod
+    def fp8_dtype(cls) -> torch.dtype:
+        """The FP8 type this GPU's matmuls read."""
+        return torch.float8_e4m3fn
 
     @classmethod
     def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -33,6 +33,15 @@ class RocmPlatform(CudaPlatform):
         return torch.bfloat16
 
     @classmethod
+    def supports_fp8_matmul(cls) -> bool:
+        return _gcn_arch().startswith(("gfx94", "gfx95"))
+
+    @classmethod
+    def fp8_dtype(cls) -> torch.dtype:
+        """MI300 (gfx94x) computes in e4m3fnuz; MI350 (gfx950) in the OCP e4m3fn."""
+        return torch.float8_e4m3fnuz if _gcn_arch().startswith("gfx94") else torch.float8_e4m3fn
+
+    @classmethod
     def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
         # MI300 uses the e4m3fnuz FP8 variant, which our cache kernels do not encode yet.
         if kv_cache_dtype != "auto":
@@ -40,3 +49,8 @@ class RocmPlatform(CudaPlatform):
 
             raise ConfigError("--kv-cache-dtype fp8 is not supported on rocm yet; use auto")
         return model_dtype
+
+
+def _gcn_arch() -> str:
+    """The GPU's architecture, e.g. ``gfx942:sramecc+:xnack-``."""
+    return torch.cuda.get_device_properties(0).gcnArchName

@@ -1,0 +1,111 @@
+"""W8A8 FP8 linear layers: FP8 weights times activations quantized to FP8 on the fly, in the
+GPU's FP8 tensor cores through ``torch._scaled_mm``.
+
+Layout the matmul reads (built once by ``create_weights``):
+
+- ``fp8_weight``: ``[N', K']`` in the platform's FP8 type, row-major, so its transpose is the
+  column-major ``[K', N']`` operand ``_scaled_mm`` wants. ``K'`` and ``N'`` are ``K`` and ``N``
+  rounded up to multiples of 16 (the kernel's alignment), padded with zeros; the activations'
+  quantization writes the padded columns as zeros, and the extra output columns are sliced off.
+- ``fp8_weight_scale``: float32 ``[1, N']`` (padding scales are 1), or a 0-dim tensor when every
+  row shares one scale and the activations have a static scale: then both scales are
+  per-tensor, the one case where ``_scaled_mm`` takes any output dtype.
+- ``fp8_input_scale``: the static activation scale as a 0-dim float32 tensor, or None (a scale
+  per token, computed by the quantization kernel).
+
+With row-wise scales ``_scaled_mm`` writes bfloat16 only (its CUTLASS kernel is
+``f8f8bf16_rowwise``), so other activation dtypes get the unscaled product in float32 and apply
+both scales after it. ``apply`` never waits on the device, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.platforms.cuda.kernels.fp8_quant import quantize_per_token, quantize_static
+from pagedserve.quant.linear_method import LinearMethod
+from pagedserve.quant.weights import Fp8Weight
+
+_ALIGN = 16
+
+
+class Fp8LinearMethod(LinearMethod):
+    def __init__(self, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> None:
+        self.fp8_dtype = fp8_dtype
+
+    def create_weights(self, layer, weight: Fp8Weight, dtype, device) -> None:
+        values, scales, input_scale = weight.values, weight.scales.float(), weight.input_scale
+        if self.fp8_dtype == torch.float8_e4m3fnuz:
+            values, scales, input_scale = to_e4m3fnuz(values, scales, input_scale)
+        n, k = values.shape
+        per_tensor = input_scale is not None and bool((scales == scales[0]).all())
+        padded = _pad_values(values, _round_up(n), _round_up(k))
+        _param(layer, "fp8_weight", padded.to(device))
+        _param(layer, "fp8_weight_scale",
+               (scales[0].reshape(()) if per_tensor else _pad_scales(scales, padded.shape[0]))
+               .to(device))
+        layer.fp8_input_scale = (None if input_scale is None else
+                                 nn.Parameter(torch.tensor(float(input_scale), device=device),
+                                              requires_grad=False))
+        layer.fp8_out_features = n
+
+    def apply(self, layer, x):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        wq, w_scale = layer.fp8_weight, layer.fp8_weight_scale
+        if layer.fp8_input_scale is None:
+            xq, x_scale = quantize_per_token(x2, wq.dtype, wq.shape[1])
+        else:
+            xq = quantize_static(x2, layer.fp8_input_scale, wq.dtype, wq.shape[1])
+            x_scale = (layer.fp8_input_scale if w_scale.dim() == 0
+                       else layer.fp8_input_scale.expand(x2.shape[0], 1).contiguous())
+        out = scaled_mm(xq, wq.t(), x_scale, w_scale, x.dtype)
+        if out.shape[1] != layer.fp8_out_features:
+            out = out[:, :layer.fp8_out_features]
+        return out.reshape(*x.shape[:-1], out.shape[1])
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b)`` in ``out_dtype``: ``a [M, K]`` row-major, ``b [K, N]``
+    column-major, scales 0-dim (per tensor) or ``[M, 1]`` and ``[1, N]`` (per row)."""
+    if scale_b.dim() == 0 or out_dtype == torch.bfloat16:
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    one = torch.ones((), dtype=torch.float32, device=a.device)
+    out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return (out * scale_a * scale_b).to(out_dtype)
+
+
+def to_e4m3fnuz(values: torch.Tensor, scales: torch.Tensor,
+                input_scale: float | None) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+    """An e4m3fn weight re-read as e4m3fnuz (MI300's FP8), the same bits: fnuz's exponent bias
+    is one larger, so each value reads as half of itself and the scales double (the activations'
+    static scale too, keeping ``x / scale`` within fnuz's 240). The one pattern that differs,
+    0x80, is fn's -0 and fnuz's NaN: it becomes +0."""
+    bits = values.view(torch.int8).clone()
+    bits[bits == -128] = 0
+    return (bits.view(torch.float8_e4m3fnuz), scales * 2,
+            None if input_scale is None else input_scale * 2)
+
+
+def _pad_values(values: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    if values.shape == (rows, cols):
+        return values.contiguous()
+    padded = torch.zeros((rows, cols), dtype=torch.uint8, device=values.device)
+    padded[:values.shape[0], :values.shape[1]] = values.view(torch.uint8)
+    return padded.view(values.dtype)
+
+
+def _pad_scales(scales: torch.Tensor, columns: int) -> torch.Tensor:
+    padded = torch.ones((1, columns), dtype=torch.float32, device=scales.device)
+    padded[0, :scales.shape[0]] = scales
+    return padded
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _param(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    # A parameter (never trained), so weight byte counts include it.
+    setattr(layer, name, nn.Parameter(tensor, requires_grad=False))

@@ -1,0 +1,85 @@
+"""Activations quantized to FP8 for a W8A8 matmul, one program per token.
+
+``x [M, K]`` (rows may be strided, columns contiguous) becomes ``q [M, K_out]`` in the output's
+FP8 type (e4m3fn, or e4m3fnuz on MI300) and float32 scales ``[M, 1]``, with
+``x[m, k] ~= float(q[m, k]) * scale[m]``. Columns ``K .. K_out`` of ``q`` are written as zeros, so
+a matmul whose K must be a multiple of 16 reads a padded copy at no extra cost.
+
+- dynamic (per token): ``scale[m] = max(absmax(x[m]) / fmax, tiny)``: the row's largest
+  magnitude maps to the type's largest finite value (448 for e4m3fn); the floor keeps an
+  all-zero row's scale positive.
+- static (per tensor): the given scale, read from a device tensor (no host sync, so it can be
+  captured in a CUDA graph); values beyond ``fmax`` saturate.
+
+Quotients are computed in float32 and correctly rounded (``div_rn``: a GPU's default float32
+division is approximate, which would break ties differently from a float64 reference), then
+rounded to nearest even on the FP8 grid by ``reshape_and_cache``'s ``_round_to_e4m3`` before
+the cast (the cast alone rounds wrongly in Triton's interpreter). e4m3fnuz's grid is e4m3fn's
+halved (its exponent bias is one larger), so it rounds ``2 * q`` on e4m3fn's grid and halves the
+result, both steps exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.platforms.cuda.kernels.reshape_and_cache import _round_to_e4m3
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _fp8_quant_kernel(
+    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, K, K_OUT, fmax, min_scale,
+    STATIC: tl.constexpr, FNUZ: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    if STATIC:
+        scale = tl.load(scale_ptr)
+    else:
+        absmax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, K, BLOCK):
+            x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
+            absmax = tl.maximum(absmax, tl.abs(x.to(tl.float32)))
+        scale = tl.maximum(tl.div_rn(tl.max(absmax, axis=0), fmax), min_scale)
+        tl.store(scale_ptr + row, scale)
+    for start in range(0, K_OUT, BLOCK):
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
+        q = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -fmax, fmax)
+        q = _round_to_e4m3(q * 2.0) * 0.5 if FNUZ else _round_to_e4m3(q)
+        tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty),
+                 mask=start + cols < K_OUT)
+
+
+def quantize_per_token(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                       padded_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> ``(q [M, padded_k], scales float32 [M, 1])``, a scale per row."""
+    scales = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    return _launch(x, fp8_dtype, padded_k, scales, static=False), scales
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor,
+                    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                    padded_k: int | None = None) -> torch.Tensor:
+    """``x [M, K]`` -> ``q [M, padded_k]`` with one float32 ``scale`` (a one-element tensor)."""
+    return _launch(x, fp8_dtype, padded_k, scale, static=True)
+
+
+def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, padded_k: int | None,
+            scales: torch.Tensor, static: bool) -> torch.Tensor:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError("fp8 quantization needs a 2-D input with contiguous rows")
+    m, k = x.shape
+    k_out = k if padded_k is None else padded_k
+    q = torch.empty((m, k_out), dtype=fp8_dtype, device=x.device)
+    if m:
+        _fp8_quant_kernel[(m,)](
+            x, q, scales, x.stride(0), q.stride(0), k, k_out,
+            torch.finfo(fp8_dtype).max, torch.finfo(torch.float32).tiny,
+            STATIC=static, FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
+            BLOCK=min(_BLOCK, triton.next_power_of_2(k_out)), num_warps=4,
+        )
+    return q
