@@ -68,11 +68,11 @@ def bench_shape(name: str, n: int, k: int, args: argparse.Namespace,
     dense = torch.randn(n, k, device=DEVICE, dtype=dtype) * 0.02
     rows = []
     for m in args.ms:
-        ms_w4, ms_gather, ms_mm = time_all(m, packed, dense)
+        ms_w4, ms_mm = time_all(m, packed, dense)
         flops = 2 * m * n * k
         rows.append({
             "layer": name, "n": n, "k": k, "m": m, "w4a16_ms": ms_w4,
-            "w4a16_gather_unpack_ms": ms_gather, "torch_mm_ms": ms_mm,
+            "torch_mm_ms": ms_mm,
             "speedup": ms_mm / ms_w4, "packed_bytes": packed_bytes,
             "w4a16_weight_gbs": packed_bytes / ms_w4 / 1e6,
             "w4a16_pct_copy": 100 * packed_bytes / ms_w4 / 1e6 / copy_gbs,
@@ -83,15 +83,14 @@ def bench_shape(name: str, n: int, k: int, args: argparse.Namespace,
     return rows
 
 
-def time_all(m: int, packed, dense: torch.Tensor) -> tuple[float, float, float]:
-    """Milliseconds of the W4A16 kernel (as the engine runs it, then with the alternative
-    unpacking) and of ``torch.mm`` on the dense weight, for M rows; NaN for one that fails."""
+def time_all(m: int, packed, dense: torch.Tensor) -> tuple[float, float]:
+    """Milliseconds of the W4A16 kernel (as the engine runs it) and of ``torch.mm`` on the
+    dense weight, for M rows; NaN for one that fails."""
     from pagedserve.platforms.cuda.kernels import w4a16
 
     x = torch.randn(m, dense.shape[1], device=DEVICE, dtype=dense.dtype)
     out = torch.empty(m, dense.shape[0], device=DEVICE, dtype=dense.dtype)
     return (_time(lambda: w4a16.matmul(x, packed, out=out)),
-            _time(lambda: w4a16.matmul(x, packed, out=out, gather_unpack=True)),
             _time(lambda: torch.mm(x, dense.T, out=out)))
 
 
@@ -106,13 +105,13 @@ def _time(fn) -> float:
         return float("nan")
 
 
-_HEADER = (f"{'layer':>8} {'N':>6} {'K':>6} {'M':>5} {'w4 ms':>8} {'gather':>8} {'mm ms':>8} "
+_HEADER = (f"{'layer':>8} {'N':>6} {'K':>6} {'M':>5} {'w4 ms':>8} {'mm ms':>8} "
            f"{'x':>5} {'w4 GB/s':>8} {'% copy':>6} {'mm GB/s':>8} {'w4 TF/s':>8} {'mm TF/s':>8}")
 
 
 def _row(r: dict) -> str:
     return (f"{r['layer']:>8} {r['n']:>6} {r['k']:>6} {r['m']:>5} {r['w4a16_ms']:>8.4f} "
-            f"{r['w4a16_gather_unpack_ms']:>8.4f} {r['torch_mm_ms']:>8.4f} "
+            f"{r['torch_mm_ms']:>8.4f} "
             f"{r['speedup']:>5.2f} {r['w4a16_weight_gbs']:>8.0f} "
             f"{r['w4a16_pct_copy']:>6.1f} {r['torch_mm_weight_gbs']:>8.0f} "
             f"{r['w4a16_tflops']:>8.1f} {r['torch_mm_tflops']:>8.1f}")
@@ -126,8 +125,7 @@ def main() -> None:
     copy_gbs = copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {copy_gbs:.0f} GB/s  "
           f"{args.dtype}, 4-bit groups of {args.group_size}")
-    print("gather: the kernel unpacking with one load per code instead of per word; "
-          "x: mm ms / w4 ms")
+    print("x: mm ms / w4 ms")
     print("GB/s: the weight's bytes read (packed for w4, dense for mm) per second; % copy: "
           "of the copy rate (bytes read + written)\n" + _HEADER)
     rows = []

@@ -78,15 +78,14 @@ def reference(x: torch.Tensor, weight: GroupQuantWeight) -> torch.Tensor:
     return (x @ dense.T).cpu()
 
 
-def run_kernel(x: torch.Tensor, weight: GroupQuantWeight, split_k: int | None = None,
-               gather_unpack: bool = False):
+def run_kernel(x: torch.Tensor, weight: GroupQuantWeight, split_k: int | None = None):
     packed = w4a16.pack(weight.values, weight.scales, weight.offsets, weight.group_size,
                         x.device)
     out = torch.full((x.shape[0], weight.shape[0]), float("nan"), dtype=x.dtype,
                      device=x.device)
     for _ in range(2):  # the split-K counters must be back at zero for the second call
         out.fill_(float("nan"))
-        assert w4a16.matmul(x, packed, split_k, out, gather_unpack) is out
+        assert w4a16.matmul(x, packed, split_k, out) is out
         assert not packed.counters.any()
     return out
 
@@ -116,15 +115,6 @@ def test_kernel_matches_reference(case, dtype):
     weight = random_weight(n, k, group, seed=m, style="awq" if m % 2 else "gguf")
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(DEVICE, dtype)
     assert_close(run_kernel(x, weight, split_k), reference(x, weight), dtype)
-
-
-@pytest.mark.parametrize("case", INTERP_CASES[1:3], ids=lambda c: "m{}n{}k{}g{}s{}".format(*c))
-def test_gather_unpack_matches_reference(case):
-    m, n, k, group, split_k = case
-    weight = random_weight(n, k, group, seed=m)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(DEVICE)
-    assert_close(run_kernel(x, weight, split_k, gather_unpack=True), reference(x, weight),
-                 torch.float32)
 
 
 def test_pack_keeps_zero_points_exact_in_float16():
@@ -284,15 +274,14 @@ from pagedserve.platforms.cuda.kernels import w4a16
 fn = w4a16._w4a16_kernel
 pointers = {"x_ptr": "ACT", "qw_ptr": "i32", "s_ptr": "SCALE", "z_ptr": "SCALE",
             "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
-for act, scale, m, split, gather in [("bf16", "fp16", 1, True, False),
-                                     ("bf16", "fp16", 1, True, True),
-                                     ("fp16", "fp32", 40, True, False),
-                                     ("bf16", "fp16", 200, False, False),
-                                     ("fp32", "fp32", 1000, False, False)]:
+for act, scale, m, split, one_group in [("bf16", "fp16", 1, True, True),
+                                        ("bf16", "fp16", 1, True, False),
+                                        ("fp16", "fp32", 40, True, True),
+                                        ("bf16", "fp16", 200, False, True),
+                                        ("fp32", "fp32", 1000, False, True)]:
     cfg = w4a16._config(m)
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  ONE_GROUP_PER_BLOCK=not gather, ZERO_POINT=scale == "fp16", SPLIT=split,
-                  GATHER_UNPACK=gather)
+                  ONE_GROUP_PER_BLOCK=one_group, ZERO_POINT=scale == "fp16", SPLIT=split)
     sig = {}
     for name in fn.arg_names:
         kind = pointers.get(name)
