@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import importlib
 
+from pagedserve.logger import get_logger
 from pagedserve.platforms.interface import Platform, PlatformUnavailable
+
+logger = get_logger(__name__)
 
 _REGISTRY = {
     "cuda": "pagedserve.platforms.cuda.platform:CudaPlatform",
@@ -26,11 +29,7 @@ def _load(name: str) -> type[Platform]:
 def resolve_platform(name: str = "auto") -> type[Platform]:
     """The platform class for ``--device NAME``; raises ``PlatformUnavailable`` in one line."""
     if name == "auto":
-        for candidate in _AUTO_ORDER:
-            platform = _load(candidate)
-            if platform.is_available():
-                return platform
-        raise PlatformUnavailable("no usable device found")
+        return _resolve_auto()
     if name not in _REGISTRY:
         raise PlatformUnavailable(
             f"unknown device {name!r}; choose one of: {', '.join(DEVICE_NAMES)}"
@@ -38,6 +37,23 @@ def resolve_platform(name: str = "auto") -> type[Platform]:
     platform = _load(name)
     platform.check_available()
     return platform
+
+
+def _resolve_auto() -> type[Platform]:
+    """The first usable platform of ``_AUTO_ORDER``, logged in one line with the reason each
+    earlier one was skipped (its ``PlatformUnavailable`` message)."""
+    skipped: list[str] = []
+    for candidate in _AUTO_ORDER:
+        platform = _load(candidate)
+        try:
+            platform.check_available()
+        except PlatformUnavailable as exc:
+            skipped.append(f"{candidate}: {exc}")
+            continue
+        why = f"; skipped {'; '.join(skipped)}" if skipped else ""
+        logger.info("--device auto chose %s%s", candidate, why)
+        return platform
+    raise PlatformUnavailable(f"no usable device found; skipped {'; '.join(skipped)}")
 
 
 __all__ = ["DEVICE_NAMES", "Platform", "PlatformUnavailable", "resolve_platform"]
