@@ -23,6 +23,8 @@ serve: setup
 
 lint: setup
 	$(VENV)/bin/ruff check pagedserve tests benchmarks scripts
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/ci.yml
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.github-actions .github/actions/*/action.yml
 
 # Two pytest-xdist workers of one torch thread each (tests/conftest.py says why).
 test: setup lint
