@@ -209,8 +209,15 @@ def compile_case(case: Case) -> Result:
         shared = kernel.metadata.shared
         error = None if shared <= lds else f"{shared} bytes of LDS, the target has {lds}"
     except Exception as exc:  # a compile error is a result here, not a crash
-        shared, error = None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1]}"
+        shared, error = None, _one_line(exc)
     return Result(*case, error is None, shared, round(time.perf_counter() - start, 3), error)
+
+
+def _one_line(exc: BaseException) -> str:
+    """A compile error's cause in one line (Triton's own message ends with a source excerpt)."""
+    cause = exc.__cause__ or exc
+    lines = [ln for ln in str(cause).splitlines() if ln.strip().strip("^")]
+    return f"{type(cause).__name__}: {lines[-1].strip() if lines else ''}"[:300]
 
 
 def cases(subset: bool) -> list[Case]:
