@@ -147,7 +147,7 @@ def _w4a16(m: int):
     def spec(dtype: str, arch: str) -> Spec:
         from pagedserve.platforms.cuda.kernels import w4a16
 
-        cfg = w4a16._config(m)
+        cfg = w4a16._config_for(m, _torch_dtype(dtype), arch)
         scale = "fp16" if dtype != "fp32" else "fp32"
         ptrs = {"x_ptr": "ACT", "qw_ptr": "i32", "s_ptr": scale, "z_ptr": scale,
                 "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
@@ -171,11 +171,12 @@ KERNELS = {
     "prefill_attention": _prefill, "decode_attention": _decode,
     "decode_reduce": _decode_reduce, "reshape_and_cache": _reshape_and_cache,
     "rms_norm": _rms_norm, "rotary": _rotary, "silu_and_mul": _activation,
-    "w4a16_m1": _w4a16(1), "w4a16_m64": _w4a16(64), "w4a16_m1024": _w4a16(1024),
+    "w4a16_m1": _w4a16(1), "w4a16_m64": _w4a16(64), "w4a16_m256": _w4a16(256),
+    "w4a16_m1024": _w4a16(1024),
     "fp8_quant": _fp8_quant,
 }
-# The CI subset leaves out the middle W4A16 configuration (m1 and m1024 bracket it).
-NOT_IN_SUBSET = ("w4a16_m64",)
+# The CI subset leaves out the middle W4A16 configurations (m1 and m1024 bracket them).
+NOT_IN_SUBSET = ("w4a16_m64", "w4a16_m256")
 # RocmPlatform runs FP8 matmuls (and so quantizes activations to FP8) only on gfx94x/gfx95x.
 ONLY_ON = {"fp8_quant": ("gfx94", "gfx95")}
 
