@@ -22,10 +22,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.devices import HAS_NVIDIA  # noqa: E402
+
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-if not torch.cuda.is_available():
-    # Without a GPU the Triton kernels run under Triton's interpreter, which must be chosen
-    # before anything imports triton.
+if not HAS_NVIDIA:
+    # Without an NVIDIA GPU (on ROCm too) the Triton kernel tests run under Triton's
+    # interpreter, which must be chosen before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagedserve.models.loader import ModelSource, resolve_model  # noqa: E402

@@ -5,15 +5,15 @@ weights."""
 from __future__ import annotations
 
 import pytest
-import torch
 
+from tests.devices import HAS_NVIDIA, NVIDIA_REASON
 from tests.quant.fp8_ct_checkpoints import write_fp8
 from tests.quant.packers import PROMPT_LENS, linear_methods, write_quantized_pair
 from tests.tiny_models import assert_greedy_matches, hf_model, random_prompts
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda)"),
+    pytest.mark.skipif(not HAS_NVIDIA, reason=NVIDIA_REASON),
 ]
 
 CONFIGS = {

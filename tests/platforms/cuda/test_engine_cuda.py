@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from tests.devices import HAS_NVIDIA, NVIDIA_REASON
 from tests.tiny_models import VOCAB, write_tiny_model
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda)"),
+    pytest.mark.skipif(not HAS_NVIDIA, reason=NVIDIA_REASON),
 ]
 NEW = 32
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.devices import HAS_NVIDIA, NVIDIA_REASON
+
 pytest.importorskip("triton")
 
 from pagedserve.platforms.cuda.fp8_linear import Fp8LinearMethod, to_e4m3fnuz  # noqa: E402
@@ -21,11 +23,10 @@ from pagedserve.platforms.cuda.kernels.fp8_quant import (  # noqa: E402
 )
 from pagedserve.quant.weights import Fp8Weight  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+DEVICE = torch.device("cuda" if HAS_NVIDIA else "cpu")
 FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU (torch.cuda)")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_NVIDIA else [])
+needs_cuda = pytest.mark.skipif(not HAS_NVIDIA, reason=NVIDIA_REASON)
 # One rounding of the output dtype (half an ulp) on top of float32 accumulation.
 OUT_RTOL = {torch.float32: 1e-5, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -8}
 

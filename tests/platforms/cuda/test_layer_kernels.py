@@ -11,17 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.devices import HAS_NVIDIA
+
 pytest.importorskip("triton")
 
 from pagedserve.models.layer_ops import LayerOps  # noqa: E402
 from pagedserve.models.rotary import RotaryEmbedding  # noqa: E402
 from pagedserve.platforms.cuda.layer_ops import TritonLayerOps  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
+DEVICE = torch.device("cuda" if HAS_NVIDIA else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_NVIDIA else [])
 # Shapes (tokens, hidden): odd token counts, a hidden size that is not a power of two.
-SHAPES = [(1, 64), (7, 96)] + ([(300, 4096), (33, 5120)] if HAS_CUDA else [])
+SHAPES = [(1, 64), (7, 96)] + ([(300, 4096), (33, 5120)] if HAS_NVIDIA else [])
 # One rounding of the activation dtype, plus rsqrt's approximation in float32.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -66,7 +67,7 @@ def test_fused_add_rms_norm_writes_the_sum_into_residual(dtype, tokens, hidden):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,inter", [(1, 32), (5, 1500)] + ([(257, 14336)] if HAS_CUDA
+@pytest.mark.parametrize("tokens,inter", [(1, 32), (5, 1500)] + ([(257, 14336)] if HAS_NVIDIA
                                                                  else []))
 def test_silu_and_mul_matches_float64(dtype, tokens, inter):
     x = randn(tokens, 2 * inter, dtype=dtype, seed=6) * 4

@@ -13,12 +13,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-HAS_CUDA = torch.cuda.is_available()
-IMPORTED_TOO_LATE = (not HAS_CUDA and "triton" in sys.modules
+from tests.devices import HAS_NVIDIA
+
+IMPORTED_TOO_LATE = (not HAS_NVIDIA and "triton" in sys.modules
                      and os.environ.get("TRITON_INTERPRET") != "1")
-if not HAS_CUDA and not IMPORTED_TOO_LATE:
+if not HAS_NVIDIA and not IMPORTED_TOO_LATE:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
@@ -37,7 +37,7 @@ def _greedy(folder) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(HAS_CUDA, reason="covered by the cuda engine tests")
+@pytest.mark.skipif(HAS_NVIDIA, reason="covered by the cuda engine tests")
 def test_engine_on_triton_interpreter_matches_torch_backend(tiny_model_folder, monkeypatch):
     if IMPORTED_TOO_LATE:
         _run_in_a_fresh_interpreter_process()

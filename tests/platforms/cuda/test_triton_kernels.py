@@ -18,14 +18,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
+from tests.devices import HAS_NVIDIA, NVIDIA_REASON
+
 # Triton picks interpreter or compiler for each @jit function as it is defined, its own standard
 # library (tl.zeros, tl.cdiv...) included, so on the CPU the variable must be set before the
 # process first imports triton. If something imported it earlier, the kernels run in a fresh
 # process instead (test_in_a_fresh_interpreter_process).
-IMPORTED_TOO_LATE = (not HAS_CUDA and "triton" in sys.modules
+IMPORTED_TOO_LATE = (not HAS_NVIDIA and "triton" in sys.modules
                      and os.environ.get("TRITON_INTERPRET") != "1")
-if not HAS_CUDA and not IMPORTED_TOO_LATE:
+if not HAS_NVIDIA and not IMPORTED_TOO_LATE:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
@@ -52,11 +53,11 @@ def test_in_a_fresh_interpreter_process():
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
 
 
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+DEVICE = torch.device("cuda" if HAS_NVIDIA else "cpu")
 FP8 = torch.float8_e4m3fn
 NAN = float("nan")
 cuda = pytest.mark.cuda
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU (torch.cuda)")
+needs_cuda = pytest.mark.skipif(not HAS_NVIDIA, reason=NVIDIA_REASON)
 
 
 def quantize(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:

@@ -16,11 +16,12 @@ import pytest
 import torch
 from torch import nn
 
-HAS_CUDA = torch.cuda.is_available()
+from tests.devices import HAS_NVIDIA, NVIDIA_REASON
+
 # As in test_triton_kernels: the interpreter must be chosen before triton is first imported.
-IMPORTED_TOO_LATE = (not HAS_CUDA and "triton" in sys.modules
+IMPORTED_TOO_LATE = (not HAS_NVIDIA and "triton" in sys.modules
                      and os.environ.get("TRITON_INTERPRET") != "1")
-if not HAS_CUDA and not IMPORTED_TOO_LATE:
+if not HAS_NVIDIA and not IMPORTED_TOO_LATE:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
@@ -30,9 +31,9 @@ if not IMPORTED_TOO_LATE:
     from pagedserve.platforms.cuda import quant_linear
     from pagedserve.platforms.cuda.kernels import w4a16
 
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+DEVICE = torch.device("cuda" if HAS_NVIDIA else "cpu")
 cuda = pytest.mark.cuda
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU (torch.cuda)")
+needs_cuda = pytest.mark.skipif(not HAS_NVIDIA, reason=NVIDIA_REASON)
 
 
 @pytest.fixture(autouse=True)

@@ -33,6 +33,7 @@ from pagedserve.platforms.cuda.kernels.prefill_attention import (
     check_cache_pair,
     dot_precision,
     fp8_compute_dtype,
+    gpu_arch,
 )
 
 # Shortest partition the heuristic picks: shorter ones spend more on the merge than they save.
@@ -262,7 +263,8 @@ def decode_attention(
         *part_strides,
         GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_N=block_n,
-        SINGLE_PARTITION=single, HAS_SCALES=has_scales, DOT_PREC=dot_precision(q.dtype),
+        SINGLE_PARTITION=single, HAS_SCALES=has_scales,
+        DOT_PREC=dot_precision(q.dtype, gpu_arch(q.device)),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not single:

@@ -22,6 +22,8 @@ without a mask; only the diagonal tiles pay for it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -169,9 +171,25 @@ def _prefill_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    # fp32 models expect fp32 results; tf32 would cost ~3 decimal digits.
-    return "ieee" if dtype == torch.float32 else "tf32"
+def dot_precision(dtype: torch.dtype, arch: str | None = None) -> str:
+    """``tl.dot``'s input precision for ``dtype`` on a GPU of architecture ``arch`` (an AMD
+    ``gfx`` name; ``None`` for NVIDIA and the interpreter).
+
+    fp32 models expect fp32 results; tf32 would cost ~3 decimal digits. For 16-bit inputs the
+    choice changes nothing numerically, but Triton's AMD backend accepts ``tf32`` only on gfx942
+    (MI300) and refuses to compile it elsewhere.
+    """
+    if dtype == torch.float32:
+        return "ieee"
+    return "tf32" if arch is None or arch.startswith("gfx942") else "ieee"
+
+
+@functools.lru_cache(maxsize=8)
+def gpu_arch(device: torch.device) -> str | None:
+    """The AMD GPU's ``gfx`` name under ROCm's torch; ``None`` on NVIDIA and the CPU."""
+    if device.type != "cuda" or torch.version.hip is None:
+        return None
+    return torch.cuda.get_device_properties(device).gcnArchName
 
 
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
@@ -238,7 +256,7 @@ def prefill_attention(
         *q.stride(), *out.stride(), *key_cache.stride(), *block_tables.stride(),
         GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_SCALES=has_scales, DOT_PREC=dot_precision(q.dtype),
+        HAS_SCALES=has_scales, DOT_PREC=dot_precision(q.dtype, gpu_arch(q.device)),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

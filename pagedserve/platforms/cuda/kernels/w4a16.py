@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.platforms.cuda.kernels.prefill_attention import gpu_arch
+
 # The narrowest BLOCK_N of the configurations whose rows fit one block (split K): the split
 # counters are sized for it, so wider tiles use a prefix of them.
 _SPLIT_BLOCK_N = 64
@@ -177,6 +179,18 @@ def _config(m: int) -> _Config:
     return _Config(128, 128, 64, 8, 3)
 
 
+def _config_for(m: int, dtype: torch.dtype, arch: str | None) -> _Config:
+    """``_config``, with fp32 tiles cut to fit the 64 KiB of LDS of AMD GPUs other than gfx950
+    (``arch`` is None on NVIDIA). Chosen by compiling for gfx90a/gfx942/gfx1100 on the CPU
+    (``scripts/amd_compile_sweep.py``); never run on an AMD GPU."""
+    cfg = _config(m)
+    if dtype != torch.float32 or arch is None or arch.startswith("gfx950"):
+        return cfg
+    if m <= 16:
+        return cfg._replace(block_k=32)
+    return cfg._replace(num_stages=min(cfg.num_stages, 2))
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -208,7 +222,7 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = _config(m)
+    cfg = _config_for(m, x.dtype, gpu_arch(x.device))
     block_k = cfg.block_k
     if w.group_size < block_k and w.group_size % 16 == 0:
         block_k = w.group_size  # so that each block of K lies in one group

@@ -1,0 +1,277 @@
+"""Compile every Triton kernel of ours for AMD GPUs on the CPU, through Triton's AMD backend.
+
+No GPU is needed: ``triton.compile`` with a ``hip`` target runs the whole pipeline down to a
+code object for the named ``gfx`` architecture. Each case compiles one kernel in one activation
+dtype for one target with the launch settings and dot precision the platform would choose, and
+checks the kernel's shared memory (LDS) against the target's limit. Shapes are Llama-3-8B's
+(head 128, GQA 4, hidden 4096, block size 16).
+
+    python scripts/amd_compile_sweep.py              # the full sweep, JSON to benchmarks/results
+    python scripts/amd_compile_sweep.py --subset     # the CI subset (tests/platforms/rocm)
+
+Run with ``TRITON_INTERPRET`` unset. Exits 1 if any case failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+OUT = Path(__file__).resolve().parents[1] / "benchmarks/results/amd_compile_sweep.json"
+# (architecture, wavefront size, LDS bytes per workgroup): MI200, MI300, MI350, Radeon RDNA3.
+TARGETS = {"gfx90a": (64, 64 << 10), "gfx942": (64, 64 << 10), "gfx950": (64, 160 << 10),
+           "gfx1100": (32, 64 << 10)}
+DTYPES = ("fp16", "bf16", "fp32")
+HEAD, GROUP, BLOCK_SIZE, HIDDEN = 128, 4, 16, 4096
+
+
+class Case(NamedTuple):
+    kernel: str
+    dtype: str
+    target: str
+
+
+class Result(NamedTuple):
+    kernel: str
+    dtype: str
+    target: str
+    ok: bool
+    shared_bytes: int | None
+    seconds: float
+    error: str | None
+
+
+class Spec(NamedTuple):
+    fn: object  # a triton JITFunction
+    pointers: dict[str, str]  # argument -> element type; "ACT" is the activation dtype
+    constexprs: dict[str, object]
+    num_warps: int
+    num_stages: int = 1
+    floats: tuple[str, ...] = ()  # fp32 scalar arguments; other scalars are i32
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def _attention_pointers(decode: bool) -> dict[str, str]:
+    ptrs = {"q_ptr": "ACT", "k_cache_ptr": "ACT", "v_cache_ptr": "ACT", "out_ptr": "ACT",
+            "block_tables_ptr": "i32", "seq_lens_ptr": "i32", "k_scale_ptr": "i32",
+            "v_scale_ptr": "i32"}
+    if decode:
+        ptrs.update(part_out_ptr="fp32", part_lse_ptr="fp32")
+    else:
+        ptrs["query_start_loc_ptr"] = "i32"
+    return ptrs
+
+
+def _prefill(dtype: str, arch: str) -> Spec:
+    from pagedserve.platforms.cuda.kernels import prefill_attention as pa
+
+    block_m, block_n, warps, stages = pa._prefill_config(HEAD, _torch_dtype(dtype))
+    consts = dict(GROUP=GROUP, GROUP_PAD=GROUP, HEAD_SIZE=HEAD, HEAD_PAD=HEAD,
+                  BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=block_m, BLOCK_N=block_n, HAS_SCALES=False,
+                  DOT_PREC=pa.dot_precision(_torch_dtype(dtype), arch))
+    return Spec(pa._prefill_kernel, _attention_pointers(False), consts, warps, stages,
+                ("sm_scale",))
+
+
+def _decode(dtype: str, arch: str) -> Spec:
+    from pagedserve.platforms.cuda.kernels import decode_attention as da
+
+    t = _torch_dtype(dtype)
+    block_n, warps, stages = da._decode_config(HEAD, t, t)
+    consts = dict(GROUP=GROUP, GROUP_PAD=16, HEAD_SIZE=HEAD, HEAD_PAD=HEAD,
+                  BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, SINGLE_PARTITION=False,
+                  HAS_SCALES=False, DOT_PREC=da.dot_precision(t, arch))
+    return Spec(da._decode_partition_kernel, _attention_pointers(True), consts, warps, stages,
+                ("sm_scale",))
+
+
+def _decode_reduce(dtype: str, arch: str) -> Spec:
+    from pagedserve.platforms.cuda.kernels import decode_attention as da
+
+    ptrs = {"out_ptr": "ACT", "part_out_ptr": "fp32", "part_lse_ptr": "fp32",
+            "seq_lens_ptr": "i32", "v_scale_ptr": "i32"}
+    consts = dict(HEAD_SIZE=HEAD, HEAD_PAD=HEAD, BLOCK_P=32, HAS_SCALES=False)
+    return Spec(da._decode_reduce_kernel, ptrs, consts, 4)
+
+
+def _reshape_and_cache(dtype: str, arch: str) -> Spec:
+    from pagedserve.platforms.cuda.kernels import reshape_and_cache as rc
+
+    ptrs = {"key_ptr": "ACT", "value_ptr": "ACT", "k_cache_ptr": "ACT", "v_cache_ptr": "ACT",
+            "slot_mapping_ptr": "i64", "k_scale_ptr": "i64", "v_scale_ptr": "i64"}
+    consts = dict(NUM_KV_HEADS=HIDDEN // HEAD // GROUP, HEAD_SIZE=HEAD, BLOCK_H=8,
+                  HEAD_PAD=HEAD, BLOCK_SIZE=BLOCK_SIZE, HAS_SCALES=False)
+    return Spec(rc._reshape_and_cache_kernel, ptrs, consts, 4)
+
+
+def _rms_norm(dtype: str, arch: str) -> Spec:
+    from pagedserve.platforms.cuda.kernels import rms_norm
+
+    ptrs = dict.fromkeys(("x_ptr", "residual_ptr", "weight_ptr", "out_ptr"), "ACT")
+    return Spec(rms_norm._rms_norm_kernel, ptrs, dict(HAS_RESIDUAL=True, BLOCK=HIDDEN),
+                HIDDEN // 512, floats=("eps",))
+
+
+def _rotary(dtype: str, arch: str) -> Spec:
+    from pagedserve.platforms.cuda.kernels import rotary
+
+    ptrs = {"positions_ptr": "i64", "q_ptr": "ACT", "k_ptr": "ACT", "cos_ptr": "fp32",
+            "sin_ptr": "fp32"}
+    heads = HIDDEN // HEAD
+    consts = dict(NUM_Q_HEADS=heads, NUM_K_HEADS=heads // GROUP, Q_HEADS_PAD=heads,
+                  K_HEADS_PAD=heads // GROUP, HALF=HEAD // 2, HALF_PAD=HEAD // 2)
+    return Spec(rotary._rotary_kernel, ptrs, consts, 4)
+
+
+def _activation(dtype: str, arch: str) -> Spec:
+    from pagedserve.platforms.cuda.kernels import activation
+
+    return Spec(activation._silu_and_mul_kernel, {"x_ptr": "ACT", "out_ptr": "ACT"},
+                dict(BLOCK=activation._BLOCK), 4)
+
+
+def _w4a16(m: int):
+    def spec(dtype: str, arch: str) -> Spec:
+        from pagedserve.platforms.cuda.kernels import w4a16
+
+        cfg = w4a16._config_for(m, _torch_dtype(dtype), arch)
+        scale = "fp16" if dtype != "fp32" else "fp32"
+        ptrs = {"x_ptr": "ACT", "qw_ptr": "i32", "s_ptr": scale, "z_ptr": scale,
+                "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
+        consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      ONE_GROUP_PER_BLOCK=True, ZERO_POINT=scale == "fp16", SPLIT=m <= 16)
+        return Spec(w4a16._w4a16_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages)
+    return spec
+
+
+def _fp8_quant(dtype: str, arch: str) -> Spec:
+    from pagedserve.platforms.cuda.kernels import fp8_quant
+
+    fnuz = arch.startswith("gfx94")  # as RocmPlatform.fp8_dtype
+    ptrs = {"x_ptr": "ACT", "q_ptr": "fp8e4b8" if fnuz else "fp8e4nv", "scale_ptr": "fp32"}
+    return Spec(fp8_quant._fp8_quant_kernel, ptrs,
+                dict(STATIC=False, FNUZ=fnuz, BLOCK=fp8_quant._BLOCK), 4,
+                floats=("fmax", "min_scale"))
+
+
+KERNELS = {
+    "prefill_attention": _prefill, "decode_attention": _decode,
+    "decode_reduce": _decode_reduce, "reshape_and_cache": _reshape_and_cache,
+    "rms_norm": _rms_norm, "rotary": _rotary, "silu_and_mul": _activation,
+    "w4a16_m1": _w4a16(1), "w4a16_m64": _w4a16(64), "w4a16_m256": _w4a16(256),
+    "w4a16_m1024": _w4a16(1024),
+    "fp8_quant": _fp8_quant,
+}
+# The CI subset leaves out the middle W4A16 configurations (m1 and m1024 bracket them).
+NOT_IN_SUBSET = ("w4a16_m64", "w4a16_m256")
+# RocmPlatform runs FP8 matmuls (and so quantizes activations to FP8) only on gfx94x/gfx95x.
+ONLY_ON = {"fp8_quant": ("gfx94", "gfx95")}
+
+
+def applies(case: Case) -> bool:
+    return case.target.startswith(ONLY_ON.get(case.kernel, ("gfx",)))
+
+
+def compile_case(case: Case) -> Result:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    start = time.perf_counter()
+    warp_size, lds = TARGETS[case.target]
+    try:
+        spec = KERNELS[case.kernel](case.dtype, case.target)
+        fn = spec.fn
+        sig = {}
+        for name in fn.arg_names:
+            if name in spec.constexprs:
+                sig[name] = "constexpr"
+            elif name in spec.pointers:
+                sig[name] = "*" + spec.pointers[name].replace("ACT", case.dtype)
+            else:
+                sig[name] = "fp32" if name in spec.floats else "i32"
+        consts = {(fn.arg_names.index(k),): v for k, v in spec.constexprs.items()}
+        kernel = triton.compile(
+            ASTSource(fn, sig, consts), target=GPUTarget("hip", case.target, warp_size),
+            options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+        shared = kernel.metadata.shared
+        error = None if shared <= lds else f"{shared} bytes of LDS, the target has {lds}"
+    except Exception as exc:  # a compile error is a result here, not a crash
+        shared, error = None, _one_line(exc)
+    return Result(*case, error is None, shared, round(time.perf_counter() - start, 3), error)
+
+
+def _one_line(exc: BaseException) -> str:
+    """A compile error's cause in one line (Triton's own message ends with a source excerpt)."""
+    cause = exc.__cause__ or exc
+    lines = [ln for ln in str(cause).splitlines() if ln.strip().strip("^")]
+    return f"{type(cause).__name__}: {lines[-1].strip() if lines else ''}"[:300]
+
+
+def cases(subset: bool) -> list[Case]:
+    """The full sweep, or the CI subset: each kernel once, fp16 and bf16 spread over the four
+    targets so every target and both dtypes are compiled."""
+    if not subset:
+        every = [Case(k, d, t) for k in KERNELS for d in DTYPES for t in TARGETS]
+        return [c for c in every if applies(c)]
+    targets, picked = list(TARGETS), []
+    for i, kernel in enumerate(k for k in KERNELS if k not in NOT_IN_SUBSET):
+        for j, dtype in enumerate(("fp16", "bf16")):
+            options = [t for t in targets if applies(Case(kernel, dtype, t))]
+            picked.append(Case(kernel, dtype, options[(2 * i + j) % len(options)]))
+    return picked
+
+
+def print_table(results: list[Result]) -> None:
+    print(f"{'kernel':<20} {'dtype':<5} {'target':<8} {'result':<7} {'shared':>7} {'s':>6}")
+    for r in results:
+        shared = "-" if r.shared_bytes is None else str(r.shared_bytes)
+        print(f"{r.kernel:<20} {r.dtype:<5} {r.target:<8} {'ok' if r.ok else 'FAILED':<7} "
+              f"{shared:>7} {r.seconds:>6.2f}" + (f"  {r.error}" if r.error else ""))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--subset", action="store_true", help="the CI subset only")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON results (default: {OUT} for the full sweep, none for "
+                             "the subset)")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
+    # A fresh cache, so every case really compiles and the times mean something.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="amd-sweep-")
+    start = time.perf_counter()
+    results = [compile_case(c) for c in cases(args.subset)]
+    total = time.perf_counter() - start
+    print_table(results)
+    failed = sum(not r.ok for r in results)
+    print(f"{len(results) - failed} compiled, {failed} failed, {total:.1f} s")
+    out = args.out or (None if args.subset else OUT)
+    if out is not None:
+        import triton
+
+        out.write_text(json.dumps({
+            "triton": triton.__version__, "targets": {t: {"warp_size": w, "lds_bytes": b}
+                                                      for t, (w, b) in TARGETS.items()},
+            "compiled": len(results) - failed, "failed": failed,
+            "seconds": round(total, 1), "results": [r._asdict() for r in results],
+        }, indent=1) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
