@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from tests.devices import HAS_NVIDIA, NVIDIA_REASON
+from tests.devices import HAS_NVIDIA, NVIDIA_REASON, interpreter_guards
 
 # Triton picks interpreter or compiler for each @jit function as it is defined, its own standard
 # library (tl.zeros, tl.cdiv...) included, so on the CPU the variable must be set before the
@@ -39,18 +38,8 @@ if not IMPORTED_TOO_LATE:
     from pagedserve.platforms.cuda.attention import TritonAttentionBackend
 
 
-@pytest.fixture(autouse=True)
-def _kernels_runnable(request: pytest.FixtureRequest) -> None:
-    if IMPORTED_TOO_LATE and request.node.originalname != "test_in_a_fresh_interpreter_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1; run in a fresh process")
-
-
-@pytest.mark.skipif(not IMPORTED_TOO_LATE, reason="the kernels run in this process")
-def test_in_a_fresh_interpreter_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+_kernels_runnable, test_in_a_fresh_interpreter_process = interpreter_guards(
+    __file__, IMPORTED_TOO_LATE)
 
 
 DEVICE = torch.device("cuda" if HAS_NVIDIA else "cpu")

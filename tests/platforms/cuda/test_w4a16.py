@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.devices import HAS_NVIDIA, NVIDIA_REASON
+from tests.devices import HAS_NVIDIA, NVIDIA_REASON, interpreter_guards
 
 # As in test_triton_kernels: the interpreter must be chosen before triton is first imported.
 IMPORTED_TOO_LATE = (not HAS_NVIDIA and "triton" in sys.modules
@@ -36,18 +36,8 @@ cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not HAS_NVIDIA, reason=NVIDIA_REASON)
 
 
-@pytest.fixture(autouse=True)
-def _kernels_runnable(request: pytest.FixtureRequest) -> None:
-    if IMPORTED_TOO_LATE and request.node.originalname != "test_in_a_fresh_interpreter_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1; run in a fresh process")
-
-
-@pytest.mark.skipif(not IMPORTED_TOO_LATE, reason="the kernels run in this process")
-def test_in_a_fresh_interpreter_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+_kernels_runnable, test_in_a_fresh_interpreter_process = interpreter_guards(
+    __file__, IMPORTED_TOO_LATE)
 
 
 def random_weight(n: int, k: int, group: int, seed: int, style: str = "awq",
