@@ -18,6 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Nothing in the suite touches the network: a Hugging Face model id resolves through the hub
+# cache alone (huggingface_hub reads this once, at import; server subprocesses inherit it).
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
