@@ -59,7 +59,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 # Server test files that start servers of their own (and kill them): no shared fixture keeps
 # them on the worker that runs the shared servers.
-_OWN_SERVERS = {"tests/server/test_engine_core_process.py"}
+_OWN_SERVERS = {"tests/server/test_engine_core_process.py", "tests/server/test_server_hub.py"}
 
 RUN_ID = pytest.StashKey[str]()
 

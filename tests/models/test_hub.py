@@ -4,9 +4,7 @@ it out (refs/, snapshots/, blobs/), offline; and what the online path asks the h
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import torch
 
 from pagedserve.models import loader
 from pagedserve.models.loader import ModelLoadError, ModelSource, resolve_model
+from tests.hub_cache import NEW, OLD, add_to_cache
 from tests.tiny_models import (
     assert_greedy_matches,
     hf_model,
@@ -22,27 +21,6 @@ from tests.tiny_models import (
     random_prompts,
     write_tiny_model,
 )
-
-OLD, NEW = "a" * 40, "b" * 40  # commit hashes
-
-
-def add_to_cache(cache: Path, repo_id: str, files: Path, commit: str,
-                 refs: tuple[str, ...] = ("main",)) -> Path:
-    """Store ``files`` as commit ``commit`` of ``repo_id``: each file a blob named by its hash,
-    the snapshot's entries relative links to the blobs, each ref a file holding the commit."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir(exist_ok=True)
-    (repo / "refs").mkdir(exist_ok=True)
-    for f in sorted(p for p in files.iterdir() if p.is_file()):
-        data = f.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
-    for ref in refs:
-        (repo / "refs" / ref).write_text(commit)
-    return snapshot
 
 
 @pytest.fixture
