@@ -7,12 +7,16 @@
 #               one (the venv sees it, nothing is installed), else TORCH_PIN for the device
 #   TORCH_PIN   that fallback: PyPI's Linux wheel is the CUDA build; ROCm's comes from ROCM_INDEX
 #   WHEELS      a folder of wheels: install from it alone (a machine without a package index);
-#               it must hold what PYTHON lacks, the build backend (setuptools) included
+#               it must hold what PYTHON lacks; without a setuptools wheel there, PYTHON's own
+#               setuptools builds the package
 set -euo pipefail
 device=$1 venv=$2
 python=${PYTHON:-python3}
-pip_args=(-q)
-if [ -n "${WHEELS:-}" ]; then pip_args+=(--no-index --find-links "$WHEELS"); fi
+pip_args=(-q) build_args=()
+if [ -n "${WHEELS:-}" ]; then
+  pip_args+=(--no-index --find-links "$WHEELS")
+  ls "$WHEELS"/setuptools-*.whl >/dev/null 2>&1 || build_args=(--no-build-isolation)
+fi
 
 case $device in
   cuda|rocm) ;;
@@ -26,7 +30,9 @@ case $device in
 esac
 
 if [ -z "${TORCH:-}" ] && "$python" -c 'import torch' 2>/dev/null; then
-  "$python" -m venv --system-site-packages "$venv"
+  # No pip of its own: PYTHON's, seen through its site folders, installs into the venv (and
+  # venv then needs no ensurepip, which some distributions leave out).
+  "$python" -m venv --system-site-packages --without-pip "$venv"
   # --system-site-packages reaches the base interpreter only; when PYTHON itself runs in a
   # virtualenv or conda env (where a machine's torch often lives), its site folders are added.
   purelib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
@@ -40,4 +46,4 @@ else
 fi
 echo "$device: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')" \
      "($("$venv/bin/python" -c 'import torch, os; print(os.path.dirname(torch.__file__))'))"
-"$venv/bin/python" -m pip install "${pip_args[@]}" -e ".[server]"
+"$venv/bin/python" -m pip install "${pip_args[@]}" "${build_args[@]}" -e ".[server]"
