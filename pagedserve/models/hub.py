@@ -11,6 +11,7 @@ that also holds ``*.bin``, ``*.pt`` or consolidated copies costs no extra downlo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -19,12 +20,12 @@ from pathlib import Path
 INDEX_FILE = "model.safetensors.index.json"
 # Everything the loader reads besides weights: transformers' tokenizer files of each kind
 # (fast, sentencepiece, BPE vocab and merges, a chat template saved apart).
-METADATA_FILES = (
+_METADATA_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
     "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json",
     "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json", INDEX_FILE,
 )
-SAFETENSORS = "*.safetensors"
+_SAFETENSORS = "*.safetensors"
 # Weight formats never read (pickles, other runtimes): named when a repository has only these.
 _OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.gguf")
 _NAME = r"[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?"  # as the hub allows: no leading or trailing . or -
@@ -81,21 +82,23 @@ def fetch(ref: HubModel, with_weights: bool) -> HubFetch:
         if not path.is_file():
             raise HubError(f"{ref.label}: the repository has no file {ref.gguf_file}")
     else:
-        path = _download(ref, list(METADATA_FILES))
+        path = _download(ref, list(_METADATA_FILES))
         if not (path / "config.json").is_file():
             raise HubError(f"{ref.label} has no config.json (for a GGUF repository, pass "
                            "--gguf-file NAME.gguf)")
         if with_weights:
-            _download(ref, [*METADATA_FILES, *weight_patterns(path)])
+            # At the commit just fetched, so a push in between cannot split the snapshot.
+            at_commit = dataclasses.replace(ref, revision=path.name)
+            _download(at_commit, [*_METADATA_FILES, *_weight_patterns(path)])
             _require_safetensors(ref, path)
     return HubFetch(path, downloaded=bool(_snapshot_files(repo_dir) - before))
 
 
-def weight_patterns(snapshot: Path) -> list[str]:
+def _weight_patterns(snapshot: Path) -> list[str]:
     """The shards an index names, else every safetensors file (never other formats)."""
     index = snapshot / INDEX_FILE
     if not index.is_file():
-        return [SAFETENSORS]
+        return [_SAFETENSORS]
     try:
         return sorted(set(json.loads(index.read_text())["weight_map"].values()))
     except (OSError, ValueError, KeyError) as exc:
@@ -130,7 +133,7 @@ def _download(ref: HubModel, patterns: list[str]) -> Path:
 
 
 def _require_safetensors(ref: HubModel, snapshot: Path) -> None:
-    if any(snapshot.glob(SAFETENSORS)):
+    if any(snapshot.glob(_SAFETENSORS)):
         return
     others = sorted({p.name for pattern in _OTHER_WEIGHTS for p in snapshot.glob(pattern)})
     found = f" (it holds {', '.join(others)})" if others else ""

@@ -162,12 +162,13 @@ class FakeHub:
     huggingface_hub's own filter) into the cache, and records every call's patterns."""
 
     def __init__(self, cache: Path, remote: dict[str, str]) -> None:
-        self.cache, self.remote, self.calls = cache, remote, []
+        self.cache, self.remote, self.calls, self.revisions = cache, remote, [], []
 
     def __call__(self, repo_id: str, *, revision: str | None, allow_patterns: list[str]) -> str:
         from huggingface_hub.utils import filter_repo_objects
 
         self.calls.append(list(allow_patterns))
+        self.revisions.append(revision)
         snapshot = self.cache / ("models--" + repo_id.replace("/", "--")) / "snapshots" / NEW
         for name in filter_repo_objects(self.remote, allow_patterns=allow_patterns):
             (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
@@ -194,6 +195,7 @@ def test_download_fetches_config_tokenizer_and_indexed_shards_only(
     fake = online(hub_cache, monkeypatch, REMOTE)
     source = resolve_model("org/sharded")
     assert (source.name, source.origin) == ("org/sharded", "hub-download")
+    assert fake.revisions == [None, NEW]  # the weights at the commit the metadata came from
     assert fake.fetched() == {
         "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
         "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json",
