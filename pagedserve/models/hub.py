@@ -120,7 +120,7 @@ def _download(ref: HubModel, patterns: list[str]) -> Path:
         raise HubError(f"{ref.repo_id} has no revision {ref.revision!r} on the hub") from exc
     except RepositoryNotFoundError as exc:
         raise HubError(f"no model {ref.repo_id} on the hub (a private or gated one needs "
-                       "HF_TOKEN), and none in the cache {constants.HF_HUB_CACHE}") from exc
+                       f"HF_TOKEN), and none in the cache {constants.HF_HUB_CACHE}") from exc
     except LocalEntryNotFoundError as exc:
         raise HubError(
             f"model {ref.label} is not in the Hugging Face cache {constants.HF_HUB_CACHE} and "

@@ -243,6 +243,31 @@ def test_hub_gguf_downloads_that_file_alone(hub_cache: Path,
     assert fake.fetched() == {"model.Q4_0.gguf"}
 
 
+@pytest.mark.parametrize("error, message", [
+    ("RepositoryNotFoundError", "no model org/x on the hub (a private or gated one needs "
+                                "HF_TOKEN), and none in the cache {cache}"),
+    ("GatedRepoError", "no model org/x on the hub (a private or gated one needs HF_TOKEN)"),
+    ("RevisionNotFoundError", "org/x has no revision 'v9' on the hub"),
+    ("HfHubHTTPError", "cannot fetch org/x@v9 from the Hugging Face hub: 500 boom"),
+])
+def test_hub_errors_become_one_line(hub_cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                    error: str, message: str) -> None:
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    def refuse(*args, **kwargs):
+        # Made without the HTTP response their constructors want: only the type and text matter.
+        exc = getattr(errors, error).__new__(getattr(errors, error))
+        Exception.__init__(exc, "500 boom\nrequest id: 1")
+        raise exc
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    with pytest.raises(ModelLoadError) as exc:
+        resolve_model("org/x", revision="v9")
+    assert_one_line(exc)
+    assert str(exc.value).startswith(message.format(cache=hub_cache))
+
+
 def test_ids_and_paths_are_told_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedserve.models.hub import HubModel, parse_model_id
 
