@@ -7,11 +7,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # torch is pinned to the CPU build on local disk; an unpinned torch would pull several GB.
 TORCH := torch==2.13.0
-DEVICE ?= cpu
-MODEL ?=
-ARGS ?=
+# Set on the command line only (an exported MODEL or DEVICE does not change `make serve`).
+DEVICE := cpu
+MODEL :=
+ARGS :=
 # A folder of wheels to install a GPU venv from, with no package index (e.g. WHEELS=.whl).
-WHEELS ?=
+WHEELS :=
 # The ROCm build of the torch pin (PyTorch lists which ROCm release each torch is built for).
 ROCM_INDEX ?= https://download.pytorch.org/whl/rocm6.4
 

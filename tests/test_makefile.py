@@ -3,6 +3,7 @@ GPU path with its own venv, the device, the model and the torch choice."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,15 +15,18 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 
 
-def dry_run(*variables: str) -> list[str]:
+def dry_run(*variables: str, env: dict[str, str] | None = None) -> list[str]:
     """The commands, each on one line, whitespace collapsed."""
     done = subprocess.run(["make", "-n", "serve", *variables], cwd=ROOT, capture_output=True,
-                          text=True, check=True)
+                          text=True, check=True, env={**os.environ, **(env or {})})
     return [" ".join(line.split()) for line in done.stdout.replace("\\\n", " ").splitlines()]
 
 
 def test_cpu_default_serves_the_embedded_model_from_dot_venv():
-    assert dry_run()[-1] == ".venv/bin/pagedserve serve --device cpu --host 127.0.0.1 --port 8000"
+    expected = ".venv/bin/pagedserve serve --device cpu --host 127.0.0.1 --port 8000"
+    assert dry_run()[-1] == expected
+    # Only the command line sets them: variables a shell happens to export change nothing.
+    assert dry_run(env={"MODEL": "org/x", "DEVICE": "cuda", "ARGS": "--seed 3"})[-1] == expected
 
 
 def test_cpu_with_a_model():
