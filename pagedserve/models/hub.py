@@ -94,6 +94,15 @@ def fetch(ref: HubModel, with_weights: bool) -> HubFetch:
     return HubFetch(path, downloaded=bool(_snapshot_files(repo_dir) - before))
 
 
+def snapshot_repo_id(folder: Path) -> str | None:
+    """``org/name`` for a snapshot folder of the hub cache (``models--org--name/snapshots/C``),
+    whose own name, a commit hash, says nothing; None for any other folder."""
+    parts = folder.absolute().parts
+    if len(parts) < 3 or parts[-2] != "snapshots" or not parts[-3].startswith("models--"):
+        return None
+    return parts[-3].removeprefix("models--").replace("--", "/", 1)
+
+
 def _weight_patterns(snapshot: Path) -> list[str]:
     """The shards an index names, else every safetensors file (never other formats)."""
     index = snapshot / INDEX_FILE

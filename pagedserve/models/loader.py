@@ -117,8 +117,8 @@ def _folder_source(path: Path, require_weights: bool) -> ModelSource:
     if require_weights:
         _weight_files(path)  # fail here, before the engine builds anything, if there are none
     converted = gguf_convert.converted_name(path)
-    return ModelSource(path, converted or path.resolve().name, "hf-folder",
-                       gguf=converted is not None)
+    name = converted or hub.snapshot_repo_id(path) or path.resolve().name
+    return ModelSource(path, name, "hf-folder", gguf=converted is not None)
 
 
 def _gguf_source(path: Path) -> ModelSource:

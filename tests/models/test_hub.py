@@ -65,6 +65,13 @@ def test_branch_tag_and_commit_resolve_to_their_snapshots(tiny_repo) -> None:
     assert resolve_model("org/tiny", revision=OLD).path == tiny_repo["old"]
 
 
+def test_a_snapshot_folder_passed_as_a_path_is_named_by_its_repository(tiny_repo) -> None:
+    """As the engine core sees the model the API server resolved."""
+    source = resolve_model(tiny_repo["old"])
+    assert (source.path, source.name, source.origin) == (tiny_repo["old"], "org/tiny",
+                                                         "hf-folder")
+
+
 def test_engine_on_a_hub_id_matches_transformers(tiny_repo, two_models) -> None:
     """Weights and tokenizer both come from the revision's snapshot."""
     from transformers import AutoTokenizer
