@@ -64,6 +64,7 @@ write_dummy_folder as w; w('llama3-8b', Path('$model'))"
 serve_make() {
   local port=8124 cache=/tmp/hf-hub log="$OUT/serve_make_h200_server.log"
   command -v make > /dev/null || { echo "no make on this machine"; return; }
+  rm -rf "$cache"
   python3 - "$cache" <<'PY'
 import importlib.util, sys, tempfile
 from pathlib import Path
@@ -80,8 +81,10 @@ hub_cache.add_to_cache(Path(sys.argv[1]), "pagedserve/smollm2-shape", folder, hu
 PY
   rm -rf .venv-cuda
   local t0=$SECONDS
-  env -u PYTHONPATH make .venv-cuda/.installed-stamp DEVICE=cuda PYTHON=python3 WHEELS=.whl \
-    > "$OUT/serve_make_h200_install.log" 2>&1 || { echo "install failed"; tail -30 "$OUT/serve_make_h200_install.log"; return; }
+  if ! env -u PYTHONPATH make .venv-cuda/.installed-stamp DEVICE=cuda PYTHON=python3 \
+      WHEELS=.whl > "$OUT/serve_make_h200_install.log" 2>&1; then
+    echo "install failed"; tail -30 "$OUT/serve_make_h200_install.log"; return
+  fi
   local install_s=$((SECONDS - t0))
   # Its own process group, so stopping it stops make, the server and its engine core.
   HF_HUB_OFFLINE=1 HF_HUB_CACHE=$cache env -u PYTHONPATH setsid make serve DEVICE=cuda \
@@ -90,6 +93,9 @@ PY
   local server=$! start=$EPOCHREALTIME
   until curl -sf localhost:$port/health > /dev/null; do
     kill -0 $server 2>/dev/null || { echo "server died"; tail -30 "$log"; return; }
+    if ((SECONDS - t0 > install_s + 300)); then
+      echo "no /health after 300 s"; tail -30 "$log"; kill -TERM -- -$server; return
+    fi
     sleep 0.5
   done
   local startup_s=$(awk "BEGIN { print $EPOCHREALTIME - $start }")
