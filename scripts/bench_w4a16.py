@@ -36,6 +36,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--ms", type=int, nargs="+", default=list(MS))
+    p.add_argument("--sweep-gemv", action="store_true",
+                   help="also time the GEMV kernel's configurations at M = 1 and 4")
     return p.parse_args()
 
 
@@ -68,30 +70,60 @@ def bench_shape(name: str, n: int, k: int, args: argparse.Namespace,
     dense = torch.randn(n, k, device=DEVICE, dtype=dtype) * 0.02
     rows = []
     for m in args.ms:
-        ms_w4, ms_mm = time_all(m, packed, dense)
+        ms_w4, ms_mm, paths = time_all(m, packed, dense)
         flops = 2 * m * n * k
         rows.append({
             "layer": name, "n": n, "k": k, "m": m, "w4a16_ms": ms_w4,
-            "torch_mm_ms": ms_mm,
+            "torch_mm_ms": ms_mm, "path_ms": paths,
             "speedup": ms_mm / ms_w4, "packed_bytes": packed_bytes,
             "w4a16_weight_gbs": packed_bytes / ms_w4 / 1e6,
             "w4a16_pct_copy": 100 * packed_bytes / ms_w4 / 1e6 / copy_gbs,
             "torch_mm_weight_gbs": dense.numel() * dense.element_size() / ms_mm / 1e6,
             "w4a16_tflops": flops / ms_w4 / 1e9, "torch_mm_tflops": flops / ms_mm / 1e9,
         })
-        print(_row(rows[-1]), flush=True)
+        print(_row(rows[-1]) + "  " + " ".join(f"{p} {t * 1000:.1f}us"
+                                                 for p, t in paths.items()), flush=True)
     return rows
 
 
-def time_all(m: int, packed, dense: torch.Tensor) -> tuple[float, float]:
-    """Milliseconds of the W4A16 kernel (as the engine runs it) and of ``torch.mm`` on the
-    dense weight, for M rows; NaN for one that fails."""
+def time_all(m: int, packed, dense: torch.Tensor) -> tuple[float, float, dict]:
+    """Milliseconds of the W4A16 matmul as the engine runs it, of ``torch.mm`` on the dense
+    weight, and of each of the W4A16 paths forced, for M rows; NaN for one that fails."""
     from pagedserve.platforms.cuda.kernels import w4a16
 
     x = torch.randn(m, dense.shape[1], device=DEVICE, dtype=dense.dtype)
     out = torch.empty(m, dense.shape[0], device=DEVICE, dtype=dense.dtype)
+    paths = {path: _time(lambda path=path: w4a16.matmul(x, packed, out=out, path=path))
+             for path in w4a16.PATHS if path != "gemv" or m <= 16}
     return (_time(lambda: w4a16.matmul(x, packed, out=out)),
-            _time(lambda: torch.mm(x, dense.T, out=out)))
+            _time(lambda: torch.mm(x, dense.T, out=out)), paths)
+
+
+def sweep_gemv(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
+    """The GEMV kernel's configurations at M = 1 over the 8B shapes: % of copy rate."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    rows = []
+    configs = [w4a16._GemvConfig(bn, kw, warps, stages) for bn in (64, 128, 256)
+               for kw in (4, 8, 16) for warps in (4, 8) for stages in (2, 4)]
+    weights = {name: random_packed(n, k, args.group_size) for name, n, k in SHAPES}
+    original = w4a16._gemv_config
+    for m in (1,):
+        for cfg in configs:
+            w4a16._gemv_config = lambda _m, cfg=cfg: cfg
+            total_bytes, total_ms = 0, 0.0
+            for packed in weights.values():
+                x = torch.randn(m, packed.in_features, device=DEVICE, dtype=DTYPES[args.dtype])
+                total_ms += _time(lambda x=x, p=packed: w4a16.matmul(x, p, path="gemv"))
+                total_bytes += sum(t.numel() * t.element_size()
+                                   for t in (packed.qweight, packed.scales, packed.shifts))
+            pct = 100 * total_bytes / total_ms / 1e6 / copy_gbs
+            rows.append({"m": m, "config": cfg._asdict(), "layer_ms": total_ms,
+                         "pct_copy": pct})
+            print(f"gemv m={m} {tuple(cfg)}: 4 layers {total_ms * 1000:.1f} us, "
+                  f"{pct:.1f}% of copy", flush=True)
+    w4a16._gemv_config = original
+    return rows
 
 
 def _time(fn) -> float:
@@ -134,6 +166,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "dtype": args.dtype,
               "group_size": args.group_size, "copy_gbs": copy_gbs, "rows": rows}
+    if args.sweep_gemv:
+        result["gemv_sweep"] = sweep_gemv(args, copy_gbs)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

@@ -11,15 +11,29 @@ Layout the kernel reads (built once at load by ``pack``):
   ``q * d + m``). Float16 where that form is exact in it (checkpoints store float16 scales),
   else float32, so packing never rounds the weight.
 
-One kernel serves every M: a program computes a ``BLOCK_M x BLOCK_N`` tile of ``y`` over one
-of ``SPLIT_K`` slices of K, reading each tile of W once for all its rows. Decode (small M) uses
-one block of rows and splits K so that enough programs stream the weight; prefill (large M)
-uses large tiles and no split. Accumulation is float32. With a split, each slice writes its
-float32 partial sum and the last slice of a tile to finish (an atomic counter per block of N,
-kept with the weight and reset by that slice) adds them in slice order: deterministic, and one
-launch. Configurations are fixed per range of M (no autotuning) and M is not specialized on,
-so a new batch size compiles nothing; nothing in ``matmul`` synchronizes with the host or
-allocates but the output and the partial sums, so CUDA graphs capture it.
+Three paths, chosen by the number of rows M (the field's split: GEMV for decode, tiles for
+the middle, dequantize + cuBLAS for prefill):
+
+- **GEMV** (M <= 4): CUDA-core multiply-adds with no ``tl.dot``. The nibble-to-float conversion
+  is the kernel's real cost at small M (``int -> float`` conversions run at a quarter of the
+  FMA rate), so codes become floats by the exponent trick: ``0x4B000000 | q`` read as float32
+  is ``2**23 + q``, one subtraction away from ``q``, exactly. Scales and zero points are
+  applied once per group to the sums ``sum(x * q)`` and ``sum(x)``, not per weight element.
+- **Tiles** (M up to ``DEQUANT_MIN_M``): a ``BLOCK_M x BLOCK_N`` tile of ``y`` per program,
+  ``tl.dot`` on codes built the same way in 16 bits (``0x6400 | q`` is ``1024 + q`` in float16,
+  ``0x4300 | q`` is ``128 + q`` in bfloat16) with the group's scale and zero point applied to
+  the tile's partial product.
+- **Dequantize** (M >= ``DEQUANT_MIN_M``): the weight is expanded to a dense ``[K, N]`` copy in
+  the activation dtype and multiplied by ``torch.mm``: at that M the matmul is compute-bound and
+  cuBLAS's tiles beat ours, while the extra pass over the weight costs about what reading it in
+  bfloat16 would.
+
+GEMV and small tiles split K across programs so that enough of them stream the weight: each
+slice writes its float32 partial sum and the last slice of a tile to finish (an atomic counter
+per block of N, kept with the weight and reset by that slice) adds them in slice order:
+deterministic, and one launch. Configurations are fixed per range of M (no autotuning) and M is
+not specialized on, so a new batch size compiles nothing; nothing in ``matmul`` synchronizes
+with the host or allocates but the output and scratch, so CUDA graphs capture it.
 """
 
 from __future__ import annotations
@@ -99,6 +113,117 @@ def _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N,
     return tl.reshape(q, (BLOCK_K, BLOCK_N))
 
 
+@triton.jit
+def _nibble_as_float(words, i: tl.constexpr):
+    """Nibble ``i`` of each int32 word as a float32 ``0.0 .. 15.0``, without an int-to-float
+    conversion: ``0x4B000000 | q`` is the float ``2**23 + q``."""
+    bits = ((words >> (4 * i)) & 0xF) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _codes_for_dot(q, DTYPE: tl.constexpr):
+    """int32 codes ``0 .. 15`` as ``tl.dot`` operands of ``DTYPE``, plus ``_dot_bias(DTYPE)``:
+    the 16-bit types get the code in their mantissa under a fixed exponent (float16
+    ``0x6400 | q`` is ``1024 + q``, bfloat16 ``0x4300 | q`` is ``128 + q``), which is cheaper
+    than converting, and exact."""
+    if DTYPE == tl.float16:
+        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    elif DTYPE == tl.bfloat16:
+        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return q.to(tl.float32)
+
+
+@triton.jit
+def _dot_bias(DTYPE: tl.constexpr):
+    if DTYPE == tl.float16:
+        return 1024.0
+    elif DTYPE == tl.bfloat16:
+        return 128.0
+    else:
+        return 0.0
+
+
+@triton.jit
+def _apply_group(part, xsum, s, z, ZERO_POINT: tl.constexpr):
+    """``sum(x * w)`` over one group from ``part = sum(x * q)`` and ``xsum = sum(x)``:
+    ``(q - z) * s`` with zero points, else ``q * s + z``."""
+    if ZERO_POINT:
+        return (part - xsum * z) * s
+    else:
+        return part * s + xsum * z
+
+
+@triton.jit
+def _finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n,
+            M, N, stride_om, pid_n, pid_s, num_splits, SPLIT: tl.constexpr):
+    """Store a ``[BLOCK_M, BLOCK_N]`` float32 result, or with split K, this slice's share."""
+    mask_out = mask_m[:, None] & mask_n[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if SPLIT:
+        # Each slice leaves its float32 partial sum; the last slice of a tile to finish
+        # (counted by an atomic, which orders the stores before it) adds them in slice order
+        # and resets the counter for the next call.
+        tile = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(partial_ptr + pid_s.to(tl.int64) * M * N + tile, acc, mask=mask_out)
+        # Every thread's stores before the one thread's atomic (whose release then covers
+        # them); the partial sums are read past L1, which may hold a previous call's.
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == num_splits - 1:
+            total = tl.zeros_like(acc)
+            for i in range(0, num_splits):
+                total += tl.load(partial_ptr + i * M * N + tile, mask=mask_out, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_out)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w4a16_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
+    M, N, K, group_size, k_per_split, num_splits,
+    stride_xm, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+    ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """All M rows against ``BLOCK_N`` outputs over one slice of K, ``8 * BLOCK_KW`` columns
+    (one word row per thread row) at a time, each inside one group."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    # Per-thread partial sums, reduced over the word rows once at the end.
+    acc = tl.zeros((BLOCK_M, BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, 8 * BLOCK_KW):
+        rows = k0 // 8 + tl.arange(0, BLOCK_KW)
+        words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=(rows * 8 < k_end)[:, None] & mask_n[None, :], other=0)
+        part = tl.zeros((BLOCK_M, BLOCK_KW, BLOCK_N), dtype=tl.float32)
+        xsum = tl.zeros((BLOCK_M, BLOCK_KW), dtype=tl.float32)
+        for i in tl.static_range(8):
+            cols = rows * 8 + i
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + cols[None, :],
+                        mask=mask_m[:, None] & (cols < k_end)[None, :], other=0.0)
+            x = x.to(tl.float32)
+            part += x[:, :, None] * _nibble_as_float(words, i)[None, :, :]
+            xsum += x
+        g_ptrs = (k0 // group_size) * N + offs_n
+        s = tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+        acc += _apply_group(part, xsum[:, :, None], s[None, None, :], z[None, None, :],
+                            ZERO_POINT)
+    _finish(tl.sum(acc, axis=1), out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m,
+            mask_n, M, N, stride_om, pid_n, pid_s, num_splits, SPLIT)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
@@ -123,45 +248,70 @@ def _w4a16_kernel(
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         q = _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N, BLOCK_K, BLOCK_N)
-        q = q.to(tl.float32)
         if ONE_GROUP_PER_BLOCK:
+            # The group's scale and zero point go on the tile's product, not on each weight.
             g_ptrs = (k0 // group_size) * N + offs_n[None, :]
             s = tl.load(s_ptr + g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
+            w = _codes_for_dot(q, x.dtype)
+            if x.dtype == tl.float32:
+                part = tl.dot(x, w, input_precision="ieee")
+            else:
+                part = tl.dot(x, w)
+            xsum = tl.sum(x.to(tl.float32), axis=1)[:, None]
+            if ZERO_POINT:
+                acc += _apply_group(part, xsum, s, z + _dot_bias(x.dtype), True)
+            else:
+                acc += _apply_group(part - xsum * _dot_bias(x.dtype), xsum, s, z, False)
         else:
             g_ptrs = (offs_k // group_size)[:, None] * N + offs_n[None, :]
             mask_g = mask_k[:, None] & mask_n[None, :]
             s = tl.load(s_ptr + g_ptrs, mask=mask_g, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g_ptrs, mask=mask_g, other=0.0).to(tl.float32)
-        if ZERO_POINT:
-            w = ((q - z) * s).to(x.dtype)
-        else:
-            w = (q * s + z).to(x.dtype)
-        if x.dtype == tl.float32:
-            acc += tl.dot(x, w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w)
-    mask_out = mask_m[:, None] & mask_n[None, :]
-    tile = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    if SPLIT:
-        # Each slice leaves its float32 partial sum; the last slice of a tile to finish
-        # (counted by an atomic, which orders the stores before it) adds them in slice order
-        # and resets the counter for the next call.
-        tl.store(partial_ptr + pid_s.to(tl.int64) * M * N + tile, acc, mask=mask_out)
-        # Every thread's stores before the one thread's atomic (whose release then covers
-        # them); the partial sums are read past L1, which may hold a previous call's.
-        tl.debug_barrier()
-        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if done == num_splits - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for i in range(0, num_splits):
-                total += tl.load(partial_ptr + i * M * N + tile, mask=mask_out, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_out)
-            tl.atomic_xchg(counter_ptr + pid_n, 0)
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
+            w = _apply_group(q.to(tl.float32), 1.0, s, z, ZERO_POINT).to(x.dtype)
+            if x.dtype == tl.float32:
+                acc += tl.dot(x, w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w)
+    _finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n,
+            M, N, stride_om, pid_n, pid_s, num_splits, SPLIT)
+
+
+@triton.jit
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
+                    BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr):
+    """The dense ``[K, N]`` weight, ``8 * BLOCK_KW`` rows by ``BLOCK_N`` columns a program."""
+    rows = tl.program_id(0) * BLOCK_KW + tl.arange(0, BLOCK_KW)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
+                    mask=(rows * 8 < K)[:, None] & mask_n[None, :], other=0)
+    for i in tl.static_range(8):
+        k = rows * 8 + i
+        mask = (k < K)[:, None] & mask_n[None, :]
+        g_ptrs = (k // group_size)[:, None] * N + offs_n[None, :]
+        s = tl.load(s_ptr + g_ptrs, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g_ptrs, mask=mask, other=0.0).to(tl.float32)
+        w = _apply_group(_nibble_as_float(words, i), 1.0, s, z, ZERO_POINT)
+        tl.store(out_ptr + k[:, None].to(tl.int64) * N + offs_n[None, :],
+                 w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+class _GemvConfig(NamedTuple):
+    block_n: int
+    block_kw: int
+    num_warps: int
+    num_stages: int
+
+
+# Rows up to which the GEMV kernel runs, and from which the weight is dequantized for cuBLAS.
+GEMV_MAX_M = 4
+DEQUANT_MIN_M = 256
+PATHS = ("gemv", "tiles", "dequant")
+
+
+def _gemv_config(m: int) -> _GemvConfig:
+    return _GemvConfig(128, 8, 4, 3)
 
 
 def _config(m: int) -> _Config:
@@ -207,11 +357,28 @@ def _split_k(programs: int, k_blocks: int, device: torch.device) -> int:
     return max(1, min(-(-target // programs), k_blocks // 4))
 
 
+def _gemv_block_kw(w: PackedW4, cfg: _GemvConfig) -> int | None:
+    """Word rows per GEMV step such that a step lies in one group, or None where no width
+    of at least 4 words (a 32-column group) fits."""
+    if w.scales.shape[0] == 1:
+        return cfg.block_kw
+    kw = cfg.block_kw
+    while kw >= 4 and w.group_size % (8 * kw):
+        kw //= 2
+    return kw if kw >= 4 else None
+
+
+def _choose_path(m: int, w: PackedW4) -> str:
+    if m <= GEMV_MAX_M and _gemv_block_kw(w, _gemv_config(m)) is not None:
+        return "gemv"
+    return "tiles" if m < DEQUANT_MIN_M else "dequant"
+
+
 def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
     """``x [M, K]`` (float16, bfloat16 or float32) times the packed weight: ``[M, N]`` in
-    ``x``'s dtype, written into ``out`` (contiguous) if given. ``split_k`` overrides the
-    choice of slices (tests)."""
+    ``x``'s dtype, written into ``out`` (contiguous) if given. ``split_k`` and ``path`` (one
+    of ``PATHS``) override the choices (tests, benchmarks)."""
     m, k = x.shape
     n = w.qweight.shape[1]
     if k != w.in_features:
@@ -222,11 +389,22 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = _config_for(m, x.dtype, gpu_arch(x.device))
-    block_k = cfg.block_k
-    if w.group_size < block_k and w.group_size % 16 == 0:
-        block_k = w.group_size  # so that each block of K lies in one group
-    grid_m, grid_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
+    path = path or _choose_path(m, w)
+    if path == "dequant":
+        return torch.mm(x, dequantize(w, x.dtype), out=out)
+    if path == "gemv":
+        cfg = _gemv_config(m)
+        block_kw = _gemv_block_kw(w, cfg)
+        if m > 16 or block_kw is None:
+            raise ValueError(f"the GEMV path takes up to 16 rows in 32-column groups, not "
+                             f"{m} rows in groups of {w.group_size}")
+        block_k, grid_m, grid_n = 8 * block_kw, 1, triton.cdiv(n, cfg.block_n)
+    else:
+        cfg = _config_for(m, x.dtype, gpu_arch(x.device))
+        block_k = cfg.block_k
+        if w.group_size < block_k and w.group_size % 16 == 0:
+            block_k = w.group_size  # so that each block of K lies in one group
+        grid_m, grid_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
     k_blocks = triton.cdiv(k, block_k)
     splits = 1
     if grid_m == 1:  # the counters are per block of N
@@ -236,13 +414,28 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
     # Where the slices leave their partial sums (not written when there is one slice).
     partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
                           device=x.device)
-    _w4a16_kernel[(grid_m, grid_n, splits)](
-        x, w.qweight, w.scales, w.shifts, out, partial, w.counters,
-        m, n, k, w.group_size, k_per_split, splits,
-        x.stride(0), out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        ONE_GROUP_PER_BLOCK=w.group_size % block_k == 0 or w.scales.shape[0] == 1,
-        ZERO_POINT=w.zero_point, SPLIT=splits > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    args = (x, w.qweight, w.scales, w.shifts, out, partial, w.counters,
+            m, n, k, w.group_size, k_per_split, splits, x.stride(0), out.stride(0))
+    if path == "gemv":
+        _w4a16_gemv_kernel[(grid_n, splits)](
+            *args, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_KW=block_kw,
+            ZERO_POINT=w.zero_point, SPLIT=splits > 1,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        _w4a16_kernel[(grid_m, grid_n, splits)](
+            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+            ONE_GROUP_PER_BLOCK=w.group_size % block_k == 0 or w.scales.shape[0] == 1,
+            ZERO_POINT=w.zero_point, SPLIT=splits > 1,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+def dequantize(w: PackedW4, dtype: torch.dtype) -> torch.Tensor:
+    """The packed weight as a dense ``[K, N]`` tensor of ``dtype`` (rounded once)."""
+    n, k = w.qweight.shape[1], w.in_features
+    dense = torch.empty((k, n), dtype=dtype, device=w.qweight.device)
+    block_kw, block_n = 8, 128
+    _dequant_kernel[(triton.cdiv(w.qweight.shape[0], block_kw), triton.cdiv(n, block_n))](
+        w.qweight, w.scales, w.shifts, dense, n, k, w.group_size,
+        BLOCK_KW=block_kw, BLOCK_N=block_n, ZERO_POINT=w.zero_point, num_warps=4)
+    return dense
