@@ -152,21 +152,10 @@ def _w4a16(m: int):
         ptrs = {"x_ptr": "ACT", "qw_ptr": "i32", "s_ptr": scale, "z_ptr": scale,
                 "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
         consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      ONE_GROUP_PER_BLOCK=True, ZERO_POINT=scale == "fp16", SPLIT=m <= 16)
+                      ONE_GROUP_PER_BLOCK=True, ZERO_POINT=scale == "fp16", SPLIT=m <= 16,
+                      FACTORED=False)
         return Spec(w4a16._w4a16_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages)
     return spec
-
-
-def _w4a16_gemv(dtype: str, arch: str) -> Spec:
-    from pagedserve.platforms.cuda.kernels import w4a16
-
-    cfg = w4a16._gemv_config(1)
-    scale = "fp16" if dtype != "fp32" else "fp32"
-    ptrs = {"x_ptr": "ACT", "qw_ptr": "i32", "s_ptr": scale, "z_ptr": scale,
-            "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
-    consts = dict(BLOCK_M=w4a16.GEMV_MAX_M, BLOCK_N=cfg.block_n, BLOCK_KW=cfg.block_kw,
-                  ZERO_POINT=scale == "fp16", SPLIT=True)
-    return Spec(w4a16._w4a16_gemv_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages)
 
 
 def _w4a16_dequant(dtype: str, arch: str) -> Spec:
@@ -202,7 +191,7 @@ KERNELS = {
     "prefill_attention": _prefill, "decode_attention": _decode,
     "decode_reduce": _decode_reduce, "reshape_and_cache": _reshape_and_cache,
     "rms_norm": _rms_norm, "rotary": _rotary, "silu_and_mul": _activation,
-    "w4a16_gemv": _w4a16_gemv, "w4a16_m16": _w4a16(16), "w4a16_m64": _w4a16(64),
+    "w4a16_m16": _w4a16(16), "w4a16_m64": _w4a16(64),
     "w4a16_m256": _w4a16(256), "w4a16_m1024": _w4a16(1024), "w4a16_dequant": _w4a16_dequant,
     "fp8_quant": _fp8_quant, "fp8_gemv": _fp8_gemv,
 }

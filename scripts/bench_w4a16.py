@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # (name, N, K) of Llama-3-8B's linear layers.
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
           ("down", 4096, 14336))
-MS = (1, 2, 4, 8, 16, 64, 256, 1024)
+MS = (1, 2, 4, 8, 16, 64, 128, 256, 1024)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = "cuda"
 
@@ -36,8 +36,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--ms", type=int, nargs="+", default=list(MS))
-    p.add_argument("--sweep-gemv", action="store_true",
-                   help="also time the GEMV kernel's configurations at M = 1 and 4")
     return p.parse_args()
 
 
@@ -94,36 +92,9 @@ def time_all(m: int, packed, dense: torch.Tensor) -> tuple[float, float, dict]:
     x = torch.randn(m, dense.shape[1], device=DEVICE, dtype=dense.dtype)
     out = torch.empty(m, dense.shape[0], device=DEVICE, dtype=dense.dtype)
     paths = {path: _time(lambda path=path: w4a16.matmul(x, packed, out=out, path=path))
-             for path in w4a16.PATHS if path != "gemv" or m <= 16}
+             for path in w4a16.PATHS}
     return (_time(lambda: w4a16.matmul(x, packed, out=out)),
             _time(lambda: torch.mm(x, dense.T, out=out)), paths)
-
-
-def sweep_gemv(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
-    """The GEMV kernel's configurations at M = 1 over the 8B shapes: % of copy rate."""
-    from pagedserve.platforms.cuda.kernels import w4a16
-
-    rows = []
-    configs = [w4a16._GemvConfig(bn, kw, warps, stages) for bn in (64, 128, 256)
-               for kw in (4, 8, 16) for warps in (4, 8) for stages in (2, 4)]
-    weights = {name: random_packed(n, k, args.group_size) for name, n, k in SHAPES}
-    original = w4a16._gemv_config
-    for m in (1,):
-        for cfg in configs:
-            w4a16._gemv_config = lambda _m, cfg=cfg: cfg
-            total_bytes, total_ms = 0, 0.0
-            for packed in weights.values():
-                x = torch.randn(m, packed.in_features, device=DEVICE, dtype=DTYPES[args.dtype])
-                total_ms += _time(lambda x=x, p=packed: w4a16.matmul(x, p, path="gemv"))
-                total_bytes += sum(t.numel() * t.element_size()
-                                   for t in (packed.qweight, packed.scales, packed.shifts))
-            pct = 100 * total_bytes / total_ms / 1e6 / copy_gbs
-            rows.append({"m": m, "config": cfg._asdict(), "layer_ms": total_ms,
-                         "pct_copy": pct})
-            print(f"gemv m={m} {tuple(cfg)}: 4 layers {total_ms * 1000:.1f} us, "
-                  f"{pct:.1f}% of copy", flush=True)
-    w4a16._gemv_config = original
-    return rows
 
 
 def _time(fn) -> float:
@@ -166,8 +137,6 @@ def main() -> None:
         torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "dtype": args.dtype,
               "group_size": args.group_size, "copy_gbs": copy_gbs, "rows": rows}
-    if args.sweep_gemv:
-        result["gemv_sweep"] = sweep_gemv(args, copy_gbs)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

@@ -108,10 +108,11 @@ def test_kernel_matches_reference(case, dtype):
     assert_close(run_kernel(x, weight, split_k), reference(x, weight), dtype)
 
 
-# (M, group, style) per forced path: GEMV in 32-, 64-column and per-channel groups with
-# zero points and GGUF offsets; the tiles and the dequantize path at a few rows.
-PATH_CASES = [("gemv", 1, 32, "gguf"), ("gemv", 4, 64, "awq"), ("gemv", 2, 160, "awq"),
-              ("tiles", 5, 64, "awq"), ("dequant", 6, 32, "gguf"), ("dequant", 3, 64, "awq")]
+# (path, M, group, style): each path forced, with zero points and with GGUF offsets, in 32-
+# and 64-column groups and one that is not a multiple of the tile's K.
+PATH_CASES = [("tiles", 1, 32, "gguf"), ("tiles", 5, 160, "awq"),
+              ("tiles-factored", 2, 32, "awq"), ("tiles-factored", 3, 64, "gguf"),
+              ("dequant", 6, 32, "gguf"), ("dequant", 3, 64, "awq")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -128,16 +129,9 @@ def test_each_path_matches_reference(case, dtype):
 
 
 def test_path_choice_by_rows():
-    packed = w4a16.pack(*_fields(random_weight(8, 256, 128, seed=0)), 128, torch.device("cpu"))
-    assert w4a16._choose_path(1, packed) == "gemv"
-    assert w4a16._choose_path(w4a16.GEMV_MAX_M + 1, packed) == "tiles"
-    assert w4a16._choose_path(w4a16.DEQUANT_MIN_M, packed) == "dequant"
-    odd = w4a16.pack(*_fields(random_weight(8, 96, 16, seed=0)), 16, torch.device("cpu"))
-    assert w4a16._choose_path(1, odd) == "tiles"  # no GEMV step fits a 16-column group
-
-
-def _fields(weight: GroupQuantWeight):
-    return weight.values, weight.scales, weight.offsets
+    assert w4a16._choose_path(1) == "tiles"
+    assert w4a16._choose_path(w4a16.DEQUANT_MIN_M - 1) == "tiles"
+    assert w4a16._choose_path(w4a16.DEQUANT_MIN_M) == "dequant"
 
 
 def test_pack_keeps_zero_points_exact_in_float16():
@@ -313,22 +307,14 @@ for act, scale, m, split, one_group in [("bf16", "fp16", 1, True, True),
                                         ("fp32", "fp32", 1000, False, True)]:
     cfg = w4a16._config(m)
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  ONE_GROUP_PER_BLOCK=one_group, ZERO_POINT=scale == "fp16", SPLIT=split)
+                  ONE_GROUP_PER_BLOCK=one_group, ZERO_POINT=scale == "fp16", SPLIT=split,
+                  FACTORED=act == "bf16")
     sig = {}
     for name in fn.arg_names:
         kind = pointers.get(name)
         sig[name] = ("constexpr" if name in consts else "i32" if kind is None
                      else "*" + kind.replace("ACT", act).replace("SCALE", scale))
     compile_sm90(fn, sig, consts, cfg.num_warps, cfg.num_stages)
-gemv = w4a16._gemv_config(1)
-for act, scale, block_m in [("bf16", "fp16", 1), ("fp16", "fp32", 4)]:
-    consts = dict(BLOCK_M=block_m, BLOCK_N=gemv.block_n, BLOCK_KW=gemv.block_kw,
-                  ZERO_POINT=scale == "fp16", SPLIT=True)
-    fn = w4a16._w4a16_gemv_kernel
-    sig = {name: "constexpr" if name in consts else "i32" if pointers.get(name) is None
-           else "*" + pointers[name].replace("ACT", act).replace("SCALE", scale)
-           for name in fn.arg_names}
-    compile_sm90(fn, sig, consts, gemv.num_warps, gemv.num_stages)
 fn = w4a16._dequant_kernel
 consts = dict(BLOCK_KW=8, BLOCK_N=128, ZERO_POINT=True)
 sig = {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": "*bf16", "N": "i32",

@@ -1,5 +1,5 @@
 """``y = x @ (W * scale).T`` for a few rows of ``x`` and an FP8 weight: the decode-time
-(batch 1 to 4) companion of ``torch._scaled_mm``.
+(batch 1 and 2) companion of ``torch._scaled_mm``.
 
 At a few rows a matmul only streams the weight; ``_scaled_mm``'s tensor-core tiles are 64 or
 more rows tall and its activation quantization is one more launch, so here the weight is read
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 # The most rows of x this kernel takes; above, ``_scaled_mm``.
-MAX_M = 4
+MAX_M = 2
 
 
 class _Config(NamedTuple):
@@ -30,7 +30,9 @@ class _Config(NamedTuple):
 
 
 def _config(m: int) -> _Config:
-    return _Config(16, 512, 4, 3)
+    # Swept on the H200 over the 8B shapes at M = 1 (BLOCK_N 8-32, BLOCK_K 256-1024, 4 or 8
+    # warps, 2 or 4 stages): 76% of the copy rate, against 57-73% for the others but one.
+    return _Config(8, 1024, 4, 2)
 
 
 @triton.jit(do_not_specialize=["M"])

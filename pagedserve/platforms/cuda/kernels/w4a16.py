@@ -114,35 +114,11 @@ def _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N,
 
 
 @triton.jit
-def _nibble_as_float(words, i: tl.constexpr):
-    """Nibble ``i`` of each int32 word as a float32 ``0.0 .. 15.0``, without an int-to-float
-    conversion: ``0x4B000000 | q`` is the float ``2**23 + q``."""
-    bits = ((words >> (4 * i)) & 0xF) | 0x4B000000
-    return bits.to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def _codes_for_dot(q, DTYPE: tl.constexpr):
-    """int32 codes ``0 .. 15`` as ``tl.dot`` operands of ``DTYPE``, plus ``_dot_bias(DTYPE)``:
-    the 16-bit types get the code in their mantissa under a fixed exponent (float16
-    ``0x6400 | q`` is ``1024 + q``, bfloat16 ``0x4300 | q`` is ``128 + q``), which is cheaper
-    than converting, and exact."""
-    if DTYPE == tl.float16:
-        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-    elif DTYPE == tl.bfloat16:
-        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        return q.to(tl.float32)
-
-
-@triton.jit
-def _dot_bias(DTYPE: tl.constexpr):
-    if DTYPE == tl.float16:
-        return 1024.0
-    elif DTYPE == tl.bfloat16:
-        return 128.0
-    else:
-        return 0.0
+def _codes_as_float(q):
+    """int32 codes ``0 .. 15`` as float32, without an int-to-float conversion (those run at a
+    quarter of the FMA rate and bound the kernel): ``0x4B000000 | q`` is the float
+    ``2**23 + q``."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -183,54 +159,13 @@ def _finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w4a16_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
-    M, N, K, group_size, k_per_split, num_splits,
-    stride_xm, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-    ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr,
-):
-    """All M rows against ``BLOCK_N`` outputs over one slice of K, ``8 * BLOCK_KW`` columns
-    (one word row per thread row) at a time, each inside one group."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    k_start = pid_s * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    # Per-thread partial sums, reduced over the word rows once at the end.
-    acc = tl.zeros((BLOCK_M, BLOCK_KW, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, 8 * BLOCK_KW):
-        rows = k0 // 8 + tl.arange(0, BLOCK_KW)
-        words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
-                        mask=(rows * 8 < k_end)[:, None] & mask_n[None, :], other=0)
-        part = tl.zeros((BLOCK_M, BLOCK_KW, BLOCK_N), dtype=tl.float32)
-        xsum = tl.zeros((BLOCK_M, BLOCK_KW), dtype=tl.float32)
-        for i in tl.static_range(8):
-            cols = rows * 8 + i
-            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + cols[None, :],
-                        mask=mask_m[:, None] & (cols < k_end)[None, :], other=0.0)
-            x = x.to(tl.float32)
-            part += x[:, :, None] * _nibble_as_float(words, i)[None, :, :]
-            xsum += x
-        g_ptrs = (k0 // group_size) * N + offs_n
-        s = tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
-        acc += _apply_group(part, xsum[:, :, None], s[None, None, :], z[None, None, :],
-                            ZERO_POINT)
-    _finish(tl.sum(acc, axis=1), out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m,
-            mask_n, M, N, stride_om, pid_n, pid_s, num_splits, SPLIT)
-
-
-@triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
     M, N, K, group_size, k_per_split, num_splits,
     stride_xm, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ONE_GROUP_PER_BLOCK: tl.constexpr, ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr,
+    FACTORED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -247,28 +182,26 @@ def _w4a16_kernel(
         mask_k = offs_k < k_end
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        q = _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N, BLOCK_K, BLOCK_N)
+        q = _codes_as_float(_unpack(qw_ptr, k0, k_end, offs_n, mask_n, N, BLOCK_K, BLOCK_N))
         if ONE_GROUP_PER_BLOCK:
-            # The group's scale and zero point go on the tile's product, not on each weight.
             g_ptrs = (k0 // group_size) * N + offs_n[None, :]
             s = tl.load(s_ptr + g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
-            w = _codes_for_dot(q, x.dtype)
-            if x.dtype == tl.float32:
-                part = tl.dot(x, w, input_precision="ieee")
-            else:
-                part = tl.dot(x, w)
-            xsum = tl.sum(x.to(tl.float32), axis=1)[:, None]
-            if ZERO_POINT:
-                acc += _apply_group(part, xsum, s, z + _dot_bias(x.dtype), True)
-            else:
-                acc += _apply_group(part - xsum * _dot_bias(x.dtype), xsum, s, z, False)
         else:
             g_ptrs = (offs_k // group_size)[:, None] * N + offs_n[None, :]
             mask_g = mask_k[:, None] & mask_n[None, :]
             s = tl.load(s_ptr + g_ptrs, mask=mask_g, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g_ptrs, mask=mask_g, other=0.0).to(tl.float32)
-            w = _apply_group(q.to(tl.float32), 1.0, s, z, ZERO_POINT).to(x.dtype)
+        if FACTORED and ONE_GROUP_PER_BLOCK:
+            # The group's scale and zero point go on the tile's product, not on each weight.
+            if x.dtype == tl.float32:
+                part = tl.dot(x, q, input_precision="ieee")
+            else:
+                part = tl.dot(x, q.to(x.dtype))
+            acc += _apply_group(part, tl.sum(x.to(tl.float32), axis=1)[:, None], s, z,
+                                ZERO_POINT)
+        else:
+            w = _apply_group(q, 1.0, s, z, ZERO_POINT).to(x.dtype)
             if x.dtype == tl.float32:
                 acc += tl.dot(x, w, input_precision="ieee")
             else:
@@ -292,26 +225,14 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
         g_ptrs = (k // group_size)[:, None] * N + offs_n[None, :]
         s = tl.load(s_ptr + g_ptrs, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g_ptrs, mask=mask, other=0.0).to(tl.float32)
-        w = _apply_group(_nibble_as_float(words, i), 1.0, s, z, ZERO_POINT)
+        w = _apply_group(_codes_as_float((words >> (4 * i)) & 0xF), 1.0, s, z, ZERO_POINT)
         tl.store(out_ptr + k[:, None].to(tl.int64) * N + offs_n[None, :],
                  w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-class _GemvConfig(NamedTuple):
-    block_n: int
-    block_kw: int
-    num_warps: int
-    num_stages: int
-
-
-# Rows up to which the GEMV kernel runs, and from which the weight is dequantized for cuBLAS.
-GEMV_MAX_M = 4
-DEQUANT_MIN_M = 256
-PATHS = ("gemv", "tiles", "dequant")
-
-
-def _gemv_config(m: int) -> _GemvConfig:
-    return _GemvConfig(128, 8, 4, 3)
+# Rows from which the weight is dequantized for cuBLAS.
+DEQUANT_MIN_M = 128
+PATHS = ("tiles", "tiles-factored", "dequant")
 
 
 def _config(m: int) -> _Config:
@@ -357,20 +278,7 @@ def _split_k(programs: int, k_blocks: int, device: torch.device) -> int:
     return max(1, min(-(-target // programs), k_blocks // 4))
 
 
-def _gemv_block_kw(w: PackedW4, cfg: _GemvConfig) -> int | None:
-    """Word rows per GEMV step such that a step lies in one group, or None where no width
-    of at least 4 words (a 32-column group) fits."""
-    if w.scales.shape[0] == 1:
-        return cfg.block_kw
-    kw = cfg.block_kw
-    while kw >= 4 and w.group_size % (8 * kw):
-        kw //= 2
-    return kw if kw >= 4 else None
-
-
-def _choose_path(m: int, w: PackedW4) -> str:
-    if m <= GEMV_MAX_M and _gemv_block_kw(w, _gemv_config(m)) is not None:
-        return "gemv"
+def _choose_path(m: int) -> str:
     return "tiles" if m < DEQUANT_MIN_M else "dequant"
 
 
@@ -389,22 +297,14 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    path = path or _choose_path(m, w)
+    path = path or _choose_path(m)
     if path == "dequant":
         return torch.mm(x, dequantize(w, x.dtype), out=out)
-    if path == "gemv":
-        cfg = _gemv_config(m)
-        block_kw = _gemv_block_kw(w, cfg)
-        if m > 16 or block_kw is None:
-            raise ValueError(f"the GEMV path takes up to 16 rows in 32-column groups, not "
-                             f"{m} rows in groups of {w.group_size}")
-        block_k, grid_m, grid_n = 8 * block_kw, 1, triton.cdiv(n, cfg.block_n)
-    else:
-        cfg = _config_for(m, x.dtype, gpu_arch(x.device))
-        block_k = cfg.block_k
-        if w.group_size < block_k and w.group_size % 16 == 0:
-            block_k = w.group_size  # so that each block of K lies in one group
-        grid_m, grid_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
+    cfg = _config_for(m, x.dtype, gpu_arch(x.device))
+    block_k = cfg.block_k
+    if w.group_size < block_k and w.group_size % 16 == 0:
+        block_k = w.group_size  # so that each block of K lies in one group
+    grid_m, grid_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
     k_blocks = triton.cdiv(k, block_k)
     splits = 1
     if grid_m == 1:  # the counters are per block of N
@@ -414,19 +314,13 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
     # Where the slices leave their partial sums (not written when there is one slice).
     partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
                           device=x.device)
-    args = (x, w.qweight, w.scales, w.shifts, out, partial, w.counters,
-            m, n, k, w.group_size, k_per_split, splits, x.stride(0), out.stride(0))
-    if path == "gemv":
-        _w4a16_gemv_kernel[(grid_n, splits)](
-            *args, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_KW=block_kw,
-            ZERO_POINT=w.zero_point, SPLIT=splits > 1,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    else:
-        _w4a16_kernel[(grid_m, grid_n, splits)](
-            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-            ONE_GROUP_PER_BLOCK=w.group_size % block_k == 0 or w.scales.shape[0] == 1,
-            ZERO_POINT=w.zero_point, SPLIT=splits > 1,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _w4a16_kernel[(grid_m, grid_n, splits)](
+        x, w.qweight, w.scales, w.shifts, out, partial, w.counters,
+        m, n, k, w.group_size, k_per_split, splits, x.stride(0), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        ONE_GROUP_PER_BLOCK=w.group_size % block_k == 0 or w.scales.shape[0] == 1,
+        ZERO_POINT=w.zero_point, SPLIT=splits > 1, FACTORED=path == "tiles-factored",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
