@@ -152,8 +152,7 @@ def _w4a16(m: int):
         ptrs = {"x_ptr": "ACT", "qw_ptr": "i32", "s_ptr": scale, "z_ptr": scale,
                 "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
         consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      ONE_GROUP_PER_BLOCK=True, ZERO_POINT=scale == "fp16", SPLIT=m <= 16,
-                      FACTORED=False)
+                      ONE_GROUP_PER_BLOCK=True, ZERO_POINT=scale == "fp16", SPLIT=m <= 16)
         return Spec(w4a16._w4a16_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages)
     return spec
 

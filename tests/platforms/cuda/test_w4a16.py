@@ -111,7 +111,7 @@ def test_kernel_matches_reference(case, dtype):
 # (path, M, group, style): each path forced, with zero points and with GGUF offsets, in 32-
 # and 64-column groups and one that is not a multiple of the tile's K.
 PATH_CASES = [("tiles", 1, 32, "gguf"), ("tiles", 5, 160, "awq"),
-              ("tiles-factored", 2, 32, "awq"), ("tiles-factored", 3, 64, "gguf"),
+              ("tiles", 2, 32, "awq"), ("tiles", 3, 64, "gguf"),
               ("dequant", 6, 32, "gguf"), ("dequant", 3, 64, "awq")]
 
 
@@ -307,8 +307,7 @@ for act, scale, m, split, one_group in [("bf16", "fp16", 1, True, True),
                                         ("fp32", "fp32", 1000, False, True)]:
     cfg = w4a16._config(m)
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  ONE_GROUP_PER_BLOCK=one_group, ZERO_POINT=scale == "fp16", SPLIT=split,
-                  FACTORED=act == "bf16")
+                  ONE_GROUP_PER_BLOCK=one_group, ZERO_POINT=scale == "fp16", SPLIT=split)
     sig = {}
     for name in fn.arg_names:
         kind = pointers.get(name)

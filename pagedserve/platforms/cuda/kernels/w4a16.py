@@ -11,29 +11,24 @@ Layout the kernel reads (built once at load by ``pack``):
   ``q * d + m``). Float16 where that form is exact in it (checkpoints store float16 scales),
   else float32, so packing never rounds the weight.
 
-Three paths, chosen by the number of rows M (the field's split: GEMV for decode, tiles for
-the middle, dequantize + cuBLAS for prefill):
+Two paths, chosen by the number of rows M:
 
-- **GEMV** (M <= 4): CUDA-core multiply-adds with no ``tl.dot``. The nibble-to-float conversion
-  is the kernel's real cost at small M (``int -> float`` conversions run at a quarter of the
-  FMA rate), so codes become floats by the exponent trick: ``0x4B000000 | q`` read as float32
-  is ``2**23 + q``, one subtraction away from ``q``, exactly. Scales and zero points are
-  applied once per group to the sums ``sum(x * q)`` and ``sum(x)``, not per weight element.
-- **Tiles** (M up to ``DEQUANT_MIN_M``): a ``BLOCK_M x BLOCK_N`` tile of ``y`` per program,
-  ``tl.dot`` on codes built the same way in 16 bits (``0x6400 | q`` is ``1024 + q`` in float16,
-  ``0x4300 | q`` is ``128 + q`` in bfloat16) with the group's scale and zero point applied to
-  the tile's partial product.
-- **Dequantize** (M >= ``DEQUANT_MIN_M``): the weight is expanded to a dense ``[K, N]`` copy in
-  the activation dtype and multiplied by ``torch.mm``: at that M the matmul is compute-bound and
-  cuBLAS's tiles beat ours, while the extra pass over the weight costs about what reading it in
-  bfloat16 would.
+- **Tiles** (M below ``DEQUANT_MIN_M``): a ``BLOCK_M x BLOCK_N`` tile of ``y`` per program over
+  one of ``SPLIT_K`` slices of K, reading each tile of W once for all its rows and
+  dequantizing it in registers before ``tl.dot``. Decode (small M) uses one block of rows and
+  splits K so that enough programs stream the weight. With a split, each slice writes its
+  float32 partial sum and the last slice of a tile to finish (an atomic counter per block of N,
+  kept with the weight and reset by that slice) adds them in slice order: deterministic, and
+  one launch.
+- **Dequantize** (M from ``DEQUANT_MIN_M``, prefill and large decode batches): the weight is
+  expanded to a dense ``[K, N]`` copy in the activation dtype and multiplied by ``torch.mm``.
+  There the matmul is compute-bound: our tiles dequantize each weight tile once per block of
+  rows and reach a third to a half of cuBLAS, while the extra pass over the weight costs about
+  what reading it in bfloat16 would (measured on the H200: README).
 
-GEMV and small tiles split K across programs so that enough of them stream the weight: each
-slice writes its float32 partial sum and the last slice of a tile to finish (an atomic counter
-per block of N, kept with the weight and reset by that slice) adds them in slice order:
-deterministic, and one launch. Configurations are fixed per range of M (no autotuning) and M is
-not specialized on, so a new batch size compiles nothing; nothing in ``matmul`` synchronizes
-with the host or allocates but the output and scratch, so CUDA graphs capture it.
+Configurations are fixed per range of M (no autotuning) and M is not specialized on, so a new
+batch size compiles nothing; nothing in ``matmul`` synchronizes with the host or allocates but
+the output, the partial sums and the dense copy, so CUDA graphs capture it.
 """
 
 from __future__ import annotations
@@ -114,21 +109,12 @@ def _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N,
 
 
 @triton.jit
-def _codes_as_float(q):
-    """int32 codes ``0 .. 15`` as float32, without an int-to-float conversion (those run at a
-    quarter of the FMA rate and bound the kernel): ``0x4B000000 | q`` is the float
-    ``2**23 + q``."""
-    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def _apply_group(part, xsum, s, z, ZERO_POINT: tl.constexpr):
-    """``sum(x * w)`` over one group from ``part = sum(x * q)`` and ``xsum = sum(x)``:
-    ``(q - z) * s`` with zero points, else ``q * s + z``."""
+def _dequant(q, s, z, ZERO_POINT: tl.constexpr):
+    """Float codes to weights: ``(q - z) * s`` with zero points, else ``q * s + z``."""
     if ZERO_POINT:
-        return (part - xsum * z) * s
+        return (q - z) * s
     else:
-        return part * s + xsum * z
+        return q * s + z
 
 
 @triton.jit
@@ -165,7 +151,6 @@ def _w4a16_kernel(
     stride_xm, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ONE_GROUP_PER_BLOCK: tl.constexpr, ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr,
-    FACTORED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -182,7 +167,7 @@ def _w4a16_kernel(
         mask_k = offs_k < k_end
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        q = _codes_as_float(_unpack(qw_ptr, k0, k_end, offs_n, mask_n, N, BLOCK_K, BLOCK_N))
+        q = _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N, BLOCK_K, BLOCK_N).to(tl.float32)
         if ONE_GROUP_PER_BLOCK:
             g_ptrs = (k0 // group_size) * N + offs_n[None, :]
             s = tl.load(s_ptr + g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
@@ -192,20 +177,11 @@ def _w4a16_kernel(
             mask_g = mask_k[:, None] & mask_n[None, :]
             s = tl.load(s_ptr + g_ptrs, mask=mask_g, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g_ptrs, mask=mask_g, other=0.0).to(tl.float32)
-        if FACTORED and ONE_GROUP_PER_BLOCK:
-            # The group's scale and zero point go on the tile's product, not on each weight.
-            if x.dtype == tl.float32:
-                part = tl.dot(x, q, input_precision="ieee")
-            else:
-                part = tl.dot(x, q.to(x.dtype))
-            acc += _apply_group(part, tl.sum(x.to(tl.float32), axis=1)[:, None], s, z,
-                                ZERO_POINT)
+        w = _dequant(q, s, z, ZERO_POINT).to(x.dtype)
+        if x.dtype == tl.float32:
+            acc += tl.dot(x, w, input_precision="ieee")
         else:
-            w = _apply_group(q, 1.0, s, z, ZERO_POINT).to(x.dtype)
-            if x.dtype == tl.float32:
-                acc += tl.dot(x, w, input_precision="ieee")
-            else:
-                acc += tl.dot(x, w)
+            acc += tl.dot(x, w)
     _finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n,
             M, N, stride_om, pid_n, pid_s, num_splits, SPLIT)
 
@@ -225,14 +201,14 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
         g_ptrs = (k // group_size)[:, None] * N + offs_n[None, :]
         s = tl.load(s_ptr + g_ptrs, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g_ptrs, mask=mask, other=0.0).to(tl.float32)
-        w = _apply_group(_codes_as_float((words >> (4 * i)) & 0xF), 1.0, s, z, ZERO_POINT)
+        w = _dequant(((words >> (4 * i)) & 0xF).to(tl.float32), s, z, ZERO_POINT)
         tl.store(out_ptr + k[:, None].to(tl.int64) * N + offs_n[None, :],
                  w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # Rows from which the weight is dequantized for cuBLAS.
 DEQUANT_MIN_M = 128
-PATHS = ("tiles", "tiles-factored", "dequant")
+PATHS = ("tiles", "dequant")
 
 
 def _config(m: int) -> _Config:
@@ -319,7 +295,7 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         m, n, k, w.group_size, k_per_split, splits, x.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         ONE_GROUP_PER_BLOCK=w.group_size % block_k == 0 or w.scales.shape[0] == 1,
-        ZERO_POINT=w.zero_point, SPLIT=splits > 1, FACTORED=path == "tiles-factored",
+        ZERO_POINT=w.zero_point, SPLIT=splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
