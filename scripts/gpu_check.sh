@@ -5,7 +5,7 @@
 #                                        layer-tests llama llama-breakdown decode
 #                                        step-overhead mixed smollm2 fp8 serve
 #                                        w4a16 decode-awq awq fp8-tests fp8-w8a8
-#                                        decode-fp8 serve-make
+#                                        decode-fp8 fp8-linear serve-make
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -180,6 +180,8 @@ for part in $parts; do
     awq) bench throughput "${common[@]}" --shape llama3-8b --load-format dummy \
         --quantization awq --input-len 128 128 --output-len 128 128 --skip-hf \
         --out "$OUT/throughput_h200_llama3-8b_awq_128.json" ;;
+    fp8-linear) python3 scripts/bench_fp8.py --sweep-gemv --out "$OUT/fp8_linear_h200.json" \
+        2>&1 | tee "$OUT/fp8_linear_h200.log" ;;
     *) echo "unknown part $part" ;;
   esac
 done
