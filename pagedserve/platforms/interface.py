@@ -63,6 +63,11 @@ class Platform:
     # The host queues device work and runs ahead of it, so scheduling the next step while
     # this one computes (async scheduling) hides the host's per-step work.
     runs_ahead: ClassVar[bool] = False
+    # The device compiles a graph per distinct input shape (Gaudi), so the input packing pads
+    # each step to a small set of bucketed shapes, and warm-up runs each of them once.
+    buckets_shapes: ClassVar[bool] = False
+    # --block-size when the command line leaves it out.
+    default_block_size: ClassVar[int] = 16
 
     @classmethod
     def check_available(cls) -> None:
@@ -181,6 +186,12 @@ class Platform:
     @classmethod
     def synchronize(cls) -> None:
         """Wait for queued device work; a no-op where execution is synchronous."""
+
+    @classmethod
+    def end_forward(cls) -> None:
+        """Called once after every model forward: where the device runs lazily (Gaudi), this
+        closes the graph of the forward's ops so it compiles and runs on its own, apart from
+        the sampler's. Nothing elsewhere."""
 
     @classmethod
     def seed_everything(cls, seed: int) -> None:
