@@ -75,14 +75,6 @@ class Platform:
         raise NotImplementedError
 
     @classmethod
-    def is_available(cls) -> bool:
-        try:
-            cls.check_available()
-        except PlatformUnavailable:
-            return False
-        return True
-
-    @classmethod
     def device(cls) -> torch.device:
         return torch.device(cls.device_type)
 
