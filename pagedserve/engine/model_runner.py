@@ -180,10 +180,10 @@ class ModelRunner:
             src, dst = torch.tensor(ops.copies, dtype=torch.int64, device=self.device).unbind(1)
             self.platform.copy_blocks(self.kv_cache, src, dst)
 
-    def _inputs(self, out: SchedulerOutput, in_flight: InFlightTokens | None = None,
-                block_size: int | None = None) -> ModelInputs:
-        return build_inputs(out, block_size or self.block_size, self.device, in_flight,
-                            self.buckets, self.pad_block)
+    def _inputs(self, out: SchedulerOutput,
+                in_flight: InFlightTokens | None = None) -> ModelInputs:
+        return build_inputs(out, self.block_size, self.device, in_flight, self.buckets,
+                            self.pad_block)
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs.meta):
@@ -197,8 +197,9 @@ class ModelRunner:
     def warm_up(self) -> None:
         """With bucketed shapes, run each decode shape and one prompt step per token bucket
         once, so a device that compiles per shape does so before the first request
-        (``len(seqs) * len(widths) + len(tokens)`` forwards at most). Only the pad block is
-        written."""
+        (``len(seqs) * len(widths) + len(tokens)`` forwards at most). Every block table is the
+        pad block, so nothing else is written; the outputs are dropped, so its unwritten
+        slots may be read."""
         if self.buckets is None:
             return
         start = time.perf_counter()
@@ -261,7 +262,7 @@ class ModelRunner:
             ScheduledSequence(Sequence([0] * n, SamplingParams(), max_tokens=1),
                               0, n, table, samples=True)
             for n, table in zip(lengths, tables)])
-        hidden = self._forward(self._inputs(out, block_size=block_size))
+        hidden = self._forward(self._inputs(out))
         rows = hidden[-1:].expand(max_num_seqs, -1)
         self.model.compute_logits(rows).float().softmax(-1)
         self.platform.synchronize()
