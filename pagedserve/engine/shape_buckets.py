@@ -10,9 +10,10 @@ Padding invariants (``input_batch.build_inputs``): real sequences and tokens com
 scheduling order, so sampled rows and prompt-logprob rows are where they are unpadded. Padded
 sequences and tokens write keys and values only into a reserved pad block that no request
 owns, read nothing else, and are never sampled. A step with a prompt chunk always gets at
-least one padded sequence, which owns every padded token, so the number of tokens can be
-padded independently of the number of sequences; a decode-only step pads both equally (one
-token per padded sequence), so it stays decode-only.
+least one padded sequence, and the padded sequences own the padded tokens (one each, the last
+one the rest), so the number of tokens can be padded independently of the number of
+sequences; a decode-only step pads both equally (one token per padded sequence), so it stays
+decode-only.
 """
 
 from __future__ import annotations
