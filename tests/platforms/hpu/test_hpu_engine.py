@@ -126,6 +126,11 @@ def test_one_mark_step_per_forward_and_shapes_within_the_bucket_budget(fake, mod
     warm_up_forwards = fake.core.mark_steps
     assert warm_up_forwards == len(buckets.seqs) * len(buckets.widths) + len(buckets.tokens) - 1
     log = ForwardLog(engine.runner.model, fake)
+    engine.runner.warm_up()  # again, to see its shapes (it writes only the pad block)
+    warmed = set(log.shapes)
+    warm_up_forwards *= 2
+    log.shapes.clear()
+    log.mark_steps_before.clear()
     _run_workload(engine)
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.prompt_tokens > 3000
@@ -138,11 +143,14 @@ def test_one_mark_step_per_forward_and_shapes_within_the_bucket_budget(fake, mod
     print(f"fake HPU: {len(distinct)} distinct forward input shapes over {len(log.shapes)} "
           f"forwards, bucket budget {buckets.num_shapes}")
     assert len(distinct) <= buckets.num_shapes
-    for tokens, _, starts, _, _, table, _, max_seq_len in distinct:
+    for shape in distinct:
+        tokens, _, starts, _, _, table, _, max_seq_len = shape
         num_seqs = starts[0] - 1  # a decode step has as many tokens as sequences
         assert num_seqs in buckets.seqs and table[1] in buckets.widths
         assert tokens[0] == num_seqs or tokens[0] in buckets.tokens
         assert table == (num_seqs, table[1]) and max_seq_len == table[1] * 128
+        if tokens[0] == num_seqs:  # decode shapes were all compiled at warm-up
+            assert shape in warmed
     # Decode steps replay through the one wrapped module (its graphs recorded at warm-up).
     assert len(fake.hpu.wrapped) == 1 and engine.runner.graphs.step is fake.hpu.wrapped[0]
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks  # nothing leaked
