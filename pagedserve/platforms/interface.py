@@ -64,7 +64,8 @@ class Platform:
     # this one computes (async scheduling) hides the host's per-step work.
     runs_ahead: ClassVar[bool] = False
     # The device compiles a graph per distinct input shape (Gaudi), so the input packing pads
-    # each step to a small set of bucketed shapes, and warm-up runs each of them once.
+    # each step to a small set of bucketed shapes, which warm-up runs before the first request
+    # (--shape-bucketing's default).
     buckets_shapes: ClassVar[bool] = False
     # --block-size when the command line leaves it out.
     default_block_size: ClassVar[int] = 16
