@@ -86,8 +86,8 @@ def test_every_platform_implements_the_interface(platform):
     assert platform.name in platforms.DEVICE_NAMES
     for name, kind in Platform.__annotations__.items():
         value = getattr(platform, name)
-        expected = {"ClassVar[str]": str, "ClassVar[bool]": bool, "ClassVar[int]": int}[kind]
-        assert isinstance(value, expected), (platform.name, name)
+        expected = {"ClassVar[str]": str, "ClassVar[bool]": bool, "ClassVar[int]": int}.get(kind)
+        assert expected is None or isinstance(value, expected), (platform.name, name)
 
 
 def test_every_capability_flag_is_read_outside_platforms():
