@@ -66,7 +66,9 @@ class EngineConfig:
     dtype: str = option(
         "auto", "weights and activations; auto: bfloat16 on GPUs (float16 where bfloat16 is "
                 "unsupported), float32 on the CPU", choices=DTYPES)
-    block_size: int = option(16, "tokens per KV-cache block, a power of two up to 128")
+    block_size: int | None = option(
+        None, "tokens per KV-cache block, a power of two up to 128 (default: the platform's, "
+              "16, or 128 on Gaudi)")
     max_num_seqs: int = option(256, "sequences computed in one step, at most")
     max_num_batched_tokens: int | None = option(
         None, "tokens computed in one step, at most (default: 2048; without chunked prefill "
@@ -98,6 +100,10 @@ class EngineConfig:
     async_scheduling: bool | None = option(
         None, "schedule the next step while the device computes this one "
               "(default: on for GPUs)")
+    shape_bucketing: bool | None = option(
+        None, "pad each step's batch, token count and block table to a few bucketed shapes "
+              "and run each once at start-up (default: on where the device compiles a graph "
+              "per shape: Gaudi)")
     seed: int = option(0, "random seed for sampling and dummy weights")
     served_model_name: str | None = option(
         None, "the model's name in the API (default: the model folder's or file's name)")
@@ -111,7 +117,7 @@ class EngineConfig:
             if allowed is not None and value not in allowed:
                 raise ConfigError(f"{flag_name(f.name)} must be one of "
                                   f"{', '.join(allowed)}, got {value!r}")
-        if self.block_size not in BLOCK_SIZES:
+        if self.block_size is not None and self.block_size not in BLOCK_SIZES:
             raise ConfigError(
                 f"--block-size must be a power of two up to 128, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -137,6 +143,9 @@ class EngineConfig:
             max_num_batched_tokens=self._max_num_batched_tokens(max_model_len),
             async_scheduling=(platform.runs_ahead if self.async_scheduling is None
                               else self.async_scheduling),
+            block_size=self.block_size or platform.default_block_size,
+            shape_bucketing=(platform.buckets_shapes if self.shape_bucketing is None
+                             else self.shape_bucketing),
         )
 
     def scheduler_config(self, resolved: ResolvedConfig) -> SchedulerConfig:
@@ -180,3 +189,5 @@ class ResolvedConfig:
     max_model_len: int
     max_num_batched_tokens: int
     async_scheduling: bool
+    block_size: int
+    shape_bucketing: bool

@@ -97,7 +97,7 @@ def main(args: argparse.Namespace) -> None:
         requantize(engine.runner.model, args.requantize)
     bandwidth = copy_bandwidth(engine.platform)
     weights = engine.runner.weight_bytes_read_per_token_step()
-    kv_per_token = engine.kv_bytes_per_block // engine.config.block_size
+    kv_per_token = engine.kv_bytes_per_block // engine.resolved.block_size
     rows = []
     for batch in args.batch_sizes:
         step = time_decode(engine, batch, args.context_len, args.steps)

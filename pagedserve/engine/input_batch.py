@@ -10,6 +10,7 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.core.sequence import Sequence
+from pagedserve.engine.shape_buckets import ShapeBuckets
 
 
 @dataclass
@@ -31,10 +32,13 @@ class ModelInputs:
 
 
 def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
-                 in_flight: InFlightTokens | None = None) -> ModelInputs:
+                 in_flight: InFlightTokens | None = None, buckets: ShapeBuckets | None = None,
+                 pad_block: int = 0) -> ModelInputs:
     """Pack every scheduled chunk back to back. The loop is per sequence; everything per token
     is a numpy array op. A chunk ending in a token still in flight (``in_flight``) gets it
-    copied from the previous step's output on the device."""
+    copied from the previous step's output on the device. With ``buckets`` the batch is
+    padded to a bucketed shape with sequences whose keys and values go to block
+    ``pad_block`` (shape_buckets.py states the invariants)."""
     ids, query_lens, context_lens, tables, sample_rows = [], [], [], [], []
     fill_rows, fill_sources = [], []
     row = 0
@@ -52,6 +56,15 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
         row += n
         if item.samples:
             sample_rows.append(row - 1)
+    max_blocks = max(len(t) for t in tables)
+    if buckets is not None:
+        shape = buckets.pad(len(query_lens), row, max_blocks)
+        max_blocks = shape.width
+        for n in _pad_query_lens(shape.num_seqs - len(query_lens), shape.num_tokens - row):
+            ids.append([0] * n)
+            query_lens.append(n)
+            context_lens.append(0)
+            tables.append([pad_block] * max_blocks)
     query_lens_np = np.asarray(query_lens, dtype=np.int64)
     context_np = np.asarray(context_lens, dtype=np.int64)
     seq_lens_np = context_np + query_lens_np
@@ -59,8 +72,9 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
     # position of each row = its sequence's context length + its offset inside the chunk
     seq_of_row = np.repeat(np.arange(len(query_lens)), query_lens_np)
     positions = np.arange(starts[-1]) - starts[seq_of_row] + context_np[seq_of_row]
+    # Padded rows sit at position 0, so they all write the pad block's first slot.
+    positions[row:] = 0
 
-    max_blocks = max(len(t) for t in tables)
     table_np = np.zeros((len(tables), max_blocks), dtype=np.int64)
     for i, t in enumerate(tables):
         table_np[i, :len(t)] = t
@@ -73,7 +87,8 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
         num_seqs=len(query_lens),
         num_tokens=int(starts[-1]),
         max_query_len=int(query_lens_np.max()),
-        max_seq_len=int(seq_lens_np.max()),
+        # Bucketed: the table's capacity, so the shapes a backend derives from it are bucketed.
+        max_seq_len=(int(seq_lens_np.max()) if buckets is None else max_blocks * block_size),
         block_size=block_size,
         query_start_loc=to_dev(starts, torch.int32),
         seq_lens=to_dev(seq_lens_np, torch.int32),
@@ -94,3 +109,10 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
         meta=meta,
         logits_indices=to_dev(np.asarray(sample_rows, dtype=np.int64), torch.int64),
     )
+
+
+def _pad_query_lens(num_seqs: int, num_tokens: int) -> list[int]:
+    """Query lengths of the padded sequences: one token each, the last one the rest."""
+    if num_seqs == 0:
+        return []
+    return [1] * (num_seqs - 1) + [num_tokens - num_seqs + 1]

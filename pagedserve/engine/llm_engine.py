@@ -31,6 +31,7 @@ from pagedserve.engine.cache_sizing import size_kv_cache
 from pagedserve.engine.input_processor import InputLimits, InputProcessor
 from pagedserve.engine.model_runner import KVCacheSpec, ModelRunner, StepResult
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.shape_buckets import ShapeBuckets
 from pagedserve.engine.stats import EngineStats
 from pagedserve.logger import get_logger
 from pagedserve.models import loader
@@ -62,7 +63,8 @@ class LLMEngine:
                                                    source.gguf)
         self.runner = ModelRunner(self.platform, self.arch, self.dtype, self.max_model_len,
                                   config.kv_cache_dtype,
-                                  load_quantizer(self.arch.raw, config.quantization, dummy))
+                                  load_quantizer(self.arch.raw, config.quantization, dummy),
+                                  self._shape_buckets())
         if dummy:
             self.runner.init_dummy_weights(config.seed)
         else:
@@ -70,15 +72,17 @@ class LLMEngine:
         sizes = size_kv_cache(config, self.resolved, self.platform, self.runner)
         self.kv_bytes_per_block = sizes.bytes_per_block
         self.runner.allocate_kv_cache(
-            KVCacheSpec(sizes.num_blocks, config.block_size, self.runner.kv_dtype))
+            KVCacheSpec(sizes.num_blocks, self.resolved.block_size, self.runner.kv_dtype))
         if not config.enforce_eager:
             self.runner.capture_graphs(config.max_num_seqs)
-        self.kv = KVCacheManager(sizes.num_blocks, config.block_size,
+        # After graph capture: HPU graphs record each bucket at its first run.
+        self.runner.warm_up()
+        self.kv = KVCacheManager(sizes.num_blocks, self.resolved.block_size,
                                  config.enable_prefix_caching, sizes.num_host_blocks)
         self.scheduler = Scheduler(config.scheduler_config(self.resolved), self.kv)
         self.eos_token_ids = loader.eos_token_ids(source, self.arch, self.tokenizer)
         self.limits = InputLimits(self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
-                                  self.eos_token_ids, sizes.num_blocks, config.block_size)
+                                  self.eos_token_ids, sizes.num_blocks, self.resolved.block_size)
         self.inputs = InputProcessor(self.tokenizer, self.limits, self.runner.device)
         self.outputs = OutputProcessor(self.scheduler.finish,
                                        BeamDriver(self.scheduler, self.tokenizer))
@@ -90,7 +94,14 @@ class LLMEngine:
             "kv_blocks=%d x %d tokens = %d concurrent tokens",
             time.perf_counter() - start, self.platform.name, self.model_name, source.origin,
             str(self.dtype).removeprefix("torch."), self.max_model_len, sizes.num_blocks,
-            config.block_size, sizes.num_blocks * config.block_size)
+            self.resolved.block_size, sizes.num_blocks * self.resolved.block_size)
+
+    def _shape_buckets(self) -> ShapeBuckets | None:
+        if not self.resolved.shape_bucketing:
+            return None
+        return ShapeBuckets.for_limits(
+            self.config.max_num_seqs, self.resolved.max_num_batched_tokens,
+            -(-self.max_model_len // self.resolved.block_size))
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

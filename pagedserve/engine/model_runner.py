@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -9,9 +10,10 @@ from typing import NamedTuple
 import torch
 
 from pagedserve.core.kv_cache_manager import BlockOps
-from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedserve.core.sequence import Sequence
-from pagedserve.engine.input_batch import InFlightTokens, build_inputs
+from pagedserve.engine.input_batch import InFlightTokens, ModelInputs, build_inputs
+from pagedserve.engine.shape_buckets import ShapeBuckets
 from pagedserve.logger import get_logger
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.linear import LinearFactory
@@ -20,6 +22,7 @@ from pagedserve.platforms.interface import DeviceEvent, GraphRunner, Platform
 from pagedserve.quant.weights import LoadedWeight
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
+from pagedserve.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
 
@@ -60,7 +63,8 @@ class StepResult(NamedTuple):
 class ModelRunner:
     def __init__(self, platform: type[Platform], arch: ModelArchConfig, dtype: torch.dtype,
                  max_model_len: int, kv_cache_dtype: str = "auto",
-                 quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None) -> None:
+                 quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None,
+                 buckets: ShapeBuckets | None = None) -> None:
         self.platform = platform
         self.arch = arch
         self.dtype = dtype
@@ -81,6 +85,8 @@ class ModelRunner:
         self.swap_cache: torch.Tensor | None = None  # host pool, allocated at the first swap
         self.block_size = 16
         self.graphs: GraphRunner | None = None
+        self.buckets = buckets  # pad every step to these shapes (shape_buckets.py)
+        self.pad_block = 0  # with buckets: the pool's last block, written by padded rows only
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
         self.model.load_weights(weights)
@@ -113,11 +119,14 @@ class ModelRunner:
 
     def allocate_kv_cache(self, spec: KVCacheSpec) -> None:
         """One tensor ``[layers, 2, blocks, block_size, kv_heads, head_dim]`` so block copies and
-        swaps move every layer at once; each layer attends over its own view."""
+        swaps move every layer at once; each layer attends over its own view. With bucketed
+        shapes the pool has one block more than ``spec.num_blocks``: the pad block."""
         a = self.arch
         self.block_size = spec.block_size
+        self.pad_block = spec.num_blocks
+        num_blocks = spec.num_blocks + (self.buckets is not None)
         self.kv_cache = self.platform.allocate_kv_cache(
-            (a.num_layers, 2, spec.num_blocks, spec.block_size, a.num_kv_heads, a.head_dim),
+            (a.num_layers, 2, num_blocks, spec.block_size, a.num_kv_heads, a.head_dim),
             spec.dtype)
         self.kv_caches = list(self.kv_cache.unbind(0))
 
@@ -128,7 +137,7 @@ class ModelRunner:
         tokens are copied to the host in the background (``fetch_samples`` waits for them).
         ``in_flight``: the previous step's tokens, for chunks whose input is one of them."""
         self.apply_block_ops(out.block_ops)
-        inputs = build_inputs(out, self.block_size, self.device, in_flight)
+        inputs = self._inputs(out, in_flight)
         hidden = self._forward(inputs)
         sampled = [s.seq for s in out.scheduled if s.samples]
         sampler_output = host_output = ready = None
@@ -171,10 +180,61 @@ class ModelRunner:
             src, dst = torch.tensor(ops.copies, dtype=torch.int64, device=self.device).unbind(1)
             self.platform.copy_blocks(self.kv_cache, src, dst)
 
-    def _forward(self, inputs) -> torch.Tensor:
+    def _inputs(self, out: SchedulerOutput,
+                in_flight: InFlightTokens | None = None) -> ModelInputs:
+        return build_inputs(out, self.block_size, self.device, in_flight, self.buckets,
+                            self.pad_block)
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs.meta):
-            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        self.platform.end_forward()
+        return hidden
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """With bucketed shapes, run each decode shape and one prompt step per token bucket
+        once, so a device that compiles per shape does so before the first request
+        (``len(seqs) * len(widths) + len(tokens)`` forwards at most). Every block table is the
+        pad block, so nothing else is written; the outputs are dropped, so its unwritten
+        slots may be read."""
+        if self.buckets is None:
+            return
+        start = time.perf_counter()
+        steps = [*self._decode_warm_up_steps(), *self._prompt_warm_up_steps()]
+        for out in steps:
+            self._forward(self._inputs(out))
+        self.platform.synchronize()
+        logger.info("warm-up: %d steps over bucketed shapes (at most %d) in %.1fs", len(steps),
+                    self.buckets.num_shapes, time.perf_counter() - start)
+
+    def _decode_warm_up_steps(self) -> list[SchedulerOutput]:
+        steps = []
+        for width in self.buckets.widths:
+            # A context that needs exactly ``width`` blocks, within max_model_len.
+            context = min(width * self.block_size, self.max_model_len) - 1
+            seq = Sequence([0] * (context + 1), SamplingParams(), max_tokens=1)
+            item = ScheduledSequence(seq, context, 1, [self.pad_block] * width, samples=False)
+            steps += [SchedulerOutput([item] * n) for n in self.buckets.seqs]
+        return steps
+
+    def _prompt_warm_up_steps(self) -> list[SchedulerOutput]:
+        steps = []
+        for tokens in self.buckets.tokens[1:]:
+            # One token fewer than the bucket: the padded sequence takes the last one.
+            lengths = self._split_prompt(tokens - 1)
+            steps.append(SchedulerOutput([
+                ScheduledSequence(Sequence([0] * n, SamplingParams(), max_tokens=1), 0, n,
+                                  [self.pad_block] * -(-n // self.block_size), samples=False)
+                for n in lengths]))
+        return steps
+
+    def _split_prompt(self, num_tokens: int) -> list[int]:
+        """``num_tokens`` as prompts of at most ``max_model_len``, as a real step's are."""
+        return [min(self.max_model_len, num_tokens - start)
+                for start in range(0, num_tokens, self.max_model_len)]
 
     def capture_graphs(self, max_num_seqs: int) -> None:
         """Capture decode steps where the platform supports graphs (after the KV pool)."""
@@ -190,11 +250,7 @@ class ModelRunner:
         """Peak device bytes of a forward over ``num_tokens`` prompt tokens plus sampling for
         ``max_num_seqs`` rows, with a throwaway KV pool just large enough. The tokens are split
         into prompts of at most ``max_model_len``, as a real step's would be."""
-        from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
-        from pagedserve.sampling_params import SamplingParams
-
-        lengths = [min(self.max_model_len, num_tokens - start)
-                   for start in range(0, num_tokens, self.max_model_len)]
+        lengths = self._split_prompt(num_tokens)
         tables, next_block = [], 0
         for n in lengths:
             blocks = -(-n // block_size)
@@ -206,7 +262,7 @@ class ModelRunner:
             ScheduledSequence(Sequence([0] * n, SamplingParams(), max_tokens=1),
                               0, n, table, samples=True)
             for n, table in zip(lengths, tables)])
-        hidden = self._forward(build_inputs(out, block_size, self.device))
+        hidden = self._forward(self._inputs(out))
         rows = hidden[-1:].expand(max_num_seqs, -1)
         self.model.compute_logits(rows).float().softmax(-1)
         self.platform.synchronize()

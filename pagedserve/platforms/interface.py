@@ -63,19 +63,17 @@ class Platform:
     # The host queues device work and runs ahead of it, so scheduling the next step while
     # this one computes (async scheduling) hides the host's per-step work.
     runs_ahead: ClassVar[bool] = False
+    # The device compiles a graph per distinct input shape (Gaudi), so the input packing pads
+    # each step to a small set of bucketed shapes, which warm-up runs before the first request
+    # (--shape-bucketing's default).
+    buckets_shapes: ClassVar[bool] = False
+    # --block-size when the command line leaves it out.
+    default_block_size: ClassVar[int] = 16
 
     @classmethod
     def check_available(cls) -> None:
         """Raise ``PlatformUnavailable`` with a one-line reason if this device cannot be used."""
         raise NotImplementedError
-
-    @classmethod
-    def is_available(cls) -> bool:
-        try:
-            cls.check_available()
-        except PlatformUnavailable:
-            return False
-        return True
 
     @classmethod
     def device(cls) -> torch.device:
@@ -181,6 +179,12 @@ class Platform:
     @classmethod
     def synchronize(cls) -> None:
         """Wait for queued device work; a no-op where execution is synchronous."""
+
+    @classmethod
+    def end_forward(cls) -> None:
+        """Called once after every model forward: where the device runs lazily (Gaudi), this
+        closes the graph of the forward's ops so it compiles and runs on its own, apart from
+        the sampler's. Nothing elsewhere."""
 
     @classmethod
     def seed_everything(cls, seed: int) -> None:
