@@ -64,8 +64,8 @@ class CudaPlatform(Platform):
     @classmethod
     def linear_method(cls, weight: LoadedWeight) -> LinearMethod:
         """4-bit grouped weights stay packed (W4A16 Triton kernel); FP8 weights run W8A8 in the
-        FP8 tensor cores where the GPU has them (compute capability 8.9+); 8-bit, dense, and
-        FP8 elsewhere take the inherited path (dequantized at load)."""
+        FP8 tensor cores where the GPU has them (compute capability 8.9+) and weight-only
+        elsewhere; 8-bit and dense weights take the inherited path (dequantized at load)."""
         from pagedserve.platforms.cuda import quant_linear
         from pagedserve.quant.weights import Fp8Weight
 
@@ -75,6 +75,12 @@ class CudaPlatform(Platform):
             from pagedserve.platforms.cuda.fp8_linear import Fp8LinearMethod
 
             return Fp8LinearMethod(cls.fp8_dtype())
+        if isinstance(weight, Fp8Weight):
+            from pagedserve.platforms.cuda.fp8_weight_only_linear import (
+                Fp8WeightOnlyLinearMethod,
+            )
+
+            return Fp8WeightOnlyLinearMethod()
         return super().linear_method(weight)
 
     @classmethod
