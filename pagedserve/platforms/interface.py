@@ -63,6 +63,10 @@ class Platform:
     # The host queues device work and runs ahead of it, so scheduling the next step while
     # this one computes (async scheduling) hides the host's per-step work.
     runs_ahead: ClassVar[bool] = False
+    # torch.distributed backend for tensor parallelism between ranks on this device.
+    dist_backend: ClassVar[str] = "gloo"
+    # The Ray resource a tensor-parallel rank reserves on its node.
+    ray_resource: ClassVar[str] = "CPU"
 
     @classmethod
     def check_available(cls) -> None:
@@ -80,6 +84,11 @@ class Platform:
     @classmethod
     def device(cls) -> torch.device:
         return torch.device(cls.device_type)
+
+    @classmethod
+    def bind_device(cls, index: int, ranks_on_host: int) -> None:
+        """Make this process's ``device()`` the ``index``-th of its host's devices, for one of
+        ``ranks_on_host`` tensor-parallel ranks there (called before any device work)."""
 
     @classmethod
     def default_dtype(cls) -> torch.dtype:

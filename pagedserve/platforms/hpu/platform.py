@@ -32,6 +32,8 @@ class HpuPlatform(Platform):
     name: ClassVar[str] = "hpu"
     device_type: ClassVar[str] = "hpu"
     pin_swap_memory: ClassVar[bool] = False
+    dist_backend: ClassVar[str] = "hccl"
+    ray_resource: ClassVar[str] = "HPU"
 
     @classmethod
     def check_available(cls) -> None:
@@ -42,6 +44,11 @@ class HpuPlatform(Platform):
     @classmethod
     def default_dtype(cls) -> torch.dtype:
         return torch.bfloat16
+
+    @classmethod
+    def bind_device(cls, index: int, ranks_on_host: int) -> None:
+        _hpu_module().set_device(index)
+        importlib.import_module("habana_frameworks.torch.distributed.hccl")  # registers hccl
 
     @classmethod
     def memory_info(cls) -> MemoryInfo:
