@@ -71,8 +71,9 @@ class MpRanks:
         while True:
             for rank, proc in enumerate(self.procs, 1):
                 if proc.poll() is not None:
-                    return self._read_answer(rank) or (f"tensor-parallel rank {rank} (pid {proc.pid}) exited "
-                                      f"with code {proc.returncode}")
+                    return self._read_answer(rank) or (
+                        f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
+                        f"{proc.returncode}")
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)

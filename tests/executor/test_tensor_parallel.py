@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pagedserve import SamplingParams
@@ -34,3 +36,65 @@ def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, case):
         assert _tokens(llm, PROMPTS, GREEDY) == expected
     finally:
         llm.engine.shutdown()
+
+
+def test_features_with_two_ranks(tmp_path):
+    """Chunked prefill (a small token budget), prefix caching (a shared prefix), swap
+    preemption (a pool too small for the parallel samples of n=3), async scheduling and
+    prompt logprobs: every rank moves its own heads' blocks, and rank 0 alone samples."""
+    folder = write_tiny_model(tmp_path / "llama3", "llama3")
+    prefix = random_prompts("prefix", [35])[0]
+    prompts = [prefix + p for p in random_prompts("tails", [4, 9, 2])]
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                            prompt_logprobs=1)
+    parallel = SamplingParams(n=3, max_tokens=24, temperature=0.9, seed=5, ignore_eos=True)
+    options = dict(num_blocks=18, block_size=8, max_num_batched_tokens=24,
+                   preemption_mode="swap", async_scheduling=True)
+
+    def run(llm):
+        outs = llm.generate(prompts + prompts[:1], [greedy] * 3 + [parallel], use_tqdm=False)
+        return ([[c.token_ids for c in o.outputs] for o in outs],
+                [o.prompt_logprobs for o in outs[:3]],
+                llm.engine.scheduler.num_preemptions, llm.engine.kv.prefix_stats.hit_tokens)
+
+    one = make_llm(folder, **options)
+    tokens, logprobs, preemptions, hits = run(one)
+    assert preemptions > 0 and hits > 0  # the features were exercised
+    # --kv-cache-memory-bytes is per rank, and a rank's block holds half the KV heads.
+    options["num_blocks"] = None
+    llm = make_llm(folder, tensor_parallel_size=2,
+                   kv_cache_memory_bytes=18 * one.engine.kv_bytes_per_block // 2, **options)
+    assert llm.engine.kv.pool.num_blocks == 18
+    try:
+        tp_tokens, tp_logprobs, tp_preemptions, tp_hits = run(llm)
+    finally:
+        llm.engine.shutdown()
+    assert tp_tokens == tokens
+    assert (tp_preemptions, tp_hits) == (preemptions, hits)
+    for ours, ref in zip(tp_logprobs, logprobs):
+        assert [list(p) if p else p for p in ours] == [list(p) if p else p for p in ref]
+        for a, b in zip(ours[1:], ref[1:]):
+            for token in a:
+                assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
+
+
+def test_a_dead_rank_fails_the_step_at_once(tmp_path):
+    from pagedserve.executor.executor import WorkerDiedError
+
+    folder = write_tiny_model(tmp_path / "mistral", "mistral")
+    llm = make_llm(folder, tensor_parallel_size=2)
+    engine = llm.engine
+    try:
+        engine.add_request(PROMPTS[0], GREEDY)
+        engine.step()
+        worker = engine.executor.remote.procs[0]
+        worker.kill()
+        worker.wait()
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="rank 1 .* exited with code -9"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < 10.0
+        assert "rank 1" in engine.dead_reason()
+    finally:
+        engine.shutdown()
