@@ -27,7 +27,7 @@ from pagedserve.engine.model_runner import ModelRunner, StepInput, StepResult
 from pagedserve.executor.worker import Worker, WorkerSpec
 from pagedserve.sample.metadata import SamplingMetadata
 
-_BACKENDS = {"mp": "pagedserve.executor.mp", "ray": "pagedserve.executor.ray"}
+_BACKENDS = {"mp": "pagedserve.executor.mp", "ray": "pagedserve.executor.ray_actors"}
 
 
 class WorkerDiedError(RuntimeError):

@@ -79,22 +79,54 @@ def test_features_with_two_ranks(tmp_path):
 
 
 def test_a_dead_rank_fails_the_step_at_once(tmp_path):
-    from pagedserve.executor.executor import WorkerDiedError
-
     folder = write_tiny_model(tmp_path / "mistral", "mistral")
     llm = make_llm(folder, tensor_parallel_size=2)
-    engine = llm.engine
     try:
-        engine.add_request(PROMPTS[0], GREEDY)
-        engine.step()
-        worker = engine.executor.remote.procs[0]
-        worker.kill()
-        worker.wait()
-        start = time.monotonic()
-        with pytest.raises(WorkerDiedError, match="rank 1 .* exited with code -9"):
-            while engine.has_unfinished_requests():
-                engine.step()
-        assert time.monotonic() - start < 10.0
-        assert "rank 1" in engine.dead_reason()
+        _kill_rank_and_expect_failure(llm.engine, llm.engine.executor.remote.procs[0].kill)
     finally:
-        engine.shutdown()
+        llm.engine.shutdown()
+
+
+def _kill_rank_and_expect_failure(engine, kill) -> None:
+    """Rank 1 dies mid-request: within a bounded time the step fails naming it, and the
+    engine reports itself dead."""
+    from pagedserve.executor.executor import WorkerDiedError
+
+    engine.add_request(PROMPTS[0], GREEDY)
+    engine.step()
+    kill()
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 10.0
+    assert "rank 1" in engine.dead_reason()
+
+
+def test_ray_ranks_on_a_two_node_cluster(tmp_path, monkeypatch):
+    """Rank 1 is a Ray actor on the second node of a two-node cluster on this machine (the
+    head node offers no CPU to actors, so the placement group must use the other)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    folder = write_tiny_model(tmp_path / "qwen2", "qwen2", vocab_size=385)
+    expected = _tokens(make_llm(folder), PROMPTS, GREEDY)
+    # A failure ends in a minute, not the default five; the nodes' workers inherit it.
+    monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", "60")
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+        monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+        llm = make_llm(folder, tensor_parallel_size=2, distributed_executor_backend="ray")
+        try:
+            (actor_node,) = llm.engine.executor.remote.node_ids()
+            assert actor_node != cluster.head_node.node_id
+            assert _tokens(llm, PROMPTS, GREEDY) == expected
+            _kill_rank_and_expect_failure(llm.engine, lambda: ray.kill(
+                llm.engine.executor.remote.actors[0]))
+        finally:
+            llm.engine.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
