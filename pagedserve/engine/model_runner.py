@@ -286,8 +286,9 @@ class ModelRunner:
                               0, n, table, samples=True)
             for n, table in zip(lengths, tables)])
         hidden = self._forward(build_inputs(out, block_size, self.device))
-        rows = hidden[-1:].expand(max_num_seqs, -1)
-        self.model.compute_logits(rows).float().softmax(-1)
+        logits = self.model.compute_logits(hidden[-1:].expand(max_num_seqs, -1))
+        if logits is not None:  # rank 0 alone samples (and gathers the logits)
+            logits.float().softmax(-1)
         self.platform.synchronize()
         peak = self.platform.peak_memory_bytes()
         self.kv_cache, self.kv_caches = None, []
