@@ -160,29 +160,27 @@ def take_rows(weight: LoadedWeight, start: int, size: int) -> LoadedWeight:
 
 def take_columns(weight: LoadedWeight, start: int, size: int) -> LoadedWeight:
     """Input columns ``[start, start + size)`` (a row-parallel rank's slice). Grouped weights
-    are cut between their groups; ``UnshardableWeight`` where a cut falls inside a group or the
-    columns are permuted (GPTQ act-order)."""
+    are cut between their groups; a ``ConfigError`` where a cut would fall inside a group or
+    the columns are permuted (GPTQ act-order)."""
     if isinstance(weight, torch.Tensor):
         return weight[:, start:start + size]
     if isinstance(weight, Fp8Weight):  # scales are per output row: unchanged
         return Fp8Weight(weight.values[:, start:start + size], weight.scales,
                          weight.input_scale)
+    from pagedserve.config import ConfigError  # here: config imports the formats, and they this
+
     if weight.input_perm is not None:
-        raise UnshardableWeight("GPTQ act-order (desc_act) weights cannot be split across "
-                                "tensor-parallel ranks; use --tensor-parallel-size 1")
+        raise ConfigError("--tensor-parallel-size: GPTQ act-order (desc_act) weights cannot be "
+                          "split across ranks; use --tensor-parallel-size 1")
     g = weight.group_size
     if start % g or size % g:
-        raise UnshardableWeight(
-            f"a row-parallel slice of {size} input columns does not fall on the quantization "
-            f"groups of {g}; use a smaller --tensor-parallel-size")
+        raise ConfigError(
+            f"--tensor-parallel-size: a rank's {size} input columns of a row-parallel layer do "
+            f"not fall on the quantization groups of {g}; use a smaller --tensor-parallel-size")
     return GroupQuantWeight(weight.values[:, start:start + size],
                             weight.scales[:, start // g:(start + size) // g],
                             weight.offsets[:, start // g:(start + size) // g],
                             weight.bits, g)
-
-
-class UnshardableWeight(ValueError):
-    """A quantized weight whose layout cannot be split the way tensor parallelism needs."""
 
 
 def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:

@@ -7,6 +7,8 @@ import time
 import pytest
 
 from pagedserve import SamplingParams
+from pagedserve.config import ConfigError
+from tests.quant.packers import write_quantized_pair
 from tests.tiny_models import make_llm, random_prompts, write_tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -130,3 +132,36 @@ def test_ray_ranks_on_a_two_node_cluster(tmp_path, monkeypatch):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
+
+
+def test_gptq_checkpoint_splits_by_its_groups(tiny_model_folder, tmp_path):
+    """4-bit groups of 32: o_proj's 64 input columns split into 32 per rank, on a group
+    boundary, so each rank's kernel reads whole groups and the tokens stay one rank's."""
+    write_quantized_pair(tiny_model_folder("llama3"), tmp_path / "q", tmp_path / "f", GPTQ)
+    expected = _tokens(make_llm(tmp_path / "q"), PROMPTS, GREEDY)
+    llm = make_llm(tmp_path / "q", tensor_parallel_size=2)
+    try:
+        assert _tokens(llm, PROMPTS, GREEDY) == expected
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"desc_act": True}, "act-order"),
+    ({"group_size": 64}, "quantization groups of 64"),
+])
+def test_unsplittable_quantized_layers_are_refused(tiny_model_folder, tmp_path, change,
+                                                   message):
+    write_quantized_pair(tiny_model_folder("llama3"), tmp_path / "q", tmp_path / "f",
+                         {**GPTQ, **change})
+    with pytest.raises(ConfigError, match=message):
+        make_llm(tmp_path / "q", tensor_parallel_size=2)
+
+
+def test_heads_that_do_not_split_are_refused_before_anything_starts(tiny_model_folder):
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 3: the model's 8 attention "
+                                          "heads do not divide into 3"):
+        make_llm(tiny_model_folder("llama3"), tensor_parallel_size=3)
