@@ -133,11 +133,8 @@ class EngineConfig:
     def resolve(self, arch: ModelArchConfig, platform: type[Platform]) -> ResolvedConfig:
         """The values that depend on the model and the platform, computed once."""
         max_model_len = self._max_model_len(arch)
-        unsplittable = check_divisible(arch.num_heads, arch.num_kv_heads,
-                                       arch.intermediate_size, self.tensor_parallel_size)
-        if unsplittable:
-            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: "
-                              f"{unsplittable}")
+        if self.tensor_parallel_size > 1:
+            self._check_splits(arch)
         return ResolvedConfig(
             dtype=(platform.default_dtype() if self.dtype == "auto"
                    else _TORCH_DTYPES[self.dtype]),
@@ -155,6 +152,12 @@ class EngineConfig:
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
         )
+
+    def _check_splits(self, arch: ModelArchConfig) -> None:
+        why = check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size,
+                              self.tensor_parallel_size)
+        if why:
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: {why}")
 
     def _max_model_len(self, arch: ModelArchConfig) -> int:
         limit = arch.max_position_embeddings
