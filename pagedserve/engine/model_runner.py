@@ -180,7 +180,7 @@ class ModelRunner:
                         sampling: SamplingMetadata | None,
                         in_flight: InFlightTokens | None) -> StepResult:
         """Rank 0's part of a planned step: run it, sample, score prompts."""
-        sample_logits, prompt_logits = self._run(step, in_flight and in_flight.token_ids)
+        sample_logits, prompt = self._run(step, in_flight and in_flight.token_ids, spans)
         sampled = [s.seq for s in out.scheduled if s.samples]
         sampler_output = host_output = ready = None
         if sampled:
@@ -192,13 +192,12 @@ class ModelRunner:
                 None if t is None else t.to("cpu", non_blocking=self.platform.runs_ahead)
                 for t in sampler_output))
             ready = self.platform.record_event()
-        return StepResult(sampled, sampler_output, host_output, ready,
-                          _prompt_logprobs(spans, prompt_logits))
+        return StepResult(sampled, sampler_output, host_output, ready, prompt)
 
     @torch.inference_mode()
     def follow(self, step: StepInput) -> None:
         """A rank other than 0 runs the step rank 0 planned, and keeps its sampled tokens."""
-        self._run(step, self._last_tokens)
+        self._run(step, self._last_tokens, [])
         if step.inputs is not None and len(step.inputs.sample_rows):
             tokens = torch.empty(len(step.inputs.sample_rows), dtype=torch.int64,
                                  device=self.device)
@@ -206,21 +205,26 @@ class ModelRunner:
         elif step.inputs is not None:
             self._last_tokens = None
 
-    def _run(self, step: StepInput, in_flight_tokens: torch.Tensor | None
-             ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-        """Block moves, the forward pass, and the logits of the sampling rows and of each
-        prompt span (None on ranks other than 0)."""
+    def _run(self, step: StepInput, in_flight_tokens: torch.Tensor | None,
+             spans: list[PromptSpan]
+             ) -> tuple[torch.Tensor | None, dict[Sequence, PromptLogprobsChunk]]:
+        """Block moves, the forward pass, the logits of the sampling rows, and each prompt
+        span's logprobs, one span's logits at a time (on ranks other than 0, which get no
+        logits, ``spans`` is empty)."""
         self.apply_block_ops(step.block_ops)
         if step.inputs is None:
-            return None, []
+            return None, {}
         inputs = step.inputs.to_device(self.device, in_flight_tokens)
         hidden = self._forward(inputs)
         sample_logits = None
         if len(step.inputs.sample_rows):
             sample_logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        prompt_logits = [self.model.compute_logits(hidden[row:row + count])
-                         for row, count in step.prompt_rows]
-        return sample_logits, prompt_logits
+        prompt = {}
+        for i, (row, count) in enumerate(step.prompt_rows):
+            logits = self.model.compute_logits(hidden[row:row + count])
+            if logits is not None:
+                prompt[spans[i].seq] = _prompt_logprobs(spans[i], logits)
+        return sample_logits, prompt
 
     @staticmethod
     def fetch_samples(result: StepResult) -> SamplerOutput:
@@ -308,13 +312,9 @@ def _prompt_spans(out: SchedulerOutput) -> list[PromptSpan]:
     return spans
 
 
-def _prompt_logprobs(spans: list[PromptSpan], logits: list[torch.Tensor | None]
-                     ) -> dict[Sequence, PromptLogprobsChunk]:
-    results = {}
-    for span, span_logits in zip(spans, logits):
-        seq, start = span.seq, span.first_position
-        targets = torch.tensor(seq.prompt_token_ids[start + 1:start + 1 + span.count],
-                               device=span_logits.device)
-        results[seq] = PromptLogprobsChunk(
-            start, prompt_logprobs(span_logits.float(), targets, seq.params.prompt_logprobs))
-    return results
+def _prompt_logprobs(span: PromptSpan, logits: torch.Tensor) -> PromptLogprobsChunk:
+    seq, start = span.seq, span.first_position
+    targets = torch.tensor(seq.prompt_token_ids[start + 1:start + 1 + span.count],
+                           device=logits.device)
+    return PromptLogprobsChunk(
+        start, prompt_logprobs(logits.float(), targets, seq.params.prompt_logprobs))

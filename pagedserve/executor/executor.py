@@ -7,7 +7,8 @@ With one rank there is no backend and a step is the model runner's, nothing adde
 
 A rank that dies makes the step in flight fail with ``WorkerDiedError`` (its peers see the
 collective break, or time out after ``PAGEDSERVE_DIST_TIMEOUT_S``), and ``dead_reason`` says
-so from then on; the executor is not usable after that.
+so from then on; the executor is not usable after that. Any other error inside a step with
+several ranks ends it the same way: the ranks may be waiting in different collectives.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from pagedserve import distributed
-from pagedserve.config import EngineConfig
+from pagedserve.config import ConfigError, EngineConfig
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.engine.input_batch import InFlightTokens
@@ -31,7 +32,8 @@ _BACKENDS = {"mp": "pagedserve.executor.mp", "ray": "pagedserve.executor.ray_act
 
 
 class WorkerDiedError(RuntimeError):
-    """A tensor-parallel rank is gone; the engine cannot run another step."""
+    """A tensor-parallel rank is gone, or a step failed part-way through its collectives; the
+    engine cannot run another step."""
 
 
 class RemoteRanks(Protocol):
@@ -60,7 +62,7 @@ class Executor:
         if size == 1:
             self.driver = Worker(WorkerSpec(config, 0, "", 0, 1))
             return
-        backend = importlib.import_module(_BACKENDS[config.distributed_executor_backend])
+        backend = _backend(config.distributed_executor_backend)
         host = backend.driver_ip()
         address = f"{host}:{_free_port(host)}"
         self.remote = backend.start(config, address)
@@ -120,12 +122,22 @@ class Executor:
         try:
             yield
         except Exception as exc:
-            # The peer's socket closes before its exit is reaped: give that a moment.
-            reason = self.remote.dead_reason(wait_s=5.0)
-            if reason is None:
-                raise  # not a dead rank: let the error through as it is
-            self._dead = reason
-            raise WorkerDiedError(reason) from exc
+            # Whatever failed, the ranks no longer agree on which collective comes next, so
+            # the executor is done. The peer's socket closes before its exit is reaped: give
+            # that a moment, to name the rank that died.
+            self._dead = (self.remote.dead_reason(wait_s=5.0)
+                          or f"a tensor-parallel step failed: {type(exc).__name__}: {exc}")
+            raise WorkerDiedError(self._dead) from exc
+
+
+def _backend(name: str):
+    try:
+        return importlib.import_module(_BACKENDS[name])
+    except ImportError as exc:
+        if exc.name != name:
+            raise
+        raise ConfigError(f"--distributed-executor-backend {name} needs the {name} package: "
+                          f"pip install 'pagedserve[{name}]'") from exc
 
 
 def _free_port(host: str) -> int:
