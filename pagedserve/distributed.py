@@ -25,12 +25,12 @@ class Part:
     ``full`` (a padded vocabulary partition) are zeros."""
 
     full: int
-    start: int = 0
-    size: int = -1  # -1: the whole dimension
+    start: int
+    size: int
 
-    def __post_init__(self) -> None:
-        if self.size < 0:
-            object.__setattr__(self, "size", self.full)
+    @classmethod
+    def whole(cls, full: int) -> Part:
+        return cls(full, 0, full)
 
     @property
     def is_whole(self) -> bool:

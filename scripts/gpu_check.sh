@@ -137,7 +137,10 @@ for part in $parts; do
     # in the same run (the benchmark runs both).
     tp2) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
         --output-len 128 128 --tensor-parallel-size 2 --skip-hf --breakdown \
-        --out "$OUT/throughput_h200x2_llama3-8b_128_tp2.json" ;;
+        --out "$OUT/throughput_h200x2_llama3-8b_128_tp2.json"
+      bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
+        --output-len 128 128 --tensor-parallel-size 2 --kv-cache-dtype fp8 --skip-hf \
+        --out "$OUT/throughput_h200x2_llama3-8b_128_tp2_fp8kv.json" ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -46,11 +46,11 @@ rank's place in tensor parallelism."""
     def column(self, in_features: int, out_parts: list[Part], bias: bool = False,
                quantize_at_load: bool = True) -> Linear:
         """Output shards cut to ``out_parts`` rows; every rank sees the whole input."""
-        return Linear(Part(in_features), out_parts, bias, self, quantize_at_load)
+        return Linear(Part.whole(in_features), out_parts, bias, self, quantize_at_load)
 
     def row(self, in_features: int, out_features: int) -> Linear:
         """Input columns cut evenly across ranks; outputs summed over ranks."""
-        return Linear(self.tp.even_part(in_features), [Part(out_features)], False, self,
+        return Linear(self.tp.even_part(in_features), [Part.whole(out_features)], False, self,
                       reduce=self.tp.size > 1)
 
 

@@ -165,3 +165,19 @@ def test_heads_that_do_not_split_are_refused_before_anything_starts(tiny_model_f
     with pytest.raises(ConfigError, match="--tensor-parallel-size 3: the model's 8 attention "
                                           "heads do not divide into 3"):
         make_llm(tiny_model_folder("llama3"), tensor_parallel_size=3)
+
+
+def test_one_rank_calls_no_collective(tiny_model_folder, monkeypatch):
+    """The single-device engine is the model runner's step, with nothing distributed in it."""
+    import torch.distributed as dist
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective was called with one rank")
+
+    for name in ("all_reduce", "gather", "broadcast", "init_process_group"):
+        monkeypatch.setattr(dist, name, refuse)
+    llm = make_llm(tiny_model_folder("qwen2"), async_scheduling=True)
+    assert llm.engine.executor.remote is None
+    assert not any(getattr(m, "reduce", False) for m in llm.engine.runner.model.modules())
+    assert all(len(o.outputs[0].token_ids) == 12
+               for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False))
