@@ -30,8 +30,10 @@ def test_an_odd_vocabulary_pads_the_last_slice():
 @pytest.mark.parametrize("weight", [
     GroupQuantWeight.quantize(torch.randn(6, 128, generator=torch.Generator().manual_seed(0)),
                               4, 32),
+    GroupQuantWeight.quantize(torch.randn(6, 128, generator=torch.Generator().manual_seed(2)),
+                              8, 128),
     Fp8Weight.quantize(torch.randn(6, 128, generator=torch.Generator().manual_seed(1))),
-], ids=["group", "fp8"])
+], ids=["group", "per-channel", "fp8"])
 def test_quantized_slices_dequantize_to_the_dense_slices(weight):
     dense = weight.dequantize(torch.float64)
     rows = take_rows(weight, 2, 6)  # two rows past the end: zeros

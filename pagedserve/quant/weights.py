@@ -172,6 +172,9 @@ def take_columns(weight: LoadedWeight, start: int, size: int) -> LoadedWeight:
     if weight.input_perm is not None:
         raise ConfigError("--tensor-parallel-size: GPTQ act-order (desc_act) weights cannot be "
                           "split across ranks; use --tensor-parallel-size 1")
+    if weight.scales.shape[1] == 1:  # one group per row (per channel): it splits anywhere
+        return GroupQuantWeight(weight.values[:, start:start + size], weight.scales,
+                                weight.offsets, weight.bits, size)
     g = weight.group_size
     if start % g or size % g:
         raise ConfigError(

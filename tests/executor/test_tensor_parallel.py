@@ -1,4 +1,5 @@
-"""Tensor parallelism on the CPU: two ranks over gloo give the tokens one rank gives."""
+"""Tensor parallelism on the CPU: two ranks over gloo give the tokens one rank gives. The
+tests marked slow start a second rank (a process, or a Ray cluster of two nodes)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def _tokens(llm, prompts, params) -> list[list[int]]:
     return [c.token_ids for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, case):
     arch, overrides = CASES[case]
@@ -40,6 +42,7 @@ def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, case):
         llm.engine.shutdown()
 
 
+@pytest.mark.slow
 def test_features_with_two_ranks(tmp_path):
     """Chunked prefill (a small token budget), prefix caching (a shared prefix), swap
     preemption (a pool too small for the parallel samples of n=3), async scheduling and
@@ -80,6 +83,7 @@ def test_features_with_two_ranks(tmp_path):
                 assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_a_dead_rank_fails_the_step_at_once(tmp_path):
     folder = write_tiny_model(tmp_path / "mistral", "mistral")
     llm = make_llm(folder, tensor_parallel_size=2)
@@ -105,6 +109,7 @@ def _kill_rank_and_expect_failure(engine, kill) -> None:
     assert "rank 1" in engine.dead_reason()
 
 
+@pytest.mark.slow
 def test_ray_ranks_on_a_two_node_cluster(tmp_path, monkeypatch):
     """Rank 1 is a Ray actor on the second node of a two-node cluster on this machine (the
     head node offers no CPU to actors, so the placement group must use the other)."""
@@ -137,6 +142,7 @@ def test_ray_ranks_on_a_two_node_cluster(tmp_path, monkeypatch):
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
 
 
+@pytest.mark.slow
 def test_gptq_checkpoint_splits_by_its_groups(tiny_model_folder, tmp_path):
     """4-bit groups of 32: o_proj's 64 input columns split into 32 per rank, on a group
     boundary, so each rank's kernel reads whole groups and the tokens stay one rank's."""
@@ -149,6 +155,7 @@ def test_gptq_checkpoint_splits_by_its_groups(tiny_model_folder, tmp_path):
         llm.engine.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change,message", [
     ({"desc_act": True}, "act-order"),
     ({"group_size": 64}, "quantization groups of 64"),
