@@ -41,6 +41,9 @@ class RemoteRanks(Protocol):
     module also says which address rank 0 listens on (``driver_ip``) and how many ranks share
     a host with it (``ranks_on_host``)."""
 
+    def driver_device_index(self) -> int:
+        """Which of its host's devices rank 0 (in the driver's process) takes."""
+
     def wait_ready(self) -> None:
         """Block until every rank has built its model; raise if one could not."""
 
@@ -67,7 +70,8 @@ class Executor:
         address = f"{host}:{_free_port(host)}"
         self.remote = backend.start(config, address)
         try:
-            self.driver = Worker(WorkerSpec(config, 0, address, 0, backend.ranks_on_host(size)))
+            self.driver = Worker(WorkerSpec(config, 0, address, self.remote.driver_device_index(),
+                                            backend.ranks_on_host(size)))
             self.remote.wait_ready()
         except Exception as exc:
             # A bad setting fails every rank alike; anything else may be a peer that failed

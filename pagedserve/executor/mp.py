@@ -52,6 +52,9 @@ class MpRanks:
             conn.send(WorkerSpec(config, rank, dist_address, rank, size))
             self.conns.append(conn)
 
+    def driver_device_index(self) -> int:
+        return 0  # rank r takes device r
+
     def wait_ready(self) -> None:
         for rank, proc in enumerate(self.procs, 1):
             while rank not in self._answers and proc.poll() is None:

@@ -50,8 +50,10 @@ class RankActor:
         self.worker: Worker | None = None
         self._never = threading.Event()
 
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
+    def placement(self, resource: str) -> tuple[str, list[str]]:
+        """This actor's node and the ids of the devices Ray gave it there."""
+        context = ray.get_runtime_context()
+        return context.get_node_id(), context.get_accelerator_ids().get(resource, [])
 
     def build(self, spec: WorkerSpec) -> None:
         self.worker = Worker(spec)
@@ -84,13 +86,17 @@ class RayRanks:
                 PlacementGroupSchedulingStrategy(self.group,
                                                  placement_group_bundle_index=i))).remote()
             for i in range(size - 1)]
+        self.placements = ray.get([a.placement.remote(resource) for a in self.actors])
         # Ray shows each actor only its own device, so every rank's device is index 0.
         self._building = [a.build.remote(WorkerSpec(config, rank, dist_address, 0, size))
                           for rank, a in enumerate(self.actors, 1)]
         self._watches = [a.watch.remote() for a in self.actors]
 
-    def node_ids(self) -> list[str]:
-        return ray.get([a.node_id.remote() for a in self.actors])
+    def driver_device_index(self) -> int:
+        """The driver's rank runs outside the placement group: on its node it takes the
+        first device no actor there was given."""
+        here = ray.get_runtime_context().get_node_id()
+        return first_free_device([ids for node, ids in self.placements if node == here])
 
     def wait_ready(self) -> None:
         for rank, ref in enumerate(self._building, 1):
@@ -128,3 +134,8 @@ def _reservation(resource: str) -> dict:
     if resource == "GPU":
         return {"num_cpus": 0, "num_gpus": 1}
     return {"num_cpus": 0, "resources": {resource: 1}}
+
+
+def first_free_device(taken: list[list[str]]) -> int:
+    used = {int(i) for ids in taken for i in ids}
+    return next(i for i in range(len(used) + 1) if i not in used)

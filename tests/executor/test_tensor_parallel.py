@@ -127,8 +127,8 @@ def test_ray_ranks_on_a_two_node_cluster(tmp_path, monkeypatch):
         monkeypatch.setenv("RAY_ADDRESS", cluster.address)
         llm = make_llm(folder, tensor_parallel_size=2, distributed_executor_backend="ray")
         try:
-            (actor_node,) = llm.engine.executor.remote.node_ids()
-            assert actor_node != cluster.head_node.node_id
+            ((actor_node, devices),) = llm.engine.executor.remote.placements
+            assert actor_node != cluster.head_node.node_id and devices == []
             assert _tokens(llm, PROMPTS, GREEDY) == expected
             _kill_rank_and_expect_failure(llm.engine, lambda: ray.kill(
                 llm.engine.executor.remote.actors[0]))
@@ -188,3 +188,11 @@ def test_one_rank_calls_no_collective(tiny_model_folder, monkeypatch):
     assert not any(getattr(m, "reduce", False) for m in llm.engine.runner.model.modules())
     assert all(len(o.outputs[0].token_ids) == 12
                for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+def test_the_driver_takes_a_device_no_actor_on_its_node_has():
+    from pagedserve.executor.ray_actors import first_free_device
+
+    assert first_free_device([]) == 0
+    assert first_free_device([["0"], ["2"]]) == 1
+    assert first_free_device([["1"], ["0"]]) == 2
