@@ -5,7 +5,7 @@
 #                                        layer-tests llama llama-breakdown decode
 #                                        step-overhead mixed smollm2 fp8 serve
 #                                        w4a16 decode-awq awq fp8-tests fp8-w8a8
-#                                        decode-fp8 fp8-linear serve-make
+#                                        decode-fp8 fp8-linear serve-make tp1-vs-base tp2
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -126,6 +126,29 @@ print("reply:", reply["choices"][0]["message"]["content"][:80], "| usage", reply
 PY
   grep -E "model .* from|engine ready|serving" "$log"
   kill -TERM -- -$server; wait $server
+# The engine with its executor at one rank against the engine before tensor parallelism
+# (commit TP_BASE, default 919456f, the main branch the tp branch started from), 8B shape,
+# 1,000 x 128/128, in one call: base, this tree, base again, this tree again (alternating, so
+# a drift of the machine shows). Needs the git history (the base tree is `git archive`d).
+tp1_vs_base() {
+  local base=/tmp/tp-base rev=${TP_BASE:-919456f}
+  rm -rf $base && mkdir -p $base
+  if ! git archive "$rev" pagedserve | tar -x -C $base; then
+    echo "tp1-vs-base: cannot read commit $rev (no git history here?)"; return
+  fi
+  local args=(throughput "${common[@]}" --shape llama3-8b --input-len 128 128
+              --output-len 128 128 --skip-hf)
+  for round in 1 2; do
+    PYTHONPATH=$base${PYTHONPATH:+:$PYTHONPATH} bench "${args[@]}" \
+      --out "$OUT/throughput_h200_llama3-8b_128_base_$round.json"
+    bench "${args[@]}" --out "$OUT/throughput_h200_llama3-8b_128_tp1_$round.json"
+  done
+  python3 - "$OUT" <<'PY'
+import json, sys
+for name in ("base_1", "tp1_1", "base_2", "tp1_2"):
+    r = json.load(open(f"{sys.argv[1]}/throughput_h200_llama3-8b_128_{name}.json"))
+    print(f"{name:7s} {r['pagedserve']['output_tok_s']:10.1f} output tok/s")
+PY
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -182,6 +205,15 @@ for part in $parts; do
         --out "$OUT/throughput_h200_llama3-8b_awq_128.json" ;;
     fp8-linear) python3 scripts/bench_fp8.py --sweep-gemv --out "$OUT/fp8_linear_h200.json" \
         2>&1 | tee "$OUT/fp8_linear_h200.log" ;;
+    tp1-vs-base) tp1_vs_base ;;
+    # Two GPUs (the nvidia-h200-x2 kind): 8B at 128/128 split over two ranks, and on one rank
+    # in the same run (the benchmark runs both).
+    tp2) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
+        --output-len 128 128 --tensor-parallel-size 2 --skip-hf --breakdown \
+        --out "$OUT/throughput_h200x2_llama3-8b_128_tp2.json"
+      bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
+        --output-len 128 128 --tensor-parallel-size 2 --kv-cache-dtype fp8 --skip-hf \
+        --out "$OUT/throughput_h200x2_llama3-8b_128_tp2_fp8kv.json" ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -91,6 +91,11 @@ def main(args: argparse.Namespace) -> None:
         # Every batch's prompts prefill in one step, so all its sequences then decode together.
         args.max_num_batched_tokens = max(args.batch_sizes) * args.context_len
     args.max_num_seqs = max(args.max_num_seqs, max(args.batch_sizes))
+    if args.requantize and args.tensor_parallel_size > 1:
+        from pagedserve.config import ConfigError
+
+        # Requantizing reaches rank 0's layers only.
+        raise ConfigError("--requantize needs --tensor-parallel-size 1")
     llm = engine_from_args(args)
     engine = llm.engine
     if args.requantize:

@@ -32,6 +32,14 @@ SHAPES: dict[str, dict] = {
         rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2,
     ),
+    # Small enough for a CPU run, with two KV heads (tensor parallelism up to 2 ranks).
+    "qwen2-0.5b": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=151936,
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
+        bos_token_id=151643, eos_token_id=151643,
+    ),
     "qwen2-7b": dict(
         architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064,
         hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,

@@ -21,7 +21,8 @@ class CacheSizes(NamedTuple):
 
 def size_kv_cache(config: EngineConfig, resolved: ResolvedConfig, platform: type[Platform],
                   runner: ModelRunner) -> CacheSizes:
-    per_block = KVCacheSpec(1, resolved.block_size, runner.kv_dtype).bytes_per_block(runner.arch)
+    per_block = KVCacheSpec(1, resolved.block_size, runner.kv_dtype).bytes_per_block(
+        runner.arch, runner.num_kv_heads)
     # Never reserve more than every sequence at full length could use.
     useful_blocks = config.max_num_seqs * (resolved.max_model_len // resolved.block_size + 1)
     budget = config.kv_cache_memory_bytes

@@ -27,17 +27,15 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.core.sequence import SequenceStatus
 from pagedserve.engine.beam_driver import BeamDriver
-from pagedserve.engine.cache_sizing import size_kv_cache
 from pagedserve.engine.input_processor import InputLimits, InputProcessor
-from pagedserve.engine.model_runner import KVCacheSpec, ModelRunner, StepResult
+from pagedserve.engine.model_runner import StepResult
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.shape_buckets import ShapeBuckets
 from pagedserve.engine.stats import EngineStats
+from pagedserve.executor.executor import Executor
 from pagedserve.logger import get_logger
 from pagedserve.models import loader
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import resolve_platform
-from pagedserve.quant.formats import checkpoint_format, load_quantizer
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sampling_params import SamplingParams
 
@@ -48,7 +46,6 @@ class LLMEngine:
         self.config = config
         start = time.perf_counter()
         self.platform = resolve_platform(config.device)
-        self.platform.seed_everything(config.seed)
         source = loader.resolve_model(config.model, config.load_format != "dummy",
                                       revision=config.revision, gguf_file=config.gguf_file)
         self.model_name = config.served_model_name or source.name
@@ -57,26 +54,10 @@ class LLMEngine:
         self.resolved = config.resolve(self.arch, self.platform)
         self.dtype = self.resolved.dtype
         self.max_model_len = self.resolved.max_model_len
-        dummy = config.load_format == "dummy"
-        # Checked before any weight is read, so a bad quantization_config fails at once.
-        fmt = None if dummy else checkpoint_format(self.arch.raw, config.quantization,
-                                                   source.gguf)
-        self.runner = ModelRunner(self.platform, self.arch, self.dtype, self.max_model_len,
-                                  config.kv_cache_dtype,
-                                  load_quantizer(self.arch.raw, config.quantization, dummy),
-                                  self._shape_buckets())
-        if dummy:
-            self.runner.init_dummy_weights(config.seed)
-        else:
-            self.runner.load_weights(fmt.read(loader.iter_weights(source)))
-        sizes = size_kv_cache(config, self.resolved, self.platform, self.runner)
+        self.executor = Executor(config)
+        self.runner = self.executor.runner  # rank 0's
+        sizes = self.executor.driver.sizes
         self.kv_bytes_per_block = sizes.bytes_per_block
-        self.runner.allocate_kv_cache(
-            KVCacheSpec(sizes.num_blocks, self.resolved.block_size, self.runner.kv_dtype))
-        if not config.enforce_eager:
-            self.runner.capture_graphs(config.max_num_seqs)
-        # After graph capture: HPU graphs record each bucket at its first run.
-        self.runner.warm_up()
         self.kv = KVCacheManager(sizes.num_blocks, self.resolved.block_size,
                                  config.enable_prefix_caching, sizes.num_host_blocks)
         self.scheduler = Scheduler(config.scheduler_config(self.resolved), self.kv)
@@ -95,13 +76,6 @@ class LLMEngine:
             time.perf_counter() - start, self.platform.name, self.model_name, source.origin,
             str(self.dtype).removeprefix("torch."), self.max_model_len, sizes.num_blocks,
             self.resolved.block_size, sizes.num_blocks * self.resolved.block_size)
-
-    def _shape_buckets(self) -> ShapeBuckets | None:
-        if not self.resolved.shape_bucketing:
-            return None
-        return ShapeBuckets.for_limits(
-            self.config.max_num_seqs, self.resolved.max_num_batched_tokens,
-            -(-self.max_model_len // self.resolved.block_size))
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -130,6 +104,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.requests)
 
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot step any more (a tensor-parallel rank died), or None."""
+        return self.executor.dead_reason()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one)."""
+        self.executor.shutdown()
+
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run, process outputs. Under async scheduling the outputs processed are
@@ -140,7 +122,7 @@ class LLMEngine:
         out = self.scheduler.schedule(schedule_pending=run_ahead)
         if out.is_empty:
             # Nothing runs, but preempted sequences' blocks must still reach the swap pool.
-            self.runner.apply_block_ops(out.block_ops)
+            self.executor.apply_block_ops(out.block_ops)
             return self._process(self._take_in_flight()) if self._in_flight is not None else []
         result = self._run(out)
         if not run_ahead:
@@ -152,8 +134,8 @@ class LLMEngine:
         """Queue the step's forward pass and mark its tokens computed."""
         self._record_first_scheduled(out)
         previous = self._in_flight
-        result = self.runner.execute(out, self._sampling_metadata(out),
-                                     previous.in_flight_tokens() if previous else None)
+        result = self.executor.execute(out, self._sampling_metadata(out),
+                                       previous.in_flight_tokens() if previous else None)
         self.scheduler.advance(out)
         self._num_prompt_tokens += sum(
             max(0, min(s.num_new_tokens, s.seq.num_prompt_tokens - s.num_computed_tokens))

@@ -69,6 +69,10 @@ class Platform:
     buckets_shapes: ClassVar[bool] = False
     # --block-size when the command line leaves it out.
     default_block_size: ClassVar[int] = 16
+    # torch.distributed backend for tensor parallelism between ranks on this device.
+    dist_backend: ClassVar[str] = "gloo"
+    # The Ray resource a tensor-parallel rank reserves on its node.
+    ray_resource: ClassVar[str] = "CPU"
 
     @classmethod
     def check_available(cls) -> None:
@@ -78,6 +82,11 @@ class Platform:
     @classmethod
     def device(cls) -> torch.device:
         return torch.device(cls.device_type)
+
+    @classmethod
+    def bind_device(cls, index: int, ranks_on_host: int) -> None:
+        """Make this process's ``device()`` the ``index``-th of its host's devices, for one of
+        ``ranks_on_host`` tensor-parallel ranks there (called before any device work)."""
 
     @classmethod
     def default_dtype(cls) -> torch.dtype:

@@ -24,6 +24,8 @@ class CudaPlatform(Platform):
     pin_swap_memory: ClassVar[bool] = True
     profiles_memory: ClassVar[bool] = True
     runs_ahead: ClassVar[bool] = True
+    dist_backend: ClassVar[str] = "nccl"  # ROCm's torch maps it to RCCL
+    ray_resource: ClassVar[str] = "GPU"
 
     @classmethod
     def check_available(cls) -> None:
@@ -44,6 +46,10 @@ class CudaPlatform(Platform):
     @classmethod
     def device(cls) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
+
+    @classmethod
+    def bind_device(cls, index: int, ranks_on_host: int) -> None:
+        torch.cuda.set_device(index)
 
     @classmethod
     def default_dtype(cls) -> torch.dtype:

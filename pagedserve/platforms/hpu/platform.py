@@ -40,11 +40,18 @@ class HpuPlatform(Platform):
     buckets_shapes: ClassVar[bool] = True
     # Gaudi's TPC kernels and engines work on 128-token blocks.
     default_block_size: ClassVar[int] = 128
+    dist_backend: ClassVar[str] = "hccl"
+    ray_resource: ClassVar[str] = "HPU"
 
     @classmethod
     def check_available(cls) -> None:
         if not habana_module("hpu").is_available():
             raise PlatformUnavailable("no Gaudi device: habana_frameworks sees no HPU")
+
+    @classmethod
+    def bind_device(cls, index: int, ranks_on_host: int) -> None:
+        habana_module("hpu").set_device(index)
+        habana_module("distributed.hccl")  # registers the hccl backend with torch.distributed
 
     @classmethod
     def memory_info(cls) -> MemoryInfo:
