@@ -45,8 +45,9 @@ def _engine(folder: Path, num_blocks: int | None = None, **options):
     if num_blocks is not None:
         spec = KVCacheSpec(1, options.get("block_size", 128), torch.float32)
         bucketing = options.get("shape_bucketing") is not False  # one more: the pad block
+        arch = _arch(folder)
         options["kv_cache_memory_bytes"] = (num_blocks + bucketing) * spec.bytes_per_block(
-            _arch(folder))
+            arch, arch.num_kv_heads)
     return LLM(model=str(folder), **options).engine
 
 
