@@ -26,6 +26,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-max-prompts", type=int, default=None,
                         help="time HF on the first N prompts only (its rate is what counts)")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-tp1", action="store_true",
+                        help="with --tensor-parallel-size above 1, leave out the same prompts "
+                             "on one rank (for a model that does not fit one device)")
     parser.add_argument("--shape", default=None,
                         help="benchmark a real model shape with random weights "
                              "(dummy load format), e.g. llama3-8b, smollm2-135m")
@@ -172,7 +175,7 @@ def main(args: argparse.Namespace) -> None:
     }
     tp = setup["tensor_parallel_size"]
     one_rank = []
-    if tp > 1:
+    if tp > 1 and not args.skip_tp1:
         engine.shutdown()
         del llm, engine
         gc.collect()

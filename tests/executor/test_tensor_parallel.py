@@ -6,9 +6,11 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from pagedserve import SamplingParams
 from pagedserve.config import ConfigError
+from tests.devices import HAS_NVIDIA
 from tests.quant.packers import write_quantized_pair
 from tests.tiny_models import make_llm, random_prompts, write_tiny_model
 
@@ -199,3 +201,26 @@ def test_the_driver_takes_a_device_no_actor_on_its_node_has():
     assert first_free_device([]) == 0
     assert first_free_device([["0"], ["2"]]) == 1
     assert first_free_device([["1"], ["0"]]) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_NVIDIA or torch.cuda.device_count() < 2,
+                    reason="needs two NVIDIA GPUs")
+@pytest.mark.parametrize("case", CASES)
+def test_two_gpus_give_one_gpus_greedy_tokens(tmp_path, case):
+    """The same on two GPUs over NCCL, in float32, with CUDA graphs for the decode steps."""
+    from pagedserve import LLM
+
+    arch, overrides = CASES[case]
+    folder = write_tiny_model(tmp_path / arch, arch, **overrides)
+    options = dict(model=str(folder), device="cuda", dtype="float32",
+                   kv_cache_memory_bytes=64 << 20)
+    one = LLM(**options)
+    expected = _tokens(one, PROMPTS, GREEDY)
+    one.engine.shutdown()
+    del one
+    llm = LLM(tensor_parallel_size=2, **options)
+    try:
+        assert _tokens(llm, PROMPTS, GREEDY) == expected
+    finally:
+        llm.engine.shutdown()
