@@ -115,6 +115,15 @@ def init(backend: str, address: str, rank: int, size: int, timeout_s: float) -> 
         timeout=timedelta(seconds=timeout_s))
 
 
-def shutdown() -> None:
-    if torch.distributed.is_initialized():
+def shutdown(peers_alive: bool = True) -> None:
+    """Leave the default process group. With NCCL, leaving is itself collective (its
+    finalize waits for every rank), so every live rank calls this at about the same time;
+    with a peer gone, the communicator is aborted instead, which waits for nobody."""
+    if not torch.distributed.is_initialized():
+        return
+    if peers_alive:
         torch.distributed.destroy_process_group()
+    else:
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()

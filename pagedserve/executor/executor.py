@@ -13,6 +13,7 @@ several ranks ends it the same way: the ranks may be waiting in different collec
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import socket
@@ -54,7 +55,12 @@ class RemoteRanks(Protocol):
         """Why a rank is gone, or None while all run (after waiting up to ``wait_s`` for
         one to be reported gone)."""
 
-    def shutdown(self) -> None: ...
+    def stop(self) -> None:
+        """Ask every rank to leave the process group and exit, without waiting."""
+
+    def shutdown(self) -> None:
+        """Wait for the ranks to exit (stopping them first if ``stop`` was not called), and
+        end those that do not."""
 
 
 class Executor:
@@ -69,6 +75,8 @@ class Executor:
         host = backend.driver_ip()
         address = f"{host}:{_free_port(host)}"
         self.remote = backend.start(config, address)
+        # The ranks must leave the process group together, also when the driver just exits.
+        atexit.register(self.shutdown)
         try:
             self.driver = Worker(WorkerSpec(config, 0, address, self.remote.driver_device_index(),
                                             backend.ranks_on_host(size)))
@@ -111,10 +119,17 @@ class Executor:
         return self._dead
 
     def shutdown(self) -> None:
-        if self.remote is not None:
-            self.remote.shutdown()
-            self.remote = None
-            distributed.shutdown()
+        """Stop the other ranks. The driver leaves the process group while they leave it
+        (NCCL's teardown waits for every rank), then waits for them to exit."""
+        if self.remote is None:
+            return
+        atexit.unregister(self.shutdown)
+        alive = self.dead_reason() is None
+        if alive:
+            self.remote.stop()
+        distributed.shutdown(peers_alive=alive)
+        self.remote.shutdown()
+        self.remote = None
 
     @contextlib.contextmanager
     def _watching(self) -> Iterator[None]:

@@ -93,12 +93,15 @@ class MpRanks:
                 pass  # gone without an answer
         return self._answers.get(rank)
 
-    def shutdown(self) -> None:
+    def stop(self) -> None:
         for conn in self.conns:
             try:
                 conn.send_bytes(pickle.dumps(None))
             except OSError:
                 pass  # already gone
+
+    def shutdown(self) -> None:
+        self.stop()  # a second stop finds the ranks gone or still leaving: harmless
         for proc in self.procs:
             try:
                 proc.wait(_STOP_TIMEOUT_S)
@@ -123,7 +126,8 @@ def _serve(conn: Connection) -> int:
     while True:
         try:
             step = pickle.loads(conn.recv_bytes())
-        except EOFError:
+        except EOFError:  # the driver is gone: leave without waiting for it
+            distributed.shutdown(peers_alive=False)
             return 0
         if step is None:
             distributed.shutdown()

@@ -17,7 +17,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pagedserve import envs
+from pagedserve import distributed, envs
 from pagedserve.config import EngineConfig
 from pagedserve.engine.model_runner import StepInput
 from pagedserve.executor.worker import Worker, WorkerSpec
@@ -25,6 +25,8 @@ from pagedserve.logger import get_logger
 from pagedserve.platforms import resolve_platform
 
 logger = get_logger(__name__)
+
+_STOP_TIMEOUT_S = 5.0
 
 
 def driver_ip() -> str:
@@ -65,6 +67,11 @@ class RankActor:
             # Die, so the driver's collective breaks and ``watch`` reports it.
             logger.exception("tensor-parallel rank failed in a step")
             os._exit(1)
+
+    def leave(self) -> None:
+        """Leave the process group (queued after every step sent), then stop."""
+        distributed.shutdown()
+        os._exit(0)
 
     @ray.method(concurrency_group="watch")
     def watch(self) -> None:
@@ -121,7 +128,13 @@ class RayRanks:
             return f"tensor-parallel rank {rank} (a Ray actor) died: {type(exc).__name__}"
         return f"tensor-parallel rank {rank} (a Ray actor) stopped"
 
+    def stop(self) -> None:
+        for actor in self.actors:
+            actor.leave.remote()
+
     def shutdown(self) -> None:
+        # An actor that left exits; one still leaving after the grace period is killed.
+        ray.wait(self._watches, num_returns=len(self._watches), timeout=_STOP_TIMEOUT_S)
         for actor in self.actors:
             ray.kill(actor)
         remove_placement_group(self.group)
