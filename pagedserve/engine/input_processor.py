@@ -18,6 +18,8 @@ from pagedserve.outputs import RequestMetrics
 from pagedserve.sample.metadata import check_token_ids
 from pagedserve.sample.seeds import stream_seed
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
+from pagedserve.structured.spec import check as check_grammar
+from pagedserve.structured.spec import grammar_spec
 
 
 class PromptTooLong(InvalidSamplingParam):
@@ -68,6 +70,8 @@ class InputLimits:
                 "enlarge the cache")
         # A bad id inside a batched scatter would fail the whole step, so reject it here.
         check_token_ids(params, self.vocab_size)
+        if params.structured_outputs is not None:
+            check_grammar(grammar_spec(params.structured_outputs))
         return max_tokens
 
     def _worst_case_blocks(self, num_prompt: int, max_tokens: int, num_seqs: int) -> int:

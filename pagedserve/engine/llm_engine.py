@@ -15,12 +15,17 @@ host's per-step work hides behind the device's. The step after is scheduled befo
 has seen those tokens; a sequence then takes its next input from the previous step's output on
 the device, and a sequence that turns out to have stopped wastes one step, whose token is
 dropped. Requests whose next logits depend on the host's view of earlier tokens (penalties,
-min_tokens, beam search, prompt logprobs) switch the engine back to one step at a time.
+min_tokens, a grammar, beam search, prompt logprobs) switch the engine back to one step at a
+time.
+
+Structured output: a constrained request waits outside the scheduler until its grammar is
+compiled (on a worker thread, ``structured/compiler``); the others keep running meanwhile.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
@@ -31,6 +36,7 @@ from pagedserve.engine.cache_sizing import size_kv_cache
 from pagedserve.engine.input_processor import InputLimits, InputProcessor
 from pagedserve.engine.model_runner import KVCacheSpec, ModelRunner, StepResult
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.request_state import RequestState
 from pagedserve.engine.stats import EngineStats
 from pagedserve.logger import get_logger
 from pagedserve.models import loader
@@ -39,8 +45,13 @@ from pagedserve.platforms import resolve_platform
 from pagedserve.quant.formats import checkpoint_format, load_quantizer
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured.grammar_state import GrammarState, build_grammar_mask
+from pagedserve.structured.spec import grammar_spec
 
 logger = get_logger(__name__)
+
+# How long an otherwise idle step waits for a grammar to compile, instead of spinning.
+_GRAMMAR_WAIT_S = 0.02
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -83,6 +94,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.scheduler.finish,
                                        BeamDriver(self.scheduler, self.tokenizer))
         self._in_flight: StepResult | None = None  # the queued step not yet applied
+        self._grammars = None  # GrammarCompilerPool, made at the first constrained request
+        # Constrained requests whose grammar is still compiling, by id.
+        self._awaiting_grammar: dict[str, tuple[RequestState, Future]] = {}
         self._num_prompt_tokens = 0
         self._next_id = 0
         logger.info(
@@ -103,13 +117,31 @@ class LLMEngine:
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         state = self.inputs.process(request_id, prompt, params or SamplingParams())
-        self.scheduler.add_group(state.group)
         self.outputs.add(state)
+        structured = state.params.structured_outputs
+        if structured is None:
+            self.scheduler.add_group(state.group)
+        else:
+            future = self.grammars.get(grammar_spec(structured))
+            self._awaiting_grammar[request_id] = (state, future)
         return request_id
+
+    @property
+    def grammars(self):
+        """The grammar compiler (``structured.compiler.GrammarCompilerPool``)."""
+        if self._grammars is None:
+            from pagedserve.structured.compiler import GrammarCompilerPool
+
+            self._grammars = GrammarCompilerPool(self.tokenizer, self.arch.vocab_size,
+                                                 self.eos_token_ids)
+        return self._grammars
 
     def abort_request(self, request_id: str) -> None:
         state = self.outputs.pop(request_id)
         if state is None:
+            return
+        if self._awaiting_grammar.pop(request_id, None) is not None:
+            _mark_finished(state, SequenceStatus.FINISHED_ABORTED)  # it holds no blocks yet
             return
         for seq in state.seqs:
             self.scheduler.finish(seq.seq, SequenceStatus.FINISHED_ABORTED)
@@ -121,8 +153,36 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, process outputs. Under async scheduling the outputs processed are
-        the previous step's, while this one computes."""
+        """Admit the requests whose grammar is ready, then schedule, run, process outputs.
+        Under async scheduling the outputs processed are the previous step's, while this one
+        computes."""
+        failed = self._admit_compiled() if self._awaiting_grammar else []
+        return failed + self._step()
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the constrained requests whose grammar is compiled, each sequence with
+        its own matcher; a request whose grammar failed finishes with an error."""
+        if not self.scheduler.has_unfinished and self._in_flight is None:
+            wait([f for _, f in self._awaiting_grammar.values()], timeout=_GRAMMAR_WAIT_S,
+                 return_when=FIRST_COMPLETED)
+        failed = []
+        for request_id, (state, future) in list(self._awaiting_grammar.items()):
+            if not future.done():
+                continue
+            del self._awaiting_grammar[request_id]
+            if future.exception() is not None:
+                logger.error("grammar of request %s failed to compile: %s", request_id,
+                             future.exception())
+                self.outputs.pop(request_id)
+                _mark_finished(state, SequenceStatus.FINISHED_ERROR)
+                failed.append(state.to_output())
+                continue
+            for seq in state.seqs:
+                seq.grammar = GrammarState(future.result())
+            self.scheduler.add_group(state.group)
+        return failed
+
+    def _step(self) -> list[RequestOutput]:
         run_ahead = self.resolved.async_scheduling and not self.outputs.num_step_by_step
         if self._in_flight is not None and not run_ahead:
             return self._process(self._take_in_flight())  # settle before a synchronous step
@@ -183,6 +243,8 @@ class LLMEngine:
             vocab_size=self.arch.vocab_size,
             device=self.runner.device,
         )
+        meta.grammar_mask = build_grammar_mask([r.grammar for r in rows],
+                                               self.arch.vocab_size, self.runner.device)
         # Beams read their candidates from the top-k logprobs.
         meta.max_num_logprobs = max(meta.max_num_logprobs, max(
             (r.request.beam.search.num_candidates for r in rows if r.request.beam is not None),
@@ -211,3 +273,9 @@ class LLMEngine:
             blocks_shared=pool.num_shared,
             process_cpu_s=time.process_time(),
         )
+
+
+def _mark_finished(state: RequestState, status: SequenceStatus) -> None:
+    """Finish a request that never reached the scheduler."""
+    for seq in state.seqs:
+        seq.seq.status = status
