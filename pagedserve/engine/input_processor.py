@@ -53,6 +53,8 @@ class InputLimits:
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise InvalidSamplingParam(
                 "prompt", f"prompt token ids must be in [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            check_grammar(grammar_spec(params.structured_outputs))
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.best_of > self.max_num_seqs:
             # best_of defaults to n: name the one the caller set.
@@ -70,8 +72,6 @@ class InputLimits:
                 "enlarge the cache")
         # A bad id inside a batched scatter would fail the whole step, so reject it here.
         check_token_ids(params, self.vocab_size)
-        if params.structured_outputs is not None:
-            check_grammar(grammar_spec(params.structured_outputs))
         return max_tokens
 
     def _worst_case_blocks(self, num_prompt: int, max_tokens: int, num_seqs: int) -> int:
