@@ -111,7 +111,7 @@ BAD_REQUESTS = [
     # Structured output and tools this server refuses (more in test_server_structured.py).
     ("/v1/completions", {**GOOD, "guided_regex": "a(b"}, 400, "guided_regex"),
     ("/v1/completions", {**GOOD, "guided_choice": ["a"], "guided_regex": "a"}, 400,
-     "guided_regex"),
+     "guided_choice"),
     # Started without --enable-auto-tool-choice: tools default to "auto", which it refuses.
     ("/v1/chat/completions", {**CHAT, "tools": [
         {"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
