@@ -59,10 +59,12 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
 
 def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
     """Set to -inf, in place, the tokens the grammar forbids in the constrained rows only."""
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = 1 << torch.arange(32, dtype=torch.int32, device=logits.device)  # 1 << 31 wraps: ok
     # Bit b of word w is token 32 w + b; the last word's spare bits fall past the vocabulary.
-    allowed = ((mask.bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :logits.shape[-1]]
-    logits[mask.rows] = logits[mask.rows].masked_fill_(allowed == 0, float("-inf"))
+    forbidden = (mask.bitmask.unsqueeze(-1) & bits) == 0
+    rows = logits.index_select(0, mask.rows)
+    rows.masked_fill_(forbidden.flatten(1)[:, :logits.shape[-1]], float("-inf"))
+    logits.index_copy_(0, mask.rows, rows)
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
