@@ -75,13 +75,20 @@ def test_free_requests_are_untouched_by_constrained_neighbours(default_llm):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_and_async_scheduling_keep_outputs_valid(default_model_folder, mode):
-    """A pool of 24 blocks cannot hold the batch: groups are preempted and come back, with
-    async scheduling on, which constrained requests turn to one step at a time."""
-    llm = make_llm(default_model_folder, num_blocks=24, async_scheduling=True,
-                   preemption_mode=mode, swap_space=0.05)
+def test_preemption_chunking_and_async_scheduling_keep_outputs_valid(default_model_folder,
+                                                                    mode):
+    """A pool of 14 blocks cannot hold the batch: groups are preempted and come back, with
+    async scheduling on, which constrained requests turn to one step at a time. A budget of
+    16 tokens a step splits the constrained requests' longer prompts into chunks, and only
+    their last chunk samples (and is masked)."""
+    llm = make_llm(default_model_folder, num_blocks=14, async_scheduling=True,
+                   preemption_mode=mode, swap_space=0.05, max_num_batched_tokens=16)
     free = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    outputs = llm.generate(PROMPTS + PROMPTS[:3], [free] * 4 + _constrained(),
+    long_prompts = [f"Answer carefully, briefly and exactly in the format that is asked for, "
+                    f"with nothing before or after it. {p}"
+                    for p in PROMPTS[:3]]
+    assert all(len(llm.get_tokenizer().encode(p)) > 16 for p in long_prompts)
+    outputs = llm.generate(PROMPTS + long_prompts, [free] * 4 + _constrained(),
                            use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     _assert_valid(outputs[4:])
