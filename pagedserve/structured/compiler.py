@@ -4,7 +4,6 @@ xgrammar releases the GIL while it compiles, so the thread costs the loop little
 
 from __future__ import annotations
 
-import time
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -23,7 +22,6 @@ class GrammarCompilerPool:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
         self._cache: dict[GrammarSpec, Future] = {}
-        self.compile_seconds: dict[GrammarSpec, float] = {}  # cold compile time of each spec
 
     def get(self, spec: GrammarSpec) -> Future:
         """The compiled grammar of ``spec`` (an xgrammar ``CompiledGrammar``), as a future
@@ -34,10 +32,4 @@ class GrammarCompilerPool:
         return future
 
     def _compile(self, spec: GrammarSpec):
-        start = time.perf_counter()
-        compiled = self._compiler.compile_grammar(to_grammar(spec))
-        self.compile_seconds[spec] = time.perf_counter() - start
-        return compiled
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        return self._compiler.compile_grammar(to_grammar(spec))

@@ -64,7 +64,6 @@ def test_padded_vocabulary_ids_are_never_allowed(tokenizer):
     assert torch.isinf(logits[1, len(tokenizer):]).all()
     assert torch.isfinite(logits[1, tokenizer.encode("{")[0]])  # a JSON object may start
     assert not torch.isinf(logits[0]).any()
-    pool.shutdown()
 
 
 def test_choice_grammar_accepts_exactly_the_choices(tokenizer):
@@ -77,7 +76,6 @@ def test_choice_grammar_accepts_exactly_the_choices(tokenizer):
         matcher = xgr.GrammarMatcher(compiled)
         accepted = matcher.accept_string(text) and matcher.is_completed()
         assert accepted == (text in choices), text
-    pool.shutdown()
 
 
 @pytest.mark.parametrize(("params", "words"), [
