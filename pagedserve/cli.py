@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    # `pagedserve serve MODEL`, as `vllm serve MODEL`; --model (an engine flag) says the same.
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL",
+                       help="the model, as --model takes it (give one or the other)")
     from pagedserve.server.args import add_server_args
 
     add_server_args(serve)
@@ -68,8 +71,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with serve's positional MODEL moved into ``model``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None:
+            parser.error(f"serve: the model was given twice ({tag} and --model {args.model}); "
+                         "pass it once, either way")
+        args.model = tag
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     from pagedserve.config import ConfigError
     from pagedserve.models.config import UnsupportedModel
     from pagedserve.models.loader import ModelLoadError

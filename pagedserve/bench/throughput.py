@@ -115,7 +115,8 @@ def run_hf_batches(args: argparse.Namespace, model_path, dtype, device, work) ->
     from pagedserve.bench.hf_model import load_hf_model
     from pagedserve.models.loader import resolve_model
 
-    source = resolve_model(model_path, require_weights=not args.shape)
+    source = resolve_model(model_path, require_weights=not args.shape, revision=args.revision,
+                           gguf_file=args.gguf_file)
     model = load_hf_model(source, dtype, device, bool(args.shape))
     hf_work = work[:args.hf_max_prompts] if args.hf_max_prompts else work
     return [{"system": f"hf-static-b{bs}", **run_hf(model, device, hf_work, bs)}

@@ -19,6 +19,7 @@ Failure rules:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing
 import shutil
 import tempfile
@@ -116,8 +117,14 @@ class EngineCoreClient:
 
         from pagedserve.models import loader
 
-        # Resolved here first, so a GGUF is converted once, before the core looks for it.
-        source = loader.resolve_model(self.config.model, require_weights=False)
+        # Resolved here, once: the core loads the local folder this found (a GGUF converted, a
+        # hub model downloaded) under the name it would have had.
+        source = loader.resolve_model(
+            self.config.model, self.config.load_format != "dummy",
+            revision=self.config.revision, gguf_file=self.config.gguf_file)
+        core_config = dataclasses.replace(
+            self.config, model=str(source.path), revision=None, gguf_file=None,
+            served_model_name=self.config.served_model_name or source.name)
         self._ipc_dir = Path(tempfile.mkdtemp(prefix="pagedserve-"))
         addresses = CoreAddresses(f"ipc://{self._ipc_dir}/commands",
                                   f"ipc://{self._ipc_dir}/outputs")
@@ -131,7 +138,7 @@ class EngineCoreClient:
         spawn = multiprocessing.get_context("spawn")
         ready_reader, ready_writer = spawn.Pipe(duplex=False)
         self._process = spawn.Process(
-            target=run_engine_core, args=(self.config, addresses, ready_writer),
+            target=run_engine_core, args=(core_config, addresses, ready_writer),
             name="pagedserve-engine-core", daemon=True)
         self._process.start()
         ready_writer.close()

@@ -59,8 +59,8 @@ class LLMEngine:
         start = time.perf_counter()
         self.platform = resolve_platform(config.device)
         self.platform.seed_everything(config.seed)
-        source = loader.resolve_model(config.model,
-                                      require_weights=config.load_format != "dummy")
+        source = loader.resolve_model(config.model, config.load_format != "dummy",
+                                      revision=config.revision, gguf_file=config.gguf_file)
         self.model_name = config.served_model_name or source.name
         self.arch = loader.load_arch_config(source)
         self.tokenizer = loader.load_tokenizer(source)

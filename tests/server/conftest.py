@@ -137,11 +137,11 @@ def _free_port() -> int:
 
 
 @contextmanager
-def launch_server(model: Path, log_dir: Path, *extra: str, api_key: str | None = None,
+def launch_server(model: Path | str, log_dir: Path, *extra: str, api_key: str | None = None,
                   env: dict[str, str] | None = None) -> Iterator[Server]:
     port = _free_port()
     log = log_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(model),
+    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", str(model),
            "--port", str(port), "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
            "--kv-cache-memory-bytes", str(KV_BYTES), "--log-level", "warning", *extra]
     if api_key:

@@ -15,7 +15,9 @@ Layout the matmul reads (built once by ``create_weights``):
 
 With row-wise scales ``_scaled_mm`` writes bfloat16 only (its CUTLASS kernel is
 ``f8f8bf16_rowwise``), so other activation dtypes get the unscaled product in float32 and apply
-both scales after it. ``apply`` never waits on the device, so it can be captured in a CUDA graph.
+both scales after it. Up to ``fp8_gemv.MAX_M`` rows (decode at small batch) take the FP8 GEMV
+kernel instead, which keeps the activations unquantized. ``apply`` never waits on the device,
+so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.platforms.cuda.kernels import fp8_gemv
 from pagedserve.platforms.cuda.kernels.fp8_quant import quantize_per_token, quantize_static
 from pagedserve.quant.linear_method import LinearMethod
 from pagedserve.quant.weights import Fp8Weight
@@ -53,6 +56,9 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer, x):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         wq, w_scale = layer.fp8_weight, layer.fp8_weight_scale
+        if x2.shape[0] <= fp8_gemv.MAX_M:  # decode at batch 1-4: stream the weight
+            out = fp8_gemv.matmul(x2, wq, w_scale, layer.fp8_out_features)
+            return out.reshape(*x.shape[:-1], out.shape[1])
         if layer.fp8_input_scale is None:
             xq, x_scale = quantize_per_token(x2, wq.dtype, wq.shape[1])
         else:

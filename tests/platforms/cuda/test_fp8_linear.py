@@ -17,6 +17,7 @@ from tests.devices import HAS_NVIDIA, NVIDIA_REASON
 pytest.importorskip("triton")
 
 from pagedserve.platforms.cuda.fp8_linear import Fp8LinearMethod, to_e4m3fnuz  # noqa: E402
+from pagedserve.platforms.cuda.kernels import fp8_gemv  # noqa: E402
 from pagedserve.platforms.cuda.kernels.fp8_quant import (  # noqa: E402
     quantize_per_token,
     quantize_static,
@@ -112,10 +113,12 @@ def fp8_layer(n: int, k: int, dtype: torch.dtype, static: float | None, fp8=FN,
 
 def check_linear(layer: nn.Module, weight: Fp8Weight, x: torch.Tensor, fp8=FN) -> None:
     """The method's output against float64: its own quantized activations (checked above
-    against float64) times the dequantized weight, so only accumulation and the output's
-    rounding remain."""
+    against float64; up to ``fp8_gemv.MAX_M`` rows the activations as they are) times the
+    dequantized weight, so only accumulation and the output's rounding remain."""
     out = Fp8LinearMethod(fp8).apply(layer, x)
-    if weight.input_scale is None:
+    if x.shape[0] <= fp8_gemv.MAX_M:
+        xd = x.double()
+    elif weight.input_scale is None:
         q, scales = quantize_per_token(x, fp8)
         xd = q.double() * scales.double()
     else:
@@ -185,15 +188,16 @@ def test_fp8_linear_at_8b_shapes(dtype, static, n, k, tokens):
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("static", [None, 0.02], ids=["dynamic", "static"])
-def test_fp8_linear_replays_in_a_cuda_graph(static):
+@pytest.mark.parametrize("tokens", [1, 32])  # the GEMV and the _scaled_mm path
+def test_fp8_linear_replays_in_a_cuda_graph(static, tokens):
     layer, _ = fp8_layer(512, 4096, torch.bfloat16, static)
     method = Fp8LinearMethod()
-    x = randn(32, 4096, dtype=torch.bfloat16, seed=8)
+    x = randn(tokens, 4096, dtype=torch.bfloat16, seed=8)
     method.apply(layer, x)  # compile the kernel outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = method.apply(layer, x)
-    x.copy_(randn(32, 4096, dtype=torch.bfloat16, seed=9))
+    x.copy_(randn(tokens, 4096, dtype=torch.bfloat16, seed=9))
     graph.replay()
     assert torch.equal(out, method.apply(layer, x))
 

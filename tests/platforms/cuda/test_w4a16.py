@@ -108,6 +108,32 @@ def test_kernel_matches_reference(case, dtype):
     assert_close(run_kernel(x, weight, split_k), reference(x, weight), dtype)
 
 
+# (path, M, group, style): each path forced, with zero points and with GGUF offsets, in 32-
+# and 64-column groups and one that is not a multiple of the tile's K.
+PATH_CASES = [("tiles", 1, 32, "gguf"), ("tiles", 5, 160, "awq"),
+              ("tiles", 2, 32, "awq"), ("tiles", 3, 64, "gguf"),
+              ("dequant", 6, 32, "gguf"), ("dequant", 3, 64, "awq")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", PATH_CASES, ids=lambda c: "{}-m{}g{}-{}".format(*c))
+def test_each_path_matches_reference(case, dtype):
+    path, m, group, style = case
+    weight = random_weight(72, 160, group, seed=m + group, style=style)
+    x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, group, x.device)
+    out = torch.full((m, 72), float("nan"), dtype=dtype, device=DEVICE)
+    w4a16.matmul(x, packed, out=out, path=path)
+    assert not packed.counters.any()
+    assert_close(out, reference(x, weight), dtype)
+
+
+def test_path_choice_by_rows():
+    assert w4a16._choose_path(1) == "tiles"
+    assert w4a16._choose_path(w4a16.DEQUANT_MIN_M - 1) == "tiles"
+    assert w4a16._choose_path(w4a16.DEQUANT_MIN_M) == "dequant"
+
+
 def test_pack_keeps_zero_points_exact_in_float16():
     weight = random_weight(8, 64, 32, seed=1)
     packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 32, torch.device("cpu"))
@@ -262,6 +288,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from pagedserve.platforms.cuda.kernels import w4a16
 
+
+
+def compile_sm90(fn, sig, consts, num_warps, num_stages):
+    src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+
+
 fn = w4a16._w4a16_kernel
 pointers = {"x_ptr": "ACT", "qw_ptr": "i32", "s_ptr": "SCALE", "z_ptr": "SCALE",
             "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
@@ -278,10 +313,12 @@ for act, scale, m, split, one_group in [("bf16", "fp16", 1, True, True),
         kind = pointers.get(name)
         sig[name] = ("constexpr" if name in consts else "i32" if kind is None
                      else "*" + kind.replace("ACT", act).replace("SCALE", scale))
-    src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+    compile_sm90(fn, sig, consts, cfg.num_warps, cfg.num_stages)
+fn = w4a16._dequant_kernel
+consts = dict(BLOCK_KW=8, BLOCK_N=128, ZERO_POINT=True)
+sig = {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": "*bf16", "N": "i32",
+       "K": "i32", "group_size": "i32", **{k: "constexpr" for k in consts}}
+compile_sm90(fn, sig, consts, 4, 1)
 print("compiled")
 """
 

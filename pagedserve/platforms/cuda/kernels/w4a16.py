@@ -11,15 +11,24 @@ Layout the kernel reads (built once at load by ``pack``):
   ``q * d + m``). Float16 where that form is exact in it (checkpoints store float16 scales),
   else float32, so packing never rounds the weight.
 
-One kernel serves every M: a program computes a ``BLOCK_M x BLOCK_N`` tile of ``y`` over one
-of ``SPLIT_K`` slices of K, reading each tile of W once for all its rows. Decode (small M) uses
-one block of rows and splits K so that enough programs stream the weight; prefill (large M)
-uses large tiles and no split. Accumulation is float32. With a split, each slice writes its
-float32 partial sum and the last slice of a tile to finish (an atomic counter per block of N,
-kept with the weight and reset by that slice) adds them in slice order: deterministic, and one
-launch. Configurations are fixed per range of M (no autotuning) and M is not specialized on,
-so a new batch size compiles nothing; nothing in ``matmul`` synchronizes with the host or
-allocates but the output and the partial sums, so CUDA graphs capture it.
+Two paths, chosen by the number of rows M:
+
+- **Tiles** (M below ``DEQUANT_MIN_M``): a ``BLOCK_M x BLOCK_N`` tile of ``y`` per program over
+  one of ``SPLIT_K`` slices of K, reading each tile of W once for all its rows and
+  dequantizing it in registers before ``tl.dot``. Decode (small M) uses one block of rows and
+  splits K so that enough programs stream the weight. With a split, each slice writes its
+  float32 partial sum and the last slice of a tile to finish (an atomic counter per block of N,
+  kept with the weight and reset by that slice) adds them in slice order: deterministic, and
+  one launch.
+- **Dequantize** (M from ``DEQUANT_MIN_M``, prefill and large decode batches): the weight is
+  expanded to a dense ``[K, N]`` copy in the activation dtype and multiplied by ``torch.mm``.
+  There the matmul is compute-bound: our tiles dequantize each weight tile once per block of
+  rows and reach a third to a half of cuBLAS, while the extra pass over the weight costs about
+  what reading it in bfloat16 would (measured on the H200: README).
+
+Configurations are fixed per range of M (no autotuning) and M is not specialized on, so a new
+batch size compiles nothing; nothing in ``matmul`` synchronizes with the host or allocates but
+the output, the partial sums and the dense copy, so CUDA graphs capture it.
 """
 
 from __future__ import annotations
@@ -99,6 +108,42 @@ def _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N,
     return tl.reshape(q, (BLOCK_K, BLOCK_N))
 
 
+@triton.jit
+def _dequant(q, s, z, ZERO_POINT: tl.constexpr):
+    """Float codes to weights: ``(q - z) * s`` with zero points, else ``q * s + z``."""
+    if ZERO_POINT:
+        return (q - z) * s
+    else:
+        return q * s + z
+
+
+@triton.jit
+def _finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n,
+            M, N, stride_om, pid_n, pid_s, num_splits, SPLIT: tl.constexpr):
+    """Store a ``[BLOCK_M, BLOCK_N]`` float32 result, or with split K, this slice's share."""
+    mask_out = mask_m[:, None] & mask_n[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if SPLIT:
+        # Each slice leaves its float32 partial sum; the last slice of a tile to finish
+        # (counted by an atomic, which orders the stores before it) adds them in slice order
+        # and resets the counter for the next call.
+        tile = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(partial_ptr + pid_s.to(tl.int64) * M * N + tile, acc, mask=mask_out)
+        # Every thread's stores before the one thread's atomic (whose release then covers
+        # them); the partial sums are read past L1, which may hold a previous call's.
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == num_splits - 1:
+            total = tl.zeros_like(acc)
+            for i in range(0, num_splits):
+                total += tl.load(partial_ptr + i * M * N + tile, mask=mask_out, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_out)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
@@ -122,8 +167,7 @@ def _w4a16_kernel(
         mask_k = offs_k < k_end
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        q = _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N, BLOCK_K, BLOCK_N)
-        q = q.to(tl.float32)
+        q = _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N, BLOCK_K, BLOCK_N).to(tl.float32)
         if ONE_GROUP_PER_BLOCK:
             g_ptrs = (k0 // group_size) * N + offs_n[None, :]
             s = tl.load(s_ptr + g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
@@ -133,35 +177,38 @@ def _w4a16_kernel(
             mask_g = mask_k[:, None] & mask_n[None, :]
             s = tl.load(s_ptr + g_ptrs, mask=mask_g, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g_ptrs, mask=mask_g, other=0.0).to(tl.float32)
-        if ZERO_POINT:
-            w = ((q - z) * s).to(x.dtype)
-        else:
-            w = (q * s + z).to(x.dtype)
+        w = _dequant(q, s, z, ZERO_POINT).to(x.dtype)
         if x.dtype == tl.float32:
             acc += tl.dot(x, w, input_precision="ieee")
         else:
             acc += tl.dot(x, w)
-    mask_out = mask_m[:, None] & mask_n[None, :]
-    tile = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    if SPLIT:
-        # Each slice leaves its float32 partial sum; the last slice of a tile to finish
-        # (counted by an atomic, which orders the stores before it) adds them in slice order
-        # and resets the counter for the next call.
-        tl.store(partial_ptr + pid_s.to(tl.int64) * M * N + tile, acc, mask=mask_out)
-        # Every thread's stores before the one thread's atomic (whose release then covers
-        # them); the partial sums are read past L1, which may hold a previous call's.
-        tl.debug_barrier()
-        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if done == num_splits - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for i in range(0, num_splits):
-                total += tl.load(partial_ptr + i * M * N + tile, mask=mask_out, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_out)
-            tl.atomic_xchg(counter_ptr + pid_n, 0)
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
+    _finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n,
+            M, N, stride_om, pid_n, pid_s, num_splits, SPLIT)
+
+
+@triton.jit
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
+                    BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr):
+    """The dense ``[K, N]`` weight, ``8 * BLOCK_KW`` rows by ``BLOCK_N`` columns a program."""
+    rows = tl.program_id(0) * BLOCK_KW + tl.arange(0, BLOCK_KW)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
+                    mask=(rows * 8 < K)[:, None] & mask_n[None, :], other=0)
+    for i in tl.static_range(8):
+        k = rows * 8 + i
+        mask = (k < K)[:, None] & mask_n[None, :]
+        g_ptrs = (k // group_size)[:, None] * N + offs_n[None, :]
+        s = tl.load(s_ptr + g_ptrs, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g_ptrs, mask=mask, other=0.0).to(tl.float32)
+        w = _dequant(((words >> (4 * i)) & 0xF).to(tl.float32), s, z, ZERO_POINT)
+        tl.store(out_ptr + k[:, None].to(tl.int64) * N + offs_n[None, :],
+                 w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Rows from which the weight is dequantized for cuBLAS.
+DEQUANT_MIN_M = 128
+PATHS = ("tiles", "dequant")
 
 
 def _config(m: int) -> _Config:
@@ -207,11 +254,15 @@ def _split_k(programs: int, k_blocks: int, device: torch.device) -> int:
     return max(1, min(-(-target // programs), k_blocks // 4))
 
 
+def _choose_path(m: int) -> str:
+    return "tiles" if m < DEQUANT_MIN_M else "dequant"
+
+
 def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
     """``x [M, K]`` (float16, bfloat16 or float32) times the packed weight: ``[M, N]`` in
-    ``x``'s dtype, written into ``out`` (contiguous) if given. ``split_k`` overrides the
-    choice of slices (tests)."""
+    ``x``'s dtype, written into ``out`` (contiguous) if given. ``split_k`` and ``path`` (one
+    of ``PATHS``) override the choices (tests, benchmarks)."""
     m, k = x.shape
     n = w.qweight.shape[1]
     if k != w.in_features:
@@ -222,6 +273,9 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    path = path or _choose_path(m)
+    if path == "dequant":
+        return torch.mm(x, dequantize(w, x.dtype), out=out)
     cfg = _config_for(m, x.dtype, gpu_arch(x.device))
     block_k = cfg.block_k
     if w.group_size < block_k and w.group_size % 16 == 0:
@@ -238,11 +292,20 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
                           device=x.device)
     _w4a16_kernel[(grid_m, grid_n, splits)](
         x, w.qweight, w.scales, w.shifts, out, partial, w.counters,
-        m, n, k, w.group_size, k_per_split, splits,
-        x.stride(0), out.stride(0),
+        m, n, k, w.group_size, k_per_split, splits, x.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         ONE_GROUP_PER_BLOCK=w.group_size % block_k == 0 or w.scales.shape[0] == 1,
         ZERO_POINT=w.zero_point, SPLIT=splits > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+def dequantize(w: PackedW4, dtype: torch.dtype) -> torch.Tensor:
+    """The packed weight as a dense ``[K, N]`` tensor of ``dtype`` (rounded once)."""
+    n, k = w.qweight.shape[1], w.in_features
+    dense = torch.empty((k, n), dtype=dtype, device=w.qweight.device)
+    block_kw, block_n = 8, 128
+    _dequant_kernel[(triton.cdiv(w.qweight.shape[0], block_kw), triton.cdiv(n, block_n))](
+        w.qweight, w.scales, w.shifts, dense, n, k, w.group_size,
+        BLOCK_KW=block_kw, BLOCK_N=block_n, ZERO_POINT=w.zero_point, num_warps=4)
+    return dense
