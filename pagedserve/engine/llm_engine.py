@@ -15,8 +15,11 @@ host's per-step work hides behind the device's. The step after is scheduled befo
 has seen those tokens; a sequence then takes its next input from the previous step's output on
 the device, and a sequence that turns out to have stopped wastes one step, whose token is
 dropped. Requests whose next logits depend on the host's view of earlier tokens (penalties,
-min_tokens, a grammar, beam search, prompt logprobs) switch the engine back to one step at a
-time.
+min_tokens, beam search, prompt logprobs) switch the engine back to one step at a time. A
+grammar's mask needs that view too, but only for sampling: while a constrained row samples, a
+step queues its forward pass, applies the previous step's tokens (advancing the grammars)
+while the device computes, and only then builds the masks and queues the sampler. A forbidden
+token can never be drawn, and a sequence found stopped has its extra token dropped as usual.
 
 Structured output: a constrained request waits outside the scheduler until its grammar is
 compiled (on a worker thread, ``structured/compiler``); the others keep running meanwhile.
@@ -33,8 +36,9 @@ from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.core.sequence import SequenceStatus
 from pagedserve.engine.beam_driver import BeamDriver
 from pagedserve.engine.cache_sizing import size_kv_cache
+from pagedserve.engine.input_batch import InFlightTokens
 from pagedserve.engine.input_processor import InputLimits, InputProcessor
-from pagedserve.engine.model_runner import KVCacheSpec, ModelRunner, StepResult
+from pagedserve.engine.model_runner import Forward, KVCacheSpec, ModelRunner, StepResult
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.request_state import RequestState
 from pagedserve.engine.stats import EngineStats
@@ -191,23 +195,51 @@ class LLMEngine:
             # Nothing runs, but preempted sequences' blocks must still reach the swap pool.
             self.runner.apply_block_ops(out.block_ops)
             return self._process(self._take_in_flight()) if self._in_flight is not None else []
-        result = self._run(out)
         if not run_ahead:
-            return self._process(result)
-        previous, self._in_flight = self._in_flight, result
+            return self._process(self._run(out))
+        previous = self._in_flight
+        if previous is not None and _samples_with_grammar(out):
+            return self._run_masked_ahead(out, previous)
+        self._in_flight = self._run(out)
         return self._process(previous) if previous is not None else []
 
+    def _run_masked_ahead(self, out: SchedulerOutput, previous: StepResult
+                          ) -> list[RequestOutput]:
+        """Run ahead with grammar masks: the previous step's tokens are applied between this
+        step's forward pass and its sampling, so every mask sees every token before it."""
+        forward = self._queue_forward(out)
+        self._in_flight = None
+        outputs = self._process(previous)
+        result = self._queue_sampling(forward)
+        # Tokens of requests finished meanwhile are dropped when this result is processed.
+        self._in_flight = result if self.outputs.requests else None
+        return outputs
+
     def _run(self, out: SchedulerOutput) -> StepResult:
-        """Queue the step's forward pass and mark its tokens computed."""
+        """Queue the step's forward pass and sampling, and mark its tokens computed."""
         self._record_first_scheduled(out)
-        previous = self._in_flight
-        result = self.runner.execute(out, self._sampling_metadata(out),
-                                     previous.in_flight_tokens() if previous else None)
+        result = self.runner.execute(out, self._sampling_metadata(out), self._in_flight_tokens())
+        self._advance(out)
+        return result
+
+    def _queue_forward(self, out: SchedulerOutput) -> Forward:
+        """``_run`` without the sampling (``_queue_sampling``), for masks built meanwhile."""
+        self._record_first_scheduled(out)
+        forward = self.runner.forward(out, self._in_flight_tokens())
+        self._advance(out)
+        return forward
+
+    def _queue_sampling(self, forward: Forward) -> StepResult:
+        return self.runner.sample(forward, self._sampling_metadata(forward.out))
+
+    def _in_flight_tokens(self) -> InFlightTokens | None:
+        return self._in_flight.in_flight_tokens() if self._in_flight is not None else None
+
+    def _advance(self, out: SchedulerOutput) -> None:
         self.scheduler.advance(out)
         self._num_prompt_tokens += sum(
             max(0, min(s.num_new_tokens, s.seq.num_prompt_tokens - s.num_computed_tokens))
             for s in out.scheduled)
-        return result
 
     def _process(self, result: StepResult) -> list[RequestOutput]:
         samples = self.runner.fetch_samples(result) if result.sampler_output is not None \
@@ -231,24 +263,28 @@ class LLMEngine:
                 state.metrics.num_cached_tokens = item.seq.num_cached_tokens
 
     def _sampling_metadata(self, out: SchedulerOutput) -> SamplingMetadata | None:
-        rows = [self.outputs.sequence(s.seq) for s in out.scheduled if s.samples]
-        if not rows:
+        """A row per sampling sequence; one whose request has finished since it was scheduled
+        (its token will be dropped) samples with its parameters and nothing else."""
+        seqs = [s.seq for s in out.scheduled if s.samples]
+        if not seqs:
             return None
+        rows = [self.outputs.find(seq) for seq in seqs]
         meta = SamplingMetadata.build(
-            params=[r.seq.params for r in rows],
-            prompt_token_ids=[r.seq.prompt_token_ids for r in rows],
-            output_token_ids=[r.seq.output_token_ids for r in rows],
-            generators=[r.generator for r in rows],
+            params=[seq.params for seq in seqs],
+            prompt_token_ids=[seq.prompt_token_ids for seq in seqs],
+            output_token_ids=[seq.output_token_ids for seq in seqs],
+            generators=[r.generator if r is not None else None for r in rows],
             eos_token_ids=sorted(self.eos_token_ids),
             vocab_size=self.arch.vocab_size,
             device=self.runner.device,
         )
-        meta.grammar_mask = build_grammar_mask([r.grammar for r in rows],
-                                               self.arch.vocab_size, self.runner.device)
+        meta.grammar_mask = build_grammar_mask(
+            [r.grammar if r is not None and not r.finished else None for r in rows],
+            self.arch.vocab_size, self.runner.device)
         # Beams read their candidates from the top-k logprobs.
         meta.max_num_logprobs = max(meta.max_num_logprobs, max(
-            (r.request.beam.search.num_candidates for r in rows if r.request.beam is not None),
-            default=0))
+            (r.request.beam.search.num_candidates for r in rows
+             if r is not None and r.request.beam is not None), default=0))
         return meta
 
     # ---- introspection ------------------------------------------------------------------
@@ -273,6 +309,11 @@ class LLMEngine:
             blocks_shared=pool.num_shared,
             process_cpu_s=time.process_time(),
         )
+
+
+def _samples_with_grammar(out: SchedulerOutput) -> bool:
+    return any(s.samples and s.seq.params.structured_outputs is not None
+               for s in out.scheduled)
 
 
 def _mark_finished(state: RequestState, status: SequenceStatus) -> None:

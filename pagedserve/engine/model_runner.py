@@ -42,6 +42,14 @@ class PromptLogprobsChunk(NamedTuple):
     result: tuple  # sampler.prompt_logprobs output
 
 
+class Forward(NamedTuple):
+    """A step whose forward pass is queued and whose sampling is not."""
+
+    out: SchedulerOutput
+    hidden: torch.Tensor  # [tokens, hidden] on the device
+    logits_indices: torch.Tensor  # the rows of ``hidden`` that sample
+
+
 class StepResult(NamedTuple):
     sampled: list[Sequence]  # the streams that sampled, in sampler row order
     sampler_output: SamplerOutput | None  # on the device
@@ -121,19 +129,29 @@ class ModelRunner:
             spec.dtype)
         self.kv_caches = list(self.kv_cache.unbind(0))
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None,
                 in_flight: InFlightTokens | None = None) -> StepResult:
         """Queue one step on the device and return without waiting for it: the sampled
         tokens are copied to the host in the background (``fetch_samples`` waits for them).
         ``in_flight``: the previous step's tokens, for chunks whose input is one of them."""
+        return self.sample(self.forward(out, in_flight), sampling)
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput, in_flight: InFlightTokens | None = None) -> Forward:
+        """The first half of ``execute``: queue the block operations and the forward pass.
+        The sampling metadata can then be built while the device computes."""
         self.apply_block_ops(out.block_ops)
         inputs = build_inputs(out, self.block_size, self.device, in_flight)
-        hidden = self._forward(inputs)
+        return Forward(out, self._forward(inputs), inputs.logits_indices)
+
+    @torch.inference_mode()
+    def sample(self, forward: Forward, sampling: SamplingMetadata | None) -> StepResult:
+        """The second half of ``execute``: queue the sampler on the forward pass's logits."""
+        out, hidden = forward.out, forward.hidden
         sampled = [s.seq for s in out.scheduled if s.samples]
         sampler_output = host_output = ready = None
         if sampled:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            logits = self.model.compute_logits(hidden[forward.logits_indices])
             sampler_output = self.sampler(logits.float(), sampling)
             # Where the host runs ahead, the copy lands later: ``ready`` marks when.
             host_output = SamplerOutput(*(

@@ -52,6 +52,10 @@ class OutputProcessor:
     def sequence(self, seq: Sequence) -> SequenceState:
         return self._seqs[seq]
 
+    def find(self, seq: Sequence) -> SequenceState | None:
+        """The sequence's state, or None once its request is finished and forgotten."""
+        return self._seqs.get(seq)
+
     # ---- a computed step ----------------------------------------------------------------
     def process(self, result: StepResult, samples: SamplerOutput | None) -> list[RequestOutput]:
         """Apply a step's prompt logprobs and samples (``samples``: on the host); return the

@@ -81,12 +81,11 @@ class RequestState:
     @property
     def runs_ahead(self) -> bool:
         """Whether the next step may be scheduled before the host has seen the last token:
-        not when the next logits read the outputs so far (penalties, min_tokens, a grammar's
-        mask), when the host picks the tokens (beam search) or when prompt logprobs are read
-        back as they are made."""
+        not when the next logits read the outputs so far (penalties, min_tokens), when the
+        host picks the tokens (beam search) or when prompt logprobs are read back as they are
+        made. (A grammar's mask is built after the last token is seen: see ``llm_engine``.)"""
         p = self.params
         return not (p.use_beam_search or p.min_tokens or p.prompt_logprobs is not None
-                    or p.structured_outputs is not None
                     or p.repetition_penalty != 1.0 or p.presence_penalty
                     or p.frequency_penalty)
 

@@ -1,9 +1,9 @@
 """One sequence's position in its grammar, and the batch's allowed-token bitmask.
 
 Invariant: a sequence's matcher has accepted exactly its output tokens. The output stage
-advances it with each token it appends, and the engine builds a step's mask only from
-sequences whose every sampled token the host has seen (constrained requests run one step at
-a time, never ahead), so a forbidden token is never drawn. Swap and recompute keep the
+advances it with each token it appends, and the engine builds a step's mask only once the host
+has applied every token sampled before it (under async scheduling, between the step's forward
+pass and its sampling), so a forbidden token is never drawn. Swap and recompute keep the
 sequence's output tokens, and with them the matcher, as they are.
 """
 

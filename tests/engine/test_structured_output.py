@@ -96,6 +96,38 @@ def test_preemption_chunking_and_async_scheduling_keep_outputs_valid(default_mod
     assert_pools_full(llm.engine.kv)
 
 
+def test_async_scheduling_runs_ahead_with_the_same_tokens(default_llm, default_model_folder):
+    """Constrained requests do not stop the engine from running ahead: their masks are built
+    between a step's forward pass and its sampling. Greedy outputs, constrained and free,
+    equal those of the engine running one step at a time."""
+    llm = make_llm(default_model_folder, async_scheduling=True,
+                   kv_cache_memory_bytes=64 << 20)
+    engine, ran_ahead = llm.engine, []
+    schedule = engine.scheduler.schedule
+
+    def logged(schedule_pending: bool = False):
+        ran_ahead.append(schedule_pending)
+        return schedule(schedule_pending=schedule_pending)
+
+    engine.scheduler.schedule = logged
+    greedy = [SamplingParams(max_tokens=40, temperature=0, structured_outputs=s)
+              for s in (StructuredOutputsParams(json=PERSON),
+                        StructuredOutputsParams(regex=DATE),
+                        StructuredOutputsParams(choice=COLORS))]
+    free = SamplingParams(max_tokens=24, temperature=0)
+    params = greedy + [free] * 3
+    prompts = PROMPTS[:3] + PROMPTS[1:]
+    ahead = llm.generate(prompts, params, use_tqdm=False)
+    assert all(ran_ahead[1:]) and len(ran_ahead) > 10
+    one_at_a_time = default_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ahead] == \
+        [o.outputs[0].token_ids for o in one_at_a_time]
+    _valid_person(ahead[0].outputs[0].text)
+    _valid_date(ahead[1].outputs[0].text)
+    _valid_choice(ahead[2].outputs[0].text)
+    assert_pools_full(engine.kv)
+
+
 def test_abort_while_the_grammar_compiles(default_llm):
     engine = default_llm.engine
     schema = {"type": "object", "properties": {"abort_me": {"type": "boolean"}}}
