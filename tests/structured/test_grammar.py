@@ -66,6 +66,22 @@ def test_padded_vocabulary_ids_are_never_allowed(tokenizer):
     assert not torch.isinf(logits[0]).any()
 
 
+def test_compiled_grammars_are_shared_and_the_cache_is_bounded(tokenizer, monkeypatch):
+    from pagedserve.structured import compiler
+
+    monkeypatch.setattr(compiler, "MAX_CACHED_GRAMMARS", 2)
+    pool = compiler.GrammarCompilerPool(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    specs = [grammar_spec(StructuredOutputsParams(regex=r)) for r in ("a", "b", "c")]
+    first = pool.get(specs[0])
+    assert pool.get(specs[0]) is first  # one compile for every request of a spec
+    second = pool.get(specs[1])
+    pool.get(specs[0])  # now the most recently asked
+    pool.get(specs[2])  # evicts specs[1]
+    assert pool.get(specs[0]) is first
+    assert pool.get(specs[1]) is not second  # compiled again
+    assert first.result() is not None and second.result() is not None
+
+
 def test_choice_grammar_accepts_exactly_the_choices(tokenizer):
     from pagedserve.structured.compiler import GrammarCompilerPool
 
