@@ -134,6 +134,9 @@ class SamplingParams:
              "beam search does not support stop strings; use stop_token_ids"),
             (not (self.use_beam_search and self.structured_outputs), "structured_outputs",
              "beam search does not support structured outputs"),
+            # The grammar decides where the output may end; min_tokens could forbid that end.
+            (not (self.min_tokens and self.structured_outputs), "min_tokens",
+             "min_tokens cannot be combined with structured outputs"),
             (all(-100.0 <= b <= 100.0 for b in (self.logit_bias or {}).values()), "logit_bias",
              "logit_bias values must be in [-100, 100]"),
         ]

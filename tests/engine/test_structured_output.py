@@ -139,6 +139,26 @@ def test_abort_while_the_grammar_compiles(default_llm):
     assert_pools_full(engine.kv)
 
 
+def test_a_grammar_that_fails_to_compile_fails_its_request_alone(default_llm, monkeypatch):
+    from pagedserve.structured import compiler
+
+    real = compiler.to_grammar
+
+    def to_grammar(spec):
+        if spec.text == "fail(s)?":
+            raise RuntimeError("compiler on fire")
+        return real(spec)
+
+    monkeypatch.setattr(compiler, "to_grammar", to_grammar)
+    bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+        regex="fail(s)?"))
+    good = SamplingParams(max_tokens=8, temperature=0)
+    failed, served = default_llm.generate(PROMPTS[:2], [bad, good], use_tqdm=False)
+    assert failed.outputs[0].finish_reason == "error" and failed.outputs[0].token_ids == []
+    assert len(served.outputs[0].token_ids) == 8
+    assert_pools_full(default_llm.engine.kv)
+
+
 def test_grammar_ends_the_output_without_eos(default_llm):
     """With ignore_eos the grammar still ends the stream once it is complete."""
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,

@@ -122,6 +122,12 @@ def test_beam_search_refuses_structured_outputs():
                        structured_outputs=StructuredOutputsParams(regex="a"))
 
 
+def test_min_tokens_refuses_structured_outputs():
+    with pytest.raises(InvalidSamplingParam) as info:
+        SamplingParams(min_tokens=3, structured_outputs=StructuredOutputsParams(regex="a"))
+    assert info.value.param == "min_tokens"
+
+
 def test_constrained_params_cross_the_process_boundary():
     schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {}}}
     params = SamplingParams(structured_outputs={"json": schema})
