@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedserve.core.scheduler import SchedulerConfig
+from pagedserve.distributed import check_divisible
 from pagedserve.platforms import DEVICE_NAMES
 from pagedserve.quant.formats import QUANTIZATION_CHOICES
 
@@ -29,6 +30,7 @@ DTYPES = ("auto", *_TORCH_DTYPES)
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 LOAD_FORMATS = ("auto", "dummy")
+EXECUTOR_BACKENDS = ("mp", "ray")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -66,7 +68,9 @@ class EngineConfig:
     dtype: str = option(
         "auto", "weights and activations; auto: bfloat16 on GPUs (float16 where bfloat16 is "
                 "unsupported), float32 on the CPU", choices=DTYPES)
-    block_size: int = option(16, "tokens per KV-cache block, a power of two up to 128")
+    block_size: int | None = option(
+        None, "tokens per KV-cache block, a power of two up to 128 (default: the platform's, "
+              "16, or 128 on Gaudi)")
     max_num_seqs: int = option(256, "sequences computed in one step, at most")
     max_num_batched_tokens: int | None = option(
         None, "tokens computed in one step, at most (default: 2048; without chunked prefill "
@@ -98,6 +102,16 @@ class EngineConfig:
     async_scheduling: bool | None = option(
         None, "schedule the next step while the device computes this one "
               "(default: on for GPUs)")
+    shape_bucketing: bool | None = option(
+        None, "pad each step's batch, token count and block table to a few bucketed shapes "
+              "and run each once at start-up (default: on where the device compiles a graph "
+              "per shape: Gaudi)")
+    tensor_parallel_size: int = option(
+        1, "devices that split the model (Megatron-style tensor parallelism), one rank each")
+    distributed_executor_backend: str = option(
+        "mp", "how ranks other than the first run with --tensor-parallel-size > 1: mp, a "
+              "process per device on this host; ray, actors of the Ray cluster (several "
+              "hosts) that RAY_ADDRESS names, else a local one", choices=EXECUTOR_BACKENDS)
     seed: int = option(0, "random seed for sampling and dummy weights")
     served_model_name: str | None = option(
         None, "the model's name in the API (default: the model folder's or file's name)")
@@ -111,7 +125,7 @@ class EngineConfig:
             if allowed is not None and value not in allowed:
                 raise ConfigError(f"{flag_name(f.name)} must be one of "
                                   f"{', '.join(allowed)}, got {value!r}")
-        if self.block_size not in BLOCK_SIZES:
+        if self.block_size is not None and self.block_size not in BLOCK_SIZES:
             raise ConfigError(
                 f"--block-size must be a power of two up to 128, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -126,10 +140,14 @@ class EngineConfig:
             raise ConfigError("--kv-cache-memory-bytes must be positive")
         if self.swap_space < 0:
             raise ConfigError("--swap-space must be non-negative")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("--tensor-parallel-size must be at least 1")
 
     def resolve(self, arch: ModelArchConfig, platform: type[Platform]) -> ResolvedConfig:
         """The values that depend on the model and the platform, computed once."""
         max_model_len = self._max_model_len(arch)
+        if self.tensor_parallel_size > 1:
+            self._check_splits(arch)
         return ResolvedConfig(
             dtype=(platform.default_dtype() if self.dtype == "auto"
                    else _TORCH_DTYPES[self.dtype]),
@@ -137,6 +155,9 @@ class EngineConfig:
             max_num_batched_tokens=self._max_num_batched_tokens(max_model_len),
             async_scheduling=(platform.runs_ahead if self.async_scheduling is None
                               else self.async_scheduling),
+            block_size=self.block_size or platform.default_block_size,
+            shape_bucketing=(platform.buckets_shapes if self.shape_bucketing is None
+                             else self.shape_bucketing),
         )
 
     def scheduler_config(self, resolved: ResolvedConfig) -> SchedulerConfig:
@@ -147,6 +168,12 @@ class EngineConfig:
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
         )
+
+    def _check_splits(self, arch: ModelArchConfig) -> None:
+        why = check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size,
+                              self.tensor_parallel_size)
+        if why:
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: {why}")
 
     def _max_model_len(self, arch: ModelArchConfig) -> int:
         limit = arch.max_position_embeddings
@@ -180,3 +207,5 @@ class ResolvedConfig:
     max_model_len: int
     max_num_batched_tokens: int
     async_scheduling: bool
+    block_size: int
+    shape_bucketing: bool

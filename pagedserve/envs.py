@@ -29,3 +29,9 @@ def api_key() -> str | None:
     """PAGEDSERVE_API_KEY: the key ``pagedserve serve`` requires when --api-key is not given
     (an environment variable does not show in the process list)."""
     return os.environ.get("PAGEDSERVE_API_KEY") or None
+
+
+def dist_timeout_s() -> float:
+    """PAGEDSERVE_DIST_TIMEOUT_S: how long a tensor-parallel rank waits in a collective (or
+    for its peers to start) before it gives up (300)."""
+    return float(os.environ.get("PAGEDSERVE_DIST_TIMEOUT_S", "300"))

@@ -169,11 +169,21 @@ def _fp8_gemv(dtype: str, arch: str) -> Spec:
     from pagedserve.platforms.cuda.kernels import fp8_gemv
 
     cfg = fp8_gemv._config(1)
-    fp8 = "fp8e4b8" if arch.startswith("gfx94") else "fp8e4nv"
+    # W8A8's GEMV reads FP8 on gfx94x/gfx95x; elsewhere the weight-only path reads the bits.
+    fp8 = ("fp8e4b8" if arch.startswith("gfx94") else "fp8e4nv"
+           if arch.startswith("gfx95") else "u8")
     ptrs = {"x_ptr": "ACT", "w_ptr": fp8, "scale_ptr": "fp32", "out_ptr": "ACT"}
     return Spec(fp8_gemv._fp8_gemv_kernel, ptrs,
                 dict(PER_TENSOR=False, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
                 cfg.num_warps, cfg.num_stages)
+
+
+def _fp8_dequant(dtype: str, arch: str) -> Spec:
+    from pagedserve.platforms.cuda.kernels import fp8_gemv
+
+    ptrs = {"w_ptr": "u8", "scale_ptr": "fp32", "out_ptr": "ACT"}
+    return Spec(fp8_gemv._fp8_dequant_kernel, ptrs,
+                dict(PER_TENSOR=False, BLOCK_N=16, BLOCK_K=256), 4)
 
 
 def _fp8_quant(dtype: str, arch: str) -> Spec:
@@ -192,12 +202,13 @@ KERNELS = {
     "rms_norm": _rms_norm, "rotary": _rotary, "silu_and_mul": _activation,
     "w4a16_m16": _w4a16(16), "w4a16_m64": _w4a16(64),
     "w4a16_m256": _w4a16(256), "w4a16_m1024": _w4a16(1024), "w4a16_dequant": _w4a16_dequant,
-    "fp8_quant": _fp8_quant, "fp8_gemv": _fp8_gemv,
+    "fp8_quant": _fp8_quant, "fp8_gemv": _fp8_gemv, "fp8_dequant": _fp8_dequant,
 }
 # The CI subset leaves out the middle W4A16 configurations (m16 and m1024 bracket them).
 NOT_IN_SUBSET = ("w4a16_m64", "w4a16_m256")
-# RocmPlatform runs FP8 matmuls (and so quantizes activations to FP8) only on gfx94x/gfx95x.
-ONLY_ON = {"fp8_quant": ("gfx94", "gfx95"), "fp8_gemv": ("gfx94", "gfx95")}
+# RocmPlatform runs W8A8 FP8 matmuls (and so quantizes activations to FP8) only on
+# gfx94x/gfx95x; FP8 weights run weight-only (the fp8_gemv and fp8_dequant kernels) elsewhere.
+ONLY_ON = {"fp8_quant": ("gfx94", "gfx95")}
 
 
 def applies(case: Case) -> bool:

@@ -5,12 +5,14 @@
 #                                        layer-tests llama llama-breakdown decode
 #                                        step-overhead mixed smollm2 fp8 serve
 #                                        w4a16 decode-awq awq fp8-tests fp8-w8a8
-#                                        decode-fp8 fp8-linear serve-make
-#                                        structured
+#                                        decode-fp8 fp8-linear serve-make tp1-vs-base tp2
+#                                        tp2-70b allreduce tp2-tests structured
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+# NVLink multicast stays off on shared multi-GPU hosts (the device notes say why).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then  # packages the machine lacks (gguf)
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
     .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -129,6 +131,36 @@ PY
   kill -TERM -- -$server; wait $server
 }
 
+# The engine with its executor at one rank against the engine before tensor parallelism
+# (commit TP_BASE, default 919456f, the main branch the tp branch started from), 8B shape,
+# 1,000 x 128/128, in one call: base, this tree, base again, this tree again (alternating, so
+# a drift of the machine shows; TP_ROUNDS=1 for one of each).
+tp1_vs_base() {
+  local base=/tmp/tp-base rev=${TP_BASE:-919456f}
+  rm -rf $base && mkdir -p $base
+  # The device gets the working tree without .git: carry the base as .tp-base, made here by
+  # `mkdir -p .tp-base && git archive 919456f pagedserve | tar -x -C .tp-base`.
+  if [ -d .tp-base/pagedserve ]; then
+    cp -r .tp-base/pagedserve $base/
+  elif ! git archive "$rev" pagedserve | tar -x -C $base; then
+    echo "tp1-vs-base: cannot read commit $rev (no git history here?)"; return
+  fi
+  local args=(throughput "${common[@]}" --shape llama3-8b --input-len 128 128
+              --output-len 128 128 --skip-hf)
+  for round in $(seq "${TP_ROUNDS:-2}"); do
+    PYTHONPATH=$base${PYTHONPATH:+:$PYTHONPATH} bench "${args[@]}" \
+      --out "$OUT/throughput_h200_llama3-8b_128_base_$round.json"
+    bench "${args[@]}" --out "$OUT/throughput_h200_llama3-8b_128_tp1_$round.json"
+  done
+  python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+for path in sorted(Path(sys.argv[1]).glob("throughput_h200_llama3-8b_128_*_[0-9].json")):
+    name, r = path.stem.removeprefix("throughput_h200_llama3-8b_128_"), json.loads(path.read_text())
+    print(f"{name:7s} {r['pagedserve']['output_tok_s']:10.1f} output tok/s")
+PY
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 for part in $parts; do
@@ -188,6 +220,27 @@ for part in $parts; do
         --out "$OUT/throughput_h200_llama3-8b_awq_128.json" ;;
     fp8-linear) python3 scripts/bench_fp8.py --sweep-gemv --out "$OUT/fp8_linear_h200.json" \
         2>&1 | tee "$OUT/fp8_linear_h200.log" ;;
+    tp1-vs-base) tp1_vs_base ;;
+    # Two GPUs (the nvidia-h200-x2 kind): 8B at 128/128 split over two ranks, and on one rank
+    # in the same run (the benchmark runs both).
+    tp2) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
+        --output-len 128 128 --tensor-parallel-size 2 --skip-hf --breakdown \
+        --out "$OUT/throughput_h200x2_llama3-8b_128_tp2.json"
+      bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
+        --output-len 128 128 --tensor-parallel-size 2 --kv-cache-dtype fp8 --skip-hf \
+        --skip-tp1 --out "$OUT/throughput_h200x2_llama3-8b_128_tp2_fp8kv.json" ;;
+    # Llama-3-70B's shape (141 GB of bf16 weights: more than one H200) on two ranks: the
+    # batch-1 decode step against its roofline (rank 0's weight bytes over the copy rate), and
+    # 1,000 x 128/128.
+    tp2-70b) bench decode --device cuda --shape llama3-70b --load-format dummy \
+        --tensor-parallel-size 2 --batch-sizes 1 32 --context-len 512 \
+        --out "$OUT/decode_h200x2_llama3-70b_tp2.json"
+      bench throughput "${common[@]}" --shape llama3-70b --input-len 128 128 \
+        --output-len 128 128 --tensor-parallel-size 2 --skip-hf --skip-tp1 \
+        --out "$OUT/throughput_h200x2_llama3-70b_128_tp2.json" ;;
+    allreduce) python3 scripts/bench_allreduce.py --out "$OUT/allreduce_h200x2.json" ;;
+    tp2-tests) python3 -m pytest -q -m cuda -p no:cacheprovider tests/executor 2>&1 \
+        | tee "$OUT/gpu_tp2_tests.log" ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -17,16 +17,16 @@ NON_DEFAULT = EngineConfig(
     max_num_batched_tokens=4096, max_model_len=1024, kv_cache_memory_bytes=1 << 20,
     gpu_memory_utilization=0.9, swap_space=0.5, kv_cache_dtype="fp8",
     enable_prefix_caching=False, enable_chunked_prefill=False, preemption_mode="swap",
-    enforce_eager=True, async_scheduling=False, seed=7, served_model_name="x",
-    load_format="dummy")
+    enforce_eager=True, async_scheduling=False, shape_bucketing=True, seed=7,
+    served_model_name="x", load_format="dummy")
 NON_DEFAULT_ARGV = [
     "--model", "/models/x", "--revision", "v2", "--gguf-file", "m.gguf", "--device", "cpu",
     "--dtype", "bfloat16", "--block-size", "8",
     "--max-num-seqs", "3", "--max-num-batched-tokens", "4096", "--max-model-len", "1024",
     "--kv-cache-memory-bytes", str(1 << 20), "--swap-space", "0.5", "--kv-cache-dtype", "fp8",
     "--no-enable-prefix-caching", "--no-enable-chunked-prefill", "--preemption-mode", "swap",
-    "--enforce-eager", "--no-async-scheduling", "--seed", "7", "--served-model-name", "x",
-    "--load-format", "dummy"]
+    "--enforce-eager", "--no-async-scheduling", "--shape-bucketing", "--seed", "7",
+    "--served-model-name", "x", "--load-format", "dummy"]
 
 
 def _parser() -> argparse.ArgumentParser:

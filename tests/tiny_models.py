@@ -62,8 +62,8 @@ def write_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Pat
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
-    cfg_dict = dict(ARCH_CONFIGS[arch], vocab_size=VOCAB, bos_token_id=0, eos_token_id=1,
-                    **overrides)
+    cfg_dict = {**ARCH_CONFIGS[arch], "vocab_size": VOCAB, "bos_token_id": 0,
+                "eos_token_id": 1, **overrides}
     model_type = cfg_dict.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg_dict)
     torch.manual_seed(seed)

@@ -6,6 +6,10 @@ in the paged cache followed by the new rows, ``seq_lens[i]`` in all. Token ``j``
 lives in cache slot ``block_tables[i, j // block_size] * block_size + j % block_size``;
 ``slot_mapping`` gives that slot for each new row, so backends write keys and values first and
 then attend over the cache alone.
+
+Where the platform buckets shapes, padded sequences follow the real ones (with padded tokens
+after the real tokens) and write only a reserved pad block; ``max_seq_len`` is then the block
+table's capacity rather than the longest sequence (engine/shape_buckets.py).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ class AttentionMetadata:
     num_seqs: int
     num_tokens: int
     max_query_len: int
-    max_seq_len: int
+    max_seq_len: int  # at least every real sequence's length
     block_size: int
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     seq_lens: torch.Tensor  # int32 [num_seqs]

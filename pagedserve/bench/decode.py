@@ -91,13 +91,18 @@ def main(args: argparse.Namespace) -> None:
         # Every batch's prompts prefill in one step, so all its sequences then decode together.
         args.max_num_batched_tokens = max(args.batch_sizes) * args.context_len
     args.max_num_seqs = max(args.max_num_seqs, max(args.batch_sizes))
+    if args.requantize and args.tensor_parallel_size > 1:
+        from pagedserve.config import ConfigError
+
+        # Requantizing reaches rank 0's layers only.
+        raise ConfigError("--requantize needs --tensor-parallel-size 1")
     llm = engine_from_args(args)
     engine = llm.engine
     if args.requantize:
         requantize(engine.runner.model, args.requantize)
     bandwidth = copy_bandwidth(engine.platform)
     weights = engine.runner.weight_bytes_read_per_token_step()
-    kv_per_token = engine.kv_bytes_per_block // engine.config.block_size
+    kv_per_token = engine.kv_bytes_per_block // engine.resolved.block_size
     rows = []
     for batch in args.batch_sizes:
         step = time_decode(engine, batch, args.context_len, args.steps)

@@ -17,6 +17,14 @@ SHAPES: dict[str, dict] = {
         rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
         bos_token_id=128000, eos_token_id=128001,
     ),
+    # Larger than one H200 in bf16 (141 GB of weights): tensor parallelism's shape.
+    "llama3-70b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
+        bos_token_id=128000, eos_token_id=128001,
+    ),
     "smollm2-135m": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152,
         hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -31,6 +39,14 @@ SHAPES: dict[str, dict] = {
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
         rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2,
+    ),
+    # Small enough for a CPU run, with two KV heads (tensor parallelism up to 2 ranks).
+    "qwen2-0.5b": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=151936,
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
+        bos_token_id=151643, eos_token_id=151643,
     ),
     "qwen2-7b": dict(
         architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064,

@@ -3,6 +3,8 @@
 The same prompts (varied input and output lengths, ignore_eos) run through both in one
 process. HF gets each batch padded to its longest prompt and generates until the batch's
 longest output, which is what static batching costs; only requested tokens are counted.
+With ``--tensor-parallel-size N`` above 1 the engine also runs the same prompts on one rank,
+so the run reports what splitting the model costs or gains.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-max-prompts", type=int, default=None,
                         help="time HF on the first N prompts only (its rate is what counts)")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-tp1", action="store_true",
+                        help="with --tensor-parallel-size above 1, leave out the same prompts "
+                             "on one rank (for a model that does not fit one device)")
     parser.add_argument("--shape", default=None,
                         help="benchmark a real model shape with random weights "
                              "(dummy load format), e.g. llama3-8b, smollm2-135m")
@@ -43,7 +48,7 @@ class PhaseTimes:
     def __init__(self, engine) -> None:
         self.totals = {"schedule_s": 0.0, "queue_forward_s": 0.0, "wait_device_s": 0.0}
         for owner, name, key in ((engine.scheduler, "schedule", "schedule_s"),
-                                 (engine.runner, "execute", "queue_forward_s"),
+                                 (engine.executor, "execute", "queue_forward_s"),
                                  (engine.runner, "fetch_samples", "wait_device_s")):
             setattr(owner, name, self._timed(getattr(owner, name), key))
 
@@ -123,8 +128,9 @@ def run_hf_batches(args: argparse.Namespace, model_path, dtype, device, work) ->
             for bs in args.hf_batch_sizes]
 
 
-def engine_from_args(args: argparse.Namespace):
-    """The LLM the flags describe; ``--shape`` swaps in random weights of a real shape."""
+def engine_from_args(args: argparse.Namespace, **changes):
+    """The LLM the flags describe, with ``changes`` to its config; ``--shape`` swaps in random
+    weights of a real shape."""
     import dataclasses
     import tempfile
     from pathlib import Path
@@ -132,7 +138,7 @@ def engine_from_args(args: argparse.Namespace):
     from pagedserve.engine_args import config_from_args
     from pagedserve.entrypoints.llm import LLM
 
-    config = config_from_args(args)
+    config = dataclasses.replace(config_from_args(args), **changes)
     if args.shape:
         from pagedserve.bench.dummy_model import write_dummy_folder
 
@@ -165,7 +171,17 @@ def main(args: argparse.Namespace) -> None:
         "input_len": list(args.input_len), "output_len": list(args.output_len),
         "kv_cache_dtype": engine.config.kv_cache_dtype, "kv_blocks": engine.kv.num_blocks,
         "max_concurrent_tokens": engine.kv.num_blocks * engine.kv.block_size,
+        "tensor_parallel_size": engine.config.tensor_parallel_size,
     }
+    tp = setup["tensor_parallel_size"]
+    one_rank = []
+    if tp > 1 and not args.skip_tp1:
+        engine.shutdown()
+        del llm, engine
+        gc.collect()
+        llm = engine_from_args(args, tensor_parallel_size=1)
+        engine = llm.engine
+        one_rank = [{"system": "pagedserve-tp1", **run_engine(llm, work, args.breakdown)}]
     model_path, dtype, device = engine.config.model, engine.dtype, engine.runner.device
     platform = engine.platform
     # The engine's KV pool fills the card: release it before HF loads its own copy.
@@ -173,18 +189,20 @@ def main(args: argparse.Namespace) -> None:
     gc.collect()
     platform.release_cached_memory()
     hf_rows = [] if args.skip_hf else run_hf_batches(args, model_path, dtype, device, work)
-    rows = [{"system": "pagedserve", **ours}, *hf_rows]
+    rows = [{"system": "pagedserve" if tp == 1 else f"pagedserve-tp{tp}", **ours}, *one_rank,
+            *hf_rows]
     best = max((r["output_tok_s"] for r in hf_rows), default=None)
     ratio = ours["output_tok_s"] / best if best else None
     print_table(f"throughput: {len(work)} prompts, inputs {args.input_len}, outputs "
                 f"{args.output_len}, device {setup['device']}, dtype {dtype}",
                 rows, ["system", "seconds", "output_tokens", "output_tok_s", "kv_waste"])
     if args.breakdown:
-        print_table("where the engine's time went (seconds)", [ours],
+        print_table("where the engine's time went (seconds)", [ours, *one_rank],
                     ["seconds", "schedule_s", "queue_forward_s", "wait_device_s",
                      "other_host_s", "steps"])
     if ratio is not None:
         print(f"\nratio pagedserve / best HF static batch = {ratio:.2f}x")
     write_result(f"throughput_{setup['device']}_{setup['model']}", {
-        **setup, "pagedserve": ours, "hf": rows[1:], "ratio_vs_best_hf": ratio,
+        **setup, "pagedserve": ours, "hf": hf_rows, "ratio_vs_best_hf": ratio,
+        **({"pagedserve_tp1": one_rank[0]} if one_rank else {}),
     }, args.out)

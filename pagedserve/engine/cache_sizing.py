@@ -21,15 +21,17 @@ class CacheSizes(NamedTuple):
 
 def size_kv_cache(config: EngineConfig, resolved: ResolvedConfig, platform: type[Platform],
                   runner: ModelRunner) -> CacheSizes:
-    per_block = KVCacheSpec(1, config.block_size, runner.kv_dtype).bytes_per_block(runner.arch)
+    per_block = KVCacheSpec(1, resolved.block_size, runner.kv_dtype).bytes_per_block(
+        runner.arch, runner.num_kv_heads)
     # Never reserve more than every sequence at full length could use.
-    useful_blocks = config.max_num_seqs * (resolved.max_model_len // config.block_size + 1)
+    useful_blocks = config.max_num_seqs * (resolved.max_model_len // resolved.block_size + 1)
     budget = config.kv_cache_memory_bytes
     if budget is None:
-        peak = _peak_memory_bytes(config, platform, runner, resolved.max_num_batched_tokens)
+        peak = _peak_memory_bytes(config, resolved, platform, runner)
         budget = platform.kv_cache_budget_bytes(config.gpu_memory_utilization, peak)
         budget = min(budget, useful_blocks * per_block)
-    num_blocks = budget // per_block
+    # Bucketed shapes take one block more, for padded rows (ModelRunner.allocate_kv_cache).
+    num_blocks = budget // per_block - resolved.shape_bucketing
     if num_blocks < 1:
         raise ConfigError(
             f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
@@ -38,13 +40,13 @@ def size_kv_cache(config: EngineConfig, resolved: ResolvedConfig, platform: type
     return CacheSizes(int(num_blocks), num_host_blocks, per_block)
 
 
-def _peak_memory_bytes(config: EngineConfig, platform: type[Platform], runner: ModelRunner,
-                       max_num_batched_tokens: int) -> int:
+def _peak_memory_bytes(config: EngineConfig, resolved: ResolvedConfig,
+                       platform: type[Platform], runner: ModelRunner) -> int:
     """Weights plus the activations of the largest step, measured where the platform can."""
     if not platform.profiles_memory:
         return runner.weight_bytes()
-    peak = runner.profile_peak_memory(max_num_batched_tokens, config.max_num_seqs,
-                                      config.block_size)
+    peak = runner.profile_peak_memory(resolved.max_num_batched_tokens, config.max_num_seqs,
+                                      resolved.block_size)
     logger.info("memory profile: weights %.2f GiB, peak with activations %.2f GiB",
                 runner.weight_bytes() / 2**30, peak / 2**30)
     return peak

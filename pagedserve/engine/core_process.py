@@ -13,7 +13,10 @@ Loop rules, as the in-process engine thread had them:
   * an exception inside ``step`` aborts every request in flight, each gets a failure, and the
     loop goes on serving new ones;
   * the process exits on ``Shutdown``, or when its parent is gone (checked while idle), so a
-    killed server never leaves a process holding the device.
+    killed server never leaves a process holding the device;
+  * when a tensor-parallel rank dies, the step in flight fails (its requests get failures)
+    and the process exits with code 1 (checked after every step and while idle), so the
+    server turns unhealthy instead of queueing requests no step will run.
 """
 
 from __future__ import annotations
@@ -67,6 +70,10 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, ready: Conne
         EngineCore(engine, commands, outputs).run()
     finally:
         context.destroy(linger=0)
+        engine.shutdown()
+    if engine.dead_reason() is not None:
+        logger.error("the engine core stops: %s", engine.dead_reason())
+        raise SystemExit(1)
 
 
 class EngineCore:
@@ -92,15 +99,20 @@ class EngineCore:
             outputs = self._step() if self.engine.has_unfinished_requests() else []
             if outputs or self._failures or commands:
                 self._send(outputs)
+            if self.engine.dead_reason() is not None:
+                return
 
     def _receive(self, block: bool) -> list[msg.Command] | None:
-        """Every queued command; while idle, waits for the first. None: the parent died."""
+        """Every queued command; while idle, waits for the first. None: the parent died, or
+        a tensor-parallel rank did."""
         import zmq
 
         commands = []
         while block and not self._commands.poll(_IDLE_POLL_MS):
             if os.getppid() != self._parent:
                 logger.warning("the API server process is gone; the engine core stops")
+                return None
+            if self.engine.dead_reason() is not None:
                 return None
         while True:
             try:

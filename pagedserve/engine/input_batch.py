@@ -10,6 +10,7 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.core.sequence import Sequence
+from pagedserve.engine.shape_buckets import ShapeBuckets
 
 
 @dataclass
@@ -30,11 +31,70 @@ class ModelInputs:
     logits_indices: torch.Tensor  # int64 [num_sampling]
 
 
+@dataclass
+class HostInputs:
+    """One step's packed inputs as host arrays: plain data, so a driver builds them once and
+    sends them to every tensor-parallel rank, which only moves them to its device."""
+
+    input_ids: np.ndarray  # int64 [num_tokens]; 0 where a token is still in flight
+    positions: np.ndarray  # int64 [num_tokens]
+    query_start_loc: np.ndarray  # [num_seqs + 1]
+    seq_lens: np.ndarray  # [num_seqs]
+    context_lens: np.ndarray  # [num_seqs]
+    block_tables: np.ndarray  # [num_seqs, max_blocks]
+    slot_mapping: np.ndarray  # [num_tokens]
+    query_lens: list[int]
+    # The longest sequence; with bucketed shapes the table's capacity, so the shapes a
+    # backend derives from it are bucketed too.
+    max_seq_len: int
+    block_size: int
+    sample_rows: np.ndarray  # int64 [num_sampling]
+    # Rows whose token is row ``fill_sources[i]`` of the previous step's sampled tokens.
+    fill_rows: np.ndarray
+    fill_sources: np.ndarray
+
+    def to_device(self, device: torch.device,
+                  in_flight_tokens: torch.Tensor | None = None) -> ModelInputs:
+        def to_dev(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(array).to(device=device, dtype=dtype, non_blocking=True)
+
+        meta = AttentionMetadata(
+            num_seqs=len(self.query_lens),
+            num_tokens=int(self.query_start_loc[-1]),
+            max_query_len=max(self.query_lens),
+            max_seq_len=self.max_seq_len,
+            block_size=self.block_size,
+            query_start_loc=to_dev(self.query_start_loc, torch.int32),
+            seq_lens=to_dev(self.seq_lens, torch.int32),
+            context_lens=to_dev(self.context_lens, torch.int32),
+            block_tables=to_dev(self.block_tables, torch.int32),
+            slot_mapping=to_dev(self.slot_mapping, torch.int64),
+            query_lens_cpu=self.query_lens,
+            seq_lens_cpu=self.seq_lens.tolist(),
+        )
+        input_ids = to_dev(self.input_ids, torch.int64)
+        if len(self.fill_rows):
+            input_ids[to_dev(self.fill_rows, torch.int64)] = in_flight_tokens[
+                to_dev(self.fill_sources, torch.int64)]
+        return ModelInputs(input_ids=input_ids, positions=to_dev(self.positions, torch.int64),
+                           meta=meta, logits_indices=to_dev(self.sample_rows, torch.int64))
+
+
 def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
-                 in_flight: InFlightTokens | None = None) -> ModelInputs:
+                 in_flight: InFlightTokens | None = None, buckets: ShapeBuckets | None = None,
+                 pad_block: int = 0) -> ModelInputs:
+    return pack_inputs(out, block_size, in_flight and in_flight.rows, buckets,
+                       pad_block).to_device(device, in_flight and in_flight.token_ids)
+
+
+def pack_inputs(out: SchedulerOutput, block_size: int,
+                in_flight_rows: dict[Sequence, int] | None = None,
+                buckets: ShapeBuckets | None = None, pad_block: int = 0) -> HostInputs:
     """Pack every scheduled chunk back to back. The loop is per sequence; everything per token
-    is a numpy array op. A chunk ending in a token still in flight (``in_flight``) gets it
-    copied from the previous step's output on the device."""
+    is a numpy array op. A chunk ending in a token still in flight gets it from row
+    ``in_flight_rows[seq]`` of the previous step's output, on the device. With ``buckets``
+    the batch is padded to a bucketed shape with sequences whose keys and values go to block
+    ``pad_block`` (shape_buckets.py states the invariants)."""
     ids, query_lens, context_lens, tables, sample_rows = [], [], [], [], []
     fill_rows, fill_sources = [], []
     row = 0
@@ -43,7 +103,7 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
         tokens = item.seq.all_token_ids[start:start + n]
         if len(tokens) < n:  # only the last token can be in flight
             fill_rows.append(row + n - 1)
-            fill_sources.append(in_flight.rows[item.seq])
+            fill_sources.append(in_flight_rows[item.seq])
             tokens = [*tokens, 0]
         ids.append(tokens)
         query_lens.append(n)
@@ -52,6 +112,15 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
         row += n
         if item.samples:
             sample_rows.append(row - 1)
+    max_blocks = max(len(t) for t in tables)
+    if buckets is not None:
+        shape = buckets.pad(len(query_lens), row, max_blocks)
+        max_blocks = shape.width
+        for n in _pad_query_lens(shape.num_seqs - len(query_lens), shape.num_tokens - row):
+            ids.append([0] * n)
+            query_lens.append(n)
+            context_lens.append(0)
+            tables.append([pad_block] * max_blocks)
     query_lens_np = np.asarray(query_lens, dtype=np.int64)
     context_np = np.asarray(context_lens, dtype=np.int64)
     seq_lens_np = context_np + query_lens_np
@@ -59,38 +128,27 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
     # position of each row = its sequence's context length + its offset inside the chunk
     seq_of_row = np.repeat(np.arange(len(query_lens)), query_lens_np)
     positions = np.arange(starts[-1]) - starts[seq_of_row] + context_np[seq_of_row]
+    # Padded rows sit at position 0, so they all write the pad block's first slot.
+    positions[row:] = 0
 
-    max_blocks = max(len(t) for t in tables)
     table_np = np.zeros((len(tables), max_blocks), dtype=np.int64)
     for i, t in enumerate(tables):
         table_np[i, :len(t)] = t
     slots = table_np[seq_of_row, positions // block_size] * block_size + positions % block_size
-
-    def to_dev(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(array).to(device=device, dtype=dtype, non_blocking=True)
-
-    meta = AttentionMetadata(
-        num_seqs=len(query_lens),
-        num_tokens=int(starts[-1]),
-        max_query_len=int(query_lens_np.max()),
-        max_seq_len=int(seq_lens_np.max()),
+    return HostInputs(
+        input_ids=np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
+        positions=positions, query_start_loc=starts, seq_lens=seq_lens_np,
+        context_lens=context_np, block_tables=table_np, slot_mapping=slots,
+        query_lens=query_lens,
+        max_seq_len=(int(seq_lens_np.max()) if buckets is None else max_blocks * block_size),
         block_size=block_size,
-        query_start_loc=to_dev(starts, torch.int32),
-        seq_lens=to_dev(seq_lens_np, torch.int32),
-        context_lens=to_dev(context_np, torch.int32),
-        block_tables=to_dev(table_np, torch.int32),
-        slot_mapping=to_dev(slots, torch.int64),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens_np.tolist(),
-    )
-    input_ids = to_dev(np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
-                       torch.int64)
-    if fill_rows:
-        input_ids[to_dev(np.asarray(fill_rows), torch.int64)] = in_flight.token_ids[
-            to_dev(np.asarray(fill_sources), torch.int64)]
-    return ModelInputs(
-        input_ids=input_ids,
-        positions=to_dev(positions, torch.int64),
-        meta=meta,
-        logits_indices=to_dev(np.asarray(sample_rows, dtype=np.int64), torch.int64),
-    )
+        sample_rows=np.asarray(sample_rows, dtype=np.int64),
+        fill_rows=np.asarray(fill_rows, dtype=np.int64),
+        fill_sources=np.asarray(fill_sources, dtype=np.int64))
+
+
+def _pad_query_lens(num_seqs: int, num_tokens: int) -> list[int]:
+    """Query lengths of the padded sequences: one token each, the last one the rest."""
+    if num_seqs == 0:
+        return []
+    return [1] * (num_seqs - 1) + [num_tokens - num_seqs + 1]

@@ -35,18 +35,17 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.core.sequence import SequenceStatus
 from pagedserve.engine.beam_driver import BeamDriver
-from pagedserve.engine.cache_sizing import size_kv_cache
 from pagedserve.engine.input_batch import InFlightTokens
 from pagedserve.engine.input_processor import InputLimits, InputProcessor
-from pagedserve.engine.model_runner import Forward, KVCacheSpec, ModelRunner, StepResult
+from pagedserve.engine.model_runner import Forward, StepResult
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.request_state import RequestState
 from pagedserve.engine.stats import EngineStats
+from pagedserve.executor.executor import Executor
 from pagedserve.logger import get_logger
 from pagedserve.models import loader
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import resolve_platform
-from pagedserve.quant.formats import checkpoint_format, load_quantizer
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.grammar_state import GrammarState, build_grammar_mask
@@ -62,7 +61,6 @@ class LLMEngine:
         self.config = config
         start = time.perf_counter()
         self.platform = resolve_platform(config.device)
-        self.platform.seed_everything(config.seed)
         source = loader.resolve_model(config.model, config.load_format != "dummy",
                                       revision=config.revision, gguf_file=config.gguf_file)
         self.model_name = config.served_model_name or source.name
@@ -71,29 +69,16 @@ class LLMEngine:
         self.resolved = config.resolve(self.arch, self.platform)
         self.dtype = self.resolved.dtype
         self.max_model_len = self.resolved.max_model_len
-        dummy = config.load_format == "dummy"
-        # Checked before any weight is read, so a bad quantization_config fails at once.
-        fmt = None if dummy else checkpoint_format(self.arch.raw, config.quantization,
-                                                   source.gguf)
-        self.runner = ModelRunner(self.platform, self.arch, self.dtype, self.max_model_len,
-                                  config.kv_cache_dtype,
-                                  load_quantizer(self.arch.raw, config.quantization, dummy))
-        if dummy:
-            self.runner.init_dummy_weights(config.seed)
-        else:
-            self.runner.load_weights(fmt.read(loader.iter_weights(source)))
-        sizes = size_kv_cache(config, self.resolved, self.platform, self.runner)
+        self.executor = Executor(config)
+        self.runner = self.executor.runner  # rank 0's
+        sizes = self.executor.driver.sizes
         self.kv_bytes_per_block = sizes.bytes_per_block
-        self.runner.allocate_kv_cache(
-            KVCacheSpec(sizes.num_blocks, config.block_size, self.runner.kv_dtype))
-        if not config.enforce_eager:
-            self.runner.capture_graphs(config.max_num_seqs)
-        self.kv = KVCacheManager(sizes.num_blocks, config.block_size,
+        self.kv = KVCacheManager(sizes.num_blocks, self.resolved.block_size,
                                  config.enable_prefix_caching, sizes.num_host_blocks)
         self.scheduler = Scheduler(config.scheduler_config(self.resolved), self.kv)
         self.eos_token_ids = loader.eos_token_ids(source, self.arch, self.tokenizer)
         self.limits = InputLimits(self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
-                                  self.eos_token_ids, sizes.num_blocks, config.block_size)
+                                  self.eos_token_ids, sizes.num_blocks, self.resolved.block_size)
         self.inputs = InputProcessor(self.tokenizer, self.limits, self.runner.device)
         self.outputs = OutputProcessor(self.scheduler.finish,
                                        BeamDriver(self.scheduler, self.tokenizer))
@@ -108,7 +93,7 @@ class LLMEngine:
             "kv_blocks=%d x %d tokens = %d concurrent tokens",
             time.perf_counter() - start, self.platform.name, self.model_name, source.origin,
             str(self.dtype).removeprefix("torch."), self.max_model_len, sizes.num_blocks,
-            config.block_size, sizes.num_blocks * config.block_size)
+            self.resolved.block_size, sizes.num_blocks * self.resolved.block_size)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -155,6 +140,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.requests)
 
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot step any more (a tensor-parallel rank died), or None."""
+        return self.executor.dead_reason()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one)."""
+        self.executor.shutdown()
+
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit the requests whose grammar is ready, then schedule, run, process outputs.
@@ -193,7 +186,7 @@ class LLMEngine:
         out = self.scheduler.schedule(schedule_pending=run_ahead)
         if out.is_empty:
             # Nothing runs, but preempted sequences' blocks must still reach the swap pool.
-            self.runner.apply_block_ops(out.block_ops)
+            self.executor.apply_block_ops(out.block_ops)
             return self._process(self._take_in_flight()) if self._in_flight is not None else []
         if not run_ahead:
             return self._process(self._run(out))
@@ -218,19 +211,20 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput) -> StepResult:
         """Queue the step's forward pass and sampling, and mark its tokens computed."""
         self._record_first_scheduled(out)
-        result = self.runner.execute(out, self._sampling_metadata(out), self._in_flight_tokens())
+        result = self.executor.execute(out, self._sampling_metadata(out),
+                                       self._in_flight_tokens())
         self._advance(out)
         return result
 
     def _queue_forward(self, out: SchedulerOutput) -> Forward:
         """``_run`` without the sampling (``_queue_sampling``), for masks built meanwhile."""
         self._record_first_scheduled(out)
-        forward = self.runner.forward(out, self._in_flight_tokens())
+        forward = self.executor.forward(out, self._in_flight_tokens())
         self._advance(out)
         return forward
 
     def _queue_sampling(self, forward: Forward) -> StepResult:
-        return self.runner.sample(forward, self._sampling_metadata(forward.out))
+        return self.executor.sample(forward, self._sampling_metadata(forward.out))
 
     def _in_flight_tokens(self) -> InFlightTokens | None:
         return self._in_flight.in_flight_tokens() if self._in_flight is not None else None

@@ -1,7 +1,18 @@
-"""Owns the model weights and the KV cache on one device, and runs one step of the model."""
+"""Owns the model weights and the KV cache on one device, and runs one step of the model.
+
+Under tensor parallelism there is one runner per rank, each holding its slice of the weights
+and of the KV heads. Rank 0's runner (the driver's) plans a step (``plan``: the packed inputs,
+as plain data every rank can read) and runs it (``execute``); the other ranks run the same
+step (``follow``) so that every collective inside the forward pass has all its ranks. Only
+rank 0 samples: the sampler's state (per-request generators, penalty histories) lives in the
+driver, so gathering the logits to rank 0 moves less than keeping that state identical on
+every rank; rank 0 then broadcasts the sampled tokens, which the other ranks need as inputs
+under async scheduling.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -9,9 +20,17 @@ from typing import NamedTuple
 import torch
 
 from pagedserve.core.kv_cache_manager import BlockOps
-from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedserve.core.sequence import Sequence
-from pagedserve.engine.input_batch import InFlightTokens, build_inputs
+from pagedserve.distributed import TensorParallel, split_heads
+from pagedserve.engine.input_batch import (
+    HostInputs,
+    InFlightTokens,
+    ModelInputs,
+    build_inputs,
+    pack_inputs,
+)
+from pagedserve.engine.shape_buckets import ShapeBuckets
 from pagedserve.logger import get_logger
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.linear import LinearFactory
@@ -20,6 +39,7 @@ from pagedserve.platforms.interface import DeviceEvent, GraphRunner, Platform
 from pagedserve.quant.weights import LoadedWeight
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
+from pagedserve.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
 
@@ -30,8 +50,9 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
 
-    def bytes_per_block(self, arch: ModelArchConfig) -> int:
-        return (arch.kv_bytes_per_token_per_dtype_byte * self.block_size
+    def bytes_per_block(self, arch: ModelArchConfig, num_kv_heads: int) -> int:
+        """Keys and values of every layer for ``num_kv_heads`` heads (one rank's)."""
+        return (2 * arch.num_layers * num_kv_heads * arch.head_dim * self.block_size
                 * torch.empty(0, dtype=self.dtype).element_size())
 
 
@@ -42,12 +63,31 @@ class PromptLogprobsChunk(NamedTuple):
     result: tuple  # sampler.prompt_logprobs output
 
 
+class PromptSpan(NamedTuple):
+    """Hidden rows ``[row, row + count)`` whose logits score prompt tokens of ``seq`` from
+    position ``first_position + 1`` on."""
+
+    seq: Sequence
+    first_position: int
+    row: int
+    count: int
+
+
+@dataclass
+class StepInput:
+    """What every rank runs for one step: plain data, the same on all ranks."""
+
+    block_ops: BlockOps
+    inputs: HostInputs | None  # None: only block moves (nothing scheduled)
+    prompt_rows: list[tuple[int, int]]  # (row, count) of each PromptSpan, in order
+
+
 class Forward(NamedTuple):
     """A step whose forward pass is queued and whose sampling is not."""
 
     out: SchedulerOutput
-    hidden: torch.Tensor  # [tokens, hidden] on the device
-    logits_indices: torch.Tensor  # the rows of ``hidden`` that sample
+    sample_logits: torch.Tensor | None  # rows of the sampling sequences, on the device
+    prompt: dict[Sequence, PromptLogprobsChunk]
 
 
 class StepResult(NamedTuple):
@@ -68,17 +108,22 @@ class StepResult(NamedTuple):
 class ModelRunner:
     def __init__(self, platform: type[Platform], arch: ModelArchConfig, dtype: torch.dtype,
                  max_model_len: int, kv_cache_dtype: str = "auto",
-                 quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None) -> None:
+                 quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None,
+                 buckets: ShapeBuckets | None = None,
+                 tp: TensorParallel = TensorParallel()) -> None:
         self.platform = platform
         self.arch = arch
         self.dtype = dtype
         self.max_model_len = max_model_len
+        self.tp = tp
         self.device = platform.device()
         self.kv_dtype = platform.kv_cache_torch_dtype(kv_cache_dtype, dtype)
+        heads = split_heads(arch.num_heads, arch.num_kv_heads, tp)
+        self.num_kv_heads = heads.num_kv_heads
         backend_cls = platform.attention_backend()
-        backend = backend_cls(arch.num_heads, arch.head_dim, arch.num_kv_heads,
+        backend = backend_cls(heads.num_heads, arch.head_dim, heads.num_kv_heads,
                               arch.head_dim ** -0.5, kv_cache_dtype=kv_cache_dtype)
-        linears = LinearFactory(platform, dtype, self.device, quantizer)
+        linears = LinearFactory(platform, dtype, self.device, quantizer, tp)
         with torch.device(self.device):
             model = model_class(arch.architecture)(arch, backend, max_model_len,
                                                     platform.layer_ops(), linears)
@@ -89,6 +134,9 @@ class ModelRunner:
         self.swap_cache: torch.Tensor | None = None  # host pool, allocated at the first swap
         self.block_size = 16
         self.graphs: GraphRunner | None = None
+        self._last_tokens: torch.Tensor | None = None  # ranks > 0: the last step's samples
+        self.buckets = buckets  # pad every step to these shapes (shape_buckets.py)
+        self.pad_block = 0  # with buckets: the pool's last block, written by padded rows only
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
         self.model.load_weights(weights)
@@ -121,45 +169,97 @@ class ModelRunner:
 
     def allocate_kv_cache(self, spec: KVCacheSpec) -> None:
         """One tensor ``[layers, 2, blocks, block_size, kv_heads, head_dim]`` so block copies and
-        swaps move every layer at once; each layer attends over its own view."""
+        swaps move every layer at once; each layer attends over its own view. With bucketed
+        shapes the pool has one block more than ``spec.num_blocks``: the pad block."""
         a = self.arch
         self.block_size = spec.block_size
+        self.pad_block = spec.num_blocks
+        num_blocks = spec.num_blocks + (self.buckets is not None)
         self.kv_cache = self.platform.allocate_kv_cache(
-            (a.num_layers, 2, spec.num_blocks, spec.block_size, a.num_kv_heads, a.head_dim),
+            (a.num_layers, 2, num_blocks, spec.block_size, self.num_kv_heads, a.head_dim),
             spec.dtype)
         self.kv_caches = list(self.kv_cache.unbind(0))
 
+    def plan(self, out: SchedulerOutput,
+             in_flight: InFlightTokens | None = None) -> tuple[StepInput, list[PromptSpan]]:
+        """The step every rank runs, and (for rank 0 alone) which rows score prompts."""
+        if out.is_empty:
+            return StepInput(out.block_ops, None, []), []
+        inputs = pack_inputs(out, self.block_size, in_flight and in_flight.rows, self.buckets,
+                             self.pad_block)
+        spans = _prompt_spans(out)
+        return StepInput(out.block_ops, inputs, [(s.row, s.count) for s in spans]), spans
+
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None,
                 in_flight: InFlightTokens | None = None) -> StepResult:
         """Queue one step on the device and return without waiting for it: the sampled
         tokens are copied to the host in the background (``fetch_samples`` waits for them).
         ``in_flight``: the previous step's tokens, for chunks whose input is one of them."""
-        return self.sample(self.forward(out, in_flight), sampling)
+        step, spans = self.plan(out, in_flight)
+        return self.execute_planned(out, step, spans, sampling, in_flight)
+
+    def execute_planned(self, out: SchedulerOutput, step: StepInput, spans: list[PromptSpan],
+                        sampling: SamplingMetadata | None,
+                        in_flight: InFlightTokens | None) -> StepResult:
+        """Rank 0's part of a planned step: run it, sample, score prompts."""
+        return self.sample(self.forward_planned(out, step, spans, in_flight), sampling)
 
     @torch.inference_mode()
-    def forward(self, out: SchedulerOutput, in_flight: InFlightTokens | None = None) -> Forward:
-        """The first half of ``execute``: queue the block operations and the forward pass.
-        The sampling metadata can then be built while the device computes."""
-        self.apply_block_ops(out.block_ops)
-        inputs = build_inputs(out, self.block_size, self.device, in_flight)
-        return Forward(out, self._forward(inputs), inputs.logits_indices)
+    def forward_planned(self, out: SchedulerOutput, step: StepInput, spans: list[PromptSpan],
+                        in_flight: InFlightTokens | None) -> Forward:
+        """The first half of ``execute_planned``: block moves, the forward pass, the logits.
+        The sampling metadata can be built while the device computes."""
+        sample_logits, prompt = self._run(step, in_flight and in_flight.token_ids, spans)
+        return Forward(out, sample_logits, prompt)
 
     @torch.inference_mode()
     def sample(self, forward: Forward, sampling: SamplingMetadata | None) -> StepResult:
-        """The second half of ``execute``: queue the sampler on the forward pass's logits."""
-        out, hidden = forward.out, forward.hidden
-        sampled = [s.seq for s in out.scheduled if s.samples]
+        """The second half: sample (and hand the tokens to the other ranks)."""
+        sampled = [s.seq for s in forward.out.scheduled if s.samples]
         sampler_output = host_output = ready = None
         if sampled:
-            logits = self.model.compute_logits(hidden[forward.logits_indices])
-            sampler_output = self.sampler(logits.float(), sampling)
+            sampler_output = self.sampler(forward.sample_logits.float(), sampling)
+            if self.tp.size > 1:
+                self.tp.broadcast_from_first(sampler_output.token_ids)
             # Where the host runs ahead, the copy lands later: ``ready`` marks when.
             host_output = SamplerOutput(*(
                 None if t is None else t.to("cpu", non_blocking=self.platform.runs_ahead)
                 for t in sampler_output))
             ready = self.platform.record_event()
-        return StepResult(sampled, sampler_output, host_output, ready,
-                          self._prompt_logprobs(out, hidden))
+        return StepResult(sampled, sampler_output, host_output, ready, forward.prompt)
+
+    @torch.inference_mode()
+    def follow(self, step: StepInput) -> None:
+        """A rank other than 0 runs the step rank 0 planned, and keeps its sampled tokens."""
+        self._run(step, self._last_tokens, [])
+        if step.inputs is not None and len(step.inputs.sample_rows):
+            tokens = torch.empty(len(step.inputs.sample_rows), dtype=torch.int64,
+                                 device=self.device)
+            self._last_tokens = self.tp.broadcast_from_first(tokens)
+        elif step.inputs is not None:
+            self._last_tokens = None
+
+    def _run(self, step: StepInput, in_flight_tokens: torch.Tensor | None,
+             spans: list[PromptSpan]
+             ) -> tuple[torch.Tensor | None, dict[Sequence, PromptLogprobsChunk]]:
+        """Block moves, the forward pass, the logits of the sampling rows, and each prompt
+        span's logprobs, one span's logits at a time (on ranks other than 0, which get no
+        logits, ``spans`` is empty)."""
+        self.apply_block_ops(step.block_ops)
+        if step.inputs is None:
+            return None, {}
+        inputs = step.inputs.to_device(self.device, in_flight_tokens)
+        hidden = self._forward(inputs)
+        sample_logits = None
+        if len(step.inputs.sample_rows):
+            sample_logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        prompt = {}
+        for i, (row, count) in enumerate(step.prompt_rows):
+            logits = self.model.compute_logits(hidden[row:row + count])
+            if logits is not None:
+                prompt[spans[i].seq] = _prompt_logprobs(spans[i], logits)
+        return sample_logits, prompt
 
     @staticmethod
     def fetch_samples(result: StepResult) -> SamplerOutput:
@@ -189,10 +289,60 @@ class ModelRunner:
             src, dst = torch.tensor(ops.copies, dtype=torch.int64, device=self.device).unbind(1)
             self.platform.copy_blocks(self.kv_cache, src, dst)
 
-    def _forward(self, inputs) -> torch.Tensor:
+    def _inputs(self, out: SchedulerOutput) -> ModelInputs:
+        return build_inputs(out, self.block_size, self.device, None, self.buckets,
+                            self.pad_block)
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs.meta):
-            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        self.platform.end_forward()
+        return hidden
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """With bucketed shapes, run each decode shape and one prompt step per token bucket
+        once, so a device that compiles per shape does so before the first request
+        (``len(seqs) * len(widths) + len(tokens)`` forwards at most). Every block table is the
+        pad block, so nothing else is written; the outputs are dropped, so its unwritten
+        slots may be read."""
+        if self.buckets is None:
+            return
+        start = time.perf_counter()
+        steps = [*self._decode_warm_up_steps(), *self._prompt_warm_up_steps()]
+        for out in steps:
+            self._forward(self._inputs(out))
+        self.platform.synchronize()
+        logger.info("warm-up: %d steps over bucketed shapes (at most %d) in %.1fs", len(steps),
+                    self.buckets.num_shapes, time.perf_counter() - start)
+
+    def _decode_warm_up_steps(self) -> list[SchedulerOutput]:
+        steps = []
+        for width in self.buckets.widths:
+            # A context that needs exactly ``width`` blocks, within max_model_len.
+            context = min(width * self.block_size, self.max_model_len) - 1
+            seq = Sequence([0] * (context + 1), SamplingParams(), max_tokens=1)
+            item = ScheduledSequence(seq, context, 1, [self.pad_block] * width, samples=False)
+            steps += [SchedulerOutput([item] * n) for n in self.buckets.seqs]
+        return steps
+
+    def _prompt_warm_up_steps(self) -> list[SchedulerOutput]:
+        steps = []
+        for tokens in self.buckets.tokens[1:]:
+            # One token fewer than the bucket: the padded sequence takes the last one.
+            lengths = self._split_prompt(tokens - 1)
+            steps.append(SchedulerOutput([
+                ScheduledSequence(Sequence([0] * n, SamplingParams(), max_tokens=1), 0, n,
+                                  [self.pad_block] * -(-n // self.block_size), samples=False)
+                for n in lengths]))
+        return steps
+
+    def _split_prompt(self, num_tokens: int) -> list[int]:
+        """``num_tokens`` as prompts of at most ``max_model_len``, as a real step's are."""
+        return [min(self.max_model_len, num_tokens - start)
+                for start in range(0, num_tokens, self.max_model_len)]
 
     def capture_graphs(self, max_num_seqs: int) -> None:
         """Capture decode steps where the platform supports graphs (after the KV pool)."""
@@ -208,11 +358,7 @@ class ModelRunner:
         """Peak device bytes of a forward over ``num_tokens`` prompt tokens plus sampling for
         ``max_num_seqs`` rows, with a throwaway KV pool just large enough. The tokens are split
         into prompts of at most ``max_model_len``, as a real step's would be."""
-        from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
-        from pagedserve.sampling_params import SamplingParams
-
-        lengths = [min(self.max_model_len, num_tokens - start)
-                   for start in range(0, num_tokens, self.max_model_len)]
+        lengths = self._split_prompt(num_tokens)
         tables, next_block = [], 0
         for n in lengths:
             blocks = -(-n // block_size)
@@ -224,29 +370,32 @@ class ModelRunner:
             ScheduledSequence(Sequence([0] * n, SamplingParams(), max_tokens=1),
                               0, n, table, samples=True)
             for n, table in zip(lengths, tables)])
-        hidden = self._forward(build_inputs(out, block_size, self.device))
-        rows = hidden[-1:].expand(max_num_seqs, -1)
-        self.model.compute_logits(rows).float().softmax(-1)
+        hidden = self._forward(self._inputs(out))
+        logits = self.model.compute_logits(hidden[-1:].expand(max_num_seqs, -1))
+        if logits is not None:  # rank 0 alone samples (and gathers the logits)
+            logits.float().softmax(-1)
         self.platform.synchronize()
         peak = self.platform.peak_memory_bytes()
         self.kv_cache, self.kv_caches = None, []
         return peak
 
-    def _prompt_logprobs(self, out: SchedulerOutput,
-                         hidden: torch.Tensor) -> dict[Sequence, PromptLogprobsChunk]:
-        results = {}
-        row = 0
-        for item in out.scheduled:
-            seq, start, n = item.seq, item.num_computed_tokens, item.num_new_tokens
-            k = seq.params.prompt_logprobs
-            # Rows whose next token is still a prompt token (not after a preemption restart).
-            last = min(start + n, seq.num_prompt_tokens - 1)
-            if k is not None and seq.num_preemptions == 0 and last > start:
-                rows = hidden[row:row + last - start]
-                targets = torch.tensor(seq.prompt_token_ids[start + 1:last + 1],
-                                       device=hidden.device)
-                logits = self.model.compute_logits(rows).float()
-                results[seq] = PromptLogprobsChunk(
-                    start, prompt_logprobs(logits, targets, k))
-            row += n
-        return results
+
+def _prompt_spans(out: SchedulerOutput) -> list[PromptSpan]:
+    spans = []
+    row = 0
+    for item in out.scheduled:
+        seq, start, n = item.seq, item.num_computed_tokens, item.num_new_tokens
+        # Rows whose next token is still a prompt token (not after a preemption restart).
+        last = min(start + n, seq.num_prompt_tokens - 1)
+        if seq.params.prompt_logprobs is not None and seq.num_preemptions == 0 and last > start:
+            spans.append(PromptSpan(seq, start, row, last - start))
+        row += n
+    return spans
+
+
+def _prompt_logprobs(span: PromptSpan, logits: torch.Tensor) -> PromptLogprobsChunk:
+    seq, start = span.seq, span.first_position
+    targets = torch.tensor(seq.prompt_token_ids[start + 1:start + 1 + span.count],
+                           device=logits.device)
+    return PromptLogprobsChunk(
+        start, prompt_logprobs(logits.float(), targets, seq.params.prompt_logprobs))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -82,8 +81,3 @@ class ModelArchConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             raw=cfg,
         )
-
-    @cached_property
-    def kv_bytes_per_token_per_dtype_byte(self) -> int:
-        """Keys plus values over all layers, per byte of element size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim

@@ -1,11 +1,16 @@
-"""The token embedding table, dense or kept in its quantized form (GGUF's Q8_0 tables)."""
+"""The token embedding table, dense or kept in its quantized form (GGUF's Q8_0 tables).
+
+Under tensor parallelism each rank holds a slice of the vocabulary (the last one padded with
+zero rows when the vocabulary does not divide evenly), looks up the tokens that fall in it,
+writes zeros for the others, and an all-reduce sums the ranks' rows."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from pagedserve.quant.weights import GroupQuantWeight, LoadedWeight, dequantize
+from pagedserve.distributed import TensorParallel
+from pagedserve.quant.weights import GroupQuantWeight, LoadedWeight, dequantize, take_rows
 
 
 class VocabEmbedding(nn.Module):
@@ -13,9 +18,11 @@ class VocabEmbedding(nn.Module):
     is read, and the full table never exists in float."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         self.shape = (vocab_size, hidden_size)
+        self.tp = tp
+        self.part = tp.padded_part(vocab_size)
         self.dtype = dtype
         self.device = device
         self.weight: nn.Parameter | None = None
@@ -28,6 +35,8 @@ class VocabEmbedding(nn.Module):
     def load(self, weight: LoadedWeight) -> None:
         if tuple(weight.shape) != self.shape:
             raise ValueError(f"embedding has shape {tuple(weight.shape)}, expected {self.shape}")
+        if not self.part.is_whole:
+            weight = take_rows(weight, self.part.start, self.part.size)
         if isinstance(weight, GroupQuantWeight) and weight.input_perm is None:
             groups = weight.group_of_column().to(self.device)
             self.quant_format = (weight.bits, weight.group_size)
@@ -47,6 +56,14 @@ class VocabEmbedding(nn.Module):
         return GroupQuantWeight(self.values, self.scales, self.offsets, *self.quant_format)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self._lookup(ids)
+        local = ids - self.part.start
+        outside = (local < 0) | (local >= self.part.size)
+        rows = self._lookup(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0)
+        return self.tp.all_reduce(rows)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             return nn.functional.embedding(ids, self.weight)
         values = self.values[ids].float()

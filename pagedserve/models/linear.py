@@ -5,6 +5,11 @@ quantized in its own format. Once every shard is in, the layer concatenates them
 (``quant.weights.concat_shards``) and the platform's linear method for that kind of weight
 builds what its kernel reads. Model code asks for a ``Linear`` and never names a format or a
 device.
+
+Under tensor parallelism (``pagedserve.distributed``) a layer keeps only its rank's part of
+each checkpoint shard: column-parallel layers a slice of every output shard's rows (each rank
+holds its own q heads, KV heads, gate and up rows), row-parallel layers a slice of the input
+columns, their partial outputs summed by one all-reduce before the bias is added, once.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pagedserve.distributed import Part, TensorParallel
 from pagedserve.quant.linear_method import LinearMethod
-from pagedserve.quant.weights import LoadedWeight, concat_shards
+from pagedserve.quant.weights import LoadedWeight, concat_shards, take_columns, take_rows
 
 if TYPE_CHECKING:
     from pagedserve.platforms.interface import Platform
@@ -25,29 +31,42 @@ if TYPE_CHECKING:
 class LinearFactory:
     """What every ``Linear`` of one model shares: the platform (which picks each layer's
     method), the activation dtype, the device, and the quantizer that ``--quantization fp8``
-    applies to dense weights at load (None: weights stay as the checkpoint has them)."""
+    applies to dense weights at load (None: weights stay as the checkpoint has them), and the
+rank's place in tensor parallelism."""
 
     def __init__(self, platform: type[Platform], dtype: torch.dtype, device: torch.device,
-                 quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None) -> None:
+                 quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None,
+                 tp: TensorParallel = TensorParallel()) -> None:
         self.platform = platform
         self.dtype = dtype
         self.device = device
         self.quantizer = quantizer
+        self.tp = tp
 
-    def __call__(self, in_features: int, out_sizes: list[int], bias: bool = False,
-                 quantize_at_load: bool = True) -> Linear:
-        return Linear(in_features, out_sizes, bias, self, quantize_at_load)
+    def column(self, in_features: int, out_parts: list[Part], bias: bool = False,
+               quantize_at_load: bool = True) -> Linear:
+        """Output shards cut to ``out_parts`` rows; every rank sees the whole input."""
+        return Linear(Part.whole(in_features), out_parts, bias, self, quantize_at_load)
+
+    def row(self, in_features: int, out_features: int) -> Linear:
+        """Input columns cut evenly across ranks; outputs summed over ranks."""
+        return Linear(self.tp.even_part(in_features), [Part.whole(out_features)], False, self,
+                      reduce=self.tp.size > 1)
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool,
-                 factory: LinearFactory, quantize_at_load: bool = True) -> None:
+    def __init__(self, in_part: Part, out_parts: list[Part], bias: bool,
+                 factory: LinearFactory, quantize_at_load: bool = True,
+                 reduce: bool = False) -> None:
         super().__init__()
-        self.in_features = in_features
-        self.out_sizes = list(out_sizes)
+        self.in_part = in_part
+        self.out_parts = list(out_parts)
+        self.in_features = in_part.size
+        self.out_sizes = [p.size for p in out_parts]
         self.factory = factory
         self.quantize_at_load = quantize_at_load
-        self.bias = (nn.Parameter(torch.zeros(sum(out_sizes), dtype=factory.dtype,
+        self.reduce = reduce
+        self.bias = (nn.Parameter(torch.zeros(sum(self.out_sizes), dtype=factory.dtype,
                                               device=factory.device), requires_grad=False)
                      if bias else None)
         self.method: LinearMethod | None = None
@@ -58,12 +77,17 @@ class Linear(nn.Module):
         return self.method is not None
 
     def load_shard(self, shard: int, weight: LoadedWeight) -> None:
-        """Take output shard ``shard`` (``[out_sizes[shard], in_features]``); the last one to
-        arrive builds the layer's weight."""
-        expected = (self.out_sizes[shard], self.in_features)
+        """Take output shard ``shard`` as the checkpoint stores it and keep this rank's part;
+        the last one to arrive builds the layer's weight."""
+        out, inp = self.out_parts[shard], self.in_part
+        expected = (out.full, inp.full)
         if tuple(weight.shape) != expected:
             raise ValueError(f"weight shard {shard} has shape {tuple(weight.shape)}, "
                              f"expected {expected}")
+        if not out.is_whole:
+            weight = take_rows(weight, out.start, out.size)
+        if not inp.is_whole:
+            weight = take_columns(weight, inp.start, inp.size)
         self._shards[shard] = weight
         if len(self._shards) == len(self.out_sizes):
             self.set_weight(concat_shards([self._shards[i] for i in range(len(self.out_sizes))]))
@@ -76,11 +100,18 @@ class Linear(nn.Module):
         self.method = f.platform.linear_method(weight)
         self.method.create_weights(self, weight, f.dtype, f.device)
 
-    def shard_offset(self, shard: int) -> int:
-        return sum(self.out_sizes[:shard])
+    def load_bias(self, shard: int, bias: torch.Tensor) -> None:
+        part = self.out_parts[shard]
+        if tuple(bias.shape) != (part.full,):
+            raise ValueError(f"bias shard {shard} has shape {tuple(bias.shape)}, "
+                             f"expected ({part.full},)")
+        offset = sum(self.out_sizes[:shard])
+        self.bias[offset:offset + part.size].copy_(take_rows(bias, part.start, part.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(self, x)
+        if self.reduce:
+            out = self.factory.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

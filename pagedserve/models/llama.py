@@ -14,6 +14,7 @@ from torch import nn
 
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.distributed import Part, split_heads
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.embedding import VocabEmbedding
 from pagedserve.models.layer_ops import LayerOps
@@ -33,13 +34,14 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding,
                  backend: AttentionBackend, linears: LinearFactory) -> None:
         super().__init__()
+        heads = split_heads(cfg.num_heads, cfg.num_kv_heads, linears.tp)
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = linears(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                bias=cfg.attention_bias)
-        self.o_proj = linears(self.q_size, [cfg.hidden_size])
+            heads.num_heads, heads.num_kv_heads, cfg.head_dim)
+        self.q_size = heads.num_heads * cfg.head_dim
+        q, kv = (Part(p.full * cfg.head_dim, p.start * cfg.head_dim, p.size * cfg.head_dim)
+                 for p in (heads.q, heads.kv))
+        self.qkv_proj = linears.column(cfg.hidden_size, [q, kv, kv], bias=cfg.attention_bias)
+        self.o_proj = linears.row(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
         self.rotary = rotary
         self.attn = PagedAttention(backend)
 
@@ -57,8 +59,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelArchConfig, ops: type[LayerOps],
                  linears: LinearFactory) -> None:
         super().__init__()
-        self.gate_up_proj = linears(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = linears(cfg.intermediate_size, [cfg.hidden_size])
+        part = linears.tp.even_part(cfg.intermediate_size)
+        self.gate_up_proj = linears.column(cfg.hidden_size, [part, part])
+        self.down_proj = linears.row(cfg.intermediate_size, cfg.hidden_size)
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +96,7 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                  ops)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, linears.dtype,
-                                           linears.device)
+                                           linears.device, linears.tp)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, rotary, backend, ops, linears)
             for _ in range(cfg.num_layers))
@@ -113,8 +116,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, backend, max_positions, ops, linears)
-        # The LM head stays in the checkpoint's precision under at-load quantization.
-        self.lm_head = linears(cfg.hidden_size, [cfg.vocab_size], quantize_at_load=False)
+        self.tp = linears.tp
+        # Each rank holds a slice of the vocabulary, as the embedding does (so a tied head
+        # shares its table). The head stays in the checkpoint's precision under at-load
+        # quantization.
+        self.lm_head = linears.column(cfg.hidden_size, [linears.tp.padded_part(cfg.vocab_size)],
+                                      quantize_at_load=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -124,8 +131,14 @@ class LlamaForCausalLM(nn.Module):
     def get_input_embeddings(self) -> VocabEmbedding:
         return self.model.embed_tokens
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the whole vocabulary; under tensor parallelism only rank 0, which
+        samples, gets them (the other ranks get None)."""
+        logits = self.lm_head(hidden)
+        if self.tp.size == 1:
+            return logits
+        logits = self.tp.gather_to_first(logits)
+        return None if logits is None else logits[:, :self.config.vocab_size]
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a Hugging Face checkpoint of this model holds, with its shape."""
@@ -171,13 +184,10 @@ class LlamaForCausalLM(nn.Module):
                 owner.load_shard(shard or 0, weight)
             elif isinstance(owner, VocabEmbedding):
                 owner.load(weight)
+            elif isinstance(owner, Linear) and kind == "bias":
+                owner.load_bias(shard or 0, weight)
             elif target in params:
-                param = params[target]
-                if shard is None:
-                    param.copy_(weight)
-                else:
-                    offset = owner.shard_offset(shard)
-                    param[offset:offset + owner.out_sizes[shard]].copy_(weight)
+                params[target].copy_(weight)
             else:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
             loaded.add(f"{target}#{shard}")

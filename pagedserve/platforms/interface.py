@@ -63,6 +63,16 @@ class Platform:
     # The host queues device work and runs ahead of it, so scheduling the next step while
     # this one computes (async scheduling) hides the host's per-step work.
     runs_ahead: ClassVar[bool] = False
+    # The device compiles a graph per distinct input shape (Gaudi), so the input packing pads
+    # each step to a small set of bucketed shapes, which warm-up runs before the first request
+    # (--shape-bucketing's default).
+    buckets_shapes: ClassVar[bool] = False
+    # --block-size when the command line leaves it out.
+    default_block_size: ClassVar[int] = 16
+    # torch.distributed backend for tensor parallelism between ranks on this device.
+    dist_backend: ClassVar[str] = "gloo"
+    # The Ray resource a tensor-parallel rank reserves on its node.
+    ray_resource: ClassVar[str] = "CPU"
 
     @classmethod
     def check_available(cls) -> None:
@@ -70,16 +80,13 @@ class Platform:
         raise NotImplementedError
 
     @classmethod
-    def is_available(cls) -> bool:
-        try:
-            cls.check_available()
-        except PlatformUnavailable:
-            return False
-        return True
-
-    @classmethod
     def device(cls) -> torch.device:
         return torch.device(cls.device_type)
+
+    @classmethod
+    def bind_device(cls, index: int, ranks_on_host: int) -> None:
+        """Make this process's ``device()`` the ``index``-th of its host's devices, for one of
+        ``ranks_on_host`` tensor-parallel ranks there (called before any device work)."""
 
     @classmethod
     def default_dtype(cls) -> torch.dtype:
@@ -181,6 +188,12 @@ class Platform:
     @classmethod
     def synchronize(cls) -> None:
         """Wait for queued device work; a no-op where execution is synchronous."""
+
+    @classmethod
+    def end_forward(cls) -> None:
+        """Called once after every model forward: where the device runs lazily (Gaudi), this
+        closes the graph of the forward's ops so it compiles and runs on its own, apart from
+        the sampler's. Nothing elsewhere."""
 
     @classmethod
     def seed_everything(cls, seed: int) -> None:

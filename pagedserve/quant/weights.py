@@ -142,3 +142,53 @@ def _groups_match(shards: list[GroupQuantWeight]) -> bool:
         if s.input_perm is not None and not torch.equal(s.input_perm, first.input_perm):
             return False
     return True
+
+
+def take_rows(weight: LoadedWeight, start: int, size: int) -> LoadedWeight:
+    """Output rows ``[start, start + size)`` of a weight (a tensor-parallel rank's slice of a
+    column-parallel layer); rows past the end are zeros (a padded vocabulary partition)."""
+    if isinstance(weight, torch.Tensor):
+        return _rows(weight, start, size)
+    if isinstance(weight, GroupQuantWeight):
+        return GroupQuantWeight(_rows(weight.values, start, size),
+                                _rows(weight.scales, start, size),
+                                _rows(weight.offsets, start, size), weight.bits,
+                                weight.group_size, weight.input_perm)
+    return Fp8Weight(_rows(weight.values, start, size), _rows(weight.scales, start, size),
+                     weight.input_scale)
+
+
+def take_columns(weight: LoadedWeight, start: int, size: int) -> LoadedWeight:
+    """Input columns ``[start, start + size)`` (a row-parallel rank's slice). Grouped weights
+    are cut between their groups; a ``ConfigError`` where a cut would fall inside a group or
+    the columns are permuted (GPTQ act-order)."""
+    if isinstance(weight, torch.Tensor):
+        return weight[:, start:start + size]
+    if isinstance(weight, Fp8Weight):  # scales are per output row: unchanged
+        return Fp8Weight(weight.values[:, start:start + size], weight.scales,
+                         weight.input_scale)
+    from pagedserve.config import ConfigError  # here: config imports the formats, and they this
+
+    if weight.input_perm is not None:
+        raise ConfigError("--tensor-parallel-size: GPTQ act-order (desc_act) weights cannot be "
+                          "split across ranks; use --tensor-parallel-size 1")
+    if weight.scales.shape[1] == 1:  # one group per row (per channel): it splits anywhere
+        return GroupQuantWeight(weight.values[:, start:start + size], weight.scales,
+                                weight.offsets, weight.bits, size)
+    g = weight.group_size
+    if start % g or size % g:
+        raise ConfigError(
+            f"--tensor-parallel-size: a rank's {size} input columns of a row-parallel layer do "
+            f"not fall on the quantization groups of {g}; use a smaller --tensor-parallel-size")
+    return GroupQuantWeight(weight.values[:, start:start + size],
+                            weight.scales[:, start // g:(start + size) // g],
+                            weight.offsets[:, start // g:(start + size) // g],
+                            weight.bits, g)
+
+
+def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    part = t[start:start + size]
+    missing = size - part.shape[0]
+    if missing == 0:
+        return part
+    return torch.cat([part, part.new_zeros((missing, *t.shape[1:]))])

@@ -74,3 +74,18 @@ def test_request_that_can_never_fit_is_rejected(tiny_model):
     with pytest.raises(ValueError, match="pool holds 16"):
         llm.generate([list(range(3, 40))], SamplingParams(max_tokens=8), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_greedy_matches_transformers_with_shape_bucketing(tiny_model_folder):
+    """Padded steps (the HPU default, here on the CPU's own kernels): requests joining while
+    others decode, so steps mix prompt chunks and decodes, all padded."""
+    folder = tiny_model_folder("llama3")
+    llm = make_llm(folder, block_size=8, shape_bucketing=True, max_num_seqs=3,
+                   max_num_batched_tokens=32)
+    assert llm.engine.runner.buckets is not None
+    prompts = _prompts(seed=4)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model(folder), prompt, NEW_TOKENS)
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks

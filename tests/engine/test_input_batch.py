@@ -38,3 +38,63 @@ def test_mixed_step_packs_chunks_positions_slots_and_tables():
     assert inputs.meta.max_query_len == 4 and inputs.meta.max_seq_len == 6
     assert inputs.meta.block_tables.dtype == torch.int32
     assert inputs.input_ids.dtype == inputs.meta.slot_mapping.dtype == torch.int64
+
+
+def test_bucketed_mixed_step_pads_into_the_pad_block_only():
+    """The same step as above, padded: the real rows are unchanged, one padded sequence owns
+    every padded token, and padded tokens write only the pad block's first slot."""
+    from pagedserve.engine.shape_buckets import ShapeBuckets
+
+    block, pad_block = 4, 9
+    prefill = _sequence([11, 12, 13, 14, 15, 16])
+    decode = _sequence([21, 22, 23, 24])
+    out = SchedulerOutput([
+        ScheduledSequence(prefill, 2, 4, [7, 3], samples=True),
+        ScheduledSequence(decode, 3, 1, [5], samples=True),
+    ])
+    buckets = ShapeBuckets.for_limits(max_num_seqs=4, max_num_batched_tokens=16,
+                                      max_blocks_per_seq=8)
+    inputs = build_inputs(out, block, torch.device("cpu"), buckets=buckets,
+                          pad_block=pad_block)
+    # 2 sequences + the padded one -> 4; 5 tokens + 2 padded sequences -> 8; 2 blocks -> 2.
+    meta = inputs.meta
+    assert (meta.num_seqs, meta.num_tokens, meta.block_tables.shape[1]) == (4, 8, 2)
+    assert inputs.input_ids.tolist() == [13, 14, 15, 16, 24, 0, 0, 0]
+    assert inputs.positions.tolist() == [2, 3, 4, 5, 3, 0, 0, 0]
+    assert meta.slot_mapping.tolist() == [30, 31, 12, 13, 23, 36, 36, 36]
+    assert meta.block_tables.tolist() == [[7, 3], [5, 0], [9, 9], [9, 9]]
+    assert meta.query_start_loc.tolist() == [0, 4, 5, 6, 8]
+    assert meta.seq_lens.tolist() == [6, 4, 1, 2]
+    assert inputs.logits_indices.tolist() == [3, 4]
+    assert meta.max_seq_len == 2 * block  # the table's capacity
+
+
+def test_bucketed_decode_step_stays_decode_only():
+    from pagedserve.engine.shape_buckets import ShapeBuckets
+
+    seqs = [_sequence([1, 2, 3]) for _ in range(3)]
+    out = SchedulerOutput([ScheduledSequence(s, 2, 1, [i], samples=True)
+                           for i, s in enumerate(seqs)])
+    buckets = ShapeBuckets.for_limits(8, 64, 8)
+    inputs = build_inputs(out, 4, torch.device("cpu"), buckets=buckets, pad_block=20)
+    assert inputs.meta.is_decode_only
+    assert inputs.meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert inputs.meta.slot_mapping.tolist() == [2, 6, 10, 80]
+    assert inputs.logits_indices.tolist() == [0, 1, 2]
+
+
+def test_bucket_ladders_and_budget():
+    from pagedserve.engine.shape_buckets import ShapeBuckets, ladder
+
+    assert ladder(1) == (1,) and ladder(8) == (1, 2, 4, 8) and ladder(9) == (1, 2, 4, 8, 9)
+    buckets = ShapeBuckets.for_limits(max_num_seqs=8, max_num_batched_tokens=64,
+                                      max_blocks_per_seq=8)
+    assert buckets.seqs == (1, 2, 4, 8, 9)
+    assert buckets.tokens == (1, 2, 4, 8, 16, 32, 64, 73)
+    assert buckets.widths == (1, 2, 4, 8)
+    # Every (seqs, tokens, width) a step can have maps into the ladders.
+    shapes = {buckets.pad(s, t, w) for s in range(1, 9) for t in range(s, 65)
+              for w in range(1, 9)}
+    assert all(p.num_seqs in buckets.seqs and p.num_tokens in buckets.tokens
+               and p.width in buckets.widths for p in shapes)
+    assert len(shapes) <= buckets.num_shapes == 5 * 4 * 9

@@ -95,3 +95,43 @@ def test_a_killed_server_does_not_leave_the_core_running(chat_model, tmp_path):
         served.process.wait(timeout=30)
         # The orphaned core notices its parent is gone while idle and exits by itself.
         assert _wait_gone(core, 10.0)
+
+
+def _tp_worker_pid(core_pid: int) -> int:
+    """The core's tensor-parallel rank 1 process."""
+    children = Path(f"/proc/{core_pid}/task/{core_pid}/children").read_text().split()
+    for pid in map(int, children):
+        if b"pagedserve.executor.mp" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+    raise AssertionError(f"no tensor-parallel worker among {children}")
+
+
+def test_tp_worker_death_mid_stream_fails_the_stream_and_turns_health_red(chat_model,
+                                                                         tmp_path):
+    with launch_server(chat_model, tmp_path, "--tensor-parallel-size", "2") as served:
+        core = _core_pid(served.process.pid)
+        worker = _tp_worker_pid(core)
+        body = {"prompt": [5, 6, 7], "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body,
+                          timeout=HTTP_TIMEOUT_S) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            events = 0
+            for line in lines:
+                events += line.startswith("data: {")
+                if events == 3:
+                    break
+            os.kill(worker, signal.SIGKILL)
+            killed = time.monotonic()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert time.monotonic() - killed < FAIL_FAST_S
+        errors = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+        assert "error" in errors[-1], rest[-3:]
+        assert "tensor-parallel rank 1" in errors[-1]["error"]["message"]
+        assert rest[-1] == "data: [DONE]"
+        deadline = killed + FAIL_FAST_S
+        while httpx.get(f"{served.url}/health", timeout=HTTP_TIMEOUT_S).status_code != 503:
+            assert time.monotonic() < deadline, "/health stayed 200 after the worker died"
+            time.sleep(0.1)
+        assert _wait_gone(core, FAIL_FAST_S)
+        assert served.process.poll() is None

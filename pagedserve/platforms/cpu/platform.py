@@ -37,6 +37,11 @@ class CpuPlatform(Platform):
         return None
 
     @classmethod
+    def bind_device(cls, index: int, ranks_on_host: int) -> None:
+        # Ranks on one host share its cores: each takes its share, so none oversubscribes.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_host))
+
+    @classmethod
     def default_dtype(cls) -> torch.dtype:
         # bf16 matmuls are slow on CPUs without AMX; float32 is the safe fast default.
         return torch.float32

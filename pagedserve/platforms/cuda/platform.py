@@ -24,6 +24,8 @@ class CudaPlatform(Platform):
     pin_swap_memory: ClassVar[bool] = True
     profiles_memory: ClassVar[bool] = True
     runs_ahead: ClassVar[bool] = True
+    dist_backend: ClassVar[str] = "nccl"  # ROCm's torch maps it to RCCL
+    ray_resource: ClassVar[str] = "GPU"
 
     @classmethod
     def check_available(cls) -> None:
@@ -46,6 +48,10 @@ class CudaPlatform(Platform):
         return torch.device("cuda", torch.cuda.current_device())
 
     @classmethod
+    def bind_device(cls, index: int, ranks_on_host: int) -> None:
+        torch.cuda.set_device(index)
+
+    @classmethod
     def default_dtype(cls) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
@@ -64,8 +70,8 @@ class CudaPlatform(Platform):
     @classmethod
     def linear_method(cls, weight: LoadedWeight) -> LinearMethod:
         """4-bit grouped weights stay packed (W4A16 Triton kernel); FP8 weights run W8A8 in the
-        FP8 tensor cores where the GPU has them (compute capability 8.9+); 8-bit, dense, and
-        FP8 elsewhere take the inherited path (dequantized at load)."""
+        FP8 tensor cores where the GPU has them (compute capability 8.9+) and weight-only
+        elsewhere; 8-bit and dense weights take the inherited path (dequantized at load)."""
         from pagedserve.platforms.cuda import quant_linear
         from pagedserve.quant.weights import Fp8Weight
 
@@ -75,6 +81,12 @@ class CudaPlatform(Platform):
             from pagedserve.platforms.cuda.fp8_linear import Fp8LinearMethod
 
             return Fp8LinearMethod(cls.fp8_dtype())
+        if isinstance(weight, Fp8Weight):
+            from pagedserve.platforms.cuda.fp8_weight_only_linear import (
+                Fp8WeightOnlyLinearMethod,
+            )
+
+            return Fp8WeightOnlyLinearMethod()
         return super().linear_method(weight)
 
     @classmethod

@@ -159,7 +159,7 @@ def test_cuda_platform_picks_w8a8_only_with_fp8_matmuls(monkeypatch):
     from pagedserve.platforms.rocm import platform as rocm
 
     weight = Fp8Weight.quantize(torch.randn(16, 16))
-    for supported, method in [(True, "Fp8LinearMethod"), (False, "DenseLinearMethod")]:
+    for supported, method in [(True, "Fp8LinearMethod"), (False, "Fp8WeightOnlyLinearMethod")]:
         monkeypatch.setattr(CudaPlatform, "supports_fp8_matmul",
                             classmethod(lambda c, s=supported: s))
         assert type(CudaPlatform.linear_method(weight)).__name__ == method
@@ -169,6 +169,45 @@ def test_cuda_platform_picks_w8a8_only_with_fp8_matmuls(monkeypatch):
         monkeypatch.setattr(rocm, "_gcn_arch", lambda arch=arch: arch)
         assert rocm.RocmPlatform.fp8_dtype() == dtype
         assert rocm.RocmPlatform.supports_fp8_matmul() == supported
+
+
+def every_e4m3fn_value(rows: int) -> torch.Tensor:
+    """``rows`` rows of all 254 finite e4m3fn bit patterns (subnormals, both zeros, both
+    signs), shuffled per row."""
+    bits = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    g = torch.Generator().manual_seed(11)
+    return torch.stack([bits[torch.randperm(len(bits), generator=g)] for _ in range(rows)])
+
+
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_weight_only_dequantize_decodes_every_fp8_value(per_tensor):
+    """The integer decoding of e4m3fn bits against torch's own cast (times the scale in
+    float32, one rounding, as the kernel does)."""
+    bits = every_e4m3fn_value(5)
+    scale = torch.tensor(0.5) if per_tensor else torch.rand(5) + 0.5
+    expected = (bits.view(FN).float() * (scale if per_tensor else scale[:, None])).double()
+    dense = fp8_gemv.dequantize(bits.to(DEVICE), scale.to(DEVICE), 5, bits.shape[1],
+                                torch.float32)
+    torch.testing.assert_close(dense.double().cpu(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 2, 6])  # the GEMV, and dequantize + torch.mm
+def test_weight_only_linear_matches_float64(dtype, tokens):
+    from pagedserve.platforms.cuda.fp8_weight_only_linear import Fp8WeightOnlyLinearMethod
+
+    bits = every_e4m3fn_value(24)[:, :200]
+    weight = Fp8Weight(bits.view(FN), torch.rand(24) * 0.01 + 0.001)
+    layer, method = nn.Module(), Fp8WeightOnlyLinearMethod()
+    method.create_weights(layer, weight, dtype, DEVICE)
+    assert sum(p.numel() * p.element_size() for p in layer.parameters()) == 24 * 200 + 4 * 24
+    x = randn(tokens, 200, dtype=dtype, seed=tokens)
+    expected = x.double() @ weight.dequantize(torch.float64).to(DEVICE).t()
+    out = method.apply(layer, x)
+    assert out.dtype == dtype and out.shape == (tokens, 24)
+    rtol = OUT_RTOL[dtype]
+    torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                               atol=rtol * expected.abs().max().item())
 
 
 # --- CUDA only, and the engine ---------------------------------------------------------------

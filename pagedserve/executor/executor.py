@@ -1,0 +1,166 @@
+"""The driver's handle on every rank.
+
+Rank 0 runs in the driver's process. With ``--tensor-parallel-size`` above 1, a backend
+(``mp``: processes on this host, ``ray``: actors of a Ray cluster) starts the other ranks; each
+step the driver plans the step once (plain data), sends it to them, and runs its own share.
+With one rank there is no backend and a step is the model runner's, nothing added.
+
+A rank that dies makes the step in flight fail with ``WorkerDiedError`` (its peers see the
+collective break, or time out after ``PAGEDSERVE_DIST_TIMEOUT_S``), and ``dead_reason`` says
+so from then on; the executor is not usable after that. Any other error inside a step with
+several ranks ends it the same way: the ranks may be waiting in different collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import socket
+from collections.abc import Iterator
+from typing import Protocol
+
+from pagedserve import distributed
+from pagedserve.config import ConfigError, EngineConfig
+from pagedserve.core.kv_cache_manager import BlockOps
+from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.engine.input_batch import InFlightTokens
+from pagedserve.engine.model_runner import Forward, ModelRunner, StepInput, StepResult
+from pagedserve.executor.worker import Worker, WorkerSpec
+from pagedserve.sample.metadata import SamplingMetadata
+
+_BACKENDS = {"mp": "pagedserve.executor.mp", "ray": "pagedserve.executor.ray_actors"}
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel rank is gone, or a step failed part-way through its collectives; the
+    engine cannot run another step."""
+
+
+class RemoteRanks(Protocol):
+    """Ranks 1 .. N-1, started by a backend module's ``start(config, dist_address)``; the
+    module also says which address rank 0 listens on (``driver_ip``) and how many ranks share
+    a host with it (``ranks_on_host``)."""
+
+    def driver_device_index(self) -> int:
+        """Which of its host's devices rank 0 (in the driver's process) takes."""
+
+    def wait_ready(self) -> None:
+        """Block until every rank has built its model; raise if one could not."""
+
+    def send(self, step: StepInput) -> None:
+        """Queue a step on every rank, without waiting for it."""
+
+    def dead_reason(self, wait_s: float = 0.0) -> str | None:
+        """Why a rank is gone, or None while all run (after waiting up to ``wait_s`` for
+        one to be reported gone)."""
+
+    def shutdown(self) -> None: ...
+
+
+class Executor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.remote: RemoteRanks | None = None
+        self._dead: str | None = None
+        size = config.tensor_parallel_size
+        if size == 1:
+            self.driver = Worker(WorkerSpec(config, 0, "", 0, 1))
+            return
+        backend = _backend(config.distributed_executor_backend)
+        host = backend.driver_ip()
+        address = f"{host}:{_free_port(host)}"
+        self.remote = backend.start(config, address)
+        try:
+            self.driver = Worker(WorkerSpec(config, 0, address, self.remote.driver_device_index(),
+                                            backend.ranks_on_host(size)))
+            self.remote.wait_ready()
+        except Exception as exc:
+            # A bad setting fails every rank alike; anything else may be a peer that failed
+            # first, whose own reason says more than the broken collective here.
+            reason = None if isinstance(exc, ValueError) else self.remote.dead_reason(5.0)
+            self.shutdown()
+            if reason is None:
+                raise
+            raise WorkerDiedError(reason) from exc
+
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's model runner (the whole model where there is one rank)."""
+        return self.driver.runner
+
+    def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None,
+                in_flight: InFlightTokens | None) -> StepResult:
+        if self.remote is None:
+            return self.runner.execute(out, sampling, in_flight)
+        step, spans = self.runner.plan(out, in_flight)
+        with self._watching():
+            self.remote.send(step)
+            return self.runner.execute_planned(out, step, spans, sampling, in_flight)
+
+    def forward(self, out: SchedulerOutput, in_flight: InFlightTokens | None) -> Forward:
+        """``execute`` up to its sampling (``sample``), so that the sampling metadata can be
+        built while the ranks compute; the other ranks wait for the sampled tokens."""
+        step, spans = self.runner.plan(out, in_flight)
+        if self.remote is None:
+            return self.runner.forward_planned(out, step, spans, in_flight)
+        with self._watching():
+            self.remote.send(step)
+            return self.runner.forward_planned(out, step, spans, in_flight)
+
+    def sample(self, forward: Forward, sampling: SamplingMetadata | None) -> StepResult:
+        if self.remote is None:
+            return self.runner.sample(forward, sampling)
+        with self._watching():
+            return self.runner.sample(forward, sampling)
+
+    def apply_block_ops(self, ops: BlockOps) -> None:
+        """Block moves of a step that computes nothing, on every rank."""
+        if self.remote is None:
+            self.runner.apply_block_ops(ops)
+            return
+        with self._watching():
+            self.remote.send(StepInput(ops, None, []))
+            self.runner.apply_block_ops(ops)
+
+    def dead_reason(self) -> str | None:
+        if self._dead is None and self.remote is not None:
+            self._dead = self.remote.dead_reason()
+        return self._dead
+
+    def shutdown(self) -> None:
+        if self.remote is not None:
+            self.remote.shutdown()
+            self.remote = None
+            distributed.shutdown()
+
+    @contextlib.contextmanager
+    def _watching(self) -> Iterator[None]:
+        """Around a step: refuse to start one once a rank is gone, and turn the error a broken
+        collective or pipe raises into ``WorkerDiedError`` naming the rank."""
+        reason = self.dead_reason()
+        if reason is not None:
+            raise WorkerDiedError(reason)
+        try:
+            yield
+        except Exception as exc:
+            # Whatever failed, the ranks no longer agree on which collective comes next, so
+            # the executor is done. The peer's socket closes before its exit is reaped: give
+            # that a moment, to name the rank that died.
+            self._dead = (self.remote.dead_reason(wait_s=5.0)
+                          or f"a tensor-parallel step failed: {type(exc).__name__}: {exc}")
+            raise WorkerDiedError(self._dead) from exc
+
+
+def _backend(name: str):
+    try:
+        return importlib.import_module(_BACKENDS[name])
+    except ImportError as exc:
+        if exc.name != name:
+            raise
+        raise ConfigError(f"--distributed-executor-backend {name} needs the {name} package: "
+                          f"pip install 'pagedserve[{name}]'") from exc
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

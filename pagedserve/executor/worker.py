@@ -1,0 +1,89 @@
+"""One tensor-parallel rank: its device, its slice of the model, its KV pool.
+
+Every rank builds the same way, in the same order, because the steps that follow are
+collectives: the process group, the weights (each rank keeps its slice), the memory profile
+(a forward pass), and the KV pool, whose block count is the smallest any rank can hold so that
+the driver's block ids are valid on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pagedserve import distributed, envs
+from pagedserve.config import EngineConfig, ResolvedConfig
+from pagedserve.distributed import TensorParallel
+from pagedserve.engine.cache_sizing import CacheSizes, size_kv_cache
+from pagedserve.engine.model_runner import KVCacheSpec, ModelRunner
+from pagedserve.engine.shape_buckets import ShapeBuckets
+from pagedserve.logger import get_logger
+from pagedserve.models import loader
+from pagedserve.platforms import resolve_platform
+from pagedserve.quant.formats import checkpoint_format, load_quantizer
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a rank needs to start: plain data, sent to its process or actor."""
+
+    config: EngineConfig
+    rank: int
+    dist_address: str  # host:port of rank 0's rendezvous store
+    device_index: int  # among the devices this process sees
+    ranks_on_host: int
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        config = spec.config
+        start = time.perf_counter()
+        self.platform = resolve_platform(config.device)
+        self.tp = TensorParallel(spec.rank, config.tensor_parallel_size)
+        if self.tp.size > 1:
+            self.platform.bind_device(spec.device_index, spec.ranks_on_host)
+            distributed.init(self.platform.dist_backend, spec.dist_address, spec.rank,
+                             self.tp.size, envs.dist_timeout_s())
+        self.platform.seed_everything(config.seed)
+        dummy = config.load_format == "dummy"
+        source = loader.resolve_model(config.model, not dummy, revision=config.revision,
+                                      gguf_file=config.gguf_file)
+        arch = loader.load_arch_config(source)
+        resolved = config.resolve(arch, self.platform)
+        # Checked before any weight is read, so a bad quantization_config fails at once.
+        fmt = None if dummy else checkpoint_format(arch.raw, config.quantization, source.gguf)
+        self.runner = ModelRunner(self.platform, arch, resolved.dtype, resolved.max_model_len,
+                                  config.kv_cache_dtype,
+                                  load_quantizer(arch.raw, config.quantization, dummy),
+                                  _shape_buckets(config, resolved), self.tp)
+        if dummy:
+            self.runner.init_dummy_weights(config.seed)
+        else:
+            self.runner.load_weights(fmt.read(loader.iter_weights(source)))
+        self.sizes = self._agree(size_kv_cache(config, resolved, self.platform, self.runner))
+        self.runner.allocate_kv_cache(
+            KVCacheSpec(self.sizes.num_blocks, resolved.block_size, self.runner.kv_dtype))
+        if not config.enforce_eager:
+            self.runner.capture_graphs(config.max_num_seqs)
+        # After graph capture: HPU graphs record each bucket at its first run. Every rank
+        # warms up the same shapes in the same order (the forwards hold collectives).
+        self.runner.warm_up()
+        if self.tp.size > 1:
+            logger.info("tensor-parallel rank %d/%d ready in %.1fs", spec.rank, self.tp.size,
+                        time.perf_counter() - start)
+
+    def _agree(self, sizes: CacheSizes) -> CacheSizes:
+        if self.tp.size == 1:
+            return sizes
+        blocks, host_blocks = self.tp.min_over_ranks([sizes.num_blocks, sizes.num_host_blocks],
+                                                     self.runner.device)
+        return CacheSizes(blocks, host_blocks, sizes.bytes_per_block)
+
+
+def _shape_buckets(config: EngineConfig, resolved: ResolvedConfig) -> ShapeBuckets | None:
+    if not resolved.shape_bucketing:
+        return None
+    return ShapeBuckets.for_limits(config.max_num_seqs, resolved.max_num_batched_tokens,
+                                   -(-resolved.max_model_len // resolved.block_size))

@@ -1,0 +1,226 @@
+"""Tensor parallelism on the CPU: two ranks over gloo give the tokens one rank gives. The
+tests marked slow start a second rank (a process, or a Ray cluster of two nodes)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pagedserve import SamplingParams
+from pagedserve.config import ConfigError
+from tests.devices import HAS_NVIDIA
+from tests.quant.packers import write_quantized_pair
+from tests.tiny_models import make_llm, random_prompts, write_tiny_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = random_prompts("tp", [5, 17, 40, 3])
+
+# (architecture, config overrides): KV heads per rank 1 (llama3: 2 of 8 heads; qwen2: 2 of 4,
+# with q/k/v biases and a tied head), and fewer KV heads than ranks (mistral: 1, replicated);
+# the odd vocabularies pad the last rank's slice of the embedding and the LM head.
+CASES = {
+    "llama3": ("llama3", {}),
+    "qwen2-bias-tied-odd-vocab": ("qwen2", {"vocab_size": 385}),
+    "mistral-one-kv-head-odd-vocab": ("mistral", {"vocab_size": 387}),
+}
+
+
+def _tokens(llm, prompts, params) -> list[list[int]]:
+    return [c.token_ids for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, case):
+    arch, overrides = CASES[case]
+    folder = write_tiny_model(tmp_path / arch, arch, **overrides)
+    expected = _tokens(make_llm(folder), PROMPTS, GREEDY)
+    # Async scheduling: most steps take their input tokens from the previous step's output,
+    # which rank 0 broadcast to the other rank's device.
+    llm = make_llm(folder, tensor_parallel_size=2, async_scheduling=True)
+    try:
+        assert _tokens(llm, PROMPTS, GREEDY) == expected
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_features_with_two_ranks(tmp_path):
+    """Chunked prefill (a small token budget), prefix caching (a shared prefix), swap
+    preemption (a pool too small for the parallel samples of n=3), async scheduling and
+    prompt logprobs: every rank moves its own heads' blocks, and rank 0 alone samples."""
+    folder = write_tiny_model(tmp_path / "llama3", "llama3")
+    prefix = random_prompts("prefix", [35])[0]
+    prompts = [prefix + p for p in random_prompts("tails", [4, 9, 2])]
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                            prompt_logprobs=1)
+    parallel = SamplingParams(n=3, max_tokens=24, temperature=0.9, seed=5, ignore_eos=True)
+    options = dict(num_blocks=18, block_size=8, max_num_batched_tokens=24,
+                   preemption_mode="swap", async_scheduling=True)
+
+    def run(llm):
+        outs = llm.generate(prompts + prompts[:1], [greedy] * 3 + [parallel], use_tqdm=False)
+        return ([[c.token_ids for c in o.outputs] for o in outs],
+                [o.prompt_logprobs for o in outs[:3]],
+                llm.engine.scheduler.num_preemptions, llm.engine.kv.prefix_stats.hit_tokens)
+
+    one = make_llm(folder, **options)
+    tokens, logprobs, preemptions, hits = run(one)
+    assert preemptions > 0 and hits > 0  # the features were exercised
+    # --kv-cache-memory-bytes is per rank, and a rank's block holds half the KV heads.
+    options["num_blocks"] = None
+    llm = make_llm(folder, tensor_parallel_size=2,
+                   kv_cache_memory_bytes=18 * one.engine.kv_bytes_per_block // 2, **options)
+    assert llm.engine.kv.pool.num_blocks == 18
+    try:
+        tp_tokens, tp_logprobs, tp_preemptions, tp_hits = run(llm)
+    finally:
+        llm.engine.shutdown()
+    assert tp_tokens == tokens
+    assert (tp_preemptions, tp_hits) == (preemptions, hits)
+    for ours, ref in zip(tp_logprobs, logprobs):
+        assert [list(p) if p else p for p in ours] == [list(p) if p else p for p in ref]
+        for a, b in zip(ours[1:], ref[1:]):
+            for token in a:
+                assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_a_dead_rank_fails_the_step_at_once(tmp_path):
+    folder = write_tiny_model(tmp_path / "mistral", "mistral")
+    llm = make_llm(folder, tensor_parallel_size=2)
+    try:
+        _kill_rank_and_expect_failure(llm.engine, llm.engine.executor.remote.procs[0].kill)
+    finally:
+        llm.engine.shutdown()
+
+
+def _kill_rank_and_expect_failure(engine, kill) -> None:
+    """Rank 1 dies mid-request: within a bounded time the step fails naming it, and the
+    engine reports itself dead."""
+    from pagedserve.executor.executor import WorkerDiedError
+
+    engine.add_request(PROMPTS[0], GREEDY)
+    engine.step()
+    kill()
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 10.0
+    assert "rank 1" in engine.dead_reason()
+
+
+@pytest.mark.slow
+def test_ray_ranks_on_a_two_node_cluster(tmp_path, monkeypatch):
+    """Rank 1 is a Ray actor on the second node of a two-node cluster on this machine (the
+    head node offers no CPU to actors, so the placement group must use the other)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    folder = write_tiny_model(tmp_path / "qwen2", "qwen2", vocab_size=385)
+    expected = _tokens(make_llm(folder), PROMPTS, GREEDY)
+    # A failure ends in a minute, not the default five; the nodes' workers inherit it.
+    monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", "60")
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+        monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+        llm = make_llm(folder, tensor_parallel_size=2, distributed_executor_backend="ray")
+        try:
+            ((actor_node, devices),) = llm.engine.executor.remote.placements
+            assert actor_node != cluster.head_node.node_id and devices == []
+            assert _tokens(llm, PROMPTS, GREEDY) == expected
+            _kill_rank_and_expect_failure(llm.engine, lambda: ray.kill(
+                llm.engine.executor.remote.actors[0]))
+        finally:
+            llm.engine.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
+
+
+@pytest.mark.slow
+def test_gptq_checkpoint_splits_by_its_groups(tiny_model_folder, tmp_path):
+    """4-bit groups of 32: o_proj's 64 input columns split into 32 per rank, on a group
+    boundary, so each rank's kernel reads whole groups and the tokens stay one rank's."""
+    write_quantized_pair(tiny_model_folder("llama3"), tmp_path / "q", tmp_path / "f", GPTQ)
+    expected = _tokens(make_llm(tmp_path / "q"), PROMPTS, GREEDY)
+    llm = make_llm(tmp_path / "q", tensor_parallel_size=2)
+    try:
+        assert _tokens(llm, PROMPTS, GREEDY) == expected
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,change,message", [
+    ("llama3", {"desc_act": True}, "act-order"),
+    # qwen2's down_proj: 160 input columns, 80 per rank, not a multiple of the groups of 32
+    ("qwen2", {}, "80 input columns .* groups of 32"),
+])
+def test_unsplittable_quantized_layers_are_refused(tiny_model_folder, tmp_path, arch, change,
+                                                   message):
+    write_quantized_pair(tiny_model_folder(arch), tmp_path / "q", tmp_path / "f",
+                         {**GPTQ, **change})
+    with pytest.raises(ConfigError, match=message):
+        make_llm(tmp_path / "q", tensor_parallel_size=2)
+
+
+def test_heads_that_do_not_split_are_refused_before_anything_starts(tiny_model_folder):
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 3: the model's 8 attention "
+                                          "heads do not divide into 3"):
+        make_llm(tiny_model_folder("llama3"), tensor_parallel_size=3)
+
+
+def test_one_rank_calls_no_collective(tiny_model_folder, monkeypatch):
+    """The single-device engine is the model runner's step, with nothing distributed in it."""
+    import torch.distributed as dist
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective was called with one rank")
+
+    for name in ("all_reduce", "gather", "broadcast", "init_process_group"):
+        monkeypatch.setattr(dist, name, refuse)
+    llm = make_llm(tiny_model_folder("qwen2"), async_scheduling=True)
+    assert llm.engine.executor.remote is None
+    assert not any(getattr(m, "reduce", False) for m in llm.engine.runner.model.modules())
+    assert all(len(o.outputs[0].token_ids) == 12
+               for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+def test_the_driver_takes_a_device_no_actor_on_its_node_has():
+    from pagedserve.executor.ray_actors import first_free_device
+
+    assert first_free_device([]) == 0
+    assert first_free_device([["0"], ["2"]]) == 1
+    assert first_free_device([["1"], ["0"]]) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_NVIDIA or torch.cuda.device_count() < 2,
+                    reason="needs two NVIDIA GPUs")
+@pytest.mark.parametrize("case", CASES)
+def test_two_gpus_give_one_gpus_greedy_tokens(tmp_path, case):
+    """The same on two GPUs over NCCL, in float32, with CUDA graphs for the decode steps."""
+    from pagedserve import LLM
+
+    arch, overrides = CASES[case]
+    folder = write_tiny_model(tmp_path / arch, arch, **overrides)
+    options = dict(model=str(folder), device="cuda", dtype="float32",
+                   kv_cache_memory_bytes=64 << 20)
+    one = LLM(**options)
+    expected = _tokens(one, PROMPTS, GREEDY)
+    one.engine.shutdown()
+    del one
+    llm = LLM(tensor_parallel_size=2, **options)
+    try:
+        assert _tokens(llm, PROMPTS, GREEDY) == expected
+    finally:
+        llm.engine.shutdown()

@@ -1,0 +1,49 @@
+"""How tensor parallelism splits heads, vocabularies and quantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.config import ConfigError
+from pagedserve.distributed import Part, TensorParallel, split_heads
+from pagedserve.quant.weights import Fp8Weight, GroupQuantWeight, take_columns, take_rows
+
+
+def test_kv_heads_split_or_replicate():
+    # 8 query heads, 2 KV heads on 4 ranks: ranks 0-1 share KV head 0, ranks 2-3 KV head 1.
+    splits = [split_heads(8, 2, TensorParallel(r, 4)) for r in range(4)]
+    assert [(s.num_heads, s.num_kv_heads) for s in splits] == [(2, 1)] * 4
+    assert [s.q.start for s in splits] == [0, 2, 4, 6]
+    assert [s.kv.start for s in splits] == [0, 0, 1, 1]
+    assert split_heads(8, 4, TensorParallel(1, 2)).kv == Part(4, 2, 2)
+
+
+def test_an_odd_vocabulary_pads_the_last_slice():
+    parts = [TensorParallel(r, 2).padded_part(385) for r in range(2)]
+    assert parts == [Part(385, 0, 193), Part(385, 193, 193)]
+    table = torch.arange(385.0)[:, None]
+    last = take_rows(table, parts[1].start, parts[1].size)
+    assert last[:-1, 0].tolist() == list(range(193, 385)) and last[-1, 0] == 0
+
+
+@pytest.mark.parametrize("weight", [
+    GroupQuantWeight.quantize(torch.randn(6, 128, generator=torch.Generator().manual_seed(0)),
+                              4, 32),
+    GroupQuantWeight.quantize(torch.randn(6, 128, generator=torch.Generator().manual_seed(2)),
+                              8, 128),
+    Fp8Weight.quantize(torch.randn(6, 128, generator=torch.Generator().manual_seed(1))),
+], ids=["group", "per-channel", "fp8"])
+def test_quantized_slices_dequantize_to_the_dense_slices(weight):
+    dense = weight.dequantize(torch.float64)
+    rows = take_rows(weight, 2, 6)  # two rows past the end: zeros
+    assert torch.equal(rows.dequantize(torch.float64),
+                       torch.cat([dense[2:], torch.zeros(2, 128, dtype=torch.float64)]))
+    cols = take_columns(weight, 64, 64)
+    assert torch.equal(cols.dequantize(torch.float64), dense[:, 64:])
+
+
+def test_a_cut_inside_a_group_is_refused():
+    weight = GroupQuantWeight.quantize(torch.randn(4, 128), 4, 64)
+    with pytest.raises(ConfigError, match="groups of 64"):
+        take_columns(weight, 32, 32)
