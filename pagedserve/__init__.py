@@ -13,11 +13,12 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.outputs import CompletionOutput, RequestOutput
-    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 _LAZY = {
     "LLM": "pagedserve.entrypoints.llm",
     "SamplingParams": "pagedserve.sampling_params",
+    "StructuredOutputsParams": "pagedserve.sampling_params",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "EngineConfig": "pagedserve.config",
@@ -32,5 +33,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig",
-           "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "EngineConfig", "__version__"]

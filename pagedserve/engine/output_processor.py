@@ -13,8 +13,12 @@ from pagedserve.engine.beam_driver import BeamDriver
 from pagedserve.engine.model_runner import StepResult
 from pagedserve.engine.request_state import RequestState, SequenceState, token_logprobs
 from pagedserve.engine.stop_conditions import stop_status
+from pagedserve.logger import get_logger
 from pagedserve.outputs import RequestOutput
 from pagedserve.sample.sampler import SamplerOutput
+from pagedserve.structured.grammar_state import GrammarState
+
+logger = get_logger(__name__)
 
 FinishFn = Callable[[Sequence, SequenceStatus], None]
 
@@ -47,6 +51,10 @@ class OutputProcessor:
 
     def sequence(self, seq: Sequence) -> SequenceState:
         return self._seqs[seq]
+
+    def find(self, seq: Sequence) -> SequenceState | None:
+        """The sequence's state, or None once its request is finished and forgotten."""
+        return self._seqs.get(seq)
 
     # ---- a computed step ----------------------------------------------------------------
     def process(self, result: StepResult, samples: SamplerOutput | None) -> list[RequestOutput]:
@@ -121,6 +129,10 @@ class OutputProcessor:
         if seq.params.detokenize:
             state.detokenizer.append(token)
         status = stop_status(seq, token, state.detokenizer.stop_reason)
+        if state.grammar is not None and status is None:
+            status = _grammar_status(state.grammar, token)
+        elif state.grammar is not None:
+            state.grammar.accept(token)  # a stop the grammar may not allow; the stream ends
         if status is not None:
             self._finish(seq, status)
 
@@ -166,6 +178,16 @@ class _HostSamples(NamedTuple):
             sampled.token_ids.tolist(), sampled.logprobs.tolist(), sampled.ranks.tolist(),
             sampled.top_ids.tolist() if sampled.top_ids is not None else None,
             sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None)
+
+
+def _grammar_status(grammar: GrammarState, token: int) -> SequenceStatus | None:
+    """Advance ``grammar``; the stream stops once the grammar is complete (or, were the mask
+    ever wrong, at a token it refuses, which is logged and never followed)."""
+    if not grammar.accept(token):
+        logger.error("a sampled token (%d) was outside the grammar; stopping the sequence",
+                     token)
+        return SequenceStatus.FINISHED_ERROR
+    return SequenceStatus.FINISHED_STOPPED if grammar.terminated else None
 
 
 def _record_token_time(state: RequestState, now: float) -> None:

@@ -18,6 +18,7 @@ from pagedserve.outputs import (
     TokenLogprobs,
 )
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured.grammar_state import GrammarState
 
 
 @dataclass(eq=False)
@@ -32,6 +33,7 @@ class SequenceState:
     generator: torch.Generator | None
     logprobs: list[TokenLogprobs] | None
     cumulative_logprob: float = 0.0
+    grammar: GrammarState | None = None  # set once the request's grammar is compiled
     # What earlier outputs held (characters, tokens): a "delta" output starts past them.
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
@@ -81,7 +83,7 @@ class RequestState:
         """Whether the next step may be scheduled before the host has seen the last token:
         not when the next logits read the outputs so far (penalties, min_tokens), when the
         host picks the tokens (beam search) or when prompt logprobs are read back as they are
-        made."""
+        made. (A grammar's mask is built after the last token is seen: see ``llm_engine``.)"""
         p = self.params
         return not (p.use_beam_search or p.min_tokens or p.prompt_logprobs is not None
                     or p.repetition_penalty != 1.0 or p.presence_penalty

@@ -12,7 +12,7 @@ from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-ChatMessages = list[dict[str, str]]
+ChatMessages = list[dict[str, Any]]
 
 
 class LLM:
@@ -77,12 +77,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation, then generate. ``tools``
+        (OpenAI's form, ``{"type": "function", "function": {...}}``) go to the template, which
+        describes them to the model as its family expects; messages may hold ``role: tool``
+        results and assistant ``tool_calls``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.engine.tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+                conv, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
             for conv in conversations
         ]
         # The template already holds any BOS token; tokenize without adding another.

@@ -25,7 +25,7 @@ from pagedserve.config import ConfigError, EngineConfig
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.engine.input_batch import InFlightTokens
-from pagedserve.engine.model_runner import ModelRunner, StepInput, StepResult
+from pagedserve.engine.model_runner import Forward, ModelRunner, StepInput, StepResult
 from pagedserve.executor.worker import Worker, WorkerSpec
 from pagedserve.sample.metadata import SamplingMetadata
 
@@ -103,6 +103,22 @@ class Executor:
         with self._watching():
             self.remote.send(step)
             return self.runner.execute_planned(out, step, spans, sampling, in_flight)
+
+    def forward(self, out: SchedulerOutput, in_flight: InFlightTokens | None) -> Forward:
+        """``execute`` up to its sampling (``sample``), so that the sampling metadata can be
+        built while the ranks compute; the other ranks wait for the sampled tokens."""
+        step, spans = self.runner.plan(out, in_flight)
+        if self.remote is None:
+            return self.runner.forward_planned(out, step, spans, in_flight)
+        with self._watching():
+            self.remote.send(step)
+            return self.runner.forward_planned(out, step, spans, in_flight)
+
+    def sample(self, forward: Forward, sampling: SamplingMetadata | None) -> StepResult:
+        if self.remote is None:
+            return self.runner.sample(forward, sampling)
+        with self._watching():
+            return self.runner.sample(forward, sampling)
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Block moves of a step that computes nothing, on every rank."""

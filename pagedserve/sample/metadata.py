@@ -13,6 +13,7 @@ from itertools import chain
 import torch
 
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
+from pagedserve.structured.grammar_state import GrammarMask
 
 
 @dataclass(slots=True)
@@ -45,12 +46,15 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, bias)
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to forbid
     penalties: Penalties | None
+    # Allowed tokens of the rows with a grammar; set by the engine, which holds the grammars.
+    grammar_mask: GrammarMask | None = None
 
     @property
     def edits_logits(self) -> bool:
-        """Whether bias, min_tokens or penalties change the logits (the sampler then copies)."""
+        """Whether bias, min_tokens, penalties or a grammar change the logits (the sampler
+        then copies)."""
         return (self.logit_bias is not None or self.min_tokens_mask is not None
-                or self.penalties is not None)
+                or self.penalties is not None or self.grammar_mask is not None)
 
     @classmethod
     def build(

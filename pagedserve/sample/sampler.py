@@ -1,10 +1,11 @@
 """Turns one step's logits into next tokens and their logprobs, all as batched tensor ops.
 
 Order of operations (vLLM's): logit_bias, min_tokens, repetition penalty, presence/frequency
-penalties; then temperature, top-k, top-p, min-p; then greedy argmax or a random draw.
+penalties, the grammar mask of constrained rows; then temperature, top-k, top-p, min-p; then
+greedy argmax or a random draw.
 
 Logprobs are those of the model's distribution after the first group (bias, min_tokens,
-penalties) and before temperature and truncation, which is what vLLM reports by default: a
+penalties, grammar) and before temperature and truncation, which is what vLLM reports by default: a
 client sees how likely the model found a token, not an artefact of its sampling knobs.
 """
 
@@ -16,6 +17,7 @@ import torch
 
 from pagedserve.sample.logprobs import LogprobsTensors, compute_logprobs
 from pagedserve.sample.metadata import Penalties, SamplingMetadata
+from pagedserve.structured.grammar_state import GrammarMask
 
 
 class SamplerOutput(NamedTuple):
@@ -50,7 +52,19 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         logits.index_put_(meta.min_tokens_mask, logits.new_tensor(float("-inf")))
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
+    if meta.grammar_mask is not None:
+        apply_grammar_mask(logits, meta.grammar_mask)
     return logits
+
+
+def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
+    """Set to -inf, in place, the tokens the grammar forbids in the constrained rows only."""
+    bits = 1 << torch.arange(32, dtype=torch.int32, device=logits.device)  # 1 << 31 wraps: ok
+    # Bit b of word w is token 32 w + b; the last word's spare bits fall past the vocabulary.
+    forbidden = (mask.bitmask.unsqueeze(-1) & bits) == 0
+    rows = logits.index_select(0, mask.rows)
+    rows.masked_fill_(forbidden.flatten(1)[:, :logits.shape[-1]], float("-inf"))
+    logits.index_copy_(0, mask.rows, rows)
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:

@@ -25,10 +25,18 @@ from pagedserve.logger import get_logger
 from pagedserve.server.errors import APIError, install_error_handlers
 from pagedserve.server.guards import BearerAuth, BodySizeLimit, JSONBodies, ReadDeadlineProtocol
 from pagedserve.server.metrics import ServerMetrics
-from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from pagedserve.server.serving_chat import ChatServing
 from pagedserve.server.serving_completion import CompletionServing
 from pagedserve.server.serving_models import EngineClient, ServedModel
+from pagedserve.server.serving_tokenization import TokenizationServing
+from pagedserve.server.tool_parsers import ToolParser, tool_parser
 
 logger = get_logger(__name__)
 
@@ -37,15 +45,17 @@ CLIENT_CLOSED = 499
 
 
 def create_app(engine: EngineCoreClient, api_key: str | None = None,
-               max_request_bytes: int = 4 << 20, enable_docs: bool = False) -> FastAPI:
+               max_request_bytes: int = 4 << 20, enable_docs: bool = False,
+               tool_parser: ToolParser | None = None) -> FastAPI:
     """An app serving a started engine core; the app's lifespan reads its outputs and stops it
     at the end. ``enable_docs`` serves FastAPI's /docs and /redoc, whose pages load their
-    scripts from a public CDN."""
+    scripts from a public CDN. ``tool_parser`` enables ``tool_choice: "auto"``."""
     model = ServedModel.from_client(engine)
     metrics = ServerMetrics(lambda: engine.stats)
     client = EngineClient(engine, metrics)
     completions = CompletionServing(model, client)
-    chat = ChatServing(model, client)
+    chat = ChatServing(model, client, tool_parser)
+    tokenization = TokenizationServing(model)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -92,6 +102,14 @@ def create_app(engine: EngineCoreClient, api_key: str | None = None,
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return _to_response(await _unless_disconnected(raw, chat.create(body)))
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        return tokenization.tokenize(body).model_dump(exclude_none=True)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return tokenization.detokenize(body).model_dump()
+
     return app
 
 
@@ -129,6 +147,11 @@ def run_server(args: argparse.Namespace) -> None:
 
     from pagedserve.engine_args import config_from_args
 
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        print("pagedserve: error: --enable-auto-tool-choice needs --tool-call-parser",
+              file=sys.stderr)
+        sys.exit(2)
+    parser = tool_parser(args.tool_call_parser) if args.enable_auto_tool_choice else None
     engine = EngineCoreClient(config_from_args(args))
     try:
         engine.start()
@@ -137,7 +160,7 @@ def run_server(args: argparse.Namespace) -> None:
         sys.exit(2)
     # The environment keeps the key out of the process list, where --api-key shows it.
     api_key = args.api_key or envs.api_key()
-    app = create_app(engine, api_key, args.max_request_bytes, args.enable_docs)
+    app = create_app(engine, api_key, args.max_request_bytes, args.enable_docs, parser)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("listening on %s without an API key: anyone who can reach this address "
                        "can use the model", args.host)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from pagedserve.server.tool_parsers import TOOL_PARSERS
+
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
@@ -26,6 +28,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="log a line per HTTP request (uvicorn's access log; off by default, "
                         "it costs the API server time under load)")
     g.add_argument("--log-level", default="info")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto": the model\'s output is parsed for tool calls '
+                        "by --tool-call-parser")
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="the tool-call format of the model family (hermes: <tool_call> JSON "
+                        "blocks, as Hermes, Qwen and SmolLM use; llama3_json: Llama 3.1+ "
+                        "JSON calls)")
 
 
 def _positive(kind: type):

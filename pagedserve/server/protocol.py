@@ -5,22 +5,27 @@ becomes ``SamplingParams``. vLLM's extra sampling fields (top_k, min_p, ...) are
 
 Requests are read as strictly as OpenAI reads them: ``"4"``, ``true`` or ``4.0`` is not an
 integer, infinities and NaN are not numbers, and a field this server does not know is refused
-with its name (a field it does not implement, such as ``tools``, must not be silently ignored).
+with its name (a field it does not implement, such as ``suffix``, must not be silently ignored).
 A few fields that change nothing in the output are accepted and ignored: ``user``, ``store``,
 ``metadata``, ``service_tier``, ``safety_identifier`` and ``prompt_cache_key``.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
+from pagedserve.sampling_params import (
+    InvalidSamplingParam,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 # OpenAI's stand-in for a logprob of -inf, which JSON cannot carry.
 MIN_LOGPROB = -9999.0
@@ -76,6 +81,38 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(StrictModel):
+    name: str
+    description: str | None = None
+    # ``schema`` would shadow a BaseModel method; the wire name stays "schema".
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # every schema is enforced exactly, strict or not
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(StrictModel):
+    """vLLM's ``structured_outputs``: exactly one of the fields."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def to_params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice,
+                                       grammar=self.grammar, json_object=bool(self.json_object))
+
+
+# The older vLLM fields, each naming one field of ``structured_outputs``.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
 class SamplingRequest(StrictModel):
     """Fields shared by completions and chat completions."""
 
@@ -107,6 +144,13 @@ class SamplingRequest(StrictModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and guided_*.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -124,7 +168,32 @@ class SamplingRequest(StrictModel):
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs_params(),
         )
+
+    def _structured_fields(self) -> list[str]:
+        """The structured-output fields this request sets (at most one is allowed)."""
+        named = ["structured_outputs", *_GUIDED_FIELDS]
+        given = [name for name in named if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        return given
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        given = self._structured_fields()
+        if len(given) > 1:
+            raise InvalidSamplingParam(given[1], f"only one of {', '.join(given)} may be set")
+        if not given:
+            return None
+        name = given[0]
+        try:
+            if name == "structured_outputs":
+                return self.structured_outputs.to_params()
+            if name == "response_format":
+                return _response_format_params(self.response_format)
+            return StructuredOutputsParams(**{_GUIDED_FIELDS[name]: getattr(self, name)})
+        except InvalidSamplingParam as exc:
+            raise InvalidSamplingParam(name, str(exc)) from None
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -133,6 +202,8 @@ class SamplingRequest(StrictModel):
 
     def field_name(self, param: str) -> str:
         """The field of this request that an engine parameter came from."""
+        if param == "structured_outputs":
+            return next(iter(self._structured_fields()), param)
         return param
 
 
@@ -159,21 +230,80 @@ class CompletionRequest(SamplingRequest):
         return params
 
 
+class FunctionDefinition(StrictModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: Annotated[str | list[TextPart] | None, AfterValidator(_unicode_text)] = None
     name: Annotated[str | None, AfterValidator(_unicode_text)] = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages only
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only tool messages carry tool_call_id")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "\n".join(part.text for part in self.content)
         return self.content or ""
 
-    def for_template(self) -> dict[str, str]:
-        message = {"role": self.role, "content": self.text()}
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (HF's convention: a tool call's arguments
+        as a dict, which templates render with ``tojson``)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls]
         return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -183,6 +313,10 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    # Default as OpenAI's: "auto" with tools, "none" without.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def max_tokens_field(self) -> str:
@@ -195,7 +329,8 @@ class ChatCompletionRequest(SamplingRequest):
             else self.max_completion_tokens
 
     def field_name(self, param: str) -> str:
-        return {"prompt": "messages", "max_tokens": self.max_tokens_field}.get(param, param)
+        return {"prompt": "messages", "max_tokens": self.max_tokens_field}.get(
+            param, super().field_name(param))
 
     def to_sampling_params(self) -> SamplingParams:
         self.check_stream_options()
@@ -204,6 +339,51 @@ class ChatCompletionRequest(SamplingRequest):
         logprobs = _default(self.top_logprobs, 0) if self.logprobs else None
         return SamplingParams(**self._sampling_fields(), max_tokens=self.requested_max_tokens,
                               logprobs=logprobs)
+
+
+class TokenizeCompletionRequest(StrictModel):
+    """vLLM's ``POST /tokenize`` of a prompt."""
+
+    model: str | None = None
+    prompt: Annotated[str, AfterValidator(_unicode_text)]
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(StrictModel):
+    """vLLM's ``POST /tokenize`` of a conversation, rendered by the chat template."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    tools: list[ChatTool] | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def _response_format_params(fmt: ResponseFormat) -> StructuredOutputsParams:
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise InvalidSamplingParam("response_format",
+                                   "response_format json_schema needs json_schema.schema")
+    return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
 
 def _default(value, default):
@@ -274,7 +454,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):

@@ -1,11 +1,13 @@
 """``POST /v1/chat/completions``: the conversation goes through the model's chat template (as
 ``LLM.chat`` does), then runs as one engine request with n choices.
 
-Streams open with a chunk per choice that carries only the role, as OpenAI's do.
+Streams open with a chunk per choice that carries only the role, as OpenAI's do. With tools,
+``tool_choice`` decides how the output becomes tool calls (``tool_choice.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from fastapi.responses import StreamingResponse
 
 from pagedserve.outputs import CompletionOutput, TokenLogprobs
+from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.server.errors import bad_request, stream_error
 from pagedserve.server.protocol import (
     MIN_LOGPROB,
@@ -22,7 +25,10 @@ from pagedserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatTokenLogprob,
+    FunctionCall,
+    ToolCall,
     TopLogprob,
     UsageInfo,
     choice_dict,
@@ -36,6 +42,8 @@ from pagedserve.server.serving_models import (
     ServedModel,
     TimedStream,
 )
+from pagedserve.server.tool_choice import ToolCallStream, ToolPlan, call_id
+from pagedserve.server.tool_parsers import ToolParser
 
 _CHUNK = "chat.completion.chunk"  # the ``object`` of a streamed chunk
 
@@ -44,45 +52,55 @@ _CHUNK = "chat.completion.chunk"  # the ``object`` of a streamed chunk
 class ChatServing:
     model: ServedModel
     client: EngineClient
+    # The --tool-call-parser when --enable-auto-tool-choice is on, else None.
+    tool_parser: ToolParser | None = None
 
     async def create(self, request: ChatCompletionRequest,
                      ) -> ChatCompletionResponse | StreamingResponse:
         arrival = time.perf_counter()
         self.model.check_name(request.model)
-        token_ids = self._render(request)
+        plan = ToolPlan.of(request, self.tool_parser)
+        token_ids = self._render(request, plan)
         self.model.check_max_tokens(len(token_ids), request.requested_max_tokens,
                                     param=request.max_tokens_field)
-        params = request.to_sampling_params()
+        params = _with_tool_constraint(request.to_sampling_params(), plan)
         self.model.check_params(params)
         request_id = random_id("chatcmpl")
-        stream = self.client.submit(request_id, token_ids, params, arrival, request.field_name)
+
+        def field_name(param: str) -> str:  # a bad tool schema is the tools' fault
+            if param == "structured_outputs" and plan.constraint() is not None:
+                return "tools"
+            return request.field_name(param)
+
+        stream = self.client.submit(request_id, token_ids, params, arrival, field_name)
         if request.stream:
-            return StreamingResponse(self._stream(request, request_id, len(token_ids), stream),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._stream(request, plan, request_id, len(token_ids), stream),
+                media_type="text/event-stream")
         try:
             final = await stream.final()
         finally:
             stream.close()
-        choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text),
-                              logprobs=self._logprobs(request, o.token_ids, o.logprobs),
-                              finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-                   for o in final.outputs]
+        choices = [self._choice(request, plan, o) for o in final.outputs]
         completion_tokens = final.metrics.num_generated_tokens
         return ChatCompletionResponse(id=request_id, model=self.model.name, choices=choices,
                                       usage=UsageInfo.of(len(token_ids), completion_tokens))
 
-    def _render(self, request: ChatCompletionRequest) -> list[int]:
-        tokenizer = self.model.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise bad_request("this model has no chat template; use /v1/completions",
-                              param="messages")
-        messages = [m.for_template() for m in request.messages]
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt)
-        except Exception as exc:  # the template's own raise_exception(), or a Jinja error
-            raise bad_request(f"the chat template rejected the messages: {exc}",
-                              param="messages") from exc
+    def _choice(self, request: ChatCompletionRequest, plan: ToolPlan,
+                out: CompletionOutput) -> ChatChoice:
+        parsed = plan.parse(out.text)
+        calls = [ToolCall(id=call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+                 for c in parsed.calls]
+        message = AssistantMessage(content=parsed.content if calls else out.text,
+                                   tool_calls=calls)
+        return ChatChoice(index=out.index, message=message,
+                          logprobs=self._logprobs(request, out.token_ids, out.logprobs),
+                          finish_reason=_finish_reason(out.finish_reason, bool(calls)),
+                          stop_reason=out.stop_reason)
+
+    def _render(self, request: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+        text = render_chat(self.model, request.messages, plan.template_tools(),
+                           request.add_generation_prompt)
         # The template already holds any BOS token; tokenize without adding another.
         return self.model.encode(text, add_special_tokens=False)
 
@@ -94,7 +112,7 @@ class ChatServing:
         return ChatLogprobs(content=[_token_logprob(t, e, k)
                                      for t, e in zip(token_ids, entries or [], strict=False)])
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str,
+    async def _stream(self, request: ChatCompletionRequest, plan: ToolPlan, request_id: str,
                       num_prompt_tokens: int, stream: TimedStream) -> AsyncIterator[str]:
         created = int(time.time())
 
@@ -103,13 +121,15 @@ class ChatServing:
 
         n = request.n or 1
         sent = [ChoiceProgress() for _ in range(n)]
+        tools = [ToolCallStream(plan) for _ in range(n)] if plan.mode != "none" else None
         completion_tokens = 0
         try:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}}
                          for i in range(n)])
             async for output in stream:
                 for out in output.outputs:
-                    choice = self._delta(request, out, sent[out.index])
+                    choice = self._delta(request, out, sent[out.index]) if tools is None \
+                        else _tool_delta(out, sent[out.index], tools[out.index])
                     if choice is not None:
                         yield chunk([choice])
                 if output.finished:
@@ -136,6 +156,50 @@ class ChatServing:
         return choice_dict(out.index, out.finish_reason, out.stop_reason,
                            self._logprobs(request, token_ids, entries),
                            delta={"content": text} if text else {})
+
+
+def render_chat(model: ServedModel, messages: list[ChatMessage],
+                tools: list[dict] | None, add_generation_prompt: bool) -> str:
+    """The conversation as the model's chat template writes it (``tools`` in OpenAI's form)."""
+    tokenizer = model.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions",
+                          param="messages")
+    try:
+        return tokenizer.apply_chat_template(
+            [m.for_template() for m in messages], tools=tools, tokenize=False,
+            add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # the template's own raise_exception(), or a Jinja error
+        raise bad_request(f"the chat template rejected the messages: {exc}",
+                          param="messages") from exc
+
+
+def _tool_delta(out: CompletionOutput, sent: ChoiceProgress,
+                stream: ToolCallStream) -> dict | None:
+    """A streamed choice of a request with tools (no logprobs: the text is regrouped)."""
+    if sent.done:
+        return None
+    delta = stream.delta(out.text, out.finished)
+    sent.advance(out)
+    if not delta and not out.finished:
+        return None
+    return choice_dict(out.index, _finish_reason(out.finish_reason, stream.called),
+                       out.stop_reason, None, delta=delta)
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _with_tool_constraint(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+    constraint = plan.constraint()
+    if constraint is None:
+        return params
+    if params.structured_outputs is not None:
+        raise InvalidSamplingParam(
+            "tool_choice", f"tool_choice {plan.mode!r} constrains the output itself; it cannot "
+            "be combined with response_format or structured outputs")
+    return dataclasses.replace(params, structured_outputs=constraint)
 
 
 def _token_logprob(token: int, entry: TokenLogprobs, k: int) -> ChatTokenLogprob:

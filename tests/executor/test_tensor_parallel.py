@@ -88,6 +88,29 @@ def test_features_with_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
+def test_constrained_requests_with_two_ranks_running_ahead(tmp_path):
+    """Grammar masks built between a step's forward pass and its sampling: rank 1 waits for
+    the tokens meanwhile, and the tokens equal one rank's, one step at a time. The tiny
+    vocabulary (384) is padded past its tokenizer's (300)."""
+    from pagedserve import StructuredOutputsParams
+
+    folder = write_tiny_model(tmp_path / "llama3", "llama3")
+    params = [SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=s)
+              for s in (StructuredOutputsParams(regex="(ab|c)+d"),
+                        StructuredOutputsParams(choice=["yes", "no", "maybe"]),
+                        StructuredOutputsParams(json={"type": "object", "properties": {
+                            "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                            "required": ["n"]}))]
+    params.append(GREEDY)
+    expected = _tokens(make_llm(folder), PROMPTS, params)
+    llm = make_llm(folder, tensor_parallel_size=2, async_scheduling=True)
+    try:
+        assert _tokens(llm, PROMPTS, params) == expected
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.slow
 def test_a_dead_rank_fails_the_step_at_once(tmp_path):
     folder = write_tiny_model(tmp_path / "mistral", "mistral")
     llm = make_llm(folder, tensor_parallel_size=2)

@@ -31,7 +31,7 @@ KV_BYTES = 4 << 20
 STARTUP_TIMEOUT_S = 180
 HTTP_TIMEOUT_S = 120
 # Fixtures that start a server subprocess (seconds each, once per session or module).
-SERVER_FIXTURES = {"server", "ahead_server", "served", "keyed_server"}
+SERVER_FIXTURES = {"server", "ahead_server", "served", "keyed_server", "smol"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,0 +1,64 @@
+"""A request's structured-output ask as one hashable key, and its check against the grammar
+library before the request enters the engine."""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from typing import NamedTuple
+
+from pagedserve.sampling_params import InvalidSamplingParam, StructuredOutputsParams
+
+# xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:line: ".
+_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+class GrammarSpec(NamedTuple):
+    """``kind`` is json | regex | grammar | json_object; ``text`` the schema as JSON text
+    (keys in the caller's order: properties are generated in that order), pattern or EBNF."""
+
+    kind: str
+    text: str
+
+
+def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
+    if params.json is not None:
+        schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+        return GrammarSpec("json", schema)
+    if params.regex is not None:
+        return GrammarSpec("regex", params.regex)
+    if params.choice is not None:
+        # Each choice as a JSON string literal, which the EBNF dialect reads the same way.
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+        return GrammarSpec("grammar", f"root ::= {alternatives}")
+    if params.grammar is not None:
+        return GrammarSpec("grammar", params.grammar)
+    return GrammarSpec("json_object", "")
+
+
+def to_grammar(spec: GrammarSpec):
+    """The xgrammar ``Grammar`` of ``spec``; raises ``InvalidSamplingParam`` with the
+    library's own message for a bad schema, regex or grammar."""
+    import xgrammar as xgr
+
+    try:
+        if spec.kind == "json":
+            # No free whitespace between tokens: a small model would otherwise pad forever.
+            return xgr.Grammar.from_json_schema(spec.text, any_whitespace=False)
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.text)
+        if spec.kind == "grammar":
+            return xgr.Grammar.from_ebnf(spec.text)
+        return xgr.Grammar.builtin_json_grammar()
+    except (RuntimeError, ValueError, TypeError) as exc:
+        message = _LOCATION.sub("", str(exc).strip())
+        raise InvalidSamplingParam(
+            "structured_outputs", f"invalid {spec.kind} for structured output: {message}"
+        ) from None
+
+
+@lru_cache(maxsize=256)
+def check(spec: GrammarSpec) -> None:
+    """Parse ``spec`` once (a cached success costs nothing the next time)."""
+    to_grammar(spec)

@@ -1,0 +1,139 @@
+"""The grammar pieces without a model: spec checks, the device-side mask against a bit-by-bit
+reference, padded vocabularies, and a constrained request crossing the process boundary."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+import xgrammar as xgr
+
+from pagedserve.engine import core_messages as msg
+from pagedserve.sample.sampler import apply_grammar_mask
+from pagedserve.sampling_params import (
+    InvalidSamplingParam,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+from pagedserve.structured.grammar_state import GrammarMask, GrammarState, build_grammar_mask
+from pagedserve.structured.spec import check, grammar_spec
+
+
+def test_mask_matches_a_bit_by_bit_reference():
+    vocab = 100  # not a multiple of 32: the last word's spare bits must be ignored
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=generator)
+    words = torch.randint(-2**31, 2**31 - 1, (2, 4), generator=generator, dtype=torch.int64)
+    bitmask = words.to(torch.int32)
+    rows = [1, 3]
+    expected = logits.clone()
+    for i, row in enumerate(rows):
+        for token in range(vocab):
+            word = int(words[i, token // 32]) & 0xFFFFFFFF
+            if not (word >> (token % 32)) & 1:
+                expected[row, token] = float("-inf")
+    masked = logits.clone()
+    apply_grammar_mask(masked, GrammarMask(torch.tensor(rows), bitmask))
+    assert torch.equal(masked, expected)
+    assert torch.equal(masked[[0, 2]], logits[[0, 2]])  # unconstrained rows untouched
+
+
+def test_unconstrained_batch_builds_no_mask():
+    assert build_grammar_mask([None, None], 128, torch.device("cpu")) is None
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_folder)
+
+
+def test_padded_vocabulary_ids_are_never_allowed(tokenizer):
+    """A model whose embedding is padded past the tokenizer: its extra logits columns must be
+    masked, or the sampler could draw an id the tokenizer cannot decode."""
+    from pagedserve.structured.compiler import GrammarCompilerPool
+
+    padded = len(tokenizer) + 70
+    pool = GrammarCompilerPool(tokenizer, padded, {tokenizer.eos_token_id})
+    compiled = pool.get(grammar_spec(StructuredOutputsParams(json_object=True))).result()
+    mask = build_grammar_mask([None, GrammarState(compiled)], padded, torch.device("cpu"))
+    assert mask.bitmask.shape == (1, -(-padded // 32))
+    logits = torch.zeros(2, padded)
+    apply_grammar_mask(logits, mask)
+    assert torch.isinf(logits[1, len(tokenizer):]).all()
+    assert torch.isfinite(logits[1, tokenizer.encode("{")[0]])  # a JSON object may start
+    assert not torch.isinf(logits[0]).any()
+
+
+def test_compiled_grammars_are_shared_and_the_cache_is_bounded(tokenizer, monkeypatch):
+    from pagedserve.structured import compiler
+
+    monkeypatch.setattr(compiler, "MAX_CACHED_GRAMMARS", 2)
+    pool = compiler.GrammarCompilerPool(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    specs = [grammar_spec(StructuredOutputsParams(regex=r)) for r in ("a", "b", "c")]
+    first = pool.get(specs[0])
+    assert pool.get(specs[0]) is first  # one compile for every request of a spec
+    second = pool.get(specs[1])
+    pool.get(specs[0])  # now the most recently asked
+    pool.get(specs[2])  # evicts specs[1]
+    assert pool.get(specs[0]) is first
+    assert pool.get(specs[1]) is not second  # compiled again
+    assert first.result() is not None and second.result() is not None
+
+
+def test_choice_grammar_accepts_exactly_the_choices(tokenizer):
+    from pagedserve.structured.compiler import GrammarCompilerPool
+
+    choices = ['say "hi"', "back\\slash", "two\nlines", "ü€"]
+    pool = GrammarCompilerPool(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    compiled = pool.get(grammar_spec(StructuredOutputsParams(choice=choices))).result()
+    for text in [*choices, 'say "hi" ', "two"]:
+        matcher = xgr.GrammarMatcher(compiled)
+        accepted = matcher.accept_string(text) and matcher.is_completed()
+        assert accepted == (text in choices), text
+
+
+@pytest.mark.parametrize(("params", "words"), [
+    (StructuredOutputsParams(json={"type": "objectx"}), ["json", "objectx"]),
+    (StructuredOutputsParams(json="{not json"), ["json"]),
+    (StructuredOutputsParams(regex="a[b"), ["regex", "["]),
+    (StructuredOutputsParams(grammar="root ::= undefined_rule"), ["grammar", "undefined_rule"]),
+])
+def test_bad_specs_raise_with_the_library_message(params, words):
+    with pytest.raises(InvalidSamplingParam) as info:
+        check(grammar_spec(params))
+    assert info.value.param == "structured_outputs"
+    message = str(info.value)
+    assert all(w in message for w in words), message
+    assert ".cc:" not in message  # the library's source location is dropped
+
+
+@pytest.mark.parametrize("fields", [{}, {"regex": "a", "choice": ["a"]},
+                                    {"json": {}, "json_object": True}, {"choice": []}])
+def test_structured_outputs_needs_exactly_one_field(fields):
+    with pytest.raises(InvalidSamplingParam):
+        StructuredOutputsParams(**fields)
+
+
+def test_beam_search_refuses_structured_outputs():
+    with pytest.raises(InvalidSamplingParam, match="beam search"):
+        SamplingParams(use_beam_search=True, n=2, temperature=0,
+                       structured_outputs=StructuredOutputsParams(regex="a"))
+
+
+def test_min_tokens_refuses_structured_outputs():
+    with pytest.raises(InvalidSamplingParam) as info:
+        SamplingParams(min_tokens=3, structured_outputs=StructuredOutputsParams(regex="a"))
+    assert info.value.param == "min_tokens"
+
+
+def test_constrained_params_cross_the_process_boundary():
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {}}}
+    params = SamplingParams(structured_outputs={"json": schema})
+    command = msg.AddRequests([msg.NewRequest("r", [1, 2], params)])
+    decoded = msg.decode_command(msgspec.msgpack.encode(command))
+    got = decoded.requests[0].params.structured_outputs
+    assert isinstance(got, StructuredOutputsParams) and got.json == schema
+    # Property order is kept: it is the order the grammar generates them in.
+    assert grammar_spec(got).text.index('"b"') < grammar_spec(got).text.index('"a"')
