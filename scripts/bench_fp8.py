@@ -13,7 +13,6 @@ to the dense FP8 peak (``_scaled_mm`` on 8192-cubed operands), both measured in 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 # Run as a plain script from anywhere: the package lives one folder up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pagedserve.bench.common import write_result  # noqa: E402
 from scripts.bench_w4a16 import SHAPES, _time, copy_bandwidth_gbs  # noqa: E402
 
 MS = (1, 2, 4, 16, 64, 256, 1024)
@@ -112,7 +112,7 @@ def sweep_gemv(copy_gbs: float) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out", help="JSON path (default benchmarks/results/fp8_linear.json)")
     p.add_argument("--ms", type=int, nargs="+", default=list(MS))
     p.add_argument("--sweep-gemv", action="store_true")
     args = p.parse_args()
@@ -126,10 +126,7 @@ def main() -> None:
               "fp8_peak_tflops": peak, "rows": bench(args, copy_gbs, peak)}
     if args.sweep_gemv:
         result["gemv_sweep"] = sweep_gemv(copy_gbs)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {args.out}")
+    write_result("fp8_linear", result, args.out)
 
 
 if __name__ == "__main__":

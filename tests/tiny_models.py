@@ -89,14 +89,16 @@ def random_prompts(seed: int | str, lengths) -> list[list[int]]:
 
 
 def make_llm(folder: Path, *, num_blocks: int | None = None, **kwargs):
-    """An engine on the CPU with a 4 MiB KV pool, or one of exactly ``num_blocks`` blocks."""
+    """An engine (on the CPU unless ``device`` says) with a 4 MiB KV pool, or one of exactly
+    ``num_blocks`` blocks (counted on the CPU)."""
     from pagedserve import LLM
 
     kwargs.setdefault("kv_cache_memory_bytes", 4 << 20)
+    kwargs.setdefault("device", "cpu")
     if num_blocks is not None:
         block_bytes = _kv_bytes_per_block(folder, kwargs.get("block_size", 16))
         kwargs["kv_cache_memory_bytes"] = num_blocks * block_bytes
-    return LLM(model=str(folder), device="cpu", **kwargs)
+    return LLM(model=str(folder), **kwargs)
 
 
 @cache

@@ -31,15 +31,27 @@ def _tokens(llm, prompts, params) -> list[list[int]]:
     return [c.token_ids for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
 
 
+# Two CPU ranks over gloo, or two GPUs over NCCL in float32 with CUDA graphs for the decode
+# steps (the gpu_check.sh part tp2-tests).
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not HAS_NVIDIA or torch.cuda.device_count() < 2,
+                                         reason="needs two NVIDIA GPUs")])]
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES)
-def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, case):
+def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, case, device):
     arch, overrides = CASES[case]
     folder = write_tiny_model(tmp_path / arch, arch, **overrides)
-    expected = _tokens(make_llm(folder), PROMPTS, GREEDY)
+    options = {} if device == "cpu" else dict(device=device, dtype="float32",
+                                              kv_cache_memory_bytes=64 << 20)
+    one = make_llm(folder, **options)
+    expected = _tokens(one, PROMPTS, GREEDY)
+    del one
     # Async scheduling: most steps take their input tokens from the previous step's output,
     # which rank 0 broadcast to the other rank's device.
-    llm = make_llm(folder, tensor_parallel_size=2, async_scheduling=True)
+    llm = make_llm(folder, tensor_parallel_size=2, async_scheduling=True, **options)
     try:
         assert _tokens(llm, PROMPTS, GREEDY) == expected
     finally:
@@ -225,25 +237,3 @@ def test_the_driver_takes_a_device_no_actor_on_its_node_has():
     assert first_free_device([["0"], ["2"]]) == 1
     assert first_free_device([["1"], ["0"]]) == 2
 
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_NVIDIA or torch.cuda.device_count() < 2,
-                    reason="needs two NVIDIA GPUs")
-@pytest.mark.parametrize("case", CASES)
-def test_two_gpus_give_one_gpus_greedy_tokens(tmp_path, case):
-    """The same on two GPUs over NCCL, in float32, with CUDA graphs for the decode steps."""
-    from pagedserve import LLM
-
-    arch, overrides = CASES[case]
-    folder = write_tiny_model(tmp_path / arch, arch, **overrides)
-    options = dict(model=str(folder), device="cuda", dtype="float32",
-                   kv_cache_memory_bytes=64 << 20)
-    one = LLM(**options)
-    expected = _tokens(one, PROMPTS, GREEDY)
-    one.engine.shutdown()
-    del one
-    llm = LLM(tensor_parallel_size=2, **options)
-    try:
-        assert _tokens(llm, PROMPTS, GREEDY) == expected
-    finally:
-        llm.engine.shutdown()
