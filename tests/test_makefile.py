@@ -16,9 +16,11 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 
 
 def dry_run(*variables: str, env: dict[str, str] | None = None) -> list[str]:
-    """The commands, each on one line, whitespace collapsed."""
-    done = subprocess.run(["make", "-n", "serve", *variables], cwd=ROOT, capture_output=True,
-                          text=True, check=True, env={**os.environ, **(env or {})})
+    """The commands, each on one line, whitespace collapsed. Under ``make test`` this is a
+    sub-make: the parent's MAKEFLAGS/MAKELEVEL are dropped, and so are its directory lines."""
+    outer = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    done = subprocess.run(["make", "--no-print-directory", "-n", "serve", *variables], cwd=ROOT,
+                          capture_output=True, text=True, check=True, env={**outer, **(env or {})})
     return [" ".join(line.split()) for line in done.stdout.replace("\\\n", " ").splitlines()]
 
 
