@@ -193,7 +193,8 @@ for part in $parts; do
     fp8) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
         --output-len 128 128 --kv-cache-dtype fp8 --skip-hf \
         --out "$OUT/throughput_h200_llama3-8b_fp8.json" ;;
-    fp8-tests) python3 -m pytest -q -m cuda -p no:cacheprovider -s \
+    # The whole file: its unmarked tests (quantization, weight-only FP8) run on the GPU too.
+    fp8-tests) python3 -m pytest -q -p no:cacheprovider -s \
         tests/platforms/cuda/test_fp8_linear.py 2>&1 | tee "$OUT/gpu_fp8_tests.log" ;;
     fp8-w8a8) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
         --output-len 128 128 --load-format dummy --quantization fp8 --skip-hf \
