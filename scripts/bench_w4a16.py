@@ -13,7 +13,6 @@ Times are medians from ``triton.testing.do_bench_cudagraph`` (GPU time, as under
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,6 +20,8 @@ import torch
 
 # Run as a plain script from anywhere: the package lives one folder up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedserve.bench.common import write_result  # noqa: E402
 
 # (name, N, K) of Llama-3-8B's linear layers.
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
@@ -32,7 +33,7 @@ DEVICE = "cuda"
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, help="write the results here as JSON")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/w4a16.json)")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--ms", type=int, nargs="+", default=list(MS))
@@ -137,10 +138,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "dtype": args.dtype,
               "group_size": args.group_size, "copy_gbs": copy_gbs, "rows": rows}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {args.out}")
+    write_result("w4a16", result, args.out)
 
 
 if __name__ == "__main__":
