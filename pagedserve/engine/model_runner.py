@@ -353,6 +353,14 @@ class ModelRunner:
                                  self.block_size)
         self.graphs.capture()
 
+    def release_graphs(self) -> None:
+        """Destroy the captured graphs now rather than at garbage collection: a graph that
+        holds a collective keeps a reference on its NCCL communicator, and tearing the
+        communicator down (even aborting it) waits until every such graph is gone."""
+        if self.graphs is not None:
+            self.platform.synchronize()
+            self.graphs = None
+
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int, max_num_seqs: int, block_size: int) -> int:
         """Peak device bytes of a forward over ``num_tokens`` prompt tokens plus sampling for

@@ -66,6 +66,7 @@ class RemoteRanks(Protocol):
 class Executor:
     def __init__(self, config: EngineConfig) -> None:
         self.remote: RemoteRanks | None = None
+        self.driver: Worker | None = None
         self._dead: str | None = None
         size = config.tensor_parallel_size
         if size == 1:
@@ -143,7 +144,10 @@ class Executor:
         alive = self.dead_reason() is None
         if alive:
             self.remote.stop()
-        distributed.shutdown(peers_alive=alive)
+        if self.driver is None:  # failed while building rank 0
+            distributed.shutdown(peers_alive=alive)
+        else:
+            self.driver.leave(peers_alive=alive)
         self.remote.shutdown()
         self.remote = None
 

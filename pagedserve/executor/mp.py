@@ -16,7 +16,6 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-from pagedserve import distributed
 from pagedserve.config import EngineConfig
 from pagedserve.engine.model_runner import StepInput
 from pagedserve.executor.worker import Worker, WorkerSpec
@@ -127,10 +126,10 @@ def _serve(conn: Connection) -> int:
         try:
             step = pickle.loads(conn.recv_bytes())
         except EOFError:  # the driver is gone: leave without waiting for it
-            distributed.shutdown(peers_alive=False)
+            worker.leave(peers_alive=False)
             return 0
         if step is None:
-            distributed.shutdown()
+            worker.leave()
             return 0
         worker.runner.follow(step)
 

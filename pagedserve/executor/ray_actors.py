@@ -17,7 +17,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pagedserve import distributed, envs
+from pagedserve import envs
 from pagedserve.config import EngineConfig
 from pagedserve.engine.model_runner import StepInput
 from pagedserve.executor.worker import Worker, WorkerSpec
@@ -70,7 +70,7 @@ class RankActor:
 
     def leave(self) -> None:
         """Leave the process group (queued after every step sent), then stop."""
-        distributed.shutdown()
+        self.worker.leave()
         os._exit(0)
 
     @ray.method(concurrency_group="watch")

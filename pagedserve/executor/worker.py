@@ -74,6 +74,11 @@ class Worker:
             logger.info("tensor-parallel rank %d/%d ready in %.1fs", spec.rank, self.tp.size,
                         time.perf_counter() - start)
 
+    def leave(self, peers_alive: bool = True) -> None:
+        """Leave the process group, after the graphs that hold its communicator."""
+        self.runner.release_graphs()
+        distributed.shutdown(peers_alive)
+
     def _agree(self, sizes: CacheSizes) -> CacheSizes:
         if self.tp.size == 1:
             return sizes
