@@ -5,7 +5,8 @@
 #                                        layer-tests llama llama-breakdown decode
 #                                        step-overhead mixed smollm2 fp8 serve
 #                                        w4a16 decode-awq awq fp8-tests fp8-w8a8
-#                                        decode-fp8 fp8-linear serve-make tp1-vs-base tp2
+#                                        decode-fp8 fp8-linear serve-make tp1-vs-base
+#                                        bf16-vs-base fp8-vs-base tp2
 #                                        tp2-70b allreduce tp2-tests structured
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
@@ -133,31 +134,35 @@ PY
 
 # The engine with its executor at one rank against the engine before tensor parallelism
 # (commit TP_BASE, default 919456f, the main branch the tp branch started from), 8B shape,
-# 1,000 x 128/128, in one call: base, this tree, base again, this tree again (alternating, so
-# a drift of the machine shows; TP_ROUNDS=1 for one of each).
-tp1_vs_base() {
-  local base=/tmp/tp-base rev=${TP_BASE:-919456f}
+# This tree against an earlier commit (TP_BASE, default 919456f: the engine before tensor
+# parallelism), 8B shape, 1,000 x 128/128, in one call: base, this tree, base again, this tree
+# again (alternating, so a drift of the machine shows; TP_ROUNDS=1 for one of each).
+# $1 labels the result files; the other arguments go to both runs.
+vs_base() {
+  local label=$1 base=/tmp/tp-base rev=${TP_BASE:-919456f}
+  shift
   rm -rf $base && mkdir -p $base
   # The device gets the working tree without .git: carry the base as .tp-base, made here by
-  # `mkdir -p .tp-base && git archive 919456f pagedserve | tar -x -C .tp-base`.
+  # `mkdir -p .tp-base && git archive REV pagedserve | tar -x -C .tp-base`.
   if [ -d .tp-base/pagedserve ]; then
     cp -r .tp-base/pagedserve $base/
   elif ! git archive "$rev" pagedserve | tar -x -C $base; then
-    echo "tp1-vs-base: cannot read commit $rev (no git history here?)"; return
+    echo "vs-base: cannot read commit $rev (no git history here?)"; return
   fi
   local args=(throughput "${common[@]}" --shape llama3-8b --input-len 128 128
-              --output-len 128 128 --skip-hf)
+              --output-len 128 128 --skip-hf "$@")
   for round in $(seq "${TP_ROUNDS:-2}"); do
     PYTHONPATH=$base${PYTHONPATH:+:$PYTHONPATH} bench "${args[@]}" \
-      --out "$OUT/throughput_h200_llama3-8b_128_base_$round.json"
-    bench "${args[@]}" --out "$OUT/throughput_h200_llama3-8b_128_tp1_$round.json"
+      --out "$OUT/throughput_h200_llama3-8b_128_${label}_base_$round.json"
+    bench "${args[@]}" --out "$OUT/throughput_h200_llama3-8b_128_${label}_tree_$round.json"
   done
-  python3 - "$OUT" <<'PY'
+  python3 - "$OUT" "$label" <<'PY'
 import json, sys
 from pathlib import Path
-for path in sorted(Path(sys.argv[1]).glob("throughput_h200_llama3-8b_128_*_[0-9].json")):
-    name, r = path.stem.removeprefix("throughput_h200_llama3-8b_128_"), json.loads(path.read_text())
-    print(f"{name:7s} {r['pagedserve']['output_tok_s']:10.1f} output tok/s")
+prefix = f"throughput_h200_llama3-8b_128_{sys.argv[2]}_"
+for path in sorted(Path(sys.argv[1]).glob(f"{prefix}*_[0-9].json")):
+    r = json.loads(path.read_text())
+    print(f"{path.stem.removeprefix(prefix):7s} {r['pagedserve']['output_tok_s']:10.1f} output tok/s")
 PY
 }
 
@@ -221,7 +226,10 @@ for part in $parts; do
         --out "$OUT/throughput_h200_llama3-8b_awq_128.json" ;;
     fp8-linear) python3 scripts/bench_fp8.py --sweep-gemv --out "$OUT/fp8_linear_h200.json" \
         2>&1 | tee "$OUT/fp8_linear_h200.log" ;;
-    tp1-vs-base) tp1_vs_base ;;
+    tp1-vs-base) vs_base tp1 ;;
+    # bf16 and FP8 W8A8 against TP_BASE (set it to the commit before the change measured).
+    bf16-vs-base) vs_base bf16 ;;
+    fp8-vs-base) vs_base fp8 --load-format dummy --quantization fp8 ;;
     # Two GPUs (the nvidia-h200-x2 kind): 8B at 128/128 split over two ranks, and on one rank
     # in the same run (the benchmark runs both).
     tp2) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \

@@ -1,7 +1,12 @@
-"""Where a step's device time goes: torch.profiler over eager decode and prefill steps of a real
-model shape with random weights. Prints the top kernels by device time for each case.
+"""Where a step's device time goes: torch.profiler over decode and prefill steps of a real
+model shape with random weights. Prints the top kernels by device time for each case, and the
+wall time of the steps against the device's busy time (the sum of its kernels' times): where
+busy is well below wall, the device waited for the host.
 
-    python scripts/profile_step.py --shape llama3-8b --device cuda
+    python scripts/profile_step.py --shape llama3-8b --device cuda [--graphs]
+
+Steps run eagerly (one row per kernel) unless ``--graphs``, which replays the decode steps'
+CUDA graphs as the engine does by default (their kernels still show).
 """
 
 from __future__ import annotations
@@ -11,16 +16,34 @@ import argparse
 import torch
 
 
-def profiled_steps(engine, label: str, steps: int, rows: int) -> None:
+def profiled_steps(engine, label: str, steps: int, rows: int, timed: bool = True) -> None:
+    """``timed``: first time ``steps`` steps without the profiler (steps that must be like the
+    profiled ones: decode steps)."""
+    import time
+
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    # Wall time without the profiler (which slows the host), then the same number of steps
+    # profiled.
     engine.platform.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps if timed else 0):
+        engine.step()
+    engine.platform.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
         engine.platform.synchronize()
-    print(f"\n=== {label}: {steps} steps")
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows))
+    events = prof.key_averages()
+    # Kernels and copies only: an operator's row repeats its kernels' time.
+    busy_ms = sum(e.self_device_time_total for e in events
+                  if e.device_type == DeviceType.CUDA) / 1e3 / steps
+    wall = f"wall {wall_ms:.2f} ms a step unprofiled, " if timed else ""
+    print(f"\n=== {label}: {steps} steps, {wall}device busy {busy_ms:.2f} ms a step"
+          + (f" ({busy_ms / wall_ms:.0%})" if timed else ""))
+    print(events.table(sort_by="self_device_time_total", row_limit=rows))
 
 
 def add_requests(engine, num: int, prompt_len: int, max_tokens: int) -> None:
@@ -38,8 +61,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     throughput.add_args(parser)
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--graphs", action="store_true",
+                        help="replay CUDA graphs for decode steps (default: eager)")
     args = parser.parse_args()
-    args.enforce_eager = True
+    args.enforce_eager = not args.graphs
     engine = throughput.engine_from_args(args).engine
 
     add_requests(engine, 1, 512, 40)
@@ -50,11 +75,11 @@ def main() -> None:
         engine.step()
 
     add_requests(engine, 64, 128, 3)
-    profiled_steps(engine, "prefill, 64 x 128 tokens in one step", 1, args.rows)
+    profiled_steps(engine, "prefill, 64 x 128 tokens in one step", 1, args.rows, timed=False)
     while engine.has_unfinished_requests():
         engine.step()
 
-    add_requests(engine, 1000, 128, 12)
+    add_requests(engine, 1000, 128, 16)
     while engine.stats().num_waiting:
         engine.step()
     engine.step()

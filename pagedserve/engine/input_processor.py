@@ -114,7 +114,8 @@ class InputProcessor:
             index, seq, state,
             detokenizer=IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, params),
             generator=self._generator(params, index),
-            logprobs=[] if params.logprobs is not None else None)
+            logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.needs_logprobs else None)
 
     def _beam_state(self, params: SamplingParams, max_tokens: int) -> BeamState | None:
         if not params.use_beam_search:

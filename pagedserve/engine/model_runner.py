@@ -219,7 +219,7 @@ class ModelRunner:
         sampled = [s.seq for s in forward.out.scheduled if s.samples]
         sampler_output = host_output = ready = None
         if sampled:
-            sampler_output = self.sampler(forward.sample_logits.float(), sampling)
+            sampler_output = self.sampler(forward.sample_logits, sampling)
             if self.tp.size > 1:
                 self.tp.broadcast_from_first(sampler_output.token_ids)
             # Where the host runs ahead, the copy lands later: ``ready`` marks when.

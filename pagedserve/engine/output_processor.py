@@ -117,7 +117,8 @@ class OutputProcessor:
 
     def _apply_sample(self, state: SequenceState, rows: _HostSamples, i: int) -> None:
         seq, token = state.seq, rows.tokens[i]
-        state.cumulative_logprob += rows.logprobs[i]
+        if state.cumulative_logprob is not None:
+            state.cumulative_logprob += rows.logprobs[i]
         if state.logprobs is not None:
             k = seq.params.logprobs
             state.logprobs.append(token_logprobs(
@@ -167,17 +168,15 @@ class _HostSamples(NamedTuple):
     """A step's sampler output as host lists: one transfer per tensor for the whole batch."""
 
     tokens: list[int]
-    logprobs: list[float]
-    ranks: list[int]
+    logprobs: list[float] | None  # None where no row of the step needed logprobs
+    ranks: list[int] | None
     top_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
 
     @classmethod
     def of(cls, sampled: SamplerOutput) -> _HostSamples:
-        return cls(
-            sampled.token_ids.tolist(), sampled.logprobs.tolist(), sampled.ranks.tolist(),
-            sampled.top_ids.tolist() if sampled.top_ids is not None else None,
-            sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None)
+        return cls(sampled.token_ids.tolist(),
+                   *(None if t is None else t.tolist() for t in sampled[1:]))
 
 
 def _grammar_status(grammar: GrammarState, token: int) -> SequenceStatus | None:

@@ -32,7 +32,7 @@ class SequenceState:
     detokenizer: IncrementalDetokenizer | None
     generator: torch.Generator | None
     logprobs: list[TokenLogprobs] | None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = 0.0  # None where the request needs no logprobs
     grammar: GrammarState | None = None  # set once the request's grammar is compiled
     # What earlier outputs held (characters, tokens): a "delta" output starts past them.
     num_sent_chars: int = 0

@@ -43,6 +43,7 @@ class SamplingMetadata:
     min_p: torch.Tensor | None  # float32 [N]; rows without min-p hold 0
     generators: dict[int, torch.Generator]  # row -> its request's generator (seeded rows only)
     max_num_logprobs: int  # K of the returned top-k logprobs; 0 when no row asked
+    needs_logprobs: bool  # whether any row needs its sampled token's logprob and rank
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, bias)
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to forbid
     penalties: Penalties | None
@@ -79,6 +80,7 @@ class SamplingMetadata:
                         in enumerate(zip(generators, greedy, strict=True))
                         if g is not None and not greedy_row},
             max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+            needs_logprobs=any(p.needs_logprobs for p in params),
             logit_bias=_logit_bias(params, device),
             min_tokens_mask=_min_tokens_mask(params, output_token_ids, eos_token_ids, device),
             penalties=_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),

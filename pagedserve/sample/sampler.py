@@ -22,8 +22,9 @@ from pagedserve.structured.grammar_state import GrammarMask
 
 class SamplerOutput(NamedTuple):
     token_ids: torch.Tensor  # int64 [N]
-    logprobs: torch.Tensor  # float32 [N]: logprob of the sampled token
-    ranks: torch.Tensor  # int64 [N]: rank of the sampled token (1 = most likely)
+    # The rest is None when no row needs logprobs (``SamplingMetadata.needs_logprobs``).
+    logprobs: torch.Tensor | None  # float32 [N]: logprob of the sampled token
+    ranks: torch.Tensor | None  # int64 [N]: rank of the sampled token (1 = most likely)
     top_ids: torch.Tensor | None  # int64 [N, K], K = meta.max_num_logprobs; None if K == 0
     top_logprobs: torch.Tensor | None  # float32 [N, K]
 
@@ -32,8 +33,16 @@ class Sampler:
     """Stateless; a class so the model runner can hold and swap it like its other parts."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """``logits``: [N, V] in the model's dtype; float32 copies are made only where a
+        step edits them, samples at random or reports logprobs."""
+        if meta.all_greedy and not meta.edits_logits and not meta.needs_logprobs:
+            # The argmax of the model's own dtype is the argmax of its float32 values (the
+            # cast is exact): no [N, V] float32 copy.
+            return SamplerOutput(logits.argmax(dim=-1), None, None, None, None)
         logits = process_logits(logits, meta)
         token_ids = sample(logits, meta)
+        if not meta.needs_logprobs:
+            return SamplerOutput(token_ids, None, None, None, None)
         return SamplerOutput(token_ids, *compute_logprobs(logits, token_ids, meta.max_num_logprobs))
 
 

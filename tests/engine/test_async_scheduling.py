@@ -43,12 +43,17 @@ def _summary(outputs) -> list:
 
 
 def _assert_same(got, expected) -> None:
-    """Equal tokens and text; equal cumulative logprobs up to float32 rounding (a sequence
-    recomputed after preemption sums logits of other batch shapes)."""
+    """Equal tokens and text; equal cumulative logprobs (where a request asked for
+    logprobs) up to float32 rounding (a sequence recomputed after preemption sums logits of
+    other batch shapes)."""
     assert _summary(got) == _summary(expected)
-    logprobs = [[c.cumulative_logprob for c in o.outputs] for o in expected]
-    for o, want in zip(got, logprobs, strict=True):
-        assert [c.cumulative_logprob for c in o.outputs] == pytest.approx(want, rel=1e-6)
+    for o, e in zip(got, expected, strict=True):
+        for ours, ref in zip(o.outputs, e.outputs, strict=True):
+            if ref.cumulative_logprob is None:
+                assert ours.cumulative_logprob is None
+            else:
+                assert ours.cumulative_logprob == pytest.approx(ref.cumulative_logprob,
+                                                                rel=1e-6)
 
 
 def _compare(folder, prompts, params_list, **kwargs) -> StepLog:
@@ -82,15 +87,17 @@ def test_stops_found_a_step_late_drop_the_extra_token(llama3_folder):
 def test_chunked_prefill_and_prefix_cache_ahead(llama3_folder):
     shared = random_prompts(1, (70,))[0]
     prompts = [shared + p for p in random_prompts(2, (3, 40, 90))] + random_prompts(3, (130,))
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-              for n in (9, 4, 15, 6)]
+    # Two of four ask for logprobs: their cumulative logprobs are compared too.
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                             logprobs=0 if n % 2 else None) for n in (9, 4, 15, 6)]
     _compare(llama3_folder, prompts, params, max_num_batched_tokens=32)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_with_tokens_in_flight(llama3_folder, mode):
     prompts = random_prompts(4, (30, 45, 20, 50, 38))
-    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * len(prompts)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                             logprobs=0)] * len(prompts)
     reference = _llm(llama3_folder, False).generate(prompts, params, use_tqdm=False)
     log = StepLog(_llm(llama3_folder, True, num_blocks=14, preemption_mode=mode))
     got = log.run(prompts, params)
@@ -100,7 +107,8 @@ def test_preemption_with_tokens_in_flight(llama3_folder, mode):
 
 def test_seeded_parallel_sampling_ahead(llama3_folder):
     prompts = random_prompts(5, (12, 25))
-    params = [SamplingParams(n=3, max_tokens=10, temperature=0.9, top_p=0.9, seed=7),
+    params = [SamplingParams(n=3, max_tokens=10, temperature=0.9, top_p=0.9, seed=7,
+                             logprobs=0),
               SamplingParams(n=2, best_of=3, max_tokens=8, temperature=1.0, seed=3)]
     _compare(llama3_folder, prompts, params)
 

@@ -96,8 +96,10 @@ def test_parallel_sampling_shares_the_prompt_blocks(llama3_folder):
 def test_best_of_returns_the_n_most_likely_samples(llama3_folder):
     prompt = random_tokens(random.Random(3), 40)
     llm = make_llm(llama3_folder)
+    # logprobs=0: the cumulative logprobs best_of ranks by are reported.
     every = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=12,
-                                                  ignore_eos=True), use_tqdm=False)[0]
+                                                  ignore_eos=True, logprobs=0),
+                         use_tqdm=False)[0]
     best = llm.generate([prompt], SamplingParams(n=2, best_of=4, temperature=1.0, seed=11,
                                                  max_tokens=12, ignore_eos=True),
                         use_tqdm=False)[0]

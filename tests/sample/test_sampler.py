@@ -101,8 +101,28 @@ def test_greedy_is_argmax_and_draws_no_randomness(dtype):
     out = sampler(logits, meta)
     assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(out.token_ids, logits.float().argmax(dim=-1))
-    assert torch.equal(out.ranks, torch.ones(16, dtype=torch.int64))
-    assert meta.temperature is None and meta.penalties is None and out.top_ids is None
+    assert meta.temperature is None and meta.penalties is None
+    # No row asked for logprobs: none are computed.
+    assert out.logprobs is None and out.ranks is None and out.top_ids is None
+    with_logprobs = sampler(logits, build([SamplingParams(temperature=0.0, logprobs=0)] * 16,
+                                          vocab_size=500))
+    assert torch.equal(with_logprobs.token_ids, out.token_ids)
+    assert torch.equal(with_logprobs.ranks, torch.ones(16, dtype=torch.int64))
+    expected = logits.double().log_softmax(-1).amax(-1).float()
+    torch.testing.assert_close(with_logprobs.logprobs, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("params,needs", [
+    (SamplingParams(temperature=0.0), False), (SamplingParams(temperature=0.8), False),
+    (SamplingParams(logprobs=0), True), (SamplingParams(n=2, best_of=3), True),
+    (SamplingParams(n=2), False),
+])
+def test_logprobs_only_where_a_row_needs_them(params, needs):
+    """Asked for, or to rank best_of sequences: the sampled tokens' logprobs exist (vLLM's
+    rule for cumulative_logprob); otherwise the sampler makes no pass for them."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    out = sampler(logits, build([params] * 3, vocab_size=50))
+    assert (out.logprobs is not None) == needs and (out.ranks is not None) == needs
 
 
 def test_top_k_1_equals_greedy_in_a_mixed_batch():

@@ -11,15 +11,19 @@ a matmul whose K must be a multiple of 16 reads a padded copy at no extra cost.
 - static (per tensor): the given scale, read from a device tensor (no host sync, so it can be
   captured in a CUDA graph); values beyond ``fmax`` saturate.
 
-Quotients are computed in float32 and correctly rounded (``div_rn``: a GPU's default float32
-division is approximate, which would break ties differently from a float64 reference), then
-rounded to nearest even on the FP8 grid by ``reshape_and_cache``'s ``_round_to_e4m3`` before
-the cast (the cast alone rounds wrongly in Triton's interpreter). e4m3fnuz's grid is e4m3fn's
-halved (its exponent bias is one larger), so it rounds ``2 * q`` on e4m3fn's grid and halves the
-result, both steps exact.
+Each value is ``x * inv`` in float32, ``inv`` being ``1 / scale`` correctly rounded once per
+row (``div_rn``), then rounded to nearest even on the FP8 grid. A correctly rounded division
+per value, as this kernel first did, cost more than the memory traffic: the kernel ran at about
+40% of the copy rate on the H200 (``scripts/profile_step.py``). On NVIDIA GPUs the cast itself
+rounds to nearest even (and saturates); in Triton's interpreter it does not, and e4m3fnuz's
+cast never ran on an AMD GPU here, so there ``reshape_and_cache``'s ``_round_to_e4m3`` rounds
+first and the cast is exact. e4m3fnuz's grid is e4m3fn's halved (its exponent bias is one
+larger), so it rounds ``2 * q`` on e4m3fn's grid and halves the result, both steps exact.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -33,7 +37,8 @@ _BLOCK = 1024
 @triton.jit
 def _fp8_quant_kernel(
     x_ptr, q_ptr, scale_ptr, stride_x, stride_q, K, K_OUT, fmax, min_scale,
-    STATIC: tl.constexpr, FNUZ: tl.constexpr, BLOCK: tl.constexpr,
+    STATIC: tl.constexpr, FNUZ: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -46,10 +51,14 @@ def _fp8_quant_kernel(
             absmax = tl.maximum(absmax, tl.abs(x.to(tl.float32)))
         scale = tl.maximum(tl.div_rn(tl.max(absmax, axis=0), fmax), min_scale)
         tl.store(scale_ptr + row, scale)
+    inv = tl.div_rn(1.0, scale)
     for start in range(0, K_OUT, BLOCK):
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
-        q = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -fmax, fmax)
-        q = _round_to_e4m3(q * 2.0) * 0.5 if FNUZ else _round_to_e4m3(q)
+        q = tl.clamp(x.to(tl.float32) * inv, -fmax, fmax)
+        if FNUZ:
+            q = _round_to_e4m3(q * 2.0) * 0.5
+        elif SOFTWARE_ROUNDING:
+            q = _round_to_e4m3(q)
         tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty),
                  mask=start + cols < K_OUT)
 
@@ -80,6 +89,7 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, padded_k: int | None,
             x, q, scales, x.stride(0), q.stride(0), k, k_out,
             torch.finfo(fp8_dtype).max, torch.finfo(torch.float32).tiny,
             STATIC=static, FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
+            SOFTWARE_ROUNDING=os.environ.get("TRITON_INTERPRET") == "1",
             BLOCK=min(_BLOCK, triton.next_power_of_2(k_out)), num_warps=4,
         )
     return q
