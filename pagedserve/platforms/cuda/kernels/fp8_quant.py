@@ -14,11 +14,12 @@ a matmul whose K must be a multiple of 16 reads a padded copy at no extra cost.
 Each value is ``x * inv`` in float32, ``inv`` being ``1 / scale`` correctly rounded once per
 row (``div_rn``), then rounded to nearest even on the FP8 grid. A correctly rounded division
 per value, as this kernel first did, cost more than the memory traffic: the kernel ran at about
-40% of the copy rate on the H200 (``scripts/profile_step.py``). On NVIDIA GPUs the cast itself
-rounds to nearest even (and saturates); in Triton's interpreter it does not, and e4m3fnuz's
-cast never ran on an AMD GPU here, so there ``reshape_and_cache``'s ``_round_to_e4m3`` rounds
-first and the cast is exact. e4m3fnuz's grid is e4m3fn's halved (its exponent bias is one
-larger), so it rounds ``2 * q`` on e4m3fn's grid and halves the result, both steps exact.
+a third of the copy rate on the H200, and 58% with the reciprocal (``scripts/profile_step.py``,
+batch 1,000). On NVIDIA GPUs the cast itself rounds to nearest even (and saturates); in
+Triton's interpreter it does not, and e4m3fnuz's cast never ran on an AMD GPU here, so there
+``reshape_and_cache``'s ``_round_to_e4m3`` rounds first and the cast is exact. e4m3fnuz's grid
+is e4m3fn's halved (its exponent bias is one larger), so it rounds ``2 * q`` on e4m3fn's grid
+and halves the result, both steps exact.
 """
 
 from __future__ import annotations
