@@ -3,7 +3,9 @@ tests marked slow start a second rank (a process, or a Ray cluster of two nodes)
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,6 +27,16 @@ CASES = {
     "qwen2-bias-tied-odd-vocab": ("qwen2", {"vocab_size": 385}),
     "mistral-one-kv-head-odd-vocab": ("mistral", {"vocab_size": 387}),
 }
+
+
+@contextlib.contextmanager
+def two_ranks(folder, **options) -> Iterator:
+    """An ``LLM`` of two tensor-parallel ranks, whose other rank is stopped afterwards."""
+    llm = make_llm(folder, tensor_parallel_size=2, **options)
+    try:
+        yield llm
+    finally:
+        llm.engine.shutdown()
 
 
 def _tokens(llm, prompts, params) -> list[list[int]]:
@@ -51,11 +63,8 @@ def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, case, device):
     del one
     # Async scheduling: most steps take their input tokens from the previous step's output,
     # which rank 0 broadcast to the other rank's device.
-    llm = make_llm(folder, tensor_parallel_size=2, async_scheduling=True, **options)
-    try:
+    with two_ranks(folder, async_scheduling=True, **options) as llm:
         assert _tokens(llm, PROMPTS, GREEDY) == expected
-    finally:
-        llm.engine.shutdown()
 
 
 @pytest.mark.slow
@@ -83,13 +92,10 @@ def test_features_with_two_ranks(tmp_path):
     assert preemptions > 0 and hits > 0  # the features were exercised
     # --kv-cache-memory-bytes is per rank, and a rank's block holds half the KV heads.
     options["num_blocks"] = None
-    llm = make_llm(folder, tensor_parallel_size=2,
-                   kv_cache_memory_bytes=18 * one.engine.kv_bytes_per_block // 2, **options)
-    assert llm.engine.kv.pool.num_blocks == 18
-    try:
+    with two_ranks(folder, kv_cache_memory_bytes=18 * one.engine.kv_bytes_per_block // 2,
+                   **options) as llm:
+        assert llm.engine.kv.pool.num_blocks == 18
         tp_tokens, tp_logprobs, tp_preemptions, tp_hits = run(llm)
-    finally:
-        llm.engine.shutdown()
     assert tp_tokens == tokens
     assert (tp_preemptions, tp_hits) == (preemptions, hits)
     for ours, ref in zip(tp_logprobs, logprobs):
@@ -115,21 +121,15 @@ def test_constrained_requests_with_two_ranks_running_ahead(tmp_path):
                             "required": ["n"]}))]
     params.append(GREEDY)
     expected = _tokens(make_llm(folder), PROMPTS, params)
-    llm = make_llm(folder, tensor_parallel_size=2, async_scheduling=True)
-    try:
+    with two_ranks(folder, async_scheduling=True) as llm:
         assert _tokens(llm, PROMPTS, params) == expected
-    finally:
-        llm.engine.shutdown()
 
 
 @pytest.mark.slow
 def test_a_dead_rank_fails_the_step_at_once(tmp_path):
     folder = write_tiny_model(tmp_path / "mistral", "mistral")
-    llm = make_llm(folder, tensor_parallel_size=2)
-    try:
+    with two_ranks(folder) as llm:
         _kill_rank_and_expect_failure(llm.engine, llm.engine.executor.remote.procs[0].kill)
-    finally:
-        llm.engine.shutdown()
 
 
 def _kill_rank_and_expect_failure(engine, kill) -> None:
@@ -164,15 +164,12 @@ def test_ray_ranks_on_a_two_node_cluster(tmp_path, monkeypatch):
     try:
         cluster.add_node(num_cpus=1)
         monkeypatch.setenv("RAY_ADDRESS", cluster.address)
-        llm = make_llm(folder, tensor_parallel_size=2, distributed_executor_backend="ray")
-        try:
+        with two_ranks(folder, distributed_executor_backend="ray") as llm:
             ((actor_node, devices),) = llm.engine.executor.remote.placements
             assert actor_node != cluster.head_node.node_id and devices == []
             assert _tokens(llm, PROMPTS, GREEDY) == expected
             _kill_rank_and_expect_failure(llm.engine, lambda: ray.kill(
                 llm.engine.executor.remote.actors[0]))
-        finally:
-            llm.engine.shutdown()
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -187,11 +184,8 @@ def test_gptq_checkpoint_splits_by_its_groups(tiny_model_folder, tmp_path):
     boundary, so each rank's kernel reads whole groups and the tokens stay one rank's."""
     write_quantized_pair(tiny_model_folder("llama3"), tmp_path / "q", tmp_path / "f", GPTQ)
     expected = _tokens(make_llm(tmp_path / "q"), PROMPTS, GREEDY)
-    llm = make_llm(tmp_path / "q", tensor_parallel_size=2)
-    try:
+    with two_ranks(tmp_path / "q") as llm:
         assert _tokens(llm, PROMPTS, GREEDY) == expected
-    finally:
-        llm.engine.shutdown()
 
 
 @pytest.mark.slow
