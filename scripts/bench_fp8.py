@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedserve.bench.common import write_result  # noqa: E402
-from scripts.bench_w4a16 import SHAPES, _time, copy_bandwidth_gbs  # noqa: E402
+from scripts.bench_w4a16 import SHAPES, _time, copies_past_l2, copy_bandwidth_gbs, cycling  # noqa: E402
 
 MS = (1, 2, 4, 16, 64, 256, 1024)
 DEVICE = "cuda"
@@ -88,24 +88,30 @@ def bench(args: argparse.Namespace, copy_gbs: float, peak: float) -> list[dict]:
 
 
 def sweep_gemv(copy_gbs: float) -> list[dict]:
+    """The GEMV's configurations at M = 1 per layer, each call reading its weight from
+    memory (copies past the L2 cache)."""
     from pagedserve.platforms.cuda.kernels import fp8_gemv
 
-    modules = [layer(n, k) for _, n, k in SHAPES]
+    layers = {name: copies_past_l2(lambda n=n, k=k: layer(n, k), n * k) for name, n, k in SHAPES}
     original, rows = fp8_gemv._config, []
-    for cfg in [fp8_gemv._Config(bn, bk, w, st) for bn in (8, 16, 32)
-                for bk in (256, 512, 1024) for w in (4, 8) for st in (2, 4)]:
+    for cfg in [fp8_gemv._Config(bn, bk, w, 2) for bn in (2, 4, 8, 16)
+                for bk in (512, 1024, 2048) for w in (4, 8)]:
         # Registers: a float32 accumulator per weight element of the tile.
-        if cfg.block_n * cfg.block_k // (32 * cfg.num_warps) > 256:
+        if not 8 <= cfg.block_n * cfg.block_k // (32 * cfg.num_warps) <= 128:
             continue
         fp8_gemv._config = lambda _m, cfg=cfg: cfg
-        total_ms = sum(_time(lambda mod=mod: fp8_gemv.matmul(
-            torch.ones(1, mod.fp8_weight.shape[1], device=DEVICE, dtype=torch.bfloat16),
-            mod.fp8_weight, mod.fp8_weight_scale, mod.fp8_out_features)) for mod in modules)
-        total_bytes = sum(mod.fp8_weight.numel() for mod in modules)
-        pct = 100 * total_bytes / total_ms / 1e6 / copy_gbs
-        rows.append({"config": cfg._asdict(), "layer_ms": total_ms, "pct_copy": pct})
-        print(f"fp8 gemv {tuple(cfg)}: 4 layers {total_ms * 1000:.1f} us, {pct:.1f}% of copy",
-              flush=True)
+        layer_ms = {}
+        for name, _n, k in SHAPES:
+            x = torch.ones(1, k, device=DEVICE, dtype=torch.bfloat16)
+            layer_ms[name] = _time(cycling(lambda mod, x=x: fp8_gemv.matmul(
+                x, mod.fp8_weight, mod.fp8_weight_scale, mod.fp8_out_features), layers[name]))
+        pct = {name: 100 * n * k / layer_ms[name] / 1e6 / copy_gbs for name, n, k in SHAPES}
+        total = 100 * sum(n * k for _, n, k in SHAPES) / sum(layer_ms.values()) / 1e6 / copy_gbs
+        rows.append({"config": cfg._asdict(), "layer_ms": layer_ms, "layer_pct_copy": pct,
+                     "pct_copy": total})
+        print(f"fp8 gemv {tuple(cfg)}: " + " ".join(
+            f"{name} {layer_ms[name] * 1000:6.1f}us {pct[name]:4.1f}%" for name in layer_ms)
+            + f"  all {total:.1f}% of copy", flush=True)
     fp8_gemv._config = original
     return rows
 

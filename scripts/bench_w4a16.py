@@ -6,8 +6,11 @@ as the packed weight's bytes (values, scales, zero points) per second next to th
 device-to-device copy rate measured in the same run; large M as TFLOP/s.
 
 Times are medians from ``triton.testing.do_bench_cudagraph`` (GPU time, as under CUDA graphs).
+The calls cycle through copies of the weight that together pass four times the L2 cache, so
+each call reads its weight from memory, as a decode step does. ``--sweep-gemv`` times the
+one-row kernel's configurations.
 
-    python scripts/bench_w4a16.py --out benchmarks/results/w4a16_h200.json
+    python scripts/bench_w4a16.py --out benchmarks/results/w4a16_h200.json [--sweep-gemv]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--ms", type=int, nargs="+", default=list(MS))
+    p.add_argument("--sweep-gemv", action="store_true")
     return p.parse_args()
 
 
@@ -48,6 +52,27 @@ def copy_bandwidth_gbs() -> float:
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), return_mode="median")
     return 2 * src.numel() / ms / 1e6
+
+
+def copies_past_l2(make, nbytes: int) -> list:
+    """``make()`` called until the results pass four times the L2 cache (at least two)."""
+    l2 = torch.cuda.get_device_properties(DEVICE).L2_cache_size
+    return [make() for _ in range(max(2, -(-4 * l2 // nbytes)))]
+
+
+def cycling(fn, weights: list):
+    """A function of no arguments that calls ``fn(w)`` on the next of ``weights`` each time."""
+    state = {"i": 0}
+
+    def call():
+        state["i"] += 1
+        return fn(weights[state["i"] % len(weights)])
+    return call
+
+
+def packed_bytes(packed) -> int:
+    return sum(t.numel() * t.element_size() for t in (packed.qweight, packed.scales,
+                                                      packed.shifts))
 
 
 def random_packed(n: int, k: int, group: int):
@@ -63,10 +88,10 @@ def random_packed(n: int, k: int, group: int):
 def bench_shape(name: str, n: int, k: int, args: argparse.Namespace,
                 copy_gbs: float) -> list[dict]:
     dtype = DTYPES[args.dtype]
-    packed = random_packed(n, k, args.group_size)
-    packed_bytes = sum(t.numel() * t.element_size()
-                       for t in (packed.qweight, packed.scales, packed.shifts))
-    dense = torch.randn(n, k, device=DEVICE, dtype=dtype) * 0.02
+    packed = copies_past_l2(lambda: random_packed(n, k, args.group_size), n * k // 2)
+    w_bytes = packed_bytes(packed[0])
+    dense = copies_past_l2(lambda: torch.randn(n, k, device=DEVICE, dtype=dtype) * 0.02,
+                           2 * n * k)
     rows = []
     for m in args.ms:
         ms_w4, ms_mm, paths = time_all(m, packed, dense)
@@ -74,10 +99,10 @@ def bench_shape(name: str, n: int, k: int, args: argparse.Namespace,
         rows.append({
             "layer": name, "n": n, "k": k, "m": m, "w4a16_ms": ms_w4,
             "torch_mm_ms": ms_mm, "path_ms": paths,
-            "speedup": ms_mm / ms_w4, "packed_bytes": packed_bytes,
-            "w4a16_weight_gbs": packed_bytes / ms_w4 / 1e6,
-            "w4a16_pct_copy": 100 * packed_bytes / ms_w4 / 1e6 / copy_gbs,
-            "torch_mm_weight_gbs": dense.numel() * dense.element_size() / ms_mm / 1e6,
+            "speedup": ms_mm / ms_w4, "packed_bytes": w_bytes,
+            "w4a16_weight_gbs": w_bytes / ms_w4 / 1e6,
+            "w4a16_pct_copy": 100 * w_bytes / ms_w4 / 1e6 / copy_gbs,
+            "torch_mm_weight_gbs": 2 * n * k / ms_mm / 1e6,
             "w4a16_tflops": flops / ms_w4 / 1e9, "torch_mm_tflops": flops / ms_mm / 1e9,
         })
         print(_row(rows[-1]) + "  " + " ".join(f"{p} {t * 1000:.1f}us"
@@ -85,17 +110,49 @@ def bench_shape(name: str, n: int, k: int, args: argparse.Namespace,
     return rows
 
 
-def time_all(m: int, packed, dense: torch.Tensor) -> tuple[float, float, dict]:
+def time_all(m: int, packed: list, dense: list) -> tuple[float, float, dict]:
     """Milliseconds of the W4A16 matmul as the engine runs it, of ``torch.mm`` on the dense
-    weight, and of each of the W4A16 paths forced, for M rows; NaN for one that fails."""
+    weight, and of each of the W4A16 paths that take M rows forced; NaN for one that fails."""
     from pagedserve.platforms.cuda.kernels import w4a16
 
-    x = torch.randn(m, dense.shape[1], device=DEVICE, dtype=dense.dtype)
-    out = torch.empty(m, dense.shape[0], device=DEVICE, dtype=dense.dtype)
-    paths = {path: _time(lambda path=path: w4a16.matmul(x, packed, out=out, path=path))
-             for path in w4a16.PATHS}
-    return (_time(lambda: w4a16.matmul(x, packed, out=out)),
-            _time(lambda: torch.mm(x, dense.T, out=out)), paths)
+    n, k = dense[0].shape
+    x = torch.randn(m, k, device=DEVICE, dtype=dense[0].dtype)
+    out = torch.empty(m, n, device=DEVICE, dtype=dense[0].dtype)
+    paths = {path: _time(cycling(lambda w, path=path: w4a16.matmul(x, w, out=out, path=path),
+                                 packed))
+             for path in w4a16.PATHS if path != "gemv" or m <= w4a16.GEMV_MAX_M}
+    return (_time(cycling(lambda w: w4a16.matmul(x, w, out=out), packed)),
+            _time(cycling(lambda w: torch.mm(x, w.T, out=out), dense)), paths)
+
+
+def sweep_gemv(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
+    """The one-row kernel's configurations over the four layers, each from memory."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    weights = {name: copies_past_l2(lambda n=n, k=k: random_packed(n, k, args.group_size),
+                                    n * k // 2) for name, n, k in SHAPES}
+    original = (w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM)
+    rows = []
+    for block_n, block_k, warps, per_sm in [
+            (bn, bk, w, p) for bn in (128, 256, 512, 1024) for bk in (32, 64, 128)
+            for w in (2, 4, 8) for p in (2, 4, 8)
+            if 8 <= bn * bk // (8 * 32 * w) <= 64]:  # words per thread
+        cfg = w4a16._Config(1, block_n, block_k, warps, 1)
+        w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM = (lambda cfg=cfg: cfg), per_sm
+        layer_ms = {}
+        for name, _n, k in SHAPES:
+            x = torch.randn(1, k, device=DEVICE, dtype=DTYPES[args.dtype])
+            layer_ms[name] = _time(cycling(lambda w, x=x: w4a16.matmul(x, w, path="gemv"),
+                                           weights[name]))
+        total_bytes = sum(packed_bytes(w[0]) for w in weights.values())
+        pct = 100 * total_bytes / sum(layer_ms.values()) / 1e6 / copy_gbs
+        rows.append({"config": cfg._asdict(), "programs_per_sm": per_sm, "layer_ms": layer_ms,
+                     "pct_copy": pct})
+        print(f"gemv {block_n:>5} x {block_k:>3} {warps} warps {per_sm}/SM: "
+              + " ".join(f"{k} {v * 1000:6.1f}us" for k, v in layer_ms.items())
+              + f"  {pct:5.1f}% of copy", flush=True)
+    w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM = original
+    return rows
 
 
 def _time(fn) -> float:
@@ -138,6 +195,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "dtype": args.dtype,
               "group_size": args.group_size, "copy_gbs": copy_gbs, "rows": rows}
+    if args.sweep_gemv:
+        result["gemv_sweep"] = sweep_gemv(args, copy_gbs)
     write_result("w4a16", result, args.out)
 
 

@@ -223,6 +223,9 @@ for part in $parts; do
         2>&1 | tee "$OUT/gpu_w4a16_tests.log"
       python3 scripts/bench_w4a16.py --out "$OUT/w4a16_h200.json" 2>&1 \
         | tee "$OUT/w4a16_h200.log" ;;
+    # The one-row kernel's configurations (BLOCK_N, BLOCK_K, warps, programs per SM).
+    w4a16-sweep) python3 scripts/bench_w4a16.py --ms 1 2 --sweep-gemv \
+        --out "$OUT/w4a16_gemv_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_gemv_sweep_h200.log" ;;
     decode-awq) bench decode --device cuda --shape llama3-8b --load-format dummy \
         --quantization awq --batch-sizes 1 32 --context-len 512 \
         --out "$OUT/decode_h200_llama3-8b_awq.json" ;;

@@ -109,8 +109,10 @@ def test_kernel_matches_reference(case, dtype):
 
 
 # (path, M, group, style): each path forced, with zero points and with GGUF offsets, in 32-
-# and 64-column groups and one that is not a multiple of the tile's K.
-PATH_CASES = [("tiles", 1, 32, "gguf"), ("tiles", 5, 160, "awq"),
+# and 64-column groups and one that is not a multiple of the tile's K (the GEMV's block of K
+# is cut to 32 there; 160 is not a multiple of its 128 columns, so its blocks are masked).
+PATH_CASES = [("gemv", 1, 32, "gguf"), ("gemv", 1, 160, "awq"), ("gemv", 1, 64, "awq"),
+              ("tiles", 1, 32, "gguf"), ("tiles", 5, 160, "awq"),
               ("tiles", 2, 32, "awq"), ("tiles", 3, 64, "gguf"),
               ("dequant", 6, 32, "gguf"), ("dequant", 3, 64, "awq")]
 
@@ -128,10 +130,22 @@ def test_each_path_matches_reference(case, dtype):
     assert_close(out, reference(x, weight), dtype)
 
 
-def test_path_choice_by_rows():
-    assert w4a16._choose_path(1) == "tiles"
-    assert w4a16._choose_path(w4a16.DEQUANT_MIN_M - 1) == "tiles"
-    assert w4a16._choose_path(w4a16.DEQUANT_MIN_M) == "dequant"
+def test_path_choice_by_rows_and_groups():
+    def packed(group):
+        weight = random_weight(8, 96, group, seed=1)
+        return w4a16.pack(weight.values, weight.scales, weight.offsets, group,
+                          torch.device("cpu"))
+
+    g32 = packed(32)
+    assert w4a16._choose_path(1, g32) == "gemv"
+    assert w4a16._choose_path(w4a16.GEMV_MAX_M + 1, g32) == "tiles"
+    assert w4a16._choose_path(w4a16.DEQUANT_MIN_M - 1, g32) == "tiles"
+    assert w4a16._choose_path(w4a16.DEQUANT_MIN_M, g32) == "dequant"
+    # Groups of 24 put no 16-column block in one group; one group of 96 does.
+    assert w4a16._choose_path(1, packed(24)) == "tiles"
+    assert w4a16._choose_path(1, packed(96)) == "gemv"
+    with pytest.raises(ValueError, match="groups"):
+        w4a16.matmul(torch.ones(1, 96), packed(24), path="gemv")
 
 
 def test_pack_keeps_zero_points_exact_in_float16():
@@ -308,6 +322,17 @@ for act, scale, m, split, one_group in [("bf16", "fp16", 1, True, True),
     cfg = w4a16._config(m)
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   ONE_GROUP_PER_BLOCK=one_group, ZERO_POINT=scale == "fp16", SPLIT=split)
+    sig = {}
+    for name in fn.arg_names:
+        kind = pointers.get(name)
+        sig[name] = ("constexpr" if name in consts else "i32" if kind is None
+                     else "*" + kind.replace("ACT", act).replace("SCALE", scale))
+    compile_sm90(fn, sig, consts, cfg.num_warps, cfg.num_stages)
+fn = w4a16._w4a16_gemv_kernel
+cfg = w4a16._gemv_config()
+for act, scale, split, even in [("bf16", "fp16", True, True), ("fp16", "fp32", False, False)]:
+    consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ZERO_POINT=scale == "fp16",
+                  SPLIT=split, EVEN=even)
     sig = {}
     for name in fn.arg_names:
         kind = pointers.get(name)

@@ -187,6 +187,69 @@ def _w4a16_kernel(
 
 
 @triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
+    N, K, group_size, k_per_split, num_splits,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_POINT: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN: tl.constexpr,
+):
+    """One row of ``x`` by CUDA-core FMAs. Each block of K lies in one group, so its scale
+    multiplies a sum of ``(q - z) * x`` per output once rather than every weight.
+
+    Codes become floats without an int-to-float conversion (a quarter-rate instruction that
+    held the tiles to a fifth of the copy rate): nibble ``i`` of a half-word, masked in place,
+    is or-ed into the exponent ``2**(23 - 4i)``, whose mantissa unit is then ``16**-i``, so
+    the bits read ``2**(23 - 4i) + q`` exactly; subtracting ``2**(23 - 4i) + z`` (one add)
+    leaves ``q - z``. Offsets (``q * s + m``) add ``m`` times the block's sum of ``x``."""
+    BLOCK_KW: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        rows = k0 // 8 + tl.arange(0, BLOCK_KW)
+        w_ptrs = qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
+        g_ptrs = (k0 // group_size) * N + offs_n
+        if EVEN:
+            words = tl.load(w_ptrs)
+            s = tl.load(s_ptr + g_ptrs).to(tl.float32)
+            z = tl.load(z_ptr + g_ptrs).to(tl.float32)
+        else:
+            words = tl.load(w_ptrs, mask=(rows * 8 < k_end)[:, None] & mask_n[None, :], other=0)
+            s = tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+        high = words >> 16
+        qx = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+        x_sum = tl.zeros((BLOCK_KW,), dtype=tl.float32)
+        for i in tl.static_range(8):
+            j = i % 4
+            half = words if i < 4 else high
+            bits = (half & (0xF << (4 * j))) | ((150 - 4 * j) << 23)
+            if ZERO_POINT:
+                q = bits.to(tl.float32, bitcast=True) - ((1 << (23 - 4 * j)) + z)[None, :]
+            else:
+                q = bits.to(tl.float32, bitcast=True) - (1 << (23 - 4 * j))
+            k = rows * 8 + i
+            if EVEN:
+                x = tl.load(x_ptr + k).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
+            qx += q * x[:, None]
+            if not ZERO_POINT:
+                x_sum += x
+        if ZERO_POINT:
+            acc += s[None, :] * qx
+        else:
+            acc += s[None, :] * qx + z[None, :] * x_sum[:, None]
+    y = tl.sum(acc, axis=0)[None, :]
+    _finish(y, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), offs_n, tl.arange(0, 1) < 1,
+            mask_n, 1, N, N, pid_n, pid_s, num_splits, SPLIT)
+
+
+@triton.jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
                     BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr):
     """The dense ``[K, N]`` weight, ``8 * BLOCK_KW`` rows by ``BLOCK_N`` columns a program."""
@@ -206,9 +269,11 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
                  w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Rows from which the weight is dequantized for cuBLAS.
+# Rows up to which the CUDA-core GEMV runs, and from which the weight is dequantized for
+# cuBLAS; the tiles in between.
+GEMV_MAX_M = 1
 DEQUANT_MIN_M = 128
-PATHS = ("tiles", "dequant")
+PATHS = ("gemv", "tiles", "dequant")
 
 
 def _config(m: int) -> _Config:
@@ -224,6 +289,14 @@ def _config(m: int) -> _Config:
     if m <= 256:
         return _Config(64, 128, 64, 8, 4)
     return _Config(128, 128, 64, 8, 3)
+
+
+def _gemv_config() -> _Config:
+    return _Config(1, 128, 128, 4, 1)
+
+
+# Programs per SM the GEMV's split of K aims at: enough loads in flight to stream the weight.
+GEMV_PROGRAMS_PER_SM = 4
 
 
 def _config_for(m: int, dtype: torch.dtype, arch: str | None) -> _Config:
@@ -245,16 +318,26 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _split_k(programs: int, k_blocks: int, device: torch.device) -> int:
-    """Slices of K so that about two waves of programs stream the weight, each slice at least
+def _split_k(programs: int, k_blocks: int, target: int) -> int:
+    """Slices of K so that about ``target`` programs stream the weight, each slice at least
     four blocks of K long."""
-    target = 2 * _num_sms(device)
     if programs >= target:
         return 1
     return max(1, min(-(-target // programs), k_blocks // 4))
 
 
-def _choose_path(m: int) -> str:
+def _gemv_block_k(w: PackedW4, block_k: int) -> int | None:
+    """The GEMV's block of K: ``block_k`` cut so that each block lies in one group; None where
+    that leaves fewer than 16 columns (groups of an odd multiple of 8 or less)."""
+    if w.scales.shape[0] == 1:
+        return block_k
+    block_k = min(block_k, w.group_size & -w.group_size)
+    return block_k if block_k >= 16 else None
+
+
+def _choose_path(m: int, w: PackedW4) -> str:
+    if m <= GEMV_MAX_M and _gemv_block_k(w, _gemv_config().block_k) is not None:
+        return "gemv"
     return "tiles" if m < DEQUANT_MIN_M else "dequant"
 
 
@@ -273,9 +356,11 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    path = path or _choose_path(m)
+    path = path or _choose_path(m, w)
     if path == "dequant":
         return torch.mm(x, dequantize(w, x.dtype), out=out)
+    if path == "gemv":
+        return _gemv(x, w, split_k, out)
     cfg = _config_for(m, x.dtype, gpu_arch(x.device))
     block_k = cfg.block_k
     if w.group_size < block_k and w.group_size % 16 == 0:
@@ -284,7 +369,7 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
     k_blocks = triton.cdiv(k, block_k)
     splits = 1
     if grid_m == 1:  # the counters are per block of N
-        splits = split_k or _split_k(grid_n, k_blocks, x.device)
+        splits = split_k or _split_k(grid_n, k_blocks, 2 * _num_sms(x.device))
     k_per_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(k, k_per_split)
     # Where the slices leave their partial sums (not written when there is one slice).
@@ -296,6 +381,30 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         ONE_GROUP_PER_BLOCK=w.group_size % block_k == 0 or w.scales.shape[0] == 1,
         ZERO_POINT=w.zero_point, SPLIT=splits > 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def _gemv(x: torch.Tensor, w: PackedW4, split_k: int | None, out: torch.Tensor) -> torch.Tensor:
+    """``matmul``'s one-row path: ``_w4a16_gemv_kernel``, K split for enough programs."""
+    (m, k), n = x.shape, w.qweight.shape[1]
+    cfg = _gemv_config()
+    block_k = _gemv_block_k(w, cfg.block_k)
+    if m != 1 or block_k is None:
+        raise ValueError(f"the GEMV takes one row and groups of a multiple of 16, not {m} "
+                         f"rows and groups of {w.group_size}")
+    grid_n, k_blocks = triton.cdiv(n, cfg.block_n), triton.cdiv(k, block_k)
+    splits = split_k or _split_k(grid_n, k_blocks, GEMV_PROGRAMS_PER_SM * _num_sms(x.device))
+    k_per_split = triton.cdiv(k_blocks, splits) * block_k
+    splits = triton.cdiv(k, k_per_split)
+    partial = torch.empty((splits, n) if splits > 1 else (1,), dtype=torch.float32,
+                          device=x.device)
+    _w4a16_gemv_kernel[(grid_n, splits)](
+        x, w.qweight, w.scales, w.shifts, out, partial, w.counters,
+        n, k, w.group_size, k_per_split, splits,
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, ZERO_POINT=w.zero_point, SPLIT=splits > 1,
+        # No masks where every block is whole: they cost as much as the arithmetic.
+        EVEN=n % cfg.block_n == 0 and k % block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
