@@ -133,11 +133,11 @@ def sweep_gemv(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
                                     n * k // 2) for name, n, k in SHAPES}
     original = (w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM)
     rows = []
-    for block_n, block_k, warps, per_sm in [
-            (bn, bk, w, p) for bn in (128, 256, 512, 1024) for bk in (32, 64, 128)
-            for w in (2, 4, 8) for p in (2, 4, 8)
+    for block_n, block_k, warps, stages, per_sm in [
+            (bn, bk, w, st, p) for bn in (128, 256, 512) for bk in (64, 128) for w in (2, 4)
+            for st in (1, 2) for p in (8, 16, 32)
             if 8 <= bn * bk // (8 * 32 * w) <= 64]:  # words per thread
-        cfg = w4a16._Config(1, block_n, block_k, warps, 1)
+        cfg = w4a16._Config(1, block_n, block_k, warps, stages)
         w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM = (lambda cfg=cfg: cfg), per_sm
         layer_ms = {}
         for name, _n, k in SHAPES:
@@ -148,7 +148,7 @@ def sweep_gemv(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
         pct = 100 * total_bytes / sum(layer_ms.values()) / 1e6 / copy_gbs
         rows.append({"config": cfg._asdict(), "programs_per_sm": per_sm, "layer_ms": layer_ms,
                      "pct_copy": pct})
-        print(f"gemv {block_n:>5} x {block_k:>3} {warps} warps {per_sm}/SM: "
+        print(f"gemv {block_n:>5} x {block_k:>3} {warps} warps {stages} st {per_sm}/SM: "
               + " ".join(f"{k} {v * 1000:6.1f}us" for k, v in layer_ms.items())
               + f"  {pct:5.1f}% of copy", flush=True)
     w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM = original

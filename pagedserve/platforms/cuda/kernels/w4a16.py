@@ -318,12 +318,12 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _split_k(programs: int, k_blocks: int, target: int) -> int:
+def _split_k(programs: int, k_blocks: int, target: int, min_blocks: int) -> int:
     """Slices of K so that about ``target`` programs stream the weight, each slice at least
-    four blocks of K long."""
+    ``min_blocks`` blocks of K long."""
     if programs >= target:
         return 1
-    return max(1, min(-(-target // programs), k_blocks // 4))
+    return max(1, min(-(-target // programs), k_blocks // min_blocks))
 
 
 def _gemv_block_k(w: PackedW4, block_k: int) -> int | None:
@@ -369,7 +369,7 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
     k_blocks = triton.cdiv(k, block_k)
     splits = 1
     if grid_m == 1:  # the counters are per block of N
-        splits = split_k or _split_k(grid_n, k_blocks, 2 * _num_sms(x.device))
+        splits = split_k or _split_k(grid_n, k_blocks, 2 * _num_sms(x.device), 4)
     k_per_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(k, k_per_split)
     # Where the slices leave their partial sums (not written when there is one slice).
@@ -394,7 +394,10 @@ def _gemv(x: torch.Tensor, w: PackedW4, split_k: int | None, out: torch.Tensor) 
         raise ValueError(f"the GEMV takes one row and groups of a multiple of 16, not {m} "
                          f"rows and groups of {w.group_size}")
     grid_n, k_blocks = triton.cdiv(n, cfg.block_n), triton.cdiv(k, block_k)
-    splits = split_k or _split_k(grid_n, k_blocks, GEMV_PROGRAMS_PER_SM * _num_sms(x.device))
+    # Slices as short as one block: a decode step's smaller weights (8 MB) must be nearly all
+    # in flight at once to be read at the copy rate, which few long slices cannot do.
+    splits = split_k or _split_k(grid_n, k_blocks, GEMV_PROGRAMS_PER_SM * _num_sms(x.device),
+                                 1)
     k_per_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(k, k_per_split)
     partial = torch.empty((splits, n) if splits > 1 else (1,), dtype=torch.float32,
