@@ -126,39 +126,32 @@ def time_all(m: int, packed: list, dense: list) -> tuple[float, float, dict]:
 
 
 def sweep_gemv(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
-    """The few-row kernels' configurations over the four layers, each weight from memory:
-    the GEMV at M = 1, the tensor-core kernel at M = 1 and 16."""
+    """The one-row kernel's configurations over the four layers, each from memory."""
     from pagedserve.platforms.cuda.kernels import w4a16
 
     weights = {name: copies_past_l2(lambda n=n, k=k: random_packed(n, k, args.group_size),
                                     n * k // 2) for name, n, k in SHAPES}
-    original = (w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM, w4a16._mma_config,
-                w4a16.MMA_PROGRAMS_PER_SM)
-    variants = [("gemv", 1, w4a16._Config(1, bn, bk, w, 1), p)
-                for bn, bk, w in ((128, 128, 4), (256, 64, 4), (512, 32, 2)) for p in (8, 16)]
-    variants += [("mma", m, w4a16._Config(16, bn, 128, w, st), p) for m in (1, 16)
-                 for bn, w in ((128, 4), (256, 4), (256, 8)) for st in (2, 3) for p in (2, 4, 8)]
+    original = (w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM)
     rows = []
-    for path, m, cfg, per_sm in variants:
-        if path == "gemv":
-            w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM = (lambda cfg=cfg: cfg), per_sm
-        else:
-            w4a16._mma_config, w4a16.MMA_PROGRAMS_PER_SM = (lambda _m, cfg=cfg: cfg), per_sm
+    for block_n, block_k, warps, stages, per_sm in [
+            (bn, bk, w, st, p) for bn in (128, 256, 512) for bk in (64, 128) for w in (2, 4)
+            for st in (1, 2) for p in (8, 16, 32)
+            if 8 <= bn * bk // (8 * 32 * w) <= 64]:  # words per thread
+        cfg = w4a16._Config(1, block_n, block_k, warps, stages)
+        w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM = (lambda cfg=cfg: cfg), per_sm
         layer_ms = {}
         for name, _n, k in SHAPES:
-            x = torch.randn(m, k, device=DEVICE, dtype=DTYPES[args.dtype])
-            layer_ms[name] = _time(cycling(lambda w, x=x, path=path: w4a16.matmul(x, w, path=path),
+            x = torch.randn(1, k, device=DEVICE, dtype=DTYPES[args.dtype])
+            layer_ms[name] = _time(cycling(lambda w, x=x: w4a16.matmul(x, w, path="gemv"),
                                            weights[name]))
         total_bytes = sum(packed_bytes(w[0]) for w in weights.values())
         pct = 100 * total_bytes / sum(layer_ms.values()) / 1e6 / copy_gbs
-        rows.append({"path": path, "m": m, "config": cfg._asdict(), "programs_per_sm": per_sm,
-                     "layer_ms": layer_ms, "pct_copy": pct})
-        print(f"{path} m={m:<2} {cfg.block_n:>4} x {cfg.block_k:>3} {cfg.num_warps} warps "
-              f"{cfg.num_stages} st {per_sm:>2}/SM: "
+        rows.append({"config": cfg._asdict(), "programs_per_sm": per_sm, "layer_ms": layer_ms,
+                     "pct_copy": pct})
+        print(f"gemv {block_n:>5} x {block_k:>3} {warps} warps {stages} st {per_sm}/SM: "
               + " ".join(f"{k} {v * 1000:6.1f}us" for k, v in layer_ms.items())
               + f"  {pct:5.1f}% of copy", flush=True)
-    (w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM, w4a16._mma_config,
-     w4a16.MMA_PROGRAMS_PER_SM) = original
+    w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM = original
     return rows
 
 

@@ -186,77 +186,6 @@ def _w4a16_kernel(
             M, N, stride_om, pid_n, pid_s, num_splits, SPLIT)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _w4a16_mma_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
-    M, N, K, group_size, k_per_split, num_splits,
-    stride_xm, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
-):
-    """16-bit activations; each block of K in one group. Two nibbles of a word become two
-    16-bit floats with two integer operations and no conversion: nibbles ``i`` and ``i + 4``
-    are shifted to bits 0 and 16 and or-ed into the bits of ``BIAS`` (128 in bfloat16, 1024
-    in float16, whose mantissa unit is 1), which then read ``BIAS + q`` exactly. The tensor
-    cores multiply those; ``BIAS`` and the zero point come off once per block and output as
-    ``(BIAS + z)`` times the block's sum of ``x``. The K order within a block is free, so
-    the eight nibble planes are eight dots against the matching strided columns of ``x``."""
-    if x_ptr.dtype.element_ty == tl.bfloat16:
-        MAGIC: tl.constexpr = 0x43004300
-        BIAS: tl.constexpr = 128.0
-    else:
-        MAGIC: tl.constexpr = 0x64006400
-        BIAS: tl.constexpr = 1024.0
-    BLOCK_KW: tl.constexpr = BLOCK_K // 8
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    k_start = pid_s * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        rows = k0 // 8 + tl.arange(0, BLOCK_KW)
-        w_ptrs = qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
-        g_ptrs = (k0 // group_size) * N + offs_n
-        if EVEN:
-            words = tl.load(w_ptrs)
-            s = tl.load(s_ptr + g_ptrs).to(tl.float32)
-            z = tl.load(z_ptr + g_ptrs).to(tl.float32)
-        else:
-            words = tl.load(w_ptrs, mask=(rows * 8 < k_end)[:, None] & mask_n[None, :], other=0)
-            s = tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
-        d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for i in tl.static_range(4):
-            pair = ((words >> (4 * i)) & 0x000F000F) | MAGIC
-            low = pair.to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
-            high = (pair >> 16).to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
-            k = rows * 8 + i
-            if EVEN:
-                x_low = tl.load(x_rows + k[None, :])
-                x_high = tl.load(x_rows + (k + 4)[None, :])
-            else:
-                x_low = tl.load(x_rows + k[None, :],
-                                mask=mask_m[:, None] & (k < k_end)[None, :], other=0.0)
-                x_high = tl.load(x_rows + (k + 4)[None, :],
-                                 mask=mask_m[:, None] & (k + 4 < k_end)[None, :], other=0.0)
-            d += tl.dot(x_low, low)
-            d += tl.dot(x_high, high)
-            x_sum += tl.sum(x_low.to(tl.float32), axis=1) + tl.sum(x_high.to(tl.float32), axis=1)
-        if ZERO_POINT:
-            acc += s[None, :] * (d - (BIAS + z)[None, :] * x_sum[:, None])
-        else:
-            acc += s[None, :] * (d - BIAS * x_sum[:, None]) + z[None, :] * x_sum[:, None]
-    _finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n,
-            M, N, stride_om, pid_n, pid_s, num_splits, SPLIT)
-
-
 @triton.jit
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
@@ -344,7 +273,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
 # cuBLAS; the tiles in between.
 GEMV_MAX_M = 1
 DEQUANT_MIN_M = 128
-PATHS = ("gemv", "mma", "tiles", "dequant")
+PATHS = ("gemv", "tiles", "dequant")
 
 
 def _config(m: int) -> _Config:
@@ -360,13 +289,6 @@ def _config(m: int) -> _Config:
     if m <= 256:
         return _Config(64, 128, 64, 8, 4)
     return _Config(128, 128, 64, 8, 3)
-
-
-MMA_PROGRAMS_PER_SM = 4
-
-
-def _mma_config(m: int) -> _Config:
-    return _Config(16 if m <= 16 else 64, 128 if m <= 16 else 64, 128, 4, 2)
 
 
 def _gemv_config() -> _Config:
@@ -439,13 +361,7 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         return torch.mm(x, dequantize(w, x.dtype), out=out)
     if path == "gemv":
         return _gemv(x, w, split_k, out)
-    kernel, consts = _w4a16_kernel, {}
     cfg = _config_for(m, x.dtype, gpu_arch(x.device))
-    target, min_blocks = 2 * _num_sms(x.device), 4  # about two waves
-    if path == "mma":
-        kernel = _w4a16_mma_kernel
-        cfg = _mma_config(m)
-        target, min_blocks = MMA_PROGRAMS_PER_SM * _num_sms(x.device), 1
     block_k = cfg.block_k
     if w.group_size < block_k and w.group_size % 16 == 0:
         block_k = w.group_size  # so that each block of K lies in one group
@@ -453,23 +369,18 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
     k_blocks = triton.cdiv(k, block_k)
     splits = 1
     if grid_m == 1:  # the counters are per block of N
-        splits = split_k or _split_k(grid_n, k_blocks, target, min_blocks)
+        splits = split_k or _split_k(grid_n, k_blocks, 2 * _num_sms(x.device), 4)
     k_per_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(k, k_per_split)
     # Where the slices leave their partial sums (not written when there is one slice).
     partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
                           device=x.device)
-    if kernel is _w4a16_kernel:
-        consts["ONE_GROUP_PER_BLOCK"] = w.group_size % block_k == 0 or w.scales.shape[0] == 1
-    else:
-        # No masks where every block is whole (x padded to whole blocks of rows).
-        consts["EVEN"] = (m % cfg.block_m == 0 and n % cfg.block_n == 0
-                          and k % k_per_split == 0 and k_per_split % block_k == 0)
-    kernel[(grid_m, grid_n, splits)](
+    _w4a16_kernel[(grid_m, grid_n, splits)](
         x, w.qweight, w.scales, w.shifts, out, partial, w.counters,
         m, n, k, w.group_size, k_per_split, splits, x.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        ZERO_POINT=w.zero_point, SPLIT=splits > 1, **consts,
+        ONE_GROUP_PER_BLOCK=w.group_size % block_k == 0 or w.scales.shape[0] == 1,
+        ZERO_POINT=w.zero_point, SPLIT=splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
