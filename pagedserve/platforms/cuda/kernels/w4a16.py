@@ -296,7 +296,7 @@ def _gemv_config() -> _Config:
 
 
 # Programs per SM the GEMV's split of K aims at: enough loads in flight to stream the weight.
-GEMV_PROGRAMS_PER_SM = 4
+GEMV_PROGRAMS_PER_SM = 8
 
 
 def _config_for(m: int, dtype: torch.dtype, arch: str | None) -> _Config:
