@@ -187,11 +187,19 @@ def _w4a16_kernel(
 
 
 @triton.jit
+def _load_words(qw_ptr, rows, k_end, offs_n, mask_n, N, EVEN: tl.constexpr):
+    ptrs = qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(rows * 8 < k_end)[:, None] & mask_n[None, :], other=0)
+
+
+@triton.jit
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
     N, K, group_size, k_per_split, num_splits,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_POINT: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr, SUBNORMAL: tl.constexpr,
 ):
     """One row of ``x`` by CUDA-core FMAs. Each block of K lies in one group, so its scale
     multiplies a sum of ``(q - z) * x`` per output once rather than every weight.
@@ -209,16 +217,20 @@ def _w4a16_gemv_kernel(
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    last_row = (k_end - 1) // 8
+    rows = k_start // 8 + tl.arange(0, BLOCK_KW)
+    words = _load_words(qw_ptr, rows, k_end, offs_n, mask_n, N, EVEN)
     for k0 in range(k_start, k_end, BLOCK_K):
-        rows = k0 // 8 + tl.arange(0, BLOCK_KW)
-        w_ptrs = qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
+        # The next block's words are requested before this block's arithmetic, so the two
+        # overlap (the last block asks again for its own last rows, which are cached).
+        if PREFETCH:
+            next_rows = tl.minimum(rows + BLOCK_KW, last_row)
+            next_words = _load_words(qw_ptr, next_rows, k_end, offs_n, mask_n, N, EVEN)
         g_ptrs = (k0 // group_size) * N + offs_n
         if EVEN:
-            words = tl.load(w_ptrs)
             s = tl.load(s_ptr + g_ptrs).to(tl.float32)
             z = tl.load(z_ptr + g_ptrs).to(tl.float32)
         else:
-            words = tl.load(w_ptrs, mask=(rows * 8 < k_end)[:, None] & mask_n[None, :], other=0)
             s = tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
         high = words >> 16
@@ -227,23 +239,39 @@ def _w4a16_gemv_kernel(
         for i in tl.static_range(8):
             j = i % 4
             half = words if i < 4 else high
-            bits = (half & (0xF << (4 * j))) | ((150 - 4 * j) << 23)
-            if ZERO_POINT:
-                q = bits.to(tl.float32, bitcast=True) - ((1 << (23 - 4 * j)) + z)[None, :]
-            else:
-                q = bits.to(tl.float32, bitcast=True) - (1 << (23 - 4 * j))
             k = rows * 8 + i
             if EVEN:
                 x = tl.load(x_ptr + k).to(tl.float32)
             else:
                 x = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
-            qx += q * x[:, None]
             if not ZERO_POINT:
                 x_sum += x
+            if SUBNORMAL:
+                # The masked nibble alone reads as the subnormal q * 2**(4j - 149); times
+                # 2**127 (exact, an immediate of the FMA) less z * 2**(4j - 22), it is
+                # (q - z) * 2**(4j - 22), and x carries the 2**(22 - 4j).
+                f = (half & (0xF << (4 * j))).to(tl.float32, bitcast=True)
+                if ZERO_POINT:
+                    q = f * 1.7014118346046923e38 - (z * (1.0 / (1 << (22 - 4 * j))))[None, :]
+                else:
+                    q = f * 1.7014118346046923e38
+                qx += q * (x * (1 << (22 - 4 * j)))[:, None]
+            else:
+                bits = (half & (0xF << (4 * j))) | ((150 - 4 * j) << 23)
+                if ZERO_POINT:
+                    q = bits.to(tl.float32, bitcast=True) - ((1 << (23 - 4 * j)) + z)[None, :]
+                else:
+                    q = bits.to(tl.float32, bitcast=True) - (1 << (23 - 4 * j))
+                qx += q * x[:, None]
         if ZERO_POINT:
             acc += s[None, :] * qx
         else:
             acc += s[None, :] * qx + z[None, :] * x_sum[:, None]
+        if PREFETCH:
+            rows, words = next_rows, next_words
+        else:
+            rows = tl.minimum(rows + BLOCK_KW, last_row)
+            words = _load_words(qw_ptr, rows, k_end, offs_n, mask_n, N, EVEN)
     y = tl.sum(acc, axis=0)[None, :]
     _finish(y, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), offs_n, tl.arange(0, 1) < 1,
             mask_n, 1, N, N, pid_n, pid_s, num_splits, SPLIT)
@@ -297,6 +325,8 @@ def _gemv_config() -> _Config:
 
 # Programs per SM the GEMV's split of K aims at: enough loads in flight to stream the weight.
 GEMV_PROGRAMS_PER_SM = 8
+GEMV_PREFETCH = True
+GEMV_SUBNORMAL = True
 
 
 def _config_for(m: int, dtype: torch.dtype, arch: str | None) -> _Config:
@@ -407,7 +437,8 @@ def _gemv(x: torch.Tensor, w: PackedW4, split_k: int | None, out: torch.Tensor) 
         n, k, w.group_size, k_per_split, splits,
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, ZERO_POINT=w.zero_point, SPLIT=splits > 1,
         # No masks where every block is whole: they cost as much as the arithmetic.
-        EVEN=n % cfg.block_n == 0 and k % block_k == 0,
+        EVEN=n % cfg.block_n == 0 and k % block_k == 0, PREFETCH=GEMV_PREFETCH,
+        SUBNORMAL=GEMV_SUBNORMAL and gpu_arch(x.device) is None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
