@@ -131,15 +131,16 @@ def sweep_gemv(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
 
     weights = {name: copies_past_l2(lambda n=n, k=k: random_packed(n, k, args.group_size),
                                     n * k // 2) for name, n, k in SHAPES}
-    original = (w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM, w4a16.GEMV_PREFETCH,
-                w4a16.GEMV_SUBNORMAL)
+    original = (w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM, w4a16._gemv_decode)
     rows = []
-    for (block_n, block_k, warps), per_sm, prefetch, subnormal in [
-            (c, p, f, sub) for c in ((128, 128, 4), (256, 64, 4), (512, 32, 2), (1024, 16, 2))
-            for p in (2, 4, 8) for f in (True, False) for sub in (True, False)]:
+    variants = [(c, p, "pairs") for c in ((128, 128, 4), (256, 64, 4), (256, 128, 4),
+                                          (512, 64, 4), (512, 32, 2), (1024, 32, 4))
+                for p in (2, 4, 8)]
+    variants += [((128, 128, 4), p, "subnormal") for p in (4, 8)]
+    for (block_n, block_k, warps), per_sm, decode in variants:
         cfg = w4a16._Config(1, block_n, block_k, warps, 1)
         w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM = (lambda cfg=cfg: cfg), per_sm
-        w4a16.GEMV_PREFETCH, w4a16.GEMV_SUBNORMAL = prefetch, subnormal
+        w4a16._gemv_decode = lambda _x, decode=decode: decode
         layer_ms = {}
         for name, _n, k in SHAPES:
             x = torch.randn(1, k, device=DEVICE, dtype=DTYPES[args.dtype])
@@ -147,14 +148,12 @@ def sweep_gemv(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
                                            weights[name]))
         total_bytes = sum(packed_bytes(w[0]) for w in weights.values())
         pct = 100 * total_bytes / sum(layer_ms.values()) / 1e6 / copy_gbs
-        rows.append({"config": cfg._asdict(), "programs_per_sm": per_sm, "prefetch": prefetch,
-                     "subnormal": subnormal, "layer_ms": layer_ms, "pct_copy": pct})
-        print(f"gemv {block_n:>5} x {block_k:>3} {warps} warps {per_sm}/SM prefetch "
-              f"{prefetch:d} subnormal {subnormal:d}: "
+        rows.append({"config": cfg._asdict(), "programs_per_sm": per_sm, "decode": decode,
+                     "layer_ms": layer_ms, "pct_copy": pct})
+        print(f"gemv {block_n:>5} x {block_k:>3} {warps} warps {per_sm}/SM {decode:>9}: "
               + " ".join(f"{k} {v * 1000:6.1f}us" for k, v in layer_ms.items())
               + f"  {pct:5.1f}% of copy", flush=True)
-    (w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM, w4a16.GEMV_PREFETCH,
-     w4a16.GEMV_SUBNORMAL) = original
+    w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM, w4a16._gemv_decode = original
     return rows
 
 

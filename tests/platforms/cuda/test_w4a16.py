@@ -154,9 +154,11 @@ def test_pack_keeps_zero_points_exact_in_float16():
     assert packed.scales.dtype == torch.float16 and packed.zero_point
     assert torch.equal(packed.shifts.float(), packed.shifts.float().round())
     assert packed.qweight.shape == (8, 8) and packed.qweight.dtype == torch.int32
-    # Nibble i of word j is column 8j + i.
+    # Columns 2p and 2p + 1 of word j are nibbles p and p + 4: bits 4p and 16 + 4p.
     word = packed.qweight[0, 0].item() & 0xFFFFFFFF
-    assert [(word >> (4 * i)) & 0xF for i in range(8)] == weight.values[0, :8].tolist()
+    bits = [0, 16, 4, 20, 8, 24, 12, 28]
+    assert [w4a16.nibble_shift(t) for t in range(8)] == bits
+    assert [(word >> b) & 0xF for b in bits] == weight.values[0, :8].tolist()
 
 
 def test_pack_keeps_gguf_offsets_in_float16():
@@ -330,9 +332,12 @@ for act, scale, m, split, one_group in [("bf16", "fp16", 1, True, True),
     compile_sm90(fn, sig, consts, cfg.num_warps, cfg.num_stages)
 fn = w4a16._w4a16_gemv_kernel
 cfg = w4a16._gemv_config()
-for act, scale, split, even in [("bf16", "fp16", True, True), ("fp16", "fp32", False, False)]:
+for act, scale, split, even, decode in [("bf16", "fp16", True, True, "pairs"),
+                                        ("bf16", "fp32", False, False, "pairs"),
+                                        ("fp16", "fp32", False, False, "subnormal"),
+                                        ("fp16", "fp16", True, True, "exponent")]:
     consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ZERO_POINT=scale == "fp16",
-                  SPLIT=split, EVEN=even)
+                  SPLIT=split, EVEN=even, DECODE=decode)
     sig = {}
     for name in fn.arg_names:
         kind = pointers.get(name)
