@@ -134,9 +134,9 @@ def sweep_gemv(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
     original = (w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM, w4a16._gemv_decode)
     rows = []
     variants = [(c, p, "pairs") for c in ((128, 128, 4), (256, 64, 4), (256, 128, 4),
-                                          (512, 64, 4), (512, 32, 2), (1024, 32, 4))
-                for p in (2, 4, 8)]
-    variants += [((128, 128, 4), p, "subnormal") for p in (4, 8)]
+                                          (512, 64, 4), (256, 64, 2), (128, 64, 2))
+                for p in (4, 8, 16, 32)]
+    variants += [((256, 64, 4), p, "subnormal") for p in (4, 8)]
     for (block_n, block_k, warps), per_sm, decode in variants:
         cfg = w4a16._Config(1, block_n, block_k, warps, 1)
         w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM = (lambda cfg=cfg: cfg), per_sm

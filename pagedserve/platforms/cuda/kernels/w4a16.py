@@ -241,7 +241,7 @@ def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
     N, K, group_size, k_per_split, num_splits,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_POINT: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN: tl.constexpr, DECODE: tl.constexpr,
+    SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, EVEN: tl.constexpr, DECODE: tl.constexpr,
 ):
     """One row of ``x`` by CUDA cores. Each block of K lies in one group, so its scale
     multiplies a sum of ``(q - z) * x`` per output once rather than every weight. No code
@@ -327,9 +327,23 @@ def _w4a16_gemv_kernel(
             acc += s[None, :] * qx
         else:
             acc += s[None, :] * qx + z[None, :] * x_sum[:, None]
-    y = tl.sum(acc, axis=0)[None, :]
-    _finish(y, out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1), offs_n, tl.arange(0, 1) < 1,
-            mask_n, 1, N, N, pid_n, pid_s, num_splits, SPLIT)
+    y = tl.sum(acc, axis=0)
+    if SPLIT:
+        # As ``_finish``, but the last slice reads all the partial sums at once: one after
+        # another, their latencies added up to more than the weight's own reading time.
+        tl.store(partial_ptr + pid_s.to(tl.int64) * N + offs_n, y, mask=mask_n)
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == num_splits - 1:
+            slices = tl.arange(0, MAX_SPLITS)
+            parts = tl.load(partial_ptr + slices[:, None].to(tl.int64) * N + offs_n[None, :],
+                            mask=(slices < num_splits)[:, None] & mask_n[None, :], other=0.0,
+                            cache_modifier=".cg")
+            tl.store(out_ptr + offs_n, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty),
+                     mask=mask_n)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)
+    else:
+        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
@@ -381,6 +395,8 @@ def _gemv_config() -> _Config:
 
 # Programs per SM the GEMV's split of K aims at: enough loads in flight to stream the weight.
 GEMV_PROGRAMS_PER_SM = 8
+# The last slice holds every slice's partial sums of its block of N in registers at once.
+GEMV_MAX_SPLITS = 64
 
 
 def _config_for(m: int, dtype: torch.dtype, arch: str | None) -> _Config:
@@ -492,6 +508,7 @@ def _gemv(x: torch.Tensor, w: PackedW4, split_k: int | None, out: torch.Tensor) 
     # in flight at once to be read at the copy rate, which few long slices cannot do.
     splits = split_k or _split_k(grid_n, k_blocks, GEMV_PROGRAMS_PER_SM * _num_sms(x.device),
                                  1)
+    splits = min(splits, GEMV_MAX_SPLITS)
     k_per_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(k, k_per_split)
     partial = torch.empty((splits, n) if splits > 1 else (1,), dtype=torch.float32,
@@ -500,6 +517,7 @@ def _gemv(x: torch.Tensor, w: PackedW4, split_k: int | None, out: torch.Tensor) 
         x, w.qweight, w.scales, w.shifts, out, partial, w.counters,
         n, k, w.group_size, k_per_split, splits,
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, ZERO_POINT=w.zero_point, SPLIT=splits > 1,
+        MAX_SPLITS=triton.next_power_of_2(splits),
         # No masks where every block is whole: they cost as much as the arithmetic.
         EVEN=n % cfg.block_n == 0 and k % block_k == 0, DECODE=_gemv_decode(x),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
