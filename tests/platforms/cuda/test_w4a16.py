@@ -337,7 +337,7 @@ for act, scale, split, even, decode in [("bf16", "fp16", True, True, "pairs"),
                                         ("fp16", "fp32", False, False, "subnormal"),
                                         ("fp16", "fp16", True, True, "exponent")]:
     consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ZERO_POINT=scale == "fp16",
-                  SPLIT=split, MAX_SPLITS=32 if split else 1, EVEN=even, DECODE=decode)
+                  SPLIT=split, EVEN=even, DECODE=decode)
     sig = {}
     for name in fn.arg_names:
         kind = pointers.get(name)
