@@ -198,7 +198,7 @@ def _w4a16_kernel(
         else:
             acc += tl.dot(x, w)
     _finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n,
-            M, N, stride_om, pid_n, pid_s, num_splits, SPLIT, 4)
+            M, N, stride_om, pid_n, pid_s, num_splits, SPLIT, 1)
 
 
 # Four bfloat16 products per half of a register, summed in bfloat16 and then in float32:
