@@ -35,7 +35,6 @@ the output, the partial sums and the dense copy, so CUDA graphs capture it.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -43,6 +42,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.platforms.cuda.kernels.prefill_attention import gpu_arch
+from pagedserve.platforms.cuda.kernels.split_k import finish, num_sms, split_count
 
 # The narrowest BLOCK_N of the configurations whose rows fit one block (split K): the split
 # counters are sized for it, so wider tiles use a prefix of them.
@@ -125,40 +125,6 @@ def _dequant(q, s, z, ZERO_POINT: tl.constexpr):
         return q * s + z
 
 
-@triton.jit
-def _finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n,
-            M, N, stride_om, pid_n, pid_s, num_splits, SPLIT: tl.constexpr,
-            CHUNK: tl.constexpr):
-    """Store a ``[BLOCK_M, BLOCK_N]`` float32 result, or with split K, this slice's share. The
-    last slice reads the partial sums ``CHUNK`` slices at a time: one at a time, their
-    latencies added up to more than a small weight's own reading time."""
-    mask_out = mask_m[:, None] & mask_n[None, :]
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    if SPLIT:
-        # Each slice leaves its float32 partial sum; the last slice of a tile to finish
-        # (counted by an atomic, which orders the stores before it) adds them in slice order
-        # and resets the counter for the next call.
-        tile = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(partial_ptr + pid_s.to(tl.int64) * M * N + tile, acc, mask=mask_out)
-        # Every thread's stores before the one thread's atomic (whose release then covers
-        # them); the partial sums are read past L1, which may hold a previous call's.
-        tl.debug_barrier()
-        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if done == num_splits - 1:
-            total = tl.zeros_like(acc)
-            for first in range(0, num_splits, CHUNK):
-                slices = first + tl.arange(0, CHUNK)
-                parts = tl.load(partial_ptr + slices[:, None, None].to(tl.int64) * M * N
-                                + tile[None, :, :],
-                                mask=(slices < num_splits)[:, None, None] & mask_out[None, :, :],
-                                other=0.0, cache_modifier=".cg")
-                total += tl.sum(parts, axis=0)
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_out)
-            tl.atomic_xchg(counter_ptr + pid_n, 0)
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
@@ -197,7 +163,7 @@ def _w4a16_kernel(
             acc += tl.dot(x, w, input_precision="ieee")
         else:
             acc += tl.dot(x, w)
-    _finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n,
+    finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n,
             M, N, stride_om, pid_n, pid_s, num_splits, SPLIT, 1)
 
 
@@ -334,7 +300,7 @@ def _w4a16_gemv_kernel(
             acc += s[None, :] * qx
         else:
             acc += s[None, :] * qx + z[None, :] * x_sum[:, None]
-    _finish(tl.sum(acc, axis=0)[None, :], out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1),
+    finish(tl.sum(acc, axis=0)[None, :], out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1),
             offs_n, tl.arange(0, 1) < 1, mask_n, 1, N, N, pid_n, pid_s, num_splits, SPLIT, 16)
 
 
@@ -406,21 +372,6 @@ def _config_for(m: int, dtype: torch.dtype, arch: str | None) -> _Config:
     return cfg._replace(num_stages=min(cfg.num_stages, 2))
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _split_k(programs: int, k_blocks: int, target: int, min_blocks: int) -> int:
-    """Slices of K so that about ``target`` programs stream the weight, each slice at least
-    ``min_blocks`` blocks of K long."""
-    if programs >= target:
-        return 1
-    return max(1, min(-(-target // programs), k_blocks // min_blocks))
-
-
 def _gemv_block_k(w: PackedW4, block_k: int) -> int | None:
     """The GEMV's block of K: ``block_k`` cut so that each block lies in one group; None where
     that leaves fewer than 16 columns (groups of an odd multiple of 8 or less)."""
@@ -464,7 +415,7 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
     k_blocks = triton.cdiv(k, block_k)
     splits = 1
     if grid_m == 1:  # the counters are per block of N
-        splits = split_k or _split_k(grid_n, k_blocks, 2 * _num_sms(x.device), 4)
+        splits = split_k or split_count(grid_n, k_blocks, 2 * num_sms(x.device), 4)
     k_per_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(k, k_per_split)
     # Where the slices leave their partial sums (not written when there is one slice).
@@ -501,7 +452,7 @@ def _gemv(x: torch.Tensor, w: PackedW4, split_k: int | None, out: torch.Tensor) 
     grid_n, k_blocks = triton.cdiv(n, cfg.block_n), triton.cdiv(k, block_k)
     # Slices as short as one block: a decode step's smaller weights (8 MB) must be nearly all
     # in flight at once to be read at the copy rate, which few long slices cannot do.
-    splits = split_k or _split_k(grid_n, k_blocks, GEMV_PROGRAMS_PER_SM * _num_sms(x.device),
+    splits = split_k or split_count(grid_n, k_blocks, GEMV_PROGRAMS_PER_SM * num_sms(x.device),
                                  1)
     splits = min(splits, GEMV_MAX_SPLITS)
     k_per_split = triton.cdiv(k_blocks, splits) * block_k
