@@ -157,6 +157,18 @@ def _w4a16(m: int):
     return spec
 
 
+def _w4a16_gemv(dtype: str, arch: str) -> Spec:
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    cfg = w4a16._gemv_config()
+    ptrs = {"x_ptr": "ACT", "qw_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16",
+            "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
+    # AMD decodes through the exponent (the packed PTX is NVIDIA's).
+    consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ZERO_POINT=True, SPLIT=True,
+                  EVEN=True, DECODE="exponent")
+    return Spec(w4a16._w4a16_gemv_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages)
+
+
 def _w4a16_dequant(dtype: str, arch: str) -> Spec:
     from pagedserve.platforms.cuda.kernels import w4a16
 
@@ -172,9 +184,10 @@ def _fp8_gemv(dtype: str, arch: str) -> Spec:
     # W8A8's GEMV reads FP8 on gfx94x/gfx95x; elsewhere the weight-only path reads the bits.
     fp8 = ("fp8e4b8" if arch.startswith("gfx94") else "fp8e4nv"
            if arch.startswith("gfx95") else "u8")
-    ptrs = {"x_ptr": "ACT", "w_ptr": fp8, "scale_ptr": "fp32", "out_ptr": "ACT"}
+    ptrs = {"x_ptr": "ACT", "w_ptr": fp8, "scale_ptr": "fp32", "out_ptr": "ACT",
+            "partial_ptr": "fp32", "counter_ptr": "i32"}
     return Spec(fp8_gemv._fp8_gemv_kernel, ptrs,
-                dict(PER_TENSOR=False, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
+                dict(PER_TENSOR=False, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=True),
                 cfg.num_warps, cfg.num_stages)
 
 
@@ -200,7 +213,7 @@ KERNELS = {
     "prefill_attention": _prefill, "decode_attention": _decode,
     "decode_reduce": _decode_reduce, "reshape_and_cache": _reshape_and_cache,
     "rms_norm": _rms_norm, "rotary": _rotary, "silu_and_mul": _activation,
-    "w4a16_m16": _w4a16(16), "w4a16_m64": _w4a16(64),
+    "w4a16_gemv": _w4a16_gemv, "w4a16_m16": _w4a16(16), "w4a16_m64": _w4a16(64),
     "w4a16_m256": _w4a16(256), "w4a16_m1024": _w4a16(1024), "w4a16_dequant": _w4a16_dequant,
     "fp8_quant": _fp8_quant, "fp8_gemv": _fp8_gemv, "fp8_dequant": _fp8_dequant,
 }
