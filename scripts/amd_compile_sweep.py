@@ -184,10 +184,9 @@ def _fp8_gemv(dtype: str, arch: str) -> Spec:
     # W8A8's GEMV reads FP8 on gfx94x/gfx95x; elsewhere the weight-only path reads the bits.
     fp8 = ("fp8e4b8" if arch.startswith("gfx94") else "fp8e4nv"
            if arch.startswith("gfx95") else "u8")
-    ptrs = {"x_ptr": "ACT", "w_ptr": fp8, "scale_ptr": "fp32", "out_ptr": "ACT",
-            "partial_ptr": "fp32", "counter_ptr": "i32"}
+    ptrs = {"x_ptr": "ACT", "w_ptr": fp8, "scale_ptr": "fp32", "out_ptr": "ACT"}
     return Spec(fp8_gemv._fp8_gemv_kernel, ptrs,
-                dict(PER_TENSOR=False, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=True),
+                dict(PER_TENSOR=False, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
                 cfg.num_warps, cfg.num_stages)
 
 

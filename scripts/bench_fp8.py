@@ -93,27 +93,26 @@ def sweep_gemv(copy_gbs: float) -> list[dict]:
     from pagedserve.platforms.cuda.kernels import fp8_gemv
 
     layers = {name: copies_past_l2(lambda n=n, k=k: layer(n, k), n * k) for name, n, k in SHAPES}
-    original, rows = (fp8_gemv._config, fp8_gemv.PROGRAMS_PER_SM), []
-    for cfg, per_sm in [(fp8_gemv._Config(bn, bk, w, 2), p) for bn in (4, 8, 16)
-                        for bk in (512, 1024) for w in (4, 8) for p in (0, 8, 16)]:
+    original, rows = fp8_gemv._config, []
+    for cfg in [fp8_gemv._Config(bn, bk, w, 2) for bn in (2, 4, 8, 16)
+                for bk in (512, 1024, 2048) for w in (4, 8)]:
         # Registers: a float32 accumulator per weight element of the tile.
         if not 8 <= cfg.block_n * cfg.block_k // (32 * cfg.num_warps) <= 128:
             continue
-        fp8_gemv._config, fp8_gemv.PROGRAMS_PER_SM = (lambda _m, cfg=cfg: cfg), per_sm
+        fp8_gemv._config = lambda _m, cfg=cfg: cfg
         layer_ms = {}
         for name, _n, k in SHAPES:
             x = torch.ones(1, k, device=DEVICE, dtype=torch.bfloat16)
             layer_ms[name] = _time(cycling(lambda mod, x=x: fp8_gemv.matmul(
-                x, mod.fp8_weight, mod.fp8_weight_scale, mod.fp8_out_features,
-                mod.fp8_counters), layers[name]))
+                x, mod.fp8_weight, mod.fp8_weight_scale, mod.fp8_out_features), layers[name]))
         pct = {name: 100 * n * k / layer_ms[name] / 1e6 / copy_gbs for name, n, k in SHAPES}
         total = 100 * sum(n * k for _, n, k in SHAPES) / sum(layer_ms.values()) / 1e6 / copy_gbs
-        rows.append({"config": cfg._asdict(), "programs_per_sm": per_sm, "layer_ms": layer_ms,
-                     "layer_pct_copy": pct, "pct_copy": total})
-        print(f"fp8 gemv {tuple(cfg)} {per_sm:>2}/SM: " + " ".join(
+        rows.append({"config": cfg._asdict(), "layer_ms": layer_ms, "layer_pct_copy": pct,
+                     "pct_copy": total})
+        print(f"fp8 gemv {tuple(cfg)}: " + " ".join(
             f"{name} {layer_ms[name] * 1000:6.1f}us {pct[name]:4.1f}%" for name in layer_ms)
             + f"  all {total:.1f}% of copy", flush=True)
-    fp8_gemv._config, fp8_gemv.PROGRAMS_PER_SM = original
+    fp8_gemv._config = original
     return rows
 
 

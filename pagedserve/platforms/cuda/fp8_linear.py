@@ -52,13 +52,12 @@ class Fp8LinearMethod(LinearMethod):
                                  nn.Parameter(torch.tensor(float(input_scale), device=device),
                                               requires_grad=False))
         layer.fp8_out_features = n
-        layer.register_buffer("fp8_counters", fp8_gemv.new_counters(n, device))
 
     def apply(self, layer, x):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         wq, w_scale = layer.fp8_weight, layer.fp8_weight_scale
         if x2.shape[0] <= fp8_gemv.MAX_M:  # decode at batch 1-4: stream the weight
-            out = fp8_gemv.matmul(x2, wq, w_scale, layer.fp8_out_features, layer.fp8_counters)
+            out = fp8_gemv.matmul(x2, wq, w_scale, layer.fp8_out_features)
             return out.reshape(*x.shape[:-1], out.shape[1])
         if layer.fp8_input_scale is None:
             xq, x_scale = quantize_per_token(x2, wq.dtype, wq.shape[1])

@@ -25,13 +25,12 @@ class Fp8WeightOnlyLinearMethod(LinearMethod):
                                              requires_grad=False)
         layer.fp8_weight_scale = nn.Parameter(weight.scales.float().to(device),
                                               requires_grad=False)
-        layer.register_buffer("fp8_counters", fp8_gemv.new_counters(weight.shape[0], device))
 
     def apply(self, layer, x):
         x2 = x.reshape(-1, x.shape[-1])
         bits, scale = layer.fp8_weight_bits, layer.fp8_weight_scale
         if x2.shape[0] <= fp8_gemv.MAX_M:
-            out = fp8_gemv.matmul(x2, bits, scale, bits.shape[0], layer.fp8_counters)
+            out = fp8_gemv.matmul(x2, bits, scale, bits.shape[0])
         else:
             dense = fp8_gemv.dequantize(bits, scale, bits.shape[0], bits.shape[1], x.dtype)
             out = torch.mm(x2, dense.t())

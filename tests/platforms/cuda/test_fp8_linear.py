@@ -223,22 +223,6 @@ def test_weight_only_linear_matches_float64(dtype, tokens):
                                atol=rtol * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("per_tensor", [False, True])
-def test_gemv_split_over_k_matches_float64(per_tensor):
-    """Slices of K leave partial sums that the last slice of each row and block adds; the
-    counters are back at zero for the next call, and each row counts its own."""
-    layer, weight = fp8_layer(24, 3000, torch.float32, 0.01 if per_tensor else None,
-                              per_tensor=per_tensor)
-    x = randn(2, 3000, seed=9)
-    expected = x.double() @ weight.dequantize(torch.float64).to(DEVICE).t()
-    for _ in range(2):
-        out = fp8_gemv.matmul(x, layer.fp8_weight, layer.fp8_weight_scale, 24,
-                              layer.fp8_counters, split_k=3)
-        assert not layer.fp8_counters.any()
-        torch.testing.assert_close(out.double(), expected, rtol=1e-5,
-                                   atol=1e-5 * expected.abs().max().item())
-
-
 # --- CUDA only, and the engine ---------------------------------------------------------------
 
 
@@ -310,7 +294,10 @@ def calibrate_input_scales(ckpt, prompts: list[list[int]]) -> None:
     save_file(state, path, metadata={"format": "pt"})
 
 
-ENGINE_DEVICES = [pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda]), "cpu"]
+# The CPU variant runs the kernels under Triton's interpreter, which is off where a GPU is.
+ENGINE_DEVICES = [pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda]),
+                  pytest.param("cpu", marks=pytest.mark.skipif(
+                      HAS_NVIDIA, reason="Triton's interpreter is off where a GPU is"))]
 
 
 @pytest.mark.parametrize("device", ENGINE_DEVICES)

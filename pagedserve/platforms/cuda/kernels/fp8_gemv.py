@@ -23,14 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.platforms.cuda.kernels.split_k import finish, num_sms, split_count
-
 # The most rows of x this kernel takes; above, ``_scaled_mm``.
 MAX_M = 2
-# The narrowest block of rows a configuration may use: the counters are sized for it.
-_MIN_BLOCK_N = 2
-# Programs per SM that K slices aim at.
-PROGRAMS_PER_SM = 8
 
 
 class _Config(NamedTuple):
@@ -63,22 +57,17 @@ def _as_float(w):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K,
-                     k_per_split, num_splits, stride_xm, stride_wn, stride_om,
-                     PER_TENSOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT: tl.constexpr):
+def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
+                     stride_om, PER_TENSOR: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    k_start = pid_s * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
     # Per-thread partial sums, reduced along K once at the end.
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_end
+        mask_k = offs_k < K
         x = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + offs_k, mask=mask_k, other=0.0)
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0)
@@ -88,25 +77,15 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, partial_ptr, counter_ptr,
     else:
         scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
     y = tl.sum(acc, axis=1) * scale
-    # Each row of x counts its own slices.
-    finish(y[None, :], out_ptr, partial_ptr, counter_ptr + pid_m * tl.num_programs(1),
-           pid_m + tl.arange(0, 1), offs_n, tl.arange(0, 1) < 1, mask_n, M, N, stride_om,
-           pid_n, pid_s, num_splits, SPLIT, 16)
+    tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + offs_n,
+             y.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
-def new_counters(out_features: int, device: torch.device) -> torch.Tensor:
-    """The split-K counters ``matmul`` needs for a weight of ``out_features`` rows: zeros,
-    kept with the weight (its calls reset them)."""
-    return torch.zeros(MAX_M * -(-out_features // _MIN_BLOCK_N), dtype=torch.int32,
-                       device=device)
-
-
-def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_features: int,
-           counters: torch.Tensor, split_k: int | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+           out_features: int) -> torch.Tensor:
     """``x [M, K]`` (M <= ``MAX_M``) times ``weight [N', K' >= K]`` (FP8, or uint8 holding
     e4m3fn bits; row-major, columns past K are never read) with float32 ``scale`` per tensor
-    (0-dim) or per row (``[1, N']`` or ``[N']``): ``[M, out_features]`` in ``x``'s dtype.
-    ``counters`` from ``new_counters``; ``split_k`` overrides the number of K slices (tests)."""
+    (0-dim) or per row (``[1, N']`` or ``[N']``): ``[M, out_features]`` in ``x``'s dtype."""
     m, k = x.shape
     if m > MAX_M or weight.shape[1] < k or weight.stride(1) != 1:
         raise ValueError(f"the FP8 GEMV takes up to {MAX_M} rows and a row-major weight at "
@@ -117,20 +96,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_featu
     if m == 0:
         return out
     cfg = _config(m)
-    grid_n, k_blocks = triton.cdiv(out_features, cfg.block_n), triton.cdiv(k, cfg.block_k)
-    # The smaller weights (qkv, o: 17-25 MB) have too few blocks of rows to keep enough reads
-    # in flight; K slices add programs.
-    splits = split_k or split_count(m * grid_n, k_blocks, PROGRAMS_PER_SM * num_sms(x.device),
-                                    1)
-    k_per_split = triton.cdiv(k_blocks, splits) * cfg.block_k
-    splits = triton.cdiv(k, k_per_split)
-    partial = torch.empty((splits, m, out_features) if splits > 1 else (1,),
-                          dtype=torch.float32, device=x.device)
-    _fp8_gemv_kernel[(m, grid_n, splits)](
-        x, weight, scale, out, partial, counters, m, out_features, k, k_per_split, splits,
-        x.stride(0), weight.stride(0), out.stride(0),
+    _fp8_gemv_kernel[(m, triton.cdiv(out_features, cfg.block_n))](
+        x, weight, scale, out, m, out_features, k, x.stride(0), weight.stride(0), out.stride(0),
         PER_TENSOR=scale.dim() == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT=splits > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
