@@ -1,4 +1,4 @@
-"""Split K for the few-row kernels (the W4A16 GEMV and tiles, the FP8 GEMV).
+"""Split K for the few-row W4A16 kernels (the GEMV and the tiles).
 
 A decode step's weights are read by few output blocks, so K is cut into slices that stream
 the weight side by side. Each slice leaves its float32 partial sum; the last slice of an
