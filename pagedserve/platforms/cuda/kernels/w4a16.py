@@ -13,15 +13,16 @@ Layout the kernel reads (built once at load by ``pack``):
   ``q * d + m``). Float16 where that form is exact in it (checkpoints store float16 scales),
   else float32, so packing never rounds the weight.
 
-Two paths, chosen by the number of rows M:
+Three paths, chosen by the number of rows M:
 
-- **Tiles** (M below ``DEQUANT_MIN_M``): a ``BLOCK_M x BLOCK_N`` tile of ``y`` per program over
+- **GEMV** (one row, batch-1 decode; groups holding whole blocks of 16 columns): CUDA cores,
+  with codes decoded by bit tricks rather than converted (``_w4a16_gemv_kernel``), and K cut
+  into slices as short as one block so that the smaller weights are read all at once.
+- **Tiles** (up to ``DEQUANT_MIN_M``): a ``BLOCK_M x BLOCK_N`` tile of ``y`` per program over
   one of ``SPLIT_K`` slices of K, reading each tile of W once for all its rows and
   dequantizing it in registers before ``tl.dot``. Decode (small M) uses one block of rows and
-  splits K so that enough programs stream the weight. With a split, each slice writes its
-  float32 partial sum and the last slice of a tile to finish (an atomic counter per block of N,
-  kept with the weight and reset by that slice) adds them in slice order: deterministic, and
-  one launch.
+  splits K so that enough programs stream the weight. Both split paths end in
+  ``split_k.finish``: deterministic, and one launch.
 - **Dequantize** (M from ``DEQUANT_MIN_M``, prefill and large decode batches): the weight is
   expanded to a dense ``[K, N]`` copy in the activation dtype and multiplied by ``torch.mm``.
   There the matmul is compute-bound: our tiles dequantize each weight tile once per block of
