@@ -313,9 +313,20 @@ def compile_sm90(fn, sig, consts, num_warps, num_stages):
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
 
 
-fn = w4a16._w4a16_kernel
 pointers = {"x_ptr": "ACT", "qw_ptr": "i32", "s_ptr": "SCALE", "z_ptr": "SCALE",
             "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
+
+
+def compile_matmul(fn, act, scale, consts, num_warps, num_stages):
+    # fn with the pointer types above (ACT and SCALE filled in), ints elsewhere.
+    sig = {}
+    for name in fn.arg_names:
+        kind = pointers.get(name)
+        sig[name] = ("constexpr" if name in consts else "i32" if kind is None
+                     else "*" + kind.replace("ACT", act).replace("SCALE", scale))
+    compile_sm90(fn, sig, consts, num_warps, num_stages)
+
+
 for act, scale, m, split, one_group in [("bf16", "fp16", 1, True, True),
                                         ("bf16", "fp16", 1, True, False),
                                         ("fp16", "fp32", 40, True, True),
@@ -324,13 +335,7 @@ for act, scale, m, split, one_group in [("bf16", "fp16", 1, True, True),
     cfg = w4a16._config(m)
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   ONE_GROUP_PER_BLOCK=one_group, ZERO_POINT=scale == "fp16", SPLIT=split)
-    sig = {}
-    for name in fn.arg_names:
-        kind = pointers.get(name)
-        sig[name] = ("constexpr" if name in consts else "i32" if kind is None
-                     else "*" + kind.replace("ACT", act).replace("SCALE", scale))
-    compile_sm90(fn, sig, consts, cfg.num_warps, cfg.num_stages)
-fn = w4a16._w4a16_gemv_kernel
+    compile_matmul(w4a16._w4a16_kernel, act, scale, consts, cfg.num_warps, cfg.num_stages)
 cfg = w4a16._gemv_config()
 for act, scale, split, even, decode in [("bf16", "fp16", True, True, "pairs"),
                                         ("bf16", "fp32", False, False, "pairs"),
@@ -338,12 +343,8 @@ for act, scale, split, even, decode in [("bf16", "fp16", True, True, "pairs"),
                                         ("fp16", "fp16", True, True, "exponent")]:
     consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ZERO_POINT=scale == "fp16",
                   SPLIT=split, EVEN=even, DECODE=decode)
-    sig = {}
-    for name in fn.arg_names:
-        kind = pointers.get(name)
-        sig[name] = ("constexpr" if name in consts else "i32" if kind is None
-                     else "*" + kind.replace("ACT", act).replace("SCALE", scale))
-    compile_sm90(fn, sig, consts, cfg.num_warps, cfg.num_stages)
+    compile_matmul(w4a16._w4a16_gemv_kernel, act, scale, consts, cfg.num_warps,
+                   cfg.num_stages)
 fn = w4a16._dequant_kernel
 consts = dict(BLOCK_KW=8, BLOCK_N=128, ZERO_POINT=True)
 sig = {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": "*bf16", "N": "i32",
