@@ -1,6 +1,6 @@
 """Every grouped-int and FP8 format loads on an NVIDIA GPU (4-bit weights packed for the W4A16
-Triton kernel, the others dequantized at load) and matches transformers on the dequantized
-weights."""
+Triton kernel, FP8 kept in FP8, 8-bit dequantized at load) and matches transformers on the
+dequantized weights."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ def test_format_loads_on_cuda(fmt, arch, tiny_model_folder, tmp_path, monkeypatc
     methods = set(linear_methods(llm).values())
     if fmt in ("awq", "gptq-act-order"):
         assert "W4A16LinearMethod" in methods
+    elif fmt == "fp8-static":  # FP8 stays FP8, decoded in the matmul (the LM head is dense)
+        assert methods == {"Fp8WeightOnlyLinearMethod", "DenseLinearMethod"}
     else:
         assert methods == {"DenseLinearMethod"}
     prompts = random_prompts(fmt + arch, PROMPT_LENS)
