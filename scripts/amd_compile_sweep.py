@@ -164,8 +164,8 @@ def _w4a16_gemv(dtype: str, arch: str) -> Spec:
     ptrs = {"x_ptr": "ACT", "qw_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16",
             "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
     # AMD decodes through the exponent (the packed PTX is NVIDIA's).
-    consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ZERO_POINT=True, SPLIT=True,
-                  EVEN=True, DECODE="exponent")
+    consts = dict(ROWS=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ZERO_POINT=True,
+                  SPLIT=True, EVEN=True, DECODE="exponent")
     return Spec(w4a16._w4a16_gemv_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages)
 
 

@@ -168,32 +168,36 @@ def _w4a16_kernel(
             M, N, stride_om, pid_n, pid_s, num_splits, SPLIT, 1)
 
 
-# Four bfloat16 products per half of a register, summed in bfloat16 and then in float32:
-# $1 a word of codes; $2..$5 the activations of columns (2p, 2p + 1) as bfloat16 pairs; $6
-# the pair (128 + z, 128 + z), or (128, 128) for offsets. Mask p (the word shifted by 4p)
-# lifts columns 2p and 2p + 1 into the mantissas of the pair (128, 128) (lop3: (a & b) | c),
-# which then reads (128 + q, 128 + q') exactly; less $6 is (q - z, q' - z), exact too.
-_PAIRS_PTX = tl.constexpr("""{
-.reg .b32 w, v, acc, lo, hi;
-lop3.b32 v, $1, 0x000F000F, 0x43004300, 0xEA;
-sub.rn.bf16x2 v, v, $6;
-mul.rn.bf16x2 acc, v, $2;
-shr.b32 w, $1, 4;
-lop3.b32 v, w, 0x000F000F, 0x43004300, 0xEA;
-sub.rn.bf16x2 v, v, $6;
-fma.rn.bf16x2 acc, v, $3, acc;
-shr.b32 w, $1, 8;
-lop3.b32 v, w, 0x000F000F, 0x43004300, 0xEA;
-sub.rn.bf16x2 v, v, $6;
-fma.rn.bf16x2 acc, v, $4, acc;
-shr.b32 w, $1, 12;
-lop3.b32 v, w, 0x000F000F, 0x43004300, 0xEA;
-sub.rn.bf16x2 v, v, $6;
-fma.rn.bf16x2 acc, v, $5, acc;
-shl.b32 lo, acc, 16;
-and.b32 hi, acc, 0xFFFF0000;
-add.f32 $0, lo, hi;
-}""")
+def _pairs_ptx(rows: int) -> str:
+    """PTX for one word of codes against ``rows`` rows of bfloat16 activations: outputs
+    ``$0 .. $(rows - 1)`` (float32), then the word, the pair ``(128 + z, 128 + z)`` (or
+    ``(128, 128)`` for offsets), and per row the activation pairs of columns ``(2p, 2p + 1)``.
+    Mask p (the word shifted by 4p) lifts columns 2p and 2p + 1 into the mantissas of the pair
+    (128, 128) (``lop3``: ``(a & b) | c``), which then reads ``(128 + q, 128 + q')`` exactly;
+    less the zero pair it is ``(q - z, q' - z)``, exact too. Decoded once for all rows; each row
+    then takes four packed multiply-adds, summed in bfloat16 per half, then in float32."""
+    word, zero = f"${rows}", f"${rows + 1}"
+    lines = [".reg .b32 w, v0, v1, v2, v3, acc, lo, hi;"]
+    for p in range(4):
+        if p:
+            lines.append(f"shr.b32 w, {word}, {4 * p};")
+        lines += [f"lop3.b32 v{p}, {'w' if p else word}, 0x000F000F, 0x43004300, 0xEA;",
+                  f"sub.rn.bf16x2 v{p}, v{p}, {zero};"]
+    for r in range(rows):
+        x = [f"${rows + 2 + 4 * r + p}" for p in range(4)]
+        lines.append(f"mul.rn.bf16x2 acc, v0, {x[0]};")
+        lines += [f"fma.rn.bf16x2 acc, v{p}, {x[p]}, acc;" for p in (1, 2, 3)]
+        lines += ["shl.b32 lo, acc, 16;", "and.b32 hi, acc, 0xFFFF0000;", f"add.f32 ${r}, lo, hi;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+def _pairs_constraints(rows: int) -> str:
+    return ",".join(["=f"] * rows + ["r"] * (2 + 4 * rows))
+
+
+_PTX_1, _PTX_2 = tl.constexpr(_pairs_ptx(1)), tl.constexpr(_pairs_ptx(2))
+_CONSTRAINTS_1, _CONSTRAINTS_2 = (tl.constexpr(_pairs_constraints(1)),
+                                  tl.constexpr(_pairs_constraints(2)))
 
 
 @triton.jit
@@ -211,28 +215,53 @@ def _pair_sum(xp):
 
 
 @triton.jit
+def _x_pairs(x_ptr, row, M, stride_xm, rows, k_end, EVEN: tl.constexpr, ZERO_POINT: tl.constexpr):
+    """Row ``row`` of x (the last row in its place past M: its output is masked) as the four
+    int32 pairs of each word's columns, and, for offsets, each word's sum of x."""
+    pair_ptrs = (x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                 + tl.minimum(row, M - 1) * (stride_xm // 2) + rows * 4)
+    x01 = _x_pair(pair_ptrs, 0, rows, k_end, EVEN)
+    x23 = _x_pair(pair_ptrs, 1, rows, k_end, EVEN)
+    x45 = _x_pair(pair_ptrs, 2, rows, k_end, EVEN)
+    x67 = _x_pair(pair_ptrs, 3, rows, k_end, EVEN)
+    x_sum = tl.zeros(rows.shape, dtype=tl.float32)
+    if not ZERO_POINT:
+        x_sum = _pair_sum(x01) + _pair_sum(x23) + _pair_sum(x45) + _pair_sum(x67)
+    return x01[:, None], x23[:, None], x45[:, None], x67[:, None], x_sum
+
+
+@triton.jit
+def _add_scaled(acc, qx, s, z, x_sum, ZERO_POINT: tl.constexpr):
+    """One block of K into the accumulator: its scale times ``sum (q - z) * x``, and for
+    offsets (``q * s + m``) ``m`` times the block's sum of x."""
+    if ZERO_POINT:
+        return acc + s[None, :] * qx
+    return acc + s[None, :] * qx + z[None, :] * x_sum[:, None]
+
+
+@triton.jit(do_not_specialize=["M"])
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
-    N, K, group_size, k_per_split, num_splits,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_POINT: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN: tl.constexpr, DECODE: tl.constexpr,
+    M, N, K, group_size, k_per_split, num_splits, stride_xm, stride_om,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, DECODE: tl.constexpr,
 ):
-    """One row of ``x`` by CUDA cores. Each block of K lies in one group, so its scale
-    multiplies a sum of ``(q - z) * x`` per output once rather than every weight. No code
-    goes through an int-to-float conversion (a quarter-rate instruction that held the tiles to
-    a fifth of the copy rate); ``DECODE`` picks how they become floats:
+    """One or two rows (``ROWS``) of ``x`` by CUDA cores (two only with ``"pairs"``, which
+    decodes a word's codes once for both). Each block of K lies in one group, so its scale
+    multiplies a sum of ``(q - z) * x`` per output once rather than every weight. No code goes
+    through an int-to-float conversion (a quarter-rate instruction that held the tiles to a
+    fifth of the copy rate); ``DECODE`` picks how they become floats:
 
-    - ``"pairs"`` (NVIDIA, bfloat16 ``x``): ``_PAIRS_PTX``, two codes per instruction, eight
-      multiply-adds in four packed ones (about 2.3 instructions per code, against 4.8 below).
-      The bfloat16 sums span four products; their rounding is below the output's.
+    - ``"pairs"`` (NVIDIA, bfloat16 ``x``): ``_pairs_ptx``, two codes per instruction, eight
+      multiply-adds in four packed ones per row (in the sm_90 SASS about 3 instructions per
+      code at one row and 4 at two, against 4.8 below at one). The bfloat16 sums span four
+      products; their rounding is below the output's.
     - ``"subnormal"`` (NVIDIA): the masked nibble alone reads as the subnormal
       ``q * 2**(4j - 149)``; an FMA with the immediate ``2**127`` and ``z * 2**(4j - 22)``
       makes it ``(q - z) * 2**(4j - 22)`` exactly, and x carries the ``2**(22 - 4j)``.
     - ``"exponent"`` (AMD, whose float32 subnormals may flush): the nibble is or-ed into the
       exponent of ``2**(23 - 4j)``, whose mantissa unit is then ``16**-j``, so the bits read
-      ``2**(23 - 4j) + q`` exactly; subtracting ``2**(23 - 4j) + z`` leaves ``q - z``.
-
-    Offsets (``q * s + m``) add ``m`` times the block's sum of ``x``."""
+      ``2**(23 - 4j) + q`` exactly; subtracting ``2**(23 - 4j) + z`` leaves ``q - z``."""
     BLOCK_KW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -240,7 +269,9 @@ def _w4a16_gemv_kernel(
     mask_n = offs_n < N
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    acc = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    # One accumulator per row; the second is never read at one row, so it costs nothing.
+    acc0 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         rows = k0 // 8 + tl.arange(0, BLOCK_KW)
         w_ptrs = qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
@@ -253,28 +284,30 @@ def _w4a16_gemv_kernel(
             words = tl.load(w_ptrs, mask=(rows * 8 < k_end)[:, None] & mask_n[None, :], other=0)
             s = tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
-        x_sum = tl.zeros((BLOCK_KW,), dtype=tl.float32)
         if DECODE == "pairs":
-            # x as int32 pairs of bfloat16 (a row's K is even: whole words).
-            pair_ptrs = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rows * 4
-            x01 = _x_pair(pair_ptrs, 0, rows, k_end, EVEN)
-            x23 = _x_pair(pair_ptrs, 1, rows, k_end, EVEN)
-            x45 = _x_pair(pair_ptrs, 2, rows, k_end, EVEN)
-            x67 = _x_pair(pair_ptrs, 3, rows, k_end, EVEN)
-            if not ZERO_POINT:
-                x_sum = _pair_sum(x01) + _pair_sum(x23) + _pair_sum(x45) + _pair_sum(x67)
             if ZERO_POINT:
                 c = (z + 128.0).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-                c = c | (c << 16)
+                c = (c | (c << 16))[None, :]
             else:
-                c = tl.full((BLOCK_N,), 0x43004300, tl.int32)
-            qx = tl.inline_asm_elementwise(
-                _PAIRS_PTX, "=f,r,r,r,r,r,r",
-                [words, x01[:, None], x23[:, None], x45[:, None], x67[:, None], c[None, :]],
-                dtype=tl.float32, is_pure=True, pack=1)
+                c = tl.full((1, BLOCK_N), 0x43004300, tl.int32)
+            a01, a23, a45, a67, a_sum = _x_pairs(x_ptr, 0, M, stride_xm, rows, k_end, EVEN,
+                                                 ZERO_POINT)
+            if ROWS == 1:
+                q0 = tl.inline_asm_elementwise(_PTX_1, _CONSTRAINTS_1,
+                                               [words, c, a01, a23, a45, a67],
+                                               dtype=tl.float32, is_pure=True, pack=1)
+            else:
+                b01, b23, b45, b67, b_sum = _x_pairs(x_ptr, 1, M, stride_xm, rows, k_end, EVEN,
+                                                     ZERO_POINT)
+                q0, q1 = tl.inline_asm_elementwise(
+                    _PTX_2, _CONSTRAINTS_2, [words, c, a01, a23, a45, a67, b01, b23, b45, b67],
+                    dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+                acc1 = _add_scaled(acc1, q1, s, z, b_sum, ZERO_POINT)
+            acc0 = _add_scaled(acc0, q0, s, z, a_sum, ZERO_POINT)
         else:
             high = words >> 16
             qx = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+            x_sum = tl.zeros((BLOCK_KW,), dtype=tl.float32)
             for i in tl.static_range(8):
                 j = i // 2  # nibble_shift(i): nibble j of the low (even i) or high half-word
                 half = words if i % 2 == 0 else high
@@ -283,8 +316,7 @@ def _w4a16_gemv_kernel(
                     x = tl.load(x_ptr + k).to(tl.float32)
                 else:
                     x = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
-                if not ZERO_POINT:
-                    x_sum += x
+                x_sum += x
                 if DECODE == "subnormal":
                     f = (half & (0xF << (4 * j))).to(tl.float32, bitcast=True)
                     q = f * 1.7014118346046923e38  # 2**127
@@ -297,12 +329,14 @@ def _w4a16_gemv_kernel(
                     if ZERO_POINT:
                         q -= z[None, :]
                     qx += q * x[:, None]
-        if ZERO_POINT:
-            acc += s[None, :] * qx
-        else:
-            acc += s[None, :] * qx + z[None, :] * x_sum[:, None]
-    finish(tl.sum(acc, axis=0)[None, :], out_ptr, partial_ptr, counter_ptr, tl.arange(0, 1),
-            offs_n, tl.arange(0, 1) < 1, mask_n, 1, N, N, pid_n, pid_s, num_splits, SPLIT, 16)
+            acc0 = _add_scaled(acc0, qx, s, z, x_sum, ZERO_POINT)
+    if ROWS == 1:
+        y = tl.sum(acc0, axis=0)[None, :]
+    else:
+        y = tl.permute(tl.join(tl.sum(acc0, axis=0), tl.sum(acc1, axis=0)), (1, 0))
+    offs_m = tl.arange(0, ROWS)
+    finish(y, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, offs_m < M, mask_n, M, N,
+           stride_om, pid_n, pid_s, num_splits, SPLIT, 16)
 
 
 @triton.jit
@@ -326,9 +360,9 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
                  w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Rows up to which the CUDA-core GEMV runs, and from which the weight is dequantized for
-# cuBLAS; the tiles in between.
-GEMV_MAX_M = 1
+# Rows up to which the CUDA-core GEMV runs (one where its decode is not the packed PTX's), and
+# from which the weight is dequantized for cuBLAS; the tiles in between.
+GEMV_MAX_M = 2
 DEQUANT_MIN_M = 128
 PATHS = ("gemv", "tiles", "dequant")
 
@@ -382,8 +416,9 @@ def _gemv_block_k(w: PackedW4, block_k: int) -> int | None:
     return block_k if block_k >= 16 else None
 
 
-def _choose_path(m: int, w: PackedW4) -> str:
-    if m <= GEMV_MAX_M and _gemv_block_k(w, _gemv_config().block_k) is not None:
+def _choose_path(x: torch.Tensor, w: PackedW4) -> str:
+    m = x.shape[0]
+    if m <= _gemv_max_rows(_gemv_decode(x)) and _gemv_block_k(w, _gemv_config().block_k):
         return "gemv"
     return "tiles" if m < DEQUANT_MIN_M else "dequant"
 
@@ -403,7 +438,7 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    path = path or _choose_path(m, w)
+    path = path or _choose_path(x, w)
     if path == "dequant":
         return torch.mm(x, dequantize(w, x.dtype), out=out)
     if path == "gemv":
@@ -437,35 +472,43 @@ def _gemv_decode(x: torch.Tensor) -> str:
     interpreter), bfloat16 and int32-aligned rows."""
     if x.device.type != "cuda" or gpu_arch(x.device) is not None:
         return "exponent" if x.device.type == "cuda" else "subnormal"
-    if x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0 and x.shape[1] % 8 == 0:
+    if (x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0 and x.shape[1] % 8 == 0
+            and (x.shape[0] == 1 or x.stride(0) % 2 == 0)):
         return "pairs"
     return "subnormal"
 
 
+def _gemv_max_rows(decode: str) -> int:
+    return GEMV_MAX_M if decode == "pairs" else 1
+
+
 def _gemv(x: torch.Tensor, w: PackedW4, split_k: int | None, out: torch.Tensor) -> torch.Tensor:
-    """``matmul``'s one-row path: ``_w4a16_gemv_kernel``, K split for enough programs."""
+    """``matmul``'s few-row path: ``_w4a16_gemv_kernel``, K split for enough programs."""
     (m, k), n = x.shape, w.qweight.shape[1]
     cfg = _gemv_config()
     block_k = _gemv_block_k(w, cfg.block_k)
-    if m != 1 or block_k is None:
-        raise ValueError(f"the GEMV takes one row and groups of a multiple of 16, not {m} "
-                         f"rows and groups of {w.group_size}")
+    decode = _gemv_decode(x)
+    if m > _gemv_max_rows(decode) or block_k is None:
+        raise ValueError(f"the GEMV takes up to {GEMV_MAX_M} bfloat16 rows on NVIDIA (else "
+                         f"one) and groups of a multiple of 16, not {m} {x.dtype} rows and "
+                         f"groups of {w.group_size}")
     grid_n, k_blocks = triton.cdiv(n, cfg.block_n), triton.cdiv(k, block_k)
     # Slices as short as one block: a decode step's smaller weights (8 MB) must be nearly all
     # in flight at once to be read at the copy rate, which few long slices cannot do.
     splits = split_k or split_count(grid_n, k_blocks, GEMV_PROGRAMS_PER_SM * num_sms(x.device),
-                                 1)
+                                    1)
     splits = min(splits, GEMV_MAX_SPLITS)
     k_per_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(k, k_per_split)
-    partial = torch.empty((splits, n) if splits > 1 else (1,), dtype=torch.float32,
+    partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
                           device=x.device)
     _w4a16_gemv_kernel[(grid_n, splits)](
         x, w.qweight, w.scales, w.shifts, out, partial, w.counters,
-        n, k, w.group_size, k_per_split, splits,
-        BLOCK_N=cfg.block_n, BLOCK_K=block_k, ZERO_POINT=w.zero_point, SPLIT=splits > 1,
+        m, n, k, w.group_size, k_per_split, splits, x.stride(0), out.stride(0),
+        ROWS=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        ZERO_POINT=w.zero_point, SPLIT=splits > 1,
         # No masks where every block is whole: they cost as much as the arithmetic.
-        EVEN=n % cfg.block_n == 0 and k % block_k == 0, DECODE=_gemv_decode(x),
+        EVEN=n % cfg.block_n == 0 and k % block_k == 0, DECODE=decode,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
