@@ -227,7 +227,7 @@ for part in $parts; do
     w4a16-sweep) python3 scripts/bench_w4a16.py --ms 1 2 --sweep-gemv \
         --out "$OUT/w4a16_gemv_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_gemv_sweep_h200.log" ;;
     decode-awq) bench decode --device cuda --shape llama3-8b --load-format dummy \
-        --quantization awq --batch-sizes 1 32 --context-len 512 \
+        --quantization awq --batch-sizes 1 2 32 --context-len 512 \
         --out "$OUT/decode_h200_llama3-8b_awq.json" ;;
     awq) bench throughput "${common[@]}" --shape llama3-8b --load-format dummy \
         --quantization awq --input-len 128 128 --output-len 128 128 --skip-hf \

@@ -235,7 +235,7 @@ LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 @cuda
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 7, 16, 300])
+@pytest.mark.parametrize("m", [1, 2, 7, 16, 300])
 @pytest.mark.parametrize("shape", LLAMA_SHAPES, ids=lambda s: f"n{s[0]}k{s[1]}")
 def test_kernel_llama_sizes_cuda(shape, m, dtype):
     n, k = shape
@@ -252,7 +252,7 @@ def test_group_sizes_cuda(group):
     layer = nn.Module()
     method = quant_linear.W4A16LinearMethod()
     method.create_weights(layer, weight, torch.bfloat16, DEVICE)
-    for m in (1, 5, 64, 257):
+    for m in (1, 2, 5, 64, 257):
         x = torch.randn(m, 4096, device=DEVICE, dtype=torch.bfloat16)
         assert_close(method.apply(layer, x), reference(x, weight), torch.bfloat16)
 
