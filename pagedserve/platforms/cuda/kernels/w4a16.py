@@ -316,7 +316,8 @@ def _w4a16_gemv_kernel(
                     x = tl.load(x_ptr + k).to(tl.float32)
                 else:
                     x = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
-                x_sum += x
+                if not ZERO_POINT:
+                    x_sum += x
                 if DECODE == "subnormal":
                     f = (half & (0xF << (4 * j))).to(tl.float32, bitcast=True)
                     q = f * 1.7014118346046923e38  # 2**127
