@@ -15,9 +15,10 @@ Layout the kernel reads (built once at load by ``pack``):
 
 Three paths, chosen by the number of rows M:
 
-- **GEMV** (one row, batch-1 decode; groups holding whole blocks of 16 columns): CUDA cores,
-  with codes decoded by bit tricks rather than converted (``_w4a16_gemv_kernel``), and K cut
-  into slices as short as one block so that the smaller weights are read all at once.
+- **GEMV** (one row, or two bfloat16 rows on NVIDIA: decode at batch 1-2; groups holding whole
+  blocks of 16 columns): CUDA cores, with codes decoded by bit tricks rather than converted
+  (``_w4a16_gemv_kernel``), and K cut into slices as short as one block so that the smaller
+  weights are read all at once.
 - **Tiles** (up to ``DEQUANT_MIN_M``): a ``BLOCK_M x BLOCK_N`` tile of ``y`` per program over
   one of ``SPLIT_K`` slices of K, reading each tile of W once for all its rows and
   dequantizing it in registers before ``tl.dot``. Decode (small M) uses one block of rows and
@@ -165,7 +166,7 @@ def _w4a16_kernel(
         else:
             acc += tl.dot(x, w)
     finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n,
-            M, N, stride_om, pid_n, pid_s, num_splits, SPLIT, 1)
+           M, N, stride_om, pid_n, pid_s, num_splits, SPLIT, 1)
 
 
 def _pairs_ptx(rows: int) -> str:
