@@ -4,8 +4,8 @@
 #   scripts/gpu_check.sh PART [PART...]  some of: engine-tests quant-tests kernel-tests
 #                                        layer-tests llama llama-breakdown decode
 #                                        step-overhead mixed smollm2 fp8 serve
-#                                        w4a16 decode-awq awq fp8-tests fp8-w8a8 fp8-w8a8-kv
-#                                        decode-fp8 fp8-linear serve-make tp1-vs-base
+#                                        w4a16 w4a16-sweep decode-awq awq fp8-tests fp8-w8a8
+#                                        fp8-w8a8-kv decode-fp8 fp8-linear serve-make tp1-vs-base
 #                                        bf16-vs-base fp8-vs-base tp2
 #                                        tp2-70b allreduce tp2-tests structured
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
