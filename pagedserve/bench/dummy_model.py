@@ -9,52 +9,39 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# What the members of a family share; each shape adds its sizes.
+_LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5)
+_LLAMA3 = dict(_LLAMA, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
+               tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)
+_QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", rms_norm_eps=1e-6,
+              rope_theta=1000000.0, max_position_embeddings=32768, bos_token_id=151643,
+              eos_token_id=151643)
+
 SHAPES: dict[str, dict] = {
-    "llama3-8b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
-        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
-        bos_token_id=128000, eos_token_id=128001,
-    ),
+    "llama3-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
     # Larger than one H200 in bf16 (141 GB of weights): tensor parallelism's shape.
-    "llama3-70b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
-        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5,
-        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
-        bos_token_id=128000, eos_token_id=128001,
-    ),
+    "llama3-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672,
+                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
     "smollm2-135m": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152,
-        hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
+        _LLAMA, vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
         rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2,
     ),
     # Compute-free: what is left of a step's time is the engine's host-side work.
     "tiny-llama": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512,
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2,
+        _LLAMA, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
     ),
     # Small enough for a CPU run, with two KV heads (tensor parallelism up to 2 ranks).
-    "qwen2-0.5b": dict(
-        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=151936,
-        hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-        num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
-        bos_token_id=151643, eos_token_id=151643,
-    ),
-    "qwen2-7b": dict(
-        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064,
-        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False,
-        bos_token_id=151643, eos_token_id=151643,
-    ),
+    "qwen2-0.5b": dict(_QWEN2, vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                       num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                       tie_word_embeddings=True),
+    "qwen2-7b": dict(_QWEN2, vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                     tie_word_embeddings=False),
 }
 
 
