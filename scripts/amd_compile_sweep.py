@@ -117,12 +117,26 @@ def _reshape_and_cache(dtype: str, arch: str) -> Spec:
     return Spec(rc._reshape_and_cache_kernel, ptrs, consts, 4)
 
 
-def _rms_norm(dtype: str, arch: str) -> Spec:
-    from pagedserve.platforms.cuda.kernels import rms_norm
+def _fp8_out(arch: str) -> tuple[str, dict]:
+    """The FP8 activation type RocmPlatform picks on ``arch`` (gfx94x: e4m3fnuz) and the
+    constexprs of a kernel that writes it."""
+    fnuz = arch.startswith("gfx94")
+    return ("fp8e4b8" if fnuz else "fp8e4nv",
+            dict(STATIC=False, FNUZ=fnuz, SOFTWARE_ROUNDING=False))
 
-    ptrs = dict.fromkeys(("x_ptr", "residual_ptr", "weight_ptr", "out_ptr"), "ACT")
-    return Spec(rms_norm._rms_norm_kernel, ptrs, dict(HAS_RESIDUAL=True, BLOCK=HIDDEN),
-                HIDDEN // 512, floats=("eps",))
+
+def _rms_norm(fp8_out: bool):
+    def spec(dtype: str, arch: str) -> Spec:
+        from pagedserve.platforms.cuda.kernels import rms_norm
+
+        fp8, consts = _fp8_out(arch) if fp8_out else ("ACT", dict(
+            STATIC=False, FNUZ=False, SOFTWARE_ROUNDING=False))
+        ptrs = dict.fromkeys(("x_ptr", "residual_ptr", "weight_ptr"), "ACT")
+        ptrs.update(out_ptr=fp8, scale_ptr="fp32")
+        return Spec(rms_norm._rms_norm_kernel, ptrs,
+                    dict(HAS_RESIDUAL=True, FP8_OUT=fp8_out, BLOCK=HIDDEN, **consts),
+                    HIDDEN // 512, floats=("eps", "fmax", "min_scale"))
+    return spec
 
 
 def _rotary(dtype: str, arch: str) -> Spec:
@@ -141,6 +155,15 @@ def _activation(dtype: str, arch: str) -> Spec:
 
     return Spec(activation._silu_and_mul_kernel, {"x_ptr": "ACT", "out_ptr": "ACT"},
                 dict(BLOCK=activation._BLOCK), 4)
+
+
+def _activation_fp8(dtype: str, arch: str) -> Spec:
+    from pagedserve.platforms.cuda.kernels import activation
+
+    fp8, consts = _fp8_out(arch)
+    return Spec(activation._silu_and_mul_fp8_kernel,
+                {"x_ptr": "ACT", "q_ptr": fp8, "scale_ptr": "fp32"},
+                dict(BLOCK=activation._FP8_BLOCK, **consts), 8, floats=("fmax", "min_scale"))
 
 
 def _w4a16(m: int):
@@ -201,26 +224,26 @@ def _fp8_dequant(dtype: str, arch: str) -> Spec:
 def _fp8_quant(dtype: str, arch: str) -> Spec:
     from pagedserve.platforms.cuda.kernels import fp8_quant
 
-    fnuz = arch.startswith("gfx94")  # as RocmPlatform.fp8_dtype
-    ptrs = {"x_ptr": "ACT", "q_ptr": "fp8e4b8" if fnuz else "fp8e4nv", "scale_ptr": "fp32"}
-    return Spec(fp8_quant._fp8_quant_kernel, ptrs,
-                dict(STATIC=False, FNUZ=fnuz, BLOCK=fp8_quant._BLOCK), 4,
+    fp8, consts = _fp8_out(arch)
+    ptrs = {"x_ptr": "ACT", "q_ptr": fp8, "scale_ptr": "fp32"}
+    return Spec(fp8_quant._fp8_quant_kernel, ptrs, dict(BLOCK=fp8_quant._BLOCK, **consts), 4,
                 floats=("fmax", "min_scale"))
 
 
 KERNELS = {
     "prefill_attention": _prefill, "decode_attention": _decode,
     "decode_reduce": _decode_reduce, "reshape_and_cache": _reshape_and_cache,
-    "rms_norm": _rms_norm, "rotary": _rotary, "silu_and_mul": _activation,
+    "rms_norm": _rms_norm(False), "rotary": _rotary, "silu_and_mul": _activation,
     "w4a16_gemv": _w4a16_gemv, "w4a16_m16": _w4a16(16), "w4a16_m64": _w4a16(64),
     "w4a16_m256": _w4a16(256), "w4a16_m1024": _w4a16(1024), "w4a16_dequant": _w4a16_dequant,
-    "fp8_quant": _fp8_quant, "fp8_gemv": _fp8_gemv, "fp8_dequant": _fp8_dequant,
+    "fp8_quant": _fp8_quant, "rms_norm_fp8": _rms_norm(True),
+    "silu_and_mul_fp8": _activation_fp8, "fp8_gemv": _fp8_gemv, "fp8_dequant": _fp8_dequant,
 }
 # The CI subset leaves out the middle W4A16 configurations (m16 and m1024 bracket them).
 NOT_IN_SUBSET = ("w4a16_m64", "w4a16_m256")
 # RocmPlatform runs W8A8 FP8 matmuls (and so quantizes activations to FP8) only on
 # gfx94x/gfx95x; FP8 weights run weight-only (the fp8_gemv and fp8_dequant kernels) elsewhere.
-ONLY_ON = {"fp8_quant": ("gfx94", "gfx95")}
+ONLY_ON = dict.fromkeys(("fp8_quant", "rms_norm_fp8", "silu_and_mul_fp8"), ("gfx94", "gfx95"))
 
 
 def applies(case: Case) -> bool:

@@ -8,6 +8,7 @@ from torch import nn
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.layer_ops import LayerOps
+from pagedserve.models.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -17,9 +18,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                into: Linear | None = None):
         """Normalise ``x`` (after adding ``residual``, if given, whose sum is also returned as
-        the next residual) in float32, as the reference models do."""
+        the next residual) in float32, as the reference models do. ``into``: the linear layer
+        that takes the output, which it may then get already quantized."""
+        quantizer = into.input_quantizer(x.shape[0]) if into is not None else None
+        if quantizer is not None:
+            return quantizer.rms_norm(x, self.weight, self.eps, residual)
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -30,7 +36,11 @@ class SiluAndMul(nn.Module):
         super().__init__()
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, into: Linear | None = None):
+        """``into`` as for ``RMSNorm``."""
+        quantizer = into.input_quantizer(x.shape[0]) if into is not None else None
+        if quantizer is not None:
+            return quantizer.silu_and_mul(x)
         return self.ops.silu_and_mul(x)
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pagedserve.distributed import Part, TensorParallel
-from pagedserve.quant.linear_method import LinearMethod
+from pagedserve.quant.linear_method import InputQuantizer, LinearMethod, QuantizedActivation
 from pagedserve.quant.weights import LoadedWeight, concat_shards, take_columns, take_rows
 
 if TYPE_CHECKING:
@@ -108,7 +108,12 @@ class Linear(nn.Module):
         offset = sum(self.out_sizes[:shard])
         self.bias[offset:offset + part.size].copy_(take_rows(bias, part.start, part.size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def input_quantizer(self, num_tokens: int) -> InputQuantizer | None:
+        """The op before this layer may quantize its output with this (then hand over a
+        ``QuantizedActivation``); None: it hands over plain activations."""
+        return self.method.input_quantizer(self, num_tokens)
+
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         out = self.method.apply(self, x)
         if self.reduce:
             out = self.factory.tp.all_reduce(out)

@@ -21,6 +21,7 @@ from pagedserve.models.layer_ops import LayerOps
 from pagedserve.models.layers import PagedAttention, RMSNorm, SiluAndMul
 from pagedserve.models.linear import Linear, LinearFactory
 from pagedserve.models.rotary import RotaryEmbedding
+from pagedserve.quant.linear_method import QuantizedActivation
 from pagedserve.quant.weights import LoadedWeight
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)
@@ -45,7 +46,8 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(backend)
 
-    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions, hidden: torch.Tensor | QuantizedActivation, kv_cache,
+                meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.out_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -64,8 +66,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = linears.row(cfg.intermediate_size, cfg.hidden_size)
         self.act = SiluAndMul(ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x), into=self.down_proj))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -79,13 +81,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
+        # Each norm may hand the projection after it quantized activations (FP8 W8A8).
+        qkv_proj = self.self_attn.qkv_proj
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, into=qkv_proj)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, into=qkv_proj)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual,
+                                                         into=self.mlp.gate_up_proj)
         return self.mlp(hidden), residual
 
 

@@ -6,17 +6,47 @@ A model's ``Linear`` collects its weight from the checkpoint (dense or quantized
 (``Platform.linear_method``). The method turns the weight into the layout its kernel reads
 fastest, once (``create_weights``), and multiplies activations by it on every step
 (``apply``). The layer adds its bias.
+
+A method that quantizes its activations before multiplying (FP8 W8A8) may offer that step to
+the op before the layer (``input_quantizer``): an RMSNorm or SwiGLU that writes quantized
+activations directly saves a pass over them and a kernel launch.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.quant.weights import LoadedWeight, dequantize
+
+
+@dataclass
+class QuantizedActivation:
+    """Activations already quantized the way a method's matmul reads them: ``values
+    [T, K']`` (``K'`` may pad ``K``) with ``values * scales`` approximating the input;
+    ``scales`` is ``[T, 1]`` (one per token) or 0-dim (one for all). ``dtype``: the
+    activations' own, which the layer's output takes."""
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+
+class InputQuantizer(ABC):
+    """A linear method's input quantization, fused into the op that produces its input."""
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+        """``LayerOps.rms_norm`` with its output quantized: ``QuantizedActivation``, or
+        ``(QuantizedActivation, residual)`` with ``residual``."""
+
+    @abstractmethod
+    def silu_and_mul(self, x: torch.Tensor) -> QuantizedActivation:
+        """``LayerOps.silu_and_mul`` with its output quantized."""
 
 
 class LinearMethod(ABC):
@@ -28,7 +58,13 @@ class LinearMethod(ABC):
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, K] @ W.T -> [T, N]`` in ``x``'s dtype."""
+        """``x [T, K] @ W.T -> [T, N]`` in ``x``'s dtype; ``x`` may instead be the
+        ``QuantizedActivation`` of this method's ``input_quantizer``."""
+
+    def input_quantizer(self, layer: nn.Module, num_tokens: int) -> InputQuantizer | None:
+        """How the op before this layer may hand it ``num_tokens`` rows already quantized;
+        None (the default): it hands them as they are."""
+        return None
 
 
 class DenseLinearMethod(LinearMethod):

@@ -18,6 +18,11 @@ With row-wise scales ``_scaled_mm`` writes bfloat16 only (its CUTLASS kernel is
 both scales after it. Up to ``fp8_gemv.MAX_M`` rows (decode at small batch) take the FP8 GEMV
 kernel instead, which keeps the activations unquantized. ``apply`` never waits on the device,
 so it can be captured in a CUDA graph.
+
+Above those rows the layer's ``input_quantizer`` lets the RMSNorm or SwiGLU before it write the
+FP8 activations and their scales directly (``rms_norm_fp8``, ``silu_and_mul_fp8``), the same
+values the standalone quantization would give; only o_proj, after attention, still quantizes
+on its own.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ import torch
 from torch import nn
 
 from pagedserve.platforms.cuda.kernels import fp8_gemv
+from pagedserve.platforms.cuda.kernels.activation import silu_and_mul_fp8
 from pagedserve.platforms.cuda.kernels.fp8_quant import quantize_per_token, quantize_static
-from pagedserve.quant.linear_method import LinearMethod
+from pagedserve.platforms.cuda.kernels.rms_norm import rms_norm_fp8
+from pagedserve.quant.linear_method import InputQuantizer, LinearMethod, QuantizedActivation
 from pagedserve.quant.weights import Fp8Weight
 
 _ALIGN = 16
@@ -53,22 +60,60 @@ class Fp8LinearMethod(LinearMethod):
                                               requires_grad=False))
         layer.fp8_out_features = n
 
+    def input_quantizer(self, layer, num_tokens):
+        if num_tokens <= fp8_gemv.MAX_M:  # the GEMV reads the activations as they are
+            return None
+        return Fp8InputQuantizer(layer.fp8_weight.dtype, layer.fp8_weight.shape[1],
+                                 layer.fp8_input_scale)
+
     def apply(self, layer, x):
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
         wq, w_scale = layer.fp8_weight, layer.fp8_weight_scale
-        if x2.shape[0] <= fp8_gemv.MAX_M:  # decode at batch 1-4: stream the weight
-            out = fp8_gemv.matmul(x2, wq, w_scale, layer.fp8_out_features)
-            return out.reshape(*x.shape[:-1], out.shape[1])
-        if layer.fp8_input_scale is None:
-            xq, x_scale = quantize_per_token(x2, wq.dtype, wq.shape[1])
+        if isinstance(x, QuantizedActivation):
+            quantized, lead = x, x.values.shape[:-1]
         else:
-            xq = quantize_static(x2, layer.fp8_input_scale, wq.dtype, wq.shape[1])
-            x_scale = (layer.fp8_input_scale if w_scale.dim() == 0
-                       else layer.fp8_input_scale.expand(x2.shape[0], 1).contiguous())
-        out = scaled_mm(xq, wq.t(), x_scale, w_scale, x.dtype)
+            x2, lead = x.reshape(-1, x.shape[-1]).contiguous(), x.shape[:-1]
+            if x2.shape[0] <= fp8_gemv.MAX_M:  # decode at batch 1-4: stream the weight
+                out = fp8_gemv.matmul(x2, wq, w_scale, layer.fp8_out_features)
+                return out.reshape(*lead, out.shape[1])
+            quantized = self.input_quantizer(layer, x2.shape[0]).quantize(x2)
+        x_scale = quantized.scales
+        if x_scale.dim() == 0 and w_scale.dim() != 0:  # static activation scale, row-wise weight
+            x_scale = x_scale.expand(quantized.values.shape[0], 1).contiguous()
+        out = scaled_mm(quantized.values, wq.t(), x_scale, w_scale, quantized.dtype)
         if out.shape[1] != layer.fp8_out_features:
             out = out[:, :layer.fp8_out_features]
-        return out.reshape(*x.shape[:-1], out.shape[1])
+        return out.reshape(*lead, out.shape[1])
+
+
+class Fp8InputQuantizer(InputQuantizer):
+    """Activations to ``fp8_dtype`` with ``padded_k`` columns (the weight's padded K): a
+    dynamic scale per token, or the checkpoint's static ``input_scale``."""
+
+    def __init__(self, fp8_dtype: torch.dtype, padded_k: int,
+                 static_scale: torch.Tensor | None) -> None:
+        self.fp8_dtype = fp8_dtype
+        self.padded_k = padded_k
+        self.static_scale = static_scale
+
+    def quantize(self, x: torch.Tensor) -> QuantizedActivation:
+        """The standalone quantization, for activations no fused op produced."""
+        if self.static_scale is None:
+            q, scales = quantize_per_token(x, self.fp8_dtype, self.padded_k)
+        else:
+            q = quantize_static(x, self.static_scale, self.fp8_dtype, self.padded_k)
+            scales = self.static_scale
+        return QuantizedActivation(q, scales, x.dtype)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        out = rms_norm_fp8(x, weight, eps, residual, self.fp8_dtype, self.padded_k,
+                           self.static_scale)
+        if residual is None:
+            return QuantizedActivation(*out, x.dtype)
+        return QuantizedActivation(*out[0], x.dtype), out[1]
+
+    def silu_and_mul(self, x):
+        return QuantizedActivation(*silu_and_mul_fp8(x, self.fp8_dtype, self.padded_k,
+                                                     self.static_scale), x.dtype)
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

@@ -16,12 +16,19 @@ from tests.devices import HAS_NVIDIA, NVIDIA_REASON
 
 pytest.importorskip("triton")
 
+from pagedserve.models.layer_ops import LayerOps  # noqa: E402
 from pagedserve.platforms.cuda.fp8_linear import Fp8LinearMethod, to_e4m3fnuz  # noqa: E402
 from pagedserve.platforms.cuda.kernels import fp8_gemv  # noqa: E402
+from pagedserve.platforms.cuda.kernels.activation import (  # noqa: E402
+    silu_and_mul,
+    silu_and_mul_fp8,
+)
 from pagedserve.platforms.cuda.kernels.fp8_quant import (  # noqa: E402
     quantize_per_token,
     quantize_static,
 )
+from pagedserve.platforms.cuda.kernels.rms_norm import rms_norm, rms_norm_fp8  # noqa: E402
+from pagedserve.quant.linear_method import QuantizedActivation  # noqa: E402
 from pagedserve.quant.weights import Fp8Weight  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_NVIDIA else "cpu")
@@ -106,6 +113,81 @@ def test_e4m3fnuz_conversion_keeps_every_value():
     assert values.dtype == FNUZ and input_scale == 0.5
     assert not values.float().isnan().any()  # fn's -0 is fnuz's NaN
     assert torch.equal(values.double() * new_scales.double(), codes.double() * 0.5)
+
+
+def check_fused_quantization(q, scales, reference: torch.Tensor, unfused: torch.Tensor,
+                             fp8: torch.dtype, static: torch.Tensor | None) -> None:
+    """A fused op's FP8 output ``(q, scales)``: the standalone quantization of the unfused
+    kernel's output bit for bit, and within e4m3's rounding of the float64-checked torch
+    ``reference``; padding columns zero."""
+    k = reference.shape[1]
+    if static is None:
+        expected_q, expected_scales = quantize_per_token(unfused, fp8, q.shape[1])
+        assert scales.shape == (reference.shape[0], 1) and torch.equal(scales, expected_scales)
+    else:
+        expected_q, expected_scales = quantize_static(unfused, static, fp8, q.shape[1]), static
+        assert scales is static
+    same_fp8(q, expected_q)
+    assert not q[:, k:].float().any()
+    fmax = torch.finfo(fp8).max
+    ref = reference.double()
+    if static is not None:
+        ref = ref.clamp(-fmax * static.item(), fmax * static.item())
+    # e4m3 keeps 3 mantissa bits (relative step 2**-3, so at most 2**-4 off when rounding);
+    # values under its smallest normal times the scale are off by at most half a subnormal step.
+    tol = 2.0 ** -4 * ref.abs() + 2.0 ** -10 * expected_scales.double()
+    assert ((q[:, :k].double() * expected_scales.double() - ref).abs() <= tol * 1.01).all()
+
+
+@pytest.mark.parametrize("fp8", FP8_TYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("static", [None, 0.004], ids=["dynamic", "static"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add+norm"])
+def test_rms_norm_fp8_quantizes_the_norm(fp8, dtype, static, with_residual):
+    """RMSNorm writing FP8 directly: the plain kernel's output (itself checked against float64
+    in test_layer_kernels) quantized by the standalone kernel; K = 200 padded to 208."""
+    tokens, hidden = 5, 200
+    x, weight = randn(tokens, hidden, dtype=dtype, seed=7), randn(hidden, dtype=dtype, seed=8)
+    residual = randn(tokens, hidden, dtype=dtype, seed=9) if with_residual else None
+    scale = None if static is None else torch.tensor(static, device=DEVICE)
+    plain = rms_norm(x, weight, 1e-6, None if residual is None else residual.clone())
+    reference = LayerOps.rms_norm(x, weight, 1e-6, residual)
+    fused = rms_norm_fp8(x, weight, 1e-6, None if residual is None else residual.clone(),
+                         fp8, 208, scale)
+    if with_residual:
+        (plain, plain_sum), (reference, _), ((q, scales), fused_sum) = plain, reference, fused
+        assert torch.equal(fused_sum, plain_sum)
+    else:
+        q, scales = fused
+    check_fused_quantization(q, scales, reference, plain, fp8, scale)
+
+
+@pytest.mark.parametrize("fp8", FP8_TYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("static", [None, 0.004], ids=["dynamic", "static"])
+def test_silu_and_mul_fp8_quantizes_the_product(fp8, dtype, static):
+    """SwiGLU writing FP8 directly, over a row longer than the kernel's step (4,096), padded."""
+    inter = 4100
+    x = randn(3, 2 * inter, dtype=dtype, seed=10, scale=2.0)
+    x[1] = 0  # an all-zero row keeps a positive scale
+    scale = None if static is None else torch.tensor(static, device=DEVICE)
+    q, scales = silu_and_mul_fp8(x, fp8, 4112, scale)
+    check_fused_quantization(q, scales, LayerOps.silu_and_mul(x), silu_and_mul(x), fp8, scale)
+
+
+@pytest.mark.parametrize("static", [None, 0.02], ids=["dynamic", "static"])
+def test_fused_input_quantization_feeds_the_matmul(static):
+    """What a norm hands the layer through its ``input_quantizer`` multiplies to the same
+    output as the plain norm's activations quantized by the layer; up to ``fp8_gemv.MAX_M``
+    rows the layer offers none (its GEMV reads the activations unquantized)."""
+    layer, _ = fp8_layer(40, 72, torch.float16, static)
+    method = Fp8LinearMethod()
+    assert method.input_quantizer(layer, fp8_gemv.MAX_M) is None
+    x, weight = randn(6, 72, dtype=torch.float16, seed=11), randn(72, dtype=torch.float16)
+    quantized = method.input_quantizer(layer, 6).rms_norm(x, weight, 1e-5)
+    assert isinstance(quantized, QuantizedActivation) and quantized.values.shape == (6, 80)
+    assert torch.equal(method.apply(layer, quantized),
+                       method.apply(layer, rms_norm(x, weight, 1e-5)))
 
 
 def fp8_layer(n: int, k: int, dtype: torch.dtype, static: float | None, fp8=FN,
@@ -318,6 +400,15 @@ def test_engine_w8a8_tracks_transformers(device, arch, static, tiny_model_folder
         monkeypatch.setattr(CpuPlatform, "linear_method", classmethod(
             lambda cls, w: Fp8LinearMethod() if isinstance(w, Fp8Weight)
             else super(CpuPlatform, cls).linear_method(w)))
+    fused_inputs: set[nn.Module] = set()  # layers handed activations quantized before them
+    apply = Fp8LinearMethod.apply
+
+    def recording_apply(self, layer, x):
+        if isinstance(x, QuantizedActivation):
+            fused_inputs.add(layer)
+        return apply(self, layer, x)
+
+    monkeypatch.setattr(Fp8LinearMethod, "apply", recording_apply)
     ckpt = write_fp8(tiny_model_folder(arch), tmp_path, static)
     prompts = random_prompts(arch, PROMPT_LENS)
     if static:
@@ -327,6 +418,7 @@ def test_engine_w8a8_tracks_transformers(device, arch, static, tiny_model_folder
               kv_cache_memory_bytes=64 << 20)
     methods = {m for name, m in linear_methods(llm).items() if "lm_head" not in name}
     assert methods == {"Fp8LinearMethod"}
+    model = llm.engine.runner.model
     hf = hf_model(ckpt.reference)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
                             logprobs=0)
@@ -340,6 +432,11 @@ def test_engine_w8a8_tracks_transformers(device, arch, static, tiny_model_folder
         engine = torch.tensor([step[t].logprob for step, t in zip(out.outputs[0].logprobs, ours)])
         deltas.append((engine.double() - logprobs.gather(1, chosen)[:, 0]).abs().max().item())
         gaps.append((logprobs.amax(1) - logprobs.gather(1, chosen)[:, 0]).max().item())
+    # Prompts (prefill rows > fp8_gemv.MAX_M) had their norms and SwiGLU quantize for the
+    # layer after; attention's output, o_proj's input, is quantized by the layer itself.
+    assert {name for name, m in model.named_modules() if m in fused_inputs} == {
+        f"model.layers.{i}.{name}" for i in range(len(model.model.layers))
+        for name in ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj")}
     print(f"{device} {arch} {'static' if static else 'dynamic'}: per prompt, worst |logprob "
           f"delta| {[round(d, 4) for d in deltas]}, worst greedy gap {[round(g, 4) for g in gaps]}")
     assert max(deltas) <= LOGPROB_DELTA

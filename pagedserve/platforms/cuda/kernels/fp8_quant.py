@@ -36,6 +36,24 @@ _BLOCK = 1024
 
 
 @triton.jit
+def row_scale(absmax, fmax, min_scale):
+    """A row's dynamic scale from its largest magnitude (float32)."""
+    return tl.maximum(tl.div_rn(absmax, fmax), min_scale)
+
+
+@triton.jit
+def to_fp8_grid(x, scale, fmax, FNUZ: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
+    """``x / scale`` (float32) saturated and, where the cast would not, rounded to the FP8
+    grid; still float32, for the caller to cast on store."""
+    q = tl.clamp(x * tl.div_rn(1.0, scale), -fmax, fmax)
+    if FNUZ:
+        q = _round_to_e4m3(q * 2.0) * 0.5
+    elif SOFTWARE_ROUNDING:
+        q = _round_to_e4m3(q)
+    return q
+
+
+@triton.jit
 def _fp8_quant_kernel(
     x_ptr, q_ptr, scale_ptr, stride_x, stride_q, K, K_OUT, fmax, min_scale,
     STATIC: tl.constexpr, FNUZ: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
@@ -50,16 +68,11 @@ def _fp8_quant_kernel(
         for start in range(0, K, BLOCK):
             x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
             absmax = tl.maximum(absmax, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.div_rn(tl.max(absmax, axis=0), fmax), min_scale)
+        scale = row_scale(tl.max(absmax, axis=0), fmax, min_scale)
         tl.store(scale_ptr + row, scale)
-    inv = tl.div_rn(1.0, scale)
     for start in range(0, K_OUT, BLOCK):
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
-        q = tl.clamp(x.to(tl.float32) * inv, -fmax, fmax)
-        if FNUZ:
-            q = _round_to_e4m3(q * 2.0) * 0.5
-        elif SOFTWARE_ROUNDING:
-            q = _round_to_e4m3(q)
+        q = to_fp8_grid(x.to(tl.float32), scale, fmax, FNUZ, SOFTWARE_ROUNDING)
         tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty),
                  mask=start + cols < K_OUT)
 
@@ -78,6 +91,17 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor,
     return _launch(x, fp8_dtype, padded_k, scale, static=True)
 
 
+def fp8_kernel_args(fp8_dtype: torch.dtype | None) -> dict:
+    """The arguments every kernel that may write FP8 activations takes: the type's largest
+    value, the smallest dynamic scale, and how values reach the grid (``to_fp8_grid``); for
+    ``None`` (no FP8 output) placeholders the kernel never reads."""
+    if fp8_dtype is None:
+        return dict(fmax=1.0, min_scale=1.0, FNUZ=False, SOFTWARE_ROUNDING=False)
+    return dict(fmax=torch.finfo(fp8_dtype).max, min_scale=torch.finfo(torch.float32).tiny,
+                FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
+                SOFTWARE_ROUNDING=os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, padded_k: int | None,
             scales: torch.Tensor, static: bool) -> torch.Tensor:
     if x.dim() != 2 or x.stride(-1) != 1:
@@ -87,10 +111,8 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, padded_k: int | None,
     q = torch.empty((m, k_out), dtype=fp8_dtype, device=x.device)
     if m:
         _fp8_quant_kernel[(m,)](
-            x, q, scales, x.stride(0), q.stride(0), k, k_out,
-            torch.finfo(fp8_dtype).max, torch.finfo(torch.float32).tiny,
-            STATIC=static, FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
-            SOFTWARE_ROUNDING=os.environ.get("TRITON_INTERPRET") == "1",
+            x, q, scales, x.stride(0), q.stride(0), k, k_out, STATIC=static,
             BLOCK=min(_BLOCK, triton.next_power_of_2(k_out)), num_warps=4,
+            **fp8_kernel_args(fp8_dtype),
         )
     return q

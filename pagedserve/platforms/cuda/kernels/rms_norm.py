@@ -3,6 +3,11 @@
 Rounding follows the torch reference (``pagedserve.models.layer_ops``): the residual sum is
 rounded to the activation dtype, normalised in float32, rounded again, then multiplied by the
 weight, so bf16 results match the unfused ops bit for bit up to ``rsqrt``'s last place.
+
+``rms_norm_fp8`` writes the output quantized to FP8 instead (``kernels.fp8_quant``'s layout and
+rounding), as the W8A8 matmul after the norm reads it: the normalised row, rounded to the
+activation dtype as the plain kernel would store it, is still in registers, so its scale and
+FP8 values cost no second pass over memory.
 """
 
 from __future__ import annotations
@@ -11,12 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.platforms.cuda.kernels.fp8_quant import fp8_kernel_args, row_scale, to_fp8_grid
+
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr,
-    stride_x, stride_r, stride_o, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr,
+    stride_x, stride_r, stride_o, hidden, out_cols, eps, fmax, min_scale,
+    HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr, STATIC: tl.constexpr,
+    FNUZ: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -30,8 +38,20 @@ def _rms_norm_kernel(
     h = x.to(tl.float32)
     h = h * tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    out = h.to(x.dtype).to(tl.float32) * w
-    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (h.to(x.dtype).to(tl.float32) * w).to(x.dtype)
+    if FP8_OUT:
+        y = out.to(tl.float32)
+        if STATIC:
+            scale = tl.load(scale_ptr)
+        else:
+            scale = row_scale(tl.max(tl.abs(y), axis=0), fmax, min_scale)
+            tl.store(scale_ptr + row, scale)
+        # Columns past ``hidden`` (the matmul's padding) get zeros.
+        q = to_fp8_grid(y, scale, fmax, FNUZ, SOFTWARE_ROUNDING)
+        tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty),
+                 mask=cols < out_cols)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -39,18 +59,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """``x`` ``[T, hidden]`` (rows may be strided, columns contiguous). With ``residual``
     (same shape, contiguous columns) the sum ``x + residual`` is written into ``residual`` in
     place and ``(out, residual)`` is returned; otherwise ``out``."""
-    if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
-        raise ValueError("rms_norm needs contiguous rows")
     x2 = x.reshape(-1, x.shape[-1])
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    r2 = residual.view(-1, x.shape[-1]) if residual is not None else x2
-    hidden = x2.shape[1]
-    block = triton.next_power_of_2(hidden)
-    if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, out, x2.stride(0), r2.stride(0), out.stride(0), hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(16, max(1, block // 512)),
-        )
+    _launch(x, x2, weight, eps, residual, out, out)
     out = out.view(x.shape)
     return out if residual is None else (out, residual)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None, fp8_dtype: torch.dtype, out_cols: int,
+                 static_scale: torch.Tensor | None = None):
+    """``rms_norm`` of a 2-D ``x`` whose output is quantized to ``fp8_dtype``: ``(q [T,
+    out_cols], scales)``, ``out_cols >= hidden`` zero-padded. Scales are float32 ``[T, 1]``,
+    one per token, or ``static_scale`` (a one-element tensor) when given. With ``residual``:
+    ``((q, scales), residual)``."""
+    if x.dim() != 2 or out_cols < x.shape[1]:
+        raise ValueError("rms_norm_fp8 takes [T, hidden] and writes at least hidden columns")
+    q = torch.empty((x.shape[0], out_cols), dtype=fp8_dtype, device=x.device)
+    scales = (static_scale if static_scale is not None else
+              torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device))
+    _launch(x, x, weight, eps, residual, q, scales, fp8_dtype, static_scale is not None)
+    return (q, scales) if residual is None else ((q, scales), residual)
+
+
+def _launch(x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, eps: float,
+            residual: torch.Tensor | None, out: torch.Tensor, scales: torch.Tensor,
+            fp8_dtype: torch.dtype | None = None, static: bool = False) -> None:
+    if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+        raise ValueError("rms_norm needs contiguous rows")
+    r2 = residual.view(-1, x.shape[-1]) if residual is not None else x2
+    hidden = x2.shape[1]
+    block = triton.next_power_of_2(out.shape[1])
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, out, scales, x2.stride(0), r2.stride(0), out.stride(0), hidden,
+            out.shape[1], eps, HAS_RESIDUAL=residual is not None,
+            FP8_OUT=fp8_dtype is not None, STATIC=static, BLOCK=block,
+            num_warps=min(16, max(1, block // 512)), **fp8_kernel_args(fp8_dtype),
+        )
