@@ -157,15 +157,6 @@ def _activation(dtype: str, arch: str) -> Spec:
                 dict(BLOCK=activation._BLOCK), 4)
 
 
-def _activation_fp8(dtype: str, arch: str) -> Spec:
-    from pagedserve.platforms.cuda.kernels import activation
-
-    fp8, consts = _fp8_out(arch)
-    return Spec(activation._silu_and_mul_fp8_kernel,
-                {"x_ptr": "ACT", "q_ptr": fp8, "scale_ptr": "fp32"},
-                dict(BLOCK=activation._FP8_BLOCK, **consts), 8, floats=("fmax", "min_scale"))
-
-
 def _w4a16(m: int):
     def spec(dtype: str, arch: str) -> Spec:
         from pagedserve.platforms.cuda.kernels import w4a16
@@ -236,14 +227,14 @@ KERNELS = {
     "rms_norm": _rms_norm(False), "rotary": _rotary, "silu_and_mul": _activation,
     "w4a16_gemv": _w4a16_gemv, "w4a16_m16": _w4a16(16), "w4a16_m64": _w4a16(64),
     "w4a16_m256": _w4a16(256), "w4a16_m1024": _w4a16(1024), "w4a16_dequant": _w4a16_dequant,
-    "fp8_quant": _fp8_quant, "rms_norm_fp8": _rms_norm(True),
-    "silu_and_mul_fp8": _activation_fp8, "fp8_gemv": _fp8_gemv, "fp8_dequant": _fp8_dequant,
+    "fp8_quant": _fp8_quant, "rms_norm_fp8": _rms_norm(True), "fp8_gemv": _fp8_gemv,
+    "fp8_dequant": _fp8_dequant,
 }
 # The CI subset leaves out the middle W4A16 configurations (m16 and m1024 bracket them).
 NOT_IN_SUBSET = ("w4a16_m64", "w4a16_m256")
 # RocmPlatform runs W8A8 FP8 matmuls (and so quantizes activations to FP8) only on
 # gfx94x/gfx95x; FP8 weights run weight-only (the fp8_gemv and fp8_dequant kernels) elsewhere.
-ONLY_ON = dict.fromkeys(("fp8_quant", "rms_norm_fp8", "silu_and_mul_fp8"), ("gfx94", "gfx95"))
+ONLY_ON = dict.fromkeys(("fp8_quant", "rms_norm_fp8"), ("gfx94", "gfx95"))
 
 
 def applies(case: Case) -> bool:

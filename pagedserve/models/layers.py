@@ -36,11 +36,7 @@ class SiluAndMul(nn.Module):
         super().__init__()
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, into: Linear | None = None):
-        """``into`` as for ``RMSNorm``."""
-        quantizer = into.input_quantizer(x.shape[0]) if into is not None else None
-        if quantizer is not None:
-            return quantizer.silu_and_mul(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_and_mul(x)
 
 

@@ -67,7 +67,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x), into=self.down_proj))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

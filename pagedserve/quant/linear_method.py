@@ -8,8 +8,8 @@ fastest, once (``create_weights``), and multiplies activations by it on every st
 (``apply``). The layer adds its bias.
 
 A method that quantizes its activations before multiplying (FP8 W8A8) may offer that step to
-the op before the layer (``input_quantizer``): an RMSNorm or SwiGLU that writes quantized
-activations directly saves a pass over them and a kernel launch.
+the op before the layer (``input_quantizer``): an RMSNorm that writes quantized activations
+directly saves a pass over them and a kernel launch.
 """
 
 from __future__ import annotations
@@ -43,10 +43,6 @@ class InputQuantizer(ABC):
                  residual: torch.Tensor | None = None):
         """``LayerOps.rms_norm`` with its output quantized: ``QuantizedActivation``, or
         ``(QuantizedActivation, residual)`` with ``residual``."""
-
-    @abstractmethod
-    def silu_and_mul(self, x: torch.Tensor) -> QuantizedActivation:
-        """``LayerOps.silu_and_mul`` with its output quantized."""
 
 
 class LinearMethod(ABC):

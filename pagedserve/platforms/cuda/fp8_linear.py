@@ -19,10 +19,10 @@ both scales after it. Up to ``fp8_gemv.MAX_M`` rows (decode at small batch) take
 kernel instead, which keeps the activations unquantized. ``apply`` never waits on the device,
 so it can be captured in a CUDA graph.
 
-Above those rows the layer's ``input_quantizer`` lets the RMSNorm or SwiGLU before it write the
-FP8 activations and their scales directly (``rms_norm_fp8``, ``silu_and_mul_fp8``), the same
-values the standalone quantization would give; only o_proj, after attention, still quantizes
-on its own.
+Above those rows the layer's ``input_quantizer`` lets the RMSNorm before it write the FP8
+activations and their scales directly (``rms_norm_fp8``), the same values the standalone
+quantization would give: the norm has the row in registers anyway. The layers after attention
+and SwiGLU quantize their input themselves.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from pagedserve.platforms.cuda.kernels import fp8_gemv
-from pagedserve.platforms.cuda.kernels.activation import silu_and_mul_fp8
 from pagedserve.platforms.cuda.kernels.fp8_quant import quantize_per_token, quantize_static
 from pagedserve.platforms.cuda.kernels.rms_norm import rms_norm_fp8
 from pagedserve.quant.linear_method import InputQuantizer, LinearMethod, QuantizedActivation
@@ -110,10 +109,6 @@ class Fp8InputQuantizer(InputQuantizer):
         if residual is None:
             return QuantizedActivation(*out, x.dtype)
         return QuantizedActivation(*out[0], x.dtype), out[1]
-
-    def silu_and_mul(self, x):
-        return QuantizedActivation(*silu_and_mul_fp8(x, self.fp8_dtype, self.padded_k,
-                                                     self.static_scale), x.dtype)
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
