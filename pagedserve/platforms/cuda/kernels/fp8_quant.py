@@ -1,5 +1,8 @@
 """Activations quantized to FP8 for a W8A8 matmul, one program per token.
 
+``row_scale`` and ``to_fp8_grid`` are the arithmetic, shared with ``rms_norm_fp8``, which
+quantizes its own output the same way.
+
 ``x [M, K]`` (rows may be strided, columns contiguous) becomes ``q [M, K_out]`` in the output's
 FP8 type (e4m3fn, or e4m3fnuz on MI300) and float32 scales ``[M, 1]``, with
 ``x[m, k] ~= float(q[m, k]) * scale[m]``. Columns ``K .. K_out`` of ``q`` are written as zeros, so
