@@ -95,9 +95,9 @@ def bench_decode(s: Setup, batch: int, ctx: int) -> dict:
 
     from pagedserve.platforms.cuda.kernels.decode_attention import (
         decode_attention,
-        device_sm_count,
         pick_partition_size,
     )
+    from pagedserve.platforms.cuda.kernels.device import sm_count
 
     cache, tables, lens = s.paged([ctx] * batch)
     q = torch.randn(batch, s.h, s.d, device="cuda", dtype=s.dtype)
@@ -109,7 +109,7 @@ def bench_decode(s: Setup, batch: int, ctx: int) -> dict:
 
     ms = do_bench_cudagraph(run, return_mode="median")
     eager = do_bench(run, return_mode="median")
-    part = pick_partition_size(batch, s.kvh, ctx, device_sm_count(q.device), 64)
+    part = pick_partition_size(batch, s.kvh, ctx, sm_count(q.device), 64)
     nbytes = s.kv_bytes(batch * ctx)
     return {"batch": batch, "context": ctx, "ms": ms, "eager_ms": eager, "kv_bytes": nbytes,
             "gbs": nbytes / ms / 1e6, "partition_size": part,

@@ -104,11 +104,10 @@ class Fp8InputQuantizer(InputQuantizer):
         return QuantizedActivation(q, scales, x.dtype)
 
     def rms_norm(self, x, weight, eps, residual=None):
-        out = rms_norm_fp8(x, weight, eps, residual, self.fp8_dtype, self.padded_k,
-                           self.static_scale)
-        if residual is None:
-            return QuantizedActivation(*out, x.dtype)
-        return QuantizedActivation(*out[0], x.dtype), out[1]
+        q, scales = rms_norm_fp8(x, weight, eps, residual, self.fp8_dtype, self.padded_k,
+                                 self.static_scale)
+        quantized = QuantizedActivation(q, scales, x.dtype)
+        return quantized if residual is None else (quantized, residual)
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

@@ -20,12 +20,11 @@ writes the final output and stage 2 is skipped.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from pagedserve.platforms.cuda.kernels.device import gpu_arch, sm_count
 from pagedserve.platforms.cuda.kernels.prefill_attention import (
     LOG2E,
     NEG_BIG,
@@ -33,7 +32,6 @@ from pagedserve.platforms.cuda.kernels.prefill_attention import (
     check_cache_pair,
     dot_precision,
     fp8_compute_dtype,
-    gpu_arch,
 )
 
 # Shortest partition the heuristic picks: shorter ones spend more on the merge than they save.
@@ -161,13 +159,6 @@ def _decode_reduce_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
 
 
-@functools.lru_cache(maxsize=8)
-def device_sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # Triton's interpreter on the CPU: any small number works
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def pick_partition_size(
     num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int
 ) -> int:
@@ -236,7 +227,7 @@ def decode_attention(
     block_n = max(block_n or cfg_n, 16)
     if partition_size is None:
         partition_size = pick_partition_size(
-            num_seqs, num_kv_heads, max_seq_len, device_sm_count(q.device), block_n)
+            num_seqs, num_kv_heads, max_seq_len, sm_count(q.device), block_n)
     if partition_size < 16 or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     block_n = min(block_n, partition_size)

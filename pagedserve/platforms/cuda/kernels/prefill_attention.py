@@ -22,11 +22,11 @@ without a mask; only the diagonal tiles pay for it.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from pagedserve.platforms.cuda.kernels.device import gpu_arch
 
 # Finite stand-in for -inf as the running max: exp2(-inf - -inf) would give NaN on rows whose
 # first tile is fully masked.
@@ -182,14 +182,6 @@ def dot_precision(dtype: torch.dtype, arch: str | None = None) -> str:
     if dtype == torch.float32:
         return "ieee"
     return "tf32" if arch is None or arch.startswith("gfx942") else "ieee"
-
-
-@functools.lru_cache(maxsize=8)
-def gpu_arch(device: torch.device) -> str | None:
-    """The AMD GPU's ``gfx`` name under ROCm's torch; ``None`` on NVIDIA and the CPU."""
-    if device.type != "cuda" or torch.version.hip is None:
-        return None
-    return torch.cuda.get_device_properties(device).gcnArchName
 
 
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:

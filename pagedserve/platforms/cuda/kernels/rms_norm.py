@@ -59,35 +59,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """``x`` ``[T, hidden]`` (rows may be strided, columns contiguous). With ``residual``
     (same shape, contiguous columns) the sum ``x + residual`` is written into ``residual`` in
     place and ``(out, residual)`` is returned; otherwise ``out``."""
+    _check_rows(x, residual)
     x2 = x.reshape(-1, x.shape[-1])
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    _launch(x, x2, weight, eps, residual, out, out)
+    _launch(x2, weight, eps, residual, out, out)
     out = out.view(x.shape)
     return out if residual is None else (out, residual)
 
 
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None, fp8_dtype: torch.dtype, out_cols: int,
-                 static_scale: torch.Tensor | None = None):
+                 static_scale: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm`` of a 2-D ``x`` whose output is quantized to ``fp8_dtype``: ``(q [T,
     out_cols], scales)``, ``out_cols >= hidden`` zero-padded. Scales are float32 ``[T, 1]``,
-    one per token, or ``static_scale`` (a one-element tensor) when given. With ``residual``:
-    ``((q, scales), residual)``."""
+    one per token, or ``static_scale`` (a one-element tensor) when given. ``residual``, if
+    given, receives the sum in place, as in ``rms_norm``."""
     if x.dim() != 2 or out_cols < x.shape[1]:
         raise ValueError("rms_norm_fp8 takes [T, hidden] and writes at least hidden columns")
+    _check_rows(x, residual)
     q = torch.empty((x.shape[0], out_cols), dtype=fp8_dtype, device=x.device)
     scales = (static_scale if static_scale is not None else
               torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device))
-    _launch(x, x, weight, eps, residual, q, scales, fp8_dtype, static_scale is not None)
-    return (q, scales) if residual is None else ((q, scales), residual)
+    _launch(x, weight, eps, residual, q, scales, fp8_dtype, static_scale is not None)
+    return q, scales
 
 
-def _launch(x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, eps: float,
-            residual: torch.Tensor | None, out: torch.Tensor, scales: torch.Tensor,
-            fp8_dtype: torch.dtype | None = None, static: bool = False) -> None:
-    if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
-        raise ValueError("rms_norm needs contiguous rows")
-    r2 = residual.view(-1, x.shape[-1]) if residual is not None else x2
+def _launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+            out: torch.Tensor, scales: torch.Tensor, fp8_dtype: torch.dtype | None = None,
+            static: bool = False) -> None:
+    """``x2 [T, hidden]`` normalised into ``out``; ``scales`` is read or written only with
+    ``fp8_dtype``."""
+    r2 = residual.view(-1, x2.shape[1]) if residual is not None else x2
     hidden = x2.shape[1]
     block = triton.next_power_of_2(out.shape[1])
     if x2.shape[0]:
@@ -97,3 +100,8 @@ def _launch(x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, eps: float,
             FP8_OUT=fp8_dtype is not None, STATIC=static, BLOCK=block,
             num_warps=min(16, max(1, block // 512)), **fp8_kernel_args(fp8_dtype),
         )
+
+
+def _check_rows(x: torch.Tensor, residual: torch.Tensor | None) -> None:
+    if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+        raise ValueError("rms_norm needs contiguous rows")

@@ -8,9 +8,6 @@ slice) adds them in slice order and stores the result: deterministic, and one la
 
 from __future__ import annotations
 
-import functools
-
-import torch
 import triton
 import triton.language as tl
 
@@ -44,13 +41,6 @@ def finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_
             tl.atomic_xchg(counter_ptr + pid_n, 0)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def split_count(programs: int, k_blocks: int, target: int, min_blocks: int) -> int:

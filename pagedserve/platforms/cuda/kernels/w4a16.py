@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.platforms.cuda.kernels.prefill_attention import gpu_arch
-from pagedserve.platforms.cuda.kernels.split_k import finish, num_sms, split_count
+from pagedserve.platforms.cuda.kernels.device import gpu_arch, sm_count
+from pagedserve.platforms.cuda.kernels.split_k import finish, split_count
 
 # The narrowest BLOCK_N of the configurations whose rows fit one block (split K): the split
 # counters are sized for it, so wider tiles use a prefix of them.
@@ -453,7 +453,7 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
     k_blocks = triton.cdiv(k, block_k)
     splits = 1
     if grid_m == 1:  # the counters are per block of N
-        splits = split_k or split_count(grid_n, k_blocks, 2 * num_sms(x.device), 4)
+        splits = split_k or split_count(grid_n, k_blocks, 2 * sm_count(x.device), 4)
     k_per_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(k, k_per_split)
     # Where the slices leave their partial sums (not written when there is one slice).
@@ -497,7 +497,7 @@ def _gemv(x: torch.Tensor, w: PackedW4, split_k: int | None, out: torch.Tensor) 
     grid_n, k_blocks = triton.cdiv(n, cfg.block_n), triton.cdiv(k, block_k)
     # Slices as short as one block: a decode step's smaller weights (8 MB) must be nearly all
     # in flight at once to be read at the copy rate, which few long slices cannot do.
-    splits = split_k or split_count(grid_n, k_blocks, GEMV_PROGRAMS_PER_SM * num_sms(x.device),
+    splits = split_k or split_count(grid_n, k_blocks, GEMV_PROGRAMS_PER_SM * sm_count(x.device),
                                     1)
     splits = min(splits, GEMV_MAX_SPLITS)
     k_per_split = triton.cdiv(k_blocks, splits) * block_k
