@@ -188,9 +188,9 @@ def test_pack_falls_back_to_offsets_for_zero_scales(half_exact):
         weight.scales = weight.scales * (1 + 1e-6)
     weight.scales[0, 0] = 0.0
     weight.offsets[0, 0] = 0.25
-    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 32, torch.device("cpu"))
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 32, DEVICE)
     assert not packed.zero_point  # (0 - z) * 0 cannot give the offset
-    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     assert_close(w4a16.matmul(x, packed), reference(x, weight), torch.float32)
 
 
