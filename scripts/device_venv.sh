@@ -9,6 +9,9 @@
 #   WHEELS      a folder of wheels: install from it alone (a machine without a package index);
 #               it must hold what PYTHON lacks; without a setuptools wheel there, PYTHON's own
 #               setuptools builds the package
+#   CONSTRAINTS the lock (`make lock`) for PYTHON's version, or empty: what PYTHON lacks is
+#               installed at the locked versions; what it has (the machine's torch, triton,
+#               transformers) is kept as it is
 set -euo pipefail
 device=$1 venv=$2
 python=${PYTHON:-python3}
@@ -46,4 +49,18 @@ else
 fi
 echo "$device: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')" \
      "($("$venv/bin/python" -c 'import torch, os; print(os.path.dirname(torch.__file__))'))"
-"$venv/bin/python" -m pip install "${pip_args[@]}" "${build_args[@]}" -e ".[server]"
+pin=()
+if [ -n "${CONSTRAINTS:-}" ]; then
+  # The lock less every package the venv already sees: pinning those would replace the
+  # machine's own builds (or fail offline).
+  kept=$(mktemp)
+  "$venv/bin/python" -m pip list --format=freeze 2>/dev/null | sed 's/==.*//' \
+    | tr 'A-Z_' 'a-z-' > "$kept.names"
+  while IFS= read -r line; do
+    name=$(printf '%s' "${line%%==*}" | tr 'A-Z_' 'a-z-')
+    case $line in \#*|'') continue ;; esac
+    grep -qxF "$name" "$kept.names" || printf '%s\n' "$line"
+  done < "$CONSTRAINTS" > "$kept"
+  pin=(-c "$kept")
+fi
+"$venv/bin/python" -m pip install "${pip_args[@]}" "${build_args[@]}" "${pin[@]}" -e ".[server]"
