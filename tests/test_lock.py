@@ -36,6 +36,8 @@ def _locked() -> dict[str, str]:
 def _setup_requirements() -> list[Requirement]:
     """What `make setup` asks for: the dependencies and the server and test extras (the test
     extra pulls in ray's), with markers for this Python."""
+    import tomllib  # 3.11 and later; the one lock is for 3.11
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     wanted = [*project["dependencies"], *extras["server"], *extras["test"], *extras["ray"]]
