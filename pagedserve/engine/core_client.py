@@ -200,21 +200,21 @@ class EngineCoreClient:
     # ---- requests -----------------------------------------------------------------------
     def add_requests(self, requests: Sequence[msg.NewRequest]) -> list[RequestStream]:
         """Check every request, then send them in one command so the core admits them in
-        the same step. Raises ``ValueError`` (nothing sent) if any is refused."""
+        the same step. Raises ``ValueError`` (nothing sent) if any is refused.
+
+        The requests are kept only once the send succeeded, so that a send that fails keeps
+        nothing; no output can arrive in between, as nothing here awaits."""
         if not self.is_running:
             raise EngineDeadError(self._dead or "the engine is not running")
         for r in requests:
             if r.request_id in self._pending:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
             self.facts.limits.check(r.prompt_token_ids, r.params)
-        streams = []
-        for r in requests:
-            pending = _Pending(RequestOutput(r.request_id, None, r.prompt_token_ids, None, [],
-                                             finished=False))
-            self._pending[r.request_id] = pending
-            streams.append(RequestStream(r.request_id, self, pending.queue))
+        pending = [_Pending(RequestOutput(r.request_id, None, r.prompt_token_ids, None, [],
+                                          finished=False)) for r in requests]
         self._send(msg.AddRequests(list(requests)))
-        return streams
+        self._pending.update((p.output.request_id, p) for p in pending)
+        return [RequestStream(p.output.request_id, self, p.queue) for p in pending]
 
     def abort(self, request_id: str) -> None:
         if self._pending.pop(request_id, None) is not None and self.is_running:

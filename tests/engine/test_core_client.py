@@ -120,3 +120,19 @@ def test_after_shutdown_requests_are_refused(tiny_model, loop):
     assert not client.is_running and not client._process.is_alive()
     with pytest.raises(EngineDeadError):
         client.add_requests([NewRequest("a", [5, 6, 7], _delta())])
+
+
+def test_a_request_that_cannot_be_sent_leaves_nothing_behind(client, loop):
+    """A failure after the checks, here msgpack refusing an int past 64 bits, must not keep
+    the request: each one stayed in the client for good, with its prompt (1,000 of them grew
+    the API server by 300 MB), and its id could never be used again."""
+    params = _delta(max_tokens=2)
+    params.top_k = 2**64  # set after SamplingParams' own check, as a missed check would
+    before = len(client._pending)
+    for i in range(20):
+        with pytest.raises(OverflowError):
+            client.add_requests([NewRequest(f"unsent-{i}", [5, 6, 7], params)])
+    assert len(client._pending) == before
+    stream = client.add_requests([NewRequest("unsent-0", [5, 6, 7], _delta(max_tokens=2))])[0]
+    assert loop.run_until_complete(_final(stream)).outputs[0].finish_reason == "length"
+    assert len(client._pending) == before
