@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -217,13 +216,11 @@ def test_cache_hit_skips_the_gguf_parser(
     monkeypatch.setattr(gguf, "GGUFReader", forbidden)
     monkeypatch.setattr(gguf_convert, "convert_gguf", forbidden)
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(fresh.cache_root))
-    start = time.perf_counter()
+    # The patched parser and converter are the check: a cache hit never reaches them.
     by_default = resolve_model(None)
-    seconds = time.perf_counter() - start
     by_path = resolve_model(str(gguf_path))
     assert by_default == by_path == ModelSource(fresh.source.path, fresh.source.name,
                                                 "gguf-cache", gguf=True)
-    assert seconds < 3.0
 
 
 def test_losing_a_conversion_race_keeps_the_winner(

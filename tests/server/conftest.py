@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -25,8 +26,11 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 4096
 KV_BYTES = 4 << 20
+# A request meant to outlive its client: thousands of steps, each of which costs any machine far
+# more than the moment between a test seeing the request run and hanging up.
+LONG_TOKENS = MAX_MODEL_LEN - 96
 # Generous: other processes may share the two cores with the test run.
 STARTUP_TIMEOUT_S = 180
 HTTP_TIMEOUT_S = 120
@@ -91,6 +95,27 @@ class Server:
         """A raw TCP connection, for what an HTTP client library will not send."""
         url = urlsplit(self.url)
         return socket.create_connection((url.hostname, url.port), timeout=timeout)
+
+    def core_pid(self) -> int:
+        """The engine-core child of the server (not multiprocessing's helper processes)."""
+        pid = self.process.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        for child in map(int, children):
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+                return child
+        raise AssertionError(f"no engine-core child among {children}")
+
+    @contextmanager
+    def core_paused(self) -> Iterator[None]:
+        """The engine core stopped (SIGSTOP) for the block's length: no step runs, so nothing a
+        request does can finish while the test acts; the API server keeps answering."""
+        core = self.core_pid()
+        os.kill(core, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(core, signal.SIGCONT)
 
     def wait_for_metrics(self, done, timeout: float = 60.0) -> dict[str, float]:
         """Poll /metrics until ``done(values)``; fail with the last values on timeout."""
@@ -182,7 +207,8 @@ def _wait_healthy(server: Server) -> None:
 def chat_model(tmp_path_factory) -> Path:
     from transformers import AutoTokenizer
 
-    folder = write_tiny_model(tmp_path_factory.mktemp("tiny-chat") / "model", "llama3")
+    folder = write_tiny_model(tmp_path_factory.mktemp("tiny-chat") / "model", "llama3",
+                              max_position_embeddings=MAX_MODEL_LEN)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)

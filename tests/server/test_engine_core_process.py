@@ -12,23 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import HTTP_TIMEOUT_S, launch_server
+from tests.server.conftest import HTTP_TIMEOUT_S, LONG_TOKENS, launch_server
 
 # Every test here starts a server of its own (an API server and its engine core).
 pytestmark = pytest.mark.slow
 
 # The core must be noticed dead, and every stream failed, well within this.
 FAIL_FAST_S = 10.0
-
-
-def _core_pid(server_pid: int) -> int:
-    """The engine-core child of the server (not multiprocessing's helper processes)."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    for pid in map(int, children):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-            return pid
-    raise AssertionError(f"no engine-core child among {children}")
 
 
 def _alive(pid: int) -> bool:
@@ -50,8 +40,9 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 
 def test_core_death_mid_stream_fails_the_stream_and_turns_health_red(chat_model, tmp_path):
     with launch_server(chat_model, tmp_path) as served:
-        core = _core_pid(served.process.pid)
-        body = {"prompt": [5, 6, 7], "max_tokens": 900, "ignore_eos": True, "stream": True}
+        core = served.core_pid()
+        body = {"prompt": [5, 6, 7], "max_tokens": LONG_TOKENS, "ignore_eos": True,
+                "stream": True}
         events = []
         with httpx.stream("POST", f"{served.url}/v1/completions", json=body,
                           timeout=HTTP_TIMEOUT_S) as response:
@@ -82,7 +73,7 @@ def test_core_death_mid_stream_fails_the_stream_and_turns_health_red(chat_model,
 
 def test_shutdown_stops_the_core(chat_model, tmp_path):
     with launch_server(chat_model, tmp_path) as served:
-        core = _core_pid(served.process.pid)
+        core = served.core_pid()
         served.process.send_signal(signal.SIGTERM)
         served.process.wait(timeout=60)
         assert _wait_gone(core, 10.0)
@@ -90,7 +81,7 @@ def test_shutdown_stops_the_core(chat_model, tmp_path):
 
 def test_a_killed_server_does_not_leave_the_core_running(chat_model, tmp_path):
     with launch_server(chat_model, tmp_path) as served:
-        core = _core_pid(served.process.pid)
+        core = served.core_pid()
         served.process.kill()
         served.process.wait(timeout=30)
         # The orphaned core notices its parent is gone while idle and exits by itself.
@@ -109,9 +100,10 @@ def _tp_worker_pid(core_pid: int) -> int:
 def test_tp_worker_death_mid_stream_fails_the_stream_and_turns_health_red(chat_model,
                                                                          tmp_path):
     with launch_server(chat_model, tmp_path, "--tensor-parallel-size", "2") as served:
-        core = _core_pid(served.process.pid)
+        core = served.core_pid()
         worker = _tp_worker_pid(core)
-        body = {"prompt": [5, 6, 7], "max_tokens": 900, "ignore_eos": True, "stream": True}
+        body = {"prompt": [5, 6, 7], "max_tokens": LONG_TOKENS, "ignore_eos": True,
+                "stream": True}
         with httpx.stream("POST", f"{served.url}/v1/completions", json=body,
                           timeout=HTTP_TIMEOUT_S) as response:
             assert response.status_code == 200

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import HTTP_TIMEOUT_S, launch_server
+from tests.server.conftest import HTTP_TIMEOUT_S, LONG_TOKENS, launch_server
 
 GOOD = {"prompt": "hello", "max_tokens": 2, "temperature": 0}
 READ_TIMEOUT_S = 2
@@ -137,15 +137,19 @@ def test_connections_over_the_cap_are_refused_until_slow_ones_time_out(guarded_s
 
 
 def test_the_read_timeout_does_not_cut_a_response_that_outlasts_it(guarded_server):
-    """Once the request is read, answering it may take as long as it takes."""
-    body = {**GOOD, "max_tokens": 50, "ignore_eos": True, "stream": True}
+    """Once the request is read, answering it may take as long as it takes: the engine core is
+    held still past the read timeout while the response is under way."""
+    body = {**GOOD, "max_tokens": LONG_TOKENS, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=HTTP_TIMEOUT_S, headers=guarded_server.headers) as client:
         with client.stream("POST", f"{guarded_server.url}/v1/completions", json=body) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
             first = next(lines)
-            time.sleep(READ_TIMEOUT_S + 1)
+            with guarded_server.core_paused():
+                running = guarded_server.metrics()["num_requests_running"]
+                time.sleep(READ_TIMEOUT_S + 1)  # the server's timer under test, not a speed
             rest = [line for line in lines if line]
+    assert running == 1  # frozen mid-response, not after it
     assert first.startswith("data: ") and rest[-1] == "data: [DONE]"
-    texts = [json.loads(line[6:])["choices"][0]["text"] for line in [first, *rest[:-1]]]
-    assert len(texts) >= 2
+    chunks = [json.loads(line[6:])["choices"][0] for line in [first, *rest[:-1]]]
+    assert chunks[-1]["finish_reason"] == "length" and len(chunks) >= 2
