@@ -15,7 +15,7 @@ from pagedserve.engine.core_messages import NewRequest
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from tests.tiny_models import write_tiny_model
 
-ENGINE = dict(device="cpu", max_model_len=256, kv_cache_memory_bytes=1 << 20)
+ENGINE = dict(device="cpu", max_model_len=1024, kv_cache_memory_bytes=1 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +99,9 @@ def test_bad_requests_are_refused_before_anything_is_sent(client, loop):
 
 def test_closing_a_stream_frees_its_blocks_in_the_core(client, loop):
     async def main():
+        # A thousand steps: still running when the test closes it, on any machine.
         stream = client.add_requests([NewRequest(
-            "long", [5, 6, 7], _delta(max_tokens=200, ignore_eos=True))])[0]
+            "long", [5, 6, 7], _delta(max_tokens=1000, ignore_eos=True))])[0]
         first = await anext(stream)
         assert not first.finished
         while not client.stats.blocks_used:
