@@ -95,6 +95,18 @@ class EngineConfig:
         True, "automatic prefix caching: reuse the KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = option(
         True, "chunked prefill: split long prompts to fit the step's token budget")
+    max_num_partial_prefills: int = option(
+        4, "with chunked prefill, waiting prompts that share a step's budget with the "
+           "prefills already running, so a long prompt cannot hold back newer requests; "
+           "what decodes leave is split fairly among them (1: the oldest prefill takes all "
+           "it can)")
+    max_long_partial_prefills: int = option(
+        1, "long prompts (see --long-prefill-token-threshold) prefilled at once, at most "
+           "--max-num-partial-prefills; a waiting long prompt beyond it lets shorter ones "
+           "start first")
+    long_prefill_token_threshold: int | None = option(
+        None, "a prompt with more tokens than this left to compute is long (default: "
+              "--max-model-len / 25, as vLLM; 0: none is)")
     preemption_mode: str = option(
         "auto", "how a preempted request gives up its blocks; auto swaps requests of several "
                 "sequences and recomputes single ones", choices=PREEMPTION_MODES)
@@ -118,6 +130,14 @@ class EngineConfig:
     load_format: str = option(
         "auto", "auto reads the checkpoint; dummy fills random weights of its shapes, for "
                 "benchmarks", choices=LOAD_FORMATS)
+    grammar_compile_workers: int = option(
+        2, "processes compiling structured-output grammars side by side, so one slow "
+           "grammar does not hold up the others")
+    max_grammar_compile_seconds: float = option(
+        10.0, "a structured-output grammar that takes longer to compile fails its request "
+              "with a 400, and its compile is stopped")
+    max_grammar_bytes: int = option(
+        65536, "largest JSON schema, regex or grammar text a request may carry, in bytes")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -132,6 +152,7 @@ class EngineConfig:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError("--max-num-batched-tokens must be at least 1")
+        self._check_partial_prefills()
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("--max-model-len must be at least 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -142,6 +163,12 @@ class EngineConfig:
             raise ConfigError("--swap-space must be non-negative")
         if self.tensor_parallel_size < 1:
             raise ConfigError("--tensor-parallel-size must be at least 1")
+        if self.grammar_compile_workers < 1:
+            raise ConfigError("--grammar-compile-workers must be at least 1")
+        if not self.max_grammar_compile_seconds > 0:
+            raise ConfigError("--max-grammar-compile-seconds must be positive")
+        if self.max_grammar_bytes < 1:
+            raise ConfigError("--max-grammar-bytes must be at least 1")
 
     def resolve(self, arch: ModelArchConfig, platform: type[Platform]) -> ResolvedConfig:
         """The values that depend on the model and the platform, computed once."""
@@ -153,6 +180,7 @@ class EngineConfig:
                    else _TORCH_DTYPES[self.dtype]),
             max_model_len=max_model_len,
             max_num_batched_tokens=self._max_num_batched_tokens(max_model_len),
+            long_prefill_token_threshold=self._long_prefill_token_threshold(max_model_len),
             async_scheduling=(platform.runs_ahead if self.async_scheduling is None
                               else self.async_scheduling),
             block_size=self.block_size or platform.default_block_size,
@@ -167,7 +195,31 @@ class EngineConfig:
             max_model_len=resolved.max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
+            # Prefills share a step only as chunks.
+            max_num_partial_prefills=(self.max_num_partial_prefills
+                                      if self.enable_chunked_prefill else 1),
+            max_long_partial_prefills=self.max_long_partial_prefills,
+            long_prefill_token_threshold=resolved.long_prefill_token_threshold,
         )
+
+    def _check_partial_prefills(self) -> None:
+        if self.max_num_partial_prefills < 1:
+            raise ConfigError("--max-num-partial-prefills must be at least 1")
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ConfigError("--max-long-partial-prefills must be at least 1 and at most "
+                              "--max-num-partial-prefills")
+        if self.long_prefill_token_threshold is not None and \
+                self.long_prefill_token_threshold < 0:
+            raise ConfigError("--long-prefill-token-threshold must be non-negative")
+
+    def _long_prefill_token_threshold(self, max_model_len: int) -> int:
+        if self.long_prefill_token_threshold is None:
+            return max_model_len * 4 // 100
+        if self.long_prefill_token_threshold > max_model_len:
+            raise ConfigError(f"--long-prefill-token-threshold "
+                              f"{self.long_prefill_token_threshold} exceeds --max-model-len "
+                              f"{max_model_len}")
+        return self.long_prefill_token_threshold
 
     def _check_splits(self, arch: ModelArchConfig) -> None:
         why = check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size,
@@ -206,6 +258,7 @@ class ResolvedConfig:
     dtype: torch.dtype
     max_model_len: int
     max_num_batched_tokens: int
+    long_prefill_token_threshold: int
     async_scheduling: bool
     block_size: int
     shape_bucketing: bool

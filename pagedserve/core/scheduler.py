@@ -19,12 +19,24 @@ Preemption policy
     waits a step instead, unless it belongs to the oldest group and nothing else is left. A
     group is never preempted after any of its streams was given blocks in the step, so every
     queued block copy belongs to a stream that runs.
+
+Partial prefills (vLLM's ``max_num_partial_prefills``, ``max_long_partial_prefills``)
+    Served oldest first, a long prompt mid-prefill would take the whole budget every step and
+    leave nothing for a request that arrives behind it. Instead, each step caps every prefill
+    chunk at one level: the max-min fair split, among the running prefills and the first
+    ``max_num_partial_prefills`` waiting ones, of what the running decodes leave of the
+    budget. A prefill alone still takes the whole budget, and one that needs less than its
+    share leaves the rest to the others. A prompt with more than
+    ``long_prefill_token_threshold`` tokens left is long: while ``max_long_partial_prefills``
+    long ones run, waiting long prompts are passed over so shorter ones behind them start
+    first, and only take the budget that is left once those are admitted.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import NamedTuple
 
 from pagedserve.core.kv_cache_manager import BlockOps, KVCacheManager
@@ -44,6 +56,10 @@ class SchedulerConfig:
     # Free blocks kept back when admitting new requests, so running ones can grow a step or
     # two without immediately preempting the newcomer.
     watermark: float = 0.01
+    # Partial prefills (see the module doc); 1 lets the oldest prefill take all it can.
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0  # 0: no prompt counts as long
 
 
 class ScheduledSequence(NamedTuple):
@@ -86,6 +102,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv.num_blocks)
         self._schedule_pending = False
+        self._prefill_cap = config.max_num_batched_tokens  # tokens one prefill chunk may take
+        self._num_long = 0  # long prompts mid-prefill, counting those admitted this step
 
     def add_group(self, group: SequenceGroup) -> None:
         self.waiting.append(group)
@@ -99,6 +117,8 @@ class Scheduler:
         in flight computes it (async scheduling: the runner takes that input token from the
         previous step's output on the device); otherwise such a stream waits."""
         self._schedule_pending = schedule_pending
+        if self.config.max_num_partial_prefills > 1:
+            self._plan_prefills()
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
@@ -147,7 +167,7 @@ class Scheduler:
         cached = self._cached_prefix(seq)
         start = seq.num_computed_tokens + len(cached) * self.kv.block_size
         num_left = num_tokens - start - (1 if group.pending_forks else 0)
-        num_new = min(num_left, budget)
+        num_new = min(num_left, budget, self._prefill_cap)
         if num_new < num_left and not self.config.enable_chunked_prefill:
             return None
         if num_new == 0 and not cached:
@@ -156,6 +176,53 @@ class Scheduler:
 
     def _num_tokens(self, seq: Sequence) -> int:
         return seq.num_known_tokens if self._schedule_pending else seq.num_tokens
+
+    def _num_left(self, group: SequenceGroup) -> int:
+        return self._num_tokens(group.root) - group.root.num_computed_tokens
+
+    # ---- partial prefills ---------------------------------------------------------------
+    def _plan_prefills(self) -> None:
+        """Set this step's prefill cap and count the long prompts mid-prefill."""
+        decodes, demands, self._num_long = 0, [], 0
+        for group in self.running:
+            num_left = self._num_left(group)
+            if num_left > 1:
+                demands.append(num_left)
+                self._num_long += self._is_long(num_left)
+            else:
+                decodes += len(group.seqs)
+        if not self.swapped:  # waiting requests start only once nothing is swapped out
+            demands += self._waiting_demands()
+        self._prefill_cap = _fair_level(demands, self.config.max_num_batched_tokens - decodes)
+
+    def _waiting_demands(self) -> list[int]:
+        """Tokens left of the waiting prompts that may start this step, at most
+        ``max_num_partial_prefills`` of them."""
+        demands, num_long = [], self._num_long
+        for group in self._scan_waiting():
+            num_left = self._num_left(group)
+            if self._is_long(num_left):
+                if num_long >= self.config.max_long_partial_prefills:
+                    continue
+                num_long += 1
+            demands.append(num_left)
+            if len(demands) == self.config.max_num_partial_prefills:
+                break
+        return demands
+
+    def _scan_waiting(self) -> islice[SequenceGroup]:
+        # A step admits at most max_num_seqs groups: looking further, past long prompts
+        # held back, would cost time on every step of a long queue for nothing.
+        return islice(self.waiting, self.config.max_num_seqs)
+
+    def _is_long(self, num_left: int) -> bool:
+        threshold = self.config.long_prefill_token_threshold
+        return 0 < threshold < num_left
+
+    def _held_back(self, group: SequenceGroup) -> bool:
+        return (self.config.max_num_partial_prefills > 1
+                and self._num_long >= self.config.max_long_partial_prefills
+                and self._is_long(self._num_left(group)))
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         # Prompt logprobs need every prompt position computed, so they bypass the cache.
@@ -235,16 +302,38 @@ class Scheduler:
                 and self.kv.can_swap_in(group.seqs, self._watermark_blocks))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """In order, passing over long prompts held back; then, with what budget is left, in
+        order again with none held back."""
         free_slots = self._free_seq_slots()
-        while (self.waiting and budget > 0
-               and self._can_admit(self.waiting[0], budget, free_slots)):
-            group = self.waiting.popleft()
+        budget, free_slots, passed_over = self._admit_in_order(out, budget, free_slots, True)
+        if passed_over:
+            self._admit_in_order(out, budget, free_slots, False)
+
+    def _admit_in_order(self, out: SchedulerOutput, budget: int, free_slots: int,
+                        hold_back: bool) -> tuple[int, int, bool]:
+        """Start waiting groups until one does not fit; returns the budget and sequence slots
+        left, and whether a held-back long prompt was passed over."""
+        i, passed_over = 0, False
+        while i < min(len(self.waiting), self.config.max_num_seqs) and budget > 0:
+            group = self.waiting[i]
+            if hold_back and self._held_back(group):
+                i, passed_over = i + 1, True
+                continue
+            if not self._can_admit(group, budget, free_slots):
+                break
+            del self.waiting[i]
             free_slots -= group.width
-            root = group.root
-            budget = self._start(group, out, budget, resumed=root.num_preemptions > 0)
-            if root.num_preemptions == 0:
-                root.num_cached_tokens = root.num_computed_tokens
-                self.kv.record_prefix_lookup(root.num_prompt_tokens, root.num_cached_tokens)
+            self._num_long += self._is_long(self._num_left(group))
+            budget = self._start_waiting(group, out, budget)
+        return budget, free_slots, passed_over
+
+    def _start_waiting(self, group: SequenceGroup, out: SchedulerOutput, budget: int) -> int:
+        root = group.root
+        budget = self._start(group, out, budget, resumed=root.num_preemptions > 0)
+        if root.num_preemptions == 0:
+            root.num_cached_tokens = root.num_computed_tokens
+            self.kv.record_prefix_lookup(root.num_prompt_tokens, root.num_cached_tokens)
+        return budget
 
     def _can_admit(self, group: SequenceGroup, budget: int, free_slots: int) -> bool:
         """The group's first chunk fits the budget and leaves the watermark free."""
@@ -317,3 +406,16 @@ class Scheduler:
                 allocated += len(self.kv.block_table(seq)) * self.kv.block_size
                 filled += seq.num_computed_tokens
         return allocated, filled
+
+
+def _fair_level(demands: list[int], supply: int) -> int:
+    """The max-min fair cap: the largest ``c`` with ``sum(min(d, c) for d in demands)`` at
+    most ``supply`` (all of ``supply`` when the demands fit in it)."""
+    if sum(demands) <= supply:
+        return max(supply, 0)
+    for i, demand in enumerate(sorted(demands)):
+        share = supply // (len(demands) - i)
+        if demand > share:
+            return share
+        supply -= demand
+    raise AssertionError("unreachable: the demands exceed the supply")
