@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
 _MIN_REPETITION_PENALTY = 0.01
+# The engine core's wire (msgpack) and the sampler's tensors carry integers of 64 bits.
+_INT64_FIELDS = ("n", "best_of", "top_k", "max_tokens", "min_tokens", "seed")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# The sampler divides float32 logits by the temperature: a larger one is inf there, and a
+# masked (-inf) logit divided by inf is NaN.
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -93,11 +100,15 @@ class SamplingParams:
 
     def _validate(self) -> None:
         checks = [
+            *[(_fits_int64(getattr(self, name)), name,
+               f"{name} must be in [-2**63, 2**63), got {getattr(self, name)}")
+              for name in _INT64_FIELDS],
             (self.n >= 1, "n", f"n must be at least 1, got {self.n}"),
             (self.best_of >= self.n, "best_of",
              f"best_of must be >= n ({self.n}), got {self.best_of}"),
-            (self.temperature >= 0.0, "temperature",
-             f"temperature must be non-negative, got {self.temperature}"),
+            (0.0 <= self.temperature <= _FLOAT32_MAX, "temperature",
+             f"temperature must be in [0, {_FLOAT32_MAX:.8g}] (float32's largest), "
+             f"got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k == -1 or self.top_k >= 1, "top_k",
              f"top_k must be -1 (disable) or at least 1, got {self.top_k}"),
@@ -128,6 +139,8 @@ class SamplingParams:
             # The n best of best_of are known only at the end, after deltas of all of them.
             (not (self.output_kind == "delta" and self.best_of > self.n), "best_of",
              "best_of > n needs output_kind cumulative or final_only"),
+            (math.isfinite(self.length_penalty), "length_penalty",
+             f"length_penalty must be finite, got {self.length_penalty}"),
             (self.early_stopping in (True, False, "never"), "early_stopping",
              f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}"),
             (not (self.use_beam_search and self.stop), "stop",
@@ -160,6 +173,10 @@ class SamplingParams:
     def num_sequences(self) -> int:
         """Sequences the engine runs for this request (best_of >= n)."""
         return self.best_of  # type: ignore[return-value]
+
+
+def _fits_int64(value: int | None) -> bool:
+    return value is None or _INT64_MIN <= value <= _INT64_MAX
 
 
 class InvalidSamplingParam(ValueError):
