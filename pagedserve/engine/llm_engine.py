@@ -28,6 +28,7 @@ compiled (on a worker thread, ``structured/compiler``); the others keep running 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from pagedserve.config import EngineConfig
@@ -88,6 +89,7 @@ class LLMEngine:
         self._awaiting_grammar: dict[str, tuple[RequestState, Future]] = {}
         self._num_prompt_tokens = 0
         self._next_id = 0
+        self._shut_down = False
         logger.info(
             "engine ready in %.1fs: platform=%s model=%s (%s) dtype=%s max_model_len=%d "
             "kv_blocks=%d x %d tokens = %d concurrent tokens",
@@ -101,19 +103,45 @@ class LLMEngine:
         """Queue a request; ``request_id`` may be any string not in use (default: a counter).
         Raises ``ValueError`` for input the engine cannot run."""
         if request_id is None:
-            request_id = str(self._next_id)
-            self._next_id += 1
+            request_id = self._new_id()
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        state = self.inputs.process(request_id, prompt, params or SamplingParams())
-        self.outputs.add(state)
+        self._queue(self.inputs.process(request_id, prompt, params or SamplingParams()))
+        return request_id
+
+    def add_requests(self, prompts: Sequence[str | list[int]],
+                     params: Sequence[SamplingParams]) -> list[str]:
+        """Queue a batch as a whole, or none of it: every request is validated before any is
+        queued, and one that fails to queue takes back those queued before it."""
+        states = [self.inputs.process(self._new_id(), prompt, p)
+                  for prompt, p in zip(prompts, params, strict=True)]
+        queued: list[str] = []
+        try:
+            for state in states:
+                self._queue(state)
+                queued.append(state.request_id)
+        except BaseException:
+            for request_id in queued:
+                self.abort_request(request_id)
+            raise
+        return queued
+
+    def _new_id(self) -> str:
+        self._next_id += 1
+        return str(self._next_id - 1)
+
+    def _queue(self, state: RequestState) -> None:
+        """Hand a validated request to the scheduler (or the grammar compiler first); what can
+        fail comes before it is recorded, so a failure leaves nothing to take back."""
+        if self._shut_down:
+            raise RuntimeError("the engine was shut down")
         structured = state.params.structured_outputs
         if structured is None:
             self.scheduler.add_group(state.group)
         else:
             future = self.grammars.get(grammar_spec(structured))
-            self._awaiting_grammar[request_id] = (state, future)
-        return request_id
+            self._awaiting_grammar[state.request_id] = (state, future)
+        self.outputs.add(state)
 
     @property
     def grammars(self):
@@ -145,7 +173,9 @@ class LLMEngine:
         return self.executor.dead_reason()
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do with one)."""
+        """Stop the other tensor-parallel ranks and leave their process group; the engine
+        takes no request after this. Idempotent; dropping the engine does the same."""
+        self._shut_down = True
         self.executor.shutdown()
 
     # ---- the step -----------------------------------------------------------------------

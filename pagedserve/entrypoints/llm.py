@@ -33,6 +33,19 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (processes or Ray actors, and the Ray
+        connection the engine opened) and leave their process group, so that another engine
+        can start in this process. Idempotent; leaving a ``with LLM(...)`` block, or dropping
+        the last reference to the LLM, does the same."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -50,8 +63,7 @@ class LLM:
                                  "sampling params")
         # Offline callers only read finished outputs; skip building the intermediate ones.
         params_list = [dataclasses.replace(sp, output_kind="final_only") for sp in params_list]
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]
-        return self._run(ids, use_tqdm)
+        return self._run(self.engine.add_requests(prompt_list, params_list), use_tqdm)
 
     def beam_search(
         self,
@@ -95,9 +107,13 @@ class LLM:
         return self.generate(token_lists, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request has finished; any exception on the way (a failed step,
+        a KeyboardInterrupt) aborts the batch, so the engine is left with none of it."""
         finished: dict[str, RequestOutput] = {}
-        bar = _progress_bar(len(request_ids)) if use_tqdm and len(request_ids) > 1 else None
+        bar = None
         try:
+            if use_tqdm and len(request_ids) > 1:
+                bar = _progress_bar(len(request_ids))
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:

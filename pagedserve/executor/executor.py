@@ -13,10 +13,10 @@ several ranks ends it the same way: the ranks may be waiting in different collec
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import importlib
 import socket
+import weakref
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -63,11 +63,41 @@ class RemoteRanks(Protocol):
         end those that do not."""
 
 
+class _RankGroup:
+    """The other ranks and rank 0's membership of their process group: what must be torn
+    down together, once. Held by the executor's finalizer (which must not hold the executor),
+    so that ``Executor.shutdown``, the executor's collection and the interpreter's exit all
+    come here."""
+
+    def __init__(self, remote: RemoteRanks) -> None:
+        self.remote = remote
+        self.driver: Worker | None = None
+        self.dead: str | None = None  # why no further step can run
+
+    def dead_reason(self) -> str | None:
+        if self.dead is None:
+            self.dead = self.remote.dead_reason()
+        return self.dead
+
+    def close(self) -> None:
+        """The driver leaves the process group while the ranks leave it (NCCL's teardown
+        waits for every rank), then waits for them to exit."""
+        alive = self.dead_reason() is None
+        if alive:
+            self.remote.stop()
+        if self.driver is None:  # failed while building rank 0
+            distributed.shutdown(peers_alive=alive)
+        else:
+            self.driver.leave(peers_alive=alive)
+        self.remote.shutdown()
+        self.dead = self.dead or "the engine was shut down"
+
+
 class Executor:
     def __init__(self, config: EngineConfig) -> None:
         self.remote: RemoteRanks | None = None
         self.driver: Worker | None = None
-        self._dead: str | None = None
+        self._group: _RankGroup | None = None
         size = config.tensor_parallel_size
         if size == 1:
             self.driver = Worker(WorkerSpec(config, 0, "", 0, 1))
@@ -76,11 +106,14 @@ class Executor:
         host = backend.driver_ip()
         address = f"{host}:{_free_port(host)}"
         self.remote = backend.start(config, address)
-        # The ranks must leave the process group together, also when the driver just exits.
-        atexit.register(self.shutdown)
+        self._group = _RankGroup(self.remote)
+        # The ranks must leave the process group together, also when the engine is dropped or
+        # the driver just exits (a finalizer runs at exit too).
+        self._finalizer = weakref.finalize(self, self._group.close)
         try:
-            self.driver = Worker(WorkerSpec(config, 0, address, self.remote.driver_device_index(),
-                                            backend.ranks_on_host(size)))
+            self.driver = self._group.driver = Worker(WorkerSpec(
+                config, 0, address, self.remote.driver_device_index(),
+                backend.ranks_on_host(size)))
             self.remote.wait_ready()
         except Exception as exc:
             # A bad setting fails every rank alike; anything else may be a peer that failed
@@ -131,25 +164,13 @@ class Executor:
             self.runner.apply_block_ops(ops)
 
     def dead_reason(self) -> str | None:
-        if self._dead is None and self.remote is not None:
-            self._dead = self.remote.dead_reason()
-        return self._dead
+        return self._group.dead_reason() if self._group is not None else None
 
     def shutdown(self) -> None:
-        """Stop the other ranks. The driver leaves the process group while they leave it
-        (NCCL's teardown waits for every rank), then waits for them to exit."""
-        if self.remote is None:
-            return
-        atexit.unregister(self.shutdown)
-        alive = self.dead_reason() is None
-        if alive:
-            self.remote.stop()
-        if self.driver is None:  # failed while building rank 0
-            distributed.shutdown(peers_alive=alive)
-        else:
-            self.driver.leave(peers_alive=alive)
-        self.remote.shutdown()
-        self.remote = None
+        """Stop the other ranks and leave their process group (idempotent); no step runs
+        after this."""
+        if self._group is not None:
+            self._finalizer()
 
     @contextlib.contextmanager
     def _watching(self) -> Iterator[None]:
@@ -164,9 +185,10 @@ class Executor:
             # Whatever failed, the ranks no longer agree on which collective comes next, so
             # the executor is done. The peer's socket closes before its exit is reaped: give
             # that a moment, to name the rank that died.
-            self._dead = (self.remote.dead_reason(wait_s=5.0)
-                          or f"a tensor-parallel step failed: {type(exc).__name__}: {exc}")
-            raise WorkerDiedError(self._dead) from exc
+            self._group.dead = (
+                self.remote.dead_reason(wait_s=5.0)
+                or f"a tensor-parallel step failed: {type(exc).__name__}: {exc}")
+            raise WorkerDiedError(self._group.dead) from exc
 
 
 def _backend(name: str):

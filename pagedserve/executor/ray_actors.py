@@ -2,10 +2,11 @@
 
 The driver joins the cluster ``RAY_ADDRESS`` names (else Ray starts a local one), reserves one
 device (``Platform.ray_resource``) per rank in a placement group, packed onto as few hosts as
-possible, and starts an actor in each bundle. Each step is put in the object store once and
-queued on every actor without waiting. Every actor also runs a ``watch`` call that never
-returns, in a concurrency group of its own: when the actor dies, that call fails, and the
-driver learns of the death even while idle.
+possible, and starts an actor in each bundle. A Ray connection the engine opened is closed by
+the last engine shut down on it, so a local cluster it started stops with it. Each step is put
+in the object store once and queued on every actor without waiting. Every actor also runs a
+``watch`` call that never returns, in a concurrency group of its own: when the actor dies,
+that call fails, and the driver learns of the death even while idle.
 """
 
 from __future__ import annotations
@@ -29,9 +30,18 @@ logger = get_logger(__name__)
 _STOP_TIMEOUT_S = 5.0
 
 
+# Whether this module opened the process's Ray connection (else its caller had), and how many
+# ``RayRanks`` use it: the last to shut down closes a connection opened here, which also stops
+# the local cluster ``ray.init`` started, if it started one; Ray is left as it was found.
+_opened_here = False
+_num_users = 0
+
+
 def driver_ip() -> str:
+    global _opened_here
     if not ray.is_initialized():
         ray.init()
+        _opened_here = True
     return ray.util.get_node_ip_address()
 
 
@@ -41,7 +51,21 @@ def ranks_on_host(size: int) -> int:
 
 
 def start(config: EngineConfig, dist_address: str) -> RayRanks:
-    return RayRanks(config, dist_address)
+    global _num_users
+    _num_users += 1
+    try:
+        return RayRanks(config, dist_address)
+    except BaseException:
+        _release_connection()
+        raise
+
+
+def _release_connection() -> None:
+    global _num_users, _opened_here
+    _num_users -= 1
+    if _num_users == 0 and _opened_here:
+        _opened_here = False
+        ray.shutdown()
 
 
 @ray.remote(concurrency_groups={"watch": 1})
@@ -118,6 +142,8 @@ class RayRanks:
             actor.follow.remote(ref)
 
     def dead_reason(self, wait_s: float = 0.0) -> str | None:
+        if not ray.is_initialized():  # at exit, Ray's own exit hook may have come first
+            return "the Ray connection was closed, which ends its actors"
         done, _ = ray.wait(self._watches, num_returns=1, timeout=wait_s)
         if not done:
             return None
@@ -133,11 +159,13 @@ class RayRanks:
             actor.leave.remote()
 
     def shutdown(self) -> None:
-        # An actor that left exits; one still leaving after the grace period is killed.
-        ray.wait(self._watches, num_returns=len(self._watches), timeout=_STOP_TIMEOUT_S)
-        for actor in self.actors:
-            ray.kill(actor)
-        remove_placement_group(self.group)
+        if ray.is_initialized():
+            # An actor that left exits; one still leaving after the grace period is killed.
+            ray.wait(self._watches, num_returns=len(self._watches), timeout=_STOP_TIMEOUT_S)
+            for actor in self.actors:
+                ray.kill(actor)
+            remove_placement_group(self.group)
+        _release_connection()
 
 
 def _reservation(resource: str) -> dict:

@@ -1,0 +1,134 @@
+"""An ``LLM``'s life: a failed batch leaves nothing queued, and shutting an engine down (or
+dropping it) leaves no rank, process group or Ray connection behind, so tensor-parallel
+engines can follow one another in one process."""
+
+from __future__ import annotations
+
+import gc
+
+import psutil
+import pytest
+import torch.distributed as dist
+
+from pagedserve import SamplingParams
+from tests.kv_checks import assert_pools_full
+from tests.tiny_models import make_llm, random_prompts
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPTS = random_prompts("lifecycle", [5, 11])
+# Long enough that a leftover request would be noticed: far more steps than the test runs.
+LONG = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(llama3_folder):
+    return make_llm(llama3_folder)
+
+
+@pytest.fixture(scope="module")
+def expected(llm) -> list[list[int]]:
+    return _tokens(llm, PROMPTS, GREEDY)
+
+
+def _tokens(llm, prompts, params) -> list[list[int]]:
+    return [c.token_ids for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+
+
+def _assert_idle(engine) -> None:
+    assert not engine.has_unfinished_requests()
+    assert not engine.scheduler.has_unfinished
+    assert_pools_full(engine.kv)
+
+
+# ---- a failed batch -----------------------------------------------------------------------
+@pytest.mark.parametrize("call", [
+    lambda llm: llm.generate([PROMPTS[0], ""], LONG, use_tqdm=False),
+    lambda llm: llm.generate(PROMPTS, [LONG, SamplingParams(n=10**4)], use_tqdm=False),
+    lambda llm: llm.beam_search([PROMPTS[0], []], beam_width=2, max_tokens=500),
+], ids=["empty-prompt", "more-samples-than-max-num-seqs", "beam-search"])
+def test_a_batch_with_one_bad_request_queues_none_of_it(llm, expected, call):
+    with pytest.raises(ValueError):
+        call(llm)
+    _assert_idle(llm.engine)
+    assert _tokens(llm, PROMPTS, GREEDY) == expected
+
+
+def test_a_failure_while_queueing_takes_back_what_was_queued(llm, expected, monkeypatch):
+    """Every request was valid, but queueing the second failed (here: the scheduler)."""
+    scheduler = llm.engine.scheduler
+    add_group, calls = scheduler.add_group, []
+
+    def fail_second(group):
+        calls.append(group)
+        if len(calls) == 2:
+            raise RuntimeError("queueing failed")
+        add_group(group)
+
+    monkeypatch.setattr(scheduler, "add_group", fail_second)
+    with pytest.raises(RuntimeError, match="queueing failed"):
+        llm.generate(PROMPTS, LONG, use_tqdm=False)
+    monkeypatch.undo()
+    _assert_idle(llm.engine)
+    assert _tokens(llm, PROMPTS, GREEDY) == expected
+
+
+def test_an_interrupt_while_running_aborts_the_batch(llm, expected, monkeypatch):
+    step, steps = llm.engine.step, []
+
+    def interrupted_step():
+        steps.append(None)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, LONG, use_tqdm=False)
+    monkeypatch.undo()
+    _assert_idle(llm.engine)
+    assert _tokens(llm, PROMPTS, GREEDY) == expected
+
+
+# ---- shutdown -----------------------------------------------------------------------------
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _assert_left_nothing(children_before: set[int]) -> None:
+    assert _children() <= children_before
+    assert not dist.is_initialized()
+
+
+def test_shutdown_is_idempotent_and_a_with_block_calls_it(llama3_folder):
+    with make_llm(llama3_folder) as llm:
+        assert _tokens(llm, PROMPTS[:1], GREEDY)
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_engines_one_after_another(llama3_folder, expected, monkeypatch):
+    """mp, then ray (whose local cluster the engine starts, and stops), then mp again, in one
+    process: each gives one rank's tokens, and each shutdown leaves nothing running."""
+    import ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    before = _children()
+    for backend in ("mp", "ray", "mp"):
+        llm = make_llm(llama3_folder, tensor_parallel_size=2,
+                       distributed_executor_backend=backend)
+        assert _tokens(llm, PROMPTS, GREEDY) == expected, backend
+        llm.shutdown()
+        _assert_left_nothing(before)
+        assert not ray.is_initialized()
+
+
+@pytest.mark.slow
+def test_dropping_a_tensor_parallel_llm_shuts_it_down(llama3_folder):
+    before = _children()
+    llm = make_llm(llama3_folder, tensor_parallel_size=2)
+    assert _children() - before  # rank 1's process
+    del llm
+    gc.collect()
+    _assert_left_nothing(before)
