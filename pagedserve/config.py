@@ -195,9 +195,7 @@ class EngineConfig:
             max_model_len=resolved.max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
-            # Prefills share a step only as chunks.
-            max_num_partial_prefills=(self.max_num_partial_prefills
-                                      if self.enable_chunked_prefill else 1),
+            max_num_partial_prefills=self.max_num_partial_prefills,
             max_long_partial_prefills=self.max_long_partial_prefills,
             long_prefill_token_threshold=resolved.long_prefill_token_threshold,
         )

@@ -16,6 +16,8 @@ BENCHMARKS = {
     "quant-kernels": "native CPU 4/8-bit quantized matmuls against torch's CPU ops",
     "structured": "TPOT of JSON-schema-constrained and free requests in one batch, against "
                   "an all-free batch; grammar compile time cold and cached",
+    "long-prefill": "TTFT of a short request arriving during a long prefill, concurrent "
+                    "partial prefills off and on",
 }
 
 

@@ -56,7 +56,8 @@ class SchedulerConfig:
     # Free blocks kept back when admitting new requests, so running ones can grow a step or
     # two without immediately preempting the newcomer.
     watermark: float = 0.01
-    # Partial prefills (see the module doc); 1 lets the oldest prefill take all it can.
+    # Partial prefills (see the module doc), with chunked prefill; 1 lets the oldest prefill
+    # take all it can.
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: no prompt counts as long
@@ -102,6 +103,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv.num_blocks)
         self._schedule_pending = False
+        # Prefills share a step only as chunks.
+        self._shares_prefills = config.enable_chunked_prefill and \
+            config.max_num_partial_prefills > 1
         self._prefill_cap = config.max_num_batched_tokens  # tokens one prefill chunk may take
         self._num_long = 0  # long prompts mid-prefill, counting those admitted this step
 
@@ -117,7 +121,7 @@ class Scheduler:
         in flight computes it (async scheduling: the runner takes that input token from the
         previous step's output on the device); otherwise such a stream waits."""
         self._schedule_pending = schedule_pending
-        if self.config.max_num_partial_prefills > 1:
+        if self._shares_prefills:
             self._plan_prefills()
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
@@ -185,7 +189,7 @@ class Scheduler:
         """Set this step's prefill cap and count the long prompts mid-prefill."""
         decodes, demands, self._num_long = 0, [], 0
         for group in self.running:
-            num_left = self._num_left(group)
+            num_left = self._num_left(group) if group.seqs else 0  # else: only forks pending
             if num_left > 1:
                 demands.append(num_left)
                 self._num_long += self._is_long(num_left)
@@ -220,7 +224,7 @@ class Scheduler:
         return 0 < threshold < num_left
 
     def _held_back(self, group: SequenceGroup) -> bool:
-        return (self.config.max_num_partial_prefills > 1
+        return (self._shares_prefills
                 and self._num_long >= self.config.max_long_partial_prefills
                 and self._is_long(self._num_left(group)))
 

@@ -18,9 +18,9 @@ BLOCK = 4
 BUDGET = 64
 
 
-def _scheduler(partial=4, long_partial=1, threshold=32, budget=BUDGET):
+def _scheduler(partial=4, long_partial=1, threshold=32, budget=BUDGET, chunked=True):
     cfg = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=budget, max_model_len=1024,
-                          enable_chunked_prefill=True, preemption_mode="auto", watermark=0.0,
+                          enable_chunked_prefill=chunked, preemption_mode="auto", watermark=0.0,
                           max_num_partial_prefills=partial,
                           max_long_partial_prefills=long_partial,
                           long_prefill_token_threshold=threshold)
@@ -135,9 +135,11 @@ def test_defaults_turn_it_on_with_vllms_threshold():
 
 
 def test_without_chunked_prefill_prefills_do_not_share_a_step():
-    config = EngineConfig(enable_chunked_prefill=False)
-    assert config.scheduler_config(config.resolve(_ARCH, CpuPlatform)) \
-        .max_num_partial_prefills == 1
+    """A whole prompt or nothing: the budget is not split (it would fit no prompt)."""
+    sched = _scheduler(budget=8, chunked=False)
+    a, b = _add(sched, 8), _add(sched, 8)
+    assert list(_step(sched)) == [a]
+    assert list(_step(sched)) == [a]  # b needs all 8 tokens, and a's decode takes one
 
 
 @pytest.mark.parametrize("kwargs, flag", [
