@@ -1,7 +1,8 @@
 """The HTTP server: routes and start-up.
 
 Request logic lives in ``serving_*.py``; the wire format in ``protocol.py``; what refuses a
-request before a route sees it (API key, body size and type, read deadline) in ``guards.py``.
+request before a route sees it (Host, API key, body size and type, read deadline, connection
+cap) in ``guards.py``.
 FastAPI and uvicorn are imported only here and below, so ``import pagedserve`` works without
 them.
 """
@@ -23,15 +24,16 @@ from pagedserve import __version__, envs
 from pagedserve.engine.core_client import EngineCoreClient, EngineStartError
 from pagedserve.logger import get_logger
 from pagedserve.server.errors import APIError, install_error_handlers
-from pagedserve.server.guards import BearerAuth, BodySizeLimit, JSONBodies, ReadDeadlineProtocol
-from pagedserve.server.metrics import ServerMetrics
-from pagedserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
+from pagedserve.server.guards import (
+    LOOPBACK_HOSTS,
+    AllowedHosts,
+    BearerAuth,
+    BodySizeLimit,
+    GuardedH11Protocol,
+    JSONBodies,
 )
+from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from pagedserve.server.serving_chat import ChatServing
 from pagedserve.server.serving_completion import CompletionServing
 from pagedserve.server.serving_models import EngineClient, ServedModel
@@ -42,14 +44,18 @@ logger = get_logger(__name__)
 
 # nginx's code for "the client closed the connection"; nobody reads it, but logs show it.
 CLIENT_CLOSED = 499
+# What --api-key leaves open: load balancers and Prometheus probe these without a key.
+PUBLIC_PATHS = ("/health", "/metrics")
 
 
 def create_app(engine: EngineCoreClient, api_key: str | None = None,
                max_request_bytes: int = 4 << 20, enable_docs: bool = False,
-               tool_parser: ToolParser | None = None) -> FastAPI:
+               tool_parser: ToolParser | None = None,
+               allowed_hosts: list[str] | None = None) -> FastAPI:
     """An app serving a started engine core; the app's lifespan reads its outputs and stops it
-    at the end. ``enable_docs`` serves FastAPI's /docs and /redoc, whose pages load their
-    scripts from a public CDN. ``tool_parser`` enables ``tool_choice: "auto"``."""
+    at the end. ``enable_docs`` serves FastAPI's /docs, /redoc and /openapi.json, whose pages
+    load their scripts from a public CDN. ``tool_parser`` enables ``tool_choice: "auto"``.
+    ``allowed_hosts``, if given, are the only Host names answered."""
     model = ServedModel.from_client(engine)
     metrics = ServerMetrics(lambda: engine.stats)
     client = EngineClient(engine, metrics)
@@ -65,13 +71,16 @@ def create_app(engine: EngineCoreClient, api_key: str | None = None,
 
     app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan,
                   docs_url="/docs" if enable_docs else None,
-                  redoc_url="/redoc" if enable_docs else None)
+                  redoc_url="/redoc" if enable_docs else None,
+                  openapi_url="/openapi.json" if enable_docs else None)
     install_error_handlers(app)
-    # The last added runs first: the key, then the body's size, then its type.
+    # The last added runs first: the Host, the key, then the body's size, then its type.
     app.add_middleware(JSONBodies)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key, prefix="/v1")
+        app.add_middleware(BearerAuth, api_key=api_key, public=PUBLIC_PATHS)
+    if allowed_hosts is not None:
+        app.add_middleware(AllowedHosts, hosts=allowed_hosts)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
@@ -103,12 +112,12 @@ def create_app(engine: EngineCoreClient, api_key: str | None = None,
         return _to_response(await _unless_disconnected(raw, chat.create(body)))
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
-        return tokenization.tokenize(body).model_dump(exclude_none=True)
+    async def tokenize(body: dict) -> Response:  # which of two requests: see tokenization
+        return await tokenization.tokenize(body)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
-        return tokenization.detokenize(body).model_dump()
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return await tokenization.detokenize(body)
 
     return app
 
@@ -160,15 +169,16 @@ def run_server(args: argparse.Namespace) -> None:
         sys.exit(2)
     # The environment keeps the key out of the process list, where --api-key shows it.
     api_key = args.api_key or envs.api_key()
-    app = create_app(engine, api_key, args.max_request_bytes, args.enable_docs, parser)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+    loopback = args.host in ("127.0.0.1", "localhost", "::1")
+    hosts = [*LOOPBACK_HOSTS, *args.allowed_hosts] \
+        if not api_key and (loopback or args.allowed_hosts) else None
+    app = create_app(engine, api_key, args.max_request_bytes, args.enable_docs, parser, hosts)
+    if not loopback and not api_key:
         logger.warning("listening on %s without an API key: anyone who can reach this address "
                        "can use the model", args.host)
     logger.info("serving %s at http://%s:%d/v1", engine.facts.model_name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=args.enable_log_requests,
                 timeout_graceful_shutdown=5,
-                http=partial(ReadDeadlineProtocol, read_timeout=args.request_read_timeout),
-                # uvicorn answers 503 once the open connections (this one included) reach
-                # its limit, so the limit is one above the connections to serve.
-                limit_concurrency=args.max_concurrent_connections + 1)
+                http=partial(GuardedH11Protocol, read_timeout=args.request_read_timeout,
+                             max_connections=args.max_concurrent_connections))

@@ -13,8 +13,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="address to bind (default loopback only; 0.0.0.0 exposes the server)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: "
-                        "$PAGEDSERVE_API_KEY, which the process list does not show)")
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and "
+                        "/metrics (default: $PAGEDSERVE_API_KEY, which the process list does "
+                        "not show)")
+    g.add_argument("--allowed-hosts", type=_names, action="extend", default=[],
+                   metavar="NAME[,NAME...]",
+                   help="Host header names answered besides localhost, 127.0.0.1 and [::1], "
+                        "any port (repeat or comma-separate). Without an API key, a server on "
+                        "a loopback --host answers only those names, so that a web page cannot "
+                        "reach it through a domain resolving to 127.0.0.1 (DNS rebinding); on "
+                        "another --host, the check is on when this flag is given")
     g.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
                    help="reject request bodies larger than this with 413")
     g.add_argument("--request-read-timeout", type=_positive(float), default=30.0,
@@ -35,6 +43,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="the tool-call format of the model family (hermes: <tool_call> JSON "
                         "blocks, as Hermes, Qwen and SmolLM use; llama3_json: Llama 3.1+ "
                         "JSON calls)")
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def _positive(kind: type):

@@ -29,6 +29,9 @@ from pagedserve.sampling_params import (
 
 # OpenAI's stand-in for a logprob of -inf, which JSON cannot carry.
 MIN_LOGPROB = -9999.0
+# Messages in one conversation: far past real ones; the count is checked before any message
+# is validated, so a body of 100k fails in milliseconds instead of seconds on the event loop.
+MAX_MESSAGES = 8192
 
 
 class StrictModel(BaseModel):
@@ -307,7 +310,7 @@ def _json_or_text(text: str) -> Any:
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -354,7 +357,7 @@ class TokenizeChatRequest(StrictModel):
     """vLLM's ``POST /tokenize`` of a conversation, rendered by the chat template."""
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool = False

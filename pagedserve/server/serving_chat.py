@@ -60,7 +60,7 @@ class ChatServing:
         arrival = time.perf_counter()
         self.model.check_name(request.model)
         plan = ToolPlan.of(request, self.tool_parser)
-        token_ids = self._render(request, plan)
+        token_ids = await self.model.off_loop(self._render, request, plan)
         self.model.check_max_tokens(len(token_ids), request.requested_max_tokens,
                                     param=request.max_tokens_field)
         params = _with_tool_constraint(request.to_sampling_params(), plan)

@@ -56,7 +56,7 @@ class CompletionServing:
     async def create(self, request: CompletionRequest) -> CompletionResponse | StreamingResponse:
         arrival = time.perf_counter()
         self.model.check_name(request.model)
-        prompts = self._prompts(request.prompt)
+        prompts = await self.model.off_loop(self._prompts, request.prompt)
         params = request.to_sampling_params()
         for prompt in prompts:
             self.model.check_max_tokens(len(prompt.token_ids), request.max_tokens)

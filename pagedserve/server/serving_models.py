@@ -3,11 +3,14 @@ serving layers hand it requests and read them back."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 from pagedserve.engine.core_client import (
     EngineCoreClient,
@@ -27,6 +30,7 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 # Sequences one API request may start (prompts x best_of): a 4 MB body of one-token prompts
 # would otherwise queue a million of them.
 MAX_SEQUENCES_PER_REQUEST = 1024
+T = TypeVar("T")
 
 
 @dataclass
@@ -35,9 +39,19 @@ class ServedModel:
     max_model_len: int
     tokenizer: Any
     card: ModelCard = field(init=False)
+    _tokenizer_thread: ThreadPoolExecutor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.card = ModelCard(id=self.name, max_model_len=self.max_model_len)
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+
+    async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
+        """Runs ``work`` (tokenizing, a chat template, the JSON of a million token ids) on the
+        tokenizer's thread: a 4 MB prompt takes seconds, during which the event loop would
+        answer nothing, not even /health. One thread, so that calls never overlap: an HF fast
+        tokenizer is not safe to share between threads (tokenizers' "Already borrowed")."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_thread, partial(work, *args))
 
     @classmethod
     def from_client(cls, client: EngineCoreClient) -> ServedModel:

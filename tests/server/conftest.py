@@ -136,23 +136,25 @@ class RawResponse:
     body: bytes
 
 
-def raw_request(method: str, path: str, body: bytes) -> bytes:
-    return (f"{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+def raw_request(method: str, path: str, body: bytes, host: str = "localhost") -> bytes:
+    return (f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
 def read_response(stream: BinaryIO) -> RawResponse | None:
-    """The next HTTP/1.1 response (with a Content-Length body) on a socket's file; None if
-    the server closed the connection instead."""
-    status_line = stream.readline()
-    if not status_line:
-        return None
-    headers = {}
-    while line := stream.readline().strip():
-        name, _, value = line.decode("latin-1").partition(":")
-        headers[name.strip().lower()] = value.strip()
-    body = stream.read(int(headers.get("content-length", 0)))
-    return RawResponse(int(status_line.split()[1]), headers, body)
+    """The next HTTP/1.1 final response (with a Content-Length body) on a socket's file,
+    past any 1xx; None if the server closed the connection instead."""
+    while True:
+        status_line = stream.readline()
+        if not status_line:
+            return None
+        headers = {}
+        while line := stream.readline().strip():
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        status = int(status_line.split()[1])
+        if status >= 200:
+            return RawResponse(status, headers, stream.read(int(headers.get("content-length", 0))))
 
 
 def _free_port() -> int:
@@ -225,6 +227,13 @@ def server(chat_model, tmp_path_factory) -> Iterator[Server]:
 def ahead_server(chat_model, tmp_path_factory) -> Iterator[Server]:
     """The server with async scheduling forced on, as it runs by default on GPUs."""
     with launch_server(chat_model, tmp_path_factory.mktemp("logs"), "--async-scheduling") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def keyed_server(chat_model, tmp_path_factory) -> Iterator[Server]:
+    with launch_server(chat_model, tmp_path_factory.mktemp("keyed"),
+                       api_key="s3cret-key") as s:
         yield s
 
 

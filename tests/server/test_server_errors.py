@@ -11,7 +11,6 @@ import pytest
 from tests.server.conftest import (
     HTTP_TIMEOUT_S,
     MAX_MODEL_LEN,
-    launch_server,
     raw_request,
     read_response,
 )
@@ -242,13 +241,6 @@ def test_sdk_raises_bad_request_and_not_found(server):
     assert excinfo.value.body["param"] == "temperature"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=CHAT["messages"])
-
-
-@pytest.fixture(scope="module")
-def keyed_server(chat_model, tmp_path_factory):
-    with launch_server(chat_model, tmp_path_factory.mktemp("keyed"),
-                       api_key="s3cret-key") as s:
-        yield s
 
 
 def test_api_key_is_enforced(keyed_server):

@@ -1,0 +1,279 @@
+"""The HTTP layer against hostile or unusual clients: the API key on every endpoint, tokenizing
+off the event loop, OpenAI error bodies below the routes (malformed HTTP, the connection cap),
+a body without a Content-Type, Host names against DNS rebinding, and a client that half-closes
+its side after sending its request."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import re
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from tests.server.conftest import HTTP_TIMEOUT_S, launch_server, raw_request, read_response
+
+GOOD = {"prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+ALLOWED = ("example.test", "other.test", "third.test")
+MAX_CONNECTIONS = 2
+LONG = 1000
+
+
+def _error(response: httpx.Response | None, status: int) -> dict:
+    """The OpenAI error object of a response, whichever layer answered it."""
+    assert response is not None and response.status_code == status, response
+    assert response.headers["content-type"] == "application/json", response.headers
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def _until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def _raw(data: bytes) -> httpx.Response | None:
+    """The first final response in raw bytes, as an httpx.Response for _error."""
+    raw = read_response(io.BytesIO(data))
+    if raw is None:
+        return None
+    return httpx.Response(raw.status, headers=raw.headers, content=raw.body)
+
+
+# ---- the API key --------------------------------------------------------------------------
+def test_the_key_guards_every_endpoint_but_health_and_metrics(keyed_server):
+    url, key = keyed_server.url, {"Authorization": f"Bearer {keyed_server.api_key}"}
+    requests = [("POST", "/tokenize", {"prompt": "hello"}),
+                ("POST", "/detokenize", {"tokens": [1, 2]}), ("GET", "/version", None),
+                ("GET", "/v1/models", None)]
+    for method, path, body in requests:
+        response = httpx.request(method, url + path, json=body, timeout=HTTP_TIMEOUT_S)
+        assert _error(response, 401)["code"] == "invalid_api_key", path
+        response = httpx.request(method, url + path, json=body, headers=key,
+                                 timeout=HTTP_TIMEOUT_S)
+        assert response.status_code == 200, (path, response.text)
+    for path in ("/health", "/metrics"):
+        assert httpx.get(url + path, timeout=HTTP_TIMEOUT_S).status_code == 200, path
+
+
+# ---- tokenizing off the event loop ----------------------------------------------------------
+class _GatedTokenizer:
+    """A tokenizer whose encode waits until the test opens its gate."""
+
+    chat_template = "any"
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.opened_by_the_test = False
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.entered.set()
+        # The test opens the gate once /health has answered; only an event loop frozen in
+        # this call (the defect) lets the wait run out instead.
+        self.opened_by_the_test = self.gate.wait(timeout=60)
+        return list(range(len(text)))
+
+    def apply_chat_template(self, messages: list[dict], **_) -> str:
+        return "".join(m["content"] for m in messages)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [str(i) for i in ids]
+
+
+def _refuse(_requests):
+    raise ValueError("refused by the test engine")
+
+
+@pytest.mark.parametrize(("path", "body", "status"), [
+    ("/tokenize", {"prompt": "abc"}, 200),
+    ("/tokenize", {"messages": [{"role": "user", "content": "abc"}]}, 200),
+    ("/v1/completions", {"prompt": "abc", "max_tokens": 1}, 400),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "abc"}]}, 400),
+])
+def test_health_answers_while_a_request_is_being_tokenized(path, body, status):
+    """In process, against a stand-in engine whose tokenizer blocks until /health has been
+    answered: /health must not wait for the tokenizer (the engine refuses what reaches it)."""
+    from pagedserve.server.app import create_app
+
+    tokenizer = _GatedTokenizer()
+    engine = SimpleNamespace(
+        facts=SimpleNamespace(model_name="model", limits=SimpleNamespace(max_model_len=64)),
+        tokenizer=tokenizer, is_running=True, stats=None, add_requests=_refuse)
+    app = create_app(engine)
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            work = asyncio.ensure_future(client.post(path, json=body))
+            assert await asyncio.to_thread(tokenizer.entered.wait, 60)
+            health = await client.get("/health")
+            tokenizer.gate.set()
+            return health, await work
+
+    health, response = asyncio.run(scenario())
+    assert health.status_code == 200 and tokenizer.opened_by_the_test
+    assert response.status_code == status, response.text
+    if status == 200:
+        assert response.json()["tokens"] == [0, 1, 2]
+    else:
+        assert "refused by the test engine" in response.json()["error"]["message"]
+
+
+def test_a_conversation_of_too_many_messages_is_refused_on_its_count(server):
+    """The count is checked before each of the messages is validated."""
+    body = {**CHAT, "messages": [{"role": "user", "content": "a"}] * 100_000}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        error = _error(server.post(path, json=body), 400)
+        assert error["param"] == "messages" and "at most" in error["message"], error
+        assert "100000" in error["message"], error
+
+
+# ---- OpenAI error bodies below the routes ---------------------------------------------------
+@pytest.mark.parametrize("request_bytes", [
+    b"NOT HTTP AT ALL\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: localhost\r\nno colon here\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: x\r\n\r\n",
+])
+def test_malformed_http_gets_a_json_400(server, request_bytes):
+    with server.connect() as sock:
+        sock.sendall(request_bytes)
+        response = _raw(_until_closed(sock))
+    assert _error(response, 400)["type"] == "invalid_request_error"
+    assert httpx.get(f"{server.url}/health", timeout=HTTP_TIMEOUT_S).status_code == 200
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "x", "bogus": 1}, "bogus"),
+    ({"messages": [{"role": "nobody", "content": "x"}]}, "messages"),
+    ({"messages": []}, "messages"),
+    ({}, "prompt"),
+])
+def test_tokenize_errors_name_the_field(server, body, param):
+    error = _error(server.post("/tokenize", json=body), 400)
+    assert error["param"] == param, error
+    assert "Tokenize" not in error["message"], error
+
+
+def test_a_body_without_content_type_is_read_as_json(server):
+    response = server.post("/v1/completions", content=json.dumps(GOOD).encode())
+    assert "content-type" not in response.request.headers
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == GOOD["max_tokens"]
+
+
+# ---- Host names (DNS rebinding) -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def widened(chat_model, tmp_path_factory):
+    """No key, loopback, three more Host names (repeated and comma-separated), and a
+    connection cap."""
+    with launch_server(chat_model, tmp_path_factory.mktemp("widened"),
+                       "--allowed-hosts", ALLOWED[0], "--allowed-hosts", ",".join(ALLOWED[1:]),
+                       "--max-concurrent-connections", str(MAX_CONNECTIONS)) as s:
+        yield s
+
+
+def _status_for_host(server, host: str) -> httpx.Response:
+    return httpx.get(f"{server.url}/v1/models", headers={"Host": host}, timeout=HTTP_TIMEOUT_S)
+
+
+LOOPBACK = ["localhost", "LocalHost", "127.0.0.1", "[::1]"]
+FOREIGN = ["evil.example", "localhost.evil.example", "127.0.0.1.evil.example", "::1",
+           "[::1].evil.example", "example.test.evil"]
+
+
+def test_without_a_key_only_loopback_host_names_are_answered(server):
+    port = server.url.rsplit(":", 1)[1]
+    for host in LOOPBACK + [f"{h}:{port}" for h in LOOPBACK]:
+        assert _status_for_host(server, host).status_code == 200, host
+    for host in FOREIGN + ["example.test", f"evil.example:{port}"]:
+        error = _error(_status_for_host(server, host), 400)
+        assert error["code"] == "invalid_host" and "--allowed-hosts" in error["message"], host
+    assert _error(httpx.get(f"{server.url}/health", headers={"Host": "evil.example"},
+                            timeout=HTTP_TIMEOUT_S), 400)["code"] == "invalid_host"
+
+
+def test_allowed_hosts_widens_the_host_names(widened):
+    for host in [*LOOPBACK, *ALLOWED, "EXAMPLE.test", "third.test:8080"]:
+        assert _status_for_host(widened, host).status_code == 200, host
+    for host in FOREIGN:
+        assert _error(_status_for_host(widened, host), 400)["code"] == "invalid_host", host
+
+
+def test_a_server_with_a_key_answers_any_host_name(keyed_server):
+    response = httpx.get(f"{keyed_server.url}/v1/models", timeout=HTTP_TIMEOUT_S,
+                         headers={**keyed_server.headers, "Host": "evil.example"})
+    assert response.status_code == 200, response.text
+
+
+def test_openapi_schema_is_off_with_the_docs(server):
+    assert httpx.get(f"{server.url}/openapi.json", timeout=HTTP_TIMEOUT_S).status_code == 404
+
+
+# ---- the connection cap ---------------------------------------------------------------------
+def test_connections_over_the_cap_get_a_json_503(widened):
+    held = [widened.connect() for _ in range(MAX_CONNECTIONS)]
+    try:
+        for sock in held:  # each is served once, then keeps a head half sent
+            sock.sendall(raw_request("GET", "/health", b"") + b"GET /health HTTP/1.1\r\nHo")
+            assert read_response(sock.makefile("rb")).status == 200
+        response = httpx.get(f"{widened.url}/health", timeout=HTTP_TIMEOUT_S)
+        error = _error(response, 503)
+        assert error["type"] == "server_error" and error["code"] == "too_many_connections"
+        assert response.headers["connection"] == "close"
+    finally:
+        for sock in held:
+            sock.close()
+    # The held connections' close reaches the server; then it serves again.
+    deadline = time.monotonic() + HTTP_TIMEOUT_S
+    while httpx.get(f"{widened.url}/health", timeout=HTTP_TIMEOUT_S).status_code != 200:
+        assert time.monotonic() < deadline, "the server never served again"
+
+
+# ---- half-close ------------------------------------------------------------------------------
+def _half_closed(server, body: dict) -> bytes:
+    """Send a whole request, shut the sending side, and read until the server closes."""
+    with server.connect() as sock:
+        sock.sendall(raw_request("POST", "/v1/completions", json.dumps(body).encode()))
+        sock.shutdown(socket.SHUT_WR)
+        return _until_closed(sock)
+
+
+def test_a_client_that_half_closes_after_its_request_gets_the_answer(server):
+    whole = _raw(_half_closed(server, GOOD))
+    assert whole is not None and whole.status_code == 200, whole
+    text = whole.json()["choices"][0]["text"]
+    assert whole.json()["usage"]["completion_tokens"] == GOOD["max_tokens"]
+
+    streamed = _half_closed(server, {**GOOD, "stream": True})
+    # Past any 1xx (the server may send one to learn whether the client still reads).
+    assert re.match(rb"(HTTP/1.1 1\d\d [^\r]*\r\n\r\n)*HTTP/1.1 200 ", streamed), streamed
+    events = re.findall(rb"data: (.*)\n\n", streamed)
+    assert events[-1] == b"[DONE]", events
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == text
+
+
+def test_a_client_that_closes_after_its_request_still_has_it_aborted(server):
+    """Closing (not half-closing) the socket is a hang-up, though the server sees the same
+    FIN: the request is aborted and its blocks come back."""
+    before = server.metrics()
+    body = {**GOOD, "max_tokens": LONG}
+    with server.connect() as sock:
+        sock.sendall(raw_request("POST", "/v1/completions", json.dumps(body).encode()))
+        server.wait_for_metrics(lambda m: m["num_requests_running"] >= 1)
+    aborted = before.get("request_finished_total{abort}", 0) + 1
+    after = server.wait_for_metrics(
+        lambda m: m.get("request_finished_total{abort}", 0) >= aborted
+        and m["kv_cache_blocks_used"] == 0 and m["num_requests_running"] == 0)
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] < LONG
