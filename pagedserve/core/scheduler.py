@@ -29,7 +29,9 @@ Partial prefills (vLLM's ``max_num_partial_prefills``, ``max_long_partial_prefil
     share leaves the rest to the others. A prompt with more than
     ``long_prefill_token_threshold`` tokens left is long: while ``max_long_partial_prefills``
     long ones run, waiting long prompts are passed over so shorter ones behind them start
-    first, and only take the budget that is left once those are admitted.
+    first, and only take the budget that is left once those are admitted. So is a prompt
+    whose next block a prefill under way is about to compute (a shared system prompt): it
+    starts once that block is in the prefix cache instead of computing it a second time.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class Scheduler:
             config.max_num_partial_prefills > 1
         self._prefill_cap = config.max_num_batched_tokens  # tokens one prefill chunk may take
         self._num_long = 0  # long prompts mid-prefill, counting those admitted this step
+        self._prefilling: list[Sequence] = []  # their roots, for the shared-prefix rule
 
     def add_group(self, group: SequenceGroup) -> None:
         self.waiting.append(group)
@@ -187,12 +190,13 @@ class Scheduler:
     # ---- partial prefills ---------------------------------------------------------------
     def _plan_prefills(self) -> None:
         """Set this step's prefill cap and count the long prompts mid-prefill."""
-        decodes, demands, self._num_long = 0, [], 0
+        decodes, demands, self._num_long, self._prefilling = 0, [], 0, []
         for group in self.running:
             num_left = self._num_left(group) if group.seqs else 0  # else: only forks pending
             if num_left > 1:
                 demands.append(num_left)
                 self._num_long += self._is_long(num_left)
+                self._prefilling.append(group.root)
             else:
                 decodes += len(group.seqs)
         if not self.swapped:  # waiting requests start only once nothing is swapped out
@@ -202,14 +206,17 @@ class Scheduler:
     def _waiting_demands(self) -> list[int]:
         """Tokens left of the waiting prompts that may start this step, at most
         ``max_num_partial_prefills`` of them."""
-        demands, num_long = [], self._num_long
+        demands, num_long, starting = [], self._num_long, list(self._prefilling)
         for group in self._scan_waiting():
             num_left = self._num_left(group)
+            if self._follows_a_prefill(group.root, starting):
+                continue
             if self._is_long(num_left):
                 if num_long >= self.config.max_long_partial_prefills:
                     continue
                 num_long += 1
             demands.append(num_left)
+            starting.append(group.root)
             if len(demands) == self.config.max_num_partial_prefills:
                 break
         return demands
@@ -227,6 +234,21 @@ class Scheduler:
         return (self._shares_prefills
                 and self._num_long >= self.config.max_long_partial_prefills
                 and self._is_long(self._num_left(group)))
+
+    def _follows_a_prefill(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
+        """One of ``prefilling`` computes the next block of ``seq``'s prompt this step (the
+        same tokens from the start up to that block's end), which ``seq`` can take from the
+        prefix cache a step later instead of computing it too."""
+        if (not self._shares_prefills or not self.kv.enable_caching
+                or seq.params.prompt_logprobs is not None):
+            return False
+        bs = self.kv.block_size
+        for other in prefilling:
+            end = (other.num_computed_tokens // bs + 1) * bs
+            if (end <= min(seq.num_prompt_tokens, other.num_prompt_tokens)
+                    and seq.prompt_token_ids[:end] == other.prompt_token_ids[:end]):
+                return True
+        return False
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         # Prompt logprobs need every prompt position computed, so they bypass the cache.
@@ -320,6 +342,9 @@ class Scheduler:
         i, passed_over = 0, False
         while i < min(len(self.waiting), self.config.max_num_seqs) and budget > 0:
             group = self.waiting[i]
+            if self._follows_a_prefill(group.root, self._prefilling):
+                i += 1
+                continue
             if hold_back and self._held_back(group):
                 i, passed_over = i + 1, True
                 continue
@@ -328,6 +353,7 @@ class Scheduler:
             del self.waiting[i]
             free_slots -= group.width
             self._num_long += self._is_long(self._num_left(group))
+            self._prefilling.append(group.root)
             budget = self._start_waiting(group, out, budget)
         return budget, free_slots, passed_over
 

@@ -137,7 +137,8 @@ def test_defaults_turn_it_on_with_vllms_threshold():
 def test_without_chunked_prefill_prefills_do_not_share_a_step():
     """A whole prompt or nothing: the budget is not split (it would fit no prompt)."""
     sched = _scheduler(budget=8, chunked=False)
-    a, b = _add(sched, 8), _add(sched, 8)
+    a = _add(sched, 8)
+    _add(sched, 8)  # a second whole prompt, which must wait
     assert list(_step(sched)) == [a]
     assert list(_step(sched)) == [a]  # b needs all 8 tokens, and a's decode takes one
 
@@ -157,3 +158,29 @@ def test_bad_values_name_the_flag(kwargs, flag):
 def test_threshold_above_the_context_length_is_rejected():
     with pytest.raises(ConfigError, match="^--long-prefill-token-threshold 9000 exceeds"):
         EngineConfig(long_prefill_token_threshold=9000).resolve(_ARCH, CpuPlatform)
+
+
+def test_prompts_sharing_a_prefix_take_it_from_the_cache_while_others_start_at_once():
+    """A burst of prompts behind one system prompt: the first computes the shared blocks,
+    the others start once those are cached (not all computing them side by side), and an
+    unrelated short prompt is not held back by either."""
+    cfg = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=BUDGET, max_model_len=1024,
+                          enable_chunked_prefill=True, preemption_mode="auto", watermark=0.0,
+                          max_num_partial_prefills=4, max_long_partial_prefills=1,
+                          long_prefill_token_threshold=32)
+    sched = Scheduler(cfg, KVCacheManager(1024, BLOCK, enable_caching=True))
+    system = list(range(100, 196))  # 96 tokens: 24 blocks, a step and a half of budget
+    shared = [Sequence(system + [i, i + 1], SamplingParams(), max_tokens=1) for i in (1, 3, 5)]
+    for seq in shared:
+        sched.add_group(SequenceGroup(f"shared-{seq.prompt_token_ids[-1]}", [seq]))
+    other = _add(sched, 6, max_tokens=1)
+    first = _step(sched)
+    assert other in first and shared[0] in first
+    assert shared[1] not in first and shared[2] not in first
+    while shared[0].num_computed_tokens < len(system):
+        _step(sched)
+    for _ in range(3):
+        _step(sched)
+    assert all(s.num_output_tokens == 1 for s in shared)
+    # Each follower took the system prompt's blocks from the cache.
+    assert [s.num_cached_tokens for s in shared[1:]] == [len(system)] * 2
