@@ -222,7 +222,7 @@ class GuardedH11Protocol(H11Protocol):
     def eof_received(self) -> bool | None:
         read = self.conn.their_state is h11.DONE and self.conn.their_http_version == b"1.1"
         if self.cycle is None or self.cycle.response_complete or not read:
-            return None  # idle, or mid-request: the client is gone, and the transport closes
+            return None  # idle, mid-request or HTTP/1.0: taken as gone; the transport closes
         self._half_closed = True
         self._check_peer(probe=True)
         return True  # keep the transport open to write the answer
