@@ -167,7 +167,7 @@ def test_prompts_sharing_a_prefix_take_it_from_the_cache_while_others_start_at_o
     cfg = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=BUDGET, max_model_len=1024,
                           enable_chunked_prefill=True, preemption_mode="auto", watermark=0.0,
                           max_num_partial_prefills=4, max_long_partial_prefills=1,
-                          long_prefill_token_threshold=32)
+                          long_prefill_token_threshold=0)  # none is long: not why they wait
     sched = Scheduler(cfg, KVCacheManager(1024, BLOCK, enable_caching=True))
     system = list(range(100, 196))  # 96 tokens: 24 blocks, a step and a half of budget
     shared = [Sequence(system + [i, i + 1], SamplingParams(), max_tokens=1) for i in (1, 3, 5)]
