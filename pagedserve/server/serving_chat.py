@@ -91,8 +91,7 @@ class ChatServing:
         parsed = plan.parse(out.text)
         calls = [ToolCall(id=call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                  for c in parsed.calls]
-        message = AssistantMessage(content=parsed.content if calls else out.text,
-                                   tool_calls=calls)
+        message = AssistantMessage(content=parsed.content, tool_calls=calls)
         return ChatChoice(index=out.index, message=message,
                           logprobs=self._logprobs(request, out.token_ids, out.logprobs),
                           finish_reason=_finish_reason(out.finish_reason, bool(calls)),

@@ -15,7 +15,7 @@ from typing import Any
 
 from pagedserve.sampling_params import InvalidSamplingParam, StructuredOutputsParams
 from pagedserve.server.protocol import ChatCompletionRequest, ChatTool, FunctionDefinition
-from pagedserve.server.tool_parsers import ParsedCall, ParsedOutput, ToolParser
+from pagedserve.server.tool_parsers import ParsedCall, ParsedOutput, ToolParser, _call
 
 # The arguments of a function declared without parameters.
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -77,33 +77,66 @@ class ToolPlan:
         return [t.model_dump(exclude_none=True, by_alias=True) for t in self.tools]
 
     def parse(self, text: str) -> ParsedOutput:
-        """The calls in a finished output (none where it holds none, or was cut short)."""
+        """The calls in a finished output. A grammar-enforced output is all calls, even when
+        ``max_tokens`` cut it short (vLLM's and OpenAI's answer): the named function gets the
+        arguments as far as they were generated, ``required`` the calls whose name was."""
         if self.mode == "named":
-            return ParsedOutput(None, [ParsedCall(self.named.name, text)]) if _is_json(text) \
-                else ParsedOutput(text, [])
+            return ParsedOutput(None, [ParsedCall(self.named.name, text)])
         if self.mode == "required":
-            return _required_calls(text)
+            return ParsedOutput(None, _required_calls(text))
         if self.mode == "auto":
             parsed = self.parser.parse(text)
             return parsed if self.parallel else ParsedOutput(parsed.content, parsed.calls[:1])
         return ParsedOutput(text, [])
 
 
-def _is_json(text: str) -> bool:
+_decoder = json.JSONDecoder()
+
+
+def _required_calls(text: str) -> list[ParsedCall]:
+    """The calls of a ``required`` output, ``[{"name": .., "parameters": {..}}, ..]``, or of
+    as much of it as was generated: the complete calls, then the cut one if its name is."""
+    calls, i = [], 0
     try:
-        json.loads(text)
+        i = _skip(text, 0, "[")
+        while i < len(text):
+            call, i = _decoder.raw_decode(text, i)
+            calls.append(_call(call, ("parameters",)))
+            i = _skip(text, i, ",]")
+    except ValueError:  # cut short at text[i]
+        calls += _cut_call(text, i)
+    return calls
+
+
+def _cut_call(text: str, i: int) -> list[ParsedCall]:
+    """The call cut short after ``text[i]``, with its arguments as far as they were generated;
+    none if its name was not complete."""
+    name, arguments = None, ""
+    try:
+        i = _skip(text, i, "{")
+        while True:
+            key, i = _decoder.raw_decode(text, i)
+            i = _skip(text, i, ":")
+            if key == "parameters":
+                arguments = text[i:]
+            value, end = _decoder.raw_decode(text, i)
+            if key == "parameters":
+                arguments = text[i:end]
+            elif key == "name":
+                name = value
+            i = _skip(text, end, ",")
     except ValueError:
-        return False
-    return True
+        pass
+    return [ParsedCall(name, arguments)] if isinstance(name, str) else []
 
 
-def _required_calls(text: str) -> ParsedOutput:
-    try:
-        calls = [ParsedCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                 for c in json.loads(text)]
-    except (ValueError, TypeError, KeyError):
-        return ParsedOutput(text, [])
-    return ParsedOutput(None, calls)
+def _skip(text: str, i: int, chars: str) -> int:
+    """The index after ``text[i]``, one of ``chars`` (whitespace around it skipped);
+    ValueError if there is none of them there."""
+    i = len(text) - len(text[i:].lstrip())
+    if i == len(text) or text[i] not in chars:
+        raise ValueError(f"expected one of {chars!r} at {i}")
+    return len(text) - len(text[i + 1:].lstrip())
 
 
 def call_id() -> str:
@@ -128,13 +161,14 @@ class ToolCallStream:
             parser = self.plan.parser
             return self._content(text, parser.content_length(text) if parser else 0)
         parsed = self.plan.parse(text)
-        if not parsed.calls:
-            return self._content(text, len(text))
-        self.called = True
-        delta = self._content(text, self.plan.parser.content_length(text)) \
-            if self.plan.mode == "auto" else {}
-        delta["tool_calls"] = [_call_delta(i, c.name, c.arguments)
-                               for i, c in enumerate(parsed.calls)]
+        delta = {}
+        if self.plan.mode == "auto":  # a required output is all calls, even cut short
+            end = self.plan.parser.content_length(text) if parsed.calls else len(text)
+            delta = self._content(text, end)
+        if parsed.calls:
+            self.called = True
+            delta["tool_calls"] = [_call_delta(i, c.name, c.arguments)
+                                   for i, c in enumerate(parsed.calls)]
         return delta
 
     def _content(self, text: str, end: int) -> dict[str, Any]:
