@@ -134,7 +134,7 @@ class EngineCore:
 
     def _step(self) -> list[msg.RequestDelta]:
         try:
-            return [msg.RequestDelta.of(o) for o in self.engine.step()]
+            outputs = self.engine.step()
         except Exception as exc:
             request_ids = list(self.engine.outputs.requests)
             logger.exception("engine step failed; aborting the %d requests in flight",
@@ -145,6 +145,11 @@ class EngineCore:
                       f"{type(exc).__name__}: {exc}"
             self._failures += [msg.RequestFailure(r, message) for r in request_ids]
             return []
+        # A grammar over the compile budget is the request's fault: a 400, not an output.
+        refused = self.engine.refused
+        self._failures += [msg.RequestFailure(r, str(exc), exc.param, kind="invalid")
+                           for r, exc in refused.items()]
+        return [msg.RequestDelta.of(o) for o in outputs if o.request_id not in refused]
 
     def _send(self, outputs: list[msg.RequestDelta]) -> None:
         failures, self._failures = self._failures, []

@@ -38,6 +38,7 @@ class InputLimits:
     eos_token_ids: frozenset[int]
     num_kv_blocks: int
     block_size: int
+    max_grammar_bytes: int
 
     def check(self, token_ids: list[int], params: SamplingParams) -> int:
         """Validate a tokenized request against the context window, the vocabulary and the
@@ -54,7 +55,7 @@ class InputLimits:
             raise InvalidSamplingParam(
                 "prompt", f"prompt token ids must be in [0, {self.vocab_size})")
         if params.structured_outputs is not None:
-            check_grammar(grammar_spec(params.structured_outputs))
+            check_grammar(grammar_spec(params.structured_outputs), self.max_grammar_bytes)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.best_of > self.max_num_seqs:
             # best_of defaults to n: name the one the caller set.

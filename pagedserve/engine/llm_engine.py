@@ -22,7 +22,7 @@ while the device computes, and only then builds the masks and queues the sampler
 token can never be drawn, and a sequence found stopped has its extra token dropped as usual.
 
 Structured output: a constrained request waits outside the scheduler until its grammar is
-compiled (on a worker thread, ``structured/compiler``); the others keep running meanwhile.
+compiled (in a worker process, ``structured/compiler``); the others keep running meanwhile.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from pagedserve.models import loader
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import resolve_platform
 from pagedserve.sample.metadata import SamplingMetadata
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.structured.grammar_state import GrammarState, build_grammar_mask
 from pagedserve.structured.spec import grammar_spec
 
@@ -79,7 +79,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config(self.resolved), self.kv)
         self.eos_token_ids = loader.eos_token_ids(source, self.arch, self.tokenizer)
         self.limits = InputLimits(self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
-                                  self.eos_token_ids, sizes.num_blocks, self.resolved.block_size)
+                                  self.eos_token_ids, sizes.num_blocks, self.resolved.block_size,
+                                  config.max_grammar_bytes)
         self.inputs = InputProcessor(self.tokenizer, self.limits, self.runner.device)
         self.outputs = OutputProcessor(self.scheduler.finish,
                                        BeamDriver(self.scheduler, self.tokenizer))
@@ -87,6 +88,9 @@ class LLMEngine:
         self._grammars = None  # GrammarCompilerPool, made at the first constrained request
         # Constrained requests whose grammar is still compiling, by id.
         self._awaiting_grammar: dict[str, tuple[RequestState, Future]] = {}
+        # The last step's requests whose grammar was refused (over the compile budget): each
+        # also finished with an error output; the core process answers them with a 400.
+        self.refused: dict[str, InvalidSamplingParam] = {}
         self._num_prompt_tokens = 0
         self._next_id = 0
         self._shut_down = False
@@ -149,15 +153,19 @@ class LLMEngine:
         if self._grammars is None:
             from pagedserve.structured.compiler import GrammarCompilerPool
 
-            self._grammars = GrammarCompilerPool(self.tokenizer, self.arch.vocab_size,
-                                                 self.eos_token_ids)
+            self._grammars = GrammarCompilerPool(
+                self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
+                num_workers=self.config.grammar_compile_workers,
+                timeout_s=self.config.max_grammar_compile_seconds)
         return self._grammars
 
     def abort_request(self, request_id: str) -> None:
         state = self.outputs.pop(request_id)
         if state is None:
             return
-        if self._awaiting_grammar.pop(request_id, None) is not None:
+        awaiting = self._awaiting_grammar.pop(request_id, None)
+        if awaiting is not None:
+            self.grammars.release(awaiting[1])  # the last to leave stops the compile
             _mark_finished(state, SequenceStatus.FINISHED_ABORTED)  # it holds no blocks yet
             return
         for seq in state.seqs:
@@ -176,6 +184,8 @@ class LLMEngine:
         """Stop the other tensor-parallel ranks and leave their process group; the engine
         takes no request after this. Idempotent; dropping the engine does the same."""
         self._shut_down = True
+        if self._grammars is not None:
+            self._grammars.close()
         self.executor.shutdown()
 
     # ---- the step -----------------------------------------------------------------------
@@ -183,6 +193,7 @@ class LLMEngine:
         """Admit the requests whose grammar is ready, then schedule, run, process outputs.
         Under async scheduling the outputs processed are the previous step's, while this one
         computes."""
+        self.refused = {}
         failed = self._admit_compiled() if self._awaiting_grammar else []
         return failed + self._step()
 
@@ -200,6 +211,8 @@ class LLMEngine:
             if future.exception() is not None:
                 logger.error("grammar of request %s failed to compile: %s", request_id,
                              future.exception())
+                if isinstance(future.exception(), InvalidSamplingParam):
+                    self.refused[request_id] = future.exception()
                 self.outputs.pop(request_id)
                 _mark_finished(state, SequenceStatus.FINISHED_ERROR)
                 failed.append(state.to_output())

@@ -58,7 +58,17 @@ def to_grammar(spec: GrammarSpec):
         ) from None
 
 
+def check(spec: GrammarSpec, max_bytes: int) -> None:
+    """Refuse a text over ``max_bytes`` (``--max-grammar-bytes``), then parse ``spec``."""
+    size = len(spec.text.encode())
+    if size > max_bytes:
+        raise InvalidSamplingParam(
+            "structured_outputs", f"the {spec.kind} for structured output has {size} bytes, "
+            f"more than the {max_bytes} this server accepts (--max-grammar-bytes)")
+    _parse(spec)
+
+
 @lru_cache(maxsize=256)
-def check(spec: GrammarSpec) -> None:
+def _parse(spec: GrammarSpec) -> None:
     """Parse ``spec`` once (a cached success costs nothing the next time)."""
     to_grammar(spec)

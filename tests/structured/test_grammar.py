@@ -55,7 +55,8 @@ def test_padded_vocabulary_ids_are_never_allowed(tokenizer):
     from pagedserve.structured.compiler import GrammarCompilerPool
 
     padded = len(tokenizer) + 70
-    pool = GrammarCompilerPool(tokenizer, padded, {tokenizer.eos_token_id})
+    pool = GrammarCompilerPool(tokenizer, padded, {tokenizer.eos_token_id}, num_workers=1,
+                               timeout_s=60)
     compiled = pool.get(grammar_spec(StructuredOutputsParams(json_object=True))).result()
     mask = build_grammar_mask([None, GrammarState(compiled)], padded, torch.device("cpu"))
     assert mask.bitmask.shape == (1, -(-padded // 32))
@@ -70,7 +71,8 @@ def test_compiled_grammars_are_shared_and_the_cache_is_bounded(tokenizer, monkey
     from pagedserve.structured import compiler
 
     monkeypatch.setattr(compiler, "MAX_CACHED_GRAMMARS", 2)
-    pool = compiler.GrammarCompilerPool(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    pool = compiler.GrammarCompilerPool(tokenizer, len(tokenizer), {tokenizer.eos_token_id},
+                                        num_workers=1, timeout_s=60)
     specs = [grammar_spec(StructuredOutputsParams(regex=r)) for r in ("a", "b", "c")]
     first = pool.get(specs[0])
     assert pool.get(specs[0]) is first  # one compile for every request of a spec
@@ -86,7 +88,8 @@ def test_choice_grammar_accepts_exactly_the_choices(tokenizer):
     from pagedserve.structured.compiler import GrammarCompilerPool
 
     choices = ['say "hi"', "back\\slash", "two\nlines", "ü€"]
-    pool = GrammarCompilerPool(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    pool = GrammarCompilerPool(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, num_workers=1,
+                               timeout_s=60)
     compiled = pool.get(grammar_spec(StructuredOutputsParams(choice=choices))).result()
     for text in [*choices, 'say "hi" ', "two"]:
         matcher = xgr.GrammarMatcher(compiled)
@@ -102,7 +105,7 @@ def test_choice_grammar_accepts_exactly_the_choices(tokenizer):
 ])
 def test_bad_specs_raise_with_the_library_message(params, words):
     with pytest.raises(InvalidSamplingParam) as info:
-        check(grammar_spec(params))
+        check(grammar_spec(params), 1 << 16)
     assert info.value.param == "structured_outputs"
     message = str(info.value)
     assert all(w in message for w in words), message

@@ -1,0 +1,61 @@
+"""A hostile JSON schema against a real server: it gets an OpenAI-format 400 once its compile
+exceeds ``--max-grammar-compile-seconds``, and a different schema sent while it compiles is
+answered meanwhile (another compile worker takes it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.server.conftest import HTTP_TIMEOUT_S, launch_server
+from tests.structured.test_compile_budget import FAST, SLOW
+
+# The slow schema compiles for tens of seconds; refused after this, well before.
+BUDGET_S = 10
+
+
+@pytest.fixture(scope="module")
+def server(default_model_folder, tmp_path_factory):
+    with launch_server(default_model_folder, tmp_path_factory.mktemp("logs"),
+                       "--max-grammar-compile-seconds", str(BUDGET_S),
+                       "--grammar-compile-workers", "2") as server:
+        yield server
+
+
+def _body(schema: str) -> dict:
+    return {"model": "SmolLM2-135M-Instruct", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "JSON please"}],
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": json.loads(schema)}}}
+
+
+def test_a_schema_over_the_compile_budget_gets_a_400(server):
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=_body(SLOW.text),
+                          timeout=HTTP_TIMEOUT_S)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == "structured_outputs"
+    assert "did not compile within 10 s (--max-grammar-compile-seconds)" in error["message"]
+
+
+def test_another_schema_is_answered_while_a_slow_one_compiles(server):
+    slow_schema = SLOW.text.replace('"maxLength": 89', '"maxLength": 88')  # not cached
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=HTTP_TIMEOUT_S) as client:
+            # Streamed, so that its headers say it reached the engine before the fast one.
+            request = client.build_request("POST", "/v1/chat/completions",
+                                           json={**_body(slow_schema), "stream": True})
+            slow = await client.send(request, stream=True)
+            assert slow.status_code == 200
+            slow_body = asyncio.ensure_future(slow.aread())
+            fast = await client.post("/v1/chat/completions", json=_body(FAST.text))
+            assert fast.status_code == 200, fast.text
+            assert not slow_body.done()  # still compiling: it cannot end before its budget
+            assert b"--max-grammar-compile-seconds" in await slow_body
+
+    asyncio.run(run())
