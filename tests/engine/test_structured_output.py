@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from pagedserve import SamplingParams, StructuredOutputsParams
+from pagedserve.structured.spec import grammar_spec
 from tests.kv_checks import assert_pools_full
 from tests.tiny_models import make_llm
 
@@ -88,6 +89,10 @@ def test_preemption_chunking_and_async_scheduling_keep_outputs_valid(default_mod
                     f"with nothing before or after it. {p}"
                     for p in PROMPTS[:3]]
     assert all(len(llm.get_tokenizer().encode(p)) > 16 for p in long_prompts)
+    # Compiled beforehand, so the constrained requests join the batch at once, however long
+    # the compile worker takes to start.
+    for params in _constrained():
+        llm.engine.grammars.get(grammar_spec(params.structured_outputs)).result()
     outputs = llm.generate(PROMPTS + long_prompts, [free] * 4 + _constrained(),
                            use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
