@@ -28,6 +28,7 @@ compiled (in a worker process, ``structured/compiler``); the others keep running
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
@@ -157,6 +158,8 @@ class LLMEngine:
                 self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
                 num_workers=self.config.grammar_compile_workers,
                 timeout_s=self.config.max_grammar_compile_seconds)
+            # Its threads keep the pool alive; a dropped engine must still stop its workers.
+            weakref.finalize(self, self._grammars.close)
         return self._grammars
 
     def abort_request(self, request_id: str) -> None:

@@ -107,3 +107,31 @@ def test_aborting_a_request_stops_its_compile(default_llm):
     assert engine.grammars.num_compiling == 0
     assert not engine.has_unfinished_requests() and engine.step() == []
     assert_pools_full(engine.kv)
+
+
+def _compile_workers() -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process().children()
+            if "pagedserve.structured.compiler" in " ".join(p.cmdline())]
+
+
+def test_dropping_an_engine_stops_its_compile_workers(tmp_path):
+    """The pool's threads keep the pool alive, so only the engine's finalizer can stop the
+    worker processes of an engine nobody holds any more."""
+    import gc
+
+    from pagedserve import LLM
+    from tests.tiny_models import write_tiny_model
+
+    before = set(_compile_workers())
+    llm = LLM(model=str(write_tiny_model(tmp_path / "m", "llama3")), device="cpu",
+              max_model_len=256, kv_cache_memory_bytes=1 << 20)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+        choice=["red", "green"]))
+    assert llm.generate(["pick"], params, use_tqdm=False)[0].outputs[0].text in ("red", "green")
+    workers = set(_compile_workers()) - before
+    assert len(workers) == llm.engine.config.grammar_compile_workers
+    del llm
+    gc.collect()
+    assert not any(_alive(pid) for pid in workers)
