@@ -9,7 +9,7 @@ then attend over the cache alone.
 
 Where the platform buckets shapes, padded sequences follow the real ones (with padded tokens
 after the real tokens) and write only a reserved pad block; ``max_seq_len`` is then the block
-table's capacity rather than the longest sequence (engine/shape_buckets.py).
+table's capacity rather than the longest sequence (worker/shape_buckets.py).
 """
 
 from __future__ import annotations

@@ -37,9 +37,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.core.sequence import SequenceStatus
 from pagedserve.engine.beam_driver import BeamDriver
-from pagedserve.engine.input_batch import InFlightTokens
 from pagedserve.engine.input_processor import InputLimits, InputProcessor
-from pagedserve.engine.model_runner import Forward, StepResult
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.request_state import RequestState
 from pagedserve.engine.stats import EngineStats
@@ -52,6 +50,8 @@ from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.structured.grammar_state import GrammarState, build_grammar_mask
 from pagedserve.structured.spec import grammar_spec
+from pagedserve.worker.input_batch import InFlightTokens
+from pagedserve.worker.model_runner import Forward, StepResult
 
 logger = get_logger(__name__)
 

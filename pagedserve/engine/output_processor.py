@@ -10,13 +10,13 @@ from typing import NamedTuple
 
 from pagedserve.core.sequence import Sequence, SequenceStatus
 from pagedserve.engine.beam_driver import BeamDriver
-from pagedserve.engine.model_runner import StepResult
 from pagedserve.engine.request_state import RequestState, SequenceState, token_logprobs
 from pagedserve.engine.stop_conditions import stop_status
 from pagedserve.logger import get_logger
 from pagedserve.outputs import RequestOutput
 from pagedserve.sample.sampler import SamplerOutput
 from pagedserve.structured.grammar_state import GrammarState
+from pagedserve.worker.model_runner import StepResult
 
 logger = get_logger(__name__)
 

@@ -24,10 +24,10 @@ from pagedserve import distributed
 from pagedserve.config import ConfigError, EngineConfig
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import SchedulerOutput
-from pagedserve.engine.input_batch import InFlightTokens
-from pagedserve.engine.model_runner import Forward, ModelRunner, StepInput, StepResult
-from pagedserve.executor.worker import Worker, WorkerSpec
 from pagedserve.sample.metadata import SamplingMetadata
+from pagedserve.worker.input_batch import InFlightTokens
+from pagedserve.worker.model_runner import Forward, ModelRunner, StepInput, StepResult
+from pagedserve.worker.worker import Worker, WorkerSpec
 
 _BACKENDS = {"mp": "pagedserve.executor.mp", "ray": "pagedserve.executor.ray_actors"}
 

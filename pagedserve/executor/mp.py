@@ -17,8 +17,8 @@ import time
 from multiprocessing.connection import Connection
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.model_runner import StepInput
-from pagedserve.executor.worker import Worker, WorkerSpec
+from pagedserve.worker.model_runner import StepInput
+from pagedserve.worker.worker import Worker, WorkerSpec
 
 _STOP_TIMEOUT_S = 5.0
 

@@ -20,10 +20,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedserve import envs
 from pagedserve.config import EngineConfig
-from pagedserve.engine.model_runner import StepInput
-from pagedserve.executor.worker import Worker, WorkerSpec
 from pagedserve.logger import get_logger
 from pagedserve.platforms import resolve_platform
+from pagedserve.worker.model_runner import StepInput
+from pagedserve.worker.worker import Worker, WorkerSpec
 
 logger = get_logger(__name__)
 

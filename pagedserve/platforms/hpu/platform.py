@@ -1,7 +1,7 @@
 """Intel Gaudi (HPU) through the habana_frameworks PyTorch bridge, in its default lazy mode.
 
 Gaudi compiles a graph per distinct input shape, so this platform turns on shape bucketing
-(engine/shape_buckets.py: padded steps, each bucket run once at start-up) and ends every
+(worker/shape_buckets.py: padded steps, each bucket run once at start-up) and ends every
 forward with ``habana_frameworks.torch.core.mark_step``, which hands the ops accumulated so
 far to the graph compiler (or its cache) and launches them. Decode buckets replay HPU graphs
 (``platforms/hpu/graphs.py``). Attention is the portable torch paged attention on the ``hpu``

@@ -18,8 +18,8 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
-from pagedserve.engine.model_runner import KVCacheSpec
 from pagedserve.platforms import resolve_platform
+from pagedserve.worker.model_runner import KVCacheSpec
 from tests.platforms.hpu.fake_habana import install
 from tests.tiny_models import VOCAB, write_tiny_model
 

@@ -7,8 +7,8 @@ import torch
 
 from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedserve.core.sequence import Sequence
-from pagedserve.engine.input_batch import InFlightTokens, build_inputs
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.input_batch import InFlightTokens, build_inputs
 
 
 def _sequence(tokens: list[int]) -> Sequence:
@@ -43,7 +43,7 @@ def test_mixed_step_packs_chunks_positions_slots_and_tables():
 def test_bucketed_mixed_step_pads_into_the_pad_block_only():
     """The same step as above, padded: the real rows are unchanged, one padded sequence owns
     every padded token, and padded tokens write only the pad block's first slot."""
-    from pagedserve.engine.shape_buckets import ShapeBuckets
+    from pagedserve.worker.shape_buckets import ShapeBuckets
 
     block, pad_block = 4, 9
     prefill = _sequence([11, 12, 13, 14, 15, 16])
@@ -70,7 +70,7 @@ def test_bucketed_mixed_step_pads_into_the_pad_block_only():
 
 
 def test_bucketed_decode_step_stays_decode_only():
-    from pagedserve.engine.shape_buckets import ShapeBuckets
+    from pagedserve.worker.shape_buckets import ShapeBuckets
 
     seqs = [_sequence([1, 2, 3]) for _ in range(3)]
     out = SchedulerOutput([ScheduledSequence(s, 2, 1, [i], samples=True)
@@ -84,7 +84,7 @@ def test_bucketed_decode_step_stays_decode_only():
 
 
 def test_bucket_ladders_and_budget():
-    from pagedserve.engine.shape_buckets import ShapeBuckets, ladder
+    from pagedserve.worker.shape_buckets import ShapeBuckets, ladder
 
     assert ladder(1) == (1,) and ladder(8) == (1, 2, 4, 8) and ladder(9) == (1, 2, 4, 8, 9)
     buckets = ShapeBuckets.for_limits(max_num_seqs=8, max_num_batched_tokens=64,

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from pagedserve.config import ConfigError, EngineConfig, ResolvedConfig
-from pagedserve.engine.model_runner import KVCacheSpec, ModelRunner
 from pagedserve.logger import get_logger
 from pagedserve.platforms.interface import Platform
+from pagedserve.worker.model_runner import KVCacheSpec, ModelRunner
 
 logger = get_logger(__name__)
 

@@ -23,14 +23,6 @@ from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedserve.core.sequence import Sequence
 from pagedserve.distributed import TensorParallel, split_heads
-from pagedserve.engine.input_batch import (
-    HostInputs,
-    InFlightTokens,
-    ModelInputs,
-    build_inputs,
-    pack_inputs,
-)
-from pagedserve.engine.shape_buckets import ShapeBuckets
 from pagedserve.logger import get_logger
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.linear import LinearFactory
@@ -40,6 +32,14 @@ from pagedserve.quant.weights import LoadedWeight
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.input_batch import (
+    HostInputs,
+    InFlightTokens,
+    ModelInputs,
+    build_inputs,
+    pack_inputs,
+)
+from pagedserve.worker.shape_buckets import ShapeBuckets
 
 logger = get_logger(__name__)
 

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pagedserve import distributed, envs
 from pagedserve.config import EngineConfig, ResolvedConfig
 from pagedserve.distributed import TensorParallel
-from pagedserve.engine.cache_sizing import CacheSizes, size_kv_cache
-from pagedserve.engine.model_runner import KVCacheSpec, ModelRunner
-from pagedserve.engine.shape_buckets import ShapeBuckets
 from pagedserve.logger import get_logger
 from pagedserve.models import loader
 from pagedserve.platforms import resolve_platform
 from pagedserve.quant.formats import checkpoint_format, load_quantizer
+from pagedserve.worker.cache_sizing import CacheSizes, size_kv_cache
+from pagedserve.worker.model_runner import KVCacheSpec, ModelRunner
+from pagedserve.worker.shape_buckets import ShapeBuckets
 
 logger = get_logger(__name__)
 

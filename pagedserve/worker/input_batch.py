@@ -10,7 +10,7 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.core.sequence import Sequence
-from pagedserve.engine.shape_buckets import ShapeBuckets
+from pagedserve.worker.shape_buckets import ShapeBuckets
 
 
 @dataclass
