@@ -157,11 +157,11 @@ class Executor:
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Block moves of a step that computes nothing, on every rank."""
         if self.remote is None:
-            self.runner.apply_block_ops(ops)
+            self.runner.kv_cache.apply_block_ops(ops)
             return
         with self._watching():
             self.remote.send(StepInput(ops, None, []))
-            self.runner.apply_block_ops(ops)
+            self.runner.kv_cache.apply_block_ops(ops)
 
     def dead_reason(self) -> str | None:
         return self._group.dead_reason() if self._group is not None else None

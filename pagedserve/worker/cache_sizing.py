@@ -8,7 +8,9 @@ from typing import NamedTuple
 from pagedserve.config import ConfigError, EngineConfig, ResolvedConfig
 from pagedserve.logger import get_logger
 from pagedserve.platforms.interface import Platform
-from pagedserve.worker.model_runner import KVCacheSpec, ModelRunner
+from pagedserve.worker.kv_cache import KVCacheSpec
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.warm_up import profile_peak_memory
 
 logger = get_logger(__name__)
 
@@ -45,8 +47,8 @@ def _peak_memory_bytes(config: EngineConfig, resolved: ResolvedConfig,
     """Weights plus the activations of the largest step, measured where the platform can."""
     if not platform.profiles_memory:
         return runner.weight_bytes()
-    peak = runner.profile_peak_memory(resolved.max_num_batched_tokens, config.max_num_seqs,
-                                      resolved.block_size)
+    peak = profile_peak_memory(runner, resolved.max_num_batched_tokens, config.max_num_seqs,
+                               resolved.block_size)
     logger.info("memory profile: weights %.2f GiB, peak with activations %.2f GiB",
                 runner.weight_bytes() / 2**30, peak / 2**30)
     return peak

@@ -12,7 +12,6 @@ under async scheduling.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -20,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from pagedserve.core.kv_cache_manager import BlockOps
-from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
+from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.core.sequence import Sequence
 from pagedserve.distributed import TensorParallel, split_heads
 from pagedserve.logger import get_logger
@@ -31,29 +30,16 @@ from pagedserve.platforms.interface import DeviceEvent, GraphRunner, Platform
 from pagedserve.quant.weights import LoadedWeight
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
-from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.input_batch import (
     HostInputs,
     InFlightTokens,
     ModelInputs,
-    build_inputs,
     pack_inputs,
 )
+from pagedserve.worker.kv_cache import KVCache, KVCacheSpec
 from pagedserve.worker.shape_buckets import ShapeBuckets
 
 logger = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    num_blocks: int
-    block_size: int
-    dtype: torch.dtype
-
-    def bytes_per_block(self, arch: ModelArchConfig, num_kv_heads: int) -> int:
-        """Keys and values of every layer for ``num_kv_heads`` heads (one rank's)."""
-        return (2 * arch.num_layers * num_kv_heads * arch.head_dim * self.block_size
-                * torch.empty(0, dtype=self.dtype).element_size())
 
 
 class PromptLogprobsChunk(NamedTuple):
@@ -129,9 +115,7 @@ class ModelRunner:
                                                     platform.layer_ops(), linears)
         self.model = model.to(dtype=dtype).eval()
         self.sampler = Sampler()
-        self.kv_cache: torch.Tensor | None = None
-        self.kv_caches: list[torch.Tensor] = []
-        self.swap_cache: torch.Tensor | None = None  # host pool, allocated at the first swap
+        self.kv_cache: KVCache | None = None
         self.block_size = 16
         self.graphs: GraphRunner | None = None
         self._last_tokens: torch.Tensor | None = None  # ranks > 0: the last step's samples
@@ -168,17 +152,12 @@ class ModelRunner:
         return self.weight_bytes() - sum(p.numel() * p.element_size() for p in table)
 
     def allocate_kv_cache(self, spec: KVCacheSpec) -> None:
-        """One tensor ``[layers, 2, blocks, block_size, kv_heads, head_dim]`` so block copies and
-        swaps move every layer at once; each layer attends over its own view. With bucketed
-        shapes the pool has one block more than ``spec.num_blocks``: the pad block."""
-        a = self.arch
+        """The rank's KV pool; with bucketed shapes it has one block more than
+        ``spec.num_blocks``: the pad block."""
         self.block_size = spec.block_size
         self.pad_block = spec.num_blocks
-        num_blocks = spec.num_blocks + (self.buckets is not None)
-        self.kv_cache = self.platform.allocate_kv_cache(
-            (a.num_layers, 2, num_blocks, spec.block_size, self.num_kv_heads, a.head_dim),
-            spec.dtype)
-        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.kv_cache = KVCache(self.platform, self.arch, self.num_kv_heads, KVCacheSpec(
+            spec.num_blocks + (self.buckets is not None), spec.block_size, spec.dtype))
 
     def plan(self, out: SchedulerOutput,
              in_flight: InFlightTokens | None = None) -> tuple[StepInput, list[PromptSpan]]:
@@ -246,11 +225,11 @@ class ModelRunner:
         """Block moves, the forward pass, the logits of the sampling rows, and each prompt
         span's logprobs, one span's logits at a time (on ranks other than 0, which get no
         logits, ``spans`` is empty)."""
-        self.apply_block_ops(step.block_ops)
+        self.kv_cache.apply_block_ops(step.block_ops)
         if step.inputs is None:
             return None, {}
         inputs = step.inputs.to_device(self.device, in_flight_tokens)
-        hidden = self._forward(inputs)
+        hidden = self.run_model(inputs)
         sample_logits = None
         if len(step.inputs.sample_rows):
             sample_logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -268,89 +247,22 @@ class ModelRunner:
             result.ready.synchronize()
         return result.host_output
 
-    @torch.inference_mode()
-    def apply_block_ops(self, ops: BlockOps) -> None:
-        """Swap and copy whole blocks (all layers, keys and values) in the order the scheduler
-        relies on: swap-outs, swap-ins, then copy-on-write copies. The host swap pool is
-        allocated at the first swap, in page-locked memory where the platform wants it."""
-        if (ops.swap_out or ops.swap_in) and self.swap_cache is None:
-            shape = list(self.kv_cache.shape)
-            shape[2] = ops.num_host_blocks
-            self.swap_cache = torch.empty(shape, dtype=self.kv_cache.dtype,
-                                          pin_memory=self.platform.pin_swap_memory)
-        for pairs, src_cache, dst_cache in ((ops.swap_out, self.kv_cache, self.swap_cache),
-                                            (ops.swap_in, self.swap_cache, self.kv_cache)):
-            if pairs:
-                src, dst = torch.tensor(pairs, dtype=torch.int64).unbind(1)
-                self.platform.swap_blocks(src_cache, dst_cache, src, dst)
-                # The host side of a swap is read or reused as soon as this returns.
-                self.platform.synchronize()
-        if ops.copies:
-            src, dst = torch.tensor(ops.copies, dtype=torch.int64, device=self.device).unbind(1)
-            self.platform.copy_blocks(self.kv_cache, src, dst)
-
-    def _inputs(self, out: SchedulerOutput) -> ModelInputs:
-        return build_inputs(out, self.block_size, self.device, None, self.buckets,
-                            self.pad_block)
-
-    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+    def run_model(self, inputs: ModelInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs.meta):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers,
+                                inputs.meta)
         self.platform.end_forward()
         return hidden
-
-    @torch.inference_mode()
-    def warm_up(self) -> None:
-        """With bucketed shapes, run each decode shape and one prompt step per token bucket
-        once, so a device that compiles per shape does so before the first request
-        (``len(seqs) * len(widths) + len(tokens)`` forwards at most). Every block table is the
-        pad block, so nothing else is written; the outputs are dropped, so its unwritten
-        slots may be read."""
-        if self.buckets is None:
-            return
-        start = time.perf_counter()
-        steps = [*self._decode_warm_up_steps(), *self._prompt_warm_up_steps()]
-        for out in steps:
-            self._forward(self._inputs(out))
-        self.platform.synchronize()
-        logger.info("warm-up: %d steps over bucketed shapes (at most %d) in %.1fs", len(steps),
-                    self.buckets.num_shapes, time.perf_counter() - start)
-
-    def _decode_warm_up_steps(self) -> list[SchedulerOutput]:
-        steps = []
-        for width in self.buckets.widths:
-            # A context that needs exactly ``width`` blocks, within max_model_len.
-            context = min(width * self.block_size, self.max_model_len) - 1
-            seq = Sequence([0] * (context + 1), SamplingParams(), max_tokens=1)
-            item = ScheduledSequence(seq, context, 1, [self.pad_block] * width, samples=False)
-            steps += [SchedulerOutput([item] * n) for n in self.buckets.seqs]
-        return steps
-
-    def _prompt_warm_up_steps(self) -> list[SchedulerOutput]:
-        steps = []
-        for tokens in self.buckets.tokens[1:]:
-            # One token fewer than the bucket: the padded sequence takes the last one.
-            lengths = self._split_prompt(tokens - 1)
-            steps.append(SchedulerOutput([
-                ScheduledSequence(Sequence([0] * n, SamplingParams(), max_tokens=1), 0, n,
-                                  [self.pad_block] * -(-n // self.block_size), samples=False)
-                for n in lengths]))
-        return steps
-
-    def _split_prompt(self, num_tokens: int) -> list[int]:
-        """``num_tokens`` as prompts of at most ``max_model_len``, as a real step's are."""
-        return [min(self.max_model_len, num_tokens - start)
-                for start in range(0, num_tokens, self.max_model_len)]
 
     def capture_graphs(self, max_num_seqs: int) -> None:
         """Capture decode steps where the platform supports graphs (after the KV pool)."""
         runner_cls = self.platform.graph_runner()
         if runner_cls is None:
             return
-        self.graphs = runner_cls(self.model, self.kv_caches, max_num_seqs, self.max_model_len,
-                                 self.block_size)
+        self.graphs = runner_cls(self.model, self.kv_cache.layers, max_num_seqs,
+                                 self.max_model_len, self.block_size)
         self.graphs.capture()
 
     def release_graphs(self) -> None:
@@ -361,31 +273,6 @@ class ModelRunner:
             self.platform.synchronize()
             self.graphs = None
 
-    @torch.inference_mode()
-    def profile_peak_memory(self, num_tokens: int, max_num_seqs: int, block_size: int) -> int:
-        """Peak device bytes of a forward over ``num_tokens`` prompt tokens plus sampling for
-        ``max_num_seqs`` rows, with a throwaway KV pool just large enough. The tokens are split
-        into prompts of at most ``max_model_len``, as a real step's would be."""
-        lengths = self._split_prompt(num_tokens)
-        tables, next_block = [], 0
-        for n in lengths:
-            blocks = -(-n // block_size)
-            tables.append(list(range(next_block, next_block + blocks)))
-            next_block += blocks
-        self.platform.reset_peak_memory()
-        self.allocate_kv_cache(KVCacheSpec(next_block, block_size, self.kv_dtype))
-        out = SchedulerOutput([
-            ScheduledSequence(Sequence([0] * n, SamplingParams(), max_tokens=1),
-                              0, n, table, samples=True)
-            for n, table in zip(lengths, tables)])
-        hidden = self._forward(self._inputs(out))
-        logits = self.model.compute_logits(hidden[-1:].expand(max_num_seqs, -1))
-        if logits is not None:  # rank 0 alone samples (and gathers the logits)
-            logits.float().softmax(-1)
-        self.platform.synchronize()
-        peak = self.platform.peak_memory_bytes()
-        self.kv_cache, self.kv_caches = None, []
-        return peak
 
 
 def _prompt_spans(out: SchedulerOutput) -> list[PromptSpan]:

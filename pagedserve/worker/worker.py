@@ -19,8 +19,10 @@ from pagedserve.models import loader
 from pagedserve.platforms import resolve_platform
 from pagedserve.quant.formats import checkpoint_format, load_quantizer
 from pagedserve.worker.cache_sizing import CacheSizes, size_kv_cache
-from pagedserve.worker.model_runner import KVCacheSpec, ModelRunner
+from pagedserve.worker.kv_cache import KVCacheSpec
+from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.shape_buckets import ShapeBuckets
+from pagedserve.worker.warm_up import warm_up
 
 logger = get_logger(__name__)
 
@@ -69,7 +71,7 @@ class Worker:
             self.runner.capture_graphs(config.max_num_seqs)
         # After graph capture: HPU graphs record each bucket at its first run. Every rank
         # warms up the same shapes in the same order (the forwards hold collectives).
-        self.runner.warm_up()
+        warm_up(self.runner)
         if self.tp.size > 1:
             logger.info("tensor-parallel rank %d/%d ready in %.1fs", spec.rank, self.tp.size,
                         time.perf_counter() - start)

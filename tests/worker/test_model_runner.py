@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedserve.worker.warm_up import profile_peak_memory
 from tests.tiny_models import make_llm
 
 
@@ -10,8 +11,8 @@ def test_memory_profile_splits_a_budget_longer_than_the_context(llama3_folder):
     would index positions past the rotary table."""
     runner = make_llm(llama3_folder, kv_cache_memory_bytes=1 << 20,
                       max_model_len=64).engine.runner
-    assert runner.profile_peak_memory(num_tokens=3 * 64 + 5, max_num_seqs=4,
-                                      block_size=16) >= 0
+    assert profile_peak_memory(runner, num_tokens=3 * 64 + 5, max_num_seqs=4,
+                               block_size=16) >= 0
     assert runner.kv_cache is None
 
 

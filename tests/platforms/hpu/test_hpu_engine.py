@@ -19,7 +19,8 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.platforms import resolve_platform
-from pagedserve.worker.model_runner import KVCacheSpec
+from pagedserve.worker.kv_cache import KVCacheSpec
+from pagedserve.worker.warm_up import warm_up
 from tests.platforms.hpu.fake_habana import install
 from tests.tiny_models import VOCAB, write_tiny_model
 
@@ -116,7 +117,7 @@ def test_kv_pool_sized_from_the_profiled_peak(fake, model_folder, monkeypatch):
     assert fake.hpu.peak_resets == 1
     per_block = engine.kv_bytes_per_block
     assert engine.kv.pool.num_blocks == ((2 << 20) - (1 << 20)) // per_block - 1
-    assert engine.runner.kv_cache.shape[2] == engine.kv.pool.num_blocks + 1
+    assert engine.runner.kv_cache.pool.shape[2] == engine.kv.pool.num_blocks + 1
 
 
 def test_one_mark_step_per_forward_and_shapes_within_the_bucket_budget(fake, model_folder):
@@ -127,7 +128,7 @@ def test_one_mark_step_per_forward_and_shapes_within_the_bucket_budget(fake, mod
     warm_up_forwards = fake.core.mark_steps
     assert warm_up_forwards == len(buckets.seqs) * len(buckets.widths) + len(buckets.tokens) - 1
     log = ForwardLog(engine.runner.model, fake)
-    engine.runner.warm_up()  # again, to see its shapes (it writes only the pad block)
+    warm_up(engine.runner)  # again, to see its shapes (it writes only the pad block)
     warmed = set(log.shapes)
     warm_up_forwards *= 2
     log.shapes.clear()
