@@ -99,9 +99,9 @@ def main(args: argparse.Namespace) -> None:
     llm = engine_from_args(args)
     engine = llm.engine
     if args.requantize:
-        requantize(engine.runner.model, args.requantize)
+        requantize(engine.executor.runner.model, args.requantize)
     bandwidth = copy_bandwidth(engine.platform)
-    weights = engine.runner.weight_bytes_read_per_token_step()
+    weights = engine.executor.runner.weight_bytes_read_per_token_step()
     kv_per_token = engine.kv_bytes_per_block // engine.resolved.block_size
     rows = []
     for batch in args.batch_sizes:

@@ -63,7 +63,7 @@ def run_format(model: str | None, name: str, new_tokens: int) -> dict:
     options, requantized = FORMATS[name]
     llm = LLM(model=model, device="cpu", kv_cache_memory_bytes=256 << 20, **options)
     if requantized:
-        requantize(llm.engine.runner.model, requantized)
+        requantize(llm.engine.executor.runner.model, requantized)
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -77,7 +77,7 @@ def run_format(model: str | None, name: str, new_tokens: int) -> dict:
                 for r, c in zip(results, continuations)]
 
     return {"tokens": [o.outputs[0].token_ids for o in outputs], "logprobs_of": logprobs_of,
-            "weight_mb": llm.engine.runner.weight_bytes() / 1e6}
+            "weight_mb": llm.engine.executor.runner.weight_bytes() / 1e6}
 
 
 def score(name: str, run: dict, reference: dict) -> dict:

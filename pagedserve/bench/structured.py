@@ -122,7 +122,7 @@ def mask_cost(llm, num_rows: int, reps: int = 20) -> float:
         for token in prefix:
             state.accept(token)
         states += [None, state]
-    vocab, device = engine.arch.vocab_size, engine.runner.device
+    vocab, device = engine.arch.vocab_size, engine.executor.device
     logits = torch.randn(len(states), vocab, device=device)
     start = time.perf_counter()
     for _ in range(reps):

@@ -5,7 +5,8 @@ A request passes three stages, each a module of its own:
 1. ``input_processor``: validate and tokenize; build the core's ``SequenceGroup`` and the
    engine's ``RequestState``.
 2. the core step, here: the scheduler picks the tokens to compute (``core/scheduler``), the
-   model runner computes them and samples (``model_runner``), the scheduler marks them done.
+   executor runs them on every rank and rank 0 samples (``executor``, over ``worker/``), the
+   scheduler marks them done.
 3. ``output_processor``: append the sampled tokens, detokenize, check stops, record logprobs,
    let the beam driver pick beams (``beam_driver``), build ``RequestOutput``s.
 
@@ -50,8 +51,7 @@ from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.structured.grammar_state import GrammarState, build_grammar_mask
 from pagedserve.structured.spec import grammar_spec
-from pagedserve.worker.input_batch import InFlightTokens
-from pagedserve.worker.model_runner import Forward, StepResult
+from pagedserve.worker.step import Forward, InFlightTokens, StepResult
 
 logger = get_logger(__name__)
 
@@ -72,7 +72,6 @@ class LLMEngine:
         self.dtype = self.resolved.dtype
         self.max_model_len = self.resolved.max_model_len
         self.executor = Executor(config)
-        self.runner = self.executor.runner  # rank 0's
         sizes = self.executor.driver.sizes
         self.kv_bytes_per_block = sizes.bytes_per_block
         self.kv = KVCacheManager(sizes.num_blocks, self.resolved.block_size,
@@ -82,7 +81,7 @@ class LLMEngine:
         self.limits = InputLimits(self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
                                   self.eos_token_ids, sizes.num_blocks, self.resolved.block_size,
                                   config.max_grammar_bytes)
-        self.inputs = InputProcessor(self.tokenizer, self.limits, self.runner.device)
+        self.inputs = InputProcessor(self.tokenizer, self.limits, self.executor.device)
         self.outputs = OutputProcessor(self.scheduler.finish,
                                        BeamDriver(self.scheduler, self.tokenizer))
         self._in_flight: StepResult | None = None  # the queued step not yet applied
@@ -282,7 +281,7 @@ class LLMEngine:
             for s in out.scheduled)
 
     def _process(self, result: StepResult) -> list[RequestOutput]:
-        samples = self.runner.fetch_samples(result) if result.sampler_output is not None \
+        samples = self.executor.fetch_samples(result) if result.sampler_output is not None \
             else None
         outputs = self.outputs.process(result, samples)
         if not self.outputs.requests:
@@ -316,11 +315,11 @@ class LLMEngine:
             generators=[r.generator if r is not None else None for r in rows],
             eos_token_ids=sorted(self.eos_token_ids),
             vocab_size=self.arch.vocab_size,
-            device=self.runner.device,
+            device=self.executor.device,
         )
         meta.grammar_mask = build_grammar_mask(
             [r.grammar if r is not None and not r.finished else None for r in rows],
-            self.arch.vocab_size, self.runner.device)
+            self.arch.vocab_size, self.executor.device)
         # Beams read their candidates from the top-k logprobs.
         meta.max_num_logprobs = max(meta.max_num_logprobs, max(
             (r.request.beam.search.num_candidates for r in rows

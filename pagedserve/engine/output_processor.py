@@ -16,7 +16,7 @@ from pagedserve.logger import get_logger
 from pagedserve.outputs import RequestOutput
 from pagedserve.sample.sampler import SamplerOutput
 from pagedserve.structured.grammar_state import GrammarState
-from pagedserve.worker.model_runner import StepResult
+from pagedserve.worker.step import StepResult
 
 logger = get_logger(__name__)
 

@@ -20,13 +20,16 @@ import weakref
 from collections.abc import Iterator
 from typing import Protocol
 
+import torch
+
 from pagedserve import distributed
 from pagedserve.config import ConfigError, EngineConfig
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.sample.metadata import SamplingMetadata
-from pagedserve.worker.input_batch import InFlightTokens
-from pagedserve.worker.model_runner import Forward, ModelRunner, StepInput, StepResult
+from pagedserve.sample.sampler import SamplerOutput
+from pagedserve.worker.model_runner import ModelRunner, StepInput
+from pagedserve.worker.step import Forward, InFlightTokens, StepResult
 from pagedserve.worker.worker import Worker, WorkerSpec
 
 _BACKENDS = {"mp": "pagedserve.executor.mp", "ray": "pagedserve.executor.ray_actors"}
@@ -129,6 +132,11 @@ class Executor:
         """Rank 0's model runner (the whole model where there is one rank)."""
         return self.driver.runner
 
+    @property
+    def device(self) -> torch.device:
+        """Rank 0's device: where the sampling inputs and per-request generators live."""
+        return self.runner.device
+
     def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None,
                 in_flight: InFlightTokens | None) -> StepResult:
         if self.remote is None:
@@ -153,6 +161,13 @@ class Executor:
             return self.runner.sample(forward, sampling)
         with self._watching():
             return self.runner.sample(forward, sampling)
+
+    @staticmethod
+    def fetch_samples(result: StepResult) -> SamplerOutput:
+        """The step's sampled tokens on the host, waiting for the device if need be."""
+        if result.ready is not None:
+            result.ready.synchronize()
+        return result.host_output
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Block moves of a step that computes nothing, on every rank."""

@@ -11,15 +11,7 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.core.sequence import Sequence
 from pagedserve.worker.shape_buckets import ShapeBuckets
-
-
-@dataclass
-class InFlightTokens:
-    """The tokens sampled by the step before this one, still on the device: under async
-    scheduling a stream's next input can be one of them, unknown to the host."""
-
-    token_ids: torch.Tensor  # int64 [num_sampled], on the device
-    rows: dict[Sequence, int]  # stream -> its row in token_ids
+from pagedserve.worker.step import InFlightTokens
 
 
 @dataclass

@@ -26,27 +26,20 @@ from pagedserve.logger import get_logger
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.linear import LinearFactory
 from pagedserve.models.registry import model_class
-from pagedserve.platforms.interface import DeviceEvent, GraphRunner, Platform
+from pagedserve.platforms.interface import GraphRunner, Platform
 from pagedserve.quant.weights import LoadedWeight
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
 from pagedserve.worker.input_batch import (
     HostInputs,
-    InFlightTokens,
     ModelInputs,
     pack_inputs,
 )
 from pagedserve.worker.kv_cache import KVCache, KVCacheSpec
 from pagedserve.worker.shape_buckets import ShapeBuckets
+from pagedserve.worker.step import Forward, InFlightTokens, PromptLogprobsChunk, StepResult
 
 logger = get_logger(__name__)
-
-
-class PromptLogprobsChunk(NamedTuple):
-    """Logprobs of prompt tokens ``first_position+1 ...`` computed in this step's chunk."""
-
-    first_position: int
-    result: tuple  # sampler.prompt_logprobs output
 
 
 class PromptSpan(NamedTuple):
@@ -66,29 +59,6 @@ class StepInput:
     block_ops: BlockOps
     inputs: HostInputs | None  # None: only block moves (nothing scheduled)
     prompt_rows: list[tuple[int, int]]  # (row, count) of each PromptSpan, in order
-
-
-class Forward(NamedTuple):
-    """A step whose forward pass is queued and whose sampling is not."""
-
-    out: SchedulerOutput
-    sample_logits: torch.Tensor | None  # rows of the sampling sequences, on the device
-    prompt: dict[Sequence, PromptLogprobsChunk]
-
-
-class StepResult(NamedTuple):
-    sampled: list[Sequence]  # the streams that sampled, in sampler row order
-    sampler_output: SamplerOutput | None  # on the device
-    # The same, copied to the host without blocking; readable once ``ready`` has passed.
-    host_output: SamplerOutput | None
-    ready: DeviceEvent | None
-    prompt_logprobs: dict[Sequence, PromptLogprobsChunk]
-
-    def in_flight_tokens(self) -> InFlightTokens | None:
-        if self.sampler_output is None:
-            return None
-        return InFlightTokens(self.sampler_output.token_ids,
-                              {seq: row for row, seq in enumerate(self.sampled)})
 
 
 class ModelRunner:
@@ -173,7 +143,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None,
                 in_flight: InFlightTokens | None = None) -> StepResult:
         """Queue one step on the device and return without waiting for it: the sampled
-        tokens are copied to the host in the background (``fetch_samples`` waits for them).
+        tokens are copied to the host in the background (``Executor.fetch_samples`` waits for
+        them).
         ``in_flight``: the previous step's tokens, for chunks whose input is one of them."""
         step, spans = self.plan(out, in_flight)
         return self.execute_planned(out, step, spans, sampling, in_flight)
@@ -239,13 +210,6 @@ class ModelRunner:
             if logits is not None:
                 prompt[spans[i].seq] = _prompt_logprobs(spans[i], logits)
         return sample_logits, prompt
-
-    @staticmethod
-    def fetch_samples(result: StepResult) -> SamplerOutput:
-        """The step's sampled tokens on the host, waiting for the device if need be."""
-        if result.ready is not None:
-            result.ready.synchronize()
-        return result.host_output
 
     def run_model(self, inputs: ModelInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs.meta):

@@ -113,7 +113,7 @@ def test_a_refused_request_fails_alone(engine):
 
 
 def test_step_failure_fails_requests_in_flight_then_serving_resumes(engine):
-    real_execute, failed = engine.runner.execute, []
+    real_execute, failed = engine.executor.runner.execute, []
 
     def execute_failing_once(out, *rest):
         if not failed and len(out.scheduled) == 2:
@@ -121,12 +121,12 @@ def test_step_failure_fails_requests_in_flight_then_serving_resumes(engine):
             raise RuntimeError("device on fire")
         return real_execute(out, *rest)
 
-    engine.runner.execute = execute_failing_once
+    engine.executor.runner.execute = execute_failing_once
     try:
         _, messages = _run(engine, [[_add(("a", [5, 6, 7], LONG), ("b", [5, 6, 9], LONG))],
                                     [], [_add(("c", [5, 6, 7], ONE))]])
     finally:
-        del engine.runner.execute
+        del engine.executor.runner.execute
     failures = {f.request_id: f for m in messages for f in m.failures}
     assert set(failures) == {"a", "b"} and "device on fire" in failures["a"].message
     assert failures["a"].kind == "step"

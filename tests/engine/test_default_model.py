@@ -67,12 +67,12 @@ def test_native_q4_1_matches_transformers_on_the_dequantized_weights(default_mod
 
     llm = LLM(model=str(default_model_folder), device="cpu", dtype="float32",
               kv_cache_memory_bytes=32 << 20)
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     methods = {type(m.method).__name__ for m in model.modules() if isinstance(m, Linear)}
     assert methods <= {"NativeQuantLinearMethod", "Int4PackLinearMethod"}, methods
     assert model.get_input_embeddings().weight is None  # the Q8_0 table, row by row
-    dense = default_llm.engine.runner.weight_bytes()
-    assert llm.engine.runner.weight_bytes() < 0.3 * dense
+    dense = default_llm.engine.executor.runner.weight_bytes()
+    assert llm.engine.executor.runner.weight_bytes() < 0.3 * dense
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]
     assert assert_greedy_matches(llm, default_hf_model, prompts, NEW) >= 2

@@ -82,7 +82,7 @@ def test_greedy_matches_transformers_with_shape_bucketing(tiny_model_folder):
     folder = tiny_model_folder("llama3")
     llm = make_llm(folder, block_size=8, shape_bucketing=True, max_num_seqs=3,
                    max_num_batched_tokens=32)
-    assert llm.engine.runner.buckets is not None
+    assert llm.engine.executor.runner.buckets is not None
     prompts = _prompts(seed=4)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)

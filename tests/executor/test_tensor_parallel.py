@@ -219,7 +219,7 @@ def test_one_rank_calls_no_collective(tiny_model_folder, monkeypatch):
         monkeypatch.setattr(dist, name, refuse)
     llm = make_llm(tiny_model_folder("qwen2"), async_scheduling=True)
     assert llm.engine.executor.remote is None
-    assert not any(getattr(m, "reduce", False) for m in llm.engine.runner.model.modules())
+    assert not any(getattr(m, "reduce", False) for m in llm.engine.executor.runner.model.modules())
     assert all(len(o.outputs[0].token_ids) == 12
                for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False))
 

@@ -191,7 +191,8 @@ NEW_TOKENS = 16
 
 def linear_methods(llm) -> dict[str, str]:
     """Each linear layer's method class, by module name."""
-    return {name: type(m.method).__name__ for name, m in llm.engine.runner.model.named_modules()
+    model = llm.engine.executor.runner.model
+    return {name: type(m.method).__name__ for name, m in model.named_modules()
             if getattr(m, "method", None) is not None}
 
 

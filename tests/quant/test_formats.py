@@ -85,7 +85,7 @@ def test_dummy_weights_take_the_named_form(quantization, kind, llama3_folder) ->
 
     llm = LLM(model=str(llama3_folder), device="cpu", load_format="dummy", dtype="float32",
               quantization=quantization, kv_cache_memory_bytes=1 << 20)
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
     expected = {GroupQuantWeight: "NativeQuantLinearMethod", Fp8Weight: "DenseLinearMethod",
                 None: "DenseLinearMethod"}[kind]

@@ -73,7 +73,7 @@ def test_quantize_at_load_holds_per_row_e4m3_weights(tiny_model_folder, tmp_path
     src = tiny_model_folder(arch)
     ref = write_fp8_at_load_reference(src, tmp_path)
     llm = make_llm(src, dtype="float32", quantization="fp8")
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     for i in range(2):
         layer = f"model.layers.{i}"
         attn, mlp = f"{layer}.self_attn", f"{layer}.mlp"

@@ -152,7 +152,8 @@ def test_engine_matches_transformers_on_dequantized_weights(case, arch, quantize
     assert methods["model.layers.0.self_attn.qkv_proj"] == cpu_quant_kernel
     assert methods["model.layers.1.mlp.down_proj"] == cpu_quant_kernel
     if ENGINE_CASES[case].get("desc_act"):  # q/k/v share one act-order: fused, still packed
-        assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.input_perm is not None
+        qkv = llm.engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.input_perm is not None
     assert_greedy_matches(llm, hf_model(dequantized), random_prompts(case + arch, PROMPT_LENS))
 
 

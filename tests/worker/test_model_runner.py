@@ -10,7 +10,7 @@ def test_memory_profile_splits_a_budget_longer_than_the_context(llama3_folder):
     """A token budget above max_model_len is profiled as several prompts: one prompt that long
     would index positions past the rotary table."""
     runner = make_llm(llama3_folder, kv_cache_memory_bytes=1 << 20,
-                      max_model_len=64).engine.runner
+                      max_model_len=64).engine.executor.runner
     assert profile_peak_memory(runner, num_tokens=3 * 64 + 5, max_num_seqs=4,
                                block_size=16) >= 0
     assert runner.kv_cache is None
@@ -20,7 +20,8 @@ def test_decode_weight_bytes_leave_out_an_untied_embedding_table(tiny_model_fold
     """The decode roofline counts the bytes a step reads: an untied input embedding is read one
     row at a time, a tied one is read whole as the LM head."""
     for arch, tied in (("llama3", False), ("qwen2", True)):
-        runner = make_llm(tiny_model_folder(arch), kv_cache_memory_bytes=1 << 20).engine.runner
+        llm = make_llm(tiny_model_folder(arch), kv_cache_memory_bytes=1 << 20)
+        runner = llm.engine.executor.runner
         table = runner.model.get_input_embeddings().weight
         skipped = 0 if tied else table.numel() * table.element_size()
         assert runner.weight_bytes_read_per_token_step() == runner.weight_bytes() - skipped > 0

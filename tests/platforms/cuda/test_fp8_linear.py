@@ -399,7 +399,7 @@ def test_engine_w8a8_tracks_transformers(device, arch, static, tiny_model_folder
               kv_cache_memory_bytes=64 << 20)
     methods = {m for name, m in linear_methods(llm).items() if "lm_head" not in name}
     assert methods == {"Fp8LinearMethod"}
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     hf = hf_model(ckpt.reference)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
                             logprobs=0)

@@ -117,18 +117,18 @@ def test_kv_pool_sized_from_the_profiled_peak(fake, model_folder, monkeypatch):
     assert fake.hpu.peak_resets == 1
     per_block = engine.kv_bytes_per_block
     assert engine.kv.pool.num_blocks == ((2 << 20) - (1 << 20)) // per_block - 1
-    assert engine.runner.kv_cache.pool.shape[2] == engine.kv.pool.num_blocks + 1
+    assert engine.executor.runner.kv_cache.pool.shape[2] == engine.kv.pool.num_blocks + 1
 
 
 def test_one_mark_step_per_forward_and_shapes_within_the_bucket_budget(fake, model_folder):
     engine = _engine(model_folder, num_blocks=6)
-    buckets = engine.runner.buckets
+    buckets = engine.executor.runner.buckets
     # Warm-up: every decode shape, then a prompt step per token bucket but the first; each
     # forward closed by a mark_step.
     warm_up_forwards = fake.core.mark_steps
     assert warm_up_forwards == len(buckets.seqs) * len(buckets.widths) + len(buckets.tokens) - 1
-    log = ForwardLog(engine.runner.model, fake)
-    warm_up(engine.runner)  # again, to see its shapes (it writes only the pad block)
+    log = ForwardLog(engine.executor.runner.model, fake)
+    warm_up(engine.executor.runner)  # again, to see its shapes (it writes only the pad block)
     warmed = set(log.shapes)
     warm_up_forwards *= 2
     log.shapes.clear()
@@ -154,7 +154,7 @@ def test_one_mark_step_per_forward_and_shapes_within_the_bucket_budget(fake, mod
         if tokens[0] == num_seqs:  # decode shapes were all compiled at warm-up
             assert shape in warmed
     # Decode steps replay through the one wrapped module (its graphs recorded at warm-up).
-    assert len(fake.hpu.wrapped) == 1 and engine.runner.graphs.step is fake.hpu.wrapped[0]
+    assert len(fake.hpu.wrapped) == 1 and engine.executor.runner.graphs.step is fake.hpu.wrapped[0]
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks  # nothing leaked
 
 
@@ -178,7 +178,7 @@ def test_bucketing_keeps_greedy_outputs_and_bounds_shapes(fake, model_folder):
     for bucketing in (True, False):
         engine = _engine(model_folder, num_blocks=6, shape_bucketing=bucketing,
                          preemption_mode="swap", enforce_eager=not bucketing)
-        log = ForwardLog(engine.runner.model, fake)
+        log = ForwardLog(engine.executor.runner.model, fake)
         runs[bucketing] = (_run_workload(engine, seed=1), set(log.shapes))
         assert engine.stats().num_preemptions > 0
     assert runs[True][0] == runs[False][0]

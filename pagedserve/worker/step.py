@@ -1,0 +1,56 @@
+"""The types a step crosses the engine/worker boundary in: what the engine hands back for the
+sampling half of a step (``Forward``), what a step returns (``StepResult``), and the previous
+step's tokens that the next one may read (``InFlightTokens``). The engine holds them and reads
+their host fields; the device tensors they carry it only passes back to the executor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedserve.core.scheduler import SchedulerOutput
+    from pagedserve.core.sequence import Sequence
+    from pagedserve.platforms.interface import DeviceEvent
+    from pagedserve.sample.sampler import SamplerOutput
+
+
+@dataclass
+class InFlightTokens:
+    """The tokens sampled by the step before this one, still on the device: under async
+    scheduling a stream's next input can be one of them, unknown to the host."""
+
+    token_ids: torch.Tensor  # int64 [num_sampled], on the device
+    rows: dict[Sequence, int]  # stream -> its row in token_ids
+
+
+class PromptLogprobsChunk(NamedTuple):
+    """Logprobs of prompt tokens ``first_position+1 ...`` computed in this step's chunk."""
+
+    first_position: int
+    result: tuple  # sampler.prompt_logprobs output
+
+
+class Forward(NamedTuple):
+    """A step whose forward pass is queued and whose sampling is not."""
+
+    out: SchedulerOutput
+    sample_logits: torch.Tensor | None  # rows of the sampling sequences, on the device
+    prompt: dict[Sequence, PromptLogprobsChunk]
+
+
+class StepResult(NamedTuple):
+    sampled: list[Sequence]  # the streams that sampled, in sampler row order
+    sampler_output: SamplerOutput | None  # on the device
+    # The same, copied to the host without blocking; readable once ``ready`` has passed.
+    host_output: SamplerOutput | None
+    ready: DeviceEvent | None
+    prompt_logprobs: dict[Sequence, PromptLogprobsChunk]
+
+    def in_flight_tokens(self) -> InFlightTokens | None:
+        if self.sampler_output is None:
+            return None
+        return InFlightTokens(self.sampler_output.token_ids,
+                              {seq: row for row, seq in enumerate(self.sampled)})
