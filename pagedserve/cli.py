@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from pagedserve.config import ConfigError
+    from pagedserve.errors import ConfigError
     from pagedserve.models.config import UnsupportedModel
     from pagedserve.models.loader import ModelLoadError
     from pagedserve.platforms.interface import PlatformUnavailable

@@ -4,7 +4,8 @@ A field carries its default, and in its metadata the help text, the choices and 
 flags that exclude each other. ``engine_args`` derives the command-line flags from the fields
 and ``LLM(model, **options)`` takes the same names. Values that depend on the model and the
 platform (dtype, context length, token budget, async scheduling) are resolved once, by
-``EngineConfig.resolve``. Bad values raise ``ConfigError`` naming the flag to change.
+``EngineConfig.resolve``. Bad values raise ``ConfigError`` (``errors.py``, the bottom layer)
+naming the flag to change.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from pagedserve.core.scheduler import SchedulerConfig
 from pagedserve.distributed import check_divisible
+from pagedserve.errors import KV_CACHE_DTYPES, ConfigError
 from pagedserve.platforms import DEVICE_NAMES
 from pagedserve.quant.formats import QUANTIZATION_CHOICES
 
@@ -28,14 +30,9 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
                  "bfloat16": torch.bfloat16}
 DTYPES = ("auto", *_TORCH_DTYPES)
 PREEMPTION_MODES = ("auto", "swap", "recompute")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 LOAD_FORMATS = ("auto", "dummy")
 EXECUTOR_BACKENDS = ("mp", "ray")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-class ConfigError(ValueError):
-    """A setting the user must change; the message names the flag."""
 
 
 def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,

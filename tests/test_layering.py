@@ -73,3 +73,13 @@ def test_the_executor_does_not_import_the_engine():
     offending = {module: sorted(m for m in imported if within(m, "pagedserve.engine"))
                  for module, imported in imports_under("executor").items()}
     assert {m: found for m, found in offending.items() if found} == {}
+
+
+def test_the_platforms_and_the_weight_forms_do_not_import_the_config():
+    """The config imports the platform and format registries (for their names); what they
+    raise or check comes from ``errors``, the bottom layer, not back from the config."""
+    offending = {module: sorted(m for m in imported if within(m, "pagedserve.config"))
+                 for folder in ("platforms", "quant")
+                 for module, imported in imports_under(folder).items()}
+    assert {m: found for m, found in offending.items() if found} == {}
+    assert not any(within(m, "pagedserve") for m in imported_modules(PACKAGE / "errors.py"))

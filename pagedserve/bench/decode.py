@@ -92,7 +92,7 @@ def main(args: argparse.Namespace) -> None:
         args.max_num_batched_tokens = max(args.batch_sizes) * args.context_len
     args.max_num_seqs = max(args.max_num_seqs, max(args.batch_sizes))
     if args.requantize and args.tensor_parallel_size > 1:
-        from pagedserve.config import ConfigError
+        from pagedserve.errors import ConfigError
 
         # Requantizing reaches rank 0's layers only.
         raise ConfigError("--requantize needs --tensor-parallel-size 1")

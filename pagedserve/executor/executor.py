@@ -23,9 +23,10 @@ from typing import Protocol
 import torch
 
 from pagedserve import distributed
-from pagedserve.config import ConfigError, EngineConfig
+from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.errors import ConfigError
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sample.sampler import SamplerOutput
 from pagedserve.worker.model_runner import ModelRunner, StepInput

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol
 
 import torch
 
+from pagedserve.errors import ConfigError
+
 if TYPE_CHECKING:
     from pagedserve.attention.backend import AttentionBackend
     from pagedserve.attention.metadata import AttentionMetadata
@@ -119,8 +121,6 @@ class Platform:
     def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
         """The element type of the KV pool for ``--kv-cache-dtype``."""
         if kv_cache_dtype != "auto":
-            from pagedserve.config import ConfigError
-
             raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype} is not supported on the "
                               f"{cls.name} platform; use auto")
         return model_dtype

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.errors import ConfigError
+
 
 @dataclass
 class GroupQuantWeight:
@@ -167,8 +169,6 @@ def take_columns(weight: LoadedWeight, start: int, size: int) -> LoadedWeight:
     if isinstance(weight, Fp8Weight):  # scales are per output row: unchanged
         return Fp8Weight(weight.values[:, start:start + size], weight.scales,
                          weight.input_scale)
-    from pagedserve.config import ConfigError  # here: config imports the formats, and they this
-
     if weight.input_perm is not None:
         raise ConfigError("--tensor-parallel-size: GPTQ act-order (desc_act) weights cannot be "
                           "split across ranks; use --tensor-parallel-size 1")

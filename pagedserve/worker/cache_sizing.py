@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pagedserve.config import ConfigError, EngineConfig, ResolvedConfig
+from pagedserve.config import EngineConfig, ResolvedConfig
+from pagedserve.errors import ConfigError
 from pagedserve.logger import get_logger
 from pagedserve.platforms.interface import Platform
 from pagedserve.worker.kv_cache import KVCacheSpec

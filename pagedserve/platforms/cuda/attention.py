@@ -8,7 +8,7 @@ import torch
 
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.config import KV_CACHE_DTYPES
+from pagedserve.errors import KV_CACHE_DTYPES
 from pagedserve.platforms.cuda.kernels.decode_attention import decode_attention
 from pagedserve.platforms.cuda.kernels.prefill_attention import prefill_attention
 from pagedserve.platforms.cuda.kernels.reshape_and_cache import reshape_and_cache

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import torch
 
+from pagedserve.errors import ConfigError
 from pagedserve.platforms.cuda.platform import CudaPlatform
 from pagedserve.platforms.interface import PlatformUnavailable
 
@@ -46,8 +47,6 @@ class RocmPlatform(CudaPlatform):
         # MI300 (gfx94x) would store float8_e4m3fnuz, which the cache kernels do not encode
         # (they write and read float8_e4m3fn only); gfx950's e4m3fn path is unverified.
         if kv_cache_dtype != "auto":
-            from pagedserve.config import ConfigError
-
             arch = _gcn_arch().split(":")[0]
             raise ConfigError(
                 f"--kv-cache-dtype {kv_cache_dtype} is not supported on rocm ({arch}): "
