@@ -19,9 +19,10 @@ class BlockPool:
       * ``num_shared`` counts blocks whose ref count is above 1;
       * ``_free`` is in eviction order: blocks freed earlier are reused first (LRU), so a cached
         block keeps its contents until the pool truly needs it;
-      * a block with a hash is findable through ``lookup`` until it is reallocated, at which
-        point its hash is dropped. Only full blocks get hashes, and a hashed block is never
-        written again, so sharing it needs no copy.
+      * a block with a hash is findable through ``lookup`` until it is reallocated or its last
+        holder is about to write into it again (``forget_hash``), at which point its hash is
+        dropped. Only full blocks get hashes, and a hashed block is never written again, so
+        sharing it needs no copy.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -52,9 +53,7 @@ class BlockPool:
         if not self._free:
             raise OutOfBlocks("KV cache pool is exhausted")
         block, _ = self._free.popitem(last=False)
-        old = self._hash_of.pop(block, None)
-        if old is not None:
-            del self._block_of[old]
+        self.forget_hash(block)
         self.ref_counts[block] = 1
         return block
 
@@ -82,6 +81,12 @@ class BlockPool:
             return
         self._hash_of[block] = block_hash
         self._block_of[block_hash] = block
+
+    def forget_hash(self, block: int) -> None:
+        """Stop ``lookup`` from finding ``block``, whose contents are about to change."""
+        old = self._hash_of.pop(block, None)
+        if old is not None:
+            del self._block_of[old]
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self._block_of.get(block_hash)

@@ -2,9 +2,19 @@
 swap pool while its request is swapped out.
 
 A stream's block table grows as its tokens are scheduled: ``allocate_slots`` reserves room for
-the next ``k`` tokens before the step that computes them, and ``free`` returns every block the
-moment the stream finishes, is aborted or is preempted. Full blocks are hashed as soon as their
-tokens are scheduled, so later seqs with the same prefix reuse them.
+the next ``k`` tokens before the step that computes them, ``trim`` takes back the last slots
+(rejected draft tokens), and ``free`` returns every block the moment the stream finishes, is
+aborted or is preempted.
+
+The prefix cache holds committed tokens only
+    A full block becomes findable (``cache_full_blocks``) once all its tokens are accepted,
+    that is in ``Sequence.all_token_ids``, and a step at or before the one being scheduled
+    computes them. So a draft token, or a sample still in flight under async scheduling, never
+    makes its block findable; once appended, its block is committed by the stream's next
+    allocation that reaches the end of a block, or an explicit call. A block computed by the step
+    being scheduled is findable within that step (vLLM V1 caches at the same point, capped at
+    the accepted tokens): a request admitted behind another one with the same prompt shares
+    its blocks at once, since attention writes every slot of a step before it reads any.
 
 Sharing and the copy-on-write rule
     A block may sit in several tables: full blocks through the prefix cache (matched by content
@@ -131,7 +141,7 @@ class KVCacheManager:
                       + num_new_tokens)
         while len(table) < self.blocks_for(num_tokens):
             table.append(self.pool.allocate())
-        self._hash_full_blocks(seq, table, num_tokens)
+        self.cache_full_blocks(seq, num_tokens)
         return True
 
     def _fits_in_last_block(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -158,20 +168,52 @@ class KVCacheManager:
             self.pool.release(shared)
             self._ops.copies.append((shared, table[i]))
 
-    def _hash_full_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Commit the full blocks among ``seq``'s first ``num_tokens`` slots to the prefix
+        cache, counting only accepted tokens (see the module doc): the caller vouches that a
+        step at or before the one being scheduled computes them."""
         if not self.enable_caching:
             return
+        table = self.tables.get(seq, [])
         hashes = self._hashes.setdefault(seq, [])
-        num_full = num_tokens // self.block_size
+        num_full = min(num_tokens, seq.num_tokens, len(table) * self.block_size) \
+            // self.block_size
         if num_full <= len(hashes):
             return
         parent = hashes[-1] if hashes else None
-        known = seq.all_token_ids[:num_full * self.block_size]
+        accepted = seq.all_token_ids[:num_full * self.block_size]
         for i, block_hash in enumerate(
-            hash_full_blocks(known, self.block_size, len(hashes), parent), start=len(hashes)
+            hash_full_blocks(accepted, self.block_size, len(hashes), parent), start=len(hashes)
         ):
             hashes.append(block_hash)
             self.pool.register_hash(table[i], block_hash)
+
+    def trim(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Take back ``seq``'s slots from ``num_tokens`` on (rejected draft tokens), between
+        steps; the caller lowers ``num_computed_tokens`` to match. Returns the blocks that
+        left the table, in table order.
+
+        Invariant: the table keeps exactly ``blocks_for(num_tokens)`` blocks. Each block that
+        leaves loses this holder, joins the free queue if it has no other, and keeps any hash
+        it had (a hashed block holds accepted tokens and is never written again). The last
+        kept block, when ``num_tokens`` ends inside it, is partly filled again: this stream
+        will write into it, so if no other table holds it, it is no longer findable; if one
+        does, it stays full and findable for that holder and this stream copies it before
+        writing. The stream's hashes cover its full kept blocks only, so a later swap-in or
+        allocation never re-registers a block past ``num_tokens``."""
+        table = self.tables.get(seq, [])
+        if not 0 <= num_tokens <= len(table) * self.block_size:
+            raise ValueError(f"cannot trim a stream of {len(table)} blocks to {num_tokens} "
+                             "tokens")
+        keep = self.blocks_for(num_tokens)
+        removed = table[keep:]
+        del table[keep:]
+        for block in reversed(removed):  # tail first, as in ``free``
+            self.pool.release(block)
+        if num_tokens % self.block_size and self.pool.ref_counts[table[-1]] == 1:
+            self.pool.forget_hash(table[-1])
+        del self._hashes.get(seq, [])[num_tokens // self.block_size:]
+        return removed
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give ``child`` the parent's whole table, last partial block included: every block
