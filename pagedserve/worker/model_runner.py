@@ -1,4 +1,5 @@
-"""Owns the model weights and the KV cache on one device, and runs one step of the model.
+"""Owns the model weights and the KV pool (``kv_cache.KVCache``) on one device, and runs one
+step of the model.
 
 Under tensor parallelism there is one runner per rank, each holding its slice of the weights
 and of the KV heads. Rank 0's runner (the driver's) plans a step (``plan``: the packed inputs,
