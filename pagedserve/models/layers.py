@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention.backend import AttentionBackend
-from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.models.forward_context import ForwardContext
 from pagedserve.models.layer_ops import LayerOps
 from pagedserve.models.linear import Linear
 
@@ -47,5 +47,5 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.backend = backend
 
-    def forward(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.backend.forward(q, k, v, kv_cache, meta)
+    def forward(self, q, k, v, kv_cache: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.backend.forward(q, k, v, kv_cache, ctx.attn)

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from pagedserve.attention.backend import AttentionBackend
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.distributed import Part, split_heads
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.embedding import VocabEmbedding
+from pagedserve.models.forward_context import ForwardContext
 from pagedserve.models.layer_ops import LayerOps
 from pagedserve.models.layers import PagedAttention, RMSNorm, SiluAndMul
 from pagedserve.models.linear import Linear, LinearFactory
@@ -47,13 +47,13 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(backend)
 
     def forward(self, positions, hidden: torch.Tensor | QuantizedActivation, kv_cache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.out_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, meta)
+        out = self.attn(q, k, v, kv_cache, ctx)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -66,7 +66,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = linears.row(cfg.intermediate_size, cfg.hidden_size)
         self.act = SiluAndMul(ops)
 
-    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation, ctx: ForwardContext) -> torch.Tensor:
+        # ``ctx``: for the LoRA wrappers of these projections (forward_context.py).
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
@@ -80,7 +81,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, positions, hidden, residual, kv_cache, meta):
+    def forward(self, positions, hidden, residual, kv_cache, ctx: ForwardContext):
         # Each norm may hand the projection after it quantized activations (FP8 W8A8).
         qkv_proj = self.self_attn.qkv_proj
         if residual is None:
@@ -88,10 +89,10 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden, into=qkv_proj)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, into=qkv_proj)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden = self.self_attn(positions, hidden, kv_cache, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual,
                                                          into=self.mlp.gate_up_proj)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, ctx), residual
 
 
 class LlamaModel(nn.Module):
@@ -107,10 +108,10 @@ class LlamaModel(nn.Module):
             for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv_caches, ctx: ForwardContext) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, ctx)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -129,9 +130,10 @@ class LlamaForCausalLM(nn.Module):
                                       quantize_at_load=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden]`` for a packed batch of tokens."""
-        return self.model(input_ids, positions, kv_caches, meta)
+                kv_caches: list[torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` for a packed batch of tokens; ``ctx`` is the
+        step's attention metadata and per-row extras, handed to every layer."""
+        return self.model(input_ids, positions, kv_caches, ctx)
 
     def get_input_embeddings(self) -> VocabEmbedding:
         return self.model.embed_tokens

@@ -14,7 +14,7 @@ from pagedserve.errors import ConfigError
 
 if TYPE_CHECKING:
     from pagedserve.attention.backend import AttentionBackend
-    from pagedserve.attention.metadata import AttentionMetadata
+    from pagedserve.models.forward_context import ForwardContext
     from pagedserve.models.layer_ops import LayerOps
     from pagedserve.quant.linear_method import LinearMethod
     from pagedserve.quant.weights import LoadedWeight
@@ -43,10 +43,10 @@ class GraphRunner(Protocol):
 
     def capture(self) -> None: ...
 
-    def can_run(self, meta: AttentionMetadata) -> bool: ...
+    def can_run(self, ctx: ForwardContext) -> bool: ...
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor: ...
+            ctx: ForwardContext) -> torch.Tensor: ...
 
 
 class MemoryInfo(NamedTuple):

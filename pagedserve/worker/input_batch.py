@@ -10,6 +10,7 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.core.sequence import Sequence
+from pagedserve.models.forward_context import ForwardContext
 from pagedserve.worker.shape_buckets import ShapeBuckets
 from pagedserve.worker.step import InFlightTokens
 
@@ -18,7 +19,7 @@ from pagedserve.worker.step import InFlightTokens
 class ModelInputs:
     input_ids: torch.Tensor  # int64 [num_tokens]
     positions: torch.Tensor  # int64 [num_tokens]
-    meta: AttentionMetadata
+    ctx: ForwardContext  # the attention metadata and the per-row extras
     # Row of each sampling sequence's last token, in scheduling order.
     logits_indices: torch.Tensor  # int64 [num_sampling]
 
@@ -69,7 +70,8 @@ class HostInputs:
             input_ids[to_dev(self.fill_rows, torch.int64)] = in_flight_tokens[
                 to_dev(self.fill_sources, torch.int64)]
         return ModelInputs(input_ids=input_ids, positions=to_dev(self.positions, torch.int64),
-                           meta=meta, logits_indices=to_dev(self.sample_rows, torch.int64))
+                           ctx=ForwardContext(meta),
+                           logits_indices=to_dev(self.sample_rows, torch.int64))
 
 
 def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device,

@@ -213,11 +213,11 @@ class ModelRunner:
         return sample_logits, prompt
 
     def run_model(self, inputs: ModelInputs) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.can_run(inputs.meta):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        if self.graphs is not None and self.graphs.can_run(inputs.ctx):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.ctx)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers,
-                                inputs.meta)
+                                inputs.ctx)
         self.platform.end_forward()
         return hidden
 

@@ -30,15 +30,15 @@ def test_mixed_step_packs_chunks_positions_slots_and_tables():
     assert inputs.input_ids.tolist() == [13, 14, 15, 16, 91]
     assert inputs.positions.tolist() == [2, 3, 4, 5, 3]
     # token j of a sequence sits at block_table[j // 4] * 4 + j % 4
-    assert inputs.meta.slot_mapping.tolist() == [30, 31, 12, 13, 23]
-    assert inputs.meta.block_tables.tolist() == [[7, 3], [5, 0]]
-    assert inputs.meta.query_start_loc.tolist() == [0, 4, 5]
-    assert inputs.meta.seq_lens.tolist() == [6, 4]
-    assert inputs.meta.context_lens.tolist() == [2, 3]
+    assert inputs.ctx.attn.slot_mapping.tolist() == [30, 31, 12, 13, 23]
+    assert inputs.ctx.attn.block_tables.tolist() == [[7, 3], [5, 0]]
+    assert inputs.ctx.attn.query_start_loc.tolist() == [0, 4, 5]
+    assert inputs.ctx.attn.seq_lens.tolist() == [6, 4]
+    assert inputs.ctx.attn.context_lens.tolist() == [2, 3]
     assert inputs.logits_indices.tolist() == [3, 4]
-    assert inputs.meta.max_query_len == 4 and inputs.meta.max_seq_len == 6
-    assert inputs.meta.block_tables.dtype == torch.int32
-    assert inputs.input_ids.dtype == inputs.meta.slot_mapping.dtype == torch.int64
+    assert inputs.ctx.attn.max_query_len == 4 and inputs.ctx.attn.max_seq_len == 6
+    assert inputs.ctx.attn.block_tables.dtype == torch.int32
+    assert inputs.input_ids.dtype == inputs.ctx.attn.slot_mapping.dtype == torch.int64
 
 
 def test_bucketed_mixed_step_pads_into_the_pad_block_only():
@@ -58,7 +58,7 @@ def test_bucketed_mixed_step_pads_into_the_pad_block_only():
     inputs = build_inputs(out, block, torch.device("cpu"), buckets=buckets,
                           pad_block=pad_block)
     # 2 sequences + the padded one -> 4; 5 tokens + 2 padded sequences -> 8; 2 blocks -> 2.
-    meta = inputs.meta
+    meta = inputs.ctx.attn
     assert (meta.num_seqs, meta.num_tokens, meta.block_tables.shape[1]) == (4, 8, 2)
     assert inputs.input_ids.tolist() == [13, 14, 15, 16, 24, 0, 0, 0]
     assert inputs.positions.tolist() == [2, 3, 4, 5, 3, 0, 0, 0]
@@ -78,9 +78,9 @@ def test_bucketed_decode_step_stays_decode_only():
                            for i, s in enumerate(seqs)])
     buckets = ShapeBuckets.for_limits(8, 64, 8)
     inputs = build_inputs(out, 4, torch.device("cpu"), buckets=buckets, pad_block=20)
-    assert inputs.meta.is_decode_only
-    assert inputs.meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
-    assert inputs.meta.slot_mapping.tolist() == [2, 6, 10, 80]
+    assert inputs.ctx.attn.is_decode_only
+    assert inputs.ctx.attn.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert inputs.ctx.attn.slot_mapping.tolist() == [2, 6, 10, 80]
     assert inputs.logits_indices.tolist() == [0, 1, 2]
 
 

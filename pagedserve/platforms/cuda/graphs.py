@@ -3,7 +3,9 @@
 Each captured graph runs one decode step for a fixed padded batch size over persistent input
 buffers. Replay copies the step's inputs into those buffers; padded rows get slot -1 (the cache
 write skips them) and a context of one token, and their outputs are dropped. The decode grid is
-sized for ``max_model_len`` so one graph serves every context length.
+sized for ``max_model_len`` so one graph serves every context length. The graphs are captured
+with a ``ForwardContext`` over those buffers and no per-row extras, so a step that carries one
+runs eagerly (models/forward_context.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.logger import get_logger
+from pagedserve.models.forward_context import ForwardContext
 
 logger = get_logger(__name__)
 
@@ -54,7 +57,7 @@ class CudaGraphRunner:
 
     def _forward(self, bs: int) -> torch.Tensor:
         return self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches,
-                          self._meta(bs))
+                          ForwardContext(self._meta(bs)))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -72,11 +75,14 @@ class CudaGraphRunner:
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1fs", len(self.sizes),
                     self.sizes[0], self.sizes[-1], time.perf_counter() - start)
 
-    def can_run(self, meta: AttentionMetadata) -> bool:
-        return meta.is_decode_only and meta.num_seqs <= self.sizes[-1]
+    def can_run(self, ctx: ForwardContext) -> bool:
+        meta = ctx.attn
+        return (meta.is_decode_only and meta.num_seqs <= self.sizes[-1]
+                and not ctx.has_row_extras)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
+            ctx: ForwardContext) -> torch.Tensor:
+        meta = ctx.attn
         n = meta.num_seqs
         bs = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)

@@ -5,7 +5,8 @@ after that; it keys graphs by hashing its arguments, so the step's attention met
 passed as tensors (whose shapes are the bucket) and rebuilt inside. Engine warm-up runs every
 decode bucket once, so every graph is recorded before the first request. Steps with prompt
 chunks run eagerly: their Python control flow depends on the query lengths, which a recorded
-graph would freeze.
+graph would freeze. Per-row extras (models/forward_context.py) are not among the graph's
+inputs, so a step that carries one runs eagerly too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.models.forward_context import ForwardContext
 from pagedserve.platforms.hpu.platform import habana_module
 
 
@@ -38,7 +40,7 @@ class _DecodeStep(torch.nn.Module):
             block_size=self.block_size, query_start_loc=query_start_loc, seq_lens=seq_lens,
             context_lens=context_lens, block_tables=block_tables, slot_mapping=slot_mapping,
             query_lens_cpu=[1] * n, seq_lens_cpu=[capacity] * n)
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model(input_ids, positions, self.kv_caches, ForwardContext(meta))
 
 
 class HpuGraphRunner:
@@ -51,13 +53,15 @@ class HpuGraphRunner:
         """Wrap the decode step; each bucket's graph is recorded at its first run (warm-up)."""
         self.step = habana_module("hpu").wrap_in_hpu_graph(self.step)
 
-    def can_run(self, meta: AttentionMetadata) -> bool:
+    def can_run(self, ctx: ForwardContext) -> bool:
         # Bucketed steps only (their max_seq_len is the table's capacity): graphs of
         # unbucketed shapes would pile up without bound.
-        return (meta.is_decode_only
+        meta = ctx.attn
+        return (meta.is_decode_only and not ctx.has_row_extras
                 and meta.max_seq_len == meta.block_tables.shape[1] * self.block_size)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
+            ctx: ForwardContext) -> torch.Tensor:
+        meta = ctx.attn
         return self.step(input_ids, positions, meta.query_start_loc, meta.seq_lens,
                          meta.context_lens, meta.block_tables, meta.slot_mapping)
