@@ -70,8 +70,9 @@ class ScheduledSequence(NamedTuple):
     num_computed_tokens: int  # tokens already in the cache before this step
     num_new_tokens: int
     block_ids: list[int]
-    # The chunk reaches the end of the known tokens, so the step samples a new one.
-    samples: bool
+    # Positions the step samples at: the last ``num_sample_positions`` of the chunk's tokens.
+    # 1 when the chunk reaches the end of the known tokens (the next token), else 0.
+    num_sample_positions: int
 
 
 @dataclass
@@ -390,7 +391,7 @@ class Scheduler:
         computed = seq.num_computed_tokens
         out.scheduled.append(ScheduledSequence(
             seq, computed, num_new, self.kv.block_table(seq),
-            samples=computed + num_new == self._num_tokens(seq),
+            num_sample_positions=int(computed + num_new == self._num_tokens(seq)),
         ))
 
     # ---- after the step -----------------------------------------------------------------
@@ -399,8 +400,8 @@ class Scheduler:
         appends it; call once the step's forward pass is queued."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-            if item.samples:
-                item.seq.num_pending_tokens += 1
+            if item.num_sample_positions:
+                item.seq.num_pending_tokens += item.num_sample_positions
                 item.seq.group.resumed = False
 
     def fork(self, parent: Sequence) -> Sequence:

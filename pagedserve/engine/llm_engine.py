@@ -304,9 +304,10 @@ class LLMEngine:
     def _sampling_metadata(self, out: SchedulerOutput) -> SamplingMetadata | None:
         """A row per sampling sequence; one whose request has finished since it was scheduled
         (its token will be dropped) samples with its parameters and nothing else."""
-        seqs = [s.seq for s in out.scheduled if s.samples]
-        if not seqs:
+        sampling = [s for s in out.scheduled if s.num_sample_positions]
+        if not sampling:
             return None
+        seqs = [s.seq for s in sampling]
         rows = [self.outputs.find(seq) for seq in seqs]
         meta = SamplingMetadata.build(
             params=[seq.params for seq in seqs],
@@ -316,7 +317,10 @@ class LLMEngine:
             eos_token_ids=sorted(self.eos_token_ids),
             vocab_size=self.arch.vocab_size,
             device=self.executor.device,
+            num_positions=[s.num_sample_positions for s in sampling],
         )
+        # A mask row per sequence: right while each samples one position (a grammar row
+        # sampling several would need its matcher advanced over the tokens before each).
         meta.grammar_mask = build_grammar_mask(
             [r.grammar if r is not None and not r.finished else None for r in rows],
             self.arch.vocab_size, self.executor.device)
@@ -351,7 +355,7 @@ class LLMEngine:
 
 
 def _samples_with_grammar(out: SchedulerOutput) -> bool:
-    return any(s.samples and s.seq.params.structured_outputs is not None
+    return any(s.num_sample_positions and s.seq.params.structured_outputs is not None
                for s in out.scheduled)
 
 

@@ -62,7 +62,8 @@ class OutputProcessor:
         outputs of the requests it changed, finished ones forgotten."""
         touched = self._apply_prompt_logprobs(result)
         if samples is not None:
-            touched |= self._apply_samples(result.sampled, _HostSamples.of(samples))
+            touched |= self._apply_samples(result.sampled, result.num_positions,
+                                           HostSamples.of(samples))
         return self._outputs(touched)
 
     def _apply_prompt_logprobs(self, result: StepResult) -> set[RequestState]:
@@ -88,25 +89,25 @@ class OutputProcessor:
             touched.add(state.request)
         return touched
 
-    def _apply_samples(self, sampled: list[Sequence], rows: _HostSamples) -> set[RequestState]:
+    def _apply_samples(self, sampled: list[Sequence], num_positions: list[int],
+                       rows: HostSamples) -> set[RequestState]:
         touched, beam_requests = set(), set()
         now = time.time()
-        for i, seq in enumerate(sampled):
+        for i, (seq, count) in enumerate(zip(sampled, num_positions, strict=True)):
             state = self._seqs.get(seq)
-            # A sequence that stopped or was aborted since the step was scheduled: its token
-            # is dropped.
+            # A sequence that stopped or was aborted since the step was scheduled: its tokens
+            # are dropped.
             if state is None or state.finished:
                 continue
             if seq.max_tokens == 0:  # only the prompt was asked for: no token is output
                 self._finish(seq, SequenceStatus.FINISHED_LENGTH)
                 touched.add(state.request)
                 continue
-            if state.request.beam is not None:
-                self._beams.offer(state, rows.top_ids[i], rows.top_logprobs[i])
+            if state.request.beam is not None:  # beams sample one position
+                self._beams.offer(state, rows.top_ids[i][0], rows.top_logprobs[i][0])
                 beam_requests.add(state.request)
                 continue
-            self._apply_sample(state, rows, i)
-            state.request.metrics.num_generated_tokens += 1
+            self.append_tokens(state, rows, i, count)
             _record_token_time(state.request, now)
             touched.add(state.request)
         for request in beam_requests:
@@ -115,16 +116,29 @@ class OutputProcessor:
                 touched.add(request)
         return touched
 
-    def _apply_sample(self, state: SequenceState, rows: _HostSamples, i: int) -> None:
-        seq, token = state.seq, rows.tokens[i]
+    def append_tokens(self, state: SequenceState, rows: HostSamples, i: int,
+                      count: int) -> int:
+        """Append row ``i``'s first ``count`` tokens to its sequence one by one, each checked
+        for a stop (EOS, stop tokens and strings, max_tokens, min_tokens, the grammar) as if
+        it were the only one; the tokens after a stop are dropped. Returns how many were (the
+        KV slots they took are the sequence's last ones)."""
+        for j in range(count):
+            self._apply_sample(state, rows, i, j)
+            if state.finished:
+                return count - 1 - j
+        return 0
+
+    def _apply_sample(self, state: SequenceState, rows: HostSamples, i: int, j: int) -> None:
+        seq, token = state.seq, rows.tokens[i][j]
         if state.cumulative_logprob is not None:
-            state.cumulative_logprob += rows.logprobs[i]
+            state.cumulative_logprob += rows.logprobs[i][j]
         if state.logprobs is not None:
             k = seq.params.logprobs
             state.logprobs.append(token_logprobs(
-                token, rows.logprobs[i], rows.ranks[i],
-                rows.top_ids[i][:k] if k else [], rows.top_logprobs[i][:k] if k else [],
+                token, rows.logprobs[i][j], rows.ranks[i][j],
+                rows.top_ids[i][j][:k] if k else [], rows.top_logprobs[i][j][:k] if k else [],
                 state.detokenizer.decode_token))
+        state.request.metrics.num_generated_tokens += 1
         seq.append_output(token)
         self.num_generation_tokens += 1
         if seq.params.detokenize:
@@ -164,17 +178,18 @@ class OutputProcessor:
         return outputs
 
 
-class _HostSamples(NamedTuple):
-    """A step's sampler output as host lists: one transfer per tensor for the whole batch."""
+class HostSamples(NamedTuple):
+    """A step's sampler output as host lists, ``[row][position]``: one transfer per tensor
+    for the whole batch."""
 
-    tokens: list[int]
-    logprobs: list[float] | None  # None where no row of the step needed logprobs
-    ranks: list[int] | None
-    top_ids: list[list[int]] | None
-    top_logprobs: list[list[float]] | None
+    tokens: list[list[int]]
+    logprobs: list[list[float]] | None  # None where no row of the step needed logprobs
+    ranks: list[list[int]] | None
+    top_ids: list[list[list[int]]] | None
+    top_logprobs: list[list[list[float]]] | None
 
     @classmethod
-    def of(cls, sampled: SamplerOutput) -> _HostSamples:
+    def of(cls, sampled: SamplerOutput) -> HostSamples:
         return cls(sampled.token_ids.tolist(),
                    *(None if t is None else t.tolist() for t in sampled[1:]))
 

@@ -2,6 +2,13 @@
 
 Every optional field is ``None`` when no row in the batch needs it, which is how the sampler
 skips work: an all-greedy batch without penalties is a single ``argmax``.
+
+Sample positions: a sequence may sample at several positions of a step (the last ``m`` of its
+scheduled tokens). The metadata then has one row per position, a sequence's positions
+consecutive, each with its sequence's settings; ``positions`` says how they fold back into
+``[sequences, max_positions]``. Position ``j`` of a sequence counts ``j`` more output tokens
+for min_tokens (the tokens before it are the ones it follows); penalties count the output as of
+the step, since the tokens a later position follows are not known to the sampler.
 """
 
 from __future__ import annotations
@@ -9,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import NamedTuple
 
 import torch
 
@@ -29,10 +37,38 @@ class Penalties:
     presence: torch.Tensor  # float32 [N, 1]
     frequency: torch.Tensor  # float32 [N, 1]
 
+    def repeat_rows(self, counts: torch.Tensor, total: int) -> Penalties:
+        """Row i repeated ``counts[i]`` times (``total`` rows in all, so no device sync)."""
+        def rep(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.repeat_interleave(counts, dim=0, output_size=total)
+
+        return Penalties(rep(self.output_counts), rep(self.prompt_mask), rep(self.repetition),
+                         rep(self.presence), rep(self.frequency))
+
+
+class SamplePositions(NamedTuple):
+    """How the P position rows of a batch fold into ``[num_rows, max_positions]``: row ``p`` is
+    slot ``slots[p]`` of the flattened fold (sequence ``i``'s positions fill the first
+    ``counts[i]`` slots of its row; the rest are padding)."""
+
+    counts: list[int]  # positions of each sequence, in row order (each at least 1)
+    max_positions: int
+    slots: torch.Tensor  # int64 [P], on the device
+
+    @classmethod
+    def of(cls, counts: list[int], device: torch.device) -> SamplePositions | None:
+        """None when every sequence samples once: the rows are then the sequences."""
+        if all(c == 1 for c in counts):
+            return None
+        width = max(counts)
+        slots = [i * width + j for i, c in enumerate(counts) for j in range(c)]
+        return cls(list(counts), width, to_device(slots, torch.int64, device))
+
 
 @dataclass(slots=True)
 class SamplingMetadata:
-    """Tensors for one step's batch of N rows, one row per sequence that samples this step."""
+    """Tensors for one step's batch of N rows, one row per sample position (one per sequence
+    that samples this step, unless ``positions`` says otherwise)."""
 
     all_greedy: bool
     greedy: torch.Tensor | None  # bool [N]; None when no row is greedy
@@ -49,6 +85,7 @@ class SamplingMetadata:
     penalties: Penalties | None
     # Allowed tokens of the rows with a grammar; set by the engine, which holds the grammars.
     grammar_mask: GrammarMask | None = None
+    positions: SamplePositions | None = None  # None: one position per sequence
 
     @property
     def edits_logits(self) -> bool:
@@ -67,10 +104,35 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device,
         eos_token_ids: Sequence[int],
+        num_positions: list[int] | None = None,
     ) -> SamplingMetadata:
         """``vocab_size`` is the logits' width (the model's padded vocabulary), not the
         tokenizer's. ``generators[i]`` is row i's request generator (on ``device``) or None.
-        Token ids in the params must already be checked (``check_token_ids``, at admission)."""
+        Token ids in the params must already be checked (``check_token_ids``, at admission).
+        ``num_positions[i]``: the positions sequence i samples at (None: one each); the
+        lists are per sequence, the result has a row per position (see the module doc)."""
+        positions = SamplePositions.of(num_positions, device) if num_positions else None
+        penalties = _penalties(params, prompt_token_ids, output_token_ids, vocab_size, device)
+        if positions is None:
+            return cls._build(params, generators, vocab_size, device, eos_token_ids,
+                              [len(out) for out in output_token_ids], penalties)
+        # A sequence's rows repeat its settings (and share its generator, which draws for
+        # them in order); its penalty counts are built once and repeated on the device.
+        seq_of = [i for i, c in enumerate(positions.counts) for _ in range(c)]
+        if penalties is not None:
+            penalties = penalties.repeat_rows(to_device(positions.counts, torch.int64, device),
+                                              len(seq_of))
+        meta = cls._build(
+            [params[i] for i in seq_of], [generators[i] for i in seq_of], vocab_size, device,
+            eos_token_ids, [len(output_token_ids[i]) + j for i, c in enumerate(positions.counts)
+                            for j in range(c)], penalties)
+        meta.positions = positions
+        return meta
+
+    @classmethod
+    def _build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+               vocab_size: int, device: torch.device, eos_token_ids: Sequence[int],
+               num_output_tokens: list[int], penalties: Penalties | None) -> SamplingMetadata:
         greedy = [p.is_greedy for p in params]
         return cls(
             all_greedy=all(greedy),
@@ -82,8 +144,8 @@ class SamplingMetadata:
             max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
             needs_logprobs=any(p.needs_logprobs for p in params),
             logit_bias=_logit_bias(params, device),
-            min_tokens_mask=_min_tokens_mask(params, output_token_ids, eos_token_ids, device),
-            penalties=_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),
+            min_tokens_mask=_min_tokens_mask(params, num_output_tokens, eos_token_ids, device),
+            penalties=penalties,
         )
 
 
@@ -142,15 +204,15 @@ def _logit_bias(
 
 def _min_tokens_mask(
     params: list[SamplingParams],
-    output_token_ids: list[list[int]],
+    num_output_tokens: list[int],
     eos_token_ids: Sequence[int],
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Stop tokens to forbid in rows still short of min_tokens. As in vLLM, ``ignore_eos``
     takes EOS out of the stop set, so it is not masked either."""
     entries = [(row, tok)
-               for row, (p, out) in enumerate(zip(params, output_token_ids, strict=True))
-               if len(out) < p.min_tokens
+               for row, (p, num_out) in enumerate(zip(params, num_output_tokens, strict=True))
+               if num_out < p.min_tokens
                for tok in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))]
     if not entries:
         return None

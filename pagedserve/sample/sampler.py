@@ -16,25 +16,35 @@ from typing import NamedTuple
 import torch
 
 from pagedserve.sample.logprobs import LogprobsTensors, compute_logprobs
-from pagedserve.sample.metadata import Penalties, SamplingMetadata
+from pagedserve.sample.metadata import Penalties, SamplePositions, SamplingMetadata
 from pagedserve.structured.grammar_state import GrammarMask
 
 
 class SamplerOutput(NamedTuple):
-    token_ids: torch.Tensor  # int64 [N]
+    """Per sequence and sample position: row i's first ``counts[i]`` positions are its
+    samples (``SamplePositions.counts``; one each where the metadata has no ``positions``),
+    the slots after them are padding."""
+
+    token_ids: torch.Tensor  # int64 [N, M]
     # The rest is None when no row needs logprobs (``SamplingMetadata.needs_logprobs``).
-    logprobs: torch.Tensor | None  # float32 [N]: logprob of the sampled token
-    ranks: torch.Tensor | None  # int64 [N]: rank of the sampled token (1 = most likely)
-    top_ids: torch.Tensor | None  # int64 [N, K], K = meta.max_num_logprobs; None if K == 0
-    top_logprobs: torch.Tensor | None  # float32 [N, K]
+    logprobs: torch.Tensor | None  # float32 [N, M]: logprob of the sampled token
+    ranks: torch.Tensor | None  # int64 [N, M]: rank of the sampled token (1 = most likely)
+    top_ids: torch.Tensor | None  # int64 [N, M, K], K = meta.max_num_logprobs; None if K == 0
+    top_logprobs: torch.Tensor | None  # float32 [N, M, K]
 
 
 class Sampler:
     """Stateless; a class so the model runner can hold and swap it like its other parts."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """``logits``: [N, V] in the model's dtype; float32 copies are made only where a
-        step edits them, samples at random or reports logprobs."""
+        """``logits``: [P, V] in the model's dtype, a row per sample position (``meta``'s
+        rows); float32 copies are made only where a step edits them, samples at random or
+        reports logprobs."""
+        return fold_positions(self._sample(logits, meta), meta.positions)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """A row per position: [P] tokens."""
         if meta.all_greedy and not meta.edits_logits and not meta.needs_logprobs:
             # The argmax of the model's own dtype is the argmax of its float32 values (the
             # cast is exact): no [N, V] float32 copy.
@@ -44,6 +54,20 @@ class Sampler:
         if not meta.needs_logprobs:
             return SamplerOutput(token_ids, None, None, None, None)
         return SamplerOutput(token_ids, *compute_logprobs(logits, token_ids, meta.max_num_logprobs))
+
+
+def fold_positions(out: SamplerOutput, positions: SamplePositions | None) -> SamplerOutput:
+    """[P, ...] position rows as [N, M, ...]; one position per row is a view, no copy."""
+    if positions is None:
+        return SamplerOutput(*(None if t is None else t.unsqueeze(1) for t in out))
+    num_rows = len(positions.counts)
+
+    def fold(t: torch.Tensor) -> torch.Tensor:
+        rows = t.new_zeros((num_rows * positions.max_positions, *t.shape[1:]))
+        return rows.index_copy_(0, positions.slots, t).view(
+            num_rows, positions.max_positions, *t.shape[1:])
+
+    return SamplerOutput(*(None if t is None else fold(t) for t in out))
 
 
 def prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor, k: int) -> LogprobsTensors:

@@ -20,8 +20,8 @@ class ModelInputs:
     input_ids: torch.Tensor  # int64 [num_tokens]
     positions: torch.Tensor  # int64 [num_tokens]
     ctx: ForwardContext  # the attention metadata and the per-row extras
-    # Row of each sampling sequence's last token, in scheduling order.
-    logits_indices: torch.Tensor  # int64 [num_sampling]
+    # Rows of each sampling sequence's sample positions, in scheduling order.
+    logits_indices: torch.Tensor  # int64 [num_sample_positions]
 
 
 @dataclass
@@ -41,7 +41,8 @@ class HostInputs:
     # backend derives from it are bucketed too.
     max_seq_len: int
     block_size: int
-    sample_rows: np.ndarray  # int64 [num_sampling]
+    sample_rows: np.ndarray  # int64 [num_sample_positions]: rows of the sample positions
+    sample_counts: np.ndarray  # int64 [num_sampling]: sample positions of each sequence
     # Rows whose token is row ``fill_sources[i]`` of the previous step's sampled tokens.
     fill_rows: np.ndarray
     fill_sources: np.ndarray
@@ -89,7 +90,7 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
     ``in_flight_rows[seq]`` of the previous step's output, on the device. With ``buckets``
     the batch is padded to a bucketed shape with sequences whose keys and values go to block
     ``pad_block`` (shape_buckets.py states the invariants)."""
-    ids, query_lens, context_lens, tables, sample_rows = [], [], [], [], []
+    ids, query_lens, context_lens, tables, sample_ends, sample_counts = [], [], [], [], [], []
     fill_rows, fill_sources = [], []
     row = 0
     for item in out.scheduled:
@@ -104,8 +105,9 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
         context_lens.append(start)
         tables.append(item.block_ids)
         row += n
-        if item.samples:
-            sample_rows.append(row - 1)
+        if item.num_sample_positions:
+            sample_ends.append(row)
+            sample_counts.append(item.num_sample_positions)
     max_blocks = max(len(t) for t in tables)
     if buckets is not None:
         shape = buckets.pad(len(query_lens), row, max_blocks)
@@ -136,9 +138,17 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
         query_lens=query_lens,
         max_seq_len=(int(seq_lens_np.max()) if buckets is None else max_blocks * block_size),
         block_size=block_size,
-        sample_rows=np.asarray(sample_rows, dtype=np.int64),
+        sample_rows=_sample_rows(sample_ends, sample_counts),
+        sample_counts=np.asarray(sample_counts, dtype=np.int64),
         fill_rows=np.asarray(fill_rows, dtype=np.int64),
         fill_sources=np.asarray(fill_sources, dtype=np.int64))
+
+
+def _sample_rows(ends: list[int], counts: list[int]) -> np.ndarray:
+    """The last ``counts[i]`` rows before row ``ends[i]``, for each sampling sequence."""
+    counts_np = np.asarray(counts, dtype=np.int64)
+    offsets = np.arange(counts_np.sum()) - np.repeat(np.cumsum(counts_np) - counts_np, counts_np)
+    return np.repeat(np.asarray(ends, dtype=np.int64) - counts_np, counts_np) + offsets
 
 
 def _pad_query_lens(num_seqs: int, num_tokens: int) -> list[int]:

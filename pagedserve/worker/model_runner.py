@@ -167,7 +167,7 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, forward: Forward, sampling: SamplingMetadata | None) -> StepResult:
         """The second half: sample (and hand the tokens to the other ranks)."""
-        sampled = [s.seq for s in forward.out.scheduled if s.samples]
+        sampled = [s for s in forward.out.scheduled if s.num_sample_positions]
         sampler_output = host_output = ready = None
         if sampled:
             sampler_output = self.sampler(forward.sample_logits, sampling)
@@ -178,16 +178,18 @@ class ModelRunner:
                 None if t is None else t.to("cpu", non_blocking=self.platform.runs_ahead)
                 for t in sampler_output))
             ready = self.platform.record_event()
-        return StepResult(sampled, sampler_output, host_output, ready, forward.prompt)
+        return StepResult([s.seq for s in sampled], [s.num_sample_positions for s in sampled],
+                          sampler_output, host_output, ready, forward.prompt)
 
     @torch.inference_mode()
     def follow(self, step: StepInput) -> None:
         """A rank other than 0 runs the step rank 0 planned, and keeps its sampled tokens."""
         self._run(step, self._last_tokens, [])
         if step.inputs is not None and len(step.inputs.sample_rows):
-            tokens = torch.empty(len(step.inputs.sample_rows), dtype=torch.int64,
+            counts = step.inputs.sample_counts  # rank 0 sends [num_sampling, max_positions]
+            tokens = torch.empty((len(counts), int(counts.max())), dtype=torch.int64,
                                  device=self.device)
-            self._last_tokens = self.tp.broadcast_from_first(tokens)
+            self._last_tokens = self.tp.broadcast_from_first(tokens).view(-1)
         elif step.inputs is not None:
             self._last_tokens = None
 

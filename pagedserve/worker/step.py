@@ -22,8 +22,8 @@ class InFlightTokens:
     """The tokens sampled by the step before this one, still on the device: under async
     scheduling a stream's next input can be one of them, unknown to the host."""
 
-    token_ids: torch.Tensor  # int64 [num_sampled], on the device
-    rows: dict[Sequence, int]  # stream -> its row in token_ids
+    token_ids: torch.Tensor  # int64 [num_sampled * max_positions], on the device
+    rows: dict[Sequence, int]  # stream -> the index of its last sampled token in token_ids
 
 
 class PromptLogprobsChunk(NamedTuple):
@@ -43,6 +43,7 @@ class Forward(NamedTuple):
 
 class StepResult(NamedTuple):
     sampled: list[Sequence]  # the streams that sampled, in sampler row order
+    num_positions: list[int]  # how many positions each of them sampled at
     sampler_output: SamplerOutput | None  # on the device
     # The same, copied to the host without blocking; readable once ``ready`` has passed.
     host_output: SamplerOutput | None
@@ -52,5 +53,9 @@ class StepResult(NamedTuple):
     def in_flight_tokens(self) -> InFlightTokens | None:
         if self.sampler_output is None:
             return None
-        return InFlightTokens(self.sampler_output.token_ids,
-                              {seq: row for row, seq in enumerate(self.sampled)})
+        token_ids = self.sampler_output.token_ids  # [num_sampled, max_positions]
+        width = token_ids.shape[1]
+        return InFlightTokens(token_ids.view(-1), {
+            seq: row * width + count - 1
+            for row, (seq, count) in enumerate(zip(self.sampled, self.num_positions,
+                                                   strict=True))})

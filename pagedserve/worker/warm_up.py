@@ -53,7 +53,7 @@ def profile_peak_memory(runner: ModelRunner, num_tokens: int, max_num_seqs: int,
     runner.allocate_kv_cache(KVCacheSpec(next_block, block_size, runner.kv_dtype))
     out = SchedulerOutput([
         ScheduledSequence(Sequence([0] * n, SamplingParams(), max_tokens=1),
-                          0, n, table, samples=True)
+                          0, n, table, num_sample_positions=1)
         for n, table in zip(lengths, tables)])
     hidden = runner.run_model(_inputs(runner, out))
     logits = runner.model.compute_logits(hidden[-1:].expand(max_num_seqs, -1))
@@ -71,7 +71,8 @@ def _decode_steps(runner: ModelRunner) -> list[SchedulerOutput]:
         # A context that needs exactly ``width`` blocks, within max_model_len.
         context = min(width * runner.block_size, runner.max_model_len) - 1
         seq = Sequence([0] * (context + 1), SamplingParams(), max_tokens=1)
-        item = ScheduledSequence(seq, context, 1, [runner.pad_block] * width, samples=False)
+        item = ScheduledSequence(seq, context, 1, [runner.pad_block] * width,
+                                 num_sample_positions=0)
         steps += [SchedulerOutput([item] * n) for n in runner.buckets.seqs]
     return steps
 
@@ -83,7 +84,8 @@ def _prompt_steps(runner: ModelRunner) -> list[SchedulerOutput]:
         lengths = _split_prompt(runner, tokens - 1)
         steps.append(SchedulerOutput([
             ScheduledSequence(Sequence([0] * n, SamplingParams(), max_tokens=1), 0, n,
-                              [runner.pad_block] * -(-n // runner.block_size), samples=False)
+                              [runner.pad_block] * -(-n // runner.block_size),
+                              num_sample_positions=0)
             for n in lengths]))
     return steps
 

@@ -39,7 +39,7 @@ def _step(sched):
     assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
     sched.advance(out)
     for item in out.scheduled:
-        if item.samples:
+        if item.num_sample_positions:
             item.seq.append_output(7)
             if item.seq.num_output_tokens >= item.seq.max_tokens:
                 sched.finish(item.seq, SequenceStatus.FINISHED_LENGTH)
@@ -52,7 +52,7 @@ def test_a_short_request_prefills_in_the_step_after_it_arrives_during_a_long_pre
     assert _step(sched)[long].num_new_tokens == BUDGET  # alone it takes the whole budget
     short = _add(sched, 5)
     step = _step(sched)
-    assert (step[short].num_new_tokens, step[short].samples) == (5, True)
+    assert (step[short].num_new_tokens, step[short].num_sample_positions) == (5, True)
     # Work-conserving: the long prompt takes what the short one leaves.
     assert step[long].num_new_tokens == BUDGET - 5
     assert short.num_output_tokens == 1 and not long.output_token_ids

@@ -71,7 +71,7 @@ class _Sim:
         self.sched.advance(out)
         self._note_preemptions(out.preempted)
         for item in out.scheduled:
-            if item.samples:
+            if item.num_sample_positions:
                 self._sample(item.seq)
         check_pools(self.sched.kv)
         return out
@@ -160,7 +160,7 @@ def test_parallel_streams_fork_after_all_but_the_last_prompt_token():
     assert [(s.seq.name, s.num_new_tokens) for s in out.scheduled] == [("a", 9)]
     out = sim.step()
     # Every stream computes the last prompt token itself, so each samples from its own row.
-    assert [(s.seq.name, s.num_new_tokens, s.samples) for s in out.scheduled] == [
+    assert [(s.seq.name, s.num_new_tokens, s.num_sample_positions) for s in out.scheduled] == [
         (r.name, 1, True) for r in [root, *forks]]
     kv = sched.kv
     assert len({kv.block_table(r)[0] for r in [root, *forks]}) == 1

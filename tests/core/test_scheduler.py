@@ -27,7 +27,7 @@ def _step(sched, token=7):
     out = sched.schedule()
     sched.advance(out)
     for item in out.scheduled:
-        if item.samples:
+        if item.num_sample_positions:
             item.seq.append_output(token)
             if item.seq.num_output_tokens >= item.seq.max_tokens:
                 sched.finish(item.seq, SequenceStatus.FINISHED_LENGTH)
@@ -49,7 +49,7 @@ def test_long_prompt_is_chunked_under_the_budget():
     _add(sched, _req(20))
     chunks = [_step(sched).scheduled[0].num_new_tokens for _ in range(3)]
     assert chunks == [8, 8, 4]
-    assert _step(sched).scheduled[0].samples
+    assert _step(sched).scheduled[0].num_sample_positions
 
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget():
@@ -117,5 +117,5 @@ def test_max_tokens_0_computes_the_prompt_once_and_nothing_after():
         for _ in range(3):
             out = sched.schedule(schedule_pending=pending)
             sched.advance(out)
-            chunks += [(s.num_new_tokens, s.samples) for s in out.scheduled]
+            chunks += [(s.num_new_tokens, s.num_sample_positions) for s in out.scheduled]
         assert chunks == [(8, False), (4, True)]

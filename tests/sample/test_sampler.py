@@ -10,11 +10,22 @@ import pytest
 import torch
 
 from pagedserve.sample.metadata import SamplingMetadata, check_token_ids
-from pagedserve.sample.sampler import Sampler, process_logits, prompt_logprobs, truncate
+from pagedserve.sample.sampler import (
+    Sampler,
+    SamplerOutput,
+    process_logits,
+    prompt_logprobs,
+    truncate,
+)
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 
 CPU = torch.device("cpu")
-sampler = Sampler()
+_sampler = Sampler()
+
+
+def sampler(logits, meta):
+    """One position per row: the sampler's [N, 1, ...] outputs read as [N, ...]."""
+    return SamplerOutput(*(None if t is None else t.squeeze(1) for t in _sampler(logits, meta)))
 
 
 def build(params, *, prompts=None, outputs=None, generators=None, vocab_size, eos=()):

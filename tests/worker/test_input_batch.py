@@ -22,8 +22,8 @@ def test_mixed_step_packs_chunks_positions_slots_and_tables():
     decode = _sequence([21, 22, 23])
     decode.num_pending_tokens = 1  # its 4th token is still being sampled
     out = SchedulerOutput([
-        ScheduledSequence(prefill, 2, 4, [7, 3], samples=True),
-        ScheduledSequence(decode, 3, 1, [5], samples=True),
+        ScheduledSequence(prefill, 2, 4, [7, 3], num_sample_positions=1),
+        ScheduledSequence(decode, 3, 1, [5], num_sample_positions=1),
     ])
     in_flight = InFlightTokens(torch.tensor([90, 91]), {decode: 1})
     inputs = build_inputs(out, block, torch.device("cpu"), in_flight)
@@ -50,8 +50,8 @@ def test_bucketed_mixed_step_pads_into_the_pad_block_only():
     prefill = _sequence([11, 12, 13, 14, 15, 16])
     decode = _sequence([21, 22, 23, 24])
     out = SchedulerOutput([
-        ScheduledSequence(prefill, 2, 4, [7, 3], samples=True),
-        ScheduledSequence(decode, 3, 1, [5], samples=True),
+        ScheduledSequence(prefill, 2, 4, [7, 3], num_sample_positions=1),
+        ScheduledSequence(decode, 3, 1, [5], num_sample_positions=1),
     ])
     buckets = ShapeBuckets.for_limits(max_num_seqs=4, max_num_batched_tokens=16,
                                       max_blocks_per_seq=8)
@@ -74,7 +74,7 @@ def test_bucketed_decode_step_stays_decode_only():
     from pagedserve.worker.shape_buckets import ShapeBuckets
 
     seqs = [_sequence([1, 2, 3]) for _ in range(3)]
-    out = SchedulerOutput([ScheduledSequence(s, 2, 1, [i], samples=True)
+    out = SchedulerOutput([ScheduledSequence(s, 2, 1, [i], num_sample_positions=1)
                            for i, s in enumerate(seqs)])
     buckets = ShapeBuckets.for_limits(8, 64, 8)
     inputs = build_inputs(out, 4, torch.device("cpu"), buckets=buckets, pad_block=20)

@@ -1,0 +1,117 @@
+"""The output stage appends a list of tokens per sequence, one token at a time: a stop
+mid-list (stop string, EOS, max_tokens) drops the tokens after it, and the request ends as it
+would have, had the tokens come one step at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.core.sequence import SequenceStatus
+from pagedserve.engine.input_processor import InputLimits, InputProcessor
+from pagedserve.engine.output_processor import HostSamples, OutputProcessor
+from pagedserve.sample.sampler import SamplerOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.step import StepResult
+from tests.tiny_models import VOCAB, _train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return _train_tokenizer()
+
+
+def _start(tokenizer, params):
+    eos = tokenizer.eos_token_id
+    limits = InputLimits(vocab_size=VOCAB, max_model_len=512, max_num_seqs=4,
+                         eos_token_ids=frozenset({eos}), num_kv_blocks=64, block_size=16,
+                         max_grammar_bytes=1 << 20)
+    state = InputProcessor(tokenizer, limits, torch.device("cpu")).process(
+        "r", "the quick", params)
+
+    def finish(seq, status: SequenceStatus) -> None:
+        seq.status = status
+
+    outputs = OutputProcessor(finish, beams=None)
+    outputs.add(state)
+    return outputs, state
+
+
+def _step(outputs, state, tokens):
+    """Apply one step in which the request's sequence sampled ``tokens``, with logprobs (a
+    function of the token, so one list and one token a step give the same)."""
+    ids = torch.tensor([tokens])
+    logprobs = -(ids % 7).float() - 1
+    samples = SamplerOutput(ids, logprobs, ids % 3 + 1, ids.unsqueeze(2), logprobs.unsqueeze(2))
+    result = StepResult([state.seqs[0].seq], [len(tokens)], None, None, None, {})
+    return outputs.process(result, samples)
+
+
+def _final(output):
+    c = output.outputs[0]
+    return c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.cumulative_logprob
+
+
+def _one_at_a_time(tokenizer, params, tokens):
+    outputs, state = _start(tokenizer, params)
+    for token in tokens:
+        final = _step(outputs, state, [token])
+        if state.finished:
+            return _final(final[0])
+    raise AssertionError("the reference never stopped")
+
+
+def _as_one_list(tokenizer, params, tokens):
+    outputs, state = _start(tokenizer, params)
+    final = _step(outputs, state, tokens)
+    return _final(final[0]), state
+
+
+def _encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("case", ["stop_string", "eos", "max_tokens", "eos_before_min_tokens",
+                                  "stop_token"])
+def test_a_stop_mid_list_drops_what_follows_as_one_token_a_step_would(tokenizer, case):
+    eos = tokenizer.eos_token_id
+    words = _encode(tokenizer, " brown fox jumps over the lazy dog")
+    tokens, params = {
+        "stop_string": (words, SamplingParams(stop=["jumps"], max_tokens=50, logprobs=1)),
+        "eos": (words[:2] + [eos] + words[2:], SamplingParams(max_tokens=50, logprobs=1)),
+        "max_tokens": (words, SamplingParams(max_tokens=3, logprobs=1)),
+        "eos_before_min_tokens": ([eos, *words[:2], eos, *words[2:]],
+                                  SamplingParams(max_tokens=50, min_tokens=2, logprobs=1)),
+        "stop_token": (words, SamplingParams(stop_token_ids=[words[3]], max_tokens=50,
+                                             logprobs=1)),
+    }[case]
+    expected = _one_at_a_time(tokenizer, params, tokens)
+    got, state = _as_one_list(tokenizer, params, tokens)
+    assert got == expected
+    kept = len(expected[1])
+    assert 0 < kept < len(tokens)  # the stop is mid-list
+    assert state.seqs[0].seq.output_token_ids == tokens[:kept]
+    assert state.metrics.num_generated_tokens == kept
+
+
+def test_append_tokens_reports_the_dropped_tokens(tokenizer):
+    eos = tokenizer.eos_token_id
+    words = _encode(tokenizer, " brown fox jumps")
+    tokens = [words[0], eos, *words[1:]]
+    outputs, state = _start(tokenizer, SamplingParams(max_tokens=50))
+    rows = HostSamples([tokens], None, None, None, None)
+    assert outputs.append_tokens(state.seqs[0], rows, 0, len(tokens)) == len(tokens) - 2
+    outputs, state = _start(tokenizer, SamplingParams(max_tokens=50))
+    assert outputs.append_tokens(state.seqs[0], rows, 0, 1) == 0  # no stop: nothing dropped
+
+
+def test_a_list_without_a_stop_is_the_tokens_one_step_each(tokenizer):
+    words = _encode(tokenizer, " hello world, paged attention")
+    params = SamplingParams(max_tokens=50, logprobs=1)
+    outputs, state = _start(tokenizer, params)
+    ref_outputs, ref_state = _start(tokenizer, params)
+    for token in words:
+        (expected,) = _step(ref_outputs, ref_state, [token])
+    (got,) = _step(outputs, state, words)
+    assert _final(got) == _final(expected)
+    assert got.outputs[0].finish_reason is None
