@@ -3,7 +3,9 @@
 Rank 0 runs in the driver's process. With ``--tensor-parallel-size`` above 1, a backend
 (``mp``: processes on this host, ``ray``: actors of a Ray cluster) starts the other ranks; each
 step the driver plans the step once (plain data), sends it to them, and runs its own share.
-With one rank there is no backend and a step is the model runner's, nothing added.
+With one rank there is no backend and a step is the model runner's, nothing added. Either way
+the step is one ``worker.step_api.StepAPI`` (``LocalStep``, ``TensorParallelStep``), and the
+executor forwards each call to it once.
 
 A rank that dies makes the step in flight fail with ``WorkerDiedError`` (its peers see the
 collective break, or time out after ``PAGEDSERVE_DIST_TIMEOUT_S``), and ``dead_reason`` says
@@ -29,8 +31,9 @@ from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.errors import ConfigError
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sample.sampler import SamplerOutput
-from pagedserve.worker.model_runner import ModelRunner, StepInput
+from pagedserve.worker.model_runner import ModelRunner, PromptSpan, StepInput
 from pagedserve.worker.step import Forward, InFlightTokens, StepResult
+from pagedserve.worker.step_api import LocalStep, StepAPI
 from pagedserve.worker.worker import Worker, WorkerSpec
 
 _BACKENDS = {"mp": "pagedserve.executor.mp", "ray": "pagedserve.executor.ray_actors"}
@@ -97,14 +100,70 @@ class _RankGroup:
         self.dead = self.dead or "the engine was shut down"
 
 
+class TensorParallelStep(StepAPI):
+    """Rank 0's step with the other ranks following: each call that runs the model sends the
+    planned step to them first (they run it as ``ModelRunner.follow``), then runs rank 0's
+    share, in the same collectives."""
+
+    def __init__(self, runner: ModelRunner, group: _RankGroup) -> None:
+        self.runner = runner
+        self.group = group
+
+    def forward(self, out: SchedulerOutput, in_flight: InFlightTokens | None) -> Forward:
+        step, spans = self.runner.plan(out, in_flight)
+        with self._watching():
+            return self._send_and_forward(out, step, spans, in_flight)
+
+    def sample(self, forward: Forward, sampling: SamplingMetadata | None) -> StepResult:
+        with self._watching():
+            return self.runner.sample(forward, sampling)
+
+    def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None,
+                in_flight: InFlightTokens | None) -> StepResult:
+        step, spans = self.runner.plan(out, in_flight)
+        with self._watching():  # around both halves: one look at the ranks per step
+            return self.runner.sample(self._send_and_forward(out, step, spans, in_flight),
+                                      sampling)
+
+    def move_blocks(self, ops: BlockOps) -> None:
+        with self._watching():
+            self.group.remote.send(StepInput(ops, None, []))
+            self.runner.kv_cache.apply_block_ops(ops)
+
+    def _send_and_forward(self, out: SchedulerOutput, step: StepInput, spans: list[PromptSpan],
+                          in_flight: InFlightTokens | None) -> Forward:
+        self.group.remote.send(step)
+        return self.runner.forward(out, step, spans, in_flight)
+
+    @contextlib.contextmanager
+    def _watching(self) -> Iterator[None]:
+        """Around a step: refuse to start one once a rank is gone, and turn the error a broken
+        collective or pipe raises into ``WorkerDiedError`` naming the rank."""
+        reason = self.group.dead_reason()
+        if reason is not None:
+            raise WorkerDiedError(reason)
+        try:
+            yield
+        except Exception as exc:
+            # Whatever failed, the ranks no longer agree on which collective comes next, so
+            # the executor is done. The peer's socket closes before its exit is reaped: give
+            # that a moment, to name the rank that died.
+            self.group.dead = (
+                self.group.remote.dead_reason(wait_s=5.0)
+                or f"a tensor-parallel step failed: {type(exc).__name__}: {exc}")
+            raise WorkerDiedError(self.group.dead) from exc
+
+
 class Executor:
     def __init__(self, config: EngineConfig) -> None:
         self.remote: RemoteRanks | None = None
         self.driver: Worker | None = None
         self._group: _RankGroup | None = None
+        self.step: StepAPI  # every step call goes to it, whichever ranks are behind it
         size = config.tensor_parallel_size
         if size == 1:
             self.driver = Worker(WorkerSpec(config, 0, "", 0, 1))
+            self.step = LocalStep(self.driver.runner)
             return
         backend = _backend(config.distributed_executor_backend)
         host = backend.driver_ip()
@@ -119,6 +178,7 @@ class Executor:
                 config, 0, address, self.remote.driver_device_index(),
                 backend.ranks_on_host(size)))
             self.remote.wait_ready()
+            self.step = TensorParallelStep(self.driver.runner, self._group)
         except Exception as exc:
             # A bad setting fails every rank alike; anything else may be a peer that failed
             # first, whose own reason says more than the broken collective here.
@@ -140,28 +200,15 @@ class Executor:
 
     def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None,
                 in_flight: InFlightTokens | None) -> StepResult:
-        if self.remote is None:
-            return self.runner.execute(out, sampling, in_flight)
-        step, spans = self.runner.plan(out, in_flight)
-        with self._watching():
-            self.remote.send(step)
-            return self.runner.execute_planned(out, step, spans, sampling, in_flight)
+        return self.step.execute(out, sampling, in_flight)
 
     def forward(self, out: SchedulerOutput, in_flight: InFlightTokens | None) -> Forward:
         """``execute`` up to its sampling (``sample``), so that the sampling metadata can be
         built while the ranks compute; the other ranks wait for the sampled tokens."""
-        step, spans = self.runner.plan(out, in_flight)
-        if self.remote is None:
-            return self.runner.forward_planned(out, step, spans, in_flight)
-        with self._watching():
-            self.remote.send(step)
-            return self.runner.forward_planned(out, step, spans, in_flight)
+        return self.step.forward(out, in_flight)
 
     def sample(self, forward: Forward, sampling: SamplingMetadata | None) -> StepResult:
-        if self.remote is None:
-            return self.runner.sample(forward, sampling)
-        with self._watching():
-            return self.runner.sample(forward, sampling)
+        return self.step.sample(forward, sampling)
 
     @staticmethod
     def fetch_samples(result: StepResult) -> SamplerOutput:
@@ -172,12 +219,7 @@ class Executor:
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Block moves of a step that computes nothing, on every rank."""
-        if self.remote is None:
-            self.runner.kv_cache.apply_block_ops(ops)
-            return
-        with self._watching():
-            self.remote.send(StepInput(ops, None, []))
-            self.runner.kv_cache.apply_block_ops(ops)
+        self.step.move_blocks(ops)
 
     def dead_reason(self) -> str | None:
         return self._group.dead_reason() if self._group is not None else None
@@ -187,24 +229,6 @@ class Executor:
         after this."""
         if self._group is not None:
             self._finalizer()
-
-    @contextlib.contextmanager
-    def _watching(self) -> Iterator[None]:
-        """Around a step: refuse to start one once a rank is gone, and turn the error a broken
-        collective or pipe raises into ``WorkerDiedError`` naming the rank."""
-        reason = self.dead_reason()
-        if reason is not None:
-            raise WorkerDiedError(reason)
-        try:
-            yield
-        except Exception as exc:
-            # Whatever failed, the ranks no longer agree on which collective comes next, so
-            # the executor is done. The peer's socket closes before its exit is reaped: give
-            # that a moment, to name the rank that died.
-            self._group.dead = (
-                self.remote.dead_reason(wait_s=5.0)
-                or f"a tensor-parallel step failed: {type(exc).__name__}: {exc}")
-            raise WorkerDiedError(self._group.dead) from exc
 
 
 def _backend(name: str):

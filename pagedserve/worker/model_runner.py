@@ -3,12 +3,12 @@ step of the model.
 
 Under tensor parallelism there is one runner per rank, each holding its slice of the weights
 and of the KV heads. Rank 0's runner (the driver's) plans a step (``plan``: the packed inputs,
-as plain data every rank can read) and runs it (``execute``); the other ranks run the same
-step (``follow``) so that every collective inside the forward pass has all its ranks. Only
-rank 0 samples: the sampler's state (per-request generators, penalty histories) lives in the
-driver, so gathering the logits to rank 0 moves less than keeping that state identical on
-every rank; rank 0 then broadcasts the sampled tokens, which the other ranks need as inputs
-under async scheduling.
+as plain data every rank can read) and runs it (``forward``, then ``sample``; driven through
+``step_api.StepAPI``); the other ranks run the same step (``follow``) so that every collective
+inside the forward pass has all its ranks. Only rank 0 samples: the sampler's state
+(per-request generators, penalty histories) lives in the driver, so gathering the logits to
+rank 0 moves less than keeping that state identical on every rank; rank 0 then broadcasts the
+sampled tokens, which the other ranks need as inputs under async scheduling.
 """
 
 from __future__ import annotations
@@ -141,32 +141,18 @@ class ModelRunner:
         return StepInput(out.block_ops, inputs, [(s.row, s.count) for s in spans]), spans
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None,
-                in_flight: InFlightTokens | None = None) -> StepResult:
-        """Queue one step on the device and return without waiting for it: the sampled
-        tokens are copied to the host in the background (``Executor.fetch_samples`` waits for
-        them).
-        ``in_flight``: the previous step's tokens, for chunks whose input is one of them."""
-        step, spans = self.plan(out, in_flight)
-        return self.execute_planned(out, step, spans, sampling, in_flight)
-
-    def execute_planned(self, out: SchedulerOutput, step: StepInput, spans: list[PromptSpan],
-                        sampling: SamplingMetadata | None,
-                        in_flight: InFlightTokens | None) -> StepResult:
-        """Rank 0's part of a planned step: run it, sample, score prompts."""
-        return self.sample(self.forward_planned(out, step, spans, in_flight), sampling)
-
-    @torch.inference_mode()
-    def forward_planned(self, out: SchedulerOutput, step: StepInput, spans: list[PromptSpan],
-                        in_flight: InFlightTokens | None) -> Forward:
-        """The first half of ``execute_planned``: block moves, the forward pass, the logits.
-        The sampling metadata can be built while the device computes."""
+    def forward(self, out: SchedulerOutput, step: StepInput, spans: list[PromptSpan],
+                in_flight: InFlightTokens | None) -> Forward:
+        """Rank 0's part of a planned step, up to its sampling: block moves, the forward pass,
+        the logits. The sampling metadata can be built while the device computes."""
         sample_logits, prompt = self._run(step, in_flight and in_flight.token_ids, spans)
         return Forward(out, sample_logits, prompt)
 
     @torch.inference_mode()
     def sample(self, forward: Forward, sampling: SamplingMetadata | None) -> StepResult:
-        """The second half: sample (and hand the tokens to the other ranks)."""
+        """The second half: sample (and hand the tokens to the other ranks). The sampled
+        tokens are copied to the host in the background (``Executor.fetch_samples`` waits for
+        them)."""
         sampled = [s for s in forward.out.scheduled if s.num_sample_positions]
         sampler_output = host_output = ready = None
         if sampled:

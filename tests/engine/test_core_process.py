@@ -113,20 +113,20 @@ def test_a_refused_request_fails_alone(engine):
 
 
 def test_step_failure_fails_requests_in_flight_then_serving_resumes(engine):
-    real_execute, failed = engine.executor.runner.execute, []
+    real_forward, failed = engine.executor.runner.forward, []
 
-    def execute_failing_once(out, *rest):
+    def forward_failing_once(out, *rest):
         if not failed and len(out.scheduled) == 2:
             failed.append(True)
             raise RuntimeError("device on fire")
-        return real_execute(out, *rest)
+        return real_forward(out, *rest)
 
-    engine.executor.runner.execute = execute_failing_once
+    engine.executor.runner.forward = forward_failing_once
     try:
         _, messages = _run(engine, [[_add(("a", [5, 6, 7], LONG), ("b", [5, 6, 9], LONG))],
                                     [], [_add(("c", [5, 6, 7], ONE))]])
     finally:
-        del engine.executor.runner.execute
+        del engine.executor.runner.forward
     failures = {f.request_id: f for m in messages for f in m.failures}
     assert set(failures) == {"a", "b"} and "device on fire" in failures["a"].message
     assert failures["a"].kind == "step"

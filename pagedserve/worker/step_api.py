@@ -1,0 +1,65 @@
+"""The step as rank 0 drives it, defined once: the executor forwards each call to one
+``StepAPI``, whichever ranks stand behind it.
+
+A step is ``forward`` (plan the packed inputs, apply the block moves, run the forward pass,
+compute the logits of the sampling rows), then ``sample`` (sample those rows, score prompt
+spans' logprobs, copy the tokens to the host in the background). ``execute`` is both at once;
+the engine splits them only where it builds grammar masks while the device computes.
+``move_blocks`` is a step that computes nothing but the swaps and copies of preempted blocks.
+
+``LocalStep`` is rank 0 alone. The tensor-parallel implementation (``executor``) is the same
+calls with the planned step sent to the other ranks first; they follow it
+(``ModelRunner.follow``) so that every collective of the forward pass, and the broadcast of
+the sampled tokens, has all its ranks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from pagedserve.core.kv_cache_manager import BlockOps
+from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.sample.metadata import SamplingMetadata
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.step import Forward, InFlightTokens, StepResult
+
+
+class StepAPI(ABC):
+    """Rank 0's step. Each call queues device work and returns without waiting for it."""
+
+    runner: ModelRunner  # rank 0's
+
+    @abstractmethod
+    def forward(self, out: SchedulerOutput, in_flight: InFlightTokens | None) -> Forward:
+        """Everything up to the sampling. ``in_flight``: the previous step's tokens, for
+        chunks whose input is one of them."""
+
+    @abstractmethod
+    def sample(self, forward: Forward, sampling: SamplingMetadata | None) -> StepResult:
+        """The sampling half of a step ``forward`` queued."""
+
+    @abstractmethod
+    def move_blocks(self, ops: BlockOps) -> None:
+        """Block moves of a step that computes nothing."""
+
+    def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None,
+                in_flight: InFlightTokens | None) -> StepResult:
+        """A whole step: ``forward`` then ``sample``."""
+        return self.sample(self.forward(out, in_flight), sampling)
+
+
+class LocalStep(StepAPI):
+    """The step of one rank, in the driver's process: the model runner's, nothing added."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def forward(self, out: SchedulerOutput, in_flight: InFlightTokens | None) -> Forward:
+        step, spans = self.runner.plan(out, in_flight)
+        return self.runner.forward(out, step, spans, in_flight)
+
+    def sample(self, forward: Forward, sampling: SamplingMetadata | None) -> StepResult:
+        return self.runner.sample(forward, sampling)
+
+    def move_blocks(self, ops: BlockOps) -> None:
+        self.runner.kv_cache.apply_block_ops(ops)
