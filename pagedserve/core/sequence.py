@@ -65,6 +65,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None
     group: SequenceGroup | None = field(default=None, repr=False)
+    # The stream's sampling seed (``sample.seeds.stream_seed`` of the request's), None when
+    # unseeded: rank 0 makes the stream's generator from it once (``worker.sampling_batch``).
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

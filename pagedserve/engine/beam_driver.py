@@ -55,7 +55,7 @@ class BeamDriver:
 
     def _fork(self, parent: SequenceState) -> SequenceState:
         child: Sequence = self.scheduler.fork(parent.seq)
-        return SequenceState(parent.index, child, parent.request, None, None, None)
+        return SequenceState(parent.index, child, parent.request, None, None)
 
     def _finish(self, state: RequestState) -> None:
         for seq in state.seqs:

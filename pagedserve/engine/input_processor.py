@@ -8,8 +8,6 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-import torch
-
 from pagedserve.core.beam_search import BeamSearch
 from pagedserve.core.sequence import Sequence, SequenceGroup
 from pagedserve.engine.detokenizer import IncrementalDetokenizer, Tokenizer
@@ -83,10 +81,9 @@ class InputLimits:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, limits: InputLimits, device: torch.device) -> None:
+    def __init__(self, tokenizer: Tokenizer, limits: InputLimits) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
-        self.device = device
 
     def process(self, request_id: str, prompt: str | list[int],
                 params: SamplingParams) -> RequestState:
@@ -98,8 +95,9 @@ class InputProcessor:
         beam = self._beam_state(params, max_tokens)
         # Beam search starts from one sequence; parallel sampling forks best_of from the prompt.
         seq_params = _beam_params(params) if beam is not None else params
-        seqs = [Sequence(token_ids, seq_params, max_tokens, self.limits.eos_token_ids)
-                for _ in range(1 if beam is not None else params.best_of)]
+        seqs = [Sequence(token_ids, seq_params, max_tokens, self.limits.eos_token_ids,
+                         seed=None if beam is not None else _seed(params, i))
+                for i in range(1 if beam is not None else params.best_of)]
         group = SequenceGroup(request_id, seqs[:1], width=params.best_of,
                               pending_forks=seqs[1:])
         state = RequestState(request_id, text, token_ids, params,
@@ -109,12 +107,11 @@ class InputProcessor:
 
     def _sequence_state(self, state: RequestState, seq: Sequence, index: int) -> SequenceState:
         if state.beam is not None:
-            return SequenceState(index, seq, state, None, None, None)
+            return SequenceState(index, seq, state, None, None)
         params = state.params
         return SequenceState(
             index, seq, state,
             detokenizer=IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, params),
-            generator=self._generator(params, index),
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.needs_logprobs else None)
 
@@ -127,12 +124,10 @@ class InputProcessor:
         return BeamState(BeamSearch(params.best_of, max_tokens, stops, params.length_penalty,
                                     params.early_stopping))
 
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
-        if params.seed is None:
-            return None
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(stream_seed(params.seed, index))
-        return generator
+
+def _seed(params: SamplingParams, index: int) -> int | None:
+    """The seed of stream ``index`` of a request, None when the request is unseeded."""
+    return None if params.seed is None else stream_seed(params.seed, index)
 
 
 def _beam_params(params: SamplingParams) -> SamplingParams:

@@ -47,11 +47,10 @@ from pagedserve.logger import get_logger
 from pagedserve.models import loader
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import resolve_platform
-from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.structured.grammar_state import GrammarState, build_grammar_mask
 from pagedserve.structured.spec import grammar_spec
-from pagedserve.worker.step import Forward, InFlightTokens, StepResult
+from pagedserve.worker.step import Forward, InFlightTokens, SamplingInputs, StepResult
 
 logger = get_logger(__name__)
 
@@ -81,7 +80,7 @@ class LLMEngine:
         self.limits = InputLimits(self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
                                   self.eos_token_ids, sizes.num_blocks, self.resolved.block_size,
                                   config.max_grammar_bytes)
-        self.inputs = InputProcessor(self.tokenizer, self.limits, self.executor.device)
+        self.inputs = InputProcessor(self.tokenizer, self.limits)
         self.outputs = OutputProcessor(self.scheduler.finish,
                                        BeamDriver(self.scheduler, self.tokenizer))
         self._in_flight: StepResult | None = None  # the queued step not yet applied
@@ -256,7 +255,7 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput) -> StepResult:
         """Queue the step's forward pass and sampling, and mark its tokens computed."""
         self._record_first_scheduled(out)
-        result = self.executor.execute(out, self._sampling_metadata(out),
+        result = self.executor.execute(out, self._sampling_inputs(out),
                                        self._in_flight_tokens())
         self._advance(out)
         return result
@@ -269,7 +268,7 @@ class LLMEngine:
         return forward
 
     def _queue_sampling(self, forward: Forward) -> StepResult:
-        return self.executor.sample(forward, self._sampling_metadata(forward.out))
+        return self.executor.sample(forward, self._sampling_inputs(forward.out))
 
     def _in_flight_tokens(self) -> InFlightTokens | None:
         return self._in_flight.in_flight_tokens() if self._in_flight is not None else None
@@ -301,34 +300,23 @@ class LLMEngine:
                 state.metrics.first_scheduled_time = now
                 state.metrics.num_cached_tokens = item.seq.num_cached_tokens
 
-    def _sampling_metadata(self, out: SchedulerOutput) -> SamplingMetadata | None:
-        """A row per sampling sequence; one whose request has finished since it was scheduled
-        (its token will be dropped) samples with its parameters and nothing else."""
-        sampling = [s for s in out.scheduled if s.num_sample_positions]
-        if not sampling:
+    def _sampling_inputs(self, out: SchedulerOutput) -> SamplingInputs | None:
+        """What rank 0's sampling batch cannot read from the sequences: the grammar masks and
+        the beams' candidate count. A sequence whose request has finished since it was
+        scheduled (its token will be dropped) samples with its row's settings, no grammar."""
+        seqs = [s.seq for s in out.scheduled if s.num_sample_positions]
+        if not seqs:
             return None
-        seqs = [s.seq for s in sampling]
         rows = [self.outputs.find(seq) for seq in seqs]
-        meta = SamplingMetadata.build(
-            params=[seq.params for seq in seqs],
-            prompt_token_ids=[seq.prompt_token_ids for seq in seqs],
-            output_token_ids=[seq.output_token_ids for seq in seqs],
-            generators=[r.generator if r is not None else None for r in rows],
-            eos_token_ids=sorted(self.eos_token_ids),
-            vocab_size=self.arch.vocab_size,
-            device=self.executor.device,
-            num_positions=[s.num_sample_positions for s in sampling],
-        )
         # A mask row per sequence: right while each samples one position (a grammar row
         # sampling several would need its matcher advanced over the tokens before each).
-        meta.grammar_mask = build_grammar_mask(
+        grammar_mask = build_grammar_mask(
             [r.grammar if r is not None and not r.finished else None for r in rows],
             self.arch.vocab_size, self.executor.device)
         # Beams read their candidates from the top-k logprobs.
-        meta.max_num_logprobs = max(meta.max_num_logprobs, max(
+        return SamplingInputs(grammar_mask, max(
             (r.request.beam.search.num_candidates for r in rows
              if r is not None and r.request.beam is not None), default=0))
-        return meta
 
     # ---- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:

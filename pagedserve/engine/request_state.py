@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from pagedserve.core.beam_search import BeamSearch
 from pagedserve.core.sequence import Sequence, SequenceGroup
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
@@ -23,14 +21,14 @@ from pagedserve.structured.grammar_state import GrammarState
 
 @dataclass(eq=False)
 class SequenceState:
-    """One sequence of a request. Beams carry no detokenizer, generator or logprobs: they
-    sample greedily, are scored from the sampler's top-k, and are decoded once chosen."""
+    """One sequence of a request. Beams carry no detokenizer or logprobs: they sample greedily,
+    are scored from the sampler's top-k, and are decoded once chosen. A seeded sequence's
+    generator lives on rank 0 (``worker.sampling_batch``), made from ``seq.seed``."""
 
     index: int
     seq: Sequence
     request: RequestState
     detokenizer: IncrementalDetokenizer | None
-    generator: torch.Generator | None
     logprobs: list[TokenLogprobs] | None
     cumulative_logprob: float | None = 0.0  # None where the request needs no logprobs
     grammar: GrammarState | None = None  # set once the request's grammar is compiled

@@ -29,10 +29,9 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.errors import ConfigError
-from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sample.sampler import SamplerOutput
 from pagedserve.worker.model_runner import ModelRunner, PromptSpan, StepInput
-from pagedserve.worker.step import Forward, InFlightTokens, StepResult
+from pagedserve.worker.step import Forward, InFlightTokens, SamplingInputs, StepResult
 from pagedserve.worker.step_api import LocalStep, StepAPI
 from pagedserve.worker.worker import Worker, WorkerSpec
 
@@ -114,11 +113,11 @@ class TensorParallelStep(StepAPI):
         with self._watching():
             return self._send_and_forward(out, step, spans, in_flight)
 
-    def sample(self, forward: Forward, sampling: SamplingMetadata | None) -> StepResult:
+    def sample(self, forward: Forward, sampling: SamplingInputs | None) -> StepResult:
         with self._watching():
             return self.runner.sample(forward, sampling)
 
-    def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None,
+    def execute(self, out: SchedulerOutput, sampling: SamplingInputs | None,
                 in_flight: InFlightTokens | None) -> StepResult:
         step, spans = self.runner.plan(out, in_flight)
         with self._watching():  # around both halves: one look at the ranks per step
@@ -195,10 +194,10 @@ class Executor:
 
     @property
     def device(self) -> torch.device:
-        """Rank 0's device: where the sampling inputs and per-request generators live."""
+        """Rank 0's device: where the sampling inputs (grammar masks among them) live."""
         return self.runner.device
 
-    def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None,
+    def execute(self, out: SchedulerOutput, sampling: SamplingInputs | None,
                 in_flight: InFlightTokens | None) -> StepResult:
         return self.step.execute(out, sampling, in_flight)
 
@@ -207,7 +206,7 @@ class Executor:
         built while the ranks compute; the other ranks wait for the sampled tokens."""
         return self.step.forward(out, in_flight)
 
-    def sample(self, forward: Forward, sampling: SamplingMetadata | None) -> StepResult:
+    def sample(self, forward: Forward, sampling: SamplingInputs | None) -> StepResult:
         return self.step.sample(forward, sampling)
 
     @staticmethod

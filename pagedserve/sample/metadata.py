@@ -112,7 +112,7 @@ class SamplingMetadata:
         ``num_positions[i]``: the positions sequence i samples at (None: one each); the
         lists are per sequence, the result has a row per position (see the module doc)."""
         positions = SamplePositions.of(num_positions, device) if num_positions else None
-        penalties = _penalties(params, prompt_token_ids, output_token_ids, vocab_size, device)
+        penalties = build_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device)
         if positions is None:
             return cls._build(params, generators, vocab_size, device, eos_token_ids,
                               [len(out) for out in output_token_ids], penalties)
@@ -143,8 +143,8 @@ class SamplingMetadata:
                         if g is not None and not greedy_row},
             max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
             needs_logprobs=any(p.needs_logprobs for p in params),
-            logit_bias=_logit_bias(params, device),
-            min_tokens_mask=_min_tokens_mask(params, num_output_tokens, eos_token_ids, device),
+            logit_bias=build_logit_bias(params, device),
+            min_tokens_mask=build_min_tokens_mask(params, num_output_tokens, eos_token_ids, device),
             penalties=penalties,
         )
 
@@ -190,7 +190,7 @@ def _random_sampling(
     )
 
 
-def _logit_bias(
+def build_logit_bias(
     params: list[SamplingParams], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     entries = [(row, tok, bias) for row, p in enumerate(params)
@@ -202,7 +202,7 @@ def _logit_bias(
             to_device(biases, torch.float32, device))
 
 
-def _min_tokens_mask(
+def build_min_tokens_mask(
     params: list[SamplingParams],
     num_output_tokens: list[int],
     eos_token_ids: Sequence[int],
@@ -220,7 +220,7 @@ def _min_tokens_mask(
     return to_device(rows, torch.int64, device), to_device(toks, torch.int64, device)
 
 
-def _penalties(
+def build_penalties(
     params: list[SamplingParams],
     prompt_token_ids: list[list[int]],
     output_token_ids: list[list[int]],

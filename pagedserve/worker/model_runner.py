@@ -6,9 +6,10 @@ and of the KV heads. Rank 0's runner (the driver's) plans a step (``plan``: the 
 as plain data every rank can read) and runs it (``forward``, then ``sample``; driven through
 ``step_api.StepAPI``); the other ranks run the same step (``follow``) so that every collective
 inside the forward pass has all its ranks. Only rank 0 samples: the sampler's state
-(per-request generators, penalty histories) lives in the driver, so gathering the logits to
-rank 0 moves less than keeping that state identical on every rank; rank 0 then broadcasts the
-sampled tokens, which the other ranks need as inputs under async scheduling.
+(``sampling_batch``: each row's settings and generator, kept across steps) lives in the
+driver, so gathering the logits to rank 0 moves less than keeping that state identical on
+every rank; rank 0 then broadcasts the sampled tokens, which the other ranks need as inputs
+under async scheduling.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from pagedserve.core.kv_cache_manager import BlockOps
-from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedserve.core.sequence import Sequence
 from pagedserve.distributed import TensorParallel, split_heads
 from pagedserve.logger import get_logger
@@ -37,8 +38,15 @@ from pagedserve.worker.input_batch import (
     pack_inputs,
 )
 from pagedserve.worker.kv_cache import KVCache, KVCacheSpec
+from pagedserve.worker.sampling_batch import SamplingBatch
 from pagedserve.worker.shape_buckets import ShapeBuckets
-from pagedserve.worker.step import Forward, InFlightTokens, PromptLogprobsChunk, StepResult
+from pagedserve.worker.step import (
+    Forward,
+    InFlightTokens,
+    PromptLogprobsChunk,
+    SamplingInputs,
+    StepResult,
+)
 
 logger = get_logger(__name__)
 
@@ -86,6 +94,7 @@ class ModelRunner:
                                                     platform.layer_ops(), linears)
         self.model = model.to(dtype=dtype).eval()
         self.sampler = Sampler()
+        self.sampling = SamplingBatch(arch.vocab_size, self.device)  # used by rank 0 alone
         self.kv_cache: KVCache | None = None
         self.block_size = 16
         self.graphs: GraphRunner | None = None
@@ -149,14 +158,15 @@ class ModelRunner:
         return Forward(out, sample_logits, prompt)
 
     @torch.inference_mode()
-    def sample(self, forward: Forward, sampling: SamplingMetadata | None) -> StepResult:
+    def sample(self, forward: Forward, sampling: SamplingInputs | None) -> StepResult:
         """The second half: sample (and hand the tokens to the other ranks). The sampled
         tokens are copied to the host in the background (``Executor.fetch_samples`` waits for
         them)."""
         sampled = [s for s in forward.out.scheduled if s.num_sample_positions]
         sampler_output = host_output = ready = None
         if sampled:
-            sampler_output = self.sampler(forward.sample_logits, sampling)
+            sampler_output = self.sampler(forward.sample_logits,
+                                          self._sampling_metadata(sampled, sampling))
             if self.tp.size > 1:
                 self.tp.broadcast_from_first(sampler_output.token_ids)
             # Where the host runs ahead, the copy lands later: ``ready`` marks when.
@@ -166,6 +176,14 @@ class ModelRunner:
             ready = self.platform.record_event()
         return StepResult([s.seq for s in sampled], [s.num_sample_positions for s in sampled],
                           sampler_output, host_output, ready, forward.prompt)
+
+    def _sampling_metadata(self, sampled: list[ScheduledSequence],
+                           inputs: SamplingInputs) -> SamplingMetadata:
+        meta = self.sampling.metadata([s.seq for s in sampled],
+                                      [s.num_sample_positions for s in sampled])
+        meta.grammar_mask = inputs.grammar_mask
+        meta.max_num_logprobs = max(meta.max_num_logprobs, inputs.min_num_logprobs)
+        return meta
 
     @torch.inference_mode()
     def follow(self, step: StepInput) -> None:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from pagedserve.core.sequence import Sequence
     from pagedserve.platforms.interface import DeviceEvent
     from pagedserve.sample.sampler import SamplerOutput
+    from pagedserve.structured.grammar_state import GrammarMask
 
 
 @dataclass
@@ -24,6 +25,14 @@ class InFlightTokens:
 
     token_ids: torch.Tensor  # int64 [num_sampled * max_positions], on the device
     rows: dict[Sequence, int]  # stream -> the index of its last sampled token in token_ids
+
+
+class SamplingInputs(NamedTuple):
+    """What the engine adds to a step's sampling: the rest (each row's settings, generator
+    and token history) rank 0's ``sampling_batch.SamplingBatch`` reads from the sequences."""
+
+    grammar_mask: GrammarMask | None  # a row per sampling sequence with a grammar
+    min_num_logprobs: int  # top-k logprobs the beams read their candidates from (0: none)
 
 
 class PromptLogprobsChunk(NamedTuple):

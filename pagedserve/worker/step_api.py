@@ -19,9 +19,8 @@ from abc import ABC, abstractmethod
 
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import SchedulerOutput
-from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.step import Forward, InFlightTokens, StepResult
+from pagedserve.worker.step import Forward, InFlightTokens, SamplingInputs, StepResult
 
 
 class StepAPI(ABC):
@@ -35,14 +34,14 @@ class StepAPI(ABC):
         chunks whose input is one of them."""
 
     @abstractmethod
-    def sample(self, forward: Forward, sampling: SamplingMetadata | None) -> StepResult:
+    def sample(self, forward: Forward, sampling: SamplingInputs | None) -> StepResult:
         """The sampling half of a step ``forward`` queued."""
 
     @abstractmethod
     def move_blocks(self, ops: BlockOps) -> None:
         """Block moves of a step that computes nothing."""
 
-    def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None,
+    def execute(self, out: SchedulerOutput, sampling: SamplingInputs | None,
                 in_flight: InFlightTokens | None) -> StepResult:
         """A whole step: ``forward`` then ``sample``."""
         return self.sample(self.forward(out, in_flight), sampling)
@@ -58,7 +57,7 @@ class LocalStep(StepAPI):
         step, spans = self.runner.plan(out, in_flight)
         return self.runner.forward(out, step, spans, in_flight)
 
-    def sample(self, forward: Forward, sampling: SamplingMetadata | None) -> StepResult:
+    def sample(self, forward: Forward, sampling: SamplingInputs | None) -> StepResult:
         return self.runner.sample(forward, sampling)
 
     def move_blocks(self, ops: BlockOps) -> None:

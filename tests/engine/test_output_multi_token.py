@@ -26,7 +26,7 @@ def _start(tokenizer, params):
     limits = InputLimits(vocab_size=VOCAB, max_model_len=512, max_num_seqs=4,
                          eos_token_ids=frozenset({eos}), num_kv_blocks=64, block_size=16,
                          max_grammar_bytes=1 << 20)
-    state = InputProcessor(tokenizer, limits, torch.device("cpu")).process(
+    state = InputProcessor(tokenizer, limits).process(
         "r", "the quick", params)
 
     def finish(seq, status: SequenceStatus) -> None:
