@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sample.sampler import Sampler
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
+from tests.sample.reference_metadata import build_metadata
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -63,7 +63,7 @@ def test_the_largest_temperature_samples_from_the_unmasked_tokens():
     logits = torch.tensor([[3.0, -math.inf, 1.0, -math.inf, 0.5, -math.inf, 2.0, -math.inf]])
     params = [SamplingParams(temperature=FLOAT32_MAX, seed=0, logprobs=2)]
     generators = [torch.Generator().manual_seed(0)]
-    meta = SamplingMetadata.build(params, [[]], [[]], generators, vocab, torch.device("cpu"),
+    meta = build_metadata(params, [[]], [[]], generators, vocab, torch.device("cpu"),
                                   [])
     out = Sampler()(logits, meta)
     assert out.token_ids[:, 0].tolist()[0] in (0, 2, 4, 6)

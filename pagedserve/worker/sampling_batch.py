@@ -60,7 +60,8 @@ class SamplingBatch:
 
     def metadata(self, seqs: list[Sequence], num_positions: list[int]) -> SamplingMetadata:
         """The metadata of a step where ``seqs[i]`` samples at ``num_positions[i]`` positions,
-        equal to ``SamplingMetadata.build`` of the same sequences."""
+        equal to the row-by-row build of the same sequences
+        (``tests/sample/reference_metadata.py``)."""
         positions = SamplePositions.of(num_positions, self.device)
         slots = np.asarray(self._rows_of(seqs), dtype=np.int64)
         rows = slots if positions is None else np.repeat(slots, positions.counts)
@@ -92,7 +93,7 @@ class SamplingBatch:
     def _rebuilt(self, seqs: list[Sequence], positions: SamplePositions | None,
                  host: dict[str, np.ndarray]) -> dict:
         """The fields built from the sequences' params and tokens, only where a row uses them
-        (as in ``SamplingMetadata.build``: one row per position, penalties per sequence)."""
+        (one row per position, penalties per sequence, as the reference build in the tests)."""
         counts = positions.counts if positions is not None else [1] * len(seqs)
 
         def per_row(values: list) -> list:

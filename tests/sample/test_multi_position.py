@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sample.sampler import Sampler, process_logits
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.grammar_state import GrammarMask
+from tests.sample.reference_metadata import build_metadata
 from tests.sample.test_sampler import random_batch
 
 CPU = torch.device("cpu")
@@ -20,7 +20,7 @@ sampler = Sampler()
 
 
 def _build(params, prompts, outputs, generators, vocab, counts, eos=(2,)):
-    return SamplingMetadata.build(params, prompts, outputs, generators, vocab, CPU, list(eos),
+    return build_metadata(params, prompts, outputs, generators, vocab, CPU, list(eos),
                                   num_positions=counts)
 
 

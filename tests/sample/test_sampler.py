@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from pagedserve.sample.metadata import SamplingMetadata, check_token_ids
+from pagedserve.sample.metadata import check_token_ids
 from pagedserve.sample.sampler import (
     Sampler,
     SamplerOutput,
@@ -18,6 +18,7 @@ from pagedserve.sample.sampler import (
     truncate,
 )
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
+from tests.sample.reference_metadata import build_metadata
 
 CPU = torch.device("cpu")
 _sampler = Sampler()
@@ -30,7 +31,7 @@ def sampler(logits, meta):
 
 def build(params, *, prompts=None, outputs=None, generators=None, vocab_size, eos=()):
     n = len(params)
-    return SamplingMetadata.build(
+    return build_metadata(
         params, prompts or [[]] * n, outputs or [[]] * n, generators or [None] * n,
         vocab_size, CPU, list(eos))
 

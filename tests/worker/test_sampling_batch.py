@@ -16,6 +16,7 @@ from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.seeds import stream_seed
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.sampling_batch import SamplingBatch
+from tests.sample.reference_metadata import build_metadata
 from tests.sample.test_sampler import random_params
 
 CPU = torch.device("cpu")
@@ -70,7 +71,7 @@ def test_gathered_metadata_equals_a_rebuilt_one_as_rows_come_and_go(seed):
         seqs = rng.sample(live, k=rng.randrange(1, len(live) + 1))
         counts = [rng.choice([1, 1, 2, 3]) for _ in seqs]
         got = batch.metadata(seqs, counts)
-        want = SamplingMetadata.build(
+        want = build_metadata(
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs],
             [batch.generators[batch.rows[s]] for s in seqs], VOCAB, CPU, sorted(EOS),
