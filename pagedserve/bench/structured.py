@@ -122,11 +122,11 @@ def mask_cost(llm, num_rows: int, reps: int = 20) -> float:
         for token in prefix:
             state.accept(token)
         states += [None, state]
-    vocab, device = engine.arch.vocab_size, engine.executor.device
+    vocab, device = engine.arch.vocab_size, engine.executor.runner.device
     logits = torch.randn(len(states), vocab, device=device)
     start = time.perf_counter()
     for _ in range(reps):
-        apply_grammar_mask(logits, build_grammar_mask(states, vocab, device))
+        apply_grammar_mask(logits, build_grammar_mask(states, vocab).to(device))
     engine.platform.synchronize()
     return 1e3 * (time.perf_counter() - start) / reps
 

@@ -49,7 +49,7 @@ class PhaseTimes:
         self.totals = {"schedule_s": 0.0, "queue_forward_s": 0.0, "wait_device_s": 0.0}
         for owner, name, key in ((engine.scheduler, "schedule", "schedule_s"),
                                  (engine.executor, "execute", "queue_forward_s"),
-                                 (engine.executor, "fetch_samples", "wait_device_s")):
+                                 (engine.executor, "fetch", "wait_device_s")):
             setattr(owner, name, self._timed(getattr(owner, name), key))
 
     def _timed(self, fn, key: str):
@@ -182,7 +182,7 @@ def main(args: argparse.Namespace) -> None:
         llm = engine_from_args(args, tensor_parallel_size=1)
         engine = llm.engine
         one_rank = [{"system": "pagedserve-tp1", **run_engine(llm, work, args.breakdown)}]
-    model_path, dtype, device = engine.config.model, engine.dtype, engine.executor.device
+    model_path, dtype, device = engine.config.model, engine.dtype, engine.executor.runner.device
     platform = engine.platform
     # The engine's KV pool fills the card: release it before HF loads its own copy.
     del llm, engine

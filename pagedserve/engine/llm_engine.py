@@ -50,7 +50,7 @@ from pagedserve.platforms import resolve_platform
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.structured.grammar_state import GrammarState, build_grammar_mask
 from pagedserve.structured.spec import grammar_spec
-from pagedserve.worker.step import Forward, InFlightTokens, SamplingInputs, StepResult
+from pagedserve.worker.step import Forward, SamplingInputs, StepResult
 
 logger = get_logger(__name__)
 
@@ -255,23 +255,19 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput) -> StepResult:
         """Queue the step's forward pass and sampling, and mark its tokens computed."""
         self._record_first_scheduled(out)
-        result = self.executor.execute(out, self._sampling_inputs(out),
-                                       self._in_flight_tokens())
+        result = self.executor.execute(out, self._sampling_inputs(out))
         self._advance(out)
         return result
 
     def _queue_forward(self, out: SchedulerOutput) -> Forward:
         """``_run`` without the sampling (``_queue_sampling``), for masks built meanwhile."""
         self._record_first_scheduled(out)
-        forward = self.executor.forward(out, self._in_flight_tokens())
+        forward = self.executor.forward(out)
         self._advance(out)
         return forward
 
     def _queue_sampling(self, forward: Forward) -> StepResult:
         return self.executor.sample(forward, self._sampling_inputs(forward.out))
-
-    def _in_flight_tokens(self) -> InFlightTokens | None:
-        return self._in_flight.in_flight_tokens() if self._in_flight is not None else None
 
     def _advance(self, out: SchedulerOutput) -> None:
         self.scheduler.advance(out)
@@ -280,9 +276,7 @@ class LLMEngine:
             for s in out.scheduled)
 
     def _process(self, result: StepResult) -> list[RequestOutput]:
-        samples = self.executor.fetch_samples(result) if result.sampler_output is not None \
-            else None
-        outputs = self.outputs.process(result, samples)
+        outputs = self.outputs.process(result, self.executor.fetch(result))
         if not self.outputs.requests:
             # Everything the step in flight computes belongs to finished requests.
             self._in_flight = None
@@ -312,7 +306,7 @@ class LLMEngine:
         # sampling several would need its matcher advanced over the tokens before each).
         grammar_mask = build_grammar_mask(
             [r.grammar if r is not None and not r.finished else None for r in rows],
-            self.arch.vocab_size, self.executor.device)
+            self.arch.vocab_size)
         # Beams read their candidates from the top-k logprobs.
         return SamplingInputs(grammar_mask, max(
             (r.request.beam.search.num_candidates for r in rows

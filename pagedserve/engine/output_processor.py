@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 from pagedserve.core.sequence import Sequence, SequenceStatus
 from pagedserve.engine.beam_driver import BeamDriver
@@ -14,9 +13,8 @@ from pagedserve.engine.request_state import RequestState, SequenceState, token_l
 from pagedserve.engine.stop_conditions import stop_status
 from pagedserve.logger import get_logger
 from pagedserve.outputs import RequestOutput
-from pagedserve.sample.sampler import SamplerOutput
 from pagedserve.structured.grammar_state import GrammarState
-from pagedserve.worker.step import StepResult
+from pagedserve.worker.step import HostSamples, StepOutput, StepResult
 
 logger = get_logger(__name__)
 
@@ -57,32 +55,28 @@ class OutputProcessor:
         return self._seqs.get(seq)
 
     # ---- a computed step ----------------------------------------------------------------
-    def process(self, result: StepResult, samples: SamplerOutput | None) -> list[RequestOutput]:
+    def process(self, result: StepResult, output: StepOutput) -> list[RequestOutput]:
         """Apply a step's prompt logprobs and samples (``samples``: on the host); return the
         outputs of the requests it changed, finished ones forgotten."""
-        touched = self._apply_prompt_logprobs(result)
-        if samples is not None:
+        touched = self._apply_prompt_logprobs(output)
+        if output.samples is not None:
             touched |= self._apply_samples(result.sampled, result.num_positions,
-                                           HostSamples.of(samples))
+                                           output.samples)
         return self._outputs(touched)
 
-    def _apply_prompt_logprobs(self, result: StepResult) -> set[RequestState]:
+    def _apply_prompt_logprobs(self, output: StepOutput) -> set[RequestState]:
         touched = set()
-        for seq, chunk in result.prompt_logprobs.items():
+        for seq, chunk in output.prompt_logprobs.items():
             state = self._seqs.get(seq)
             if state is None or state.index != 0:
                 continue
-            r = chunk.result
-            n = len(r.logprobs)
             # Row i scores the prompt token that follows position first_position + i.
-            targets = seq.prompt_token_ids[chunk.first_position + 1:][:n]
-            top_ids = r.top_ids.tolist() if r.top_ids is not None else [[]] * n
-            top_vals = r.top_logprobs.tolist() if r.top_logprobs is not None else [[]] * n
+            targets = seq.prompt_token_ids[chunk.first_position + 1:][:len(chunk.logprobs)]
             decode = state.detokenizer.decode_token
             entries = [
                 token_logprobs(tok, lp, rank, ids, vals, decode)
                 for tok, lp, rank, ids, vals in zip(
-                    targets, r.logprobs.tolist(), r.ranks.tolist(), top_ids, top_vals,
+                    targets, chunk.logprobs, chunk.ranks, chunk.top_ids, chunk.top_logprobs,
                     strict=True)
             ]
             state.request.record_prompt_logprobs(chunk.first_position, entries)
@@ -176,22 +170,6 @@ class OutputProcessor:
                 continue
             outputs.append(state.to_output())
         return outputs
-
-
-class HostSamples(NamedTuple):
-    """A step's sampler output as host lists, ``[row][position]``: one transfer per tensor
-    for the whole batch."""
-
-    tokens: list[list[int]]
-    logprobs: list[list[float]] | None  # None where no row of the step needed logprobs
-    ranks: list[list[int]] | None
-    top_ids: list[list[list[int]]] | None
-    top_logprobs: list[list[list[float]]] | None
-
-    @classmethod
-    def of(cls, sampled: SamplerOutput) -> HostSamples:
-        return cls(sampled.token_ids.tolist(),
-                   *(None if t is None else t.tolist() for t in sampled[1:]))
 
 
 def _grammar_status(grammar: GrammarState, token: int) -> SequenceStatus | None:

@@ -22,16 +22,13 @@ import weakref
 from collections.abc import Iterator
 from typing import Protocol
 
-import torch
-
 from pagedserve import distributed
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.errors import ConfigError
-from pagedserve.sample.sampler import SamplerOutput
 from pagedserve.worker.model_runner import ModelRunner, PromptSpan, StepInput
-from pagedserve.worker.step import Forward, InFlightTokens, SamplingInputs, StepResult
+from pagedserve.worker.step import Forward, SamplingInputs, StepOutput, StepResult
 from pagedserve.worker.step_api import LocalStep, StepAPI
 from pagedserve.worker.worker import Worker, WorkerSpec
 
@@ -108,31 +105,29 @@ class TensorParallelStep(StepAPI):
         self.runner = runner
         self.group = group
 
-    def forward(self, out: SchedulerOutput, in_flight: InFlightTokens | None) -> Forward:
-        step, spans = self.runner.plan(out, in_flight)
+    def forward(self, out: SchedulerOutput) -> Forward:
+        step, spans = self.runner.plan(out)
         with self._watching():
-            return self._send_and_forward(out, step, spans, in_flight)
+            return self._send_and_forward(out, step, spans)
 
     def sample(self, forward: Forward, sampling: SamplingInputs | None) -> StepResult:
         with self._watching():
             return self.runner.sample(forward, sampling)
 
-    def execute(self, out: SchedulerOutput, sampling: SamplingInputs | None,
-                in_flight: InFlightTokens | None) -> StepResult:
-        step, spans = self.runner.plan(out, in_flight)
+    def execute(self, out: SchedulerOutput, sampling: SamplingInputs | None) -> StepResult:
+        step, spans = self.runner.plan(out)
         with self._watching():  # around both halves: one look at the ranks per step
-            return self.runner.sample(self._send_and_forward(out, step, spans, in_flight),
-                                      sampling)
+            return self.runner.sample(self._send_and_forward(out, step, spans), sampling)
 
     def move_blocks(self, ops: BlockOps) -> None:
         with self._watching():
             self.group.remote.send(StepInput(ops, None, []))
             self.runner.kv_cache.apply_block_ops(ops)
 
-    def _send_and_forward(self, out: SchedulerOutput, step: StepInput, spans: list[PromptSpan],
-                          in_flight: InFlightTokens | None) -> Forward:
+    def _send_and_forward(self, out: SchedulerOutput, step: StepInput, spans: list[PromptSpan]
+                          ) -> Forward:
         self.group.remote.send(step)
-        return self.runner.forward(out, step, spans, in_flight)
+        return self.runner.forward(out, step, spans)
 
     @contextlib.contextmanager
     def _watching(self) -> Iterator[None]:
@@ -189,32 +184,25 @@ class Executor:
 
     @property
     def runner(self) -> ModelRunner:
-        """Rank 0's model runner (the whole model where there is one rank)."""
+        """Rank 0's model runner (the whole model where there is one rank), for benchmarks and
+        tests that look inside it; the engine goes through the step calls only."""
         return self.driver.runner
 
-    @property
-    def device(self) -> torch.device:
-        """Rank 0's device: where the sampling inputs (grammar masks among them) live."""
-        return self.runner.device
+    def execute(self, out: SchedulerOutput, sampling: SamplingInputs | None) -> StepResult:
+        return self.step.execute(out, sampling)
 
-    def execute(self, out: SchedulerOutput, sampling: SamplingInputs | None,
-                in_flight: InFlightTokens | None) -> StepResult:
-        return self.step.execute(out, sampling, in_flight)
-
-    def forward(self, out: SchedulerOutput, in_flight: InFlightTokens | None) -> Forward:
+    def forward(self, out: SchedulerOutput) -> Forward:
         """``execute`` up to its sampling (``sample``), so that the sampling metadata can be
         built while the ranks compute; the other ranks wait for the sampled tokens."""
-        return self.step.forward(out, in_flight)
+        return self.step.forward(out)
 
     def sample(self, forward: Forward, sampling: SamplingInputs | None) -> StepResult:
         return self.step.sample(forward, sampling)
 
-    @staticmethod
-    def fetch_samples(result: StepResult) -> SamplerOutput:
-        """The step's sampled tokens on the host, waiting for the device if need be."""
-        if result.ready is not None:
-            result.ready.synchronize()
-        return result.host_output
+    def fetch(self, result: StepResult) -> StepOutput:
+        """The step's sampled tokens and prompt logprobs on the host, waiting for the device
+        if need be."""
+        return self.step.fetch(result)
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Block moves of a step that computes nothing, on every rank."""

@@ -41,10 +41,16 @@ class GrammarMask(NamedTuple):
     rows: torch.Tensor  # int64 [R]
     bitmask: torch.Tensor  # int32 [R, ceil(V / 32)]
 
+    def to(self, device: torch.device) -> GrammarMask:
+        """The mask on ``device``, without waiting for it."""
+        return GrammarMask(self.rows.to(device, non_blocking=True),
+                           self.bitmask.to(device, non_blocking=True))
 
-def build_grammar_mask(states: list[GrammarState | None], vocab_size: int,
-                       device: torch.device) -> GrammarMask | None:
-    """The mask of the rows that have a grammar; None (no work at all) when none has."""
+
+def build_grammar_mask(states: list[GrammarState | None], vocab_size: int
+                       ) -> GrammarMask | None:
+    """The mask of the rows that have a grammar, on the host; None (no work at all) when none
+    has."""
     rows = [row for row, state in enumerate(states) if state is not None]
     if not rows:
         return None
@@ -53,5 +59,4 @@ def build_grammar_mask(states: list[GrammarState | None], vocab_size: int,
     bitmask = xgr.allocate_token_bitmask(len(rows), vocab_size)
     for i, row in enumerate(rows):
         states[row].fill(bitmask, i)
-    return GrammarMask(torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
-                       bitmask.to(device, non_blocking=True))
+    return GrammarMask(torch.tensor(rows, dtype=torch.int64), bitmask)

@@ -12,7 +12,15 @@ from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.core.sequence import Sequence
 from pagedserve.models.forward_context import ForwardContext
 from pagedserve.worker.shape_buckets import ShapeBuckets
-from pagedserve.worker.step import InFlightTokens
+
+
+@dataclass
+class InFlightTokens:
+    """The tokens sampled by the step before this one, still on the device: under async
+    scheduling a stream's next input can be one of them, unknown to the host."""
+
+    token_ids: torch.Tensor  # int64 [num_sampled * max_positions], on the device
+    rows: dict[Sequence, int]  # stream -> the index of its last sampled token in token_ids
 
 
 @dataclass

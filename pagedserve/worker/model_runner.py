@@ -28,12 +28,14 @@ from pagedserve.logger import get_logger
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.linear import LinearFactory
 from pagedserve.models.registry import model_class
-from pagedserve.platforms.interface import GraphRunner, Platform
+from pagedserve.platforms.interface import DeviceEvent, GraphRunner, Platform
 from pagedserve.quant.weights import LoadedWeight
+from pagedserve.sample.logprobs import LogprobsTensors
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
 from pagedserve.worker.input_batch import (
     HostInputs,
+    InFlightTokens,
     ModelInputs,
     pack_inputs,
 )
@@ -42,9 +44,10 @@ from pagedserve.worker.sampling_batch import SamplingBatch
 from pagedserve.worker.shape_buckets import ShapeBuckets
 from pagedserve.worker.step import (
     Forward,
-    InFlightTokens,
+    HostSamples,
     PromptLogprobsChunk,
     SamplingInputs,
+    StepOutput,
     StepResult,
 )
 
@@ -59,6 +62,15 @@ class PromptSpan(NamedTuple):
     first_position: int
     row: int
     count: int
+
+
+class _QueuedStep(NamedTuple):
+    """What a step left on the device for the host: its samples, being copied to the host in
+    the background until ``ready``, and its prompt logprobs."""
+
+    samples: SamplerOutput | None  # host tensors
+    ready: DeviceEvent | None
+    prompt: dict[Sequence, tuple[int, LogprobsTensors]]  # seq -> (first position, logprobs)
 
 
 @dataclass
@@ -98,7 +110,15 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self.block_size = 16
         self.graphs: GraphRunner | None = None
-        self._last_tokens: torch.Tensor | None = None  # ranks > 0: the last step's samples
+        # The last step's sampled tokens, on the device: the inputs of a step scheduled
+        # before the host has seen them. Rank 0 knows whose they are; the other ranks are
+        # told which to read (``HostInputs.fill_sources``).
+        self._in_flight: InFlightTokens | None = None  # rank 0
+        self._last_tokens: torch.Tensor | None = None  # ranks > 0
+        # Rank 0, between a step's halves: its logits and prompt logprobs, by step id.
+        self._step_id = 0
+        self._forwarded: tuple[int, torch.Tensor | None, dict] | None = None
+        self._queued: dict[int, _QueuedStep] = {}  # steps sampled, not yet fetched
         self.buckets = buckets  # pad every step to these shapes (shape_buckets.py)
         self.pad_block = 0  # with buckets: the pool's last block, written by padded rows only
 
@@ -139,49 +159,80 @@ class ModelRunner:
         self.kv_cache = KVCache(self.platform, self.arch, self.num_kv_heads, KVCacheSpec(
             spec.num_blocks + (self.buckets is not None), spec.block_size, spec.dtype))
 
-    def plan(self, out: SchedulerOutput,
-             in_flight: InFlightTokens | None = None) -> tuple[StepInput, list[PromptSpan]]:
+    def plan(self, out: SchedulerOutput) -> tuple[StepInput, list[PromptSpan]]:
         """The step every rank runs, and (for rank 0 alone) which rows score prompts."""
         if out.is_empty:
             return StepInput(out.block_ops, None, []), []
-        inputs = pack_inputs(out, self.block_size, in_flight and in_flight.rows, self.buckets,
-                             self.pad_block)
+        inputs = pack_inputs(out, self.block_size, self._in_flight and self._in_flight.rows,
+                             self.buckets, self.pad_block)
         spans = _prompt_spans(out)
         return StepInput(out.block_ops, inputs, [(s.row, s.count) for s in spans]), spans
 
     @torch.inference_mode()
-    def forward(self, out: SchedulerOutput, step: StepInput, spans: list[PromptSpan],
-                in_flight: InFlightTokens | None) -> Forward:
+    def forward(self, out: SchedulerOutput, step: StepInput, spans: list[PromptSpan]
+                ) -> Forward:
         """Rank 0's part of a planned step, up to its sampling: block moves, the forward pass,
-        the logits. The sampling metadata can be built while the device computes."""
-        sample_logits, prompt = self._run(step, in_flight and in_flight.token_ids, spans)
-        return Forward(out, sample_logits, prompt)
+        the logits, kept here until ``sample``. The sampling metadata can be built while the
+        device computes."""
+        sample_logits, prompt = self._run(step, self._in_flight and self._in_flight.token_ids,
+                                          spans)
+        self._step_id += 1
+        self._forwarded = (self._step_id, sample_logits, prompt)
+        return Forward(out, self._step_id)
 
     @torch.inference_mode()
     def sample(self, forward: Forward, sampling: SamplingInputs | None) -> StepResult:
         """The second half: sample (and hand the tokens to the other ranks). The sampled
-        tokens are copied to the host in the background (``Executor.fetch_samples`` waits for
-        them)."""
+        tokens are copied to the host in the background (``fetch`` waits for them)."""
+        step_id, logits, prompt = self._forwarded
+        if step_id != forward.step_id:
+            raise RuntimeError(f"step {forward.step_id} was not the last one forwarded")
+        self._forwarded = None
         sampled = [s for s in forward.out.scheduled if s.num_sample_positions]
-        sampler_output = host_output = ready = None
+        host_output = ready = None
         if sampled:
-            sampler_output = self.sampler(forward.sample_logits,
-                                          self._sampling_metadata(sampled, sampling))
+            sampler_output = self.sampler(logits, self._sampling_metadata(sampled, sampling))
             if self.tp.size > 1:
                 self.tp.broadcast_from_first(sampler_output.token_ids)
+            self._keep_in_flight(sampled, sampler_output.token_ids)
             # Where the host runs ahead, the copy lands later: ``ready`` marks when.
             host_output = SamplerOutput(*(
                 None if t is None else t.to("cpu", non_blocking=self.platform.runs_ahead)
                 for t in sampler_output))
             ready = self.platform.record_event()
-        return StepResult([s.seq for s in sampled], [s.num_sample_positions for s in sampled],
-                          sampler_output, host_output, ready, forward.prompt)
+        self._queued[step_id] = _QueuedStep(host_output, ready, prompt)
+        return StepResult(step_id, [s.seq for s in sampled],
+                          [s.num_sample_positions for s in sampled])
+
+    def fetch(self, result: StepResult) -> StepOutput:
+        """A sampled step's tokens and logprobs on the host, waiting for the device if need
+        be. Steps queued before it and never fetched (the engine dropped them: their requests
+        finished) are forgotten."""
+        queued = self._queued.pop(result.step_id)
+        for stale in [i for i in self._queued if i < result.step_id]:
+            del self._queued[stale]
+        if queued.ready is not None:
+            queued.ready.synchronize()
+        samples = None
+        if queued.samples is not None:
+            samples = HostSamples(queued.samples.token_ids.tolist(), *(
+                None if t is None else t.tolist() for t in queued.samples[1:]))
+        return StepOutput(samples, {seq: _host_chunk(first, r)
+                                    for seq, (first, r) in queued.prompt.items()})
+
+    def _keep_in_flight(self, sampled: list[ScheduledSequence], token_ids: torch.Tensor) -> None:
+        """Remember the step's tokens ([num_sampled, max_positions]) for the next step's
+        inputs: a stream's next input is its last sampled token."""
+        width = token_ids.shape[1]
+        rows = {s.seq: row * width + s.num_sample_positions - 1 for row, s in enumerate(sampled)}
+        self._in_flight = InFlightTokens(token_ids.view(-1), rows)
 
     def _sampling_metadata(self, sampled: list[ScheduledSequence],
                            inputs: SamplingInputs) -> SamplingMetadata:
         meta = self.sampling.metadata([s.seq for s in sampled],
                                       [s.num_sample_positions for s in sampled])
-        meta.grammar_mask = inputs.grammar_mask
+        if inputs.grammar_mask is not None:
+            meta.grammar_mask = inputs.grammar_mask.to(self.device)
         meta.max_num_logprobs = max(meta.max_num_logprobs, inputs.min_num_logprobs)
         return meta
 
@@ -199,7 +250,7 @@ class ModelRunner:
 
     def _run(self, step: StepInput, in_flight_tokens: torch.Tensor | None,
              spans: list[PromptSpan]
-             ) -> tuple[torch.Tensor | None, dict[Sequence, PromptLogprobsChunk]]:
+             ) -> tuple[torch.Tensor | None, dict[Sequence, tuple[int, LogprobsTensors]]]:
         """Block moves, the forward pass, the logits of the sampling rows, and each prompt
         span's logprobs, one span's logits at a time (on ranks other than 0, which get no
         logits, ``spans`` is empty)."""
@@ -259,9 +310,16 @@ def _prompt_spans(out: SchedulerOutput) -> list[PromptSpan]:
     return spans
 
 
-def _prompt_logprobs(span: PromptSpan, logits: torch.Tensor) -> PromptLogprobsChunk:
+def _prompt_logprobs(span: PromptSpan, logits: torch.Tensor) -> tuple[int, LogprobsTensors]:
     seq, start = span.seq, span.first_position
     targets = torch.tensor(seq.prompt_token_ids[start + 1:start + 1 + span.count],
                            device=logits.device)
+    return start, prompt_logprobs(logits.float(), targets, seq.params.prompt_logprobs)
+
+
+def _host_chunk(first_position: int, r: LogprobsTensors) -> PromptLogprobsChunk:
+    n = len(r.logprobs)
     return PromptLogprobsChunk(
-        start, prompt_logprobs(logits.float(), targets, seq.params.prompt_logprobs))
+        first_position, r.logprobs.tolist(), r.ranks.tolist(),
+        r.top_ids.tolist() if r.top_ids is not None else [[]] * n,
+        r.top_logprobs.tolist() if r.top_logprobs is not None else [[]] * n)

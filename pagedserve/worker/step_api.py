@@ -2,10 +2,12 @@
 ``StepAPI``, whichever ranks stand behind it.
 
 A step is ``forward`` (plan the packed inputs, apply the block moves, run the forward pass,
-compute the logits of the sampling rows), then ``sample`` (sample those rows, score prompt
-spans' logprobs, copy the tokens to the host in the background). ``execute`` is both at once;
-the engine splits them only where it builds grammar masks while the device computes.
-``move_blocks`` is a step that computes nothing but the swaps and copies of preempted blocks.
+compute the logits of the sampling rows and the prompt spans' logprobs), then ``sample``
+(sample those rows, copy the tokens to the host in the background), then ``fetch`` (wait for
+that copy). ``execute`` is the first two at once; the engine splits them only where it builds
+grammar masks while the device computes. ``move_blocks`` is a step that computes nothing but
+the swaps and copies of preempted blocks. What crosses back to the engine is host data
+(``step``'s types); a step's device tensors stay in rank 0's runner.
 
 ``LocalStep`` is rank 0 alone. The tensor-parallel implementation (``executor``) is the same
 calls with the planned step sent to the other ranks first; they follow it
@@ -20,7 +22,7 @@ from abc import ABC, abstractmethod
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.step import Forward, InFlightTokens, SamplingInputs, StepResult
+from pagedserve.worker.step import Forward, SamplingInputs, StepOutput, StepResult
 
 
 class StepAPI(ABC):
@@ -29,9 +31,9 @@ class StepAPI(ABC):
     runner: ModelRunner  # rank 0's
 
     @abstractmethod
-    def forward(self, out: SchedulerOutput, in_flight: InFlightTokens | None) -> Forward:
-        """Everything up to the sampling. ``in_flight``: the previous step's tokens, for
-        chunks whose input is one of them."""
+    def forward(self, out: SchedulerOutput) -> Forward:
+        """Everything up to the sampling. A chunk whose input is a token the previous step
+        sampled reads it on the device."""
 
     @abstractmethod
     def sample(self, forward: Forward, sampling: SamplingInputs | None) -> StepResult:
@@ -41,10 +43,13 @@ class StepAPI(ABC):
     def move_blocks(self, ops: BlockOps) -> None:
         """Block moves of a step that computes nothing."""
 
-    def execute(self, out: SchedulerOutput, sampling: SamplingInputs | None,
-                in_flight: InFlightTokens | None) -> StepResult:
+    def execute(self, out: SchedulerOutput, sampling: SamplingInputs | None) -> StepResult:
         """A whole step: ``forward`` then ``sample``."""
-        return self.sample(self.forward(out, in_flight), sampling)
+        return self.sample(self.forward(out), sampling)
+
+    def fetch(self, result: StepResult) -> StepOutput:
+        """A step's samples and prompt logprobs on the host (rank 0 alone holds them)."""
+        return self.runner.fetch(result)
 
 
 class LocalStep(StepAPI):
@@ -53,9 +58,9 @@ class LocalStep(StepAPI):
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
-    def forward(self, out: SchedulerOutput, in_flight: InFlightTokens | None) -> Forward:
-        step, spans = self.runner.plan(out, in_flight)
-        return self.runner.forward(out, step, spans, in_flight)
+    def forward(self, out: SchedulerOutput) -> Forward:
+        step, spans = self.runner.plan(out)
+        return self.runner.forward(out, step, spans)
 
     def sample(self, forward: Forward, sampling: SamplingInputs | None) -> StepResult:
         return self.runner.sample(forward, sampling)

@@ -9,10 +9,9 @@ import torch
 
 from pagedserve.core.sequence import SequenceStatus
 from pagedserve.engine.input_processor import InputLimits, InputProcessor
-from pagedserve.engine.output_processor import HostSamples, OutputProcessor
-from pagedserve.sample.sampler import SamplerOutput
+from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.step import StepResult
+from pagedserve.worker.step import HostSamples, StepOutput, StepResult
 from tests.tiny_models import VOCAB, _train_tokenizer
 
 
@@ -42,9 +41,10 @@ def _step(outputs, state, tokens):
     function of the token, so one list and one token a step give the same)."""
     ids = torch.tensor([tokens])
     logprobs = -(ids % 7).float() - 1
-    samples = SamplerOutput(ids, logprobs, ids % 3 + 1, ids.unsqueeze(2), logprobs.unsqueeze(2))
-    result = StepResult([state.seqs[0].seq], [len(tokens)], None, None, None, {})
-    return outputs.process(result, samples)
+    samples = HostSamples(ids.tolist(), logprobs.tolist(), (ids % 3 + 1).tolist(),
+                          ids.unsqueeze(2).tolist(), logprobs.unsqueeze(2).tolist())
+    result = StepResult(0, [state.seqs[0].seq], [len(tokens)])
+    return outputs.process(result, StepOutput(samples, {}))
 
 
 def _final(output):

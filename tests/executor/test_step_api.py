@@ -38,8 +38,8 @@ class RecordingStep(StepAPI):
     def __init__(self, log: list) -> None:
         self.log = log
 
-    def forward(self, out, in_flight):
-        self.log.append(("forward", (out, in_flight)))
+    def forward(self, out):
+        self.log.append(("forward", (out,)))
         return "forward result"
 
     def sample(self, forward, sampling):
@@ -71,26 +71,28 @@ def test_the_executor_forwards_each_call_to_its_step_once():
     log: list = []
     executor = object.__new__(Executor)  # no ranks, no runner: only ``step`` can answer
     executor.step = RecordingStep(log)
-    assert executor.forward("out", "in flight") == "forward result"
+    assert executor.forward("out") == "forward result"
     assert executor.sample("fwd", "meta") == "sample result"
     executor.apply_block_ops("ops")
-    assert log == [("forward", ("out", "in flight")), ("sample", ("fwd", "meta")),
+    assert log == [("forward", ("out",)), ("sample", ("fwd", "meta")),
                    ("move_blocks", ("ops",))]
     log.clear()
-    assert executor.execute("out", "meta", None) == "sample result"
-    assert log == [("forward", ("out", None)), ("sample", ("forward result", "meta"))]
+    assert executor.execute("out", "meta") == "sample result"
+    assert log == [("forward", ("out",)), ("sample", ("forward result", "meta"))]
 
 
 def test_local_step_is_the_runner_alone():
     log: list = []
     step = LocalStep(Recorder(log, "runner"))
     step.runner.kv_cache = Recorder(log, "kv")
-    assert step.execute("out", "meta", "tokens") == "sample result"
+    assert step.execute("out", "meta") == "sample result"
     step.move_blocks("ops")
-    assert log == [("runner.plan", ("out", "tokens")),
-                   ("runner.forward", ("out", "step of out", "spans", "tokens")),
+    assert step.fetch("result") == "fetch result"
+    assert log == [("runner.plan", ("out",)),
+                   ("runner.forward", ("out", "step of out", "spans")),
                    ("runner.sample", ("forward result", "meta")),
-                   ("kv.apply_block_ops", ("ops",))]
+                   ("kv.apply_block_ops", ("ops",)),
+                   ("runner.fetch", ("result",))]
 
 
 def _tensor_parallel(log: list, dead: str | None = None, fail: str | None = None):
@@ -102,13 +104,13 @@ def _tensor_parallel(log: list, dead: str | None = None, fail: str | None = None
 def test_tensor_parallel_step_sends_the_plan_before_rank_0_runs_it():
     log: list = []
     step = _tensor_parallel(log)
-    assert step.forward("out", None) == "forward result"
+    assert step.forward("out") == "forward result"
     assert step.sample("fwd", "meta") == "sample result"
-    assert log == [("runner.plan", ("out", None)), ("remote.send", ("step of out",)),
-                   ("runner.forward", ("out", "step of out", "spans", None)),
+    assert log == [("runner.plan", ("out",)), ("remote.send", ("step of out",)),
+                   ("runner.forward", ("out", "step of out", "spans")),
                    ("runner.sample", ("fwd", "meta"))]
     log.clear()
-    step.execute("out", "meta", None)
+    step.execute("out", "meta")
     assert [name for name, _ in log] == ["runner.plan", "remote.send", "runner.forward",
                                          "runner.sample"]
     log.clear()
@@ -120,7 +122,7 @@ def test_tensor_parallel_step_sends_the_plan_before_rank_0_runs_it():
 def test_tensor_parallel_step_refuses_to_start_once_a_rank_is_gone():
     log: list = []
     step = _tensor_parallel(log, dead="rank 1 exited")
-    for call in (lambda: step.forward("out", None), lambda: step.sample("fwd", "meta"),
+    for call in (lambda: step.forward("out"), lambda: step.sample("fwd", "meta"),
                  lambda: step.move_blocks(BlockOps())):
         with pytest.raises(WorkerDiedError, match="rank 1 exited"):
             call()
@@ -131,7 +133,7 @@ def test_a_failed_tensor_parallel_step_ends_the_group():
     log: list = []
     step = _tensor_parallel(log, fail="forward")
     with pytest.raises(WorkerDiedError, match="RuntimeError: broken pipe"):
-        step.execute("out", "meta", None)
+        step.execute("out", "meta")
     assert step.group.dead_reason() is not None
     with pytest.raises(WorkerDiedError):
         step.sample("fwd", "meta")

@@ -39,7 +39,7 @@ def test_mask_matches_a_bit_by_bit_reference():
 
 
 def test_unconstrained_batch_builds_no_mask():
-    assert build_grammar_mask([None, None], 128, torch.device("cpu")) is None
+    assert build_grammar_mask([None, None], 128) is None
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_padded_vocabulary_ids_are_never_allowed(tokenizer):
     pool = GrammarCompilerPool(tokenizer, padded, {tokenizer.eos_token_id}, num_workers=1,
                                timeout_s=60)
     compiled = pool.get(grammar_spec(StructuredOutputsParams(json_object=True))).result()
-    mask = build_grammar_mask([None, GrammarState(compiled)], padded, torch.device("cpu"))
+    mask = build_grammar_mask([None, GrammarState(compiled)], padded)
     assert mask.bitmask.shape == (1, -(-padded // 32))
     logits = torch.zeros(2, padded)
     apply_grammar_mask(logits, mask)

@@ -8,8 +8,7 @@ import torch
 from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedserve.core.sequence import Sequence
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.input_batch import build_inputs
-from pagedserve.worker.step import InFlightTokens
+from pagedserve.worker.input_batch import InFlightTokens, build_inputs
 
 
 def _sequence(tokens: list[int]) -> Sequence:
