@@ -6,9 +6,9 @@ For each row, the n-gram is its last n tokens, n from ``prompt_lookup_max`` down
 end) wins, and of its occurrences the most recent one. The drafts are the up to k tokens after
 that occurrence, fewer where the row ends first; an occurrence may overlap the suffix itself.
 
-The search is a few numpy operations per row, none per token: the earlier positions holding
-the row's last token are the only places a match can end, and each one's match length is
-read off a [candidates, max_n] comparison.
+The search is a few numpy operations per row and per n, none per token: the earlier positions
+holding the row's last token are the only places a match can end, and each round keeps those
+whose match reaches one token further back.
 """
 
 from __future__ import annotations
@@ -41,16 +41,17 @@ def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
     length = len(tokens)
     if k <= 0 or length <= min_n:
         return _NONE
-    # A match ends where the last token occurs again, one token or more before the end.
+    # A match ends where the last token occurs again, one token or more before the end; the
+    # ends whose match goes on one token further back survive each round.
     ends = np.flatnonzero(tokens[:-1] == tokens[-1])
-    if len(ends) == 0:
+    matched = 1
+    while len(ends) and matched < max_n:
+        before = ends - matched
+        longer = ends[(before >= 0) & (tokens[before.clip(min=0)] == tokens[-1 - matched])]
+        if not len(longer):
+            break
+        ends, matched = longer, matched + 1
+    if not len(ends) or matched < min_n:
         return _NONE
-    back = np.arange(min(max_n, length - 1))
-    before = ends[:, None] - back  # [C, n]: the tokens before each end, nearest first
-    agree = (before >= 0) & (tokens[before.clip(min=0)] == tokens[length - 1 - back])
-    matched = np.cumprod(agree, axis=1).sum(axis=1)  # each end's match length, up to max_n
-    longest = matched.max()
-    if longest < min_n:
-        return _NONE
-    end = ends[np.flatnonzero(matched == longest)[-1]]
+    end = ends[-1]
     return tokens[end + 1:end + 1 + k].astype(np.int64)  # a copy: buffers change
