@@ -113,13 +113,14 @@ def rejection_sample(
     """``logits``: [P, V], a row per position of ``meta`` (see the module doc).
     ``draft_token_ids``: int64 [N, K], K >= M - 1, sequence i's drafts first (padding ignored).
     ``draft_probs``: float32 [sum d_i, V], the proposer's q of each draft position, sequence by
-    sequence; None for point masses (n-gram). ``draws``: None draws them (module doc)."""
+    sequence; None for point masses (n-gram). ``draws``: None draws them (module doc). All on
+    the logits' device; no host sync."""
     layout = _Layout.of(meta.positions, logits.shape[0], logits.device)
     drafts = draft_token_ids[:, :layout.width - 1]
     meta = count_preceding_drafts(meta, drafts)
     target = target_distribution(logits, meta)
     if draws is None and target.probs is not None:
-        draws = draw(meta.generators, layout, logits.shape[-1], logits.device)
+        draws = _draw(meta.generators, layout, logits.shape[-1], logits.device)
     greedy = None if meta.greedy is None else meta.greedy[layout.first_rows_t]
     accepted = _num_accepted(target, greedy, layout, drafts, draft_probs, draws)
     last = _emitted_token(target, greedy, layout, drafts, draft_probs, draws, accepted)
@@ -143,7 +144,7 @@ def target_distribution(logits: torch.Tensor, meta: SamplingMetadata) -> Target:
     return Target(processed, probs, argmax)
 
 
-def draw(generators: dict[int, torch.Generator], layout: _Layout, vocab_size: int,
+def _draw(generators: dict[int, torch.Generator], layout: _Layout, vocab_size: int,
          device: torch.device) -> Draws:
     """Each seeded sequence's uniforms, then its noise, from its generator (``generators`` is
     keyed by position row; a sequence's rows share one); the rest from the default one."""

@@ -108,7 +108,8 @@ def test_accepted_and_emitted_tokens_equal_a_float64_reference(seed, with_q):
         logits = torch.from_numpy(np.log(p)).float()  # softmax gives p back
     width = max(counts)
     draws = Draws(draws.uniform[:, :width - 1], draws.exponential)
-    out = rejection_sample(logits, meta, torch.from_numpy(drafts),
+    wider = np.pad(drafts, ((0, 0), (0, 2)), constant_values=-1)  # K may exceed M - 1
+    out = rejection_sample(logits, meta, torch.from_numpy(wider),
                            None if q is None else torch.from_numpy(q).float(), draws)
     want = reference(p, q, drafts, counts, greedy, draws.uniform.double().numpy(),
                      draws.exponential.double().numpy())
