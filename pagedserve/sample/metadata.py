@@ -8,11 +8,14 @@ scheduled tokens). The metadata then has one row per position, a sequence's posi
 consecutive, each with its sequence's settings; ``positions`` says how they fold back into
 ``[sequences, max_positions]``. Position ``j`` of a sequence counts ``j`` more output tokens
 for min_tokens (the tokens before it are the ones it follows); penalties count the output as of
-the step, since the tokens a later position follows are not known to the sampler.
+the step, since the tokens a later position follows are not known to the sampler. Verifying
+drafts, where they are known, adds them (``Penalties.with_preceding``, called by
+``sample/rejection.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -44,6 +47,14 @@ class Penalties:
 
         return Penalties(rep(self.output_counts), rep(self.prompt_mask), rep(self.repetition),
                          rep(self.presence), rep(self.frequency))
+
+    def with_preceding(self, tokens: torch.Tensor, num_preceding: torch.Tensor) -> Penalties:
+        """Row p's output also holding the first ``num_preceding[p]`` tokens of ``tokens[p]``
+        (int64 [N, K]; ids past them are ignored, -1 included): position j of a verified
+        sequence follows its first j drafts, which plain decoding would have counted."""
+        take = torch.arange(tokens.shape[1], device=tokens.device) < num_preceding.unsqueeze(1)
+        counts = self.output_counts.scatter_add(1, tokens.clamp_min(0), take.to(torch.int32))
+        return dataclasses.replace(self, output_counts=counts)
 
 
 class SamplePositions(NamedTuple):

@@ -115,11 +115,16 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     greedy = logits.argmax(dim=-1) if meta.greedy is not None else None
     if meta.all_greedy:
         return greedy
+    sampled = exponential_race(sampling_probs(logits, meta), meta.generators)
+    return sampled if greedy is None else torch.where(meta.greedy, greedy, sampled)
+
+
+def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """float32 [N, V]: the distribution random rows draw from, after temperature, top-k, top-p
+    and min-p (greedy rows get their untempered softmax). ``logits`` are ``process_logits``'."""
     # Division makes a fresh tensor, so truncation may mask in place without touching `logits`,
     # which the logprobs still need.
-    scaled = truncate(logits / meta.temperature, meta)
-    sampled = exponential_race(scaled.softmax(dim=-1), meta.generators)
-    return sampled if greedy is None else torch.where(meta.greedy, greedy, sampled)
+    return truncate(logits / meta.temperature, meta).softmax(dim=-1)
 
 
 def truncate(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -170,11 +175,17 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     on its own probabilities and generator state, not on the batch around it. The other rows
     share one draw from the default generator.
     """
+    return probs.div_(exponential_noise(probs, generators)).argmax(dim=-1)
+
+
+def exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator]
+                      ) -> torch.Tensor:
+    """Exp(1) noise shaped like ``probs``: each seeded row from its generator, the other rows
+    from one draw of the default generator; never 0."""
     q = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
         q.exponential_()
     for row, generator in generators.items():
         q[row].exponential_(generator=generator)
     # A zero draw would make a masked token's 0/0 = NaN, which argmax picks over everything.
-    q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+    return q.clamp_min_(torch.finfo(q.dtype).tiny)
