@@ -21,6 +21,7 @@ from pagedserve.distributed import check_divisible
 from pagedserve.errors import KV_CACHE_DTYPES, ConfigError
 from pagedserve.platforms import DEVICE_NAMES
 from pagedserve.quant.formats import QUANTIZATION_CHOICES
+from pagedserve.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from pagedserve.models.config import ModelArchConfig
@@ -135,6 +136,12 @@ class EngineConfig:
               "with a 400, and its compile is stopped")
     max_grammar_bytes: int = option(
         65536, "largest JSON schema, regex or grammar text a request may carry, in bytes")
+    speculative_config: SpeculativeConfig | None = option(
+        None, "speculative decoding, as JSON with vLLM's fields: method (ngram, "
+              "draft_model), num_speculative_tokens, prompt_lookup_max and prompt_lookup_min "
+              "(ngram), model (the draft checkpoint), draft_tensor_parallel_size; e.g. "
+              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'. Steps then run one "
+              "at a time (no async scheduling)")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -166,6 +173,10 @@ class EngineConfig:
             raise ConfigError("--max-grammar-compile-seconds must be positive")
         if self.max_grammar_bytes < 1:
             raise ConfigError("--max-grammar-bytes must be at least 1")
+        if self.speculative_config is not None:
+            # The Python API passes vLLM's dict, the command line its JSON text.
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.parse(self.speculative_config))
 
     def resolve(self, arch: ModelArchConfig, platform: type[Platform]) -> ResolvedConfig:
         """The values that depend on the model and the platform, computed once."""
@@ -178,8 +189,7 @@ class EngineConfig:
             max_model_len=max_model_len,
             max_num_batched_tokens=self._max_num_batched_tokens(max_model_len),
             long_prefill_token_threshold=self._long_prefill_token_threshold(max_model_len),
-            async_scheduling=(platform.runs_ahead if self.async_scheduling is None
-                              else self.async_scheduling),
+            async_scheduling=self._async_scheduling(platform),
             block_size=self.block_size or platform.default_block_size,
             shape_bucketing=(platform.buckets_shapes if self.shape_bucketing is None
                              else self.shape_bucketing),
@@ -196,6 +206,16 @@ class EngineConfig:
             max_long_partial_prefills=self.max_long_partial_prefills,
             long_prefill_token_threshold=resolved.long_prefill_token_threshold,
         )
+
+    def _async_scheduling(self, platform: type[Platform]) -> bool:
+        """A step's drafts are proposed from the tokens the step before accepted, which the
+        host must have seen: speculative decoding steps one at a time."""
+        if self.speculative_config is not None:
+            if self.async_scheduling:
+                raise ConfigError("--async-scheduling does not combine with "
+                                  "--speculative-config")
+            return False
+        return platform.runs_ahead if self.async_scheduling is None else self.async_scheduling
 
     def _check_partial_prefills(self) -> None:
         if self.max_num_partial_prefills < 1:

@@ -2,7 +2,9 @@
 fallback, and the reference the Triton kernels are tested against.
 
 Decode-only steps gather every sequence's blocks into one padded batch and run one masked
-attention; steps with prompt chunks attend per sequence, since their query lengths differ.
+attention. So do the short queries of a mixed step (decodes, and the few tokens of a
+speculative verify step, up to ``SHORT_QUERY`` rows each, padded to the longest); longer
+prompt chunks attend per sequence, since their query lengths differ.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import torch.nn.functional as F
 
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
+
+# Queries of at most this many rows over cached context share one padded attention call.
+SHORT_QUERY = 16
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -63,15 +68,11 @@ class TorchPagedAttention(AttentionBackend):
         if meta.is_decode_only:
             return self._decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len)
         out = torch.empty_like(q)
-        decode_seqs = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
-        if decode_seqs:
-            # Decoding sequences in a mixed step still go through one batched call.
-            seqs = torch.tensor(decode_seqs, device=q.device)
-            rows = meta.query_start_loc[seqs].long()
-            out[rows] = self._decode(q[rows], kv_cache, meta.block_tables[seqs],
-                                     meta.seq_lens[seqs],
-                                     max(meta.seq_lens_cpu[i] for i in decode_seqs))
-        self._prefill(q, k, v, kv_cache, meta, out)
+        short = [i for i, (n, total) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu))
+                 if n == 1 or n <= SHORT_QUERY and n < total]
+        if short:
+            self._short_queries(q, kv_cache, meta, short, out)
+        self._prefill(q, k, v, kv_cache, meta, out, skip=set(short))
         return out
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -91,13 +92,38 @@ class TorchPagedAttention(AttentionBackend):
         valid = positions[None, :] < seq_lens[:, None]
         return self._attend(q[:, None], keys, values, valid[:, None, None, :], causal=False)[:, 0]
 
-    def _prefill(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
-        """Sequences with more than one query row, one attention call each."""
+    def _short_queries(self, q, kv_cache, meta: AttentionMetadata, seqs: list[int],
+                       out: torch.Tensor) -> None:
+        """Sequences ``seqs``' queries, padded to the longest of them, in one masked attention:
+        query row r of a sequence of ``seq_len`` sits at ``seq_len - q_len + r`` and sees the
+        keys up to it (a padded row repeats the last one; its result is dropped)."""
+        q_lens = [meta.query_lens_cpu[i] for i in seqs]
+        width, max_seq_len = max(q_lens), max(meta.seq_lens_cpu[i] for i in seqs)
+        index = torch.tensor(seqs, device=q.device)
+        starts = meta.query_start_loc[index].long()
+        if width == 1:  # decodes only
+            out[starts] = self._decode(q[starts], kv_cache, meta.block_tables[index],
+                                       meta.seq_lens[index], max_seq_len)
+            return
+        seq_lens, lens = meta.seq_lens[index].long(), torch.tensor(q_lens, device=q.device)
+        r = torch.arange(width, device=q.device)
+        rows = starts[:, None] + torch.minimum(r, lens[:, None] - 1)
+        keys, values = self._gather(kv_cache, meta.block_tables[index], seq_lens, max_seq_len)
+        query_pos = (seq_lens - lens)[:, None] + r  # [B, width]
+        key_pos = torch.arange(max_seq_len, device=q.device)
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, width, keys]
+        result = self._attend(q[rows], keys, values, mask[:, None], causal=False)
+        valid = r[None, :] < lens[:, None]
+        out[rows[valid]] = result[valid]
+
+    def _prefill(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor,
+                 skip: set[int]) -> None:
+        """The other sequences, one attention call each."""
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             rows = slice(start, start + q_len)
             start += q_len
-            if q_len == 1:
+            if i in skip:
                 continue
             if q_len == seq_len:
                 # No cached context: attend over the fresh keys directly.

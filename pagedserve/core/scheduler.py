@@ -71,8 +71,12 @@ class ScheduledSequence(NamedTuple):
     num_new_tokens: int
     block_ids: list[int]
     # Positions the step samples at: the last ``num_sample_positions`` of the chunk's tokens.
-    # 1 when the chunk reaches the end of the known tokens (the next token), else 0.
+    # 1 when the chunk reaches the end of the known tokens (the next token), else 0; plus one
+    # per draft.
     num_sample_positions: int
+    # Drafts the chunk verifies, after the known tokens: its last ``len(draft_token_ids)``
+    # tokens (speculative decoding).
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -93,7 +97,8 @@ class SchedulerOutput:
 
 class _Chunk(NamedTuple):
     cached_blocks: list[int]  # prefix-cache hits taken before computing
-    num_new_tokens: int
+    num_new_tokens: int  # the drafts among them
+    num_drafts: int = 0
 
 
 class Scheduler:
@@ -161,7 +166,7 @@ class Scheduler:
             allocated = True
             seq.num_computed_tokens += len(chunk.cached_blocks) * self.kv.block_size
             if chunk.num_new_tokens:
-                self._emit(out, seq, chunk.num_new_tokens)
+                self._emit(out, seq, chunk.num_new_tokens, chunk.num_drafts)
                 budget -= chunk.num_new_tokens
         return budget
 
@@ -180,7 +185,17 @@ class Scheduler:
             return None
         if num_new == 0 and not cached:
             return None
+        if num_new == num_left == 1 and seq.draft_token_ids and not self._schedule_pending:
+            num_drafts = self._num_drafts(seq, budget - num_new)
+            return _Chunk(cached, num_new + num_drafts, num_drafts)
         return _Chunk(cached, num_new)
+
+    @staticmethod
+    def _num_drafts(seq: Sequence, budget: int) -> int:
+        """Drafts a decode step verifies: what the budget allows, and never more than would
+        take the stream past max_tokens (a verify step outputs up to one token more)."""
+        return max(0, min(len(seq.draft_token_ids), budget,
+                          seq.max_tokens - seq.num_output_tokens - 1))
 
     def _num_tokens(self, seq: Sequence) -> int:
         return seq.num_known_tokens if self._schedule_pending else seq.num_tokens
@@ -387,11 +402,14 @@ class Scheduler:
     def _free_seq_slots(self) -> int:
         return self.config.max_num_seqs - sum(g.width for g in self.running)
 
-    def _emit(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+    def _emit(self, out: SchedulerOutput, seq: Sequence, num_new: int, num_drafts: int) -> None:
         computed = seq.num_computed_tokens
+        drafts = tuple(seq.draft_token_ids[:num_drafts])
+        seq.draft_token_ids = []  # verified by this step, or proposed again after it
+        reaches_end = computed + num_new - num_drafts == self._num_tokens(seq)
         out.scheduled.append(ScheduledSequence(
             seq, computed, num_new, self.kv.block_table(seq),
-            num_sample_positions=int(computed + num_new == self._num_tokens(seq)),
+            num_sample_positions=reaches_end + num_drafts, draft_token_ids=drafts,
         ))
 
     # ---- after the step -----------------------------------------------------------------
@@ -403,6 +421,14 @@ class Scheduler:
             if item.num_sample_positions:
                 item.seq.num_pending_tokens += item.num_sample_positions
                 item.seq.group.resumed = False
+
+    def take_back(self, seq: Sequence, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` computed tokens of a running stream: the drafts a
+        verify step rejected, whose sampled positions output nothing. Their slots go back to
+        the KV cache (``KVCacheManager.trim``); none of them was ever hashed."""
+        seq.num_pending_tokens -= num_tokens
+        seq.num_computed_tokens -= num_tokens
+        self.kv.trim(seq, seq.num_computed_tokens)
 
     def fork(self, parent: Sequence) -> Sequence:
         """A new stream continuing ``parent`` (beam search), sharing all its blocks."""

@@ -65,6 +65,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None
     group: SequenceGroup | None = field(default=None, repr=False)
+    # Draft tokens proposed to follow ``all_token_ids`` (speculative decoding), verified by the
+    # step that schedules them; the scheduler consumes them.
+    draft_token_ids: list[int] = field(default_factory=list)
     # The stream's sampling seed (``sample.seeds.stream_seed`` of the request's), None when
     # unseeded: rank 0 makes the stream's generator from it once (``worker.sampling_batch``).
     seed: int | None = None
@@ -98,7 +101,8 @@ class Sequence:
     def fork(self) -> Sequence:
         """A new stream with this one's tokens and progress (its blocks are forked by the KV
         cache manager)."""
-        child = dataclasses.replace(self, output_token_ids=list(self.output_token_ids))
+        child = dataclasses.replace(self, output_token_ids=list(self.output_token_ids),
+                                    draft_token_ids=[])
         child.all_token_ids = list(self.all_token_ids)
         return child
 

@@ -37,6 +37,7 @@ class InputLimits:
     num_kv_blocks: int
     block_size: int
     max_grammar_bytes: int
+    speculative: bool = False  # speculative decoding is on
 
     def check(self, token_ids: list[int], params: SamplingParams) -> int:
         """Validate a tokenized request against the context window, the vocabulary and the
@@ -54,6 +55,10 @@ class InputLimits:
                 "prompt", f"prompt token ids must be in [0, {self.vocab_size})")
         if params.structured_outputs is not None:
             check_grammar(grammar_spec(params.structured_outputs), self.max_grammar_bytes)
+        if self.speculative and params.use_beam_search:
+            raise InvalidSamplingParam(
+                "use_beam_search", "beam search does not combine with speculative decoding "
+                "(the engine was started with --speculative-config)")
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.best_of > self.max_num_seqs:
             # best_of defaults to n: name the one the caller set.

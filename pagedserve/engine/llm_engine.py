@@ -41,6 +41,7 @@ from pagedserve.engine.beam_driver import BeamDriver
 from pagedserve.engine.input_processor import InputLimits, InputProcessor
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.request_state import RequestState
+from pagedserve.engine.speculation import Speculation
 from pagedserve.engine.stats import EngineStats
 from pagedserve.executor.executor import Executor
 from pagedserve.logger import get_logger
@@ -79,10 +80,13 @@ class LLMEngine:
         self.eos_token_ids = loader.eos_token_ids(source, self.arch, self.tokenizer)
         self.limits = InputLimits(self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
                                   self.eos_token_ids, sizes.num_blocks, self.resolved.block_size,
-                                  config.max_grammar_bytes)
+                                  config.max_grammar_bytes,
+                                  speculative=config.speculative_config is not None)
         self.inputs = InputProcessor(self.tokenizer, self.limits)
-        self.outputs = OutputProcessor(self.scheduler.finish,
+        self.outputs = OutputProcessor(self.scheduler.finish, self.scheduler.take_back,
                                        BeamDriver(self.scheduler, self.tokenizer))
+        self.speculation = (Speculation(config.speculative_config)
+                            if config.speculative_config is not None else None)
         self._in_flight: StepResult | None = None  # the queued step not yet applied
         self._grammars = None  # GrammarCompilerPool, made at the first constrained request
         # Constrained requests whose grammar is still compiling, by id.
@@ -227,18 +231,30 @@ class LLMEngine:
         run_ahead = self.resolved.async_scheduling and not self.outputs.num_step_by_step
         if self._in_flight is not None and not run_ahead:
             return self._process(self._take_in_flight())  # settle before a synchronous step
+        if self.speculation is not None:  # never runs ahead: the host has every token
+            self.speculation.propose(self.scheduler.running,
+                                     self.resolved.max_num_batched_tokens)
         out = self.scheduler.schedule(schedule_pending=run_ahead)
         if out.is_empty:
             # Nothing runs, but preempted sequences' blocks must still reach the swap pool.
             self.executor.apply_block_ops(out.block_ops)
             return self._process(self._take_in_flight()) if self._in_flight is not None else []
         if not run_ahead:
-            return self._process(self._run(out))
+            return self._run_now(out)
         previous = self._in_flight
         if previous is not None and _samples_with_grammar(out):
             return self._run_masked_ahead(out, previous)
         self._in_flight = self._run(out)
         return self._process(previous) if previous is not None else []
+
+    def _run_now(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """A step run and applied before the next is scheduled, timed for the drafts'
+        policy (its cost per token)."""
+        start = time.perf_counter()
+        outputs = self._process(self._run(out))
+        if self.speculation is not None:
+            self.speculation.record_step(out.num_batched_tokens, time.perf_counter() - start)
+        return outputs
 
     def _run_masked_ahead(self, out: SchedulerOutput, previous: StepResult
                           ) -> list[RequestOutput]:
@@ -276,7 +292,10 @@ class LLMEngine:
             for s in out.scheduled)
 
     def _process(self, result: StepResult) -> list[RequestOutput]:
-        outputs = self.outputs.process(result, self.executor.fetch(result))
+        output = self.executor.fetch(result)
+        outputs = self.outputs.process(result, output)
+        if self.speculation is not None:
+            self.speculation.record(result, output.samples)
         if not self.outputs.requests:
             # Everything the step in flight computes belongs to finished requests.
             self._in_flight = None

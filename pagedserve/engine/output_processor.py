@@ -19,11 +19,14 @@ from pagedserve.worker.step import HostSamples, StepOutput, StepResult
 logger = get_logger(__name__)
 
 FinishFn = Callable[[Sequence, SequenceStatus], None]
+TakeBackFn = Callable[[Sequence, int], None]
 
 
 class OutputProcessor:
-    def __init__(self, finish: FinishFn, beams: BeamDriver) -> None:
+    def __init__(self, finish: FinishFn, take_back: TakeBackFn, beams: BeamDriver) -> None:
         self._finish = finish  # stops a sequence in the core and frees its blocks
+        # Returns the slots of a verify step's rejected drafts to the core.
+        self._take_back = take_back
         self._beams = beams
         self.requests: dict[str, RequestState] = {}
         self._seqs: dict[Sequence, SequenceState] = {}
@@ -101,7 +104,10 @@ class OutputProcessor:
                 self._beams.offer(state, rows.top_ids[i][0], rows.top_logprobs[i][0])
                 beam_requests.add(state.request)
                 continue
-            self.append_tokens(state, rows, i, count)
+            emitted = count if rows.counts is None else rows.counts[i]
+            self.append_tokens(state, rows, i, emitted)
+            if emitted < count and not state.finished:
+                self._take_back(seq, count - emitted)  # the rejected drafts' slots
             _record_token_time(state.request, now)
             touched.add(state.request)
         for request in beam_requests:

@@ -93,8 +93,9 @@ def build_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
 def pack_inputs(out: SchedulerOutput, block_size: int,
                 in_flight_rows: dict[Sequence, int] | None = None,
                 buckets: ShapeBuckets | None = None, pad_block: int = 0) -> HostInputs:
-    """Pack every scheduled chunk back to back. The loop is per sequence; everything per token
-    is a numpy array op. A chunk ending in a token still in flight gets it from row
+    """Pack every scheduled chunk back to back, a verify step's drafts after its known tokens.
+    The loop is per sequence; everything per token is a numpy array op. A chunk ending in a
+    token still in flight gets it from row
     ``in_flight_rows[seq]`` of the previous step's output, on the device. With ``buckets``
     the batch is padded to a bucketed shape with sequences whose keys and values go to block
     ``pad_block`` (shape_buckets.py states the invariants)."""
@@ -103,12 +104,13 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
     row = 0
     for item in out.scheduled:
         start, n = item.num_computed_tokens, item.num_new_tokens
-        tokens = item.seq.all_token_ids[start:start + n]
-        if len(tokens) < n:  # only the last token can be in flight
-            fill_rows.append(row + n - 1)
+        num_known = n - len(item.draft_token_ids)  # the drafts come last
+        tokens = item.seq.all_token_ids[start:start + num_known]
+        if len(tokens) < num_known:  # only the last token can be in flight
+            fill_rows.append(row + num_known - 1)
             fill_sources.append(in_flight_rows[item.seq])
             tokens = [*tokens, 0]
-        ids.append(tokens)
+        ids.append([*tokens, *item.draft_token_ids])
         query_lens.append(n)
         context_lens.append(start)
         tables.append(item.block_ids)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from pagedserve.core.kv_cache_manager import BlockOps
@@ -32,6 +33,7 @@ from pagedserve.platforms.interface import DeviceEvent, GraphRunner, Platform
 from pagedserve.quant.weights import LoadedWeight
 from pagedserve.sample.logprobs import LogprobsTensors
 from pagedserve.sample.metadata import SamplingMetadata
+from pagedserve.sample.rejection import rejection_sample
 from pagedserve.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
 from pagedserve.worker.input_batch import (
     HostInputs,
@@ -69,6 +71,7 @@ class _QueuedStep(NamedTuple):
     the background until ``ready``, and its prompt logprobs."""
 
     samples: SamplerOutput | None  # host tensors
+    num_emitted: torch.Tensor | None  # host, int64 [N]: a verify step's tokens per row
     ready: DeviceEvent | None
     prompt: dict[Sequence, tuple[int, LogprobsTensors]]  # seq -> (first position, logprobs)
 
@@ -189,20 +192,34 @@ class ModelRunner:
             raise RuntimeError(f"step {forward.step_id} was not the last one forwarded")
         self._forwarded = None
         sampled = [s for s in forward.out.scheduled if s.num_sample_positions]
-        host_output = ready = None
+        host_output = num_emitted = ready = None
         if sampled:
-            sampler_output = self.sampler(logits, self._sampling_metadata(sampled, sampling))
+            meta = self._sampling_metadata(sampled, sampling)
+            if any(s.draft_token_ids for s in sampled):
+                sampler_output, num_emitted = self._verify(logits, meta, sampled)
+            else:
+                sampler_output = self.sampler(logits, meta)
             if self.tp.size > 1:
                 self.tp.broadcast_from_first(sampler_output.token_ids)
             self._keep_in_flight(sampled, sampler_output.token_ids)
             # Where the host runs ahead, the copy lands later: ``ready`` marks when.
-            host_output = SamplerOutput(*(
-                None if t is None else t.to("cpu", non_blocking=self.platform.runs_ahead)
-                for t in sampler_output))
+            host_output, num_emitted = _to_host(self.platform, sampler_output, num_emitted)
             ready = self.platform.record_event()
-        self._queued[step_id] = _QueuedStep(host_output, ready, prompt)
+        self._queued[step_id] = _QueuedStep(host_output, num_emitted, ready, prompt)
         return StepResult(step_id, [s.seq for s in sampled],
                           [s.num_sample_positions for s in sampled])
+
+    def _verify(self, logits: torch.Tensor, meta: SamplingMetadata,
+                sampled: list[ScheduledSequence]) -> tuple[SamplerOutput, torch.Tensor]:
+        """A verify step's tokens: each row's accepted drafts and one token of the target's
+        (``sample/rejection.py``), and how many that makes per row."""
+        width = max(len(s.draft_token_ids) for s in sampled)
+        drafts = np.full((len(sampled), width), -1, dtype=np.int64)
+        for i, s in enumerate(sampled):
+            drafts[i, :len(s.draft_token_ids)] = s.draft_token_ids
+        out = rejection_sample(logits, meta, torch.from_numpy(drafts).to(
+            self.device, non_blocking=True))
+        return out.sampled, out.num_emitted
 
     def fetch(self, result: StepResult) -> StepOutput:
         """A sampled step's tokens and logprobs on the host, waiting for the device if need
@@ -216,7 +233,8 @@ class ModelRunner:
         samples = None
         if queued.samples is not None:
             samples = HostSamples(queued.samples.token_ids.tolist(), *(
-                None if t is None else t.tolist() for t in queued.samples[1:]))
+                None if t is None else t.tolist() for t in queued.samples[1:]),
+                counts=None if queued.num_emitted is None else queued.num_emitted.tolist())
         return StepOutput(samples, {seq: _host_chunk(first, r)
                                     for seq, (first, r) in queued.prompt.items()})
 
@@ -295,6 +313,16 @@ class ModelRunner:
             self.platform.synchronize()
             self.graphs = None
 
+
+
+def _to_host(platform: type[Platform], out: SamplerOutput, num_emitted: torch.Tensor | None
+             ) -> tuple[SamplerOutput, torch.Tensor | None]:
+    """Start copying a step's samples to the host, without waiting where the host runs
+    ahead of the device."""
+    def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to("cpu", non_blocking=platform.runs_ahead)
+
+    return SamplerOutput(*(copy(t) for t in out)), copy(num_emitted)
 
 
 def _prompt_spans(out: SchedulerOutput) -> list[PromptSpan]:

@@ -47,6 +47,9 @@ class HostSamples(NamedTuple):
     ranks: list[list[int]] | None
     top_ids: list[list[list[int]]] | None
     top_logprobs: list[list[list[float]]] | None
+    # Tokens each row output, where a verify step's rejected drafts make it fewer than the
+    # positions it sampled at (None: every row output one token per position).
+    counts: list[int] | None = None
 
 
 class PromptLogprobsChunk(NamedTuple):

@@ -31,7 +31,12 @@ def _start(tokenizer, params):
     def finish(seq, status: SequenceStatus) -> None:
         seq.status = status
 
-    outputs = OutputProcessor(finish, beams=None)
+    def take_back(seq, num_tokens: int) -> None:
+        taken_back.append(num_tokens)
+
+    taken_back: list[int] = []
+    outputs = OutputProcessor(finish, take_back, beams=None)
+    outputs.taken_back = taken_back
     outputs.add(state)
     return outputs, state
 
@@ -115,3 +120,20 @@ def test_a_list_without_a_stop_is_the_tokens_one_step_each(tokenizer):
     (got,) = _step(outputs, state, words)
     assert _final(got) == _final(expected)
     assert got.outputs[0].finish_reason is None
+
+
+def test_a_verify_row_appends_its_emitted_tokens_and_gives_back_the_rejected_slots(tokenizer):
+    """A row that sampled at 4 positions but output 2 tokens (one draft accepted, then the
+    target's token): 2 are appended and the 2 rejected drafts' slots go back to the core; a
+    row that stops inside its emitted tokens gives nothing back (its blocks are freed)."""
+    words = _encode(tokenizer, " brown fox jumps over")
+    outputs, state = _start(tokenizer, SamplingParams(max_tokens=50))
+    seq = state.seqs[0].seq
+    rows = HostSamples([words[:2] + [-1, -1]], None, None, None, None, counts=[2])
+    outputs.process(StepResult(0, [seq], [4]), StepOutput(rows, {}))
+    assert seq.output_token_ids == words[:2] and outputs.taken_back == [2]
+    stop = words[1]
+    outputs, state = _start(tokenizer, SamplingParams(max_tokens=50, stop_token_ids=[stop]))
+    seq = state.seqs[0].seq
+    outputs.process(StepResult(0, [seq], [4]), StepOutput(rows, {}))
+    assert seq.output_token_ids == words[:2] and state.finished and outputs.taken_back == []

@@ -1,0 +1,129 @@
+"""Speculative decoding's engine stage: before each step, give the decoding sequences drafts
+to verify; after it, learn from what they accepted.
+
+The drafts come from a proposer (``spec_decode/``: n-gram lookup over each sequence's own
+tokens), run on the host; how many of them a step verifies is the policy's choice
+(``spec_decode/policy.py``): per sequence, its measured acceptance against the step time the
+engine measures, down to none. The scheduler takes what it can fit (``Sequence.
+draft_token_ids``), rank 0 verifies them with the rejection sampler (``sample/rejection.py``),
+the output stage appends the accepted tokens and gives the rejected drafts' slots back.
+
+Which sequences get drafts: those decoding (every known token but the last computed), not
+constrained by a grammar (a draft would need the matcher advanced over the drafts before
+it), with room under max_tokens for more than one token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedserve.core.sequence import Sequence, SequenceGroup
+from pagedserve.errors import ConfigError
+from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_decode.ngram import NgramProposer
+from pagedserve.spec_decode.policy import Acceptance, StepTimeModel, choose_num_drafts
+from pagedserve.spec_decode.proposer import ProposalBatch, Proposer
+from pagedserve.worker.step import HostSamples, StepResult
+
+
+@dataclass
+class SpecDecodeCounters:
+    """vLLM's ``spec_decode_*`` counters: verify rows with drafts, their drafts, the drafts
+    accepted, and how many rows accepted their draft at each position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verify row outputs on average (accepted drafts plus the target's)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class _TokenBuffer:
+    """A sequence's tokens as a growing numpy array, so a lookup reads a view instead of
+    converting the whole list every step."""
+
+    def __init__(self) -> None:
+        self.array = np.zeros(256, dtype=np.int64)
+        self.length = 0
+
+    def view(self, tokens: list[int]) -> np.ndarray:
+        """The array of ``tokens``, which extend the ones seen before."""
+        if len(tokens) > len(self.array):
+            grown = np.zeros(max(len(tokens), 2 * len(self.array)), dtype=np.int64)
+            grown[:self.length] = self.array[:self.length]
+            self.array = grown
+        self.array[self.length:len(tokens)] = tokens[self.length:]
+        self.length = len(tokens)
+        return self.array[:self.length]
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        if config.method != "ngram":
+            raise ConfigError(f"--speculative-config: method {config.method} is not built yet; "
+                              "ngram is")
+        self.proposer: Proposer = NgramProposer(config.prompt_lookup_min,
+                                                config.prompt_lookup_max)
+        self.max_drafts = config.num_speculative_tokens
+        self.step_times = StepTimeModel()
+        self.acceptance = Acceptance()
+        self.counters = SpecDecodeCounters(accepted_per_position=[0] * self.max_drafts)
+        self._buffers: dict[Sequence, _TokenBuffer] = {}
+
+    def propose(self, running: list[SequenceGroup], budget: int) -> None:
+        """Set the drafts each decoding sequence of ``running`` verifies next step."""
+        seqs, base_tokens = [], 0
+        for group in running:
+            for seq in group.seqs:
+                num_left = seq.num_tokens - seq.num_computed_tokens
+                base_tokens += num_left
+                if num_left == 1 and _may_draft(seq):
+                    seqs.append(seq)
+        self._buffers = {seq: self._buffers.get(seq) or _TokenBuffer() for seq in seqs}
+        if not seqs:
+            return
+        room = [min(self.max_drafts, seq.max_tokens - seq.num_output_tokens - 1) for seq in seqs]
+        drafts = self.proposer.propose(ProposalBatch(
+            [self._buffers[seq].view(seq.all_token_ids) for seq in seqs], room))
+        available = np.array([len(d) for d in drafts], dtype=np.int64)
+        rates = np.array([self.acceptance.rate(seq) for seq in seqs])
+        fixed, per_token = self.step_times.coefficients()
+        chosen = choose_num_drafts(rates, available, min(base_tokens, budget), len(seqs),
+                                   fixed, per_token)
+        for seq, draft, k in zip(seqs, drafts, chosen.tolist(), strict=True):
+            seq.draft_token_ids = draft[:k].tolist()
+
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        self.step_times.record(num_tokens, seconds)
+
+    def record(self, result: StepResult, samples: HostSamples | None) -> None:
+        """Count what each verify row of a step accepted."""
+        if samples is None or samples.counts is None:
+            return
+        for seq, positions, emitted in zip(result.sampled, result.num_positions,
+                                           samples.counts, strict=True):
+            num_drafts = positions - 1
+            if num_drafts == 0:
+                continue
+            accepted = emitted - 1
+            self.acceptance.record(seq, num_drafts, accepted)
+            c = self.counters
+            c.num_drafts += 1
+            c.num_draft_tokens += num_drafts
+            c.num_accepted_tokens += accepted
+            for j in range(accepted):
+                c.accepted_per_position[j] += 1
+        for seq in result.sampled:
+            if seq.status.finished:
+                self.acceptance.forget(seq)
+
+
+def _may_draft(seq: Sequence) -> bool:
+    return (seq.num_pending_tokens == 0 and seq.params.structured_outputs is None
+            and seq.max_tokens - seq.num_output_tokens > 1)

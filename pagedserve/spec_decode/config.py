@@ -1,0 +1,88 @@
+"""``speculative_config``: vLLM's fields, parsed and checked once.
+
+``LLM(speculative_config={...})`` and ``--speculative-config '<json>'`` take the same keys as
+vLLM's: ``method`` (``ngram``, ``draft_model``), ``num_speculative_tokens``,
+``prompt_lookup_max`` / ``prompt_lookup_min`` (n-gram), ``model`` (the draft checkpoint) and
+``draft_tensor_parallel_size``. As in vLLM, a missing ``method`` is inferred from ``model``:
+``"ngram"`` / ``"[ngram]"`` name the n-gram proposer, anything else a draft checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.errors import ConfigError
+
+SPEC_METHODS = ("ngram", "draft_model")
+_FLAG = "--speculative-config"
+# Without either bound: match suffixes of 2 to 5 tokens (longest first).
+_DEFAULT_LOOKUP = (2, 5)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    draft_tensor_parallel_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
+        """From the Python API's dict or the command line's JSON text."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{_FLAG} is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{_FLAG} must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"{_FLAG}: unknown field(s) {', '.join(unknown)}; known: "
+                              f"{', '.join(sorted(known))}")
+        fields = dict(value)
+        if fields.get("method") is None:
+            fields["method"] = _inferred_method(fields.get("model"))
+        if "num_speculative_tokens" not in fields:
+            raise ConfigError(f"{_FLAG}: num_speculative_tokens is required")
+        return cls(**fields)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"{_FLAG}: method must be one of {', '.join(SPEC_METHODS)}, "
+                              f"got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ConfigError(f"{_FLAG}: num_speculative_tokens must be an integer of at least "
+                              f"1, got {self.num_speculative_tokens!r}")
+        if self.method == "ngram":
+            self._resolve_lookup()
+        elif self.model is None:
+            raise ConfigError(f"{_FLAG}: method draft_model needs model (the draft checkpoint)")
+        if self.draft_tensor_parallel_size is not None and self.draft_tensor_parallel_size < 1:
+            raise ConfigError(f"{_FLAG}: draft_tensor_parallel_size must be at least 1")
+
+    def _resolve_lookup(self) -> None:
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low, high = _DEFAULT_LOOKUP
+        low = high if low is None else low
+        high = low if high is None else high
+        if low < 1 or high < low:
+            raise ConfigError(f"{_FLAG}: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                              f"{low} and {high}")
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+
+
+def _inferred_method(model: str | None) -> str:
+    if model is None:
+        raise ConfigError(f"{_FLAG}: give method ({', '.join(SPEC_METHODS)}) or model")
+    return "ngram" if model in ("ngram", "[ngram]") else "draft_model"

@@ -1,0 +1,96 @@
+"""How many drafts a step verifies: as many as raise the expected output tokens per second.
+
+Verifying ``k`` drafts of a sequence costs ``k`` more tokens in the step; it yields
+``1 + a + a^2 + ... + a^k`` tokens in expectation, ``a`` the sequence's acceptance rate. The
+step's time is modelled as ``t(T) = fixed + per_token * T`` for a step of ``T`` tokens, fitted
+online from the steps the engine times (least squares with exponential forgetting, so the fit
+follows the operating point). Each extra draft j of a sequence adds ``a^j`` expected tokens, a
+gain that shrinks with j, so the best choice takes the largest gains first: sort every
+candidate draft's gain, and keep the prefix that maximises
+
+    (tokens without drafts + sum of kept gains) / t(T_base + number kept).
+
+At batch 1 on a memory-bound device ``per_token`` is small next to ``fixed`` and every likely
+draft is kept; in a large batch on a compute-bound step each token costs its share and drafts
+are dropped down to none, which is plain decoding: speculation never makes a step worse than
+the model says plain decoding would be. Acceptance is tracked per sequence (its own verified
+drafts, with the batch's rate as the prior for a new one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Exponential forgetting of the step-time fit: about the last 1 / (1 - _FORGET) steps count.
+_FORGET = 0.98
+# Weight of the batch-wide rate in a sequence's acceptance estimate (in drafts).
+_PRIOR_DRAFTS = 4.0
+
+
+@dataclass
+class StepTimeModel:
+    """``t(T) = fixed + per_token * T``, by recency-weighted least squares over (T, seconds)."""
+
+    # Before any step was timed: a step's time independent of its size, so drafts are tried.
+    sums: np.ndarray = field(default_factory=lambda: np.zeros(5))  # w, wT, wT^2, wt, wTt
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        self.sums *= _FORGET
+        self.sums += (1.0, num_tokens, num_tokens ** 2, seconds, num_tokens * seconds)
+
+    def coefficients(self) -> tuple[float, float]:
+        """(fixed, per_token); per_token 0 until steps of different sizes were seen."""
+        w, st, stt, sy, sty = self.sums
+        if w == 0:
+            return 1.0, 0.0
+        mean_t, mean_y = st / w, sy / w
+        var = stt / w - mean_t ** 2
+        # Steps of (nearly) one size say nothing about the slope.
+        slope = 0.0 if var < 1e-6 * max(1.0, mean_t ** 2) else (sty / w - mean_t * mean_y) / var
+        slope = max(slope, 0.0)
+        fixed = max(mean_y - slope * mean_t, 1e-9)
+        return fixed, slope
+
+
+@dataclass
+class Acceptance:
+    """Drafts proposed and accepted, batch-wide and per sequence."""
+
+    proposed: float = 0.0
+    accepted: float = 0.0
+    by_seq: dict = field(default_factory=dict)  # seq -> [proposed, accepted]
+
+    def record(self, seq, num_proposed: int, num_accepted: int) -> None:
+        self.proposed += num_proposed
+        self.accepted += num_accepted
+        counts = self.by_seq.setdefault(seq, [0, 0])
+        counts[0] += num_proposed
+        counts[1] += num_accepted
+
+    def rate(self, seq) -> float:
+        prior = (self.accepted + 1.0) / (self.proposed + 2.0)
+        proposed, accepted = self.by_seq.get(seq, (0, 0))
+        return (accepted + _PRIOR_DRAFTS * prior) / (proposed + _PRIOR_DRAFTS)
+
+    def forget(self, seq) -> None:
+        self.by_seq.pop(seq, None)
+
+
+def choose_num_drafts(rates: np.ndarray, available: np.ndarray, base_tokens: int,
+                      base_output: float, fixed: float, per_token: float) -> np.ndarray:
+    """int64 [R]: drafts to verify for each of R sequences with acceptance ``rates`` and
+    ``available`` drafts proposed, in a step of ``base_tokens`` tokens otherwise that outputs
+    ``base_output`` tokens otherwise (see the module doc)."""
+    if len(rates) == 0 or available.sum() == 0:
+        return np.zeros(len(rates), dtype=np.int64)
+    rows = np.repeat(np.arange(len(rates)), available)
+    offsets = np.arange(len(rows)) - np.repeat(np.cumsum(available) - available, available)
+    gains = rates[rows] ** (offsets + 1)  # draft j (0-based) of a row adds rate^(j+1)
+    order = np.argsort(-gains, kind="stable")
+    kept = np.arange(len(order) + 1)
+    output = base_output + np.concatenate(([0.0], np.cumsum(gains[order])))
+    rate = output / (fixed + per_token * (base_tokens + kept))
+    best = int(np.argmax(rate))  # the first maximum: no draft that does not pay
+    return np.bincount(rows[order[:best]], minlength=len(rates)).astype(np.int64)

@@ -1,0 +1,157 @@
+"""Speculative decoding through the engine (n-gram drafts, verified by the rejection sampler):
+greedy output equals transformers' own greedy output on random Llama and Qwen2 models, with
+drafts that are partly right, whatever else the engine does meanwhile (prefix-cache hits,
+chunked prefill, preemption by swap and by recompute, n=3, stop strings inside an accepted
+run); on the default model with real copy-heavy prompts the n-gram drafts are accepted and
+the text equals the engine's without speculation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.spec_decode.proposer import ProposalBatch
+from tests.engine.test_speculative_lossless import FreeDrafts
+from tests.kv_checks import assert_pools_full
+from tests.tiny_models import assert_greedy_matches, hf_model, make_llm, random_prompts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+class OracleProposer:
+    """Drafts from known continuations (the reference's greedy tokens), every third one wrong,
+    so verify steps accept some drafts and reject others."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
+        self.continuations = continuations
+        self.proposed = 0
+
+    def propose(self, batch: ProposalBatch) -> list[np.ndarray]:
+        drafts = []
+        for tokens, k in zip(batch.token_ids, batch.num_tokens, strict=True):
+            draft = []
+            for prompt, ref in self.continuations.items():
+                if len(tokens) > len(prompt) and tuple(tokens[:len(prompt)]) == prompt:
+                    done = len(tokens) - len(prompt)
+                    draft = list(ref[done:done + k])
+                    if len(tokens) % 3 == 0 and draft:
+                        draft[len(draft) // 2] = (draft[len(draft) // 2] + 1) % 300
+            self.proposed += len(draft)
+            drafts.append(np.asarray(draft, dtype=np.int64))
+        return drafts
+
+
+def _oracle_llm(folder, prompts, new_tokens, **options):
+    reference = make_llm(folder, **{k: v for k, v in options.items() if k != "num_blocks"})
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    outputs = reference.generate(prompts, params, use_tqdm=False)
+    llm = make_llm(folder, speculative_config=NGRAM, **options)
+    oracle = OracleProposer({tuple(p): o.outputs[0].token_ids
+                             for p, o in zip(prompts, outputs, strict=True)})
+    llm.engine.speculation.proposer = oracle
+    llm.engine.speculation.step_times = FreeDrafts()  # what is drafted depends on no timing
+    return llm, oracle
+
+
+def _counters(llm):
+    return llm.engine.speculation.counters
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_greedy_with_drafts_equals_transformers(tiny_model_folder, arch):
+    folder = tiny_model_folder(arch)
+    prompts = random_prompts(arch, [5, 17, 33, 9])
+    llm, oracle = _oracle_llm(folder, prompts, 24)
+    assert assert_greedy_matches(llm, hf_model(folder), prompts, new_tokens=24) == len(prompts)
+    c = _counters(llm)
+    assert oracle.proposed > 0 and 0 < c.num_accepted_tokens < c.num_draft_tokens
+    assert_pools_full(llm.engine.kv)
+
+
+@pytest.mark.parametrize("case", ["prefix_hits", "chunked_prefill", "swap", "recompute"])
+def test_greedy_with_drafts_through_the_engine_s_other_mechanisms(llama3_folder, case):
+    options = {
+        "prefix_hits": {},
+        "chunked_prefill": {"max_num_batched_tokens": 16},
+        "swap": {"num_blocks": 8, "preemption_mode": "swap", "swap_space": 0.01,
+                 "enable_prefix_caching": False},
+        "recompute": {"num_blocks": 8, "preemption_mode": "recompute",
+                      "enable_prefix_caching": False},
+    }[case]
+    shared = random_prompts("shared", [40])[0]
+    prompts = [shared + p for p in random_prompts(case, [3, 9, 6, 12])] + [shared]
+    llm, _ = _oracle_llm(llama3_folder, prompts, 20, **options)
+    if case == "prefix_hits":  # the prefixes are cached by a first run
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert assert_greedy_matches(llm, hf_model(llama3_folder), prompts, new_tokens=20) \
+        == len(prompts)
+    stats = llm.engine.stats()
+    if case == "prefix_hits":
+        assert stats.prefix_hit_tokens > 0
+    if case in ("swap", "recompute"):
+        assert stats.num_preemptions > 0
+    assert _counters(llm).num_accepted_tokens > 0
+    assert_pools_full(llm.engine.kv)
+
+
+def test_n_3_seeded_sampling_runs_and_greedy_n_3_equals_one(llama3_folder):
+    prompts = random_prompts("n3", [7])
+    llm, _ = _oracle_llm(llama3_folder, prompts, 12)
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, n=3,
+                                                  ignore_eos=True), use_tqdm=False)[0]
+    single = make_llm(llama3_folder).generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].token_ids
+    assert [c.token_ids for c in greedy.outputs] == [single] * 3
+    sampled = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.8, n=3,
+                                                   seed=5, ignore_eos=True), use_tqdm=False)[0]
+    again = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.8, n=3, seed=5,
+                                                 ignore_eos=True), use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in sampled.outputs] == [12] * 3
+    assert [c.token_ids for c in sampled.outputs] == [c.token_ids for c in again.outputs]
+    assert_pools_full(llm.engine.kv)
+
+
+COPY_PROMPTS = [
+    "Repeat this text exactly: The quick brown fox jumps over the lazy dog. Pack my box with "
+    "five dozen liquor jugs.",
+    "Copy this code without changes:\ndef add(a, b):\n    return a + b\n\ndef mul(a, b):\n"
+    "    return a * b\n",
+]
+
+
+@pytest.fixture(scope="module")
+def default_spec_llm(default_model_folder):
+    llm = LLM(model=str(default_model_folder), device="cpu", kv_cache_memory_bytes=64 << 20,
+              speculative_config=NGRAM)
+    yield llm
+    llm.shutdown()
+
+
+def test_default_model_ngram_drafts_are_accepted_and_the_text_is_unchanged(default_llm,
+                                                                           default_spec_llm):
+    messages = [[{"role": "user", "content": p}] for p in COPY_PROMPTS]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    plain = default_llm.chat(messages, params, use_tqdm=False)
+    spec = default_spec_llm.chat(messages, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    c = _counters(default_spec_llm)
+    assert c.num_drafts > 0 and c.mean_acceptance_length > 1.5
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_text_there(default_llm,
+                                                                  default_spec_llm):
+    messages = [[{"role": "user", "content": COPY_PROMPTS[0]}]]
+    full = default_llm.chat(messages, SamplingParams(max_tokens=48, temperature=0.0),
+                            use_tqdm=False)[0].outputs[0].text
+    stop = " over"
+    assert stop in full
+    before = _counters(default_spec_llm).num_accepted_tokens
+    params = SamplingParams(max_tokens=48, temperature=0.0, stop=[stop])
+    plain = default_llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    spec = default_spec_llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    assert spec.text == plain.text == full[:full.index(stop)]
+    assert spec.finish_reason == "stop" and spec.token_ids == plain.token_ids
+    assert _counters(default_spec_llm).num_accepted_tokens > before
+    assert_pools_full(default_spec_llm.engine.kv)
