@@ -33,13 +33,17 @@ class NativeQuantLinearMethod(LinearMethod):
                                    weight.group_size)
         for name, tensor in packed.tensors().items():
             _param(layer, name, tensor)
-        layer.native = packed
+        # The kernel's weight is rebuilt from the parameters at each call, never kept: a
+        # parameter's tensor may be replaced (by CPU weight offload's staging views).
+        layer.native_shape = (packed.bits, packed.group_size, packed.n, packed.k)
         layer.input_perm = weight.input_perm
 
     def apply(self, layer, x):
         if layer.input_perm is not None:
             x = x.index_select(-1, layer.input_perm)
-        out = native_quant.matmul(x.reshape(-1, x.shape[-1]).float(), layer.native)
+        weight = native_quant.NativeQuantWeight(layer.qweight, layer.scales, layer.offsets,
+                                                *layer.native_shape)
+        out = native_quant.matmul(x.reshape(-1, x.shape[-1]).float(), weight)
         return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
