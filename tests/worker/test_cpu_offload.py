@@ -162,3 +162,25 @@ def test_a_gptq_model_offloaded_equals_it_resident(gptq_five_layers, cpu_quant_k
 def test_a_negative_size_names_the_flag(five_layers):
     with pytest.raises(ConfigError, match="--cpu-offload-gb"):
         make_llm(five_layers, cpu_offload_gb=-1)
+
+
+def test_each_layer_leaves_the_device_as_soon_as_it_is_loaded(five_layers, resident,
+                                                              monkeypatch):
+    """Layers are offloaded while the checkpoint streams in, each once its last tensor is in
+    place, not after the whole model was loaded: when loading ends (``finish``), every chosen
+    layer already has its bytes in host memory and its device tensors emptied."""
+    from pagedserve.models.offload import LayerOffload
+
+    seen = []
+    finish = LayerOffload.finish
+
+    def record(self):
+        layers = self.layers
+        seen.append((sorted(self._host), [p.numel() for i in self.chosen
+                                          for p in layers[i].parameters()]))
+        finish(self)
+
+    monkeypatch.setattr(LayerOffload, "finish", record)
+    engine(five_layers, cpu_offload_gb=gib_for_layers(resident, 2.5))
+    [(offloaded, sizes)] = seen
+    assert offloaded == [2, 3, 4] and set(sizes) == {0}
