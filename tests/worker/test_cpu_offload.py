@@ -77,6 +77,20 @@ def test_greedy_tokens_and_logprobs_equal_the_resident_model(five_layers, reside
     assert_runs_from_the_host_copy(llm, prompts, outputs)
 
 
+def test_qwen2_biases_and_a_tied_head_offload_too(tiny_model_folder):
+    """Qwen2's q/k/v biases leave with their layers; the tied LM head (the embedding's table)
+    stays resident."""
+    folder = tiny_model_folder("qwen2")
+    base = engine(folder)
+    llm = engine(folder, cpu_offload_gb=1.0)
+    runner = llm.engine.executor.runner
+    assert runner.offload.chosen == range(0, 2)
+    assert runner.offload.holds(runner.model.model.layers[1].self_attn.qkv_proj.bias)
+    assert not runner.offload.holds(runner.model.lm_head.weight)
+    prompts = random_prompts("offload-qwen2", PROMPT_LENS)
+    assert greedy(llm, prompts) == greedy(base, prompts)
+
+
 def test_offloaded_layers_are_views_into_the_staging_slots(five_layers, resident):
     llm = engine(five_layers, cpu_offload_gb=gib_for_layers(resident, 2.5))
     runner = llm.engine.executor.runner
