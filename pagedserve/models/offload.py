@@ -48,6 +48,7 @@ from pagedserve.logger import get_logger
 
 if TYPE_CHECKING:
     from pagedserve.platforms.interface import Platform, WeightStream
+    from pagedserve.quant.weights import LoadedWeight
 
 logger = get_logger(__name__)
 
@@ -93,7 +94,8 @@ class LayerOffload:
             if index is not None:
                 self._expected.setdefault(index, set()).add(name)
         self._seen: dict[int, set[str]] = {}
-        # Tensors in more than one layer (before loading: only module-level ones) stay.
+        # A tensor that several layers hold stays resident. Counted before loading, when the
+        # layers hold only what their modules made (norms, biases); weights arrive per layer.
         counts = Counter(id(t) for layer in self.layers for t in _tensors(layer))
         self._shared = {i for i, n in counts.items() if n > 1}
         self.chosen: range | None = None  # the offloaded layers' indices
@@ -103,7 +105,8 @@ class LayerOffload:
         self._order: list[_HostLayer] = []
         self.slots: list[torch.Tensor] = []
 
-    def while_loading(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+    def while_loading(self, weights: Iterable[tuple[str, LoadedWeight]]
+                      ) -> Iterator[tuple[str, LoadedWeight]]:
         """``weights`` as they are, offloading each chosen layer once all of its are in."""
         for name, weight in weights:
             yield name, weight
