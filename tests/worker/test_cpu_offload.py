@@ -198,3 +198,21 @@ def test_each_layer_leaves_the_device_as_soon_as_it_is_loaded(five_layers, resid
     engine(five_layers, cpu_offload_gb=gib_for_layers(resident, 2.5))
     [(offloaded, sizes)] = seen
     assert offloaded == [2, 3, 4] and set(sizes) == {0}
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_offload_their_own_slices(five_layers, resident):
+    """Each rank offloads its slice of the same layers; the tokens are one resident rank's
+    (as tensor parallelism's own tests compare)."""
+    prompts = random_prompts("offload-tp", PROMPT_LENS)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in resident.generate(prompts, params,
+                                                                  use_tqdm=False)]
+    llm = engine(five_layers, tensor_parallel_size=2,
+                 cpu_offload_gb=gib_for_layers(resident, 1.5) / 2)
+    try:
+        assert llm.engine.executor.runner.offload.chosen == range(3, 5)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                             use_tqdm=False)] == expected
+    finally:
+        llm.engine.shutdown()
