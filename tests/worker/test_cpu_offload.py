@@ -216,3 +216,17 @@ def test_two_tensor_parallel_ranks_offload_their_own_slices(five_layers, residen
                                                              use_tqdm=False)] == expected
     finally:
         llm.engine.shutdown()
+
+
+def test_the_default_models_gguf_blocks_offload(default_model_folder):
+    """A real checkpoint: SmolLM2-135M's Q8_0 and Q4 GGUF blocks, 30 layers, 21 offloaded
+    (0.05 GiB), on the CPU's quantized kernels; tokens and logprobs equal it resident."""
+    base = engine(default_model_folder)
+    llm = engine(default_model_folder, cpu_offload_gb=0.05)
+    runner = llm.engine.executor.runner
+    assert runner.offload.chosen == range(9, 30)
+    down = runner.model.model.layers[29].mlp.down_proj
+    assert type(down.method).__name__ in ("NativeQuantLinearMethod", "Int4PackLinearMethod")
+    assert runner.resident_weight_bytes() < 0.7 * runner.weight_bytes()
+    prompts = random_prompts("offload-default", PROMPT_LENS)
+    assert greedy(llm, prompts) == greedy(base, prompts)
