@@ -230,3 +230,61 @@ def test_the_default_models_gguf_blocks_offload(default_model_folder):
     assert runner.resident_weight_bytes() < 0.7 * runner.weight_bytes()
     prompts = random_prompts("offload-default", PROMPT_LENS)
     assert greedy(llm, prompts) == greedy(base, prompts)
+
+
+def test_the_kv_pool_gets_the_bytes_the_offload_frees(five_layers, resident):
+    """Sized the base platform's way (a share of the device minus the weights), the pool
+    counts only resident weights and the staging slots: offloading 3 layers into 2 slots
+    frees one layer's bytes for KV blocks."""
+    import dataclasses
+
+    from pagedserve.platforms.cpu.platform import CpuPlatform
+    from pagedserve.platforms.interface import MemoryInfo, Platform
+    from pagedserve.worker.cache_sizing import size_kv_cache
+
+    class SizedLikeADevice(CpuPlatform):
+        profiles_memory = False  # the weights are what is used: ``resident_weight_bytes``
+        kv_cache_budget_bytes = classmethod(Platform.kv_cache_budget_bytes.__func__)
+
+        @classmethod
+        def memory_info(cls):
+            return MemoryInfo(16 << 20, 16 << 20)
+
+    offloaded = engine(five_layers, cpu_offload_gb=gib_for_layers(resident, 2.5))
+    blocks = {}
+    for name, llm in (("resident", resident), ("offloaded", offloaded)):
+        e = llm.engine
+        config = dataclasses.replace(e.config, kv_cache_memory_bytes=None)
+        sizes = size_kv_cache(config, e.resolved, SizedLikeADevice, e.executor.runner)
+        blocks[name], per_block = sizes.num_blocks, sizes.bytes_per_block
+    runner = offloaded.engine.executor.runner
+    freed = runner.weight_bytes() - runner.resident_weight_bytes()
+    assert freed > 0.9 * layer_param_bytes(resident)
+    assert blocks["offloaded"] - blocks["resident"] in (freed // per_block,
+                                                        freed // per_block + 1)
+
+
+def test_no_graphs_are_captured_while_offloading(five_layers, resident, monkeypatch):
+    """A platform with a graph runner runs eagerly when layers are offloaded (replay would skip
+    the copies); random (``dummy``) weights stream in like a checkpoint's."""
+    from pagedserve.platforms.cpu.platform import CpuPlatform
+
+    built = []
+
+    class FakeGraphs:
+        def __init__(self, *args):
+            built.append(args)
+
+        def capture(self):
+            pass
+
+        def can_run(self, ctx):
+            return False
+
+    monkeypatch.setattr(CpuPlatform, "graph_runner", classmethod(lambda cls: FakeGraphs))
+    llm = engine(five_layers, load_format="dummy",
+                 cpu_offload_gb=gib_for_layers(resident, 2.5))
+    assert llm.engine.executor.runner.offload.chosen == range(2, 5)
+    assert built == [] and llm.engine.executor.runner.graphs is None
+    engine(five_layers, load_format="dummy", enforce_eager=False)
+    assert len(built) == 1  # the fake runner is asked for, without offload
