@@ -16,7 +16,9 @@ method's packed values and scales, biases, norms. They are packed into one host 
 layer (pinned where the platform wants it, ``WeightStream.pin_memory``) and each tensor's
 ``.data`` becomes a view into the staging slot its layer runs from, so the modules and the
 quant methods, which read ``layer.<name>``, run unchanged. A plain tensor attribute that is
-neither (the CPU act-order permutation) stays resident.
+neither (the CPU act-order permutation) stays resident. Each pass starts from the host copy,
+so a buffer a kernel writes must be back to its value at load after each call (the W4A16
+kernel's split-K counters return to zero).
 
 The schedule of a forward pass, offloaded layers ``o_0 .. o_{M-1}``, ``o_k`` in slot ``k % S``
 (``S = min(2, M)``): before the first decoder layer, ``begin`` and load ``o_0 .. o_{S-1}``;
