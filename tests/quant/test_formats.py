@@ -92,7 +92,7 @@ def test_dummy_weights_take_the_named_form(quantization, kind, llama3_folder) ->
     assert type(qkv.method).__name__ == expected
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if kind is GroupQuantWeight:
-        bits, group_size = qkv.native_shape[:2]
-        assert bits == 4 and group_size == (32 if quantization == "gguf" else 128)
+        assert qkv.native.bits == 4 and qkv.native.group_size == (32 if quantization == "gguf"
+                                                                   else 128)
     out = llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0].token_ids
     assert len(out) > 0 and len(layers) == 2 * 4 + 1  # q/k/v, o, gate/up, down; LM head

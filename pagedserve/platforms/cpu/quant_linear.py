@@ -16,6 +16,8 @@ group size split into two 4-bit halves, ``q = 16 * hi + lo``, each its own int4 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,17 +35,17 @@ class NativeQuantLinearMethod(LinearMethod):
                                    weight.group_size)
         for name, tensor in packed.tensors().items():
             _param(layer, name, tensor)
-        # The kernel's weight is rebuilt from the parameters at each call, never kept: a
-        # parameter's tensor may be replaced (by CPU weight offload's staging views).
-        layer.native_shape = (packed.bits, packed.group_size, packed.n, packed.k)
+        # The kernel's weight holds the layer's parameters, not the tensors they were made
+        # from: where a parameter's data moves later (CPU weight offload's staging views),
+        # the kernel reads it there.
+        layer.native = dataclasses.replace(
+            packed, **{name: getattr(layer, name) for name in packed.tensors()})
         layer.input_perm = weight.input_perm
 
     def apply(self, layer, x):
         if layer.input_perm is not None:
             x = x.index_select(-1, layer.input_perm)
-        weight = native_quant.NativeQuantWeight(layer.qweight, layer.scales, layer.offsets,
-                                                *layer.native_shape)
-        out = native_quant.matmul(x.reshape(-1, x.shape[-1]).float(), weight)
+        out = native_quant.matmul(x.reshape(-1, x.shape[-1]).float(), layer.native)
         return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
