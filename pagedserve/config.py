@@ -82,6 +82,11 @@ class EngineConfig:
         0.90, "share of device memory for weights, activations and the KV cache",
         exclusive="kv_cache_size")
     swap_space: float = option(4.0, "GiB of host memory for swapped-out KV blocks")
+    cpu_offload_gb: float = option(
+        0.0, "GiB of weights per device kept in host memory: whole decoder layers from the "
+             "last one down, each copied into one of two device staging buffers ahead of its "
+             "turn, so a model larger than the device serves (graphs are not captured; the "
+             "device saves N GiB minus the two layers of staging)")
     quantization: str = option(
         "auto", "auto: as the checkpoint is stored (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay "
                 "quantized); none: dequantize at load; fp8: quantize a float checkpoint's "
@@ -165,6 +170,8 @@ class EngineConfig:
             raise ConfigError("--kv-cache-memory-bytes must be positive")
         if self.swap_space < 0:
             raise ConfigError("--swap-space must be non-negative")
+        if not self.cpu_offload_gb >= 0:
+            raise ConfigError(f"--cpu-offload-gb must be non-negative, got {self.cpu_offload_gb}")
         if self.tensor_parallel_size < 1:
             raise ConfigError("--tensor-parallel-size must be at least 1")
         if self.grammar_compile_workers < 1:

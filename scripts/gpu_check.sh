@@ -7,7 +7,7 @@
 #                                        w4a16 w4a16-sweep decode-awq awq fp8-tests fp8-w8a8
 #                                        fp8-w8a8-kv decode-fp8 fp8-linear serve-make tp1-vs-base
 #                                        bf16-vs-base fp8-vs-base tp2
-#                                        tp2-70b allreduce tp2-tests structured
+#                                        tp2-70b allreduce tp2-tests structured cpu-offload
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -166,6 +166,50 @@ for path in sorted(Path(sys.argv[1]).glob(f"{prefix}*_[0-9].json")):
 PY
 }
 
+# CPU weight offload (issue 29 item 5): 8B shape, bf16, decode at batch 1 and 64, resident
+# and with --cpu-offload-gb 8 (20 of its 32 layers in pinned host memory, streamed each step),
+# against the bus bound: the offloaded bytes over a pinned host-to-device copy measured in the
+# same call. Fails (exit 1) when a run wrote no result, when nothing was offloaded, or when a
+# step beat the bus bound (then the layers were not really streamed).
+cpu_offload() {
+  local args=(decode --device cuda --shape llama3-8b --batch-sizes 1 64 --context-len 512)
+  rm -f "$OUT"/decode_h200_llama3-8b_{resident,offload8}.json  # never an earlier run's
+  bench "${args[@]}" --out "$OUT/decode_h200_llama3-8b_resident.json"
+  bench "${args[@]}" --cpu-offload-gb 8 --out "$OUT/decode_h200_llama3-8b_offload8.json"
+  python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+runs = {}
+for name in ("resident", "offload8"):
+    path = out / f"decode_h200_llama3-8b_{name}.json"
+    if not path.exists():
+        sys.exit(f"cpu-offload: FAILED, {path} was not written (see the run's log above)")
+    runs[name] = json.loads(path.read_text())
+resident, offload = runs["resident"], runs["offload8"]
+offloaded = offload.get("cpu_offload_bytes") or 0
+if resident.get("cpu_offload_bytes") or not 8 * 2**30 <= offloaded < 9 * 2**30:
+    sys.exit(f"cpu-offload: FAILED, offloaded bytes resident {resident.get('cpu_offload_bytes')}"
+             f", with --cpu-offload-gb 8 {offloaded} (expected 8-9 GiB)")
+rows = {r["batch"]: r for r in resident["rows"]}
+table = []
+for r in offload["rows"]:
+    if r["ratio_to_bus_bound"] < 0.95:
+        sys.exit(f"cpu-offload: FAILED, batch {r['batch']} step {r['step_ms']:.1f} ms beats the "
+                 f"bus bound {r['bus_bound_ms']:.1f} ms: the layers were not streamed")
+    table.append({"batch": r["batch"], "resident_tok_s": rows[r["batch"]]["tok_s"],
+                  "offload_tok_s": r["tok_s"], "bus_bound_tok_s": r["bus_bound_tok_s"],
+                  "ratio_to_bus_bound": r["ratio_to_bus_bound"]})
+summary = {"offloaded_bytes": offloaded, "host_to_device_bytes_s":
+           offload["host_to_device_bytes_s"], "rows": table}
+(out / "cpu_offload_h200_llama3-8b.json").write_text(json.dumps(summary, indent=1) + "\n")
+print(f"offloaded {offloaded / 2**30:.2f} GiB, host-to-device "
+      f"{offload['host_to_device_bytes_s'] / 1e9:.1f} GB/s")
+for row in table:
+    print("  ".join(f"{k} {v:.3g}" for k, v in row.items()))
+PY
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 for part in $parts; do
@@ -180,6 +224,7 @@ for part in $parts; do
     layer-tests) python3 -m pytest -q -p no:cacheprovider \
         tests/platforms/cuda/test_layer_kernels.py 2>&1 | tee "$OUT/gpu_layer_tests.log" ;;
     attention) python3 scripts/bench_attention.py --out "$OUT/attention_h200.json" ;;
+    cpu-offload) cpu_offload || failed="${failed:-} cpu-offload" ;;
     llama) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
         --output-len 128 128 --hf-batch-sizes 128 256 --hf-max-prompts 256 \
         --out "$OUT/throughput_h200_llama3-8b_128.json" ;;
@@ -262,3 +307,4 @@ for part in $parts; do
   esac
 done
 echo "=== done $(date +%T)"
+if [ -n "${failed:-}" ]; then echo "FAILED parts:$failed"; exit 1; fi

@@ -2,6 +2,10 @@
 memory roofline (weight bytes + KV bytes read, over copy bandwidth measured in the same run).
 The weight bytes leave out the input embedding table, of which a step reads only one row per
 sequence.
+
+With ``--cpu-offload-gb`` a step also moves the offloaded layers' bytes from host memory to
+the device: the bus bound is those bytes over the host-to-device copy rate of the platform's
+own host buffers (pinned on GPUs), measured in the same run.
 """
 
 from __future__ import annotations
@@ -41,6 +45,22 @@ def copy_bandwidth(platform, nbytes: int = 1 << 30) -> float:
         dst.copy_(src)
     platform.synchronize()
     return 2 * nbytes * 10 / (time.perf_counter() - start)
+
+
+def host_to_device_bandwidth(platform, nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a copy from a host buffer of the kind offloaded weights live in
+    into device memory."""
+    import torch
+
+    src = platform.weight_stream(1).host_buffer(nbytes)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=platform.device())
+    dst.copy_(src)
+    platform.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src, non_blocking=True)
+    platform.synchronize()
+    return nbytes * 10 / (time.perf_counter() - start)
 
 
 def time_decode(engine, batch: int, context: int, steps: int) -> float:
@@ -102,24 +122,37 @@ def main(args: argparse.Namespace) -> None:
         requantize(engine.executor.runner.model, args.requantize)
     bandwidth = copy_bandwidth(engine.platform)
     weights = engine.executor.runner.weight_bytes_read_per_token_step()
+    offload = engine.executor.runner.offload
+    offloaded = offload.host_bytes if offload is not None else 0
+    bus = host_to_device_bandwidth(engine.platform) if offloaded else None
     kv_per_token = engine.kv_bytes_per_block // engine.resolved.block_size
     rows = []
     for batch in args.batch_sizes:
         step = time_decode(engine, batch, args.context_len, args.steps)
         kv_read = batch * (args.context_len + args.steps // 2) * kv_per_token
         roofline = (weights + kv_read) / bandwidth
-        rows.append({"batch": batch, "step_ms": step * 1e3, "roofline_ms": roofline * 1e3,
-                     "ratio_to_roofline": step / roofline,
-                     "tok_s": batch / step})
-    print_table(f"decode step, context {args.context_len}, copy bandwidth "
-                f"{bandwidth / 1e9:.0f} GB/s, weights read per step {weights / 2**30:.2f} GiB",
-                rows, ["batch", "step_ms", "roofline_ms", "ratio_to_roofline", "tok_s"])
+        row = {"batch": batch, "step_ms": step * 1e3, "roofline_ms": roofline * 1e3,
+               "ratio_to_roofline": step / roofline, "tok_s": batch / step}
+        if offloaded:
+            row.update(bus_bound_ms=offloaded / bus * 1e3, bus_bound_tok_s=batch * bus / offloaded,
+                       ratio_to_bus_bound=step * bus / offloaded)
+        rows.append(row)
+    columns = ["batch", "step_ms", "roofline_ms", "ratio_to_roofline", "tok_s"]
+    title = (f"decode step, context {args.context_len}, copy bandwidth {bandwidth / 1e9:.0f} "
+             f"GB/s, weights read per step {weights / 2**30:.2f} GiB")
+    if offloaded:
+        columns += ["bus_bound_ms", "bus_bound_tok_s", "ratio_to_bus_bound"]
+        title += (f", {offloaded / 2**30:.2f} GiB offloaded over a {bus / 1e9:.1f} GB/s "
+                  "host-to-device copy")
+    print_table(title, rows, columns)
     label = "_".join(filter(None, (engine.platform.name, engine.model_name,
                                    args.quantization, str(engine.dtype).removeprefix("torch."),
-                                   args.requantize)))
+                                   args.requantize,
+                                   offloaded and f"offload{args.cpu_offload_gb:g}")))
     write_result(f"decode_{label}", {
         "model": engine.model_name, "quantization": args.quantization,
         "requantize": args.requantize, "dtype": str(engine.dtype),
         "copy_bandwidth_bytes_s": bandwidth,
+        "cpu_offload_bytes": offloaded, "host_to_device_bytes_s": bus,
         "weight_bytes_read_per_step": weights, "context_len": args.context_len,
         "rows": rows}, args.out)

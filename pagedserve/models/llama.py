@@ -117,6 +117,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # Where the decoder layers are: CPU weight offload (models/offload.py) streams them.
+    layers_prefix = "model.layers"
+
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
                  ops: type[LayerOps], linears: LinearFactory) -> None:
         super().__init__()

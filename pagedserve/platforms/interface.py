@@ -49,6 +49,43 @@ class GraphRunner(Protocol):
             ctx: ForwardContext) -> torch.Tensor: ...
 
 
+class WeightStream:
+    """Copies of offloaded weights (``--cpu-offload-gb``) from host memory into the device's
+    staging slots, ordered against the model's compute (``models/offload.py`` drives it).
+
+    The protocol, per slot: ``load`` queues a copy into it, which starts only once the compute
+    queued before the slot's last ``release`` is done; ``wait`` makes the compute queued after
+    it wait for the slot's last ``load``. ``begin``, at the start of each forward pass, orders
+    every later copy after all compute queued so far, so a pass that failed halfway leaves no
+    slot in use. This default runs each copy at once, in order (devices that run
+    synchronously, and the CPU, whose "device" memory is host memory too), so ``wait``,
+    ``release`` and ``begin`` have nothing to do.
+    """
+
+    # Host buffers are page-locked, so copies from them run asynchronously at the bus's rate.
+    pin_memory: ClassVar[bool] = False
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """Where one offloaded layer's bytes live (uint8)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+
+    def begin(self) -> None:
+        """A forward pass starts."""
+
+    def load(self, slot: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue ``dst <- src`` (``dst`` in slot ``slot``'s staging buffer)."""
+        dst.copy_(src)
+
+    def wait(self, slot: int) -> None:
+        """Compute queued from now on reads slot ``slot`` as its last ``load`` left it."""
+
+    def release(self, slot: int) -> None:
+        """Compute queued so far is the last to read slot ``slot`` before its next ``load``."""
+
+
 class MemoryInfo(NamedTuple):
     free_bytes: int
     total_bytes: int
@@ -175,6 +212,12 @@ class Platform:
     def graph_runner(cls) -> type[GraphRunner] | None:
         """A class that captures and replays decode steps, or None where graphs don't exist."""
         return None
+
+    @classmethod
+    def weight_stream(cls, num_slots: int) -> WeightStream:
+        """The copies that bring offloaded layers (``--cpu-offload-gb``) into ``num_slots``
+        staging slots; by default synchronous ``copy_`` calls."""
+        return WeightStream(num_slots)
 
     @classmethod
     def release_cached_memory(cls) -> None:

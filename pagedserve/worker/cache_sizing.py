@@ -45,11 +45,13 @@ def size_kv_cache(config: EngineConfig, resolved: ResolvedConfig, platform: type
 
 def _peak_memory_bytes(config: EngineConfig, resolved: ResolvedConfig,
                        platform: type[Platform], runner: ModelRunner) -> int:
-    """Weights plus the activations of the largest step, measured where the platform can."""
+    """Weights plus the activations of the largest step, measured where the platform can.
+    Weights offloaded to host memory count only through their staging slots (a measured peak
+    counts what is on the device, which is the same)."""
     if not platform.profiles_memory:
-        return runner.weight_bytes()
+        return runner.resident_weight_bytes()
     peak = profile_peak_memory(runner, resolved.max_num_batched_tokens, config.max_num_seqs,
                                resolved.block_size)
-    logger.info("memory profile: weights %.2f GiB, peak with activations %.2f GiB",
-                runner.weight_bytes() / 2**30, peak / 2**30)
+    logger.info("memory profile: weights %.2f GiB on the device, peak with activations "
+                "%.2f GiB", runner.resident_weight_bytes() / 2**30, peak / 2**30)
     return peak

@@ -28,6 +28,7 @@ from pagedserve.distributed import TensorParallel, split_heads
 from pagedserve.logger import get_logger
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.linear import LinearFactory
+from pagedserve.models.offload import LayerOffload
 from pagedserve.models.registry import model_class
 from pagedserve.platforms.interface import DeviceEvent, GraphRunner, Platform
 from pagedserve.quant.weights import LoadedWeight
@@ -90,7 +91,7 @@ class ModelRunner:
                  max_model_len: int, kv_cache_dtype: str = "auto",
                  quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None,
                  buckets: ShapeBuckets | None = None,
-                 tp: TensorParallel = TensorParallel()) -> None:
+                 tp: TensorParallel = TensorParallel(), cpu_offload_bytes: int = 0) -> None:
         self.platform = platform
         self.arch = arch
         self.dtype = dtype
@@ -108,6 +109,9 @@ class ModelRunner:
             model = model_class(arch.architecture)(arch, backend, max_model_len,
                                                     platform.layer_ops(), linears)
         self.model = model.to(dtype=dtype).eval()
+        # --cpu-offload-gb: decoder layers in host memory, streamed in per forward pass.
+        self.offload = (LayerOffload(self.model, self.model.layers_prefix, cpu_offload_bytes,
+                                     platform) if cpu_offload_bytes else None)
         self.sampler = Sampler()
         self.sampling = SamplingBatch(arch.vocab_size, self.device)  # used by rank 0 alone
         self.kv_cache: KVCache | None = None
@@ -126,7 +130,13 @@ class ModelRunner:
         self.pad_block = 0  # with buckets: the pool's last block, written by padded rows only
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
-        self.model.load_weights(weights)
+        """Load the checkpoint; with CPU offload, each offloaded layer leaves the device as
+        soon as it is complete, so the whole model is never on the device at once."""
+        if self.offload is None:
+            self.model.load_weights(weights)
+            return
+        self.model.load_weights(self.offload.while_loading(weights))
+        self.offload.finish()
 
     def init_dummy_weights(self, seed: int) -> None:
         """Random weights of the checkpoint's shapes, generated on the device and loaded like
@@ -145,7 +155,17 @@ class ModelRunner:
         self.load_weights(tensors())
 
     def weight_bytes(self) -> int:
+        """Bytes of the model's parameters, wherever they are held."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def resident_weight_bytes(self) -> int:
+        """Device bytes the weights take: with CPU offload, the resident parameters and the
+        staging slots (the offloaded layers' own bytes are in host memory)."""
+        if self.offload is None:
+            return self.weight_bytes()
+        return self.offload.staging_bytes + sum(
+            p.numel() * p.element_size() for p in self.model.parameters()
+            if not self.offload.holds(p))
 
     def weight_bytes_read_per_token_step(self) -> int:
         """Weight bytes a decode step reads: every parameter except the input embedding table,
@@ -300,6 +320,11 @@ class ModelRunner:
         """Capture decode steps where the platform supports graphs (after the KV pool)."""
         runner_cls = self.platform.graph_runner()
         if runner_cls is None:
+            return
+        if self.offload is not None:
+            # The offload's copies are issued per pass by hooks, on the host: a replayed graph
+            # would keep whatever its slots held at capture. Eager it is.
+            logger.info("cpu offload: decode steps run eagerly (no graphs are captured)")
             return
         self.graphs = runner_cls(self.model, self.kv_cache.layers, max_num_seqs,
                                  self.max_model_len, self.block_size)

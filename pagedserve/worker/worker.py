@@ -59,7 +59,8 @@ class Worker:
         self.runner = ModelRunner(self.platform, arch, resolved.dtype, resolved.max_model_len,
                                   config.kv_cache_dtype,
                                   load_quantizer(arch.raw, config.quantization, dummy),
-                                  _shape_buckets(config, resolved), self.tp)
+                                  _shape_buckets(config, resolved), self.tp,
+                                  int(config.cpu_offload_gb * 2**30))
         if dummy:
             self.runner.init_dummy_weights(config.seed)
         else:

@@ -16,6 +16,8 @@ group size split into two 4-bit halves, ``q = 16 * hi + lo``, each its own int4 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,7 +35,11 @@ class NativeQuantLinearMethod(LinearMethod):
                                    weight.group_size)
         for name, tensor in packed.tensors().items():
             _param(layer, name, tensor)
-        layer.native = packed
+        # The kernel's weight holds the layer's parameters, not the tensors they were made
+        # from: where a parameter's data moves later (CPU weight offload's staging views),
+        # the kernel reads it there.
+        layer.native = dataclasses.replace(
+            packed, **{name: getattr(layer, name) for name in packed.tensors()})
         layer.input_perm = weight.input_perm
 
     def apply(self, layer, x):

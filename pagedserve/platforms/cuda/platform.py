@@ -11,6 +11,7 @@ from pagedserve.platforms.interface import (
     MemoryInfo,
     Platform,
     PlatformUnavailable,
+    WeightStream,
 )
 
 if TYPE_CHECKING:
@@ -122,6 +123,12 @@ class CudaPlatform(Platform):
     @classmethod
     def peak_memory_bytes(cls) -> int:
         return torch.cuda.max_memory_allocated()
+
+    @classmethod
+    def weight_stream(cls, num_slots: int) -> WeightStream:
+        from pagedserve.platforms.cuda.weight_stream import CudaWeightStream
+
+        return CudaWeightStream(num_slots)
 
     @classmethod
     def release_cached_memory(cls) -> None:

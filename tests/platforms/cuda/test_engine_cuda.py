@@ -1,4 +1,5 @@
-"""The engine on an NVIDIA GPU: HF equivalence, CUDA graphs against eager, FP8 KV cache."""
+"""The engine on an NVIDIA GPU: HF equivalence, CUDA graphs against eager, FP8 KV cache, CPU
+weight offload."""
 
 from __future__ import annotations
 
@@ -108,3 +109,26 @@ def test_copy_and_swap_blocks_move_every_layer():
     CudaPlatform.swap_blocks(host, cache, torch.tensor([3]), torch.tensor([9], device="cuda"))
     torch.cuda.synchronize()
     torch.testing.assert_close(cache[:, :, 9], before[:, :, 1])
+
+
+@pytest.mark.parametrize("layers", [3, 5], ids=["3-of-5", "all"])
+def test_cpu_offload_equals_the_resident_model(tmp_path, layers):
+    """--cpu-offload-gb: layers in pinned host memory, copied on the side stream into two
+    staging slots, give the eager resident model's bf16 tokens and logprobs exactly (the
+    copies are bit-exact and the kernels the same); no graphs are captured."""
+    folder = write_tiny_model(tmp_path / "llama5", "llama3", num_hidden_layers=5)
+    engine = dict(model=str(folder), device="cuda", dtype="bfloat16",
+                  kv_cache_memory_bytes=64 << 20, max_num_seqs=16)
+    resident = LLM(**engine, enforce_eager=True)
+    layer = resident.engine.executor.runner.model.model.layers[0]
+    per_layer = sum(p.numel() * p.element_size() for p in layer.parameters())
+    llm = LLM(**engine, cpu_offload_gb=(layers - 0.5) * per_layer / 2**30)
+    runner = llm.engine.executor.runner
+    assert runner.offload.chosen == range(5 - layers, 5) and runner.graphs is None
+    assert all(h.host.is_pinned() for h in runner.offload._host.values())
+    assert all(s.is_cuda for s in runner.offload.slots)
+    prompts = _prompts(seed=2, lens=(3, 17, 40, 64, 90, 11, 7))
+    for a, b in zip(_greedy(resident, prompts, logprobs=2), _greedy(llm, prompts, logprobs=2)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [sorted((t, x.logprob) for t, x in d.items()) for d in a.outputs[0].logprobs] == \
+            [sorted((t, x.logprob) for t, x in d.items()) for d in b.outputs[0].logprobs]
