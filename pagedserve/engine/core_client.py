@@ -249,7 +249,8 @@ class EngineCoreClient:
         self._process.join()  # it has exited: this only collects the exit code
         logger.error("the engine core process exited (code %s); failing %d requests",
                      self._process.exitcode, len(self._pending))
-        self._mark_dead(f"the engine core process exited with code {self._process.exitcode}")
+        self._mark_dead(f"the engine core process of {self.facts.model_name!r} exited with "
+                        f"code {self._process.exitcode}")
 
     def _mark_dead(self, reason: str) -> None:
         self._dead = self._dead or reason
