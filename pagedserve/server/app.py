@@ -22,7 +22,6 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from pagedserve import __version__, envs
-from pagedserve.config import EngineConfig
 from pagedserve.engine.core_client import EngineCoreClient, EngineStartError
 from pagedserve.errors import ConfigError
 from pagedserve.logger import get_logger
@@ -36,6 +35,7 @@ from pagedserve.server.guards import (
     JSONBodies,
 )
 from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.models_config import ModelSpec, serve_configs
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from pagedserve.server.serving_chat import ChatServing
 from pagedserve.server.serving_completion import CompletionServing
@@ -160,14 +160,13 @@ async def _disconnected(raw: Request) -> None:
 def run_server(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from pagedserve.server.models_config import serve_configs
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         print("pagedserve: error: --enable-auto-tool-choice needs --tool-call-parser",
               file=sys.stderr)
         sys.exit(2)
     parser = tool_parser(args.tool_call_parser) if args.enable_auto_tool_choice else None
-    configs = serve_configs(args)
+    specs = serve_configs(args)
     # The environment keeps the key out of the process list, where --api-key shows it.
     api_key = args.api_key or envs.api_key()
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
@@ -175,7 +174,7 @@ def run_server(args: argparse.Namespace) -> None:
         if not api_key and (loopback or args.allowed_hosts) else None
     engines: list[EngineCoreClient] = []
     try:
-        _start_engines(configs, engines)
+        _start_engines(specs, engines)
         app = create_app(engines, api_key, args.max_request_bytes, args.enable_docs, parser,
                          hosts)
     except (EngineStartError, ConfigError) as exc:  # one line, as the CLI does
@@ -197,18 +196,18 @@ def run_server(args: argparse.Namespace) -> None:
                              max_connections=args.max_concurrent_connections))
 
 
-def _start_engines(configs: Sequence[EngineConfig], started: list[EngineCoreClient]) -> None:
-    """Start an engine core per config, each once the one before is up, appending each to
+def _start_engines(specs: Sequence[ModelSpec], started: list[EngineCoreClient]) -> None:
+    """Start an engine core per model, each once the one before is up, appending each to
     ``started`` as it starts. One after another, so that each sizes its KV cache with the
     memory of the ones before already taken (the GPU platforms count other processes' memory
     against ``gpu_memory_utilization``)."""
-    for config in configs:
-        engine = EngineCoreClient(config)
+    for config, env in specs:
+        engine = EngineCoreClient(config, env)
         try:
             engine.start()
         except EngineStartError as exc:  # a bad model, device or flag
             name = config.served_model_name or config.model or "the default model"
-            raise EngineStartError(f"{name}: {exc}" if len(configs) > 1 else str(exc)) from None
+            raise EngineStartError(f"{name}: {exc}" if len(specs) > 1 else str(exc)) from None
         started.append(engine)
 
 

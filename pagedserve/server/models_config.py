@@ -1,5 +1,5 @@
 """Which models ``pagedserve serve`` serves: one ``EngineConfig`` each, for one engine core
-each.
+each, and what each core's environment adds.
 
 The command line's engine flags are the base. ``--model`` repeated gives one config per model,
 all with those flags; ``--models-config FILE`` (YAML or JSON) gives one per entry of its
@@ -11,13 +11,14 @@ all with those flags; ``--models-config FILE`` (YAML or JSON) gives one per entr
         gpu_memory_utilization: 0.45
       - model: org/qwen-0.5b
         max_model_len: 4096
-        gpu_memory_utilization: 0.9   # counts the first model's share too (docs/server.md)
+        env: {CUDA_VISIBLE_DEVICES: "1"}   # the host's second GPU
 
 Options are the config's own fields, so nothing here declares one again; a key that is none,
 or a value of the wrong type, is a one-line ``ConfigError`` naming the entry and the key. Options
 that exclude each other on the command line (``gpu_memory_utilization`` and
 ``kv_cache_memory_bytes``) do in an entry too, and an entry that sets one takes the others at
-their defaults rather than from the flags.
+their defaults rather than from the flags. ``env``, the one key that is no option, holds
+environment variables for the model's core process alone.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pagedserve.config import OPTION_NAMES, EngineConfig
 from pagedserve.engine_args import config_from_args
@@ -38,29 +39,39 @@ _HINTS = typing.get_type_hints(EngineConfig)
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 
 
-def serve_configs(args: argparse.Namespace) -> list[EngineConfig]:
-    """The engine config of every model to serve, in the order given (the first one serves
-    requests that name no model)."""
+class ModelSpec(NamedTuple):
+    """One model to serve: its engine's config, and the variables its core process's
+    environment adds."""
+
+    config: EngineConfig
+    env: dict[str, str]
+
+
+def serve_configs(args: argparse.Namespace) -> list[ModelSpec]:
+    """Every model to serve, in the order given (the first one serves requests that name no
+    model)."""
     if args.models_config is None:
         if len(args.models) > 1 and args.served_model_name is not None:
             raise ConfigError("--served-model-name names one model; to name each of several, "
                               "use --models-config")
-        return [config_from_args(args, model=m) for m in args.models or [args.model]]
+        return [ModelSpec(config_from_args(args, model=m), {})
+                for m in args.models or [args.model]]
     if args.models:
-        raise ConfigError("give the models with --model or in --models-config, not both")
+        raise ConfigError("give the models as MODEL / --model or in --models-config, not both")
     path = Path(args.models_config)
-    configs = []
-    for i, entry in enumerate(_load_entries(path), 1):
+    specs = []
+    for i, (entry, env) in enumerate(_load_entries(path), 1):
         try:
-            configs.append(config_from_args(args, **_unset_excluded(entry), **entry))
+            config = config_from_args(args, **_unset_excluded(entry), **entry)
         except ConfigError as exc:  # a bad value: say which entry holds it
             raise ConfigError(f"{_where(path, i)}: {exc}") from None
-    return configs
+        specs.append(ModelSpec(config, env))
+    return specs
 
 
-def _load_entries(path: Path) -> list[dict[str, Any]]:
-    """The entries of a models config file, option name -> value, each value of its option's
-    type; the values themselves are checked by ``EngineConfig``."""
+def _load_entries(path: Path) -> list[tuple[dict[str, Any], dict[str, str]]]:
+    """The entries of a models config file: options (name -> value, each value of its
+    option's type; the values themselves are checked by ``EngineConfig``) and env."""
     try:
         text = path.read_text()
     except OSError as exc:
@@ -107,10 +118,12 @@ def _unset_excluded(entry: dict[str, Any]) -> dict[str, Any]:
             if _group(name) in _groups(entry) and name not in entry}
 
 
-def _checked(where: str, entry: Any) -> dict[str, Any]:
+def _checked(where: str, entry: Any) -> tuple[dict[str, Any], dict[str, str]]:
     if not isinstance(entry, dict):
         raise ConfigError(f"{where}: expected a mapping of option names to values, got "
                           f"{entry!r}")
+    entry = dict(entry)
+    env = _env(where, entry.pop("env", {}))
     unknown = sorted(set(map(str, entry)) - set(OPTION_NAMES))
     if unknown:
         raise ConfigError(f"{where}: unknown option {unknown[0]!r}; options are "
@@ -119,7 +132,16 @@ def _checked(where: str, entry: Any) -> dict[str, Any]:
         both = [name for name in entry if _group(name) == group]
         if len(both) > 1:
             raise ConfigError(f"{where}: {' and '.join(both)} exclude each other; give one")
-    return {name: _value(where, name, value) for name, value in entry.items()}
+    return {name: _value(where, name, value) for name, value in entry.items()}, env
+
+
+def _env(where: str, env: Any) -> dict[str, str]:
+    """Names to values; a number is its text (YAML reads ``CUDA_VISIBLE_DEVICES: 1`` so)."""
+    if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str | int) and not isinstance(v, bool)
+            for k, v in env.items()):
+        raise ConfigError(f"{where}: env must map variable names to strings, got {env!r}")
+    return {name: str(value) for name, value in env.items()}
 
 
 def _value(where: str, name: str, value: Any) -> Any:

@@ -16,7 +16,7 @@ from pagedserve.server.models_config import serve_configs
 
 
 def _configs(*argv: str) -> list[EngineConfig]:
-    return serve_configs(parse_args(["serve", *argv]))
+    return [spec.config for spec in serve_configs(parse_args(["serve", *argv]))]
 
 
 def test_one_model_reads_as_before():
@@ -27,8 +27,8 @@ def test_one_model_reads_as_before():
 def test_a_repeated_model_flag_serves_each_with_the_same_flags():
     args = parse_args(["serve", "--model", "org/a", "--max-model-len", "512", "--model", "b"])
     assert args.model == "org/a" and args.models == ["org/a", "b"]
-    assert serve_configs(args) == [EngineConfig(model="org/a", max_model_len=512),
-                                   EngineConfig(model="b", max_model_len=512)]
+    assert serve_configs(args) == [(EngineConfig(model="org/a", max_model_len=512), {}),
+                                   (EngineConfig(model="b", max_model_len=512), {})]
 
 
 def test_several_models_cannot_share_one_served_name():
@@ -66,6 +66,8 @@ def test_entries_override_the_flags(tmp_path: Path, suffix):
     ("models: [{device: tpu}]", "entry 1: --device must be one of"),
     ("models: [{max_model_len: 0}]", "entry 1: --max-model-len must be at least 1"),
     ("models: [{model: a", "not valid YAML"),
+    ("models: [{env: [CUDA_VISIBLE_DEVICES]}]", "entry 1: env must map variable names to"),
+    ("models: [{env: {A: [1]}}]", "entry 1: env must map variable names to strings"),
     ("models: [{gpu_memory_utilization: 0.5, kv_cache_memory_bytes: 8}]",
      "entry 1: gpu_memory_utilization and kv_cache_memory_bytes exclude each other"),
 ])
@@ -76,6 +78,15 @@ def test_a_bad_entry_is_one_line_naming_it(tmp_path: Path, text, message):
         _configs("--models-config", str(path))
     assert message in str(exc.value) and "\n" not in str(exc.value)
     assert str(exc.value).startswith(f"--models-config {path}")
+
+
+def test_an_entry_may_add_to_its_core_environment(tmp_path: Path):
+    path = tmp_path / "models.yaml"
+    path.write_text("models:\n  - {model: a, env: {CUDA_VISIBLE_DEVICES: 1, X: y}}\n"
+                    "  - {model: b}\n")
+    specs = serve_configs(parse_args(["serve", "--models-config", str(path)]))
+    assert [spec.env for spec in specs] == [{"CUDA_VISIBLE_DEVICES": "1", "X": "y"}, {}]
+    assert [spec.config.model for spec in specs] == ["a", "b"]
 
 
 def test_models_come_from_the_flag_or_the_file(tmp_path: Path):

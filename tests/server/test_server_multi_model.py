@@ -32,6 +32,7 @@ pytestmark = pytest.mark.slow
 PROMPT = "the quick brown fox"
 QWEN_LEN = 2048  # the second model's own max_model_len, from the models config
 FAIL_FAST_S = 10.0
+CORE_ENV = "PAGEDSERVE_TEST_CORE_ENV"  # set for the second model's core alone
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,8 @@ def pair(chat_model, qwen_model, tmp_path_factory) -> Iterator[Server]:
                       f"  - model: {qwen_model}\n"
                       f"    served_model_name: qwen\n"
                       f"    max_model_len: {QWEN_LEN}\n"
-                      f"    kv_cache_memory_bytes: {KV_BYTES // 2}\n")
+                      f"    kv_cache_memory_bytes: {KV_BYTES // 2}\n"
+                      f"    env: {{{CORE_ENV}: qwen-only}}\n")
     with launch_server(None, folder, "--models-config", str(config)) as server:
         yield server
 
@@ -67,6 +69,13 @@ def test_models_lists_both_with_their_own_limits(pair):
     cards = pair.client().models.list().data
     assert [(c.id, c.max_model_len) for c in cards] == [("llama", MAX_MODEL_LEN),
                                                         ("qwen", QWEN_LEN)]
+
+
+def test_each_core_runs_with_its_own_environment(pair):
+    environs = [dict(item.split(b"=", 1) for item in
+                     Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item)
+                for pid in pair.core_pids()]
+    assert [e.get(CORE_ENV.encode()) for e in environs] == [None, b"qwen-only"]
 
 
 def test_each_model_answers_as_its_own_engine(pair, offline, offline_qwen):
