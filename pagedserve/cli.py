@@ -53,14 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
-    # `pagedserve serve MODEL`, as `vllm serve MODEL`; --model (an engine flag) says the same.
+    # `pagedserve serve MODEL`, as `vllm serve MODEL`; --model (an engine flag) says the same,
+    # and repeated (`--model A --model B`) serves several models.
     serve.add_argument("model_tag", nargs="?", metavar="MODEL",
                        help="the model, as --model takes it (give one or the other)")
     from pagedserve.server.args import add_server_args
 
     add_server_args(serve)
-    add_engine_args(serve)
-    serve.set_defaults(func=_serve)
+    add_engine_args(serve, models_dest="models")
+    serve.set_defaults(func=_serve, models=[])
 
     bench = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench_sub = bench.add_subparsers(dest="bench_name", required=True)
@@ -72,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line, with serve's positional MODEL moved into ``model``."""
+    """The command line, with serve's positional MODEL moved into ``model`` (and
+    ``models``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     tag = getattr(args, "model_tag", None)
@@ -80,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.model is not None:
             parser.error(f"serve: the model was given twice ({tag} and --model {args.model}); "
                          "pass it once, either way")
-        args.model = tag
+        args.model, args.models = tag, [tag]
     return args
 
 

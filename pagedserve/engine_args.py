@@ -4,6 +4,7 @@ The field ``max_num_seqs`` is the flag ``--max-num-seqs`` (vLLM's names); its ty
 help and choices come from the field. A boolean is a switch that flips its default
 (``--enforce-eager``, ``--no-enable-prefix-caching``); a ``bool | None`` is tri-state
 (``--async-scheduling`` / ``--no-async-scheduling``, unset: the platform decides).
+``pagedserve serve`` lets ``--model`` repeat (``models_dest``), one engine per model.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from typing import Any
 from pagedserve.config import EngineConfig, flag_name
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, models_dest: str | None = None) -> None:
+    """With ``models_dest``, ``--model`` may be given several times: each value is appended to
+    ``args.<models_dest>`` and ``args.model`` keeps the first, so a command line of one model
+    reads as it would without."""
     group = parser.add_argument_group("engine")
     exclusive: dict[str, Any] = {}
     hints = typing.get_type_hints(EngineConfig)
@@ -27,12 +31,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             exclusive[name] = group.add_mutually_exclusive_group()
         target = group if name is None else exclusive[name]
         flag, kwargs = _argument(f, hints[f.name])
+        if f.name == "model" and models_dest is not None:
+            kwargs.update(action=_AppendModel, models_dest=models_dest)
         target.add_argument(flag, dest=f.name, default=f.default, **kwargs)
 
 
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
+def config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The flags' config, with ``overrides`` (option names) in place of some of them."""
     return EngineConfig(**{f.name: getattr(args, f.name)
-                           for f in dataclasses.fields(EngineConfig)})
+                           for f in dataclasses.fields(EngineConfig)} | overrides)
+
+
+class _AppendModel(argparse.Action):
+    """``--model`` of a command serving several models (``add_engine_args``)."""
+
+    def __init__(self, *args: Any, models_dest: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.models_dest = models_dest
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        models = [*(getattr(namespace, self.models_dest, None) or []), value]
+        setattr(namespace, self.models_dest, models)
+        setattr(namespace, self.dest, models[0])
 
 
 def _argument(f: dataclasses.Field, hint: Any) -> tuple[str, dict[str, Any]]:

@@ -33,7 +33,8 @@ Flags are named as in vLLM. The engine flags are shared by `pagedserve generate`
 `pagedserve serve` and the benchmarks (`pagedserve bench ...`); each is a field of
 `EngineConfig`, and `LLM(model, **options)` takes the same names with underscores
 (`--max-num-seqs` is `max_num_seqs=`). `pagedserve serve` also takes the server flags, and
-the model as its argument (`pagedserve serve MODEL`, or `--model`, not both).
+the model as its argument (`pagedserve serve MODEL`, or `--model`, not both); `--model`
+repeated, or `--models-config`, serves several models, one engine core each.
 `pagedserve <command> --help` prints the same text. A bad value is a one-line error naming
 the flag (exit code 2).
 """

@@ -202,13 +202,15 @@ async def _client_run(base_url: str, api_key: str | None, model: str, work: list
 
 
 async def _server_cpu(client, base_url: str) -> tuple[float, float]:
-    """CPU seconds the API server process and the engine-core process have used: on a
-    shared machine, CPU time per token says more about HTTP's cost than wall time does."""
+    """CPU seconds the API server process and the engine-core processes (all models') have
+    used: on a shared machine, CPU time per token says more about HTTP's cost than wall time
+    does."""
     text = (await client.get(f"{base_url}/metrics")).text
     values = []
     for name in ("process_cpu_seconds_total", "pagedserve:engine_core_cpu_seconds_total"):
-        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-        values.append(float(match.group(1)) if match else float("nan"))
+        # Unlabelled (the server process's), or one sample per model (the engine cores').
+        samples = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        values.append(sum(map(float, samples)) if samples else float("nan"))
     return values[0], values[1]
 
 

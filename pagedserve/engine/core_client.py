@@ -21,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import multiprocessing
+import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,8 +96,12 @@ class RequestStream:
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig) -> None:
+    """``env``: variables the core process (and its tensor-parallel ranks) runs with on top of
+    this process's environment, such as ``CUDA_VISIBLE_DEVICES`` to place it on a GPU."""
+
+    def __init__(self, config: EngineConfig, env: Mapping[str, str] | None = None) -> None:
         self.config = config
+        self.env = dict(env or {})
         self.facts: msg.EngineFacts | None = None
         self.tokenizer = None
         self.stats: EngineStats | None = None  # the core's latest snapshot
@@ -140,7 +146,8 @@ class EngineCoreClient:
         self._process = spawn.Process(
             target=run_engine_core, args=(core_config, addresses, ready_writer),
             name="pagedserve-engine-core", daemon=True)
-        self._process.start()
+        with _environment(self.env):
+            self._process.start()
         ready_writer.close()
         with ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(loader.load_tokenizer, source)
@@ -249,13 +256,32 @@ class EngineCoreClient:
         self._process.join()  # it has exited: this only collects the exit code
         logger.error("the engine core process exited (code %s); failing %d requests",
                      self._process.exitcode, len(self._pending))
-        self._mark_dead(f"the engine core process exited with code {self._process.exitcode}")
+        self._mark_dead(f"the engine core process of {self.facts.model_name!r} exited with "
+                        f"code {self._process.exitcode}")
 
     def _mark_dead(self, reason: str) -> None:
         self._dead = self._dead or reason
         pending, self._pending = self._pending, {}
         for p in pending.values():
             p.queue.put_nowait(EngineDeadError(self._dead))
+
+
+@contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """This process's environment with ``env`` added for the block's length: the spawn start
+    method execs the child with it, so the core's interpreter starts with ``env`` set, before
+    any device runtime reads it. Nothing else reads the environment meanwhile: cores start
+    before the server does, one after another."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def _failure_error(failure: msg.RequestFailure) -> Exception:

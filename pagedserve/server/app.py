@@ -2,7 +2,8 @@
 
 Request logic lives in ``serving_*.py``; the wire format in ``protocol.py``; what refuses a
 request before a route sees it (Host, API key, body size and type, read deadline, connection
-cap) in ``guards.py``.
+cap) in ``guards.py``. One engine core process serves each model (``--model`` repeated, or
+``--models-config``); a request's ``model`` picks it.
 FastAPI and uvicorn are imported only here and below, so ``import pagedserve`` works without
 them.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from http import HTTPStatus
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse
 
 from pagedserve import __version__, envs
 from pagedserve.engine.core_client import EngineCoreClient, EngineStartError
+from pagedserve.errors import ConfigError
 from pagedserve.logger import get_logger
 from pagedserve.server.errors import APIError, install_error_handlers
 from pagedserve.server.guards import (
@@ -33,10 +35,11 @@ from pagedserve.server.guards import (
     JSONBodies,
 )
 from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.models_config import ModelSpec, serve_configs
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from pagedserve.server.serving_chat import ChatServing
 from pagedserve.server.serving_completion import CompletionServing
-from pagedserve.server.serving_models import EngineClient, ServedModel
+from pagedserve.server.serving_models import ServedModel, ServingModels
 from pagedserve.server.serving_tokenization import TokenizationServing
 from pagedserve.server.tool_parsers import ToolParser, tool_parser
 
@@ -48,26 +51,28 @@ CLIENT_CLOSED = 499
 PUBLIC_PATHS = ("/health", "/metrics")
 
 
-def create_app(engine: EngineCoreClient, api_key: str | None = None,
+def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
                max_request_bytes: int = 4 << 20, enable_docs: bool = False,
                tool_parser: ToolParser | None = None,
                allowed_hosts: list[str] | None = None) -> FastAPI:
-    """An app serving a started engine core; the app's lifespan reads its outputs and stops it
-    at the end. ``enable_docs`` serves FastAPI's /docs, /redoc and /openapi.json, whose pages
-    load their scripts from a public CDN. ``tool_parser`` enables ``tool_choice: "auto"``.
+    """An app serving started engine cores, one per model (the first serves requests that
+    name none); the app's lifespan reads their outputs and stops them at the end.
+    ``enable_docs`` serves FastAPI's /docs, /redoc and /openapi.json, whose pages load their
+    scripts from a public CDN. ``tool_parser`` enables ``tool_choice: "auto"``.
     ``allowed_hosts``, if given, are the only Host names answered."""
-    model = ServedModel.from_client(engine)
-    metrics = ServerMetrics(lambda: engine.stats)
-    client = EngineClient(engine, metrics)
-    completions = CompletionServing(model, client)
-    chat = ChatServing(model, client, tool_parser)
-    tokenization = TokenizationServing(model)
+    # Each core's latest stats, read at every scrape.
+    metrics = ServerMetrics({e.facts.model_name: partial(getattr, e, "stats") for e in engines})
+    models = ServingModels([ServedModel.of(e, metrics) for e in engines])
+    completions = CompletionServing(models)
+    chat = ChatServing(models, tool_parser)
+    tokenization = TokenizationServing(models)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        engine.run_in(asyncio.get_running_loop())
+        for engine in engines:
+            engine.run_in(asyncio.get_running_loop())
         yield
-        await engine.shutdown()
+        await _shutdown_all(engines)
 
     app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan,
                   docs_url="/docs" if enable_docs else None,
@@ -83,11 +88,12 @@ def create_app(engine: EngineCoreClient, api_key: str | None = None,
         app.add_middleware(AllowedHosts, hosts=allowed_hosts)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> Response:
-        if not engine.is_running:
-            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE,
-                           f"the engine is not running: {engine.dead_reason}",
-                           type="server_error")
+    async def health(model: str | None = None) -> Response:
+        """200 while every model's engine core runs (``?model=NAME``: that model's); 503
+        naming the ones that do not."""
+        why = models.unhealthy(model)
+        if why is not None:
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, why, type="server_error")
         return Response(status_code=HTTPStatus.OK)
 
     @app.get("/version")
@@ -101,7 +107,7 @@ def create_app(engine: EngineCoreClient, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return model.models().model_dump()
+        return models.models().model_dump()
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
@@ -154,31 +160,61 @@ async def _disconnected(raw: Request) -> None:
 def run_server(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from pagedserve.engine_args import config_from_args
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         print("pagedserve: error: --enable-auto-tool-choice needs --tool-call-parser",
               file=sys.stderr)
         sys.exit(2)
     parser = tool_parser(args.tool_call_parser) if args.enable_auto_tool_choice else None
-    engine = EngineCoreClient(config_from_args(args))
-    try:
-        engine.start()
-    except EngineStartError as exc:  # a bad model, device or flag: one line, as the CLI does
-        print(f"pagedserve: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    specs = serve_configs(args)
     # The environment keeps the key out of the process list, where --api-key shows it.
     api_key = args.api_key or envs.api_key()
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
     hosts = [*LOOPBACK_HOSTS, *args.allowed_hosts] \
         if not api_key and (loopback or args.allowed_hosts) else None
-    app = create_app(engine, api_key, args.max_request_bytes, args.enable_docs, parser, hosts)
+    engines: list[EngineCoreClient] = []
+    try:
+        _start_engines(specs, engines)
+        app = create_app(engines, api_key, args.max_request_bytes, args.enable_docs, parser,
+                         hosts)
+    except (EngineStartError, ConfigError) as exc:  # one line, as the CLI does
+        _stop(engines)
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except BaseException:
+        _stop(engines)
+        raise
     if not loopback and not api_key:
         logger.warning("listening on %s without an API key: anyone who can reach this address "
                        "can use the model", args.host)
-    logger.info("serving %s at http://%s:%d/v1", engine.facts.model_name, args.host, args.port)
+    logger.info("serving %s at http://%s:%d/v1", ", ".join(e.facts.model_name for e in engines),
+                args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=args.enable_log_requests,
                 timeout_graceful_shutdown=5,
                 http=partial(GuardedH11Protocol, read_timeout=args.request_read_timeout,
                              max_connections=args.max_concurrent_connections))
+
+
+def _start_engines(specs: Sequence[ModelSpec], started: list[EngineCoreClient]) -> None:
+    """Start an engine core per model, each once the one before is up, appending each to
+    ``started`` as it starts. One after another, so that each sizes its KV cache with the
+    memory of the ones before already taken (the GPU platforms count other processes' memory
+    against ``gpu_memory_utilization``)."""
+    for config, env in specs:
+        engine = EngineCoreClient(config, env)
+        try:
+            engine.start()
+        except EngineStartError as exc:  # a bad model, device or flag
+            name = config.served_model_name or config.model or "the default model"
+            raise EngineStartError(f"{name}: {exc}" if len(specs) > 1 else str(exc)) from None
+        started.append(engine)
+
+
+def _stop(engines: Sequence[EngineCoreClient]) -> None:
+    """Stop the cores that started when another could not (the server never ran)."""
+    asyncio.run(_shutdown_all(engines))
+
+
+async def _shutdown_all(engines: Sequence[EngineCoreClient]) -> None:
+    await asyncio.gather(*(engine.shutdown() for engine in engines))

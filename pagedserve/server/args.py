@@ -12,6 +12,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default loopback only; 0.0.0.0 exposes the server)")
     g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--models-config", default=None, metavar="FILE",
+                   help="a YAML or JSON file of the models to serve, one engine core each: "
+                        "'models:', a list of entries of engine options by their names with "
+                        "underscores (model, served_model_name, device, max_model_len, "
+                        "gpu_memory_utilization, kv_cache_memory_bytes, ...) and env, variables "
+                        "for that model's core process alone (CUDA_VISIBLE_DEVICES); the "
+                        "engine flags given on the command line are every entry's defaults. "
+                        "Not with --model, which serves several models too when repeated, all "
+                        "with the same flags")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health and "
                         "/metrics (default: $PAGEDSERVE_API_KEY, which the process list does "

@@ -1,16 +1,18 @@
 """Prometheus metrics, in a registry of the app's own (two apps in one process stay apart).
 
 Engine state (queues, KV blocks, token counters, the core process's CPU time) is read from
-the engine core's latest ``EngineStats`` snapshot when scraped. Latencies are what clients
+each engine core's latest ``EngineStats`` snapshot when scraped. Latencies are what clients
 see: they are timed in the handlers, from the moment a request arrives to the moment its
-tokens reach the handler.
+tokens reach the handler. Every sample carries the served model's name as ``model_name``, as
+vLLM's do, so that a server of several models reports each.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -25,82 +27,111 @@ from prometheus_client.registry import Collector
 from pagedserve.engine.stats import EngineStats
 
 PREFIX = "pagedserve:"
+MODEL_LABEL = "model_name"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
-        self._stats = stats
+    def __init__(self, stats: Mapping[str, Callable[[], EngineStats | None]]) -> None:
+        self._stats = stats  # by model name
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats()
-        if s is None:  # the engine core has not reported yet
-            return
-        hit_rate = s.prefix_hit_tokens / s.prefix_queried_tokens if s.prefix_queried_tokens \
-            else 0.0
-        gauges = [
-            ("num_requests_running", "Requests being computed", s.num_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
-            ("num_requests_swapped", "Requests swapped out to host memory", s.num_swapped),
-            ("kv_cache_usage_perc", "Share of KV cache blocks in use (0-1)", s.kv_usage),
-            ("kv_cache_blocks_used", "KV cache blocks held by requests", s.blocks_used),
-            ("kv_cache_blocks_free", "KV cache blocks free (cached or empty)", s.blocks_free),
-            ("kv_cache_blocks_total", "KV cache blocks in the pool", s.num_blocks),
-            ("prefix_cache_hit_rate", "Share of queried prompt tokens found in the prefix "
-             "cache since start", hit_rate),
-        ]
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
-        counters = [
-            ("prompt_tokens", "Prompt tokens computed (prefix cache hits excluded)",
-             s.prompt_tokens),
-            ("generation_tokens", "Tokens generated", s.generation_tokens),
-            ("num_preemptions", "Requests preempted to free KV blocks", s.num_preemptions),
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-             s.prefix_queried_tokens),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
-             s.prefix_hit_tokens),
-            ("engine_core_cpu_seconds", "CPU time of the engine-core process",
-             s.process_cpu_s),
-        ]
-        for name, doc, value in counters:
-            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        families: dict[str, Metric] = {}
+        for model, stats in self._stats.items():
+            s = stats()
+            if s is None:  # this engine core has not reported yet
+                continue
+            for kind, name, doc, value in _samples(s):
+                family = families.get(name)
+                if family is None:
+                    family = families[name] = kind(PREFIX + name, doc, labels=[MODEL_LABEL])
+                family.add_metric([model], value)
+        yield from families.values()
+
+
+def _samples(s: EngineStats) -> Iterator[tuple[type, str, str, float]]:
+    """(family type, name, help, value) of each metric one engine's stats give."""
+    hit_rate = s.prefix_hit_tokens / s.prefix_queried_tokens if s.prefix_queried_tokens \
+        else 0.0
+    gauges = [
+        ("num_requests_running", "Requests being computed", s.num_running),
+        ("num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
+        ("num_requests_swapped", "Requests swapped out to host memory", s.num_swapped),
+        ("kv_cache_usage_perc", "Share of KV cache blocks in use (0-1)", s.kv_usage),
+        ("kv_cache_blocks_used", "KV cache blocks held by requests", s.blocks_used),
+        ("kv_cache_blocks_free", "KV cache blocks free (cached or empty)", s.blocks_free),
+        ("kv_cache_blocks_total", "KV cache blocks in the pool", s.num_blocks),
+        ("prefix_cache_hit_rate", "Share of queried prompt tokens found in the prefix "
+         "cache since start", hit_rate),
+    ]
+    for name, doc, value in gauges:
+        yield GaugeMetricFamily, name, doc, value
+    counters = [
+        ("prompt_tokens", "Prompt tokens computed (prefix cache hits excluded)",
+         s.prompt_tokens),
+        ("generation_tokens", "Tokens generated", s.generation_tokens),
+        ("num_preemptions", "Requests preempted to free KV blocks", s.num_preemptions),
+        ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+         s.prefix_queried_tokens),
+        ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
+         s.prefix_hit_tokens),
+        ("engine_core_cpu_seconds", "CPU time of the engine-core process",
+         s.process_cpu_s),
+    ]
+    for name, doc, value in counters:
+        yield CounterMetricFamily, name, doc, value
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    """The server's registry; ``stats`` gives each served model's latest engine stats, by
+    the model's name."""
+
+    def __init__(self, stats: Mapping[str, Callable[[], EngineStats | None]]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats))
         # CPU seconds and memory of the server process (``bench serve`` reads the CPU time).
         ProcessCollector(registry=self.registry)
+        labels = [MODEL_LABEL]
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
-                              "Time from a request's arrival to its first token",
+                              "Time from a request's arrival to its first token", labels,
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
-                             "Time between consecutive tokens of a request",
+                             "Time between consecutive tokens of a request", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
-                             "Time from a request's arrival to its last token",
+                             "Time from a request's arrival to its last token", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.finished = Counter(PREFIX + "request_finished", "Requests ended, by reason "
-                                "(stop, length, abort: client gone, error)", ["finished_reason"],
-                                registry=self.registry)
+                                "(stop, length, abort: client gone, error)",
+                                [MODEL_LABEL, "finished_reason"], registry=self.registry)
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    def of(self, model: str) -> ModelMetrics:
+        return ModelMetrics(self.ttft.labels(model), self.itl.labels(model),
+                            self.e2e.labels(model), partial(self.finished.labels, model))
+
+
+@dataclass(frozen=True)
+class ModelMetrics:
+    """The latency histograms of one served model, and its finished-request counter by
+    reason."""
+
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    finished: Callable[[str], Counter]
 
 
 @dataclass
 class RequestTimer:
     """Latencies of one engine request, fed with its growing token count."""
 
-    metrics: ServerMetrics
+    metrics: ModelMetrics
     start: float = field(default_factory=time.perf_counter)
     last: float | None = None
     num_tokens: int = 0
@@ -127,4 +158,4 @@ class RequestTimer:
         self.reason = reason
         if reason in ("stop", "length"):
             self.metrics.e2e.observe(time.perf_counter() - self.start)
-        self.metrics.finished.labels(finished_reason=reason).inc()
+        self.metrics.finished(reason).inc()

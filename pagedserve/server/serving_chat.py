@@ -38,8 +38,8 @@ from pagedserve.server.protocol import (
 )
 from pagedserve.server.serving_models import (
     ChoiceProgress,
-    EngineClient,
     ServedModel,
+    ServingModels,
     TimedStream,
 )
 from pagedserve.server.tool_choice import ToolCallStream, ToolPlan, call_id
@@ -50,21 +50,21 @@ _CHUNK = "chat.completion.chunk"  # the ``object`` of a streamed chunk
 
 @dataclass
 class ChatServing:
-    model: ServedModel
-    client: EngineClient
+    models: ServingModels
     # The --tool-call-parser when --enable-auto-tool-choice is on, else None.
     tool_parser: ToolParser | None = None
 
     async def create(self, request: ChatCompletionRequest,
                      ) -> ChatCompletionResponse | StreamingResponse:
         arrival = time.perf_counter()
-        self.model.check_name(request.model)
+        route = self.models.resolve(request.model)
+        model = route.model
         plan = ToolPlan.of(request, self.tool_parser)
-        token_ids = await self.model.off_loop(self._render, request, plan)
-        self.model.check_max_tokens(len(token_ids), request.requested_max_tokens,
-                                    param=request.max_tokens_field)
+        token_ids = await model.off_loop(_render, model, request, plan)
+        model.check_max_tokens(len(token_ids), request.requested_max_tokens,
+                               param=request.max_tokens_field)
         params = _with_tool_constraint(request.to_sampling_params(), plan)
-        self.model.check_params(params)
+        model.check_params(params)
         request_id = random_id("chatcmpl")
 
         def field_name(param: str) -> str:  # a bad tool schema is the tools' fault
@@ -72,10 +72,10 @@ class ChatServing:
                 return "tools"
             return request.field_name(param)
 
-        stream = self.client.submit(request_id, token_ids, params, arrival, field_name)
+        stream = model.client.submit(request_id, token_ids, params, arrival, field_name)
         if request.stream:
             return StreamingResponse(
-                self._stream(request, plan, request_id, len(token_ids), stream),
+                self._stream(route.name, request, plan, request_id, len(token_ids), stream),
                 media_type="text/event-stream")
         try:
             final = await stream.final()
@@ -83,7 +83,7 @@ class ChatServing:
             stream.close()
         choices = [self._choice(request, plan, o) for o in final.outputs]
         completion_tokens = final.metrics.num_generated_tokens
-        return ChatCompletionResponse(id=request_id, model=self.model.name, choices=choices,
+        return ChatCompletionResponse(id=request_id, model=route.name, choices=choices,
                                       usage=UsageInfo.of(len(token_ids), completion_tokens))
 
     def _choice(self, request: ChatCompletionRequest, plan: ToolPlan,
@@ -97,12 +97,6 @@ class ChatServing:
                           finish_reason=_finish_reason(out.finish_reason, bool(calls)),
                           stop_reason=out.stop_reason)
 
-    def _render(self, request: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
-        text = render_chat(self.model, request.messages, plan.template_tools(),
-                           request.add_generation_prompt)
-        # The template already holds any BOS token; tokenize without adding another.
-        return self.model.encode(text, add_special_tokens=False)
-
     def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
                   entries: list[TokenLogprobs] | None) -> ChatLogprobs | None:
         if not request.logprobs:
@@ -111,12 +105,13 @@ class ChatServing:
         return ChatLogprobs(content=[_token_logprob(t, e, k)
                                      for t, e in zip(token_ids, entries or [], strict=False)])
 
-    async def _stream(self, request: ChatCompletionRequest, plan: ToolPlan, request_id: str,
-                      num_prompt_tokens: int, stream: TimedStream) -> AsyncIterator[str]:
+    async def _stream(self, name: str, request: ChatCompletionRequest, plan: ToolPlan,
+                      request_id: str, num_prompt_tokens: int,
+                      stream: TimedStream) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices: list[dict], usage: UsageInfo | None = None) -> bytes:
-            return sse_chunk(_CHUNK, request_id, self.model.name, created, choices, usage)
+            return sse_chunk(_CHUNK, request_id, name, created, choices, usage)
 
         n = request.n or 1
         sent = [ChoiceProgress() for _ in range(n)]
@@ -171,6 +166,13 @@ def render_chat(model: ServedModel, messages: list[ChatMessage],
     except Exception as exc:  # the template's own raise_exception(), or a Jinja error
         raise bad_request(f"the chat template rejected the messages: {exc}",
                           param="messages") from exc
+
+
+def _render(model: ServedModel, request: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+    text = render_chat(model, request.messages, plan.template_tools(),
+                       request.add_generation_prompt)
+    # The template already holds any BOS token; tokenize without adding another.
+    return model.encode(text, add_special_tokens=False)
 
 
 def _tool_delta(out: CompletionOutput, sent: ChoiceProgress,

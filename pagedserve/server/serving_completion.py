@@ -33,8 +33,9 @@ from pagedserve.server.protocol import (
 from pagedserve.server.serving_models import (
     MAX_SEQUENCES_PER_REQUEST,
     ChoiceProgress,
-    EngineClient,
+    Route,
     ServedModel,
+    ServingModels,
     TimedStream,
     close_all,
 )
@@ -50,22 +51,22 @@ class Prompt:
 
 @dataclass
 class CompletionServing:
-    model: ServedModel
-    client: EngineClient
+    models: ServingModels
 
     async def create(self, request: CompletionRequest) -> CompletionResponse | StreamingResponse:
         arrival = time.perf_counter()
-        self.model.check_name(request.model)
-        prompts = await self.model.off_loop(self._prompts, request.prompt)
+        route = self.models.resolve(request.model)
+        model = route.model
+        prompts = await model.off_loop(_prompts, model, request.prompt)
         params = request.to_sampling_params()
         for prompt in prompts:
-            self.model.check_max_tokens(len(prompt.token_ids), request.max_tokens)
-        self.model.check_params(params, num_prompts=len(prompts))
+            model.check_max_tokens(len(prompt.token_ids), request.max_tokens)
+        model.check_params(params, num_prompts=len(prompts))
         request_id = random_id("cmpl")
-        streams = self.client.submit_all(
+        streams = model.client.submit_all(
             request_id, [p.token_ids for p in prompts], params, arrival, request.field_name)
         if request.stream:
-            return StreamingResponse(self._stream(request, request_id, prompts, streams),
+            return StreamingResponse(self._stream(route, request, request_id, prompts, streams),
                                      media_type="text/event-stream")
         tasks = [asyncio.ensure_future(s.final()) for s in streams]
         try:
@@ -73,44 +74,29 @@ class CompletionServing:
         finally:
             for task in tasks:  # after a failure, stop (and abort) the others too
                 task.cancel()
-        return self._response(request, request_id, prompts, finals)
-
-    def _prompts(self, prompt: PromptInput) -> list[Prompt]:
-        # An empty list is one empty prompt, which the engine refuses as it refuses "".
-        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-            items = [prompt]
-        else:
-            items = prompt
-        if len(items) > MAX_SEQUENCES_PER_REQUEST:
-            raise bad_request(f"at most {MAX_SEQUENCES_PER_REQUEST} prompts per request",
-                              param="prompt")
-        return [Prompt(p, self.model.encode(p)) if isinstance(p, str) else Prompt(None, p)
-                for p in items]
-
-    def _prompt_text(self, prompt: Prompt) -> str:
-        return prompt.text if prompt.text is not None else self.model.decode(prompt.token_ids)
+        return self._response(route, request, request_id, prompts, finals)
 
     # ---- whole responses ----------------------------------------------------------------
-    def _response(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
-                  finals: list[RequestOutput]) -> CompletionResponse:
+    def _response(self, route: Route, request: CompletionRequest, request_id: str,
+                  prompts: list[Prompt], finals: list[RequestOutput]) -> CompletionResponse:
         choices = []
         for p, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
             for out in final.outputs:
-                choices.append(self._choice(request, p * (request.n or 1) + out.index,
-                                            prompt, final, out))
+                choices.append(self._choice(route.model, request, p * (request.n or 1)
+                                            + out.index, prompt, final, out))
         completion_tokens = sum(f.metrics.num_generated_tokens for f in finals)
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        return CompletionResponse(id=request_id, model=self.model.name, choices=choices,
+        return CompletionResponse(id=request_id, model=route.name, choices=choices,
                                   usage=UsageInfo.of(prompt_tokens, completion_tokens))
 
-    def _choice(self, request: CompletionRequest, index: int, prompt: Prompt,
-                final: RequestOutput, out: CompletionOutput) -> CompletionChoice:
+    def _choice(self, model: ServedModel, request: CompletionRequest, index: int,
+                prompt: Prompt, final: RequestOutput, out: CompletionOutput) -> CompletionChoice:
         text = out.text
         builder = _LogprobsBuilder() if request.logprobs is not None else None
         if request.echo:
-            text = self._prompt_text(prompt) + text
+            text = _prompt_text(model, prompt) + text
             if builder is not None:
-                builder.add_prompt(prompt.token_ids, final.prompt_logprobs, self.model.decode)
+                builder.add_prompt(prompt.token_ids, final.prompt_logprobs, model.decode)
         if builder is not None:
             builder.add_output(out.token_ids, out.logprobs or [])
         return CompletionChoice(index=index, text=text,
@@ -118,8 +104,8 @@ class CompletionServing:
                                 finish_reason=out.finish_reason, stop_reason=out.stop_reason)
 
     # ---- streams ------------------------------------------------------------------------
-    async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
-                      streams: list[TimedStream]) -> AsyncIterator[str]:
+    async def _stream(self, route: Route, request: CompletionRequest, request_id: str,
+                      prompts: list[Prompt], streams: list[TimedStream]) -> AsyncIterator[str]:
         n = request.n or 1
         progress: dict[int, ChoiceProgress] = {}
         completion_tokens = 0
@@ -128,15 +114,15 @@ class CompletionServing:
             async for p, output in _merge(streams):
                 for out in output.outputs:
                     state = progress.setdefault(p * n + out.index, ChoiceProgress())
-                    chunk = self._delta(request, p * n + out.index, prompts[p], output, out,
-                                        state)
+                    chunk = self._delta(route.model, request, p * n + out.index, prompts[p],
+                                        output, out, state)
                     if chunk is not None:
-                        yield sse_chunk(_CHUNK, request_id, self.model.name, created, [chunk])
+                        yield sse_chunk(_CHUNK, request_id, route.name, created, [chunk])
                 if output.finished:
                     completion_tokens += output.metrics.num_generated_tokens
             if request.include_usage_in_stream:
                 prompt_tokens = sum(len(p.token_ids) for p in prompts)
-                yield sse_chunk(_CHUNK, request_id, self.model.name, created, [],
+                yield sse_chunk(_CHUNK, request_id, route.name, created, [],
                                 UsageInfo.of(prompt_tokens, completion_tokens))
         except Exception as exc:
             yield sse(stream_error(exc))
@@ -144,8 +130,8 @@ class CompletionServing:
             close_all(streams)
         yield SSE_DONE
 
-    def _delta(self, request: CompletionRequest, index: int, prompt: Prompt,
-               output: RequestOutput, out: CompletionOutput,
+    def _delta(self, model: ServedModel, request: CompletionRequest, index: int,
+               prompt: Prompt, output: RequestOutput, out: CompletionOutput,
                state: ChoiceProgress) -> dict | None:
         """The chunk for what this choice gained since the last one, or None if nothing."""
         if state.done:
@@ -159,9 +145,9 @@ class CompletionServing:
         if request.logprobs is not None:
             builder = _LogprobsBuilder(offset=state.text_offset)
         if request.echo and not state.started:
-            text = self._prompt_text(prompt) + text
+            text = _prompt_text(model, prompt) + text
             if builder is not None:
-                builder.add_prompt(prompt.token_ids, output.prompt_logprobs, self.model.decode)
+                builder.add_prompt(prompt.token_ids, output.prompt_logprobs, model.decode)
         if builder is not None:
             # The engine may have appended entries past this snapshot's tokens already.
             entries = (out.logprobs or [])[state.num_tokens:len(out.token_ids)]
@@ -170,6 +156,23 @@ class CompletionServing:
         state.advance(out)
         return choice_dict(index, finish, out.stop_reason,
                            builder.logprobs if builder else None, text=text)
+
+
+def _prompts(model: ServedModel, prompt: PromptInput) -> list[Prompt]:
+    # An empty list is one empty prompt, which the engine refuses as it refuses "".
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        items = [prompt]
+    else:
+        items = prompt
+    if len(items) > MAX_SEQUENCES_PER_REQUEST:
+        raise bad_request(f"at most {MAX_SEQUENCES_PER_REQUEST} prompts per request",
+                          param="prompt")
+    return [Prompt(p, model.encode(p)) if isinstance(p, str) else Prompt(None, p)
+            for p in items]
+
+
+def _prompt_text(model: ServedModel, prompt: Prompt) -> str:
+    return prompt.text if prompt.text is not None else model.decode(prompt.token_ids)
 
 
 async def _merge(streams: list[TimedStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

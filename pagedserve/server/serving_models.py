@@ -1,16 +1,17 @@
-"""The served model as the API sees it (its name, its limits, its tokenizer) and how the
-serving layers hand it requests and read them back."""
+"""The served models as the API sees them (names, limits, tokenizers), the routing of a
+request's ``model`` to one of them, and how the serving layers hand each model's engine core
+requests and read them back."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from pagedserve.engine.core_client import (
     EngineCoreClient,
@@ -20,10 +21,11 @@ from pagedserve.engine.core_client import (
 )
 from pagedserve.engine.core_messages import NewRequest
 from pagedserve.engine.input_processor import PromptTooLong
+from pagedserve.errors import ConfigError
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import SERVER_ERROR, APIError, bad_request
-from pagedserve.server.metrics import RequestTimer, ServerMetrics
+from pagedserve.server.metrics import ModelMetrics, RequestTimer, ServerMetrics
 from pagedserve.server.protocol import ModelCard, ModelList
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -35,9 +37,12 @@ T = TypeVar("T")
 
 @dataclass
 class ServedModel:
+    """A base model and the engine core that runs it."""
+
     name: str
     max_model_len: int
     tokenizer: Any
+    client: EngineClient
     card: ModelCard = field(init=False)
     _tokenizer_thread: ThreadPoolExecutor = field(init=False, repr=False)
 
@@ -54,19 +59,11 @@ class ServedModel:
             self._tokenizer_thread, partial(work, *args))
 
     @classmethod
-    def from_client(cls, client: EngineCoreClient) -> ServedModel:
-        facts = client.facts
-        return cls(facts.model_name, facts.limits.max_model_len, client.tokenizer)
-
-    def models(self) -> ModelList:
-        return ModelList(data=[self.card])
-
-    def check_name(self, requested: str | None) -> None:
-        """A request may leave ``model`` out; naming another model is a 404 as in OpenAI."""
-        if requested is not None and requested != self.name:
-            raise APIError(HTTPStatus.NOT_FOUND, f"the model {requested!r} does not exist; "
-                           f"this server serves {self.name!r}", param="model",
-                           code="model_not_found")
+    def of(cls, engine: EngineCoreClient, metrics: ServerMetrics) -> ServedModel:
+        """The model a started engine core serves."""
+        facts = engine.facts
+        return cls(facts.model_name, facts.limits.max_model_len, engine.tokenizer,
+                   EngineClient(engine, metrics.of(facts.model_name)))
 
     def check_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None,
                          param: str = "max_tokens") -> None:
@@ -95,12 +92,66 @@ class ServedModel:
         return self.tokenizer.decode(token_ids)
 
 
+class Route(NamedTuple):
+    """Where a request's ``model`` leads: the name its responses carry, and the served model
+    (tokenizer, limits, engine core) that runs it. A LoRA adapter is meant to be one more kind
+    of route: its own name, its base model, and the adapter for the engine request."""
+
+    name: str
+    model: ServedModel
+
+
+class ServingModels:
+    """Every model the server serves, each known by a name of its own, in the order given;
+    vLLM's ``OpenAIServingModels``. A request that names no model goes to the first, and one
+    that names a model not served is a 404, as in OpenAI."""
+
+    def __init__(self, models: Sequence[ServedModel]) -> None:
+        self._by_name: dict[str, ServedModel] = {}
+        for model in models:
+            if model.name in self._by_name:
+                raise ConfigError(f"two models are served as {model.name!r}; give each its own "
+                                  "served_model_name")
+            self._by_name[model.name] = model
+        self._first = models[0]
+
+    def __iter__(self) -> Iterator[ServedModel]:
+        return iter(self._by_name.values())
+
+    def resolve(self, requested: str | None) -> Route:
+        model = self._first if requested is None else self._by_name.get(requested)
+        if model is None:
+            raise APIError(HTTPStatus.NOT_FOUND, f"the model {requested!r} does not exist; "
+                           f"this server serves {self._names(self)}", param="model",
+                           code="model_not_found")
+        return Route(model.name, model)
+
+    def models(self) -> ModelList:
+        return ModelList(data=[m.card for m in self])
+
+    def unhealthy(self, requested: str | None = None) -> str | None:
+        """Why the model named (with none: some model) cannot serve; None if it (each) can.
+        A dead engine core stays dead, and fails only its own model's requests."""
+        models = list(self) if requested is None else [self.resolve(requested).model]
+        down = [m for m in models if not m.client.engine.is_running]
+        if not down:
+            return None
+        why = "; ".join(m.client.engine.dead_reason for m in down)
+        up = [m for m in self if m.client.engine.is_running]
+        return f"the engine is not running: {why}" + \
+            (f" (serving {self._names(up)})" if up and requested is None else "")
+
+    @staticmethod
+    def _names(models) -> str:
+        return ", ".join(repr(m.name) for m in models)
+
+
 @dataclass
 class EngineClient:
-    """Submits requests to the engine core and maps its failures to API errors."""
+    """Submits requests to one model's engine core and maps its failures to API errors."""
 
     engine: EngineCoreClient
-    metrics: ServerMetrics
+    metrics: ModelMetrics
 
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
                arrival: float, field_name: Callable[[str], str]) -> TimedStream:

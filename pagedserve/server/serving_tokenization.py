@@ -18,42 +18,43 @@ from pagedserve.server.protocol import (
     TokenizeResponse,
 )
 from pagedserve.server.serving_chat import render_chat
-from pagedserve.server.serving_models import ServedModel
+from pagedserve.server.serving_models import ServedModel, ServingModels
 
 
 @dataclass
 class TokenizationServing:
-    model: ServedModel
+    models: ServingModels
 
     async def tokenize(self, body: dict) -> Response:
         request = _tokenize_request(body)
-        self.model.check_name(request.model)
-        return await self.model.off_loop(self._tokenize, request)
+        model = self.models.resolve(request.model).model
+        return await model.off_loop(_tokenize, model, request)
 
     async def detokenize(self, request: DetokenizeRequest) -> Response:
-        self.model.check_name(request.model)
-        return await self.model.off_loop(self._detokenize, request)
+        model = self.models.resolve(request.model).model
+        return await model.off_loop(_detokenize, model, request)
 
-    def _tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
-        if isinstance(request, TokenizeChatRequest):
-            tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
-            text = render_chat(self.model, request.messages, tools,
-                               request.add_generation_prompt)
-        else:
-            text = request.prompt
-        tokens = self.model.encode(text, add_special_tokens=request.add_special_tokens)
-        strs = self.model.tokenizer.convert_ids_to_tokens(tokens) \
-            if request.return_token_strs else None
-        return _json(TokenizeResponse(count=len(tokens), max_model_len=self.model.max_model_len,
-                                      tokens=tokens, token_strs=strs))
 
-    def _detokenize(self, request: DetokenizeRequest) -> Response:
-        vocab = len(self.model.tokenizer)
-        bad = [t for t in request.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
-                              param="tokens")
-        return _json(DetokenizeResponse(prompt=self.model.decode(request.tokens)))
+def _tokenize(model: ServedModel,
+              request: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
+    if isinstance(request, TokenizeChatRequest):
+        tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
+        text = render_chat(model, request.messages, tools, request.add_generation_prompt)
+    else:
+        text = request.prompt
+    tokens = model.encode(text, add_special_tokens=request.add_special_tokens)
+    strs = model.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+    return _json(TokenizeResponse(count=len(tokens), max_model_len=model.max_model_len,
+                                  tokens=tokens, token_strs=strs))
+
+
+def _detokenize(model: ServedModel, request: DetokenizeRequest) -> Response:
+    vocab = len(model.tokenizer)
+    bad = [t for t in request.tokens if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                          param="tokens")
+    return _json(DetokenizeResponse(prompt=model.decode(request.tokens)))
 
 
 def _tokenize_request(body: dict) -> TokenizeCompletionRequest | TokenizeChatRequest:

@@ -79,16 +79,21 @@ class Server:
         headers = {**self.headers, **kwargs.pop("headers", {})}
         return httpx.post(self.url + path, headers=headers, **kwargs)
 
-    def metrics(self) -> dict[str, float]:
-        """Unlabelled samples and request_finished_total by reason, e.g.
+    def metrics(self, model: str | None = None) -> dict[str, float]:
+        """One model's samples (``model``: its name; None: a server of one model), by name,
+        and request_finished_total by reason, e.g.
         ``{"num_requests_running": 0.0, "request_finished_total{abort}": 2.0}``."""
         text = httpx.get(f"{self.url}/metrics", timeout=HTTP_TIMEOUT_S).text
-        values = {name: float(v) for name, v in re.findall(
-            r"^pagedserve:(\w+) (\S+)$", text, re.M)}
-        for reason, v in re.findall(
-                r'^pagedserve:request_finished_total\{finished_reason="(\w+)"\} (\S+)$', text,
-                re.M):
-            values[f"request_finished_total{{{reason}}}"] = float(v)
+        values = {}
+        for name, labels, v in re.findall(r"^pagedserve:(\w+)\{(.*)\} (\S+)$", text, re.M):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            if model is not None and labels.pop("model_name") != model:
+                continue
+            labels.pop("model_name", None)
+            if labels == {}:
+                values[name] = float(v)
+            elif set(labels) == {"finished_reason"}:
+                values[f"{name}{{{labels['finished_reason']}}}"] = float(v)
         return values
 
     def connect(self, timeout: float = HTTP_TIMEOUT_S) -> socket.socket:
@@ -97,14 +102,24 @@ class Server:
         return socket.create_connection((url.hostname, url.port), timeout=timeout)
 
     def core_pid(self) -> int:
-        """The engine-core child of the server (not multiprocessing's helper processes)."""
+        """The engine-core child of a server of one model."""
+        (pid,) = self.core_pids()
+        return pid
+
+    def core_pids(self) -> list[int]:
+        """The engine-core children of the server (not multiprocessing's helper processes),
+        oldest first: in the order of the models, which start one after another."""
         pid = self.process.pid
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        cores = []
         for child in map(int, children):
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
             if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-                return child
-        raise AssertionError(f"no engine-core child among {children}")
+                cores.append(child)
+        assert cores, f"no engine-core child among {children}"
+        # Field 22 of /proc/PID/stat, counted after the ")" that ends the command's name.
+        return sorted(cores, key=lambda c: int(
+            Path(f"/proc/{c}/stat").read_text().rpartition(")")[2].split()[19]))
 
     @contextmanager
     def core_paused(self) -> Iterator[None]:
@@ -164,11 +179,13 @@ def _free_port() -> int:
 
 
 @contextmanager
-def launch_server(model: Path | str, log_dir: Path, *extra: str, api_key: str | None = None,
+def launch_server(model: Path | str | None, log_dir: Path, *extra: str,
+                  api_key: str | None = None,
                   env: dict[str, str] | None = None) -> Iterator[Server]:
+    """``model`` None: ``extra`` names the models (``--model`` repeated, ``--models-config``)."""
     port = _free_port()
     log = log_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", str(model),
+    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", *([str(model)] if model else []),
            "--port", str(port), "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
            "--kv-cache-memory-bytes", str(KV_BYTES), "--log-level", "warning", *extra]
     if api_key:
@@ -205,16 +222,25 @@ def _wait_healthy(server: Server) -> None:
     pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log.read_text()}")
 
 
-@pytest.fixture(scope="session")
-def chat_model(tmp_path_factory) -> Path:
+def _write_chat_model(folder: Path, arch: str, **overrides) -> Path:
     from transformers import AutoTokenizer
 
-    folder = write_tiny_model(tmp_path_factory.mktemp("tiny-chat") / "model", "llama3",
-                              max_position_embeddings=MAX_MODEL_LEN)
+    write_tiny_model(folder, arch, max_position_embeddings=MAX_MODEL_LEN, **overrides)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory) -> Path:
+    return _write_chat_model(tmp_path_factory.mktemp("tiny-chat") / "model", "llama3")
+
+
+@pytest.fixture(scope="session")
+def qwen_model(tmp_path_factory) -> Path:
+    """A second model, of another architecture and other weights, served as "qwen"."""
+    return _write_chat_model(tmp_path_factory.mktemp("tiny-qwen") / "qwen", "qwen2", seed=1)
 
 
 @pytest.fixture(scope="session")

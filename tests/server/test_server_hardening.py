@@ -110,7 +110,7 @@ def test_health_answers_while_a_request_is_being_tokenized(path, body, status):
     engine = SimpleNamespace(
         facts=SimpleNamespace(model_name="model", limits=SimpleNamespace(max_model_len=64)),
         tokenizer=tokenizer, is_running=True, stats=None, add_requests=_refuse)
-    app = create_app(engine)
+    app = create_app([engine])
 
     async def scenario():
         transport = httpx.ASGITransport(app=app)

@@ -93,12 +93,13 @@ def test_client_leaving_a_plain_request_it_is_waiting_for_aborts_it(served):
 def test_metrics_exposes_engine_state_and_latencies(server):
     server.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
     text = httpx.get(f"{server.url}/metrics").text
+    served_name = server.client().models.list().data[0].id  # every sample is labelled by it
     for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped",
                  "kv_cache_usage_perc", "kv_cache_blocks_used", "kv_cache_blocks_free",
                  "prefix_cache_hit_rate", "num_preemptions_total", "prompt_tokens_total",
                  "generation_tokens_total", "time_to_first_token_seconds_count",
                  "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count"):
-        assert f"pagedserve:{name} " in text, name
+        assert f'pagedserve:{name}{{model_name="{served_name}"}} ' in text, name
     values = server.metrics()
     assert values["e2e_request_latency_seconds_count"] >= 1
     assert values["generation_tokens_total"] >= 3
