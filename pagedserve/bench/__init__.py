@@ -18,6 +18,8 @@ BENCHMARKS = {
                   "an all-free batch; grammar compile time cold and cached",
     "long-prefill": "TTFT of a short request arriving during a long prefill, concurrent "
                     "partial prefills off and on",
+    "speculative": "output tok/s with speculative decoding against without (batch-1 copy "
+                   "prompts, or the throughput workload)",
 }
 
 

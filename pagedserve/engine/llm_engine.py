@@ -352,7 +352,16 @@ class LLMEngine:
             num_swapped=len(self.scheduler.swapped),
             blocks_shared=pool.num_shared,
             process_cpu_s=time.process_time(),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.speculation is None:
+            return {}
+        c = self.speculation.counters
+        return {"spec_num_drafts": c.num_drafts, "spec_num_draft_tokens": c.num_draft_tokens,
+                "spec_num_accepted_tokens": c.num_accepted_tokens,
+                "spec_accepted_per_position": tuple(c.accepted_per_position)}
 
 
 def _samples_with_grammar(out: SchedulerOutput) -> bool:

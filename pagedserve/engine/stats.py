@@ -23,6 +23,11 @@ class EngineStats:
     num_swapped: int = 0  # requests whose KV blocks sit in the host swap pool
     blocks_shared: int = 0  # device blocks held by more than one sequence
     process_cpu_s: float = 0.0  # CPU time of the engine's process (the core's, under serve)
+    # Speculative decoding (``engine/speculation.SpecDecodeCounters``); empty without it.
+    spec_num_drafts: int = 0  # verify rows that carried drafts
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()  # rows that accepted draft j, per j
 
     @property
     def prefix_hit_rate(self) -> float:

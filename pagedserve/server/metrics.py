@@ -47,7 +47,18 @@ class _EngineCollector(Collector):
                 if family is None:
                     family = families[name] = kind(PREFIX + name, doc, labels=[MODEL_LABEL])
                 family.add_metric([model], value)
+            for position, value in enumerate(s.spec_accepted_per_position):
+                family = families.get(_PER_POSITION)
+                if family is None:
+                    family = families[_PER_POSITION] = CounterMetricFamily(
+                        PREFIX + _PER_POSITION, "Verify steps that accepted the draft at each "
+                        "position (0: the first draft)", labels=[MODEL_LABEL, "position"])
+                family.add_metric([model, str(position)], value)
         yield from families.values()
+
+
+# vLLM's names for speculative decoding's counters.
+_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
 
 
 def _samples(s: EngineStats) -> Iterator[tuple[type, str, str, float]]:
@@ -79,6 +90,14 @@ def _samples(s: EngineStats) -> Iterator[tuple[type, str, str, float]]:
         ("engine_core_cpu_seconds", "CPU time of the engine-core process",
          s.process_cpu_s),
     ]
+    if s.spec_accepted_per_position:  # speculative decoding is on
+        counters += [
+            ("spec_decode_num_drafts", "Verify steps of a sequence that carried drafts",
+             s.spec_num_drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified", s.spec_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted",
+             s.spec_num_accepted_tokens),
+        ]
     for name, doc, value in counters:
         yield CounterMetricFamily, name, doc, value
 

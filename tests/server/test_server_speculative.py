@@ -1,0 +1,55 @@
+"""The server with n-gram speculative decoding on the default model, the openai SDK as the
+client: a copy-heavy chat's greedy text equals the offline engine's without speculation,
+streamed or not, and /metrics counts the drafts under vLLM's names."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from tests.server.conftest import HTTP_TIMEOUT_S, engine_kwargs, launch_server
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+KV_BYTES = 64 << 20  # the default model's KV takes more room than the tiny models'
+PROMPT = ("Copy this code without changes:\ndef add(a, b):\n    return a + b\n\n"
+          "def mul(a, b):\n    return a * b\n")
+
+
+@pytest.fixture(scope="module")
+def spec_server(default_model_folder, tmp_path_factory):
+    with launch_server(default_model_folder, tmp_path_factory.mktemp("spec"),
+                       "--speculative-config", json.dumps(SPEC),
+                       "--kv-cache-memory-bytes", str(KV_BYTES)) as server:
+        yield server
+
+
+def test_speculative_chat_equals_the_plain_engine_and_counts_its_drafts(default_model_folder,
+                                                                        spec_server):
+    messages = [{"role": "user", "content": PROMPT}]
+    plain = LLM(model=str(default_model_folder),
+                **{**engine_kwargs(), "kv_cache_memory_bytes": KV_BYTES})
+    expected = plain.chat([messages], SamplingParams(max_tokens=40, temperature=0.0),
+                          use_tqdm=False)[0].outputs[0].text
+    plain.shutdown()
+    client = spec_server.client()
+    reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
+                                           max_tokens=40, temperature=0)
+    assert reply.choices[0].message.content == expected
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=40, temperature=0,
+            stream=True) if chunk.choices)
+    assert streamed == expected
+    metrics = spec_server.metrics()
+    drafts = metrics["spec_decode_num_draft_tokens_total"]
+    accepted = metrics["spec_decode_num_accepted_tokens_total"]
+    assert metrics["spec_decode_num_drafts_total"] > 0 and 0 < accepted <= drafts
+    text = httpx.get(f"{spec_server.url}/metrics", timeout=HTTP_TIMEOUT_S).text
+    first = re.search(r'^pagedserve:spec_decode_num_accepted_tokens_per_pos_total\{'
+                      r'model_name="SmolLM2-135M-Instruct",position="0"\} (\S+)$', text, re.M)
+    assert first is not None and 0 < float(first.group(1)) <= accepted
