@@ -14,8 +14,10 @@ from pagedserve.core.scheduler import ScheduledSequence
 from pagedserve.core.sequence import Sequence
 
 
-def check_pool(pool: BlockPool | None, tables: dict[Sequence, list[int]]) -> None:
-    """Ref counts equal table references; a block is free exactly when nobody holds it."""
+def check_pool(pool: BlockPool | None, tables: dict[Sequence, list[int]],
+               other_holds: list[int] = ()) -> None:
+    """Ref counts equal table references plus ``other_holds`` (one entry per hold: queued
+    copies, the host tier, disk reads); a block is free exactly when nobody holds it."""
     if pool is None:
         assert not any(tables.values())
         return
@@ -23,6 +25,8 @@ def check_pool(pool: BlockPool | None, tables: dict[Sequence, list[int]]) -> Non
     for table in tables.values():
         for block in table:
             holders[block] += 1
+    for block in other_holds:
+        holders[block] += 1
     free = set(pool._free)
     for block in range(pool.num_blocks):
         assert pool.ref_counts[block] == holders[block] >= 0, f"block {block} count drifted"
@@ -30,14 +34,33 @@ def check_pool(pool: BlockPool | None, tables: dict[Sequence, list[int]]) -> Non
     assert pool.num_shared == sum(1 for h in holders if h > 1)
 
 
+def _tier_holds(kv: KVCacheManager) -> list[int]:
+    """The host tier's hold on each block it indexes, and each disk read's."""
+    if kv.offload is None:
+        return []
+    tier = kv.offload.host
+    return list(tier.blocks()) + [tier.block_of(h) for h in tier.loading]
+
+
 def check_pools(kv: KVCacheManager) -> None:
-    check_pool(kv.pool, kv.tables)
-    check_pool(kv.host_pool, kv.host_tables)
+    pinned = {id(kv.pool): [], id(kv.host_pool): []}
+    for pool, block in kv._pinned:
+        pinned[id(pool)].append(block)
+    check_pool(kv.pool, kv.tables, pinned[id(kv.pool)])
+    check_pool(kv.host_pool, kv.host_tables, pinned[id(kv.host_pool)] + _tier_holds(kv))
+    if kv.offload is not None:
+        assert len(kv.offload.host) <= kv.offload.host.num_blocks, "host tier over budget"
+        disk = kv.offload.disk
+        assert disk is None or len(disk) <= disk.num_blocks, "disk tier over budget"
 
 
 def assert_pools_full(kv: KVCacheManager) -> None:
+    """Every block is back: free, or (host) held by the host tier alone."""
+    assert not kv._pinned
     assert kv.pool.num_free == kv.pool.num_blocks
-    assert kv.host_pool is None or kv.host_pool.num_free == kv.host_pool.num_blocks
+    if kv.host_pool is not None:
+        tier = len(kv.offload.host) if kv.offload is not None else 0
+        assert kv.host_pool.num_free + tier == kv.host_pool.num_blocks
 
 
 class SimulatedCache:
