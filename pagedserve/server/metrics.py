@@ -66,6 +66,36 @@ class _EngineCollector(Collector):
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        yield from _offload_metrics(s)
+
+
+def _offload_metrics(s: EngineStats) -> Iterator[Metric]:
+    """The prefix cache by tier, and the KV offloading tiers' traffic."""
+    rate = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate_by_tier", "Share of queried "
+                             "prompt tokens served by each tier since start", labels=["tier"])
+    for tier in ("device", "host", "disk"):
+        rate.add_metric([tier], s.prefix_hit_rate_of(tier))
+    yield rate
+    hits = CounterMetricFamily(PREFIX + "kv_offload_hits", "Prefix blocks found in an "
+                               "offloading tier after the tiers above missed", labels=["tier"])
+    misses = CounterMetricFamily(PREFIX + "kv_offload_misses", "Prefix lookups an offloading "
+                                 "tier missed (disk: bad files too)", labels=["tier"])
+    for tier, hit, miss in (("host", s.offload_host_hits, s.offload_host_misses),
+                            ("disk", s.offload_disk_hits, s.offload_disk_misses)):
+        hits.add_metric([tier], hit)
+        misses.add_metric([tier], miss)
+    yield hits
+    yield misses
+    moved = CounterMetricFamily(PREFIX + "kv_offload_bytes", "KV bytes moved between the "
+                                "tiers (swap included)", labels=["direction"])
+    for direction, value in (("to_host", s.offload_bytes_to_host),
+                             ("to_device", s.offload_bytes_to_device),
+                             ("to_disk", s.offload_bytes_to_disk),
+                             ("from_disk", s.offload_bytes_from_disk)):
+        moved.add_metric([direction], value)
+    yield moved
+    yield CounterMetricFamily(PREFIX + "kv_offload_copy_seconds", "Host time spent queuing and "
+                              "waiting on KV block moves", value=s.offload_copy_s)
 
 
 class ServerMetrics:
