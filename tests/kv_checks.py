@@ -1,9 +1,10 @@
 """Checks shared by the KV-sharing tests: pool bookkeeping, and a model-free KV cache.
 
 ``SimulatedCache`` stores token ids where the real cache stores keys and values, and applies a
-step's ``BlockOps`` in the runner's order (swap-outs, swap-ins, copies). A stream whose context
-slots hold exactly its own tokens would attend over the right keys, so reading them back
-checks forks, copy-on-write, swaps and the prefix cache end to end.
+step's ``BlockOps`` in the runner's order (disk writes, device to host, disk reads, host to
+device, copies); its disk is a dict of block files, read back when the test says. A stream
+whose context slots hold exactly its own tokens would attend over the right keys, so reading
+them back checks forks, copy-on-write, swaps, the prefix cache and its tiers end to end.
 """
 
 from __future__ import annotations
@@ -70,16 +71,35 @@ class SimulatedCache:
         self.device = [[None] * bs for _ in range(kv.pool.num_blocks)]
         num_host = kv.host_pool.num_blocks if kv.host_pool else 0
         self.host = [[None] * bs for _ in range(num_host)]
+        self.disk: dict[bytes, list] = {}
+        self.reads: list[tuple[bytes, int, list | None]] = []  # under way: what they will read
 
     def apply(self, ops: BlockOps) -> None:
-        for device, host in ops.swap_out:
+        for host, block_hash in ops.disk.spill:
+            self.disk[block_hash] = list(self.host[host])
+        for device, host in ops.swap_out + ops.offload:
             self.host[host] = list(self.device[device])
-        for host, device in ops.swap_in:
+        for block_hash, host in ops.disk.read:
+            self.reads.append((block_hash, host, self.disk.get(block_hash)))
+        for block_hash in ops.disk.delete:
+            del self.disk[block_hash]
+        for host, device in ops.swap_in + ops.load:
             self.device[device] = list(self.host[host])
         # One gather, then one scatter, like the batched tensor copy.
         rows = [list(self.device[src]) for src, _ in ops.copies]
         for (_, dst), row in zip(ops.copies, rows):
             self.device[dst] = row
+
+    def finish_reads(self, corrupt: bool = False) -> list[tuple[bytes, bool]]:
+        """Land the disk reads under way, or with ``corrupt`` fail them all (bad files)."""
+        results = []
+        for block_hash, host, data in self.reads:
+            ok = data is not None and not corrupt
+            if ok:
+                self.host[host] = list(data)
+            results.append((block_hash, ok))
+        self.reads = []
+        return results
 
     def write(self, seq: Sequence, table: list[int], start: int, num: int) -> None:
         bs = self.kv.block_size
