@@ -351,8 +351,11 @@ class KVCacheManager:
 
     # ---- offloading tiers ---------------------------------------------------------------
     def _offload_evicted(self) -> None:
-        """Copy each hashed block the device pool handed out this step to the host tier."""
-        for block, block_hash in self.pool.evictions:
+        """Copy each hashed block the device pool handed out this step to the host tier.
+        Streams release their blocks tail first, so the pool evicts a prefix's tail first:
+        taken in reverse, the blocks nearer a prefix's start (which every later lookup of it
+        needs, a lookup stopping at its first miss) get the host's room first."""
+        for block, block_hash in reversed(self.pool.evictions):
             host_block = self.offload.offload(block_hash)
             if host_block is not None:
                 self._ops.offload.append((block, host_block))
@@ -365,7 +368,7 @@ class KVCacheManager:
         if self.offload is None or self.offload.disk is None:
             return False
         prefix = self.lookup_prefix(seq)
-        return self.offload.fetch_from_disk(prefix.past_device[len(prefix.host):])
+        return self.offload.fetch_from_disk(prefix.past_device[len(prefix.host):], prefix.host)
 
     def finish_disk_reads(self, results: Collection[tuple[BlockHash, bool]]) -> None:
         if results:

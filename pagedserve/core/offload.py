@@ -110,11 +110,21 @@ class OffloadTiers:
         self.disk_ops.spill.append((host_block, block_hash))
         self.stats.blocks_to_disk += 1
 
-    def fetch_from_disk(self, hashes: list[BlockHash]) -> bool:
+    def fetch_from_disk(self, hashes: list[BlockHash], host_hits: list[int]) -> bool:
         """Start reading the disk blocks among ``hashes`` (the prefix blocks past the device
-        and host hits), up to the first the disk does not hold; True while any is loading."""
+        and the ``host_hits``), up to the first the disk does not hold or the host has no
+        room for; True while any is loading. The request's own host hits are held meanwhile,
+        so that its reads never evict them (and it never waits for blocks it pushed out)."""
         if self.disk is None:
             return False
+        for block in host_hits:
+            self.host_pool.share(block)
+        loading = self._start_reads(hashes)
+        for block in host_hits:
+            self.host_pool.release(block)
+        return loading
+
+    def _start_reads(self, hashes: list[BlockHash]) -> bool:
         loading = False
         for block_hash in hashes:
             if block_hash in self.host.loading:

@@ -5,10 +5,12 @@ every stream reads exactly its own tokens, loaded blocks included)."""
 
 import itertools
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from pagedserve.core.block_hash import hash_full_blocks
 from pagedserve.core.block_pool import BlockPool
 from pagedserve.core.host_tier import DiskIndex, HostTier
 from pagedserve.core.kv_cache_manager import KVCacheManager
@@ -211,3 +213,34 @@ def test_a_workload_that_left_the_device_hits_host_and_disk():
     stats = kv.offload.stats
     assert stats.host_hits > 0 and stats.disk_hits > 0 and stats.blocks_from_disk > 0
     assert_pools_full(kv)
+
+
+@pytest.mark.parametrize("tier_blocks, from_disk", [(2, 0), (4, 2)])
+def test_a_prefix_longer_than_the_host_tier_comes_back_partly_and_never_waits_forever(
+        tier_blocks, from_disk):
+    """Two prefix blocks in the host tier, three more on disk: reads never evict the request's
+    own host hits, so it starts with what fits (and computes the rest) instead of loading
+    and evicting its prefix in turn forever."""
+    tokens = list(range(1, 22))  # five full blocks
+    hashes = hash_full_blocks(tokens[:-1], BLOCK)
+    kv = KVCacheManager(8, BLOCK, num_offload_blocks=tier_blocks, num_disk_blocks=20,
+                        disk_hashes=hashes[2:])
+    cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=128,
+                          enable_chunked_prefill=True, preemption_mode="recompute",
+                          watermark=0.0)
+    sim = _Sim(Scheduler(cfg, kv))
+    for i, block_hash in enumerate(hashes):
+        content = tokens[i * BLOCK:(i + 1) * BLOCK]
+        if i < 2:
+            sim.cache.host[kv.offload.host.insert(block_hash, [])] = content
+        else:
+            sim.cache.disk[block_hash] = content
+    sim.add(SequenceGroup("r", [_req("r", tokens, 2)]))
+    for _ in range(20):
+        kv.finish_disk_reads(sim.cache.finish_reads())
+        if not sim.sched.has_unfinished:
+            break
+        sim.step()
+    assert not sim.sched.has_unfinished, "the request never started"
+    stats = kv.offload.stats
+    assert stats.host_hits == 2 + from_disk and stats.blocks_from_disk == from_disk
