@@ -18,6 +18,8 @@ BENCHMARKS = {
                   "an all-free batch; grammar compile time cold and cached",
     "long-prefill": "TTFT of a short request arriving during a long prefill, concurrent "
                     "partial prefills off and on",
+    "kv-offload": "TTFT of multi-turn conversations whose prefixes left the device pool, "
+                  "without and with the host offloading tier",
 }
 
 
