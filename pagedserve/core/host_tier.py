@@ -11,8 +11,9 @@ When a block reaches the host: on eviction from the device pool (write-on-evicti
     committed block once whether or not it is ever evicted, and churns the host tier's LRU
     with blocks the device still holds. Write-on-eviction copies exactly the blocks that
     leave the device, each once: on the multi-turn CPU bench (``pagedserve bench
-    kv-offload``) write-through would have copied ``committed_blocks`` blocks where this copies
-    ``offloaded_blocks`` (both in its JSON). Its cost is that the copy of an evicted block
+    kv-offload``, ``benchmarks/results/issue29/kv_offload_cpu.json``) it copied 118 blocks
+    where write-through would have copied all 324 committed ones (``offloaded_blocks``,
+    ``write_through_blocks``), for the same hits. Its cost is that the copy of an evicted block
     sits in the step that reuses the block, before that step's forward pass; on GPUs it runs
     on the copy stream, and the forward pass waits only for that stream, not the device.
 
