@@ -87,6 +87,17 @@ class EngineConfig:
              "last one down, each copied into one of two device staging buffers ahead of its "
              "turn, so a model larger than the device serves (graphs are not captured; the "
              "device saves N GiB minus the two layers of staging)")
+    kv_offloading_size: float = option(
+        0.0, "GiB of host memory for the KV offloading tier: prefix-cache blocks evicted from "
+             "the device pool are kept there and loaded back when a prompt starts with them "
+             "again, instead of being recomputed (0: off; needs prefix caching)")
+    kv_offloading_disk: str | None = option(
+        None, "folder for the offloading tier's disk level: blocks evicted from the host tier "
+              "are written there, a checksummed file each, in a sub-folder per model "
+              "identity, so a restarted engine of the same model starts warm (needs "
+              "--kv-offloading-size and --kv-offloading-disk-size; one rank only)")
+    kv_offloading_disk_size: float = option(
+        0.0, "GiB of block files in --kv-offloading-disk, at most")
     quantization: str = option(
         "auto", "auto: as the checkpoint is stored (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay "
                 "quantized); none: dequantize at load; fp8: quantize a float checkpoint's "
@@ -172,6 +183,7 @@ class EngineConfig:
             raise ConfigError("--swap-space must be non-negative")
         if not self.cpu_offload_gb >= 0:
             raise ConfigError(f"--cpu-offload-gb must be non-negative, got {self.cpu_offload_gb}")
+        self._check_offloading()
         if self.tensor_parallel_size < 1:
             raise ConfigError("--tensor-parallel-size must be at least 1")
         if self.grammar_compile_workers < 1:
@@ -223,6 +235,21 @@ class EngineConfig:
                                   "--speculative-config")
             return False
         return platform.runs_ahead if self.async_scheduling is None else self.async_scheduling
+    def _check_offloading(self) -> None:
+        if self.kv_offloading_size < 0:
+            raise ConfigError("--kv-offloading-size must be non-negative")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ConfigError("--kv-offloading-size needs --enable-prefix-caching")
+        if self.kv_offloading_disk_size < 0:
+            raise ConfigError("--kv-offloading-disk-size must be non-negative")
+        if self.kv_offloading_disk is None:
+            return
+        if not self.kv_offloading_size or not self.kv_offloading_disk_size:
+            raise ConfigError("--kv-offloading-disk needs --kv-offloading-size and "
+                              "--kv-offloading-disk-size above 0")
+        if self.tensor_parallel_size > 1:
+            raise ConfigError("--kv-offloading-disk works with one rank only, not "
+                              f"--tensor-parallel-size {self.tensor_parallel_size}")
 
     def _check_partial_prefills(self) -> None:
         if self.max_num_partial_prefills < 1:

@@ -1,9 +1,10 @@
 """Checks shared by the KV-sharing tests: pool bookkeeping, and a model-free KV cache.
 
 ``SimulatedCache`` stores token ids where the real cache stores keys and values, and applies a
-step's ``BlockOps`` in the runner's order (swap-outs, swap-ins, copies). A stream whose context
-slots hold exactly its own tokens would attend over the right keys, so reading them back
-checks forks, copy-on-write, swaps and the prefix cache end to end.
+step's ``BlockOps`` in the runner's order (disk writes, device to host, disk reads, host to
+device, copies); its disk is a dict of block files, read back when the test says. A stream
+whose context slots hold exactly its own tokens would attend over the right keys, so reading
+them back checks forks, copy-on-write, swaps, the prefix cache and its tiers end to end.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from pagedserve.core.scheduler import ScheduledSequence
 from pagedserve.core.sequence import Sequence
 
 
-def check_pool(pool: BlockPool | None, tables: dict[Sequence, list[int]]) -> None:
-    """Ref counts equal table references; a block is free exactly when nobody holds it."""
+def check_pool(pool: BlockPool | None, tables: dict[Sequence, list[int]],
+               other_holds: list[int] = ()) -> None:
+    """Ref counts equal table references plus ``other_holds`` (one entry per hold: queued
+    copies, the host tier, disk reads); a block is free exactly when nobody holds it."""
     if pool is None:
         assert not any(tables.values())
         return
@@ -23,6 +26,8 @@ def check_pool(pool: BlockPool | None, tables: dict[Sequence, list[int]]) -> Non
     for table in tables.values():
         for block in table:
             holders[block] += 1
+    for block in other_holds:
+        holders[block] += 1
     free = set(pool._free)
     for block in range(pool.num_blocks):
         assert pool.ref_counts[block] == holders[block] >= 0, f"block {block} count drifted"
@@ -30,14 +35,33 @@ def check_pool(pool: BlockPool | None, tables: dict[Sequence, list[int]]) -> Non
     assert pool.num_shared == sum(1 for h in holders if h > 1)
 
 
+def _tier_holds(kv: KVCacheManager) -> list[int]:
+    """The host tier's hold on each block it indexes, and each disk read's."""
+    if kv.offload is None:
+        return []
+    tier = kv.offload.host
+    return list(tier.blocks()) + [tier.block_of(h) for h in tier.loading]
+
+
 def check_pools(kv: KVCacheManager) -> None:
-    check_pool(kv.pool, kv.tables)
-    check_pool(kv.host_pool, kv.host_tables)
+    pinned = {id(kv.pool): [], id(kv.host_pool): []}
+    for pool, block in kv._pinned:
+        pinned[id(pool)].append(block)
+    check_pool(kv.pool, kv.tables, pinned[id(kv.pool)])
+    check_pool(kv.host_pool, kv.host_tables, pinned[id(kv.host_pool)] + _tier_holds(kv))
+    if kv.offload is not None:
+        assert len(kv.offload.host) <= kv.offload.host.num_blocks, "host tier over budget"
+        disk = kv.offload.disk
+        assert disk is None or len(disk) <= disk.num_blocks, "disk tier over budget"
 
 
 def assert_pools_full(kv: KVCacheManager) -> None:
+    """Every block is back: free, or (host) held by the host tier alone."""
+    assert not kv._pinned
     assert kv.pool.num_free == kv.pool.num_blocks
-    assert kv.host_pool is None or kv.host_pool.num_free == kv.host_pool.num_blocks
+    if kv.host_pool is not None:
+        tier = len(kv.offload.host) if kv.offload is not None else 0
+        assert kv.host_pool.num_free + tier == kv.host_pool.num_blocks
 
 
 class SimulatedCache:
@@ -47,16 +71,35 @@ class SimulatedCache:
         self.device = [[None] * bs for _ in range(kv.pool.num_blocks)]
         num_host = kv.host_pool.num_blocks if kv.host_pool else 0
         self.host = [[None] * bs for _ in range(num_host)]
+        self.disk: dict[bytes, list] = {}
+        self.reads: list[tuple[bytes, int, list | None]] = []  # under way: what they will read
 
     def apply(self, ops: BlockOps) -> None:
-        for device, host in ops.swap_out:
+        for host, block_hash in ops.disk.spill:
+            self.disk[block_hash] = list(self.host[host])
+        for device, host in ops.swap_out + ops.offload:
             self.host[host] = list(self.device[device])
-        for host, device in ops.swap_in:
+        for block_hash, host in ops.disk.read:
+            self.reads.append((block_hash, host, self.disk.get(block_hash)))
+        for block_hash in ops.disk.delete:
+            del self.disk[block_hash]
+        for host, device in ops.swap_in + ops.load:
             self.device[device] = list(self.host[host])
         # One gather, then one scatter, like the batched tensor copy.
         rows = [list(self.device[src]) for src, _ in ops.copies]
         for (_, dst), row in zip(ops.copies, rows):
             self.device[dst] = row
+
+    def finish_reads(self, corrupt: bool = False) -> list[tuple[bytes, bool]]:
+        """Land the disk reads under way, or with ``corrupt`` fail them all (bad files)."""
+        results = []
+        for block_hash, host, data in self.reads:
+            ok = data is not None and not corrupt
+            if ok:
+                self.host[host] = list(data)
+            results.append((block_hash, ok))
+        self.reads = []
+        return results
 
     def write(self, seq: Sequence, table: list[int], start: int, num: int) -> None:
         bs = self.kv.block_size

@@ -53,6 +53,12 @@ def test_bad_choice_names_the_flag_and_the_choices(field, flag):
     ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization"),
     ({"kv_cache_memory_bytes": 0}, "--kv-cache-memory-bytes"),
     ({"swap_space": -1.0}, "--swap-space"),
+    ({"kv_offloading_size": -1.0}, "--kv-offloading-size"),
+    ({"kv_offloading_size": 1.0, "enable_prefix_caching": False}, "--kv-offloading-size"),
+    ({"kv_offloading_disk_size": -1.0}, "--kv-offloading-disk-size"),
+    ({"kv_offloading_disk": "/tmp/kv"}, "--kv-offloading-disk"),
+    ({"kv_offloading_disk": "/tmp/kv", "kv_offloading_size": 1.0,
+      "kv_offloading_disk_size": 1.0, "tensor_parallel_size": 2}, "--kv-offloading-disk"),
 ])
 def test_bad_value_names_the_flag(kwargs, flag):
     with pytest.raises(ConfigError, match=f"^{flag} "):

@@ -20,6 +20,8 @@ BENCHMARKS = {
                     "partial prefills off and on",
     "speculative": "output tok/s with speculative decoding against without (batch-1 copy "
                    "prompts, or the throughput workload)",
+    "kv-offload": "TTFT of multi-turn conversations whose prefixes left the device pool, "
+                  "without and with the host offloading tier",
 }
 
 

@@ -35,6 +35,9 @@ class BlockPool:
         self.num_shared = 0
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
+        # (block, hash) of each hashed block ``allocate`` handed out again, while a lower
+        # tier wants to keep its contents (``offload``); None: not recorded.
+        self.evictions: list[tuple[int, bytes]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -53,6 +56,8 @@ class BlockPool:
         if not self._free:
             raise OutOfBlocks("KV cache pool is exhausted")
         block, _ = self._free.popitem(last=False)
+        if self.evictions is not None and block in self._hash_of:
+            self.evictions.append((block, self._hash_of[block]))
         self.forget_hash(block)
         self.ref_counts[block] = 1
         return block

@@ -32,6 +32,19 @@ Swap protocol
     copies. That order is safe because the scheduler never swaps in during a step that
     preempts: a block freed by a swap-out is read before a copy or a new token overwrites it,
     and a block brought back by a swap-in is written before a copy reads it.
+
+Offloading tiers (``core/offload.py``)
+    With a host tier, a prefix lookup walks the device pool, then the host tier
+    (``lookup_prefix``): host hits get fresh device blocks and a (host, device) pair in
+    ``BlockOps.load``, so they land before the step's forward pass computes the stream's first
+    token. A hashed device block the pool hands out again is copied to the host first
+    (``BlockOps.offload``, queued by ``take_block_ops``). Every block a queued copy reads or
+    writes holds one more ref until ``take_block_ops`` has queued the whole step (``_pin``):
+    none is handed out, evicted or spilled within the step, and an abort returns the stream's
+    own refs at once and the copy's with the step. The runner applies the ops as disk writes,
+    device to host (swap-outs with offloads), disk reads, host to device (swap-ins with loads),
+    copies: each block is read before anything later in the step overwrites it, since host
+    blocks a swap-in frees stay pinned through the step.
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.core.block_hash import BlockHash, hash_full_blocks
 from pagedserve.core.block_pool import BlockPool
+from pagedserve.core.offload import DiskOps, OffloadTiers
 from pagedserve.core.sequence import Sequence
 
 BlockPairs = list[tuple[int, int]]
@@ -53,11 +67,29 @@ class BlockOps:
     swap_out: BlockPairs = field(default_factory=list)  # (device block, host block)
     swap_in: BlockPairs = field(default_factory=list)  # (host block, device block)
     copies: BlockPairs = field(default_factory=list)  # (src, dst), both in the device pool
-    num_host_blocks: int = 0  # size of the host swap pool the swap pairs index into
+    num_host_blocks: int = 0  # size of the host pool (swap and tier) the host blocks index
+    offload: BlockPairs = field(default_factory=list)  # (device block, host block)
+    load: BlockPairs = field(default_factory=list)  # (host block, device block)
+    disk: DiskOps = field(default_factory=DiskOps)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.swap_out or self.swap_in or self.copies)
+        return not (self.swap_out or self.swap_in or self.copies or self.offload or self.load
+                    or self.disk)
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """A stream's cached leading blocks: ``device`` blocks, then ``host`` blocks continuing
+    them, loaded to the device before its first computed token. ``past_device``: the prefix
+    hashes the device missed, which the host tier was asked for."""
+
+    device: list[int]
+    host: list[int] = field(default_factory=list)
+    past_device: list[BlockHash] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.device) + len(self.host)
 
 
 @dataclass
@@ -71,18 +103,29 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
+    """``num_host_blocks`` host blocks for swap; ``num_offload_blocks`` more for the host tier
+    (one host pool), whose spills go to a disk tier of ``num_disk_blocks`` files holding
+    ``disk_hashes`` at start."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, num_offload_blocks: int = 0,
+                 num_disk_blocks: int = 0, disk_hashes: Collection[BlockHash] = ()) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks \
-            else None
+        total_host = num_host_blocks + num_offload_blocks
+        self.host_pool = BlockPool(total_host, enable_caching=False) if total_host else None
         self.enable_caching = enable_caching
         self.tables: dict[Sequence, list[int]] = {}
         self.host_tables: dict[Sequence, list[int]] = {}
         self._hashes: dict[Sequence, list[BlockHash]] = {}
-        self._ops = BlockOps(num_host_blocks=num_host_blocks)
+        self._ops = BlockOps(num_host_blocks=total_host)
         self.prefix_stats = PrefixCacheStats()
+        self.offload: OffloadTiers | None = None
+        if num_offload_blocks and enable_caching:
+            self.offload = OffloadTiers(self.host_pool, num_offload_blocks, num_disk_blocks,
+                                        disk_hashes)
+            self.pool.evictions = []
+        self._pinned: list[tuple[BlockPool, int]] = []  # held by this step's copies
 
     @property
     def num_blocks(self) -> int:
@@ -99,8 +142,25 @@ class KVCacheManager:
         left to compute, since the step must produce logits for the next token."""
         if not self.enable_caching:
             return []
+        return self._device_run(self._prefix_hashes(seq))
+
+    def lookup_prefix(self, seq: Sequence) -> CachedPrefix:
+        """``find_cached_prefix`` continued in the host tier, when there is one."""
+        if not self.enable_caching:
+            return CachedPrefix([])
+        hashes = self._prefix_hashes(seq)
+        device = self._device_run(hashes)
+        if self.offload is None:
+            return CachedPrefix(device)
+        past_device = hashes[len(device):]
+        return CachedPrefix(device, self.offload.lookup(past_device), past_device)
+
+    def _prefix_hashes(self, seq: Sequence) -> list[BlockHash]:
+        return hash_full_blocks(seq.all_token_ids[:-1], self.block_size)
+
+    def _device_run(self, hashes: list[BlockHash]) -> list[int]:
         blocks = []
-        for block_hash in hash_full_blocks(seq.all_token_ids[:-1], self.block_size):
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
@@ -108,41 +168,60 @@ class KVCacheManager:
         return blocks
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int,
-                      cached_blocks: Collection[int] = ()) -> int:
+                      cached_blocks: Collection[int] | CachedPrefix = ()) -> int:
         """Free blocks that scheduling ``num_new_tokens`` more tokens takes: fresh blocks,
-        private copies of shared blocks the tokens go into, and cached blocks that must come
-        back out of the free queue."""
+        private copies of shared blocks the tokens go into, cached blocks that must come back
+        out of the free queue, and a device block for each host hit."""
+        prefix = _as_prefix(cached_blocks)
         table = self.tables.get(seq, [])
-        num_tokens = (seq.num_computed_tokens + len(cached_blocks) * self.block_size
+        num_tokens = (seq.num_computed_tokens + len(prefix) * self.block_size
                       + num_new_tokens)
-        fresh = self.blocks_for(num_tokens) - len(table) - len(cached_blocks)
+        fresh = self.blocks_for(num_tokens) - len(table) - len(prefix)
         copies = len(self._shared_write_targets(seq, table, num_new_tokens))
-        revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
-        return fresh + copies + revived
+        revived = sum(1 for b in prefix.device if self.pool.ref_counts[b] == 0)
+        return fresh + copies + revived + len(prefix.host)
 
     def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, cached_blocks: Collection[int] = (),
-        reserve_blocks: int = 0,
+        self, seq: Sequence, num_new_tokens: int,
+        cached_blocks: Collection[int] | CachedPrefix = (), reserve_blocks: int = 0,
     ) -> bool:
         """Reserve room for ``num_new_tokens`` after the sequence's computed (and newly cached)
-        tokens, copying shared blocks they go into. Returns False, changing nothing, if that
-        would leave fewer than ``reserve_blocks`` free."""
+        tokens, copying shared blocks they go into and loading host hits. Returns False,
+        changing nothing, if that would leave fewer than ``reserve_blocks`` free."""
         if not cached_blocks and self._fits_in_last_block(seq, num_new_tokens):
             return True
-        needed = self.blocks_needed(seq, num_new_tokens, cached_blocks)
+        prefix = _as_prefix(cached_blocks)
+        needed = self.blocks_needed(seq, num_new_tokens, prefix)
         if needed + reserve_blocks > self.pool.num_free:
             return False
         table = self.tables.setdefault(seq, [])
         self._copy_on_write(seq, table, num_new_tokens)
-        for block in cached_blocks:
+        for block in prefix.device:
             self.pool.share(block)
             table.append(block)
-        num_tokens = (seq.num_computed_tokens + len(cached_blocks) * self.block_size
+        if prefix.past_device:
+            self._load_host_hits(seq, table, prefix)
+        num_tokens = (seq.num_computed_tokens + len(prefix) * self.block_size
                       + num_new_tokens)
         while len(table) < self.blocks_for(num_tokens):
             table.append(self.pool.allocate())
         self.cache_full_blocks(seq, num_tokens)
         return True
+
+    def _load_host_hits(self, seq: Sequence, table: list[int], prefix: CachedPrefix) -> None:
+        """Give each host hit a device block, to be loaded by the step's ops."""
+        for host_block in prefix.host:
+            block = self.pool.allocate()
+            table.append(block)
+            self._ops.load.append((host_block, block))
+            self._pin(self.host_pool, host_block)
+            self._pin(self.pool, block)
+        if seq.num_preemptions == 0:  # counted where the prefix stats count it
+            self.offload.record_lookup(prefix.past_device, len(prefix.host))
+
+    def _pin(self, pool: BlockPool, block: int) -> None:
+        pool.share(block)
+        self._pinned.append((pool, block))
 
     def _fits_in_last_block(self, seq: Sequence, num_new_tokens: int) -> bool:
         """The common decode case, decided without building lists: the tokens land in a block
@@ -181,12 +260,15 @@ class KVCacheManager:
         if num_full <= len(hashes):
             return
         parent = hashes[-1] if hashes else None
+        num_cached = self.pool.num_cached
         accepted = seq.all_token_ids[:num_full * self.block_size]
         for i, block_hash in enumerate(
             hash_full_blocks(accepted, self.block_size, len(hashes), parent), start=len(hashes)
         ):
             hashes.append(block_hash)
             self.pool.register_hash(table[i], block_hash)
+        if self.offload is not None:
+            self.offload.stats.committed_blocks += self.pool.num_cached - num_cached
 
     def trim(self, seq: Sequence, num_tokens: int) -> list[int]:
         """Take back ``seq``'s slots from ``num_tokens`` on (rejected draft tokens), between
@@ -241,7 +323,10 @@ class KVCacheManager:
             seqs, self.tables, self.pool, self.host_tables, self.host_pool)
 
     def swap_in(self, seqs: Collection[Sequence]) -> None:
-        """Bring the streams' blocks back from the host pool; call ``can_swap_in`` first."""
+        """Bring the streams' blocks back from the host pool; call ``can_swap_in`` first.
+        The host blocks stay pinned through the step, whose offloads must not reuse them."""
+        for block in _distinct_blocks(self.host_tables, seqs):
+            self._pin(self.host_pool, block)
         self._ops.swap_in += _move_tables(
             seqs, self.host_tables, self.host_pool, self.tables, self.pool)
         for seq in seqs:
@@ -250,9 +335,44 @@ class KVCacheManager:
                 self.pool.register_hash(block, block_hash)
 
     def take_block_ops(self) -> BlockOps:
-        """The block moves queued since the last call, for the coming step."""
+        """The block moves queued since the last call, for the coming step; the blocks they
+        copy are unpinned, since later steps' moves and writes come after them."""
+        if self.offload is not None:
+            self._offload_evicted()
+            self._ops.disk = self.offload.take_disk_ops()
+            stats = self.offload.stats
+            stats.blocks_to_host += len(self._ops.swap_out) + len(self._ops.offload)
+            stats.blocks_to_device += len(self._ops.swap_in) + len(self._ops.load)
+        for pool, block in self._pinned:
+            pool.release(block)
+        self._pinned = []
         ops, self._ops = self._ops, BlockOps(num_host_blocks=self._ops.num_host_blocks)
         return ops
+
+    # ---- offloading tiers ---------------------------------------------------------------
+    def _offload_evicted(self) -> None:
+        """Copy each hashed block the device pool handed out this step to the host tier.
+        Streams release their blocks tail first, so the pool evicts a prefix's tail first:
+        taken in reverse, the blocks nearer a prefix's start (which every later lookup of it
+        needs, a lookup stopping at its first miss) get the host's room first."""
+        for block, block_hash in reversed(self.pool.evictions):
+            host_block = self.offload.offload(block_hash)
+            if host_block is not None:
+                self._ops.offload.append((block, host_block))
+                self._pin(self.host_pool, host_block)
+        self.pool.evictions = []
+
+    def fetch_from_disk(self, seq: Sequence) -> bool:
+        """Start reading the disk blocks that continue ``seq``'s cached prefix (see
+        ``core/offload.py``); True while any of them is still loading."""
+        if self.offload is None or self.offload.disk is None:
+            return False
+        prefix = self.lookup_prefix(seq)
+        return self.offload.fetch_from_disk(prefix.past_device[len(prefix.host):], prefix.host)
+
+    def finish_disk_reads(self, results: Collection[tuple[BlockHash, bool]]) -> None:
+        if results:
+            self.offload.finish_disk_reads(results)
 
     # ---- release and stats --------------------------------------------------------------
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
@@ -270,6 +390,12 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.num_used / self.pool.num_blocks
+
+
+def _as_prefix(cached_blocks: Collection[int] | CachedPrefix) -> CachedPrefix:
+    if isinstance(cached_blocks, CachedPrefix):
+        return cached_blocks
+    return CachedPrefix(list(cached_blocks))
 
 
 def _distinct_blocks(tables: dict[Sequence, list[int]], seqs: Collection[Sequence]) -> set[int]:

@@ -32,6 +32,11 @@ Partial prefills (vLLM's ``max_num_partial_prefills``, ``max_long_partial_prefil
     first, and only take the budget that is left once those are admitted. So is a prompt
     whose next block a prefill under way is about to compute (a shared system prompt): it
     starts once that block is in the prefix cache instead of computing it a second time.
+
+Offloading tiers
+    A prefix lookup walks the device pool, then the host tier (``KVCacheManager.lookup_prefix``);
+    host hits are loaded in the step's block ops. A waiting request whose prefix continues on
+    disk is passed over, as a held-back one is, until those reads have landed in the host tier.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import NamedTuple
 
-from pagedserve.core.kv_cache_manager import BlockOps, KVCacheManager
+from pagedserve.core.kv_cache_manager import BlockOps, CachedPrefix, KVCacheManager
 from pagedserve.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -96,7 +101,7 @@ class SchedulerOutput:
 
 
 class _Chunk(NamedTuple):
-    cached_blocks: list[int]  # prefix-cache hits taken before computing
+    cached_blocks: CachedPrefix  # prefix-cache hits taken before computing
     num_new_tokens: int  # the drafts among them
     num_drafts: int = 0
 
@@ -266,12 +271,16 @@ class Scheduler:
                 return True
         return False
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
+    def _cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        return self.kv.lookup_prefix(seq) if self._looks_up(seq) else CachedPrefix([])
+
+    def _looks_up(self, seq: Sequence) -> bool:
         # Prompt logprobs need every prompt position computed, so they bypass the cache.
-        if (seq.num_computed_tokens or seq in self.kv.tables
-                or seq.params.prompt_logprobs is not None):
-            return []
-        return self.kv.find_cached_prefix(seq)
+        return not (seq.num_computed_tokens or seq in self.kv.tables
+                    or seq.params.prompt_logprobs is not None)
+
+    def _loading_from_disk(self, group: SequenceGroup) -> bool:
+        return self._looks_up(group.root) and self.kv.fetch_from_disk(group.root)
 
     def _make_room(self, group: SequenceGroup, index: int, seq: Sequence, chunk: _Chunk,
                    out: SchedulerOutput, may_preempt: bool, allocated: bool) -> bool:
@@ -363,6 +372,9 @@ class Scheduler:
                 continue
             if hold_back and self._held_back(group):
                 i, passed_over = i + 1, True
+                continue
+            if self._loading_from_disk(group):
+                i += 1
                 continue
             if not self._can_admit(group, budget, free_slots):
                 break

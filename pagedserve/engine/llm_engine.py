@@ -57,6 +57,8 @@ logger = get_logger(__name__)
 
 # How long an otherwise idle step waits for a grammar to compile, instead of spinning.
 _GRAMMAR_WAIT_S = 0.02
+# How long an otherwise idle step waits for a KV block read from disk.
+_DISK_WAIT_S = 0.02
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -75,7 +77,9 @@ class LLMEngine:
         sizes = self.executor.driver.sizes
         self.kv_bytes_per_block = sizes.bytes_per_block
         self.kv = KVCacheManager(sizes.num_blocks, self.resolved.block_size,
-                                 config.enable_prefix_caching, sizes.num_host_blocks)
+                                 config.enable_prefix_caching, sizes.num_host_blocks,
+                                 sizes.num_offload_blocks, sizes.num_disk_blocks,
+                                 self.executor.stored_disk_blocks())
         self.scheduler = Scheduler(config.scheduler_config(self.resolved), self.kv)
         self.eos_token_ids = loader.eos_token_ids(source, self.arch, self.tokenizer)
         self.limits = InputLimits(self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
@@ -231,6 +235,7 @@ class LLMEngine:
         run_ahead = self.resolved.async_scheduling and not self.outputs.num_step_by_step
         if self._in_flight is not None and not run_ahead:
             return self._process(self._take_in_flight())  # settle before a synchronous step
+        self._finish_disk_reads()
         if self.speculation is not None:  # never runs ahead: the host has every token
             self.speculation.propose(self.scheduler.running,
                                      self.resolved.max_num_batched_tokens)
@@ -255,6 +260,16 @@ class LLMEngine:
         if self.speculation is not None:
             self.speculation.record_step(out.num_batched_tokens, time.perf_counter() - start)
         return outputs
+
+    def _finish_disk_reads(self) -> None:
+        """Hand the KV offloading tier's finished disk reads to the KV manager; when nothing
+        else is left to run, wait a moment for one instead of spinning."""
+        offload = self.kv.offload
+        if offload is None or not offload.num_loading:
+            return
+        idle = not self.scheduler.running and self._in_flight is None
+        self.kv.finish_disk_reads(self.executor.finished_disk_reads(
+            _DISK_WAIT_S if idle else 0.0))
 
     def _run_masked_ahead(self, out: SchedulerOutput, previous: StepResult
                           ) -> list[RequestOutput]:
@@ -353,6 +368,23 @@ class LLMEngine:
             blocks_shared=pool.num_shared,
             process_cpu_s=time.process_time(),
             **self._spec_stats(),
+            **self._offload_stats(),
+        )
+
+    def _offload_stats(self) -> dict[str, int | float]:
+        if self.kv.offload is None:
+            return {}
+        s, per_block = self.kv.offload.stats, self.kv_bytes_per_block
+        return dict(
+            prefix_host_hit_tokens=s.host_hits * self.kv.block_size,
+            prefix_disk_hit_tokens=s.disk_hits * self.kv.block_size,
+            offload_host_hits=s.host_hits, offload_host_misses=s.host_misses,
+            offload_disk_hits=s.disk_hits, offload_disk_misses=s.disk_misses,
+            offload_bytes_to_host=s.blocks_to_host * per_block,
+            offload_bytes_to_device=s.blocks_to_device * per_block,
+            offload_bytes_to_disk=s.blocks_to_disk * per_block,
+            offload_bytes_from_disk=s.blocks_from_disk * per_block,
+            offload_copy_s=self.executor.runner.kv_cache.copy_seconds,
         )
 
     def _spec_stats(self) -> dict:

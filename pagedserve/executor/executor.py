@@ -208,6 +208,16 @@ class Executor:
         """Block moves of a step that computes nothing, on every rank."""
         self.step.move_blocks(ops)
 
+    def stored_disk_blocks(self) -> list[bytes]:
+        """Hashes of the KV offloading tier's block files found at start (one rank only, so
+        rank 0's are all)."""
+        disk = self.runner.kv_cache.disk
+        return disk.stored_hashes() if disk is not None else []
+
+    def finished_disk_reads(self, wait_s: float = 0.0) -> list[tuple[bytes, bool]]:
+        disk = self.runner.kv_cache.disk
+        return disk.finished_reads(wait_s) if disk is not None else []
+
     def dead_reason(self) -> str | None:
         return self._group.dead_reason() if self._group is not None else None
 

@@ -85,6 +85,38 @@ class WeightStream:
     def release(self, slot: int) -> None:
         """Compute queued so far is the last to read slot ``slot`` before its next ``load``."""
 
+class BlockCopier:
+    """Moves whole KV blocks between a device pool ``[layers, 2, blocks, block_size, heads,
+    head_dim]`` and a host pool ``[blocks, layers, 2, block_size, heads, head_dim]``, where
+    each block of all layers is one contiguous unit (one copy per block, and one file on disk).
+
+    Contract: ``to_host``/``to_device`` queue the copies of one step's pairs, in call order,
+    after the device work queued before them; ``wait_host`` returns once every queued copy has
+    landed, so that the CPU may read or overwrite host blocks; ``wait_device`` makes work
+    queued afterwards on the device see every copy (the forward pass reads loaded blocks).
+    This default runs the copies on the device's queue and ``wait_host`` synchronizes the
+    device; CUDA and ROCm run them on a stream of their own (``platforms/cuda``).
+    """
+
+    def __init__(self, platform: type[Platform]) -> None:
+        self.platform = platform
+
+    def to_host(self, pool: torch.Tensor, host: torch.Tensor, src: list[int],
+                dst: list[int]) -> None:
+        gathered = pool[:, :, torch.tensor(src, device=pool.device)].movedim(2, 0)
+        host[torch.tensor(dst)] = gathered.to(host.device)
+
+    def to_device(self, host: torch.Tensor, pool: torch.Tensor, src: list[int],
+                  dst: list[int]) -> None:
+        moved = host[torch.tensor(src)].to(pool.device, non_blocking=host.is_pinned())
+        pool[:, :, torch.tensor(dst, device=pool.device)] = moved.movedim(0, 2)
+
+    def wait_host(self) -> None:
+        self.platform.synchronize()
+
+    def wait_device(self) -> None:
+        """Nothing to do: the copies ran on the device's own queue."""
+
 
 class MemoryInfo(NamedTuple):
     free_bytes: int
@@ -189,16 +221,10 @@ class Platform:
         kv_cache[:, :, dst] = kv_cache[:, :, src]
 
     @classmethod
-    def swap_blocks(
-        cls, src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
-    ) -> None:
-        """Move blocks between the device pool and the host swap pool (either direction)."""
-        moved = src_cache[:, :, src.to(src_cache.device)]
-        # Only host-to-device copies may run ahead: a device-to-host result is scattered on
-        # the CPU right away, so that copy must have landed first.
-        to_device = dst_cache.device.type != "cpu"
-        dst_cache[:, :, dst.to(dst_cache.device)] = moved.to(dst_cache.device,
-                                                             non_blocking=to_device)
+    def block_copier(cls) -> BlockCopier:
+        """Moves whole blocks between the device pool and the host pool (swap and the
+        offloading tier); by default on the device's own queue (``BlockCopier``)."""
+        return BlockCopier(cls)
 
     @classmethod
     def reset_peak_memory(cls) -> None:

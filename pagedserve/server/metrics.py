@@ -42,27 +42,20 @@ class _EngineCollector(Collector):
             s = stats()
             if s is None:  # this engine core has not reported yet
                 continue
-            for kind, name, doc, value in _samples(s):
+            for kind, name, doc, labels, value in _samples(s):
                 family = families.get(name)
                 if family is None:
-                    family = families[name] = kind(PREFIX + name, doc, labels=[MODEL_LABEL])
-                family.add_metric([model], value)
-            for position, value in enumerate(s.spec_accepted_per_position):
-                family = families.get(_PER_POSITION)
-                if family is None:
-                    family = families[_PER_POSITION] = CounterMetricFamily(
-                        PREFIX + _PER_POSITION, "Verify steps that accepted the draft at each "
-                        "position (0: the first draft)", labels=[MODEL_LABEL, "position"])
-                family.add_metric([model, str(position)], value)
+                    family = families[name] = kind(PREFIX + name, doc,
+                                                   labels=[MODEL_LABEL, *labels])
+                family.add_metric([model, *labels.values()], value)
         yield from families.values()
 
 
-# vLLM's names for speculative decoding's counters.
-_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
+Sample = tuple[type, str, str, dict[str, str], float]  # kind, name, help, labels, value
 
 
-def _samples(s: EngineStats) -> Iterator[tuple[type, str, str, float]]:
-    """(family type, name, help, value) of each metric one engine's stats give."""
+def _samples(s: EngineStats) -> Iterator[Sample]:
+    """Each metric one engine's stats give (the model's label is the collector's)."""
     hit_rate = s.prefix_hit_tokens / s.prefix_queried_tokens if s.prefix_queried_tokens \
         else 0.0
     gauges = [
@@ -77,7 +70,7 @@ def _samples(s: EngineStats) -> Iterator[tuple[type, str, str, float]]:
          "cache since start", hit_rate),
     ]
     for name, doc, value in gauges:
-        yield GaugeMetricFamily, name, doc, value
+        yield GaugeMetricFamily, name, doc, {}, value
     counters = [
         ("prompt_tokens", "Prompt tokens computed (prefix cache hits excluded)",
          s.prompt_tokens),
@@ -90,16 +83,49 @@ def _samples(s: EngineStats) -> Iterator[tuple[type, str, str, float]]:
         ("engine_core_cpu_seconds", "CPU time of the engine-core process",
          s.process_cpu_s),
     ]
-    if s.spec_accepted_per_position:  # speculative decoding is on
-        counters += [
+    for name, doc, value in counters:
+        yield CounterMetricFamily, name, doc, {}, value
+    yield from _offload_samples(s)
+    yield from _spec_decode_samples(s)
+
+
+def _offload_samples(s: EngineStats) -> Iterator[Sample]:
+    """The prefix cache by tier, and the KV offloading tiers' traffic."""
+    for tier in ("device", "host", "disk"):
+        yield (GaugeMetricFamily, "prefix_cache_hit_rate_by_tier", "Share of queried prompt "
+               "tokens served by each tier since start", {"tier": tier},
+               s.prefix_hit_rate_of(tier))
+    for tier, hit, miss in (("host", s.offload_host_hits, s.offload_host_misses),
+                            ("disk", s.offload_disk_hits, s.offload_disk_misses)):
+        yield (CounterMetricFamily, "kv_offload_hits", "Prefix blocks found in an offloading "
+               "tier after the tiers above missed", {"tier": tier}, hit)
+        yield (CounterMetricFamily, "kv_offload_misses", "Prefix lookups an offloading tier "
+               "missed (disk: bad files too)", {"tier": tier}, miss)
+    for direction, value in (("to_host", s.offload_bytes_to_host),
+                             ("to_device", s.offload_bytes_to_device),
+                             ("to_disk", s.offload_bytes_to_disk),
+                             ("from_disk", s.offload_bytes_from_disk)):
+        yield (CounterMetricFamily, "kv_offload_bytes", "KV bytes moved between the tiers "
+               "(swap included)", {"direction": direction}, value)
+    yield (CounterMetricFamily, "kv_offload_copy_seconds", "Host time spent queuing and "
+           "waiting on KV block moves", {}, s.offload_copy_s)
+
+
+def _spec_decode_samples(s: EngineStats) -> Iterator[Sample]:
+    """Speculative decoding's counters, under vLLM's names; none without it."""
+    if not s.spec_accepted_per_position:
+        return
+    for name, doc, value in (
             ("spec_decode_num_drafts", "Verify steps of a sequence that carried drafts",
              s.spec_num_drafts),
             ("spec_decode_num_draft_tokens", "Draft tokens verified", s.spec_num_draft_tokens),
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted",
-             s.spec_num_accepted_tokens),
-        ]
-    for name, doc, value in counters:
-        yield CounterMetricFamily, name, doc, value
+             s.spec_num_accepted_tokens)):
+        yield CounterMetricFamily, name, doc, {}, value
+    for position, value in enumerate(s.spec_accepted_per_position):
+        yield (CounterMetricFamily, "spec_decode_num_accepted_tokens_per_pos", "Verify steps "
+               "that accepted the draft at each position (0: the first draft)",
+               {"position": str(position)}, value)
 
 
 class ServerMetrics:

@@ -9,6 +9,7 @@ from pagedserve.config import EngineConfig, ResolvedConfig
 from pagedserve.errors import ConfigError
 from pagedserve.logger import get_logger
 from pagedserve.platforms.interface import Platform
+from pagedserve.worker.disk_tier import HEADER_BYTES
 from pagedserve.worker.kv_cache import KVCacheSpec
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.warm_up import profile_peak_memory
@@ -18,8 +19,10 @@ logger = get_logger(__name__)
 
 class CacheSizes(NamedTuple):
     num_blocks: int  # device pool
-    num_host_blocks: int  # swap pool
+    num_host_blocks: int  # swap's share of the host pool
     bytes_per_block: int
+    num_offload_blocks: int = 0  # the offloading tier's share of the host pool
+    num_disk_blocks: int = 0  # block files the disk tier keeps
 
 
 def size_kv_cache(config: EngineConfig, resolved: ResolvedConfig, platform: type[Platform],
@@ -40,7 +43,9 @@ def size_kv_cache(config: EngineConfig, resolved: ResolvedConfig, platform: type
             f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
             "raise --kv-cache-memory-bytes or --gpu-memory-utilization")
     num_host_blocks = min(int(config.swap_space * 2**30) // per_block, useful_blocks)
-    return CacheSizes(int(num_blocks), num_host_blocks, per_block)
+    return CacheSizes(int(num_blocks), num_host_blocks, per_block,
+                      int(config.kv_offloading_size * 2**30) // per_block,
+                      int(config.kv_offloading_disk_size * 2**30) // (per_block + HEADER_BYTES))
 
 
 def _peak_memory_bytes(config: EngineConfig, resolved: ResolvedConfig,

@@ -1,8 +1,10 @@
 """One rank's KV pool: the device pool every layer attends over, the host pool that preempted
-sequences swap to, and the block moves between them that a step's ``BlockOps`` ask for."""
+sequences swap to and the offloading tier keeps evicted prefix blocks in, the tier's files on
+disk, and the block moves between them that a step's ``BlockOps`` ask for."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +12,7 @@ import torch
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.platforms.interface import Platform
+from pagedserve.worker.disk_tier import DiskTier
 
 
 @dataclass(frozen=True)
@@ -27,9 +30,11 @@ class KVCacheSpec:
 class KVCache:
     """One tensor ``[layers, 2, blocks, block_size, kv_heads, head_dim]`` (``pool``) so block
     copies and swaps move every layer at once; each layer attends over its own view
-    (``layers``). The host swap pool has the same layout, with the scheduler's number of host
-    blocks; it is allocated at the first swap, in page-locked memory where the platform wants
-    it."""
+    (``layers``). The host pool (swap and the offloading tier, ``BlockOps.num_host_blocks``
+    blocks) is block-major, ``[blocks, layers, 2, ...]``, so that a block of all layers is one
+    contiguous unit for the bus and for its file; it is allocated at the first move, in
+    page-locked memory where the platform wants it. ``disk`` writes and reads the tier's
+    files."""
 
     def __init__(self, platform: type[Platform], arch: ModelArchConfig, num_kv_heads: int,
                  spec: KVCacheSpec) -> None:
@@ -38,25 +43,48 @@ class KVCache:
             (arch.num_layers, 2, spec.num_blocks, spec.block_size, num_kv_heads, arch.head_dim),
             spec.dtype)
         self.layers = list(self.pool.unbind(0))
-        self.swap_pool: torch.Tensor | None = None
+        self.host_pool: torch.Tensor | None = None
+        self.copier = platform.block_copier()
+        self.disk: DiskTier | None = None
+        self.copy_seconds = 0.0  # host time spent queuing and waiting on block moves
+
+    def host_block_shape(self) -> tuple[int, ...]:
+        shape = list(self.pool.shape)
+        del shape[2]
+        return tuple(shape)
 
     @torch.inference_mode()
     def apply_block_ops(self, ops: BlockOps) -> None:
-        """Swap and copy whole blocks (all layers, keys and values) in the order the scheduler
-        relies on: swap-outs, swap-ins, then copy-on-write copies."""
-        if (ops.swap_out or ops.swap_in) and self.swap_pool is None:
-            shape = list(self.pool.shape)
-            shape[2] = ops.num_host_blocks
-            self.swap_pool = torch.empty(shape, dtype=self.pool.dtype,
+        """Move and copy whole blocks in the order the scheduler relies on (see
+        ``core/kv_cache_manager``): disk writes, device to host, disk reads, host to device,
+        copy-on-write copies. Nothing here waits for the device but for what the CPU itself
+        reads or writes in the host pool (disk writes and reads)."""
+        start = time.perf_counter()
+        to_host, to_device = ops.swap_out + ops.offload, ops.swap_in + ops.load
+        if (to_host or to_device or ops.disk) and self.host_pool is None:
+            self.host_pool = torch.empty((ops.num_host_blocks, *self.host_block_shape()),
+                                         dtype=self.pool.dtype,
                                          pin_memory=self.platform.pin_swap_memory)
-        for pairs, src_cache, dst_cache in ((ops.swap_out, self.pool, self.swap_pool),
-                                            (ops.swap_in, self.swap_pool, self.pool)):
-            if pairs:
-                src, dst = torch.tensor(pairs, dtype=torch.int64).unbind(1)
-                self.platform.swap_blocks(src_cache, dst_cache, src, dst)
-                # The host side of a swap is read or reused as soon as this returns.
-                self.platform.synchronize()
+        if ops.disk.spill or ops.disk.read:
+            self.copier.wait_host()
+        for host_block, block_hash in ops.disk.spill:
+            self.disk.write(block_hash, self.host_pool[host_block])
+        if to_host:
+            self.copier.to_host(self.pool, self.host_pool, *_unzip(to_host))
+        for block_hash, host_block in ops.disk.read:
+            self.disk.read(block_hash, self.host_pool[host_block])
+        for block_hash in ops.disk.delete:
+            self.disk.delete(block_hash)
+        if to_device:
+            self.copier.to_device(self.host_pool, self.pool, *_unzip(to_device))
+        if to_host or to_device:
+            self.copier.wait_device()
+            self.copy_seconds += time.perf_counter() - start
         if ops.copies:
             src, dst = torch.tensor(ops.copies, dtype=torch.int64,
                                     device=self.pool.device).unbind(1)
             self.platform.copy_blocks(self.pool, src, dst)
+
+
+def _unzip(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    return [a for a, _ in pairs], [b for _, b in pairs]

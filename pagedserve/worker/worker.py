@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagedserve import distributed, envs
 from pagedserve.config import EngineConfig, ResolvedConfig
@@ -19,6 +20,7 @@ from pagedserve.models import loader
 from pagedserve.platforms import resolve_platform
 from pagedserve.quant.formats import checkpoint_format, load_quantizer
 from pagedserve.worker.cache_sizing import CacheSizes, size_kv_cache
+from pagedserve.worker.disk_tier import DiskTier, model_identity
 from pagedserve.worker.kv_cache import KVCacheSpec
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.shape_buckets import ShapeBuckets
@@ -68,6 +70,8 @@ class Worker:
         self.sizes = self._agree(size_kv_cache(config, resolved, self.platform, self.runner))
         self.runner.allocate_kv_cache(
             KVCacheSpec(self.sizes.num_blocks, resolved.block_size, self.runner.kv_dtype))
+        if config.kv_offloading_disk is not None:
+            self.runner.kv_cache.disk = self._disk_tier(config, resolved, source)
         if not config.enforce_eager:
             self.runner.capture_graphs(config.max_num_seqs)
         # After graph capture: HPU graphs record each bucket at its first run. Every rank
@@ -77,6 +81,14 @@ class Worker:
             logger.info("tensor-parallel rank %d/%d ready in %.1fs", spec.rank, self.tp.size,
                         time.perf_counter() - start)
 
+    def _disk_tier(self, config: EngineConfig, resolved: ResolvedConfig,
+                   source: loader.ModelSource) -> DiskTier:
+        kv = self.runner.kv_cache
+        return DiskTier(Path(config.kv_offloading_disk), model_identity(
+            source.path, config.revision, config.seed if config.load_format == "dummy" else None,
+            str(resolved.dtype), str(kv.pool.dtype), resolved.block_size, self.tp.rank,
+            self.tp.size, kv.host_block_shape()))
+
     def leave(self, peers_alive: bool = True) -> None:
         """Leave the process group, after the graphs that hold its communicator."""
         self.runner.release_graphs()
@@ -85,9 +97,11 @@ class Worker:
     def _agree(self, sizes: CacheSizes) -> CacheSizes:
         if self.tp.size == 1:
             return sizes
-        blocks, host_blocks = self.tp.min_over_ranks([sizes.num_blocks, sizes.num_host_blocks],
-                                                     self.runner.device)
-        return CacheSizes(blocks, host_blocks, sizes.bytes_per_block)
+        blocks, host_blocks, offload_blocks = self.tp.min_over_ranks(
+            [sizes.num_blocks, sizes.num_host_blocks, sizes.num_offload_blocks],
+            self.runner.device)
+        return CacheSizes(blocks, host_blocks, sizes.bytes_per_block, offload_blocks,
+                          sizes.num_disk_blocks)
 
 
 def _shape_buckets(config: EngineConfig, resolved: ResolvedConfig) -> ShapeBuckets | None:

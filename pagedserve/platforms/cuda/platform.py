@@ -1,4 +1,5 @@
-"""NVIDIA GPUs: Triton paged attention, CUDA graphs for decode, pinned-memory swap."""
+"""NVIDIA GPUs: Triton paged attention, CUDA graphs for decode, pinned-memory swap and KV
+offload on a copy stream."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from pagedserve.platforms.interface import (
+    BlockCopier,
     GraphRunner,
     MemoryInfo,
     Platform,
@@ -137,6 +139,12 @@ class CudaPlatform(Platform):
     @classmethod
     def synchronize(cls) -> None:
         torch.cuda.synchronize()
+
+    @classmethod
+    def block_copier(cls) -> BlockCopier:
+        from pagedserve.platforms.cuda.block_copier import StreamBlockCopier
+
+        return StreamBlockCopier(cls)
 
     @classmethod
     def record_event(cls) -> torch.cuda.Event:

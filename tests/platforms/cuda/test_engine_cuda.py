@@ -102,12 +102,14 @@ def test_copy_and_swap_blocks_move_every_layer():
     before = cache[:, :, src].clone()
     CudaPlatform.copy_blocks(cache, src, dst)
     torch.testing.assert_close(cache[:, :, dst], before)
-    host = torch.zeros(3, 2, 5, 4, 2, 8).pin_memory()
-    CudaPlatform.swap_blocks(cache, host, src, torch.tensor([0, 3]))
-    torch.cuda.synchronize()
-    torch.testing.assert_close(host[:, :, [0, 3]], before.cpu())
-    CudaPlatform.swap_blocks(host, cache, torch.tensor([3]), torch.tensor([9], device="cuda"))
-    torch.cuda.synchronize()
+    # The host pool is block-major: one contiguous unit per block of all layers.
+    host = torch.zeros(5, 3, 2, 4, 2, 8).pin_memory()
+    copier = CudaPlatform.block_copier()
+    copier.to_host(cache, host, [1, 4], [0, 1])
+    copier.wait_host()
+    torch.testing.assert_close(host[[0, 1]], before.movedim(2, 0).cpu())
+    copier.to_device(host, cache, [1], [9])
+    copier.wait_device()
     torch.testing.assert_close(cache[:, :, 9], before[:, :, 1])
 
 

@@ -1,0 +1,152 @@
+"""The KV offloading tier's files (``--kv-offloading-disk``): one file per host block spilled,
+written and read back on a thread of their own, so the step never waits on the disk.
+
+Layout: ``PATH/<identity digest>/<block hash>.kvb``. The identity (``model_identity``) names
+everything the bytes of a block depend on: the checkpoint (its path, revision, and each weight
+file's name, size and modification time; the seed of dummy weights), the dtype and KV dtype,
+the block size, the tensor-parallel rank and size, and the host block's shape. A restarted
+engine of the same model finds its files and starts warm; another model looks in another
+folder, and a file moved between folders still carries its identity's digest in its header.
+
+A file is a header (magic, identity digest, block hash, payload length, blake2b checksum of
+the payload) and the payload, the host block's bytes. A read checks all of them and treats a
+missing, truncated, corrupt or foreign file as a miss: it logs why, deletes the file, and
+reports the read as failed; the block's bytes are never used. Files are written to a temporary
+name and renamed, so a crash never leaves half a file under a block's name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+import torch
+
+from pagedserve.logger import get_logger
+
+logger = get_logger(__name__)
+
+_MAGIC = b"PSKVBLK1"
+_HEADER = struct.Struct("<8s32s16sQ32s")  # magic, identity, block hash, length, checksum
+HEADER_BYTES = _HEADER.size
+_SUFFIX = ".kvb"
+
+
+def model_identity(model_path: Path, revision: str | None, seed: int | None, dtype: str,
+                   kv_dtype: str, block_size: int, tp_rank: int, tp_size: int,
+                   block_shape: tuple[int, ...]) -> dict:
+    """What a block's bytes depend on (``seed``: of dummy weights, else None)."""
+    files = sorted(p for p in model_path.iterdir() if p.suffix in
+                   (".safetensors", ".bin", ".gguf", ".json")) if model_path.is_dir() \
+        else [model_path]
+    weights = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return dict(model=str(model_path.resolve()), revision=revision, weights=weights, seed=seed,
+                dtype=dtype, kv_dtype=kv_dtype, block_size=block_size, tp_rank=tp_rank,
+                tp_size=tp_size, block_shape=list(block_shape))
+
+
+class DiskTier:
+    def __init__(self, root: Path, identity: dict) -> None:
+        text = json.dumps(identity, sort_keys=True)
+        self.identity = hashlib.sha256(text.encode()).digest()
+        self.folder = Path(root) / self.identity.hex()[:32]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / "identity.json").write_text(text)
+        # One thread: a block's write, read and delete run in the order they were queued.
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-disk")
+        self._reads: list[tuple[bytes, Future[bool]]] = []
+
+    def stored_hashes(self) -> list[bytes]:
+        """Hashes of the block files present, least recently written first."""
+        found = []
+        for path in self.folder.glob("*" + _SUFFIX):
+            try:
+                found.append((path.stat().st_mtime_ns, bytes.fromhex(path.stem)))
+            except (OSError, ValueError):
+                continue
+        return [h for _, h in sorted(found) if len(h) == 16]
+
+    def _path(self, block_hash: bytes) -> Path:
+        return self.folder / (block_hash.hex() + _SUFFIX)
+
+    def write(self, block_hash: bytes, block: torch.Tensor) -> None:
+        """Queue a file of ``block``'s bytes, taken now (the host block may be reused)."""
+        payload = block.contiguous().view(torch.uint8).numpy().tobytes()
+        self._io.submit(self._write_file, block_hash, payload)
+
+    def _write_file(self, block_hash: bytes, payload: bytes) -> None:
+        header = _HEADER.pack(_MAGIC, self.identity, block_hash, len(payload),
+                              hashlib.blake2b(payload, digest_size=32).digest())
+        path = self._path(block_hash)
+        tmp = path.with_suffix(".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(tmp, path)
+        except OSError as exc:
+            logger.warning("KV disk tier: cannot write %s: %s", path, exc)
+
+    def read(self, block_hash: bytes, block: torch.Tensor) -> None:
+        """Queue a read of ``block_hash``'s file into the host block ``block``; its outcome
+        comes back from ``finished_reads``."""
+        self._reads.append((block_hash, self._io.submit(self._read_file, block_hash, block)))
+
+    def _read_file(self, block_hash: bytes, block: torch.Tensor) -> bool:
+        path = self._path(block_hash)
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            logger.warning("KV disk tier: miss, cannot read %s: %s", path, exc)
+            return False
+        why = self._check(data, block_hash, block.numel() * block.element_size())
+        if why is not None:
+            logger.warning("KV disk tier: miss, %s is %s; deleting it", path, why)
+            path.unlink(missing_ok=True)
+            return False
+        payload = torch.frombuffer(bytearray(data[HEADER_BYTES:]), dtype=torch.uint8)
+        block.view(torch.uint8).view(-1).copy_(payload)
+        return True
+
+    def _check(self, data: bytes, block_hash: bytes, num_bytes: int) -> str | None:
+        """Why ``data`` is not ``block_hash``'s block of this model, or None."""
+        if len(data) < HEADER_BYTES:
+            return "truncated"
+        magic, identity, stored_hash, length, checksum = _HEADER.unpack_from(data)
+        if magic != _MAGIC:
+            return "not a KV block file"
+        if identity != self.identity:
+            return "written for another model or layout"
+        if stored_hash != block_hash or length != num_bytes:
+            return "another block"
+        payload = memoryview(data)[HEADER_BYTES:]
+        if len(payload) != length:
+            return "truncated"
+        if hashlib.blake2b(payload, digest_size=32).digest() != checksum:
+            return "corrupt (checksum mismatch)"
+        return None
+
+    def delete(self, block_hash: bytes) -> None:
+        self._io.submit(self._path(block_hash).unlink, missing_ok=True)
+
+    def finished_reads(self, wait_s: float = 0.0) -> list[tuple[bytes, bool]]:
+        """(hash, whether it checked out) of each read done since the last call, after
+        waiting up to ``wait_s`` for the first one while some are under way."""
+        if wait_s and self._reads:
+            wait([f for _, f in self._reads], timeout=wait_s, return_when="FIRST_COMPLETED")
+        done, pending = [], []
+        for block_hash, future in self._reads:
+            (done if future.done() else pending).append((block_hash, future))
+        self._reads = pending
+        return [(block_hash, future.result()) for block_hash, future in done]
+
+    def flush(self) -> None:
+        """Wait for every queued write, read and delete."""
+        self._io.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)

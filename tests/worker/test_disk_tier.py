@@ -1,0 +1,115 @@
+"""The offloading tier's block files: bytes come back exactly; a corrupt, truncated or
+foreign file is a miss with a log line, and its bytes never reach the host block."""
+
+import logging
+
+import pytest
+import torch
+
+from pagedserve.worker.disk_tier import DiskTier, model_identity
+
+SHAPE = (2, 2, 4, 2, 8)  # layers, keys/values, block size, heads, head dim
+HASH, OTHER = bytes(range(16)), bytes(range(1, 17))
+
+
+def _identity(**changes) -> dict:
+    return {"model": "/models/a", "dtype": "torch.float32", "block_size": 4, **changes}
+
+
+def _written(root, dtype=torch.float32, identity=None) -> tuple[DiskTier, torch.Tensor]:
+    disk = DiskTier(root, identity or _identity())
+    block = torch.randn(SHAPE).to(dtype)
+    disk.write(HASH, block)
+    disk.flush()
+    return disk, block
+
+
+def _read(disk: DiskTier, block_hash: bytes = HASH, dtype=torch.float32):
+    target = torch.zeros(SHAPE, dtype=dtype)
+    disk.read(block_hash, target)
+    disk.flush()
+    [(got_hash, ok)] = disk.finished_reads()
+    assert got_hash == block_hash
+    return ok, target
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_block_comes_back_byte_for_byte_and_a_restart_finds_it(tmp_path, dtype):
+    _, block = _written(tmp_path, dtype)
+    restarted = DiskTier(tmp_path, _identity())
+    assert restarted.stored_hashes() == [HASH]
+    ok, target = _read(restarted, dtype=dtype)
+    assert ok and torch.equal(target.view(torch.uint8), block.view(torch.uint8))
+
+
+def test_another_model_looks_in_another_folder(tmp_path):
+    _written(tmp_path)
+    other = DiskTier(tmp_path, _identity(model="/models/b"))
+    assert other.folder != DiskTier(tmp_path, _identity()).folder
+    assert other.stored_hashes() == []
+
+
+def _damage_payload(path):
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:-7])
+
+
+def _truncate_into_the_header(path):
+    path.write_bytes(path.read_bytes()[:20])
+
+
+@pytest.mark.parametrize("damage, why", [(_damage_payload, "corrupt"), (_truncate, "truncated"),
+                                         (_truncate_into_the_header, "truncated")])
+def test_a_damaged_file_is_a_miss_with_a_log_line(tmp_path, caplog, damage, why):
+    disk, _ = _written(tmp_path)
+    path = disk.folder / (HASH.hex() + ".kvb")
+    damage(path)
+    with caplog.at_level(logging.WARNING, logger="pagedserve.worker.disk_tier"):
+        ok, target = _read(disk)
+    assert not ok and not target.any()  # not a byte of it was used
+    assert why in caplog.text and not path.exists()
+
+
+def test_a_file_of_another_model_moved_into_the_folder_is_a_miss(tmp_path, caplog):
+    foreign, _ = _written(tmp_path / "elsewhere", identity=_identity(model="/models/b"))
+    disk = DiskTier(tmp_path, _identity())
+    name = HASH.hex() + ".kvb"
+    (disk.folder / name).write_bytes((foreign.folder / name).read_bytes())
+    assert disk.stored_hashes() == [HASH]
+    with caplog.at_level(logging.WARNING, logger="pagedserve.worker.disk_tier"):
+        ok, target = _read(disk)
+    assert not ok and not target.any() and "another model" in caplog.text
+
+
+def test_a_file_renamed_to_another_block_and_a_missing_file_are_misses(tmp_path, caplog):
+    disk, _ = _written(tmp_path)
+    (disk.folder / (HASH.hex() + ".kvb")).rename(disk.folder / (OTHER.hex() + ".kvb"))
+    with caplog.at_level(logging.WARNING, logger="pagedserve.worker.disk_tier"):
+        assert not _read(disk, OTHER)[0]
+        assert not _read(disk, HASH)[0]
+    assert "another block" in caplog.text and "cannot read" in caplog.text
+
+
+def test_a_deleted_block_is_gone(tmp_path):
+    disk, _ = _written(tmp_path)
+    disk.delete(HASH)
+    disk.flush()
+    assert disk.stored_hashes() == []
+
+
+def test_the_identity_names_the_weights_and_the_layout(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"x" * 10)
+    args = dict(revision=None, seed=None, dtype="torch.float32", kv_dtype="torch.float32",
+                block_size=16, tp_rank=0, tp_size=1, block_shape=SHAPE)
+    base = model_identity(folder, **args)
+    assert model_identity(folder, **{**args, "tp_rank": 1}) != base
+    assert model_identity(folder, **{**args, "kv_dtype": "torch.float8_e4m3fn"}) != base
+    (folder / "model.safetensors").write_bytes(b"y" * 11)  # new weights
+    assert model_identity(folder, **args) != base
