@@ -135,6 +135,17 @@ class EngineConfig:
               "with a 400, and its compile is stopped")
     max_grammar_bytes: int = option(
         65536, "largest JSON schema, regex or grammar text a request may carry, in bytes")
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (PEFT folders or Hugging Face ids) on q/k/v/o and "
+               "gate/up/down, chosen per request")
+    max_loras: int = option(
+        1, "with --enable-lora, adapters held on the device at once; a step never runs "
+           "more")
+    max_lora_rank: int = option(
+        16, "with --enable-lora, the largest adapter rank; every device slot is padded to it")
+    max_cpu_loras: int | None = option(
+        None, "with --enable-lora, adapters kept read in host memory, least recently used "
+              "dropped first (default: --max-loras; at least --max-loras)")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -150,6 +161,7 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError("--max-num-batched-tokens must be at least 1")
         self._check_partial_prefills()
+        self._check_lora()
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("--max-model-len must be at least 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -195,7 +207,21 @@ class EngineConfig:
             max_num_partial_prefills=self.max_num_partial_prefills,
             max_long_partial_prefills=self.max_long_partial_prefills,
             long_prefill_token_threshold=resolved.long_prefill_token_threshold,
+            max_loras=self.max_loras if self.enable_lora else 0,
         )
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"--max-loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"--max-lora-rank must be at least 1, got {self.max_lora_rank}")
+        if self.cpu_loras < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras must be at least --max-loras "
+                              f"({self.max_loras}), got {self.max_cpu_loras}")
 
     def _check_partial_prefills(self) -> None:
         if self.max_num_partial_prefills < 1:

@@ -100,7 +100,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return []
         blocks = []
-        for block_hash in hash_full_blocks(seq.all_token_ids[:-1], self.block_size):
+        for block_hash in hash_full_blocks(seq.all_token_ids[:-1], self.block_size,
+                                           extra_key=seq.cache_key):
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
@@ -183,7 +184,8 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else None
         accepted = seq.all_token_ids[:num_full * self.block_size]
         for i, block_hash in enumerate(
-            hash_full_blocks(accepted, self.block_size, len(hashes), parent), start=len(hashes)
+            hash_full_blocks(accepted, self.block_size, len(hashes), parent, seq.cache_key),
+            start=len(hashes)
         ):
             hashes.append(block_hash)
             self.pool.register_hash(table[i], block_hash)

@@ -63,6 +63,9 @@ class SchedulerConfig:
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: no prompt counts as long
+    # Distinct LoRA adapters the running groups may use (a step runs a subset of them);
+    # 0: no limit (LoRA off).
+    max_loras: int = 0
 
 
 class ScheduledSequence(NamedTuple):
@@ -325,7 +328,7 @@ class Scheduler:
         return budget
 
     def _can_resume(self, group: SequenceGroup, free_slots: int) -> bool:
-        return (free_slots >= group.width
+        return (free_slots >= group.width and self._lora_fits(group)
                 and self.kv.can_swap_in(group.seqs, self._watermark_blocks))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -368,7 +371,7 @@ class Scheduler:
 
     def _can_admit(self, group: SequenceGroup, budget: int, free_slots: int) -> bool:
         """The group's first chunk fits the budget and leaves the watermark free."""
-        if free_slots < group.width:
+        if free_slots < group.width or not self._lora_fits(group):
             return False
         chunk = self._next_chunk(group, group.root, budget)
         if chunk is None:
@@ -383,6 +386,15 @@ class Scheduler:
         self.running.append(group)
         return self._schedule_group(group, len(self.running) - 1, out, budget,
                                     may_preempt=False)
+
+    def _lora_fits(self, group: SequenceGroup) -> bool:
+        """Running ``group`` keeps the running groups' distinct adapters within
+        ``max_loras``, so no step ever needs more adapters than there are device slots."""
+        lora = _lora_of(group)
+        if lora is None or not self.config.max_loras:
+            return True
+        running = {r.lora_int_id for r in map(_lora_of, self.running) if r is not None}
+        return lora.lora_int_id in running or len(running) < self.config.max_loras
 
     def _free_seq_slots(self) -> int:
         return self.config.max_num_seqs - sum(g.width for g in self.running)
@@ -437,6 +449,12 @@ class Scheduler:
                 allocated += len(self.kv.block_table(seq)) * self.kv.block_size
                 filled += seq.num_computed_tokens
         return allocated, filled
+
+
+def _lora_of(group: SequenceGroup):
+    """The group's adapter (every stream of a request has the same), or None."""
+    streams = group.seqs or group.pending_forks
+    return streams[0].lora_request if streams else None
 
 
 def _fair_level(demands: list[int], supply: int) -> int:

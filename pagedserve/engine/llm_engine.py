@@ -44,6 +44,8 @@ from pagedserve.engine.request_state import RequestState
 from pagedserve.engine.stats import EngineStats
 from pagedserve.executor.executor import Executor
 from pagedserve.logger import get_logger
+from pagedserve.lora.keys import AdapterKeys
+from pagedserve.lora.request import LoRARequest
 from pagedserve.models import loader
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import resolve_platform
@@ -80,7 +82,7 @@ class LLMEngine:
         self.limits = InputLimits(self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
                                   self.eos_token_ids, sizes.num_blocks, self.resolved.block_size,
                                   config.max_grammar_bytes)
-        self.inputs = InputProcessor(self.tokenizer, self.limits)
+        self.inputs = InputProcessor(self.tokenizer, self.limits, _adapter_keys(config))
         self.outputs = OutputProcessor(self.scheduler.finish,
                                        BeamDriver(self.scheduler, self.tokenizer))
         self._in_flight: StepResult | None = None  # the queued step not yet applied
@@ -102,22 +104,25 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue a request; ``request_id`` may be any string not in use (default: a counter).
         Raises ``ValueError`` for input the engine cannot run."""
         if request_id is None:
             request_id = self._new_id()
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._queue(self.inputs.process(request_id, prompt, params or SamplingParams()))
+        self._queue(self.inputs.process(request_id, prompt, params or SamplingParams(),
+                                        lora_request))
         return request_id
 
-    def add_requests(self, prompts: Sequence[str | list[int]],
-                     params: Sequence[SamplingParams]) -> list[str]:
+    def add_requests(self, prompts: Sequence[str | list[int]], params: Sequence[SamplingParams],
+                     lora_requests: Sequence[LoRARequest | None] | None = None) -> list[str]:
         """Queue a batch as a whole, or none of it: every request is validated before any is
         queued, and one that fails to queue takes back those queued before it."""
-        states = [self.inputs.process(self._new_id(), prompt, p)
-                  for prompt, p in zip(prompts, params, strict=True)]
+        loras = [None] * len(prompts) if lora_requests is None else lora_requests
+        states = [self.inputs.process(self._new_id(), prompt, p, lora)
+                  for prompt, p, lora in zip(prompts, params, loras, strict=True)]
         queued: list[str] = []
         try:
             for state in states:
@@ -340,6 +345,10 @@ class LLMEngine:
             blocks_shared=pool.num_shared,
             process_cpu_s=time.process_time(),
         )
+
+
+def _adapter_keys(config: EngineConfig) -> AdapterKeys | None:
+    return AdapterKeys(config.max_lora_rank) if config.enable_lora else None
 
 
 def _samples_with_grammar(out: SchedulerOutput) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from pagedserve.lora.adapter import LoRAAdapter, load_adapter
@@ -54,6 +55,15 @@ class LoRASlots:
             if lora_id not in self.resident:
                 self._load(request, self._free_slot(wanted))
         return {lora_id: self.resident[lora_id] for lora_id in wanted}
+
+    def row_slots(self, requests: list[LoRARequest | None], query_lens: list[int],
+                  device: torch.device) -> torch.Tensor:
+        """``ForwardContext.lora_slots`` for a step of these sequences (their adapters, None
+        for the base model, and their rows), loading what is missing."""
+        slot_of = self.slots_for([r for r in requests if r is not None])
+        per_seq = torch.tensor([-1 if r is None else slot_of[r.lora_int_id] for r in requests],
+                               dtype=torch.int32)
+        return torch.repeat_interleave(per_seq, torch.tensor(query_lens)).to(device)
 
     def adapter(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter, read from host memory or from its folder (checked against the model)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -13,6 +14,9 @@ from pagedserve.core.sequence import Sequence
 from pagedserve.models.forward_context import ForwardContext
 from pagedserve.worker.shape_buckets import ShapeBuckets
 from pagedserve.worker.step import InFlightTokens
+
+if TYPE_CHECKING:
+    from pagedserve.lora.request import LoRARequest
 
 
 @dataclass
@@ -46,6 +50,9 @@ class HostInputs:
     # Rows whose token is row ``fill_sources[i]`` of the previous step's sampled tokens.
     fill_rows: np.ndarray
     fill_sources: np.ndarray
+    # Each sequence's adapter (None: the base model; padded sequences have none), or None
+    # when no sequence of the step has one.
+    lora_requests: list[LoRARequest | None] | None = None
 
     def to_device(self, device: torch.device,
                   in_flight_tokens: torch.Tensor | None = None) -> ModelInputs:
@@ -91,9 +98,10 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
     the batch is padded to a bucketed shape with sequences whose keys and values go to block
     ``pad_block`` (shape_buckets.py states the invariants)."""
     ids, query_lens, context_lens, tables, sample_ends, sample_counts = [], [], [], [], [], []
-    fill_rows, fill_sources = [], []
+    fill_rows, fill_sources, loras = [], [], []
     row = 0
     for item in out.scheduled:
+        loras.append(item.seq.lora_request)
         start, n = item.num_computed_tokens, item.num_new_tokens
         tokens = item.seq.all_token_ids[start:start + n]
         if len(tokens) < n:  # only the last token can be in flight
@@ -117,6 +125,7 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
             query_lens.append(n)
             context_lens.append(0)
             tables.append([pad_block] * max_blocks)
+            loras.append(None)
     query_lens_np = np.asarray(query_lens, dtype=np.int64)
     context_np = np.asarray(context_lens, dtype=np.int64)
     seq_lens_np = context_np + query_lens_np
@@ -141,7 +150,8 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
         sample_rows=_sample_rows(sample_ends, sample_counts),
         sample_counts=np.asarray(sample_counts, dtype=np.int64),
         fill_rows=np.asarray(fill_rows, dtype=np.int64),
-        fill_sources=np.asarray(fill_sources, dtype=np.int64))
+        fill_sources=np.asarray(fill_sources, dtype=np.int64),
+        lora_requests=loras if any(loras) else None)
 
 
 def _sample_rows(ends: list[int], counts: list[int]) -> np.ndarray:
