@@ -352,6 +352,9 @@ class Scheduler:
             if hold_back and self._held_back(group):
                 i, passed_over = i + 1, True
                 continue
+            if not self._lora_fits(group):  # waits for a slot; others may go first
+                i += 1
+                continue
             if not self._can_admit(group, budget, free_slots):
                 break
             del self.waiting[i]
@@ -371,7 +374,7 @@ class Scheduler:
 
     def _can_admit(self, group: SequenceGroup, budget: int, free_slots: int) -> bool:
         """The group's first chunk fits the budget and leaves the watermark free."""
-        if free_slots < group.width or not self._lora_fits(group):
+        if free_slots < group.width:
             return False
         chunk = self._next_chunk(group, group.root, budget)
         if chunk is None:
