@@ -9,8 +9,9 @@ import pytest
 
 from pagedserve import LoRARequest, SamplingParams
 from pagedserve.errors import ConfigError
+from tests.devices import HAS_NVIDIA, NVIDIA_REASON
 from tests.lora.peft_adapters import ADAPTER_SPECS, base_model, peft_model, write_adapter
-from tests.tiny_models import hf_greedy, make_llm, random_prompts
+from tests.tiny_models import assert_greedy_matches, hf_greedy, make_llm, random_prompts
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -95,3 +96,25 @@ def test_lora_errors(llama3_folder, adapters):
         small.generate(["a", "b"], GREEDY, use_tqdm=False, lora_request=[attn])
     with pytest.raises(ConfigError, match="--max-cpu-loras"):
         make_llm(llama3_folder, enable_lora=True, max_loras=3, max_cpu_loras=2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_NVIDIA, reason=NVIDIA_REASON)
+def test_cuda_with_graphs_equals_peft(llama3_folder, adapters):
+    """On a GPU the Triton kernels run, and decode steps with adapters replay CUDA graphs
+    (slots are a graph input): each adapter against PEFT, and a mixed batch against the same
+    prompts run one adapter at a time."""
+    requests = _requests(adapters)
+    llm = make_llm(llama3_folder, device="cuda", dtype="float32",
+                   kv_cache_memory_bytes=64 << 20, enable_lora=True, max_loras=2,
+                   max_lora_rank=8, max_cpu_loras=4)
+    prompts = random_prompts("lora-cuda", [11, 6, 14, 9])
+    alone = []
+    for request in requests:
+        ref = peft_model(llama3_folder, adapters[request.lora_name])
+        assert_greedy_matches(llm, ref, prompts, NEW_TOKENS, lora_request=request)
+        alone.append(llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=request))
+    mixed = llm.generate(prompts[:1] * len(requests), GREEDY, use_tqdm=False,
+                         lora_request=requests)
+    assert [o.outputs[0].token_ids for o in mixed] == [
+        a[0].outputs[0].token_ids for a in alone]
