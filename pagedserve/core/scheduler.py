@@ -241,8 +241,8 @@ class Scheduler:
 
     def _follows_a_prefill(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
         """One of ``prefilling`` computes the next block of ``seq``'s prompt this step (the
-        same tokens from the start up to that block's end), which ``seq`` can take from the
-        prefix cache a step later instead of computing it too."""
+        same tokens from the start up to that block's end, under the same adapter), which
+        ``seq`` can take from the prefix cache a step later instead of computing it too."""
         if (not self._shares_prefills or not self.kv.enable_caching
                 or seq.params.prompt_logprobs is not None):
             return False
@@ -250,6 +250,7 @@ class Scheduler:
         for other in prefilling:
             end = (other.num_computed_tokens // bs + 1) * bs
             if (end <= min(seq.num_prompt_tokens, other.num_prompt_tokens)
+                    and seq.cache_key == other.cache_key
                     and seq.prompt_token_ids[:end] == other.prompt_token_ids[:end]):
                 return True
         return False

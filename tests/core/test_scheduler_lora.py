@@ -69,3 +69,24 @@ def test_without_a_limit_every_adapter_runs_at_once():
     for lora in (1, 2, 3):
         _add(sched, lora, max_tokens=3)
     assert len(_run(sched)[0]) == 3
+
+
+def test_a_shared_prompt_under_another_adapter_is_not_held_back_for_the_cache():
+    """With shared prefills a prompt whose next block another prefill computes waits a step to
+    take it from the prefix cache; under another adapter that block is never its own."""
+    kv = KVCacheManager(64, 4, enable_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                      max_model_len=256, enable_chunked_prefill=True,
+                                      preemption_mode="recompute", watermark=0.0,
+                                      max_num_partial_prefills=4, max_loras=2), kv)
+    prompt = list(range(3, 23))
+    seqs = []
+    for lora_id, key in ((1, "k1"), (2, "k2"), (1, "k1")):
+        lora = LoRARequest(f"a{lora_id}", lora_id, "/none")
+        seqs.append(Sequence(list(prompt), SamplingParams(), max_tokens=2, lora_request=lora,
+                             cache_key=key))
+        sched.add_group(SequenceGroup(str(lora_id) + key + str(len(seqs)), [seqs[-1]]))
+    scheduled = {s.seq for s in sched.schedule().scheduled}
+    # The second runs beside the first; the third (same adapter as the first) waits for its
+    # blocks.
+    assert scheduled == {seqs[0], seqs[1]}
