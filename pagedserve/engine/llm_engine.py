@@ -47,6 +47,7 @@ from pagedserve.logger import get_logger
 from pagedserve.lora.keys import AdapterKeys
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models import loader
+from pagedserve.models.config import ModelArchConfig
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import resolve_platform
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
@@ -82,7 +83,7 @@ class LLMEngine:
         self.limits = InputLimits(self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
                                   self.eos_token_ids, sizes.num_blocks, self.resolved.block_size,
                                   config.max_grammar_bytes)
-        self.inputs = InputProcessor(self.tokenizer, self.limits, _adapter_keys(config))
+        self.inputs = InputProcessor(self.tokenizer, self.limits, _adapter_keys(config, self.arch))
         self.outputs = OutputProcessor(self.scheduler.finish,
                                        BeamDriver(self.scheduler, self.tokenizer))
         self._in_flight: StepResult | None = None  # the queued step not yet applied
@@ -347,8 +348,8 @@ class LLMEngine:
         )
 
 
-def _adapter_keys(config: EngineConfig) -> AdapterKeys | None:
-    return AdapterKeys(config.max_lora_rank) if config.enable_lora else None
+def _adapter_keys(config: EngineConfig, arch: ModelArchConfig) -> AdapterKeys | None:
+    return AdapterKeys(config.max_lora_rank, arch) if config.enable_lora else None
 
 
 def _samples_with_grammar(out: SchedulerOutput) -> bool:

@@ -69,6 +69,27 @@ class LoRAAdapter:
         return max(w.rank for w in self.shards.values())
 
 
+# (our projection name, shard) -> (out_features, in_features) of the whole checkpoint tensor
+ShardShapes = dict[tuple[str, int], tuple[int, int]]
+
+
+def check_fits(name: str, adapter: LoRAAdapter, max_rank: int, num_layers: int,
+               shapes: ShardShapes) -> None:
+    """``ValueError`` (one line naming the adapter) unless every shard of ``adapter`` has a
+    rank up to ``max_rank`` and the shape of the model's projection it adapts."""
+    if adapter.max_rank > max_rank:
+        raise ValueError(f"LoRA adapter {name}: rank {adapter.max_rank} is above "
+                         f"--max-lora-rank {max_rank}")
+    for (layer, projection, shard), w in adapter.shards.items():
+        if layer >= num_layers:
+            raise ValueError(f"LoRA adapter {name}: adapts layer {layer}, and the model has "
+                             f"{num_layers}")
+        got, expected = (w.b.shape[0], w.a.shape[1]), shapes[(projection, shard)]
+        if got != expected:
+            raise ValueError(f"LoRA adapter {name}: layer {layer} {projection} shard {shard} "
+                             f"is {got}, the model's {expected}")
+
+
 def load_adapter(path: str | Path) -> LoRAAdapter:
     """Read a PEFT adapter from a local folder, or from a Hugging Face id through the hub
     cache; raises ``LoRAAdapterError`` for anything we do not serve."""

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pagedserve.lora.adapter import LoRAAdapter, load_adapter
+from pagedserve.lora.adapter import LoRAAdapter, ShardShapes, check_fits, load_adapter
 from pagedserve.lora.layers import LoRALinear, StepRows
 from pagedserve.lora.ops import LoRAOps
 from pagedserve.lora.request import LoRARequest
@@ -70,7 +70,8 @@ class LoRASlots:
         adapter = self.host.pop(request.lora_int_id, None)
         if adapter is None:
             adapter = self.loader(request.lora_path)
-            self._check(request, adapter)
+            num_layers = 1 + max(layer for layer, _ in self.layers)
+            check_fits(request.lora_name, adapter, self.max_rank, num_layers, self._shapes())
         self.host[request.lora_int_id] = adapter
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)
@@ -92,21 +93,11 @@ class LoRASlots:
         self.resident[request.lora_int_id] = slot
         self.loads += 1
 
-    def _check(self, request: LoRARequest, adapter: LoRAAdapter) -> None:
-        if adapter.max_rank > self.max_rank:
-            raise ValueError(f"LoRA adapter {request.lora_name}: rank {adapter.max_rank} is "
-                             f"above --max-lora-rank {self.max_rank}")
-        unknown = {(i, p) for i, p, _ in adapter.shards} - self.layers.keys()
-        if unknown:
-            raise ValueError(f"LoRA adapter {request.lora_name}: adapts layer "
-                             f"{min(unknown)[0]}, which the model does not have")
-        for (i, p, shard), w in adapter.shards.items():
-            base = self.layers[(i, p)].base
-            expected = (base.out_parts[shard].full, base.in_part.full)
-            if (w.b.shape[0], w.a.shape[1]) != expected:
-                raise ValueError(f"LoRA adapter {request.lora_name}: layer {i} {p} shard "
-                                 f"{shard} is {(w.b.shape[0], w.a.shape[1])}, the model's "
-                                 f"{expected}")
+    def _shapes(self) -> ShardShapes:
+        """The whole (unsplit) shape of each shard of the first layer's projections."""
+        return {(p, shard): (part.full, m.base.in_part.full)
+                for (layer, p), m in self.layers.items() if layer == 0
+                for shard, part in enumerate(m.base.out_parts)}
 
 
 def add_lora_layers(model: nn.Module, ops: type[LoRAOps], max_loras: int, max_rank: int,

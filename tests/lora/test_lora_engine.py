@@ -98,6 +98,18 @@ def test_lora_errors(llama3_folder, adapters):
         make_llm(llama3_folder, enable_lora=True, max_loras=3, max_cpu_loras=2)
 
 
+def test_an_adapter_of_another_model_is_refused_before_it_runs(llama3_folder, tiny_model_folder,
+                                                               tmp_path):
+    qwen_adapter = write_adapter(tiny_model_folder("qwen2"), tmp_path / "q",
+                                 ADAPTER_SPECS["all"], seed=1)
+    llm = make_llm(llama3_folder, enable_lora=True, max_lora_rank=8)
+    with pytest.raises(ValueError, match=r"layer 0 down_proj shard 0 is \(64, 160\), the "
+                                         r"model's \(64, 128\)"):
+        llm.generate(["hi"], GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("qwen", 1, str(qwen_adapter)))
+    assert not llm.engine.scheduler.has_unfinished
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_NVIDIA, reason=NVIDIA_REASON)
 def test_cuda_with_graphs_equals_peft(llama3_folder, adapters):
