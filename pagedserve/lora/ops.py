@@ -14,9 +14,10 @@ nothing. Zero padding makes every rank below ``R`` exact, so kernels never read 
 
 ``LoRARows`` is built once per step from the per-row slots (on the device, without a host
 sync) and read by every layer. The platform chooses the implementation
-(``Platform.lora_ops``); ``TorchLoRAOps`` here is the portable one (CPU, Gaudi's dense
-fallback): a matmul against every slot at once with the other slots' rows masked to zero, so
-its shapes never depend on which slots a step uses.
+(``Platform.lora_ops``); ``LoRAOps`` here is the portable one (Gaudi's dense fallback): a
+matmul against every slot at once with the other slots' rows masked to zero, so its shapes
+never depend on which slots a step uses. The CPU multiplies each slot's rows alone instead
+(``platforms/cpu/lora_ops.py``), CUDA and ROCm run Triton kernels.
 """
 
 from __future__ import annotations

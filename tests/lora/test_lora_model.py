@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from pagedserve import SamplingParams
+from pagedserve.lora.ops import LoRAOps
 from pagedserve.lora.request import LoRARequest
 from pagedserve.lora.slots import add_lora_layers
+from pagedserve.platforms.cpu.lora_ops import GroupedLoRAOps
 from pagedserve.worker.input_batch import HostInputs
 from tests.lora.peft_adapters import ADAPTER_SPECS, base_model, peft_model, write_adapter
 from tests.tiny_models import make_llm, random_prompts
@@ -31,15 +33,16 @@ def _slots_on_prefill(monkeypatch, row_slots: list[int]) -> None:
     monkeypatch.setattr(HostInputs, "to_device", with_slots)
 
 
+@pytest.mark.parametrize("ops", [GroupedLoRAOps, LoRAOps])  # the CPU's; Gaudi's masked one
 @pytest.mark.parametrize("arch", ["llama3", "qwen2"])
-def test_mixed_batch_equals_peft_per_adapter(tiny_model_folder, tmp_path, monkeypatch, arch):
+def test_mixed_batch_equals_peft_per_adapter(tiny_model_folder, tmp_path, monkeypatch, arch,
+                                             ops):
     base = tiny_model_folder(arch)
     folders = {n: write_adapter(base, tmp_path / n, ADAPTER_SPECS[n], seed=i)
                for i, n in enumerate(ADAPTERS)}
     llm = make_llm(base)
     runner = llm.engine.executor.runner
-    slots = add_lora_layers(runner.model, runner.platform.lora_ops(), max_loras=4, max_rank=8,
-                            max_cpu_loras=4)
+    slots = add_lora_layers(runner.model, ops, max_loras=4, max_rank=8, max_cpu_loras=4)
     requests = [LoRARequest(n, i + 1, str(folders[n])) for i, n in enumerate(ADAPTERS)]
     slot_of = slots.slots_for(requests[::-1])  # slots in another order than the requests
     # Rows: base, then each adapter, then the first adapter again after a base row.
