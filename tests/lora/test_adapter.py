@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedserve.lora.adapter import LoRAAdapterError, load_adapter
+from tests.hub_cache import OLD, add_to_cache, offline_cache
 from tests.lora.peft_adapters import ADAPTER_SPECS, peft_model, write_adapter
 
 _PEFT_NAMES = {("qkv_proj", 0): "self_attn.q_proj", ("qkv_proj", 1): "self_attn.k_proj",
@@ -64,3 +65,14 @@ def test_missing_folder_and_dora_are_one_line_errors(llama3_folder, tmp_path):
                            dict(r=2, target_modules=["q_proj"], use_dora=True), seed=1)
     with pytest.raises(LoRAAdapterError, match="use_dora"):
         load_adapter(folder)
+
+
+def test_a_hugging_face_id_reads_the_cached_snapshot(llama3_folder, tmp_path, monkeypatch):
+    hub_cache = offline_cache(tmp_path, monkeypatch)
+    folder = write_adapter(llama3_folder, tmp_path / "a", ADAPTER_SPECS["attn"], seed=1)
+    snapshot = add_to_cache(hub_cache, "org/attn-lora", folder, OLD)
+    adapter = load_adapter("org/attn-lora")
+    assert adapter.path == snapshot
+    assert adapter.content_hash == load_adapter(folder).content_hash
+    with pytest.raises(LoRAAdapterError, match="org/missing.*not in the Hugging Face cache"):
+        load_adapter("org/missing")

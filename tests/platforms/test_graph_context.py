@@ -1,6 +1,7 @@
 """Graph runners replay steps whose forward context they captured: a decode step with no
 per-row extras or only those their graphs hold buffers for, never one that carries an extra
-their graphs hold no buffer for (it runs eagerly). Checked on the CPU: ``can_run`` reads only the context."""
+their graphs hold no buffer for (it runs eagerly). Checked on the CPU: ``can_run`` reads only
+the context."""
 
 from __future__ import annotations
 
