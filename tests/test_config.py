@@ -53,6 +53,9 @@ def test_bad_choice_names_the_flag_and_the_choices(field, flag):
     ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization"),
     ({"kv_cache_memory_bytes": 0}, "--kv-cache-memory-bytes"),
     ({"swap_space": -1.0}, "--swap-space"),
+    ({"max_loras": 0}, "--max-loras"),
+    ({"max_lora_rank": 0}, "--max-lora-rank"),
+    ({"max_loras": 4, "max_cpu_loras": 3}, "--max-cpu-loras"),
 ])
 def test_bad_value_names_the_flag(kwargs, flag):
     with pytest.raises(ConfigError, match=f"^{flag} "):
