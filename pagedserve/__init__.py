@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from pagedserve.entrypoints.llm import LLM
+    from pagedserve.lora.request import LoRARequest
     from pagedserve.outputs import CompletionOutput, RequestOutput
     from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -22,6 +23,7 @@ _LAZY = {
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "EngineConfig": "pagedserve.config",
+    "LoRARequest": "pagedserve.lora.request",
 }
 
 
@@ -34,4 +36,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "EngineConfig", "__version__"]
+           "CompletionOutput", "EngineConfig", "LoRARequest", "__version__"]

@@ -158,6 +158,17 @@ class EngineConfig:
               "(ngram), model (the draft checkpoint), draft_tensor_parallel_size; e.g. "
               "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'. Steps then run one "
               "at a time (no async scheduling)")
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (PEFT folders or Hugging Face ids) on q/k/v/o and "
+               "gate/up/down, chosen per request")
+    max_loras: int = option(
+        1, "with --enable-lora, adapters held on the device at once; a step never runs "
+           "more")
+    max_lora_rank: int = option(
+        16, "with --enable-lora, the largest adapter rank; every device slot is padded to it")
+    max_cpu_loras: int | None = option(
+        None, "with --enable-lora, adapters kept read in host memory, least recently used "
+              "dropped first (default: --max-loras; at least --max-loras)")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -173,6 +184,7 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError("--max-num-batched-tokens must be at least 1")
         self._check_partial_prefills()
+        self._check_lora()
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("--max-model-len must be at least 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -224,6 +236,7 @@ class EngineConfig:
             max_num_partial_prefills=self.max_num_partial_prefills,
             max_long_partial_prefills=self.max_long_partial_prefills,
             long_prefill_token_threshold=resolved.long_prefill_token_threshold,
+            max_loras=self.max_loras if self.enable_lora else 0,
         )
 
     def _async_scheduling(self, platform: type[Platform]) -> bool:
@@ -235,6 +248,7 @@ class EngineConfig:
                                   "--speculative-config")
             return False
         return platform.runs_ahead if self.async_scheduling is None else self.async_scheduling
+
     def _check_offloading(self) -> None:
         if self.kv_offloading_size < 0:
             raise ConfigError("--kv-offloading-size must be non-negative")
@@ -250,6 +264,18 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             raise ConfigError("--kv-offloading-disk works with one rank only, not "
                               f"--tensor-parallel-size {self.tensor_parallel_size}")
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"--max-loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"--max-lora-rank must be at least 1, got {self.max_lora_rank}")
+        if self.cpu_loras < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras must be at least --max-loras "
+                              f"({self.max_loras}), got {self.max_cpu_loras}")
 
     def _check_partial_prefills(self) -> None:
         if self.max_num_partial_prefills < 1:

@@ -10,6 +10,20 @@ from pathlib import Path
 OLD, NEW = "a" * 40, "b" * 40  # commit hashes
 
 
+def offline_cache(tmp_path: Path, monkeypatch) -> Path:
+    """An empty hub cache under ``tmp_path``, offline. huggingface_hub reads its environment at
+    import, so its constants are set too."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
 def add_to_cache(cache: Path, repo_id: str, files: Path, commit: str,
                  refs: tuple[str, ...] = ("main",)) -> Path:
     """Store ``files`` as commit ``commit`` of ``repo_id``: each file a blob named by its hash,

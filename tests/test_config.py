@@ -59,6 +59,9 @@ def test_bad_choice_names_the_flag_and_the_choices(field, flag):
     ({"kv_offloading_disk": "/tmp/kv"}, "--kv-offloading-disk"),
     ({"kv_offloading_disk": "/tmp/kv", "kv_offloading_size": 1.0,
       "kv_offloading_disk_size": 1.0, "tensor_parallel_size": 2}, "--kv-offloading-disk"),
+    ({"max_loras": 0}, "--max-loras"),
+    ({"max_lora_rank": 0}, "--max-lora-rank"),
+    ({"max_loras": 4, "max_cpu_loras": 3}, "--max-cpu-loras"),
 ])
 def test_bad_value_names_the_flag(kwargs, flag):
     with pytest.raises(ConfigError, match=f"^{flag} "):

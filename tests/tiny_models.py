@@ -139,15 +139,16 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
 
 
 def assert_greedy_matches(llm, hf, prompts: list[list[int]], new_tokens: int = 16,
-                          rel_tol: float = 1e-3) -> int:
+                          rel_tol: float = 1e-3, lora_request=None) -> int:
     """The engine's greedy tokens equal transformers' on every prompt, except that at the
     first differing step the two candidates may be a near-tie in transformers' logits (within
     ``rel_tol``): rounding may break a tie either way, and the comparison of that prompt stops
-    there. Returns how many prompts matched to the end."""
+    there. Returns how many prompts matched to the end. ``lora_request``: the engine runs
+    every prompt with this adapter (``hf`` then being PEFT's model of it)."""
     from pagedserve import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     exact = 0
     for prompt, out in zip(prompts, outputs):
         ours, ref = out.outputs[0].token_ids, hf_greedy(hf, prompt, new_tokens)

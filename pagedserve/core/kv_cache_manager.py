@@ -156,7 +156,8 @@ class KVCacheManager:
         return CachedPrefix(device, self.offload.lookup(past_device), past_device)
 
     def _prefix_hashes(self, seq: Sequence) -> list[BlockHash]:
-        return hash_full_blocks(seq.all_token_ids[:-1], self.block_size)
+        return hash_full_blocks(seq.all_token_ids[:-1], self.block_size,
+                                extra_key=seq.cache_key)
 
     def _device_run(self, hashes: list[BlockHash]) -> list[int]:
         blocks = []
@@ -263,7 +264,8 @@ class KVCacheManager:
         num_cached = self.pool.num_cached
         accepted = seq.all_token_ids[:num_full * self.block_size]
         for i, block_hash in enumerate(
-            hash_full_blocks(accepted, self.block_size, len(hashes), parent), start=len(hashes)
+            hash_full_blocks(accepted, self.block_size, len(hashes), parent, seq.cache_key),
+            start=len(hashes)
         ):
             hashes.append(block_hash)
             self.pool.register_hash(table[i], block_hash)

@@ -68,6 +68,9 @@ class SchedulerConfig:
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: no prompt counts as long
+    # Distinct LoRA adapters the running groups may use (a step runs a subset of them);
+    # 0: no limit (LoRA off).
+    max_loras: int = 0
 
 
 class ScheduledSequence(NamedTuple):
@@ -258,8 +261,8 @@ class Scheduler:
 
     def _follows_a_prefill(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
         """One of ``prefilling`` computes the next block of ``seq``'s prompt this step (the
-        same tokens from the start up to that block's end), which ``seq`` can take from the
-        prefix cache a step later instead of computing it too."""
+        same tokens from the start up to that block's end, under the same adapter), which
+        ``seq`` can take from the prefix cache a step later instead of computing it too."""
         if (not self._shares_prefills or not self.kv.enable_caching
                 or seq.params.prompt_logprobs is not None):
             return False
@@ -267,6 +270,7 @@ class Scheduler:
         for other in prefilling:
             end = (other.num_computed_tokens // bs + 1) * bs
             if (end <= min(seq.num_prompt_tokens, other.num_prompt_tokens)
+                    and seq.cache_key == other.cache_key
                     and seq.prompt_token_ids[:end] == other.prompt_token_ids[:end]):
                 return True
         return False
@@ -349,7 +353,7 @@ class Scheduler:
         return budget
 
     def _can_resume(self, group: SequenceGroup, free_slots: int) -> bool:
-        return (free_slots >= group.width
+        return (free_slots >= group.width and self._lora_fits(group)
                 and self.kv.can_swap_in(group.seqs, self._watermark_blocks))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -373,7 +377,8 @@ class Scheduler:
             if hold_back and self._held_back(group):
                 i, passed_over = i + 1, True
                 continue
-            if self._loading_from_disk(group):
+            # Reading its prefix from disk, or waiting for an adapter slot: others go first.
+            if self._loading_from_disk(group) or not self._lora_fits(group):
                 i += 1
                 continue
             if not self._can_admit(group, budget, free_slots):
@@ -410,6 +415,15 @@ class Scheduler:
         self.running.append(group)
         return self._schedule_group(group, len(self.running) - 1, out, budget,
                                     may_preempt=False)
+
+    def _lora_fits(self, group: SequenceGroup) -> bool:
+        """Running ``group`` keeps the running groups' distinct adapters within
+        ``max_loras``, so no step ever needs more adapters than there are device slots."""
+        lora = _lora_of(group)
+        if lora is None or not self.config.max_loras:
+            return True
+        running = {r.lora_int_id for r in map(_lora_of, self.running) if r is not None}
+        return lora.lora_int_id in running or len(running) < self.config.max_loras
 
     def _free_seq_slots(self) -> int:
         return self.config.max_num_seqs - sum(g.width for g in self.running)
@@ -475,6 +489,12 @@ class Scheduler:
                 allocated += len(self.kv.block_table(seq)) * self.kv.block_size
                 filled += seq.num_computed_tokens
         return allocated, filled
+
+
+def _lora_of(group: SequenceGroup):
+    """The group's adapter (every stream of a request has the same), or None."""
+    streams = group.seqs or group.pending_forks
+    return streams[0].lora_request if streams else None
 
 
 def _fair_level(demands: list[int], supply: int) -> int:

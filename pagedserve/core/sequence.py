@@ -13,8 +13,12 @@ import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.lora.request import LoRARequest
 
 
 class SequenceStatus(enum.Enum):
@@ -71,6 +75,10 @@ class Sequence:
     # The stream's sampling seed (``sample.seeds.stream_seed`` of the request's), None when
     # unseeded: rank 0 makes the stream's generator from it once (``worker.sampling_batch``).
     seed: int | None = None
+    # The stream's LoRA adapter (None: the base model), and the key its KV blocks are hashed
+    # with: the adapter's content hash, so streams of different adapters never share blocks.
+    lora_request: LoRARequest | None = None
+    cache_key: str | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedserve.core.beam_search import BeamSearch
 from pagedserve.core.sequence import Sequence, SequenceGroup
@@ -18,6 +19,10 @@ from pagedserve.sample.seeds import stream_seed
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.structured.spec import check as check_grammar
 from pagedserve.structured.spec import grammar_spec
+
+if TYPE_CHECKING:
+    from pagedserve.lora.keys import AdapterKeys
+    from pagedserve.lora.request import LoRARequest
 
 
 class PromptTooLong(InvalidSamplingParam):
@@ -86,22 +91,34 @@ class InputLimits:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, limits: InputLimits) -> None:
+    def __init__(self, tokenizer: Tokenizer, limits: InputLimits,
+                 lora_keys: AdapterKeys | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.lora_keys = lora_keys  # None: LoRA is off
 
-    def process(self, request_id: str, prompt: str | list[int],
-                params: SamplingParams) -> RequestState:
+    def _lora_key(self, lora_request: LoRARequest | None) -> str | None:
+        if lora_request is None:
+            return None
+        if self.lora_keys is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name}: LoRA is off; start the "
+                             "engine with --enable-lora")
+        return self.lora_keys.key(lora_request)
+
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                lora_request: LoRARequest | None = None) -> RequestState:
         """A validated request with its sequences; ``state.group`` goes to the scheduler.
         Raises ``ValueError`` (``PromptTooLong`` among them) for input it cannot run."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
         max_tokens = self.limits.check(token_ids, params)
+        cache_key = self._lora_key(lora_request)
         beam = self._beam_state(params, max_tokens)
         # Beam search starts from one sequence; parallel sampling forks best_of from the prompt.
         seq_params = _beam_params(params) if beam is not None else params
         seqs = [Sequence(token_ids, seq_params, max_tokens, self.limits.eos_token_ids,
-                         seed=None if beam is not None else _seed(params, i))
+                         seed=None if beam is not None else _seed(params, i),
+                         lora_request=lora_request, cache_key=cache_key)
                 for i in range(1 if beam is not None else params.best_of)]
         group = SequenceGroup(request_id, seqs[:1], width=params.best_of,
                               pending_forks=seqs[1:])

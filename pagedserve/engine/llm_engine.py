@@ -45,7 +45,10 @@ from pagedserve.engine.speculation import Speculation
 from pagedserve.engine.stats import EngineStats
 from pagedserve.executor.executor import Executor
 from pagedserve.logger import get_logger
+from pagedserve.lora.keys import AdapterKeys
+from pagedserve.lora.request import LoRARequest
 from pagedserve.models import loader
+from pagedserve.models.config import ModelArchConfig
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import resolve_platform
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
@@ -86,7 +89,7 @@ class LLMEngine:
                                   self.eos_token_ids, sizes.num_blocks, self.resolved.block_size,
                                   config.max_grammar_bytes,
                                   speculative=config.speculative_config is not None)
-        self.inputs = InputProcessor(self.tokenizer, self.limits)
+        self.inputs = InputProcessor(self.tokenizer, self.limits, _adapter_keys(config, self.arch))
         self.outputs = OutputProcessor(self.scheduler.finish, self.scheduler.take_back,
                                        BeamDriver(self.scheduler, self.tokenizer))
         self.speculation = (Speculation(config.speculative_config)
@@ -110,22 +113,25 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue a request; ``request_id`` may be any string not in use (default: a counter).
         Raises ``ValueError`` for input the engine cannot run."""
         if request_id is None:
             request_id = self._new_id()
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._queue(self.inputs.process(request_id, prompt, params or SamplingParams()))
+        self._queue(self.inputs.process(request_id, prompt, params or SamplingParams(),
+                                        lora_request))
         return request_id
 
-    def add_requests(self, prompts: Sequence[str | list[int]],
-                     params: Sequence[SamplingParams]) -> list[str]:
+    def add_requests(self, prompts: Sequence[str | list[int]], params: Sequence[SamplingParams],
+                     lora_requests: Sequence[LoRARequest | None] | None = None) -> list[str]:
         """Queue a batch as a whole, or none of it: every request is validated before any is
         queued, and one that fails to queue takes back those queued before it."""
-        states = [self.inputs.process(self._new_id(), prompt, p)
-                  for prompt, p in zip(prompts, params, strict=True)]
+        loras = [None] * len(prompts) if lora_requests is None else lora_requests
+        states = [self.inputs.process(self._new_id(), prompt, p, lora)
+                  for prompt, p, lora in zip(prompts, params, loras, strict=True)]
         queued: list[str] = []
         try:
             for state in states:
@@ -394,6 +400,10 @@ class LLMEngine:
         return {"spec_num_drafts": c.num_drafts, "spec_num_draft_tokens": c.num_draft_tokens,
                 "spec_num_accepted_tokens": c.num_accepted_tokens,
                 "spec_accepted_per_position": tuple(c.accepted_per_position)}
+
+
+def _adapter_keys(config: EngineConfig, arch: ModelArchConfig) -> AdapterKeys | None:
+    return AdapterKeys(config.max_lora_rank, arch) if config.enable_lora else None
 
 
 def _samples_with_grammar(out: SchedulerOutput) -> bool:

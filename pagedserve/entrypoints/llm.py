@@ -8,6 +8,7 @@ from typing import Any
 
 from pagedserve.config import OPTION_NAMES, EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -51,9 +52,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; outputs keep input order."""
+        """Run every prompt to completion with continuous batching; outputs keep input order.
+        ``lora_request``: one adapter for every prompt, or one (or None) per prompt."""
         prompt_list = _as_prompt_list(prompts)
+        loras = _per_prompt(lora_request, len(prompt_list))
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
@@ -63,7 +67,7 @@ class LLM:
                                  "sampling params")
         # Offline callers only read finished outputs; skip building the intermediate ones.
         params_list = [dataclasses.replace(sp, output_kind="final_only") for sp in params_list]
-        return self._run(self.engine.add_requests(prompt_list, params_list), use_tqdm)
+        return self._run(self.engine.add_requests(prompt_list, params_list, loras), use_tqdm)
 
     def beam_search(
         self,
@@ -90,6 +94,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate. ``tools``
         (OpenAI's form, ``{"type": "function", "function": {...}}``) go to the template, which
@@ -104,7 +109,7 @@ class LLM:
         # The template already holds any BOS token; tokenize without adding another.
         token_lists = [self.engine.tokenizer.encode(p, add_special_tokens=False)
                        for p in prompts]
-        return self.generate(token_lists, sampling_params, use_tqdm)
+        return self.generate(token_lists, sampling_params, use_tqdm, lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         """Step until every request has finished; any exception on the way (a failed step,
@@ -128,6 +133,16 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[i] for i in request_ids]
+
+
+def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                num_prompts: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"got {num_prompts} prompts but {len(loras)} LoRA requests")
+    return loras
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

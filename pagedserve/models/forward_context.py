@@ -35,8 +35,8 @@ from pagedserve.attention.metadata import AttentionMetadata
 @dataclass(slots=True)
 class ForwardContext:
     attn: AttentionMetadata
-    # Per token row: the adapter slot, -1 for none (int32 [num_tokens]); filled by the LoRA
-    # issue. None: no adapters in this step.
+    # Per token row: the adapter slot, -1 for none (int32 [num_tokens]); filled by the model
+    # runner from the step's adapters (lora/slots.py). None: no adapters in this step.
     lora_slots: torch.Tensor | None = None
 
     @property

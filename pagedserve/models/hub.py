@@ -78,18 +78,18 @@ def fetch(ref: HubModel, with_weights: bool) -> HubFetch:
     repo_dir = Path(constants.HF_HUB_CACHE) / ("models--" + ref.repo_id.replace("/", "--"))
     before = _snapshot_files(repo_dir)
     if ref.gguf_file is not None:
-        path = _download(ref, [ref.gguf_file]) / ref.gguf_file
+        path = download(ref, [ref.gguf_file]) / ref.gguf_file
         if not path.is_file():
             raise HubError(f"{ref.label}: the repository has no file {ref.gguf_file}")
     else:
-        path = _download(ref, list(_METADATA_FILES))
+        path = download(ref, list(_METADATA_FILES))
         if not (path / "config.json").is_file():
             raise HubError(f"{ref.label} has no config.json (for a GGUF repository, pass "
                            "--gguf-file NAME.gguf)")
         if with_weights:
             # At the commit just fetched, so a push in between cannot split the snapshot.
             at_commit = dataclasses.replace(ref, revision=path.name)
-            _download(at_commit, [*_METADATA_FILES, *_weight_patterns(path)])
+            download(at_commit, [*_METADATA_FILES, *_weight_patterns(path)])
             _require_safetensors(ref, path)
     return HubFetch(path, downloaded=bool(_snapshot_files(repo_dir) - before))
 
@@ -114,7 +114,9 @@ def _weight_patterns(snapshot: Path) -> list[str]:
         raise HubError(f"cannot read {index}: {exc}") from exc
 
 
-def _download(ref: HubModel, patterns: list[str]) -> Path:
+def download(ref: HubModel, patterns: list[str]) -> Path:
+    """The snapshot folder of ``ref`` with its files matching ``patterns``, from the cache or
+    downloaded into it; ``HubError`` with a one-line reason otherwise."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         LocalEntryNotFoundError,

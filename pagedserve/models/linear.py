@@ -113,8 +113,15 @@ class Linear(nn.Module):
         ``QuantizedActivation``); None: it hands over plain activations."""
         return self.method.input_quantizer(self, num_tokens)
 
-    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        out = self.method.apply(self, x)
+    def forward(self, x: torch.Tensor | QuantizedActivation,
+                lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """``lora_slots`` (``ForwardContext.lora_slots``) is read by the LoRA wrapper
+        (``lora/layers.py``); a plain layer has no adapters."""
+        return self.finish(self.method.apply(self, x))
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        """This rank's matmul output to the layer's: summed over ranks, then the bias (LoRA
+        adds its delta before, so a row-parallel delta is summed with the base output)."""
         if self.reduce:
             out = self.factory.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias

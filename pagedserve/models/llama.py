@@ -48,13 +48,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions, hidden: torch.Tensor | QuantizedActivation, kv_cache,
                 ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.out_sizes, dim=-1)
+        q, k, v = self.qkv_proj(hidden, ctx.lora_slots).split(self.qkv_proj.out_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, kv_cache, ctx)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.o_proj(out.reshape(-1, self.q_size), ctx.lora_slots)
 
 
 class LlamaMLP(nn.Module):
@@ -67,8 +67,8 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor | QuantizedActivation, ctx: ForwardContext) -> torch.Tensor:
-        # ``ctx``: for the LoRA wrappers of these projections (forward_context.py).
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        slots = ctx.lora_slots
+        return self.down_proj(self.act(self.gate_up_proj(x, slots)), slots)
 
 
 class LlamaDecoderLayer(nn.Module):

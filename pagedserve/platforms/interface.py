@@ -14,6 +14,7 @@ from pagedserve.errors import ConfigError
 
 if TYPE_CHECKING:
     from pagedserve.attention.backend import AttentionBackend
+    from pagedserve.lora.ops import LoRAOps
     from pagedserve.models.forward_context import ForwardContext
     from pagedserve.models.layer_ops import LayerOps
     from pagedserve.quant.linear_method import LinearMethod
@@ -185,6 +186,14 @@ class Platform:
         from pagedserve.quant.linear_method import DenseLinearMethod
 
         return DenseLinearMethod()
+
+    @classmethod
+    def lora_ops(cls) -> type[LoRAOps]:
+        """The batched LoRA matmuls here; by default the portable torch implementation (a
+        dense matmul against every slot, masked per row)."""
+        from pagedserve.lora.ops import LoRAOps
+
+        return LoRAOps
 
     @classmethod
     def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,6 +22,9 @@ class InFlightTokens:
 
     token_ids: torch.Tensor  # int64 [num_sampled * max_positions], on the device
     rows: dict[Sequence, int]  # stream -> the index of its last sampled token in token_ids
+
+if TYPE_CHECKING:
+    from pagedserve.lora.request import LoRARequest
 
 
 @dataclass
@@ -54,6 +58,9 @@ class HostInputs:
     # Rows whose token is row ``fill_sources[i]`` of the previous step's sampled tokens.
     fill_rows: np.ndarray
     fill_sources: np.ndarray
+    # Each sequence's adapter (None: the base model; padded sequences have none), or None
+    # when no sequence of the step has one.
+    lora_requests: list[LoRARequest | None] | None = None
 
     def to_device(self, device: torch.device,
                   in_flight_tokens: torch.Tensor | None = None) -> ModelInputs:
@@ -100,9 +107,10 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
     the batch is padded to a bucketed shape with sequences whose keys and values go to block
     ``pad_block`` (shape_buckets.py states the invariants)."""
     ids, query_lens, context_lens, tables, sample_ends, sample_counts = [], [], [], [], [], []
-    fill_rows, fill_sources = [], []
+    fill_rows, fill_sources, loras = [], [], []
     row = 0
     for item in out.scheduled:
+        loras.append(item.seq.lora_request)
         start, n = item.num_computed_tokens, item.num_new_tokens
         num_known = n - len(item.draft_token_ids)  # the drafts come last
         tokens = item.seq.all_token_ids[start:start + num_known]
@@ -127,6 +135,7 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
             query_lens.append(n)
             context_lens.append(0)
             tables.append([pad_block] * max_blocks)
+            loras.append(None)
     query_lens_np = np.asarray(query_lens, dtype=np.int64)
     context_np = np.asarray(context_lens, dtype=np.int64)
     seq_lens_np = context_np + query_lens_np
@@ -151,7 +160,8 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
         sample_rows=_sample_rows(sample_ends, sample_counts),
         sample_counts=np.asarray(sample_counts, dtype=np.int64),
         fill_rows=np.asarray(fill_rows, dtype=np.int64),
-        fill_sources=np.asarray(fill_sources, dtype=np.int64))
+        fill_sources=np.asarray(fill_sources, dtype=np.int64),
+        lora_requests=loras if any(loras) else None)
 
 
 def _sample_rows(ends: list[int], counts: list[int]) -> np.ndarray:

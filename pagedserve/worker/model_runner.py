@@ -26,6 +26,7 @@ from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedserve.core.sequence import Sequence
 from pagedserve.distributed import TensorParallel, split_heads
 from pagedserve.logger import get_logger
+from pagedserve.lora.slots import LoRASlots, add_lora_layers
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.linear import LinearFactory
 from pagedserve.models.offload import LayerOffload
@@ -128,6 +129,7 @@ class ModelRunner:
         self._queued: dict[int, _QueuedStep] = {}  # steps sampled, not yet fetched
         self.buckets = buckets  # pad every step to these shapes (shape_buckets.py)
         self.pad_block = 0  # with buckets: the pool's last block, written by padded rows only
+        self.lora: LoRASlots | None = None  # with --enable-lora: the adapters' device slots
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
         """Load the checkpoint; with CPU offload, each offloaded layer leaves the device as
@@ -153,6 +155,11 @@ class ModelRunner:
                         0.0, 0.02, generator=generator)
 
         self.load_weights(tensors())
+
+    def add_lora(self, max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
+        """Wrap the loaded model's projections in LoRA layers of ``max_loras`` slots."""
+        self.lora = add_lora_layers(self.model, self.platform.lora_ops(), max_loras, max_rank,
+                                    max_cpu_loras)
 
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters, wherever they are held."""
@@ -296,6 +303,9 @@ class ModelRunner:
         if step.inputs is None:
             return None, {}
         inputs = step.inputs.to_device(self.device, in_flight_tokens)
+        if self.lora is not None and step.inputs.lora_requests is not None:
+            inputs.ctx.lora_slots = self.lora.row_slots(step.inputs.lora_requests,
+                                                        step.inputs.query_lens, self.device)
         hidden = self.run_model(inputs)
         sample_logits = None
         if len(step.inputs.sample_rows):

@@ -67,6 +67,8 @@ class Worker:
             self.runner.init_dummy_weights(config.seed)
         else:
             self.runner.load_weights(fmt.read(loader.iter_weights(source)))
+        if config.enable_lora:
+            self.runner.add_lora(config.max_loras, config.max_lora_rank, config.cpu_loras)
         self.sizes = self._agree(size_kv_cache(config, resolved, self.platform, self.runner))
         self.runner.allocate_kv_cache(
             KVCacheSpec(self.sizes.num_blocks, resolved.block_size, self.runner.kv_dtype))

@@ -13,7 +13,7 @@ import torch
 
 from pagedserve.models import loader
 from pagedserve.models.loader import ModelLoadError, ModelSource, resolve_model
-from tests.hub_cache import NEW, OLD, add_to_cache
+from tests.hub_cache import NEW, OLD, add_to_cache, offline_cache
 from tests.tiny_models import (
     assert_greedy_matches,
     hf_model,
@@ -25,17 +25,7 @@ from tests.tiny_models import (
 
 @pytest.fixture
 def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty hub cache, offline. huggingface_hub reads its environment at import, so its
-    constants are set too."""
-    from huggingface_hub import constants
-
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return cache
+    return offline_cache(tmp_path, monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -83,6 +83,12 @@ class CpuPlatform(Platform):
         return super().linear_method(weight)
 
     @classmethod
+    def lora_ops(cls):
+        from pagedserve.platforms.cpu.lora_ops import GroupedLoRAOps
+
+        return GroupedLoRAOps
+
+    @classmethod
     def memory_info(cls) -> MemoryInfo:
         total = _meminfo_bytes("MemTotal")
         if total is None:

@@ -4,12 +4,15 @@ Each captured graph runs one decode step for a fixed padded batch size over pers
 buffers. Replay copies the step's inputs into those buffers; padded rows get slot -1 (the cache
 write skips them) and a context of one token, and their outputs are dropped. The decode grid is
 sized for ``max_model_len`` so one graph serves every context length. The graphs are captured
-with a ``ForwardContext`` over those buffers and no per-row extras, so a step that carries one
-runs eagerly (models/forward_context.py).
+with a ``ForwardContext`` over those buffers, LoRA slots included (a buffer of -1 where a row
+or a whole step has no adapter: plain linear layers ignore it, LoRA layers group its rows
+inside the graph), so steps with adapters replay too; a step with any other per-row extra runs
+eagerly (models/forward_context.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -45,6 +48,7 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.lora_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -57,7 +61,7 @@ class CudaGraphRunner:
 
     def _forward(self, bs: int) -> torch.Tensor:
         return self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches,
-                          ForwardContext(self._meta(bs)))
+                          ForwardContext(self._meta(bs), lora_slots=self.lora_slots[:bs]))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -77,8 +81,8 @@ class CudaGraphRunner:
 
     def can_run(self, ctx: ForwardContext) -> bool:
         meta = ctx.attn
-        return (meta.is_decode_only and meta.num_seqs <= self.sizes[-1]
-                and not ctx.has_row_extras)
+        extras = dataclasses.replace(ctx, lora_slots=None).has_row_extras  # others than LoRA's
+        return meta.is_decode_only and meta.num_seqs <= self.sizes[-1] and not extras
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             ctx: ForwardContext) -> torch.Tensor:
@@ -93,6 +97,11 @@ class CudaGraphRunner:
         self.seq_lens[n:bs].fill_(1)
         width = meta.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        if ctx.lora_slots is None:
+            self.lora_slots[:bs].fill_(-1)
+        else:
+            self.lora_slots[:n].copy_(ctx.lora_slots, non_blocking=True)
+            self.lora_slots[n:bs].fill_(-1)
         graph, out = self.graphs[bs]
         graph.replay()
         return out[:n]

@@ -93,6 +93,12 @@ class CudaPlatform(Platform):
         return super().linear_method(weight)
 
     @classmethod
+    def lora_ops(cls):
+        from pagedserve.platforms.cuda.lora_ops import TritonLoRAOps
+
+        return TritonLoRAOps
+
+    @classmethod
     def supports_fp8_matmul(cls) -> bool:
         return torch.cuda.get_device_capability() >= (8, 9)
 

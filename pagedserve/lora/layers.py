@@ -1,0 +1,79 @@
+"""The LoRA-wrapped linear layer: the base layer's output, whatever its weight format, plus
+each row's adapter delta, added before the layer's all-reduce and bias.
+
+Each wrapped projection holds its slots' stacked weights in the layout of ``lora.ops``
+(``lora_a [L, S*R, K]``, ``lora_b [L, N, R]``, this rank's part of each) and is filled slot by
+slot by ``lora.slots``. Under tensor parallelism A and B are cut as their base layer is: a
+column-parallel layer (q/k/v, gate/up) keeps B's rows of its output part and all of A, a
+row-parallel one (o, down) A's columns of its input part and all of B, whose per-rank partial
+deltas the base layer's all-reduce then sums.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.lora.adapter import LoRAWeights
+from pagedserve.lora.ops import LoRAOps, LoRARows, group_rows
+from pagedserve.models.linear import Linear
+
+
+class StepRows:
+    """The step's rows grouped by slot, built at the first layer that reads them and shared by
+    every layer of the model (the context's slot tensor is new each step)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._slots: torch.Tensor | None = None
+        self._rows: LoRARows | None = None
+
+    def of(self, slots: torch.Tensor) -> LoRARows:
+        if slots is not self._slots:
+            self._slots, self._rows = slots, group_rows(slots, self.num_slots)
+        return self._rows
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: Linear, num_slots: int, max_rank: int, ops: type[LoRAOps],
+                 rows: StepRows) -> None:
+        super().__init__()
+        self.base = base
+        self.ops = ops
+        self.rows = rows
+        self.max_rank = max_rank
+        sizes = base.out_sizes
+        self.shards = tuple((sum(sizes[:i]), n) for i, n in enumerate(sizes))
+        f = base.factory
+        self.register_buffer("lora_a", torch.zeros(
+            num_slots, len(sizes) * max_rank, base.in_features, dtype=f.dtype, device=f.device))
+        self.register_buffer("lora_b", torch.zeros(
+            num_slots, sum(sizes), max_rank, dtype=f.dtype, device=f.device))
+
+    @property
+    def out_sizes(self) -> list[int]:
+        return self.base.out_sizes
+
+    def input_quantizer(self, num_tokens: int) -> None:
+        """None: the delta reads plain activations, so the norm before never quantizes them."""
+        return None
+
+    def forward(self, x: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.base.method.apply(self.base, x)
+        if lora_slots is not None:
+            self.ops.add_lora(out, x, self.lora_a, self.lora_b, self.shards,
+                              self.rows.of(lora_slots))
+        return self.base.finish(out)
+
+    def set_slot(self, slot: int, shards: dict[int, LoRAWeights]) -> None:
+        """Slot ``slot`` holds these shards' weights (full, as the checkpoint has them) and zero
+        for the others."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        inp, r = self.base.in_part, self.max_rank
+        for shard, w in shards.items():
+            out_part, (off, n) = self.base.out_parts[shard], self.shards[shard]
+            a = w.a[:, inp.start:inp.start + inp.size]
+            b = w.b[out_part.start:out_part.start + out_part.size]
+            self.lora_a[slot, shard * r:shard * r + w.rank].copy_(a)
+            self.lora_b[slot, off:off + n, :w.rank].copy_(b)

@@ -1,0 +1,115 @@
+"""Adapters on the device and in host memory.
+
+``max_loras`` adapters sit in device slots (every LoRA layer's stacked A and B, rank padded to
+``max_lora_rank``); up to ``max_cpu_loras`` adapters are kept read in host memory, least
+recently used dropped first (it is read from its folder again when next needed).
+
+``slots_for`` is called once per step with the step's adapters (at most ``max_loras``: the
+scheduler never schedules more) before the forward pass: each missing one is written into a
+slot no adapter of this step needs, the least recently used first. Every rank makes the same
+calls in the same order, so their slots agree without a message.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pagedserve.lora.adapter import LoRAAdapter, ShardShapes, check_fits, load_adapter
+from pagedserve.lora.layers import LoRALinear, StepRows
+from pagedserve.lora.ops import LoRAOps
+from pagedserve.lora.request import LoRARequest
+
+_PROJECTIONS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp",
+                "down_proj": "mlp"}
+
+
+class LoRASlots:
+    def __init__(self, layers: dict[tuple[int, str], LoRALinear], max_loras: int,
+                 max_rank: int, max_cpu_loras: int,
+                 loader: Callable[[str], LoRAAdapter] = load_adapter) -> None:
+        self.layers = layers
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.loader = loader
+        self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        # lora_int_id -> slot, least recently used first
+        self.resident: OrderedDict[int, int] = OrderedDict()
+        self.loads = 0  # adapters written into a slot so far
+
+    def slots_for(self, requests: list[LoRARequest]) -> dict[int, int]:
+        """The slot of each of the step's adapters (by ``lora_int_id``), loading those not in
+        one."""
+        wanted = {r.lora_int_id: r for r in requests}
+        if len(wanted) > self.max_loras:
+            raise ValueError(f"a step needs {len(wanted)} adapters, more than --max-loras "
+                             f"{self.max_loras}")
+        for lora_id in wanted:
+            if lora_id in self.resident:
+                self.resident.move_to_end(lora_id)
+        for lora_id, request in wanted.items():
+            if lora_id not in self.resident:
+                self._load(request, self._free_slot(wanted))
+        return {lora_id: self.resident[lora_id] for lora_id in wanted}
+
+    def row_slots(self, requests: list[LoRARequest | None], query_lens: list[int],
+                  device: torch.device) -> torch.Tensor:
+        """``ForwardContext.lora_slots`` for a step of these sequences (their adapters, None
+        for the base model, and their rows), loading what is missing."""
+        slot_of = self.slots_for([r for r in requests if r is not None])
+        per_seq = torch.tensor([-1 if r is None else slot_of[r.lora_int_id] for r in requests],
+                               dtype=torch.int32)
+        return torch.repeat_interleave(per_seq, torch.tensor(query_lens)).to(device)
+
+    def adapter(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter, read from host memory or from its folder (checked against the model)."""
+        adapter = self.host.pop(request.lora_int_id, None)
+        if adapter is None:
+            adapter = self.loader(request.lora_path)
+            num_layers = 1 + max(layer for layer, _ in self.layers)
+            check_fits(request.lora_name, adapter, self.max_rank, num_layers, self._shapes())
+        self.host[request.lora_int_id] = adapter
+        while len(self.host) > self.max_cpu_loras:
+            self.host.popitem(last=False)
+        return adapter
+
+    def _free_slot(self, wanted: dict[int, LoRARequest]) -> int:
+        used = set(self.resident.values())
+        free = next((s for s in range(self.max_loras) if s not in used), None)
+        if free is not None:
+            return free
+        victim = next(i for i in self.resident if i not in wanted)
+        return self.resident.pop(victim)
+
+    def _load(self, request: LoRARequest, slot: int) -> None:
+        adapter = self.adapter(request)
+        for (layer, projection), module in self.layers.items():
+            module.set_slot(slot, {shard: w for (i, p, shard), w in adapter.shards.items()
+                                   if (i, p) == (layer, projection)})
+        self.resident[request.lora_int_id] = slot
+        self.loads += 1
+
+    def _shapes(self) -> ShardShapes:
+        """The whole (unsplit) shape of each shard of the first layer's projections."""
+        return {(p, shard): (part.full, m.base.in_part.full)
+                for (layer, p), m in self.layers.items() if layer == 0
+                for shard, part in enumerate(m.base.out_parts)}
+
+
+def add_lora_layers(model: nn.Module, ops: type[LoRAOps], max_loras: int, max_rank: int,
+                    max_cpu_loras: int) -> LoRASlots:
+    """Wrap every q/k/v, o, gate/up and down projection of a loaded model in a ``LoRALinear``
+    with ``max_loras`` empty slots."""
+    rows = StepRows(max_loras)
+    layers = {}
+    for i, decoder in enumerate(model.model.layers):
+        for projection, owner_name in _PROJECTIONS.items():
+            owner = getattr(decoder, owner_name)
+            wrapped = LoRALinear(getattr(owner, projection), max_loras, max_rank, ops, rows)
+            setattr(owner, projection, wrapped)
+            layers[(i, projection)] = wrapped
+    return LoRASlots(layers, max_loras, max_rank, max_cpu_loras)

@@ -1,0 +1,178 @@
+"""LoRA shrink (``x @ A.T``) and expand (``out += s @ B.T``) over rows of mixed adapters.
+
+The layout of ``a`` and ``b`` and the grouping of rows (``LoRARows``) are those of
+``pagedserve.lora.ops``. Two forms of each, chosen by the number of rows:
+
+- **SGMV** (prefill, large batches): a program per (block of ``BLOCK_M`` rows of one slot,
+  slot), reading the slot's rows through ``sorted_rows`` so that one ``tl.dot`` serves a block
+  of rows of one adapter; programs past their slot's row count exit at once.
+- **BGMV** (decode, few rows): a program per row (and block of output columns), reading its
+  row's slot and reducing on the CUDA cores; rows of slot -1 exit at once.
+
+Dots take the activations' and weights' dtype (16-bit on the tensor cores, accumulating in
+float32), float32 ones in IEEE precision rather than TF32. The shrink writes float32
+``[T, S * R]`` (rows of slot -1 left unwritten and never read); the
+expand adds into ``out`` (any strides: a shard's column slice of the projection output) in its
+own dtype. Ranks are padded with zeros to ``R`` in ``a`` and ``b``, so no kernel reads a rank;
+``R`` is padded again to a power of two of at least 16 in registers, masked. Each output row
+belongs to one slot, so no two programs write one element. Nothing synchronizes with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.lora.ops import LoRARows
+
+# Up to this many rows a step uses BGMV (a program per row), beyond it SGMV.
+BGMV_MAX_ROWS = 32
+_BLOCK_M = 16
+_BLOCK_K = 64
+_BLOCK_N = 64
+
+
+def _block_r(ranks: int) -> int:
+    return max(16, triton.next_power_of_2(ranks))
+
+
+def shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tensor:
+    """``x [T, K] @ a[slot].T -> float32 [T, S*R]`` per row."""
+    t, k = x.shape
+    num_slots, ranks, _ = a.shape
+    out = torch.empty((t, ranks), dtype=torch.float32, device=x.device)
+    if t <= BGMV_MAX_ROWS:
+        _bgmv_shrink[(t,)](x, a, out, rows.slots, k, ranks, x.stride(0), a.stride(0),
+                           a.stride(1), BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K)
+    else:
+        grid = (triton.cdiv(t, _BLOCK_M), num_slots)
+        _sgmv_shrink[grid](x, a, out, rows.sorted_rows, rows.starts, rows.counts, k, ranks,
+                           x.stride(0), a.stride(0), a.stride(1),
+                           BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K,
+                           IEEE=x.dtype == torch.float32 and a.dtype == torch.float32)
+    return out
+
+
+def expand(shrunk: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: LoRARows) -> None:
+    """``out [T, N] += shrunk [T, R] @ b[slot] [N, R].T`` per row, in place."""
+    t, n = out.shape
+    num_slots, _, rank = b.shape
+    args = (shrunk, b, out, n, rank, shrunk.stride(0), b.stride(0), b.stride(1),
+            out.stride(0), out.stride(1))
+    if t <= BGMV_MAX_ROWS:
+        _bgmv_expand[(t, triton.cdiv(n, _BLOCK_N))](
+            *args, rows.slots, BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N)
+    else:
+        grid = (triton.cdiv(t, _BLOCK_M), triton.cdiv(n, _BLOCK_N), num_slots)
+        _sgmv_expand[grid](*args, rows.sorted_rows, rows.starts, rows.counts,
+                           BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N,
+                           IEEE=b.dtype == torch.float32)
+
+
+@triton.jit(do_not_specialize=["K", "RANKS"])
+def _sgmv_shrink(x_ptr, a_ptr, out_ptr, sorted_ptr, starts_ptr, counts_ptr, K, RANKS,
+                 stride_x, stride_al, stride_ar,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                 IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    slot = tl.program_id(1)
+    count = tl.load(counts_ptr + slot)
+    if pid_m * BLOCK_M >= count:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < count
+    rows = tl.load(sorted_ptr + tl.load(starts_ptr + slot) + offs_m, mask=mask_m, other=0)
+    rows = rows.to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < RANKS
+    a_base = a_ptr + slot.to(tl.int64) * stride_al
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        xs = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
+                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        at = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
+                     mask=mask_r[None, :] & mask_k[:, None], other=0.0)
+        if IEEE:
+            acc += tl.dot(xs, at, input_precision="ieee")
+        else:
+            acc += tl.dot(xs, at.to(xs.dtype))
+    tl.store(out_ptr + rows[:, None] * RANKS + offs_r[None, :], acc,
+             mask=mask_m[:, None] & mask_r[None, :])
+
+
+@triton.jit(do_not_specialize=["K", "RANKS"])
+def _bgmv_shrink(x_ptr, a_ptr, out_ptr, slots_ptr, K, RANKS, stride_x, stride_al, stride_ar,
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row)
+    if slot < 0:
+        return
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < RANKS
+    a_base = a_ptr + slot.to(tl.int64) * stride_al
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        xs = tl.load(x_ptr + row * stride_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        a = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :],
+                    mask=mask_r[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(a * xs[None, :], axis=1)
+    tl.store(out_ptr + row * RANKS + offs_r, acc, mask=mask_r)
+
+
+@triton.jit(do_not_specialize=["N", "RANK"])
+def _sgmv_expand(s_ptr, b_ptr, out_ptr, N, RANK, stride_s, stride_bl, stride_bn,
+                 stride_om, stride_on, sorted_ptr, starts_ptr, counts_ptr,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                 IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.program_id(2)
+    count = tl.load(counts_ptr + slot)
+    if pid_m * BLOCK_M >= count:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < count
+    rows = tl.load(sorted_ptr + tl.load(starts_ptr + slot) + offs_m, mask=mask_m, other=0)
+    rows = rows.to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < RANK
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    s = tl.load(s_ptr + rows[:, None] * stride_s + offs_r[None, :],
+                mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+    bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn
+                 + offs_r[:, None], mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+    if IEEE:
+        delta = tl.dot(s, bt, input_precision="ieee")
+    else:
+        delta = tl.dot(s.to(bt.dtype), bt)
+    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    mask = mask_m[:, None] & mask_n[None, :]
+    base = tl.load(out_ptrs, mask=mask, other=0.0)
+    tl.store(out_ptrs, (base.to(tl.float32) + delta).to(base.dtype), mask=mask)
+
+
+@triton.jit(do_not_specialize=["N", "RANK"])
+def _bgmv_expand(s_ptr, b_ptr, out_ptr, N, RANK, stride_s, stride_bl, stride_bn,
+                 stride_om, stride_on, slots_ptr,
+                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row)
+    if slot < 0:
+        return
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < RANK
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    s = tl.load(s_ptr + row * stride_s + offs_r, mask=mask_r, other=0.0)
+    b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + offs_n[:, None] * stride_bn
+                + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+    delta = tl.sum(b.to(tl.float32) * s[None, :], axis=1)
+    out_ptrs = out_ptr + row * stride_om + offs_n * stride_on
+    base = tl.load(out_ptrs, mask=mask_n, other=0.0)
+    tl.store(out_ptrs, (base.to(tl.float32) + delta).to(base.dtype), mask=mask_n)

@@ -1,0 +1,78 @@
+"""Reading PEFT adapters: folded weights against PEFT's own modules, refusals, and the content
+hash."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from pagedserve.lora.adapter import LoRAAdapterError, load_adapter
+from tests.hub_cache import OLD, add_to_cache, offline_cache
+from tests.lora.peft_adapters import ADAPTER_SPECS, peft_model, write_adapter
+
+_PEFT_NAMES = {("qkv_proj", 0): "self_attn.q_proj", ("qkv_proj", 1): "self_attn.k_proj",
+               ("qkv_proj", 2): "self_attn.v_proj", ("o_proj", 0): "self_attn.o_proj",
+               ("gate_up_proj", 0): "mlp.gate_proj", ("gate_up_proj", 1): "mlp.up_proj",
+               ("down_proj", 0): "mlp.down_proj"}
+
+
+@pytest.mark.parametrize("name", list(ADAPTER_SPECS))
+def test_folded_weights_equal_peft_modules(llama3_folder, tmp_path, name):
+    folder = write_adapter(llama3_folder, tmp_path / name, ADAPTER_SPECS[name], seed=1)
+    adapter = load_adapter(folder)
+    ref = peft_model(llama3_folder, folder)
+    modules = dict(ref.base_model.model.named_modules())
+    expected = {(i, *k) for i in range(2) for k, v in _PEFT_NAMES.items()
+                if v.split(".")[1] in ADAPTER_SPECS[name]["target_modules"]}
+    assert set(adapter.shards) == expected
+    for (layer, proj, shard), w in adapter.shards.items():
+        m = modules[f"model.layers.{layer}.{_PEFT_NAMES[(proj, shard)]}"]
+        a, b = m.lora_A["default"].weight, m.lora_B["default"].weight
+        torch.testing.assert_close(w.a, a, rtol=0, atol=0)
+        torch.testing.assert_close(w.b, b * m.scaling["default"], rtol=1e-6, atol=0)
+    if name == "mixed":  # rank_pattern and alpha_pattern took effect
+        assert adapter.shards[(0, "qkv_proj", 2)].rank == 6
+        assert adapter.max_rank == 6
+
+
+def test_content_hash_follows_weights_not_names(llama3_folder, tmp_path):
+    folder = write_adapter(llama3_folder, tmp_path / "a", ADAPTER_SPECS["attn"], seed=1)
+    copy = shutil.copytree(folder, tmp_path / "renamed")
+    assert load_adapter(copy).content_hash == load_adapter(folder).content_hash
+    config = json.loads((copy / "adapter_config.json").read_text())
+    config["lora_alpha"] = 9
+    (copy / "adapter_config.json").write_text(json.dumps(config))
+    assert load_adapter(copy).content_hash != load_adapter(folder).content_hash
+    other = write_adapter(llama3_folder, tmp_path / "b", ADAPTER_SPECS["attn"], seed=2)
+    assert load_adapter(other).content_hash != load_adapter(folder).content_hash
+
+
+@pytest.mark.parametrize("targets", [["embed_tokens", "q_proj"], ["lm_head"]])
+def test_embedding_and_lm_head_targets_are_refused(llama3_folder, tmp_path, targets):
+    folder = write_adapter(llama3_folder, tmp_path / "e", dict(r=2, target_modules=targets),
+                           seed=1)
+    with pytest.raises(LoRAAdapterError, match="embedding and LM-head"):
+        load_adapter(folder)
+
+
+def test_missing_folder_and_dora_are_one_line_errors(llama3_folder, tmp_path):
+    with pytest.raises(LoRAAdapterError, match="no such folder"):
+        load_adapter(tmp_path / "nope")
+    folder = write_adapter(llama3_folder, tmp_path / "d",
+                           dict(r=2, target_modules=["q_proj"], use_dora=True), seed=1)
+    with pytest.raises(LoRAAdapterError, match="use_dora"):
+        load_adapter(folder)
+
+
+def test_a_hugging_face_id_reads_the_cached_snapshot(llama3_folder, tmp_path, monkeypatch):
+    hub_cache = offline_cache(tmp_path, monkeypatch)
+    folder = write_adapter(llama3_folder, tmp_path / "a", ADAPTER_SPECS["attn"], seed=1)
+    snapshot = add_to_cache(hub_cache, "org/attn-lora", folder, OLD)
+    adapter = load_adapter("org/attn-lora")
+    assert adapter.path == snapshot
+    assert adapter.content_hash == load_adapter(folder).content_hash
+    with pytest.raises(LoRAAdapterError, match="org/missing.*not in the Hugging Face cache"):
+        load_adapter("org/missing")

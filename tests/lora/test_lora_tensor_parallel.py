@@ -1,0 +1,37 @@
+"""LoRA with two tensor-parallel CPU ranks over gloo: A and B cut with their base layers
+(column-parallel B of q/k/v and gate/up, row-parallel A of o and down, whose partial deltas the
+all-reduce sums) give PEFT's greedy tokens, adapters swapped through one slot mid-run."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LoRARequest, SamplingParams
+from tests.lora.peft_adapters import ADAPTER_SPECS, base_model, peft_model, write_adapter
+from tests.tiny_models import hf_greedy, make_llm, random_prompts
+
+NEW_TOKENS = 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_two_ranks_equal_peft(tiny_model_folder, tmp_path, arch):
+    base = tiny_model_folder(arch)
+    names = ["all", "mixed"]
+    requests = [LoRARequest(n, i + 1, str(write_adapter(base, tmp_path / n, ADAPTER_SPECS[n],
+                                                        seed=20 + i)))
+                for i, n in enumerate(names)]
+    order = [requests[0], None, requests[1], requests[0]]
+    prompts = random_prompts(f"lora-tp-{arch}", [7, 12, 9, 15])
+    llm = make_llm(base, tensor_parallel_size=2, enable_lora=True, max_loras=1,
+                   max_lora_rank=8)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                       ignore_eos=True),
+                               use_tqdm=False, lora_request=order)
+    finally:
+        llm.engine.shutdown()
+    for prompt, request, out in zip(prompts, order, outputs):
+        ref = (base_model(base) if request is None
+               else peft_model(base, tmp_path / request.lora_name))
+        assert out.outputs[0].token_ids == hf_greedy(ref, prompt, NEW_TOKENS), request
