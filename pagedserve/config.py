@@ -156,8 +156,8 @@ class EngineConfig:
         None, "speculative decoding, as JSON with vLLM's fields: method (ngram, "
               "draft_model), num_speculative_tokens, prompt_lookup_max and prompt_lookup_min "
               "(ngram), model (the draft checkpoint), draft_tensor_parallel_size; e.g. "
-              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'. Steps then run one "
-              "at a time (no async scheduling)")
+              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'. A step that may "
+              "verify drafts runs one at a time (no async scheduling)")
     enable_lora: bool = option(
         False, "serve LoRA adapters (PEFT folders or Hugging Face ids) on q/k/v/o and "
                "gate/up/down, chosen per request")
@@ -220,7 +220,8 @@ class EngineConfig:
             max_model_len=max_model_len,
             max_num_batched_tokens=self._max_num_batched_tokens(max_model_len),
             long_prefill_token_threshold=self._long_prefill_token_threshold(max_model_len),
-            async_scheduling=self._async_scheduling(platform),
+            async_scheduling=(platform.runs_ahead if self.async_scheduling is None
+                              else self.async_scheduling),
             block_size=self.block_size or platform.default_block_size,
             shape_bucketing=(platform.buckets_shapes if self.shape_bucketing is None
                              else self.shape_bucketing),
@@ -238,16 +239,6 @@ class EngineConfig:
             long_prefill_token_threshold=resolved.long_prefill_token_threshold,
             max_loras=self.max_loras if self.enable_lora else 0,
         )
-
-    def _async_scheduling(self, platform: type[Platform]) -> bool:
-        """A step's drafts are proposed from the tokens the step before accepted, which the
-        host must have seen: speculative decoding steps one at a time."""
-        if self.speculative_config is not None:
-            if self.async_scheduling:
-                raise ConfigError("--async-scheduling does not combine with "
-                                  "--speculative-config")
-            return False
-        return platform.runs_ahead if self.async_scheduling is None else self.async_scheduling
 
     def _check_offloading(self) -> None:
         if self.kv_offloading_size < 0:

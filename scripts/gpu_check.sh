@@ -8,6 +8,7 @@
 #                                        fp8-w8a8-kv decode-fp8 fp8-linear serve-make tp1-vs-base
 #                                        bf16-vs-base fp8-vs-base tp2
 #                                        tp2-70b allreduce tp2-tests structured cpu-offload
+#                                        spec-verify spec-throughput
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -225,6 +226,21 @@ for part in $parts; do
         tests/platforms/cuda/test_layer_kernels.py 2>&1 | tee "$OUT/gpu_layer_tests.log" ;;
     attention) python3 scripts/bench_attention.py --out "$OUT/attention_h200.json" ;;
     cpu-offload) cpu_offload || failed="${failed:-} cpu-offload" ;;
+    # Speculative decoding (issue 27): verify-step time against a plain step (k = 1..8 at
+    # batch 1, 32, 256) and the synthetic forced-acceptance curve at batch 1.
+    spec-verify) bench speculative --workload verify --device cuda --shape llama3-8b \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 8}' \
+        --max-num-batched-tokens 8192 --batch-sizes 1 32 256 --draft-lens 1 2 4 8 \
+        --out "$OUT/speculative_verify_h200_llama3-8b.json" ;;
+    # 1,000 x 128/128 with n-gram speculation on, against the same without, in one call.
+    spec-throughput)
+      for run in plain spec; do
+        extra=(); [ $run = spec ] && extra=(--speculative-config \
+          '{"method": "ngram", "num_speculative_tokens": 4}')
+        bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
+          --output-len 128 128 --skip-hf "${extra[@]}" \
+          --out "$OUT/throughput_h200_llama3-8b_128_${run}_speculation.json"
+      done ;;
     llama) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
         --output-len 128 128 --hf-batch-sizes 128 256 --hf-max-prompts 256 \
         --out "$OUT/throughput_h200_llama3-8b_128.json" ;;

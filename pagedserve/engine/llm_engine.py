@@ -238,11 +238,14 @@ class LLMEngine:
         return failed
 
     def _step(self) -> list[RequestOutput]:
-        run_ahead = self.resolved.async_scheduling and not self.outputs.num_step_by_step
+        proposes = self.speculation is not None and \
+            self.speculation.proposes(self.scheduler.running)
+        run_ahead = (self.resolved.async_scheduling and not self.outputs.num_step_by_step
+                     and not proposes)
         if self._in_flight is not None and not run_ahead:
             return self._process(self._take_in_flight())  # settle before a synchronous step
         self._finish_disk_reads()
-        if self.speculation is not None:  # never runs ahead: the host has every token
+        if proposes:  # the host has seen every token
             self.speculation.propose(self.scheduler.running,
                                      self.resolved.max_num_batched_tokens)
         out = self.scheduler.schedule(schedule_pending=run_ahead)

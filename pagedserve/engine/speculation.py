@@ -11,6 +11,12 @@ the output stage appends the accepted tokens and gives the rejected drafts' slot
 Which sequences get drafts: those decoding (every known token but the last computed), not
 constrained by a grammar (a draft would need the matcher advanced over the drafts before
 it), with room under max_tokens for more than one token.
+
+Proposing needs the host's view of every token, so a step that may verify drafts runs one at
+a time. When the policy verifies none although drafts were there (the batch is large enough
+that they cost more than they save), speculation pauses: the engine schedules ahead as
+without it (async scheduling, where the platform runs ahead) until the batch shrinks below
+that size, or ``_RETRY_STEPS`` steps have passed and the policy is asked again.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from pagedserve.spec_decode.ngram import NgramProposer
 from pagedserve.spec_decode.policy import Acceptance, StepTimeModel, choose_num_drafts
 from pagedserve.spec_decode.proposer import ProposalBatch, Proposer
 from pagedserve.worker.step import HostSamples, StepResult
+
+# Steps a paused speculation waits before it proposes again (acceptance and costs change).
+_RETRY_STEPS = 64
 
 
 @dataclass
@@ -75,6 +84,20 @@ class Speculation:
         self.acceptance = Acceptance()
         self.counters = SpecDecodeCounters(accepted_per_position=[0] * self.max_drafts)
         self._buffers: dict[Sequence, _TokenBuffer] = {}
+        self._paused_at: int | None = None  # the batch size at which drafts stopped paying
+        self._paused_steps = 0
+
+    def proposes(self, running: list[SequenceGroup]) -> bool:
+        """Whether the next step proposes drafts (and so runs one at a time); called once a
+        step."""
+        if self._paused_at is None:
+            return True
+        self._paused_steps += 1
+        if sum(len(g.seqs) for g in running) < self._paused_at or \
+                self._paused_steps > _RETRY_STEPS:
+            self._paused_at = None
+            return True
+        return False
 
     def propose(self, running: list[SequenceGroup], budget: int) -> None:
         """Set the drafts each decoding sequence of ``running`` verifies next step."""
@@ -98,6 +121,8 @@ class Speculation:
                                    fixed, per_token)
         for seq, draft, k in zip(seqs, drafts, chosen.tolist(), strict=True):
             seq.draft_token_ids = draft[:k].tolist()
+        if available.any() and not chosen.any():
+            self._paused_at, self._paused_steps = len(seqs), 0
 
     def record_step(self, num_tokens: int, seconds: float) -> None:
         self.step_times.record(num_tokens, seconds)

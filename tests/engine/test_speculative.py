@@ -155,3 +155,33 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_text_there(default_llm,
     assert spec.finish_reason == "stop" and spec.token_ids == plain.token_ids
     assert _counters(default_spec_llm).num_accepted_tokens > before
     assert_pools_full(default_spec_llm.engine.kv)
+
+
+class CostlyDrafts:
+    """A step-time model under which every token costs as much as the step: no draft pays."""
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        pass
+
+    def coefficients(self) -> tuple[float, float]:
+        return 1.0, 1.0
+
+
+def test_speculation_pauses_and_runs_ahead_while_drafts_do_not_pay(llama3_folder):
+    """With async scheduling on, steps that may verify drafts run one at a time; once the
+    policy verifies none although drafts were proposed, the engine schedules ahead again
+    (a step left in flight), and the greedy tokens stay transformers'."""
+    prompts = random_prompts("pause", [6, 11])
+    llm, oracle = _oracle_llm(llama3_folder, prompts, 16, async_scheduling=True)
+    engine = llm.engine
+    engine.speculation.step_times = CostlyDrafts()
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    ran_ahead = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        ran_ahead |= engine._in_flight is not None
+    assert oracle.proposed > 0 and _counters(llm).num_drafts == 0 and ran_ahead
+    assert assert_greedy_matches(llm, hf_model(llama3_folder), prompts, new_tokens=16) \
+        == len(prompts)

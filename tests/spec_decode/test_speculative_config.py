@@ -62,12 +62,9 @@ def test_bad_settings_are_one_line_errors_naming_the_field(value, message):
     assert "--speculative-config" in str(error.value) and "\n" not in str(error.value)
 
 
-def test_speculation_refuses_async_scheduling_and_beam_search(llama3_folder):
-    spec = {"method": "ngram", "num_speculative_tokens": 2}
-    with pytest.raises(ConfigError, match="--async-scheduling"):
-        make_llm(llama3_folder, speculative_config=spec, async_scheduling=True)
-    llm = make_llm(llama3_folder, speculative_config=spec)
-    assert not llm.engine.resolved.async_scheduling
+def test_speculation_refuses_beam_search(llama3_folder):
+    llm = make_llm(llama3_folder, speculative_config={"method": "ngram",
+                                                      "num_speculative_tokens": 2})
     with pytest.raises(InvalidSamplingParam, match="beam search"):
         llm.engine.add_request([5, 6, 7], SamplingParams(use_beam_search=True, n=2,
                                                           max_tokens=4))
