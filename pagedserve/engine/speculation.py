@@ -13,10 +13,14 @@ constrained by a grammar (a draft would need the matcher advanced over the draft
 it), with room under max_tokens for more than one token.
 
 Proposing needs the host's view of every token, so a step that may verify drafts runs one at
-a time. When the policy verifies none although drafts were there (the batch is large enough
-that they cost more than they save), speculation pauses: the engine schedules ahead as
-without it (async scheduling, where the platform runs ahead) until the batch shrinks below
-that size, or ``_RETRY_STEPS`` steps have passed and the policy is asked again.
+a time. When a step verifies no draft (none was found, or the batch is large enough that
+they cost more than they save), speculation pauses: the engine schedules ahead as without it
+(async scheduling, where the platform runs ahead) for 1 step, then 2, 4, ... up to
+``_MAX_PAUSE`` while that goes on, and at once when the batch shrinks below the size it
+paused at, or, in a batch of at most ``_SMALL_BATCH``, when a new sequence starts decoding
+(an interactive request must not inherit the pause of the one before it). So a large batch
+pays one step at a time in ``_MAX_PAUSE`` for speculation it does not use, and a batch-1
+stream whose text starts repeating finds it within a few steps.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from pagedserve.spec_decode.policy import Acceptance, StepTimeModel, choose_num_
 from pagedserve.spec_decode.proposer import ProposalBatch, Proposer
 from pagedserve.worker.step import HostSamples, StepResult
 
-# Steps a paused speculation waits before it proposes again (acceptance and costs change).
-_RETRY_STEPS = 64
+# The longest pause, in steps, between proposals that verified nothing.
+_MAX_PAUSE = 32
+# Up to this many sequences, one that starts decoding ends a pause.
+_SMALL_BATCH = 4
 
 
 @dataclass
@@ -84,20 +90,28 @@ class Speculation:
         self.acceptance = Acceptance()
         self.counters = SpecDecodeCounters(accepted_per_position=[0] * self.max_drafts)
         self._buffers: dict[Sequence, _TokenBuffer] = {}
-        self._paused_at: int | None = None  # the batch size at which drafts stopped paying
-        self._paused_steps = 0
+        self._paused_at = 0  # the batch size of the last proposal that verified nothing
+        self._pause_left = 0  # steps to run ahead before proposing again
+        self._next_pause = 1
 
     def proposes(self, running: list[SequenceGroup]) -> bool:
         """Whether the next step proposes drafts (and so runs one at a time); called once a
         step."""
-        if self._paused_at is None:
+        if self._new_in_small_batch(running):
+            self._pause_left, self._next_pause = 0, 1  # a new request starts afresh
             return True
-        self._paused_steps += 1
-        if sum(len(g.seqs) for g in running) < self._paused_at or \
-                self._paused_steps > _RETRY_STEPS:
-            self._paused_at = None
+        if not self._pause_left:
             return True
+        if sum(len(g.seqs) for g in running) < self._paused_at:
+            self._pause_left = 0
+            return True
+        self._pause_left -= 1
         return False
+
+    def _new_in_small_batch(self, running: list[SequenceGroup]) -> bool:
+        return self._next_pause > 1 and self._paused_at <= _SMALL_BATCH and any(
+            seq not in self._buffers for g in running for seq in g.seqs
+            if seq.num_computed_tokens == seq.num_tokens - 1)
 
     def propose(self, running: list[SequenceGroup], budget: int) -> None:
         """Set the drafts each decoding sequence of ``running`` verifies next step."""
@@ -121,8 +135,11 @@ class Speculation:
                                    fixed, per_token)
         for seq, draft, k in zip(seqs, drafts, chosen.tolist(), strict=True):
             seq.draft_token_ids = draft[:k].tolist()
-        if available.any() and not chosen.any():
-            self._paused_at, self._paused_steps = len(seqs), 0
+        if chosen.any():
+            self._next_pause = 1
+        else:
+            self._paused_at, self._pause_left = len(seqs), self._next_pause
+            self._next_pause = min(2 * self._next_pause, _MAX_PAUSE)
 
     def record_step(self, num_tokens: int, seconds: float) -> None:
         self.step_times.record(num_tokens, seconds)
