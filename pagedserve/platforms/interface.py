@@ -35,12 +35,14 @@ class GraphRunner(Protocol):
     """Captures decode steps once and replays them (CUDA graphs and their kin).
 
     Built after the KV pool, for batches of up to ``max_num_seqs`` sequences and contexts of up
-    to ``max_model_len`` tokens; the model runner replays a step only where ``can_run`` says so
-    and runs the model eagerly otherwise.
+    to ``max_model_len`` tokens, and verify steps of up to ``verify_len`` tokens a sequence
+    (speculative decoding; 1: none) where the runner can; the model runner replays a step only
+    where ``can_run`` says so and runs the model eagerly otherwise.
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
-                 max_num_seqs: int, max_model_len: int, block_size: int) -> None: ...
+                 max_num_seqs: int, max_model_len: int, block_size: int,
+                 verify_len: int = 1) -> None: ...
 
     def capture(self) -> None: ...
 

@@ -326,8 +326,9 @@ class ModelRunner:
         self.platform.end_forward()
         return hidden
 
-    def capture_graphs(self, max_num_seqs: int) -> None:
-        """Capture decode steps where the platform supports graphs (after the KV pool)."""
+    def capture_graphs(self, max_num_seqs: int, verify_len: int = 1) -> None:
+        """Capture decode steps where the platform supports graphs (after the KV pool), and
+        verify steps of up to ``verify_len`` tokens per sequence (speculative decoding)."""
         runner_cls = self.platform.graph_runner()
         if runner_cls is None:
             return
@@ -337,7 +338,7 @@ class ModelRunner:
             logger.info("cpu offload: decode steps run eagerly (no graphs are captured)")
             return
         self.graphs = runner_cls(self.model, self.kv_cache.layers, max_num_seqs,
-                                 self.max_model_len, self.block_size)
+                                 self.max_model_len, self.block_size, verify_len)
         self.graphs.capture()
 
     def release_graphs(self) -> None:

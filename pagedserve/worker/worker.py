@@ -75,7 +75,9 @@ class Worker:
         if config.kv_offloading_disk is not None:
             self.runner.kv_cache.disk = self._disk_tier(config, resolved, source)
         if not config.enforce_eager:
-            self.runner.capture_graphs(config.max_num_seqs)
+            drafts = config.speculative_config
+            self.runner.capture_graphs(
+                config.max_num_seqs, 1 + drafts.num_speculative_tokens if drafts else 1)
         # After graph capture: HPU graphs record each bucket at its first run. Every rank
         # warms up the same shapes in the same order (the forwards hold collectives).
         warm_up(self.runner)

@@ -1,9 +1,16 @@
-"""CUDA graphs for decode steps.
+"""CUDA graphs for decode steps, and for speculative decoding's verify steps.
 
 Each captured graph runs one decode step for a fixed padded batch size over persistent input
 buffers. Replay copies the step's inputs into those buffers; padded rows get slot -1 (the cache
 write skips them) and a context of one token, and their outputs are dropped. The decode grid is
-sized for ``max_model_len`` so one graph serves every context length. The graphs are captured
+sized for ``max_model_len`` so one graph serves every context length.
+
+With ``verify_len`` Q above 1, a second set of graphs runs verify steps: every sequence brings
+up to Q tokens after its cached context (its last token and its drafts), padded to exactly Q
+rows, so the varlen attention kernel runs at one shape per batch size. A sequence's row r sits
+at row ``i * Q + r``; the rows past its own tokens sit after them (positions past its end,
+slot -1, never written), so causal attention keeps them out of its real rows, and their
+outputs are dropped. The graphs are captured
 with a ``ForwardContext`` over those buffers, LoRA slots included (a buffer of -1 where a row
 or a whole step has no adapter: plain linear layers ignore it, LoRA layers group its rows
 inside the graph), so steps with adapters replay too; a step with any other per-row extra runs
@@ -24,6 +31,12 @@ from pagedserve.models.forward_context import ForwardContext
 logger = get_logger(__name__)
 
 
+def _padded_rows(query_lens: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """int64: the padded row of each real row, sequence i's row r at ``i * width + r``."""
+    rows = [i * width + r for i, q in enumerate(query_lens) for r in range(q)]
+    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then steps of 16 up to max_num_seqs (always included)."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
@@ -33,75 +46,95 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
-                 max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+                 max_num_seqs: int, max_model_len: int, block_size: int,
+                 verify_len: int = 1) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_num_seqs)
         self.max_model_len = max_model_len
         self.block_size = block_size
+        # Query lengths with graphs: 1 (decode), and Q = verify_len where drafts are verified.
+        self.query_lens = [1] + ([verify_len] if verify_len > 1 else [])
         device = kv_caches[0].device
         n = self.sizes[-1]
+        rows = n * self.query_lens[-1]
         max_blocks = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.lora_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.query_start_loc = {q: torch.arange(0, q * (n + 1), q, dtype=torch.int32,
+                                                device=device) for q in self.query_lens}
+        self.lora_slots = torch.full((rows,), -1, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    def _meta(self, bs: int, q: int) -> AttentionMetadata:
         return AttentionMetadata(
-            num_seqs=bs, num_tokens=bs, max_query_len=1, max_seq_len=self.max_model_len,
-            block_size=self.block_size, query_start_loc=self.query_start_loc[:bs + 1],
-            seq_lens=self.seq_lens[:bs], context_lens=self.seq_lens[:bs] - 1,
-            block_tables=self.block_tables[:bs], slot_mapping=self.slot_mapping[:bs],
-            query_lens_cpu=[1] * bs, seq_lens_cpu=[self.max_model_len] * bs)
+            num_seqs=bs, num_tokens=bs * q, max_query_len=q, max_seq_len=self.max_model_len,
+            block_size=self.block_size, query_start_loc=self.query_start_loc[q][:bs + 1],
+            seq_lens=self.seq_lens[:bs], context_lens=self.seq_lens[:bs] - q,
+            block_tables=self.block_tables[:bs], slot_mapping=self.slot_mapping[:bs * q],
+            query_lens_cpu=[q] * bs, seq_lens_cpu=[self.max_model_len] * bs)
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        return self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches,
-                          ForwardContext(self._meta(bs), lora_slots=self.lora_slots[:bs]))
+    def _forward(self, bs: int, q: int) -> torch.Tensor:
+        rows = bs * q
+        return self.model(self.input_ids[:rows], self.positions[:rows], self.kv_caches,
+                          ForwardContext(self._meta(bs, q), lora_slots=self.lora_slots[:rows]))
 
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         # Largest first, so smaller graphs reuse its memory pool.
-        for bs in reversed(self.sizes):
-            self._forward(bs)  # warm-up: Triton compiles outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(bs)
-            self.graphs[bs] = (graph, out)
+        for q in reversed(self.query_lens):
+            self.seq_lens.fill_(q)  # a context of none: the warm-up reads no stale block
+            for bs in reversed(self.sizes):
+                self._forward(bs, q)  # warm-up: Triton compiles outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(bs, q)
+                self.graphs[bs, q] = (graph, out)
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1fs", len(self.sizes),
-                    self.sizes[0], self.sizes[-1], time.perf_counter() - start)
+        logger.info("captured %d CUDA graphs (batch sizes %d..%d, query lengths %s) in %.1fs",
+                    len(self.graphs), self.sizes[0], self.sizes[-1], self.query_lens,
+                    time.perf_counter() - start)
 
     def can_run(self, ctx: ForwardContext) -> bool:
         meta = ctx.attn
         extras = dataclasses.replace(ctx, lora_slots=None).has_row_extras  # others than LoRA's
-        return meta.is_decode_only and meta.num_seqs <= self.sizes[-1] and not extras
+        if extras or meta.num_seqs > self.sizes[-1]:
+            return False
+        return meta.is_decode_only or (meta.max_query_len <= self.query_lens[-1] and all(
+            q < s for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu)))  # verify steps
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             ctx: ForwardContext) -> torch.Tensor:
         meta = ctx.attn
         n = meta.num_seqs
         bs = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.slot_mapping[n:bs].fill_(-1)
-        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        self.seq_lens[n:bs].fill_(1)
+        if meta.is_decode_only:
+            q, rows = 1, slice(0, n)
+            self.positions[:n].copy_(positions, non_blocking=True)
+            self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
+        else:
+            q = self.query_lens[-1]
+            rows = _padded_rows(meta.query_lens_cpu, q, input_ids.device)
+            # Every padded row at its place after its sequence's context.
+            context = meta.context_lens.long()
+            self.positions[:n * q].copy_(
+                (context[:, None] + torch.arange(q, device=context.device)).flatten())
+            self.seq_lens[:n].copy_(meta.context_lens + q)
+        self.seq_lens[n:bs].fill_(q)
+        self.slot_mapping[:bs * q].fill_(-1)
+        self.slot_mapping[rows] = meta.slot_mapping
+        self.input_ids[rows] = input_ids
         width = meta.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
-        if ctx.lora_slots is None:
-            self.lora_slots[:bs].fill_(-1)
-        else:
-            self.lora_slots[:n].copy_(ctx.lora_slots, non_blocking=True)
-            self.lora_slots[n:bs].fill_(-1)
-        graph, out = self.graphs[bs]
+        self.lora_slots[:bs * q].fill_(-1)
+        if ctx.lora_slots is not None:
+            self.lora_slots[rows] = ctx.lora_slots
+        graph, out = self.graphs[bs, q]
         graph.replay()
-        return out[:n]
+        return out[rows]

@@ -45,7 +45,9 @@ class _DecodeStep(torch.nn.Module):
 
 class HpuGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
-                 max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+                 max_num_seqs: int, max_model_len: int, block_size: int,
+                 verify_len: int = 1) -> None:
+        # Verify steps (verify_len > 1) are not wrapped: they run eagerly on Gaudi.
         self.block_size = block_size
         self.step = _DecodeStep(model, kv_caches, block_size)
 

@@ -134,3 +134,31 @@ def test_cpu_offload_equals_the_resident_model(tmp_path, layers):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [sorted((t, x.logprob) for t, x in d.items()) for d in a.outputs[0].logprobs] == \
             [sorted((t, x.logprob) for t, x in d.items()) for d in b.outputs[0].logprobs]
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_speculative_verify_steps_equal_plain_greedy_on_gpu(tiny, eager):
+    """Drafts from the plain engine's own continuation, every third one wrong, verified in
+    float32 eagerly or through the verify-step graphs: the tokens equal the plain engine's,
+    and with graphs the verify steps replay."""
+    from tests.engine.test_speculative import OracleProposer
+    from tests.engine.test_speculative_lossless import FreeDrafts
+
+    prompts = _prompts()
+    options = dict(device="cuda", dtype="float32", block_size=16, enforce_eager=eager,
+                   gpu_memory_utilization=0.3)
+    plain = [o.outputs[0].token_ids for o in _greedy(LLM(model=str(tiny), **options), prompts)]
+    llm = LLM(model=str(tiny), speculative_config={"method": "ngram",
+                                                   "num_speculative_tokens": 4}, **options)
+    llm.engine.speculation.proposer = OracleProposer(
+        {tuple(p): t for p, t in zip(prompts, plain, strict=True)})
+    llm.engine.speculation.step_times = FreeDrafts()
+    runner = llm.engine.executor.runner
+    replays = []
+    if not eager:
+        real_run = runner.graphs.run
+        runner.graphs.run = lambda ids, pos, ctx: replays.append(ctx.attn.max_query_len) or \
+            real_run(ids, pos, ctx)
+    assert [o.outputs[0].token_ids for o in _greedy(llm, prompts)] == plain
+    assert llm.engine.speculation.counters.num_accepted_tokens > 0
+    assert eager or max(replays) > 1
