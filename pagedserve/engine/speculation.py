@@ -16,7 +16,7 @@ Proposing needs the host's view of every token, so a step that may verify drafts
 a time. When a step verifies no draft (none was found, or the batch is large enough that
 they cost more than they save), speculation pauses: the engine schedules ahead as without it
 (async scheduling, where the platform runs ahead) for 1 step, then 2, 4, ... up to
-``_MAX_PAUSE`` while that goes on, and at once when the batch shrinks below the size it
+``_MAX_PAUSE`` while that goes on, and at once when the batch shrinks below half the size it
 paused at, or, in a batch of at most ``_SMALL_BATCH``, when a new sequence starts decoding
 (an interactive request must not inherit the pause of the one before it). So a large batch
 pays one step at a time in ``_MAX_PAUSE`` for speculation it does not use, and a batch-1
@@ -38,7 +38,7 @@ from pagedserve.spec_decode.proposer import ProposalBatch, Proposer
 from pagedserve.worker.step import HostSamples, StepResult
 
 # The longest pause, in steps, between proposals that verified nothing.
-_MAX_PAUSE = 32
+_MAX_PAUSE = 64
 # Up to this many sequences, one that starts decoding ends a pause.
 _SMALL_BATCH = 4
 
@@ -102,7 +102,7 @@ class Speculation:
             return True
         if not self._pause_left:
             return True
-        if sum(len(g.seqs) for g in running) < self._paused_at:
+        if 2 * sum(len(g.seqs) for g in running) < self._paused_at:
             self._pause_left = 0
             return True
         self._pause_left -= 1
