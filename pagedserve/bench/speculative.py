@@ -154,11 +154,11 @@ def main(args: argparse.Namespace) -> None:
 class _FreeDrafts:
     """A step-time model under which every draft pays: the policy verifies all it is given."""
 
-    def record(self, num_tokens: int, seconds: float) -> None:
+    def record(self, num_tokens: int, verifies: bool, seconds: float) -> None:
         pass
 
-    def coefficients(self) -> tuple[float, float]:
-        return 1.0, 0.0
+    def coefficients(self) -> tuple[float, float, float]:
+        return 1.0, 0.0, 0.0
 
 
 class _ForcedDrafts:

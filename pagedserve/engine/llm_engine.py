@@ -267,7 +267,9 @@ class LLMEngine:
         start = time.perf_counter()
         outputs = self._process(self._run(out))
         if self.speculation is not None:
-            self.speculation.record_step(out.num_batched_tokens, time.perf_counter() - start)
+            self.speculation.record_step(out.num_batched_tokens,
+                                         any(s.draft_token_ids for s in out.scheduled),
+                                         time.perf_counter() - start)
         return outputs
 
     def _finish_disk_reads(self) -> None:

@@ -130,9 +130,8 @@ class Speculation:
             [self._buffers[seq].view(seq.all_token_ids) for seq in seqs], room))
         available = np.array([len(d) for d in drafts], dtype=np.int64)
         rates = np.array([self.acceptance.rate(seq) for seq in seqs])
-        fixed, per_token = self.step_times.coefficients()
         chosen = choose_num_drafts(rates, available, min(base_tokens, budget), len(seqs),
-                                   fixed, per_token)
+                                   *self.step_times.coefficients())
         for seq, draft, k in zip(seqs, drafts, chosen.tolist(), strict=True):
             seq.draft_token_ids = draft[:k].tolist()
         if chosen.any():
@@ -141,8 +140,8 @@ class Speculation:
             self._paused_at, self._pause_left = len(seqs), self._next_pause
             self._next_pause = min(2 * self._next_pause, _MAX_PAUSE)
 
-    def record_step(self, num_tokens: int, seconds: float) -> None:
-        self.step_times.record(num_tokens, seconds)
+    def record_step(self, num_tokens: int, verifies: bool, seconds: float) -> None:
+        self.step_times.record(num_tokens, verifies, seconds)
 
     def record(self, result: StepResult, samples: HostSamples | None) -> None:
         """Count what each verify row of a step accepted."""

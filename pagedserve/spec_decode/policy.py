@@ -2,13 +2,16 @@
 
 Verifying ``k`` drafts of a sequence costs ``k`` more tokens in the step; it yields
 ``1 + a + a^2 + ... + a^k`` tokens in expectation, ``a`` the sequence's acceptance rate. The
-step's time is modelled as ``t(T) = fixed + per_token * T`` for a step of ``T`` tokens, fitted
-online from the steps the engine times (least squares with exponential forgetting, so the fit
-follows the operating point). Each extra draft j of a sequence adds ``a^j`` expected tokens, a
-gain that shrinks with j, so the best choice takes the largest gains first: sort every
-candidate draft's gain, and keep the prefix that maximises
+step's time is modelled as ``t(T, v) = fixed + per_token * T + verify * v`` for a step of
+``T`` tokens, ``v`` 1 when it verifies any draft: a verify step also pays for what a decode
+step avoids (its attention runs the varlen path rather than the decode kernel, the rejection
+sampler runs, the host waits for it). The three are fitted online from the steps the engine
+times (least squares with exponential forgetting, so the fit follows the operating point).
+Each extra draft j of a sequence adds ``a^j`` expected tokens, a gain that shrinks with j, so
+the best choice takes the largest gains first: sort every candidate draft's gain, and keep
+the prefix that maximises
 
-    (tokens without drafts + sum of kept gains) / t(T_base + number kept).
+    (tokens without drafts + sum of kept gains) / t(T_base + number kept, number kept > 0).
 
 At batch 1 on a memory-bound device ``per_token`` is small next to ``fixed`` and every likely
 draft is kept; in a large batch on a compute-bound step each token costs its share and drafts
@@ -31,27 +34,30 @@ _PRIOR_DRAFTS = 4.0
 
 @dataclass
 class StepTimeModel:
-    """``t(T) = fixed + per_token * T``, by recency-weighted least squares over (T, seconds)."""
+    """``t(T, v) = fixed + per_token * T + verify * v``, by recency-weighted least squares
+    over the timed steps' (T, v, seconds)."""
 
-    # Before any step was timed: a step's time independent of its size, so drafts are tried.
-    sums: np.ndarray = field(default_factory=lambda: np.zeros(5))  # w, wT, wT^2, wt, wTt
+    # Weighted sums of the features' outer products and of features times seconds.
+    gram: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
+    moments: np.ndarray = field(default_factory=lambda: np.zeros(3))
 
-    def record(self, num_tokens: int, seconds: float) -> None:
-        self.sums *= _FORGET
-        self.sums += (1.0, num_tokens, num_tokens ** 2, seconds, num_tokens * seconds)
+    def record(self, num_tokens: int, verifies: bool, seconds: float) -> None:
+        features = np.array([1.0, num_tokens, float(verifies)])
+        self.gram = _FORGET * self.gram + np.outer(features, features)
+        self.moments = _FORGET * self.moments + features * seconds
 
-    def coefficients(self) -> tuple[float, float]:
-        """(fixed, per_token); per_token 0 until steps of different sizes were seen."""
-        w, st, stt, sy, sty = self.sums
-        if w == 0:
-            return 1.0, 0.0
-        mean_t, mean_y = st / w, sy / w
-        var = stt / w - mean_t ** 2
-        # Steps of (nearly) one size say nothing about the slope.
-        slope = 0.0 if var < 1e-6 * max(1.0, mean_t ** 2) else (sty / w - mean_t * mean_y) / var
-        slope = max(slope, 0.0)
-        fixed = max(mean_y - slope * mean_t, 1e-9)
-        return fixed, slope
+    def coefficients(self) -> tuple[float, float, float]:
+        """(fixed, per_token, verify). Before any step was timed: drafts look free, so they
+        are tried; a term the steps seen cannot tell apart from the others (steps of one size
+        only, or verify steps only) shares their time (the least-norm fit)."""
+        if self.gram[0, 0] == 0:
+            return 1.0, 0.0, 0.0
+        # Scaled so that the token count's column does not swamp the others.
+        scale = np.array([1.0, max(1.0, np.sqrt(self.gram[1, 1] / self.gram[0, 0])), 1.0])
+        gram = self.gram / np.outer(scale, scale)
+        solution = np.linalg.lstsq(gram, self.moments / scale, rcond=1e-9)[0] / scale
+        fixed, per_token, verify = solution
+        return max(fixed, 1e-9), max(per_token, 0.0), max(verify, 0.0)
 
 
 @dataclass
@@ -79,7 +85,8 @@ class Acceptance:
 
 
 def choose_num_drafts(rates: np.ndarray, available: np.ndarray, base_tokens: int,
-                      base_output: float, fixed: float, per_token: float) -> np.ndarray:
+                      base_output: float, fixed: float, per_token: float,
+                      verify: float = 0.0) -> np.ndarray:
     """int64 [R]: drafts to verify for each of R sequences with acceptance ``rates`` and
     ``available`` drafts proposed, in a step of ``base_tokens`` tokens otherwise that outputs
     ``base_output`` tokens otherwise (see the module doc)."""
@@ -91,6 +98,6 @@ def choose_num_drafts(rates: np.ndarray, available: np.ndarray, base_tokens: int
     order = np.argsort(-gains, kind="stable")
     kept = np.arange(len(order) + 1)
     output = base_output + np.concatenate(([0.0], np.cumsum(gains[order])))
-    rate = output / (fixed + per_token * (base_tokens + kept))
+    rate = output / (fixed + per_token * (base_tokens + kept) + verify * (kept > 0))
     best = int(np.argmax(rate))  # the first maximum: no draft that does not pay
     return np.bincount(rows[order[:best]], minlength=len(rates)).astype(np.int64)

@@ -46,6 +46,7 @@ def _oracle_llm(folder, prompts, new_tokens, **options):
     reference = make_llm(folder, **{k: v for k, v in options.items() if k != "num_blocks"})
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     outputs = reference.generate(prompts, params, use_tqdm=False)
+    reference.shutdown()  # a tensor-parallel engine holds the process's one process group
     llm = make_llm(folder, speculative_config=NGRAM, **options)
     oracle = OracleProposer({tuple(p): o.outputs[0].token_ids
                              for p, o in zip(prompts, outputs, strict=True)})
@@ -161,11 +162,11 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_text_there(default_llm,
 class CostlyDrafts:
     """A step-time model under which every token costs as much as the step: no draft pays."""
 
-    def record(self, num_tokens: int, seconds: float) -> None:
+    def record(self, num_tokens: int, verifies: bool, seconds: float) -> None:
         pass
 
-    def coefficients(self) -> tuple[float, float]:
-        return 1.0, 1.0
+    def coefficients(self) -> tuple[float, float, float]:
+        return 1.0, 1.0, 0.0
 
 
 def test_speculation_pauses_and_runs_ahead_while_drafts_do_not_pay(llama3_folder):
@@ -186,3 +187,17 @@ def test_speculation_pauses_and_runs_ahead_while_drafts_do_not_pay(llama3_folder
     assert oracle.proposed > 0 and _counters(llm).num_drafts == 0 and ran_ahead
     assert assert_greedy_matches(llm, hf_model(llama3_folder), prompts, new_tokens=16) \
         == len(prompts)
+
+
+@pytest.mark.slow
+def test_greedy_with_drafts_under_tensor_parallelism(llama3_folder):
+    """TP=2 over gloo: the planned verify chunks reach rank 1 as host data and the ranks
+    stay in step through verify steps and take-backs."""
+    prompts = random_prompts("tp", [5, 17, 9])
+    llm, _ = _oracle_llm(llama3_folder, prompts, 16, tensor_parallel_size=2)
+    try:
+        assert assert_greedy_matches(llm, hf_model(llama3_folder), prompts, new_tokens=16) \
+            == len(prompts)
+        assert _counters(llm).num_accepted_tokens > 0
+    finally:
+        llm.shutdown()

@@ -40,11 +40,11 @@ class FixedDrafts:
 class FreeDrafts:
     """A step-time model in which drafts cost nothing (``spec_decode/policy.py``)."""
 
-    def record(self, num_tokens: int, seconds: float) -> None:
+    def record(self, num_tokens: int, verifies: bool, seconds: float) -> None:
         pass
 
-    def coefficients(self) -> tuple[float, float]:
-        return 1.0, 0.0
+    def coefficients(self) -> tuple[float, float, float]:
+        return 1.0, 0.0, 0.0
 
 
 def _samples(llm, prompt, first_seed: int) -> list[tuple[int, ...]]:

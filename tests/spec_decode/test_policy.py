@@ -13,9 +13,9 @@ import pytest
 from pagedserve.spec_decode.policy import Acceptance, StepTimeModel, choose_num_drafts
 
 
-def _rate(rates, ks, base_tokens, fixed, per_token):
+def _rate(rates, ks, base_tokens, fixed, per_token, verify):
     output = len(rates) + sum(sum(r ** (j + 1) for j in range(k)) for r, k in zip(rates, ks))
-    return output / (fixed + per_token * (base_tokens + sum(ks)))
+    return output / (fixed + per_token * (base_tokens + sum(ks)) + verify * (sum(ks) > 0))
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -24,11 +24,12 @@ def test_the_choice_is_the_brute_force_optimum(seed):
     rates = rng.uniform(0.05, 0.95, size=3)
     available = rng.integers(0, 4, size=3)
     fixed, per_token = rng.uniform(0.5, 2.0), rng.uniform(0.0, 0.3)
-    chosen = choose_num_drafts(rates, available, 3, 3.0, fixed, per_token)
-    best = max(_rate(rates, ks, 3, fixed, per_token)
+    verify = rng.uniform(0.0, 1.0) if seed % 2 else 0.0
+    chosen = choose_num_drafts(rates, available, 3, 3.0, fixed, per_token, verify)
+    best = max(_rate(rates, ks, 3, fixed, per_token, verify)
                for ks in itertools.product(*(range(a + 1) for a in available)))
     assert np.all(chosen <= available)
-    assert _rate(rates, chosen, 3, fixed, per_token) == pytest.approx(best, rel=1e-12)
+    assert _rate(rates, chosen, 3, fixed, per_token, verify) == pytest.approx(best, rel=1e-12)
 
 
 def test_memory_bound_steps_take_every_likely_draft_and_compute_bound_ones_none():
@@ -36,20 +37,26 @@ def test_memory_bound_steps_take_every_likely_draft_and_compute_bound_ones_none(
     assert choose_num_drafts(rates, available, 1, 1.0, 1.0, 0.01).tolist() == [4]
     rates, available = np.full(256, 0.7), np.full(256, 4)
     assert choose_num_drafts(rates, available, 256, 256.0, 1.0, 0.01).sum() == 0
+    # A verify step's own overhead: worth it for likely drafts, not for unlikely ones.
+    assert choose_num_drafts(np.full(1, 0.9), available[:1], 1, 1.0, 1.0, 0.0, 1.5).sum() == 4
+    assert choose_num_drafts(np.full(1, 0.3), available[:1], 1, 1.0, 1.0, 0.0, 1.5).sum() == 0
 
 
-def test_the_step_time_fit_recovers_fixed_and_per_token_time():
+def test_the_step_time_fit_recovers_fixed_per_token_and_verify_time():
     model = StepTimeModel()
-    assert model.coefficients() == (1.0, 0.0)  # untimed: drafts look free, so they are tried
-    for tokens in [1, 5, 9, 64, 2, 33] * 10:
-        model.record(tokens, 0.004 + 0.0002 * tokens)
-    fixed, per_token = model.coefficients()
-    assert fixed == pytest.approx(0.004, rel=1e-6) and per_token == pytest.approx(0.0002,
-                                                                                 rel=1e-6)
+    assert model.coefficients() == (1.0, 0.0, 0.0)  # untimed: drafts look free: tried
+    for tokens, verifies in [(1, False), (5, True), (9, True), (64, False), (2, True),
+                             (33, False)] * 10:
+        model.record(tokens, verifies, 0.004 + 0.0002 * tokens + 0.003 * verifies)
+    fixed, per_token, verify = model.coefficients()
+    assert fixed == pytest.approx(0.004, rel=1e-6)
+    assert per_token == pytest.approx(0.0002, rel=1e-6)
+    assert verify == pytest.approx(0.003, rel=1e-6)
     steady = StepTimeModel()
     for _ in range(10):
-        steady.record(8, 0.01)
-    assert steady.coefficients() == (pytest.approx(0.01), 0.0)  # one size: no slope to see
+        steady.record(8, False, 0.01)
+    fixed, per_token, verify = steady.coefficients()  # one size: the time is shared out
+    assert fixed + 8 * per_token == pytest.approx(0.01) and verify == 0.0
 
 
 def test_acceptance_starts_from_the_batch_rate_and_learns_each_sequence():
