@@ -132,12 +132,14 @@ class OffloadTiers:
                 continue
             if block_hash in self.host or block_hash not in self.disk:
                 break
+            # Most recent first: the host block the insert evicts spills to disk, and that
+            # spill must not evict the very file this read is about to open.
+            self.disk.touch(block_hash)
             block = self._insert(block_hash)
             if block is None:
                 break
             self.host_pool.share(block)  # the read's hold, until it is reported
             self.host.loading.add(block_hash)
-            self.disk.touch(block_hash)
             self.disk_ops.read.append((block_hash, block))
             loading = True
         return loading

@@ -244,3 +244,22 @@ def test_a_prefix_longer_than_the_host_tier_comes_back_partly_and_never_waits_fo
     assert not sim.sched.has_unfinished, "the request never started"
     stats = kv.offload.stats
     assert stats.host_hits == 2 + from_disk and stats.blocks_from_disk == from_disk
+
+
+def test_a_disk_read_whose_insert_spills_the_last_host_block_keeps_its_own_file():
+    """One host block (holding A) and room for one file on disk (B): reading B back evicts A
+    from the host, and A's spill to disk evicts the oldest file. The read must not be that
+    file's victim before it starts (it was: a KeyError left the pools miscounted); the read
+    is queued before the spill's delete, so B's bytes are read, then A's file replaces B's."""
+    from pagedserve.core.block_pool import BlockPool
+    from pagedserve.core.offload import OffloadTiers
+
+    a, b = b"A" * 16, b"B" * 16
+    pool = BlockPool(1)
+    tiers = OffloadTiers(pool, num_host_blocks=1, num_disk_blocks=1, disk_hashes=[b])
+    assert tiers.offload(a) == 0
+    assert tiers.fetch_from_disk([b], []) is True
+    assert tiers.disk_ops.spill == [(0, a)] and tiers.disk_ops.read == [(b, 0)]
+    assert pool.ref_counts[0] == 2  # the tier's hold and the read's
+    tiers.finish_disk_reads([(b, True)])
+    assert tiers.lookup([b]) == [0] and pool.ref_counts[0] == 1
