@@ -83,3 +83,16 @@ def test_the_platforms_and_the_weight_forms_do_not_import_the_config():
                  for module, imported in imports_under(folder).items()}
     assert {m: found for m, found in offending.items() if found} == {}
     assert not any(within(m, "pagedserve") for m in imported_modules(PACKAGE / "errors.py"))
+
+
+def test_the_engine_reaches_rank_0_through_the_executor_s_calls_only():
+    """No ``executor.runner`` (or ``executor.driver``) attribute chain in ``engine/``: what
+    the engine needs of rank 0 is an executor method, so a remote rank 0 stays possible."""
+    offending = []
+    for path in sorted((PACKAGE / "engine").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in ("runner", "driver")
+                    and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "executor"):
+                offending.append(f"{path.name}:{node.lineno}")
+    assert offending == []

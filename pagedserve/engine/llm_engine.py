@@ -77,7 +77,7 @@ class LLMEngine:
         self.dtype = self.resolved.dtype
         self.max_model_len = self.resolved.max_model_len
         self.executor = Executor(config)
-        sizes = self.executor.driver.sizes
+        sizes = self.executor.kv_sizes
         self.kv_bytes_per_block = sizes.bytes_per_block
         self.kv = KVCacheManager(sizes.num_blocks, self.resolved.block_size,
                                  config.enable_prefix_caching, sizes.num_host_blocks,
@@ -395,7 +395,7 @@ class LLMEngine:
             offload_bytes_to_device=s.blocks_to_device * per_block,
             offload_bytes_to_disk=s.blocks_to_disk * per_block,
             offload_bytes_from_disk=s.blocks_from_disk * per_block,
-            offload_copy_s=self.executor.runner.kv_cache.copy_seconds,
+            offload_copy_s=self.executor.kv_copy_seconds(),
         )
 
     def _spec_stats(self) -> dict:

@@ -27,6 +27,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.errors import ConfigError
+from pagedserve.worker.cache_sizing import CacheSizes
 from pagedserve.worker.model_runner import ModelRunner, PromptSpan, StepInput
 from pagedserve.worker.step import Forward, SamplingInputs, StepOutput, StepResult
 from pagedserve.worker.step_api import LocalStep, StepAPI
@@ -217,6 +218,15 @@ class Executor:
     def finished_disk_reads(self, wait_s: float = 0.0) -> list[tuple[bytes, bool]]:
         disk = self.runner.kv_cache.disk
         return disk.finished_reads(wait_s) if disk is not None else []
+
+    @property
+    def kv_sizes(self) -> CacheSizes:
+        """The KV pools' sizes every rank agreed on at start-up."""
+        return self.driver.sizes
+
+    def kv_copy_seconds(self) -> float:
+        """Host time rank 0 has spent queuing and waiting on KV block moves."""
+        return self.runner.kv_cache.copy_seconds
 
     def dead_reason(self) -> str | None:
         return self._group.dead_reason() if self._group is not None else None
