@@ -109,29 +109,49 @@ def test_aborting_a_request_stops_its_compile(default_llm):
     assert_pools_full(engine.kv)
 
 
-def _compile_workers() -> list[int]:
-    import psutil
+_DROP_SCRIPT = """
+import gc, json, os, sys
+import psutil
+from pagedserve import LLM, SamplingParams
+from pagedserve.sampling_params import StructuredOutputsParams
 
-    return [p.pid for p in psutil.Process().children()
-            if "pagedserve.structured.compiler" in " ".join(p.cmdline())]
+def workers():
+    return sorted(p.pid for p in psutil.Process().children()
+                  if "pagedserve.structured.compiler" in " ".join(p.cmdline()))
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return False
+
+llm = LLM(model=sys.argv[1], device="cpu", max_model_len=256, kv_cache_memory_bytes=1 << 20)
+params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+    choice=["red", "green"]))
+text = llm.generate(["pick"], params, use_tqdm=False)[0].outputs[0].text
+started, expected = workers(), llm.engine.config.grammar_compile_workers
+del llm
+gc.collect()
+print(json.dumps({"text": text, "started": started, "expected": expected,
+                  "alive": [pid for pid in started if alive(pid)]}))
+"""
 
 
 def test_dropping_an_engine_stops_its_compile_workers(tmp_path):
     """The pool's threads keep the pool alive, so only the engine's finalizer can stop the
-    worker processes of an engine nobody holds any more."""
-    import gc
+    worker processes of an engine nobody holds any more. In a process of its own, so that no
+    other engine's pool (a test's before, restarting a worker it killed) adds children."""
+    import json
+    import subprocess
+    import sys
 
-    from pagedserve import LLM
     from tests.tiny_models import write_tiny_model
 
-    before = set(_compile_workers())
-    llm = LLM(model=str(write_tiny_model(tmp_path / "m", "llama3")), device="cpu",
-              max_model_len=256, kv_cache_memory_bytes=1 << 20)
-    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
-        choice=["red", "green"]))
-    assert llm.generate(["pick"], params, use_tqdm=False)[0].outputs[0].text in ("red", "green")
-    workers = set(_compile_workers()) - before
-    assert len(workers) == llm.engine.config.grammar_compile_workers
-    del llm
-    gc.collect()
-    assert not any(_alive(pid) for pid in workers)
+    folder = write_tiny_model(tmp_path / "m", "llama3")
+    run = subprocess.run([sys.executable, "-c", _DROP_SCRIPT, str(folder)], capture_output=True,
+                         text=True, timeout=120, check=True)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["text"] in ("red", "green")
+    assert len(result["started"]) == result["expected"]
+    assert result["alive"] == []
