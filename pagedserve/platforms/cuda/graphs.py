@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
@@ -33,8 +34,10 @@ logger = get_logger(__name__)
 
 def _padded_rows(query_lens: list[int], width: int, device: torch.device) -> torch.Tensor:
     """int64: the padded row of each real row, sequence i's row r at ``i * width + r``."""
-    rows = [i * width + r for i, q in enumerate(query_lens) for r in range(q)]
-    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    lens = np.asarray(query_lens, dtype=np.int64)
+    starts = np.repeat(np.arange(len(lens)) * width - (np.cumsum(lens) - lens), lens)
+    rows = starts + np.arange(lens.sum())  # row j of the step, sequence i: j + i*width - start_i
+    return torch.from_numpy(rows).to(device, non_blocking=True)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
