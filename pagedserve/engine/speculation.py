@@ -1,10 +1,11 @@
 """Speculative decoding's engine stage: before each step, give the decoding sequences drafts
 to verify; after it, learn from what they accepted.
 
-The drafts come from a proposer (``spec_decode/``: n-gram lookup over each sequence's own
-tokens), run on the host; how many of them a step verifies is the policy's choice
-(``spec_decode/policy.py``): per sequence, its measured acceptance against the step time the
-engine measures, down to none. The scheduler takes what it can fit (``Sequence.
+The drafts come from a proposer (``spec_decode/``): n-gram lookup over each sequence's own
+tokens, run on the host, or a draft model, whose tokens rank 0 draws inside the verify step
+itself (``worker/drafter.py``; here only their slots are asked for). How many of them a step
+verifies is the policy's choice (``spec_decode/policy.py``): per sequence, its measured
+acceptance against the step time the engine measures, down to none. The scheduler takes what it can fit (``Sequence.
 draft_token_ids``), rank 0 verifies them with the rejection sampler (``sample/rejection.py``),
 the output stage appends the accepted tokens and gives the rejected drafts' slots back.
 
@@ -30,11 +31,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedserve.core.sequence import Sequence, SequenceGroup
-from pagedserve.errors import ConfigError
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.ngram import NgramProposer
 from pagedserve.spec_decode.policy import Acceptance, StepTimeModel, choose_num_drafts
-from pagedserve.spec_decode.proposer import ProposalBatch, Proposer
+from pagedserve.spec_decode.proposer import DraftModelSlots, ProposalBatch, Proposer
 from pagedserve.worker.step import HostSamples, StepResult
 
 # The longest pause, in steps, between proposals that verified nothing.
@@ -80,11 +80,9 @@ class _TokenBuffer:
 
 class Speculation:
     def __init__(self, config: SpeculativeConfig) -> None:
-        if config.method != "ngram":
-            raise ConfigError(f"--speculative-config: method {config.method} is not built yet; "
-                              "ngram is")
-        self.proposer: Proposer = NgramProposer(config.prompt_lookup_min,
-                                                config.prompt_lookup_max)
+        self.proposer: Proposer = (
+            NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            if config.method == "ngram" else DraftModelSlots())
         self.max_drafts = config.num_speculative_tokens
         self.step_times = StepTimeModel()
         self.acceptance = Acceptance()

@@ -21,3 +21,16 @@ class Proposer(Protocol):
     def propose(self, batch: ProposalBatch) -> list[np.ndarray]:
         """Per row, int64 drafts: at most ``num_tokens[i]``, possibly fewer or none."""
         ...
+
+
+# The token of a draft slot that the worker's draft model fills during the step itself.
+DRAFTED_ON_DEVICE = -1
+
+
+class DraftModelSlots:
+    """The engine's half of ``method: draft_model``: every row may get as many drafts as it
+    has room for, and their tokens are drawn on the device by the draft model inside the step
+    that verifies them (``worker/drafter.py``), so the host never waits for a drafting pass."""
+
+    def propose(self, batch: ProposalBatch) -> list[np.ndarray]:
+        return [np.full(k, DRAFTED_ON_DEVICE, dtype=np.int64) for k in batch.num_tokens]

@@ -10,7 +10,6 @@ from pagedserve.errors import ConfigError
 from pagedserve.logger import get_logger
 from pagedserve.platforms.interface import Platform
 from pagedserve.worker.disk_tier import HEADER_BYTES
-from pagedserve.worker.kv_cache import KVCacheSpec
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.warm_up import profile_peak_memory
 
@@ -27,8 +26,7 @@ class CacheSizes(NamedTuple):
 
 def size_kv_cache(config: EngineConfig, resolved: ResolvedConfig, platform: type[Platform],
                   runner: ModelRunner) -> CacheSizes:
-    per_block = KVCacheSpec(1, resolved.block_size, runner.kv_dtype).bytes_per_block(
-        runner.arch, runner.num_kv_heads)
+    per_block = runner.kv_bytes_per_block(resolved.block_size)
     # Never reserve more than every sequence at full length could use.
     useful_blocks = config.max_num_seqs * (resolved.max_model_len // resolved.block_size + 1)
     budget = config.kv_cache_memory_bytes

@@ -37,6 +37,8 @@ from pagedserve.sample.logprobs import LogprobsTensors
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sample.rejection import rejection_sample
 from pagedserve.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
+from pagedserve.spec_decode.proposer import DRAFTED_ON_DEVICE
+from pagedserve.worker.drafter import DeviceDrafts, Drafter
 from pagedserve.worker.input_batch import (
     HostInputs,
     InFlightTokens,
@@ -130,6 +132,7 @@ class ModelRunner:
         self.buckets = buckets  # pad every step to these shapes (shape_buckets.py)
         self.pad_block = 0  # with buckets: the pool's last block, written by padded rows only
         self.lora: LoRASlots | None = None  # with --enable-lora: the adapters' device slots
+        self.drafter: Drafter | None = None  # rank 0, with a draft model (speculative decoding)
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
         """Load the checkpoint; with CPU offload, each offloaded layer leaves the device as
@@ -161,6 +164,20 @@ class ModelRunner:
         self.lora = add_lora_layers(self.model, self.platform.lora_ops(), max_loras, max_rank,
                                     max_cpu_loras)
 
+    def add_drafter(self, draft: ModelRunner) -> None:
+        """Verify drafts of ``draft``'s model, drawn inside each verify step
+        (``worker/drafter.py``); its KV pool is allocated with this one's."""
+        self.drafter = Drafter(draft)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Device bytes of one KV block of this rank: the model's and its draft model's."""
+        spec = KVCacheSpec(1, block_size, self.kv_dtype)
+        own = spec.bytes_per_block(self.arch, self.num_kv_heads)
+        if self.drafter is None:
+            return own
+        draft = self.drafter.runner
+        return own + spec.bytes_per_block(draft.arch, draft.num_kv_heads)
+
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters, wherever they are held."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -188,6 +205,8 @@ class ModelRunner:
         self.pad_block = spec.num_blocks
         self.kv_cache = KVCache(self.platform, self.arch, self.num_kv_heads, KVCacheSpec(
             spec.num_blocks + (self.buckets is not None), spec.block_size, spec.dtype))
+        if self.drafter is not None:  # the same block ids address both pools
+            self.drafter.runner.allocate_kv_cache(spec)
 
     def plan(self, out: SchedulerOutput) -> tuple[StepInput, list[PromptSpan]]:
         """The step every rank runs, and (for rank 0 alone) which rows score prompts."""
@@ -204,17 +223,17 @@ class ModelRunner:
         """Rank 0's part of a planned step, up to its sampling: block moves, the forward pass,
         the logits, kept here until ``sample``. The sampling metadata can be built while the
         device computes."""
-        sample_logits, prompt = self._run(step, self._in_flight and self._in_flight.token_ids,
-                                          spans)
+        sample_logits, prompt, drafts = self._run(
+            step, self._in_flight and self._in_flight.token_ids, spans, out.scheduled)
         self._step_id += 1
-        self._forwarded = (self._step_id, sample_logits, prompt)
+        self._forwarded = (self._step_id, sample_logits, prompt, drafts)
         return Forward(out, self._step_id)
 
     @torch.inference_mode()
     def sample(self, forward: Forward, sampling: SamplingInputs | None) -> StepResult:
         """The second half: sample (and hand the tokens to the other ranks). The sampled
         tokens are copied to the host in the background (``fetch`` waits for them)."""
-        step_id, logits, prompt = self._forwarded
+        step_id, logits, prompt, drafts = self._forwarded
         if step_id != forward.step_id:
             raise RuntimeError(f"step {forward.step_id} was not the last one forwarded")
         self._forwarded = None
@@ -223,7 +242,7 @@ class ModelRunner:
         if sampled:
             meta = self._sampling_metadata(sampled, sampling)
             if any(s.draft_token_ids for s in sampled):
-                sampler_output, num_emitted = self._verify(logits, meta, sampled)
+                sampler_output, num_emitted = self._verify(logits, meta, sampled, drafts)
             else:
                 sampler_output = self.sampler(logits, meta)
             if self.tp.size > 1:
@@ -237,15 +256,24 @@ class ModelRunner:
                           [s.num_sample_positions for s in sampled])
 
     def _verify(self, logits: torch.Tensor, meta: SamplingMetadata,
-                sampled: list[ScheduledSequence]) -> tuple[SamplerOutput, torch.Tensor]:
+                sampled: list[ScheduledSequence], drafted: DeviceDrafts | None
+                ) -> tuple[SamplerOutput, torch.Tensor]:
         """A verify step's tokens: each row's accepted drafts and one token of the target's
-        (``sample/rejection.py``), and how many that makes per row."""
+        (``sample/rejection.py``), and how many that makes per row. The drafts are the
+        scheduler's (n-gram), or the draft model's drawn in this step (``drafted``)."""
         width = max(len(s.draft_token_ids) for s in sampled)
-        drafts = np.full((len(sampled), width), -1, dtype=np.int64)
-        for i, s in enumerate(sampled):
-            drafts[i, :len(s.draft_token_ids)] = s.draft_token_ids
-        out = rejection_sample(logits, meta, torch.from_numpy(drafts).to(
-            self.device, non_blocking=True))
+        if drafted is None:
+            drafts = np.full((len(sampled), width), -1, dtype=np.int64)
+            for i, s in enumerate(sampled):
+                drafts[i, :len(s.draft_token_ids)] = s.draft_token_ids
+            out = rejection_sample(logits, meta, torch.from_numpy(drafts).to(
+                self.device, non_blocking=True))
+            return out.sampled, out.num_emitted
+        rows = torch.tensor([i for i, s in enumerate(sampled) if s.draft_token_ids],
+                            dtype=torch.int64, device=self.device)
+        drafts = torch.full((len(sampled), width), -1, dtype=torch.int64, device=self.device)
+        drafts[rows] = drafted.token_ids
+        out = rejection_sample(logits, meta, drafts, drafted.probs)
         return out.sampled, out.num_emitted
 
     def fetch(self, result: StepResult) -> StepOutput:
@@ -294,15 +322,19 @@ class ModelRunner:
             self._last_tokens = None
 
     def _run(self, step: StepInput, in_flight_tokens: torch.Tensor | None,
-             spans: list[PromptSpan]
-             ) -> tuple[torch.Tensor | None, dict[Sequence, tuple[int, LogprobsTensors]]]:
-        """Block moves, the forward pass, the logits of the sampling rows, and each prompt
-        span's logprobs, one span's logits at a time (on ranks other than 0, which get no
-        logits, ``spans`` is empty)."""
+             spans: list[PromptSpan], scheduled: list[ScheduledSequence] | None = None
+             ) -> tuple[torch.Tensor | None, dict[Sequence, tuple[int, LogprobsTensors]],
+                        DeviceDrafts | None]:
+        """Block moves, the draft model's drafts, the forward pass, the logits of the sampling
+        rows, and each prompt span's logprobs, one span's logits at a time (on ranks other
+        than 0, which get no logits and no ``scheduled``, ``spans`` is empty)."""
         self.kv_cache.apply_block_ops(step.block_ops)
+        if self.drafter is not None and step.block_ops.copies:
+            self.drafter.copy_blocks(step.block_ops.copies)
         if step.inputs is None:
-            return None, {}
+            return None, {}, None
         inputs = step.inputs.to_device(self.device, in_flight_tokens)
+        drafts = self._fill_drafts(step.inputs, inputs.input_ids, scheduled)
         if self.lora is not None and step.inputs.lora_requests is not None:
             inputs.ctx.lora_slots = self.lora.row_slots(step.inputs.lora_requests,
                                                         step.inputs.query_lens, self.device)
@@ -315,7 +347,25 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row:row + count])
             if logits is not None:
                 prompt[spans[i].seq] = _prompt_logprobs(spans[i], logits)
-        return sample_logits, prompt
+        return sample_logits, prompt, drafts
+
+    def _fill_drafts(self, host: HostInputs, input_ids: torch.Tensor,
+                     scheduled: list[ScheduledSequence] | None) -> DeviceDrafts | None:
+        """Draw the draft model's drafts (rank 0) into the step's draft slots, and hand them
+        to the other ranks, which read the same slots from the same inputs."""
+        rows = np.flatnonzero(host.input_ids == DRAFTED_ON_DEVICE)
+        if not len(rows):
+            return None
+        drafts = None
+        if scheduled is not None:
+            drafts = self.drafter.propose(scheduled, self.sampling)
+            tokens = drafts.token_ids[drafts.token_ids >= 0]  # row by row: the slots' order
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+        if self.tp.size > 1:
+            self.tp.broadcast_from_first(tokens)
+        input_ids[torch.from_numpy(rows).to(self.device)] = tokens
+        return drafts
 
     def run_model(self, inputs: ModelInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs.ctx):

@@ -15,9 +15,12 @@ from pathlib import Path
 from pagedserve import distributed, envs
 from pagedserve.config import EngineConfig, ResolvedConfig
 from pagedserve.distributed import TensorParallel
+from pagedserve.errors import ConfigError
 from pagedserve.logger import get_logger
 from pagedserve.models import loader
+from pagedserve.models.config import ModelArchConfig
 from pagedserve.platforms import resolve_platform
+from pagedserve.platforms.interface import Platform
 from pagedserve.quant.formats import checkpoint_format, load_quantizer
 from pagedserve.worker.cache_sizing import CacheSizes, size_kv_cache
 from pagedserve.worker.disk_tier import DiskTier, model_identity
@@ -69,15 +72,19 @@ class Worker:
             self.runner.load_weights(fmt.read(loader.iter_weights(source)))
         if config.enable_lora:
             self.runner.add_lora(config.max_loras, config.max_lora_rank, config.cpu_loras)
+        drafts = config.speculative_config
+        if drafts is not None and drafts.method == "draft_model" and self.tp.rank == 0:
+            self.runner.add_drafter(_draft_runner(config, resolved, arch, self.platform))
         self.sizes = self._agree(size_kv_cache(config, resolved, self.platform, self.runner))
         self.runner.allocate_kv_cache(
             KVCacheSpec(self.sizes.num_blocks, resolved.block_size, self.runner.kv_dtype))
         if config.kv_offloading_disk is not None:
             self.runner.kv_cache.disk = self._disk_tier(config, resolved, source)
         if not config.enforce_eager:
-            drafts = config.speculative_config
             self.runner.capture_graphs(
                 config.max_num_seqs, 1 + drafts.num_speculative_tokens if drafts else 1)
+            if self.runner.drafter is not None:  # its passes after the first are decode steps
+                self.runner.drafter.runner.capture_graphs(config.max_num_seqs)
         # After graph capture: HPU graphs record each bucket at its first run. Every rank
         # warms up the same shapes in the same order (the forwards hold collectives).
         warm_up(self.runner)
@@ -106,6 +113,28 @@ class Worker:
             self.runner.device)
         return CacheSizes(blocks, host_blocks, sizes.bytes_per_block, offload_blocks,
                           sizes.num_disk_blocks)
+
+
+def _draft_runner(config: EngineConfig, resolved: ResolvedConfig, arch: ModelArchConfig,
+                  platform: type[Platform]) -> ModelRunner:
+    """The draft model of ``speculative_config``, on rank 0's device, in the target's dtype
+    and KV cache dtype; read like the target (any format the loader reads), or random with
+    ``--load-format dummy`` (its config still read, for its shapes)."""
+    dummy = config.load_format == "dummy"
+    source = loader.resolve_model(config.speculative_config.model, not dummy)
+    draft_arch = loader.load_arch_config(source)
+    if draft_arch.vocab_size != arch.vocab_size:
+        raise ConfigError(
+            f"--speculative-config: the draft model's vocabulary ({draft_arch.vocab_size} "
+            f"tokens) differs from the target's ({arch.vocab_size})")
+    runner = ModelRunner(platform, draft_arch, resolved.dtype, resolved.max_model_len,
+                         config.kv_cache_dtype, load_quantizer(draft_arch.raw, "auto", dummy))
+    if dummy:
+        runner.init_dummy_weights(config.seed + 1)
+    else:
+        fmt = checkpoint_format(draft_arch.raw, "auto", source.gguf)
+        runner.load_weights(fmt.read(loader.iter_weights(source)))
+    return runner
 
 
 def _shape_buckets(config: EngineConfig, resolved: ResolvedConfig) -> ShapeBuckets | None:

@@ -55,6 +55,8 @@ def test_ngram_lookup_bounds_default_and_fill_each_other():
       "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
     ({"num_speculative_tokens": 2}, "give method"),
+    ({"model": "org/draft", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+     "draft_tensor_parallel_size 2 is not built"),
 ])
 def test_bad_settings_are_one_line_errors_naming_the_field(value, message):
     with pytest.raises(ConfigError, match=message) as error:

@@ -1,0 +1,144 @@
+"""The draft model of speculative decoding (``method: draft_model``), run by rank 0 inside the
+step that verifies its drafts.
+
+The scheduler gives each drafting sequence ``d_i`` draft slots filled with
+``DRAFTED_ON_DEVICE`` (the engine's half, ``spec_decode/proposer.py``, only says how many).
+Before the target's forward pass, the drafter runs the draft model ``max d_i`` times:
+
+- pass 1 feeds each sequence the tokens its draft cache lacks, up to and including the step's
+  first input token (usually that token alone; a whole prompt the first time), and draws
+  draft 1 from the draft's distribution after it;
+- pass j feeds draft j - 1 to the sequences with ``d_i >= j`` and draws draft j.
+
+Drafts are sampled from the draft's distribution q (its logits at the request's temperature;
+argmax for greedy requests) with each seeded request's own generator, and q goes to the
+rejection sampler, so the output is distributed exactly as the target's whatever the draft
+is (``sample/rejection.py``).
+
+The draft's KV cache uses the target's block tables: it is a second pool of the same block
+count (``ModelRunner`` sizes the two together from one budget), so every slot the scheduler
+gives a sequence holds the target's keys at a position and the draft's at the same one;
+rejected drafts' slots are taken back with the target's. Copy-on-write copies are applied to
+both pools. What the draft pool does not follow: swaps and the offloading tier's moves (a
+block moved back holds the target's values only). The drafter therefore keeps, per sequence,
+how many of its tokens have draft keys written, and trusts nothing else: a sequence it has not
+drafted for, or preempted since (swap or recompute), starts again from its first token. A new
+sequence thus recomputes its cached prefix in the draft (the draft is the cheap model), and
+writes the same values other sequences sharing those blocks already read.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
+from pagedserve.core.sequence import Sequence
+from pagedserve.sample.sampler import exponential_race
+from pagedserve.worker.input_batch import pack_inputs
+from pagedserve.worker.sampling_batch import SamplingBatch
+
+
+class DeviceDrafts(NamedTuple):
+    """One step's drafts, on the device, for the sequences of the step that have draft slots,
+    in scheduling order."""
+
+    token_ids: torch.Tensor  # int64 [R, K]: row i's first d_i drafts, then -1
+    probs: torch.Tensor | None  # float32 [sum d_i, V]: q of each draft; None: all greedy
+    num_drafts: list[int]  # d_i
+
+
+class Drafter:
+    def __init__(self, runner) -> None:
+        # A ModelRunner of the draft checkpoint, its KV pool allocated with the target's block
+        # count (its sampler unused: drafts are drawn here).
+        self.runner = runner
+        # seq -> (tokens whose draft keys are written, the sequence's preemptions then)
+        self._written: dict[Sequence, tuple[int, int]] = {}
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """The step's copy-on-write copies (source, destination), in the draft pool too."""
+        pool = self.runner.kv_cache.pool
+        src, dst = torch.tensor(copies, dtype=torch.int64, device=pool.device).unbind(1)
+        self.runner.platform.copy_blocks(pool, src, dst)
+
+    @torch.inference_mode()
+    def propose(self, scheduled: list[ScheduledSequence], sampling: SamplingBatch
+                ) -> DeviceDrafts:
+        """Drafts for the items of ``scheduled`` with draft slots (their keys written to the
+        draft pool as a side effect)."""
+        items = [s for s in scheduled if s.draft_token_ids]
+        num_drafts = [len(s.draft_token_ids) for s in items]
+        self._forget_finished()
+        # How each row samples its drafts: greedy or at its temperature, seeded or not.
+        meta = sampling.metadata([s.seq for s in items], [1] * len(items))
+        width = max(num_drafts)
+        device = self.runner.device
+        tokens = torch.full((len(items), width), -1, dtype=torch.int64, device=device)
+        probs = None if meta.all_greedy else torch.zeros(
+            (len(items), width, self.runner.arch.vocab_size), dtype=torch.float32, device=device)
+        inputs = self._catch_up(items)
+        for j in range(width):
+            rows = [i for i, d in enumerate(num_drafts) if d > j]
+            if j > 0:
+                inputs = self._next(items, rows, j, tokens[:, j - 1])
+            logits = self._logits(inputs)
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+            drawn = logits.argmax(dim=-1)
+            if probs is not None:
+                q = torch.softmax(logits.float() / meta.temperature[rows_t], dim=-1)
+                probs[rows_t, j] = q
+                generators = {k: meta.generators[i] for k, i in enumerate(rows)
+                              if i in meta.generators}
+                random = exponential_race(q.clone(), generators)
+                drawn = random if meta.greedy is None else torch.where(
+                    meta.greedy[rows_t], drawn, random)
+            tokens[rows_t, j] = drawn
+        for item, d in zip(items, num_drafts, strict=True):
+            self._written[item.seq] = (item.num_computed_tokens + d, item.seq.num_preemptions)
+        if probs is not None:
+            valid = torch.arange(width, device=device) < torch.tensor(
+                num_drafts, device=device).unsqueeze(1)
+            probs = probs[valid]
+        return DeviceDrafts(tokens, probs, num_drafts)
+
+    def _catch_up(self, items: list[ScheduledSequence]):
+        """Pass 1's inputs: each sequence from its first token without draft keys to the
+        step's first input token."""
+        chunks = []
+        for item in items:
+            start = self._num_written(item.seq, item.num_computed_tokens)
+            chunks.append(ScheduledSequence(item.seq, start, item.num_computed_tokens + 1 - start,
+                                            item.block_ids, 1))
+        return pack_inputs(SchedulerOutput(chunks), self.runner.block_size).to_device(
+            self.runner.device)
+
+    def _next(self, items: list[ScheduledSequence], rows: list[int], j: int,
+              previous: torch.Tensor):
+        """The inputs of the pass drawing draft j + 1 (j >= 1): draft j of each row in
+        ``rows`` (``previous[i]``), at its position, j after the step's first input token."""
+        chunks, sources = [], {}
+        for i in rows:
+            item = items[i]
+            chunks.append(ScheduledSequence(item.seq, item.num_computed_tokens + j, 1,
+                                            item.block_ids, 1))
+            sources[item.seq] = i
+        # The input token is past the host's tokens: pack_inputs reads it from ``previous``.
+        return pack_inputs(SchedulerOutput(chunks), self.runner.block_size, sources).to_device(
+            self.runner.device, previous)
+
+    def _logits(self, inputs) -> torch.Tensor:
+        hidden = self.runner.run_model(inputs)
+        return self.runner.model.compute_logits(hidden[inputs.logits_indices])
+
+    def _num_written(self, seq: Sequence, num_computed: int) -> int:
+        written, preemptions = self._written.get(seq, (0, seq.num_preemptions))
+        if preemptions != seq.num_preemptions:
+            return 0
+        return min(written, num_computed)
+
+    def _forget_finished(self) -> None:
+        for seq in [s for s in self._written if s.status.finished]:
+            del self._written[seq]
+
