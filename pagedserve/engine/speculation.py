@@ -5,9 +5,10 @@ The drafts come from a proposer (``spec_decode/``): n-gram lookup over each sequ
 tokens, run on the host, or a draft model, whose tokens rank 0 draws inside the verify step
 itself (``worker/drafter.py``; here only their slots are asked for). How many of them a step
 verifies is the policy's choice (``spec_decode/policy.py``): per sequence, its measured
-acceptance against the step time the engine measures, down to none. The scheduler takes what it can fit (``Sequence.
-draft_token_ids``), rank 0 verifies them with the rejection sampler (``sample/rejection.py``),
-the output stage appends the accepted tokens and gives the rejected drafts' slots back.
+acceptance against the step time the engine measures, down to none. The scheduler takes what
+it can fit (``Sequence.draft_token_ids``), rank 0 verifies them with the rejection sampler
+(``sample/rejection.py``), the output stage appends the accepted tokens and gives the
+rejected drafts' slots back.
 
 Which sequences get drafts: those decoding (every known token but the last computed), not
 constrained by a grammar (a draft would need the matcher advanced over the drafts before

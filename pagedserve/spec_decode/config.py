@@ -68,8 +68,9 @@ class SpeculativeConfig:
             raise ConfigError(f"{_FLAG}: method draft_model needs model (the draft checkpoint)")
         if self.draft_tensor_parallel_size is not None and self.draft_tensor_parallel_size != 1:
             # The draft runs on rank 0 alone, whatever the target's tensor parallelism.
-            raise ConfigError(f"{_FLAG}: draft_tensor_parallel_size {self.draft_tensor_parallel_size}"
-                              " is not built; the draft model runs on one device (1)")
+            raise ConfigError(f"{_FLAG}: draft_tensor_parallel_size "
+                              f"{self.draft_tensor_parallel_size} is not built; the draft "
+                              "model runs on one device (1)")
 
     def _resolve_lookup(self) -> None:
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
