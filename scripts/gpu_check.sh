@@ -8,7 +8,7 @@
 #                                        fp8-w8a8-kv decode-fp8 fp8-linear serve-make tp1-vs-base
 #                                        bf16-vs-base fp8-vs-base tp2
 #                                        tp2-70b allreduce tp2-tests structured cpu-offload
-#                                        spec-verify spec-throughput
+#                                        spec-verify spec-throughput spec-draft spec-tests
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -232,6 +232,16 @@ for part in $parts; do
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 8}' \
         --max-num-batched-tokens 8192 --batch-sizes 1 32 256 --draft-lens 1 2 4 8 \
         --out "$OUT/speculative_verify_h200_llama3-8b.json" ;;
+    # The same with a draft model of the Llama-3.2-1B shape (random weights): each k timed
+    # with given drafts and with the draft model drawing them in the step.
+    spec-draft) bench speculative --workload verify --device cuda --shape llama3-8b \
+        --draft-shape llama3-1b \
+        --speculative-config '{"method": "draft_model", "num_speculative_tokens": 8}' \
+        --max-num-batched-tokens 8192 --batch-sizes 1 32 256 --draft-lens 1 2 4 8 \
+        --out "$OUT/speculative_draft_h200_llama3-8b_1b.json" ;;
+    spec-tests) python3 -m pytest -q -m cuda -p no:cacheprovider \
+        tests/platforms/cuda/test_engine_cuda.py -k "speculative or draft" 2>&1 \
+        | tee "$OUT/gpu_spec_tests.log" ;;
     # 1,000 x 128/128 with n-gram speculation on, against the same without, in one call.
     spec-throughput)
       for run in plain spec; do

@@ -20,6 +20,9 @@ _QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", rms_norm_e
 SHAPES: dict[str, dict] = {
     "llama3-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
+    # Llama-3.2-1B: the 8B's vocabulary, so it drafts for it (speculative decoding).
+    "llama3-1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
     # Larger than one H200 in bf16 (141 GB of weights): tensor parallelism's shape.
     "llama3-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672,
                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),

@@ -12,7 +12,10 @@ The third, ``verify`` (for random-weight shapes, ``--shape``), measures the cost
 step time of B decoding sequences each verifying k drafts against a plain step (k = 0), and
 at batch 1 the speed-up at forced acceptance lengths (drafts from the target's own greedy
 continuation, wrong after the first L - 1: synthetic, since random weights accept nothing on
-their own), next to the model ``L * t_plain / t_verify``.
+their own), next to the model ``L * t_plain / t_verify``. With ``--draft-shape`` the
+speculative config's model is a random draft of that shape, and each k is timed twice: with
+the drafts given (the verify step alone) and drawn by the draft model inside the step (its
+passes added: the difference is the drafter's time per step).
 """
 
 from __future__ import annotations
@@ -65,6 +68,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default=None,
                         help="random weights of a real shape (dummy load format), e.g. "
                              "llama3-8b; with --workload verify")
+    parser.add_argument("--draft-shape", default=None,
+                        help="--workload verify: a draft model of random weights of this shape "
+                             "(e.g. llama3-1b) as the speculative config's model; the table "
+                             "then also times steps whose drafts it draws")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256],
                         help="--workload verify")
     parser.add_argument("--draft-lens", type=int, nargs="+", default=[1, 2, 4, 8],
@@ -184,12 +191,27 @@ class _ForcedDrafts:
         return drafts
 
 
-def _step_time(llm, batch_size: int, k: int, steps: int, prompt: list[int]) -> float:
-    """Mean seconds of a step of ``batch_size`` decoding sequences verifying ``k`` drafts."""
+class _DraftSlots:
+    """``k`` drafts per row, drawn by the draft model inside the step."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def propose(self, batch):
+        from pagedserve.spec_decode.proposer import DraftModelSlots
+
+        return DraftModelSlots().propose(batch._replace(
+            num_tokens=[min(self.k, room) for room in batch.num_tokens]))
+
+
+def _step_time(llm, batch_size: int, k: int, steps: int, prompt: list[int],
+               drafted: bool = False) -> float:
+    """Mean seconds of a step of ``batch_size`` decoding sequences verifying ``k`` drafts
+    (drawn by the draft model in the step when ``drafted``, else given)."""
     from pagedserve import SamplingParams
 
     engine = llm.engine
-    engine.speculation.proposer = _ForcedDrafts(k)
+    engine.speculation.proposer = _DraftSlots(k) if drafted else _ForcedDrafts(k)
     params = SamplingParams(max_tokens=steps * (k + 1) + 64, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(prompt, params) for _ in range(batch_size)]
     while any(s.num_computed_tokens < s.num_tokens - 1 for g in engine.scheduler.running
@@ -239,8 +261,17 @@ def _forced_acceptance(llm, prompt: list[int], k: int, lengths: list[int],
 def _verify_main(args: argparse.Namespace) -> None:
     import random
 
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from pagedserve.bench.dummy_model import write_dummy_folder
     from pagedserve.bench.throughput import engine_from_args
 
+    if args.draft_shape is not None:
+        spec = json.loads(args.speculative_config)
+        spec["model"] = str(write_dummy_folder(args.draft_shape, Path(tempfile.mkdtemp())))
+        args.speculative_config = json.dumps({**spec, "method": "draft_model"})
     llm = engine_from_args(args)
     if llm.engine.speculation is None:
         raise SystemExit("--workload verify needs --speculative-config")
@@ -253,6 +284,10 @@ def _verify_main(args: argparse.Namespace) -> None:
         row = {"batch": batch_size, "plain ms": plain * 1e3}
         for k in args.draft_lens:
             row[f"k={k} x"] = _step_time(llm, batch_size, k, args.steps, prompt) / plain
+        if args.draft_shape is not None:  # the same steps with the draft model's passes
+            for k in args.draft_lens:
+                row[f"k={k} drafted x"] = _step_time(llm, batch_size, k, args.steps, prompt,
+                                                     True) / plain
         step_rows.append(row)
         print(row, flush=True)
     k = max(args.draft_lens)
@@ -267,5 +302,5 @@ def _verify_main(args: argparse.Namespace) -> None:
                 "model = L * t_plain / t_verify(k)", curve,
                 ["forced_L", "measured_L", "speedup", "model", "same_tokens"])
     write_result(f"speculative_verify_{args.shape or 'model'}", {
-        "shape": args.shape, "steps": args.steps, "step_times": step_rows,
+        "shape": args.shape, "draft_shape": args.draft_shape, "steps": args.steps, "step_times": step_rows,
         "forced_acceptance": curve, "k_for_curve": k}, args.out)

@@ -162,3 +162,25 @@ def test_speculative_verify_steps_equal_plain_greedy_on_gpu(tiny, eager):
     assert [o.outputs[0].token_ids for o in _greedy(llm, prompts)] == plain
     assert llm.engine.speculation.counters.num_accepted_tokens > 0
     assert eager or max(replays) > 1
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_draft_model_steps_equal_plain_greedy_on_gpu(tiny, eager, tmp_path):
+    """A noisy copy of the target as its draft model, in float32, eager or with the draft's
+    decode passes and the target's verify steps replayed as graphs: the tokens equal the plain
+    engine's and drafts are accepted."""
+    from tests.engine.test_speculative_draft_model import _noisy_copy
+    from tests.engine.test_speculative_lossless import FreeDrafts
+
+    prompts = _prompts()
+    options = dict(device="cuda", dtype="float32", block_size=16, enforce_eager=eager,
+                   gpu_memory_utilization=0.3)
+    plain = [o.outputs[0].token_ids for o in _greedy(LLM(model=str(tiny), **options), prompts)]
+    draft = _noisy_copy(tiny, tmp_path / "draft", 0.004)
+    llm = LLM(model=str(tiny), speculative_config={"model": str(draft),
+                                                   "num_speculative_tokens": 4}, **options)
+    llm.engine.speculation.step_times = FreeDrafts()
+    drafter = llm.engine.executor.runner.drafter
+    assert eager or drafter.runner.graphs is not None
+    assert [o.outputs[0].token_ids for o in _greedy(llm, prompts)] == plain
+    assert llm.engine.speculation.counters.mean_acceptance_length > 1.5
