@@ -259,9 +259,8 @@ def _forced_acceptance(llm, prompt: list[int], k: int, lengths: list[int],
 
 
 def _verify_main(args: argparse.Namespace) -> None:
-    import random
-
     import json
+    import random
     import tempfile
     from pathlib import Path
 
@@ -302,5 +301,5 @@ def _verify_main(args: argparse.Namespace) -> None:
                 "model = L * t_plain / t_verify(k)", curve,
                 ["forced_L", "measured_L", "speedup", "model", "same_tokens"])
     write_result(f"speculative_verify_{args.shape or 'model'}", {
-        "shape": args.shape, "draft_shape": args.draft_shape, "steps": args.steps, "step_times": step_rows,
-        "forced_acceptance": curve, "k_for_curve": k}, args.out)
+        "shape": args.shape, "draft_shape": args.draft_shape, "steps": args.steps,
+        "step_times": step_rows, "forced_acceptance": curve, "k_for_curve": k}, args.out)
