@@ -168,6 +168,21 @@ class _FreeDrafts:
         return 1.0, 0.0, 0.0
 
 
+class _SureAcceptance:
+    """Every sequence's acceptance rate is 1: with ``_FreeDrafts`` the policy keeps all k
+    drafts. (Measured rates near 0, as random weights give, would make the gains of the last
+    drafts underflow next to the step's output, and the policy keep fewer.)"""
+
+    def rate(self, seq) -> float:
+        return 1.0
+
+    def record(self, seq, num_proposed: int, num_accepted: int) -> None:
+        pass
+
+    def forget(self, seq) -> None:
+        pass
+
+
 class _ForcedDrafts:
     """``k`` drafts per row: the row's true continuation (``continuation``, from where the row
     is) for the first ``num_right``, then wrong tokens; without a continuation, all wrong."""
@@ -275,6 +290,7 @@ def _verify_main(args: argparse.Namespace) -> None:
     if llm.engine.speculation is None:
         raise SystemExit("--workload verify needs --speculative-config")
     llm.engine.speculation.step_times = _FreeDrafts()
+    llm.engine.speculation.acceptance = _SureAcceptance()
     rng = random.Random(0)
     prompt = [rng.randrange(100, llm.engine.arch.vocab_size - 100) for _ in range(128)]
     step_rows = []
