@@ -41,7 +41,7 @@ from pagedserve.engine.beam_driver import BeamDriver
 from pagedserve.engine.input_processor import InputLimits, InputProcessor
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.request_state import RequestState
-from pagedserve.engine.speculation import Speculation
+from pagedserve.engine.speculation import Speculation, check_draft_tokenizer
 from pagedserve.engine.stats import EngineStats
 from pagedserve.executor.executor import Executor
 from pagedserve.logger import get_logger
@@ -73,6 +73,8 @@ class LLMEngine:
         self.model_name = config.served_model_name or source.name
         self.arch = loader.load_arch_config(source)
         self.tokenizer = loader.load_tokenizer(source)
+        if config.speculative_config is not None:
+            check_draft_tokenizer(config.speculative_config, self.tokenizer, config.load_format)
         self.resolved = config.resolve(self.arch, self.platform)
         self.dtype = self.resolved.dtype
         self.max_model_len = self.resolved.max_model_len

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedserve.core.sequence import Sequence, SequenceGroup
+from pagedserve.errors import ConfigError
+from pagedserve.models import loader
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.ngram import NgramProposer
 from pagedserve.spec_decode.policy import Acceptance, StepTimeModel, choose_num_drafts
@@ -162,6 +164,22 @@ class Speculation:
         for seq in result.sampled:
             if seq.status.finished:
                 self.acceptance.forget(seq)
+
+
+def check_draft_tokenizer(config: SpeculativeConfig, tokenizer, load_format: str) -> None:
+    """A draft's token ids must mean what the target's mean: where the draft checkpoint has a
+    tokenizer, its vocabulary must be the target's, id for id (the worker checks the sizes,
+    which is all a checkpoint without tokenizer files can be checked for)."""
+    if config.method != "draft_model":
+        return
+    source = loader.resolve_model(config.model, load_format != "dummy")
+    try:
+        draft = loader.load_tokenizer(source)
+    except loader.ModelLoadError:
+        return
+    if draft.get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"--speculative-config: the draft model's tokenizer ({source.name}) "
+                          "differs from the target's; a draft must share its vocabulary")
 
 
 def _may_draft(seq: Sequence) -> bool:

@@ -208,3 +208,19 @@ def test_greedy_with_a_draft_model_under_tensor_parallelism(llama3_folder, draft
         assert _counters(llm).num_accepted_tokens > 0
     finally:
         llm.shutdown()
+
+
+def test_a_draft_with_another_tokenizer_is_a_one_line_error(llama3_folder, drafts, tmp_path):
+    """Same vocabulary size, two ids swapped: the draft's tokens would mean other text."""
+    import json
+
+    other = tmp_path / "swapped"
+    shutil.copytree(drafts("llama3"), other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match="tokenizer") as error:
+        make_llm(llama3_folder, speculative_config=_spec(other))
+    assert "\n" not in str(error.value)
