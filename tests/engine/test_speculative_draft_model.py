@@ -224,3 +224,25 @@ def test_a_draft_with_another_tokenizer_is_a_one_line_error(llama3_folder, draft
     with pytest.raises(ConfigError, match="tokenizer") as error:
         make_llm(llama3_folder, speculative_config=_spec(other))
     assert "\n" not in str(error.value)
+
+
+def test_default_model_as_its_own_draft_keeps_the_text_and_accepts(default_llm,
+                                                                   default_model_folder):
+    """The default model (its converted GGUF folder, read by the loader as the draft too) with
+    real chat prompts: greedy text equals the engine's without speculation, and a draft equal
+    to the target has its drafts accepted (float rounding between the draft's decode passes
+    and the target's verify step may reject a few)."""
+    from pagedserve import LLM
+    from tests.engine.test_speculative import COPY_PROMPTS
+
+    llm = LLM(model=str(default_model_folder), device="cpu", kv_cache_memory_bytes=128 << 20,
+              quantization="none",
+              speculative_config=_spec(default_model_folder, 3))
+    llm.engine.speculation.step_times = FreeDrafts()
+    messages = [[{"role": "user", "content": p}] for p in COPY_PROMPTS]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = default_llm.chat(messages, params, use_tqdm=False)
+    spec = llm.chat(messages, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert _counters(llm).mean_acceptance_length > 3.5
+    llm.shutdown()
