@@ -157,6 +157,15 @@ def _random_like(t):
 
 def measure(bench: _Bench, direction: str, n: int, layout: str, repeats: int,
             rng: random.Random) -> dict:
+    """One row: ``n`` blocks moved ``direction`` with host blocks laid out ``layout``."""
+    import torch
+
+    with torch.inference_mode():  # the host pool is an inference tensor, as in the engine
+        return _measure(bench, direction, n, layout, repeats, rng)
+
+
+def _measure(bench: _Bench, direction: str, n: int, layout: str, repeats: int,
+             rng: random.Random) -> dict:
     device, host = bench.pairs(n, layout, rng)
     for _ in range(2):  # warm-up: kernels, the caching allocators' staging blocks
         bench.tier(direction, device, host)
@@ -174,17 +183,14 @@ def measure(bench: _Bench, direction: str, n: int, layout: str, repeats: int,
 
 
 def main(args: argparse.Namespace) -> None:
-    import torch
-
     from pagedserve.bench.throughput import bench_config
 
     layout = kv_layout(bench_config(args))
     bench = _Bench(layout, max(args.batch_blocks))
     rng = random.Random(args.seed)
-    with torch.inference_mode():
-        rows = [measure(bench, direction, n, host_layout, args.repeats, rng)
-                for direction in ("host_to_device", "device_to_host")
-                for host_layout in LAYOUTS for n in args.batch_blocks]
+    rows = [measure(bench, direction, n, host_layout, args.repeats, rng)
+            for direction in ("host_to_device", "device_to_host")
+            for host_layout in LAYOUTS for n in args.batch_blocks]
     reference = ("pinned copy_(non_blocking=True)" if bench.non_blocking
                  else "copy_ (memcpy)")
     print_table(f"KV block moves through {type(bench.kv.copier).__name__} against one "
