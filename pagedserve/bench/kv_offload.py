@@ -140,7 +140,8 @@ def run(engine, conversations: Conversations, output_len: int, active: int,
 
 
 def _since(before, after):
-    """``after``'s counters less ``before``'s (the gauges come out meaningless, unread)."""
+    """``after``'s counters less ``before``'s, for a dataclass of counters (``EngineStats``'
+    gauges come out meaningless, and are not read)."""
     return dataclasses.replace(after, **{
         f.name: getattr(after, f.name) - getattr(before, f.name)
         for f in dataclasses.fields(after) if type(getattr(after, f.name)) in (int, float)})
@@ -175,7 +176,7 @@ def _timed_run(config, args, vocab: list[int], label: str, tier_gib: float,
     engine = llm.engine
     _warm_up(engine, args, vocab)
     offload = engine.kv.offload
-    before, tier_before = engine.stats(), offload and dataclasses.asdict(offload.stats)
+    before, tier_before = engine.stats(), offload and dataclasses.replace(offload.stats)
     conversations = Conversations(vocab, args.conversations, args.turns, args.prefix_len,
                                   args.message_len, args.unique_prefixes, args.seed)
     start = time.perf_counter()
@@ -185,11 +186,9 @@ def _timed_run(config, args, vocab: list[int], label: str, tier_gib: float,
     summary = _summary(label, rows, seconds, len(rows) * args.output_len,
                        _since(before, engine.stats()))
     if offload is not None:
-        after = dataclasses.asdict(offload.stats)
-        summary.update(offloaded_blocks=after["offloaded_blocks"]
-                       - tier_before["offloaded_blocks"],
-                       write_through_blocks=after["committed_blocks"]
-                       - tier_before["committed_blocks"])
+        tier = _since(tier_before, offload.stats)
+        summary.update(offloaded_blocks=tier.offloaded_blocks,
+                       write_through_blocks=tier.committed_blocks)
     platform = engine.platform
     engine.shutdown()
     del llm, engine
@@ -223,7 +222,12 @@ def _vocab(config) -> list[int]:
 def main(args: argparse.Namespace) -> None:
     from pagedserve.bench.kv_copy_rate import kv_layout
     from pagedserve.bench.throughput import bench_config
+    from pagedserve.errors import ConfigError
 
+    for flag in ("concurrency", "active_conversations", "conversations", "turns"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     config = bench_config(args)
     layout = kv_layout(config)
     block_size, per_block = layout.block_size, layout.bytes_per_block
