@@ -23,9 +23,15 @@ import argparse
 import random
 import statistics
 import time
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from pagedserve.bench.common import print_table, write_result
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedserve.models.config import ModelArchConfig
+    from pagedserve.platforms.interface import Platform
 
 LAYOUTS = ("scattered", "consecutive")
 
@@ -33,9 +39,9 @@ LAYOUTS = ("scattered", "consecutive")
 class KVLayout(NamedTuple):
     """The KV pool's geometry for a config, found without starting an engine."""
 
-    platform: type
-    arch: object  # ModelArchConfig
-    kv_dtype: object  # torch.dtype
+    platform: type[Platform]
+    arch: ModelArchConfig
+    kv_dtype: torch.dtype
     block_size: int
     bytes_per_block: int  # one rank's (tensor parallelism splits the KV heads)
     num_kv_heads: int
