@@ -8,7 +8,9 @@
 #                                        fp8-w8a8-kv decode-fp8 fp8-linear serve-make tp1-vs-base
 #                                        bf16-vs-base fp8-vs-base tp2
 #                                        tp2-70b allreduce tp2-tests structured cpu-offload
-#                                        spec-verify spec-throughput spec-draft spec-tests
+#                                        cpu-offload-70b kv-tier (= kv-tier-multi-turn
+#                                        kv-tier-unique) kv-copy-rate spec-verify
+#                                        spec-throughput spec-draft spec-tests
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -211,6 +213,75 @@ for row in table:
 PY
 }
 
+# Llama-3-70B's shape (131 GiB of bf16 weights) on ONE H200 (139 GiB) with --cpu-offload-gb 36:
+# decode at batch 1 and 64 against the bus bound (offloaded bytes over the pinned host-to-device
+# copy rate measured in the same call). Why 36: 23 of the 80 layers (1.59 GiB each) go to host
+# memory, leaving 98 GiB resident (weights and two staging layers) and ~20 GiB of the 0.9 share
+# for activations of a 32,768-token step and the KV cache (batch 64 x 544 tokens needs 11 GiB);
+# on the host, torch's pinned allocator rounds each layer's buffer to 2 GiB: 46 GiB of the
+# machine's 128. Dummy weights are made on the device and each offloaded layer moves to host
+# memory as soon as it is complete (ModelRunner.init_dummy_weights), so the process never holds
+# the model in either. Bus bound at ~55 GB/s: ~0.72 s a step, ~1.4 tok/s at batch 1, ~89 at 64.
+# Estimate: ~2-3 min (start-up with the 32k-token memory profile ~1 min, each batch ~30 s).
+# Fails when no result was written, when the offloaded bytes are not 36-37.6 GiB, or when a
+# step beat the bus bound (then the layers were not streamed).
+cpu_offload_70b() {
+  local out="$OUT/decode_h200_llama3-70b_offload36.json"
+  rm -f "$out" "$OUT/cpu_offload_h200_llama3-70b.json"
+  bench decode --device cuda --shape llama3-70b --cpu-offload-gb 36 --batch-sizes 1 64 \
+    --context-len 512 --out "$out"
+  python3 - "$out" "$OUT/cpu_offload_h200_llama3-70b.json" <<'PY'
+import json, sys
+from pathlib import Path
+path, summary_path = Path(sys.argv[1]), Path(sys.argv[2])
+if not path.exists():
+    sys.exit(f"cpu-offload-70b: FAILED, {path} was not written (see the run's log above)")
+run = json.loads(path.read_text())
+offloaded = run.get("cpu_offload_bytes") or 0
+if not 36 * 2**30 <= offloaded < 37.6 * 2**30:
+    sys.exit(f"cpu-offload-70b: FAILED, {offloaded} bytes offloaded (expected 36-37.6 GiB)")
+table = []
+for r in run["rows"]:
+    if r["ratio_to_bus_bound"] < 0.95:
+        sys.exit(f"cpu-offload-70b: FAILED, batch {r['batch']} step {r['step_ms']:.1f} ms beats "
+                 f"the bus bound {r['bus_bound_ms']:.1f} ms: the layers were not streamed")
+    table.append({k: r[k] for k in ("batch", "step_ms", "tok_s", "bus_bound_tok_s",
+                                    "ratio_to_bus_bound")})
+summary = {"offloaded_bytes": offloaded, "host_to_device_bytes_s": run["host_to_device_bytes_s"],
+           "weight_bytes_read_per_step": run["weight_bytes_read_per_step"], "rows": table}
+summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+print(f"offloaded {offloaded / 2**30:.2f} GiB, host-to-device "
+      f"{run['host_to_device_bytes_s'] / 1e9:.1f} GB/s")
+for row in table:
+    print("  ".join(f"{k} {v:.3g}" for k, v in row.items()))
+PY
+}
+
+# The KV cache's host tier (issue 29), 8B shape, bf16: 200 conversations x 4 turns, 2,000-token
+# prefixes, 64-token messages, 32-token answers; a device pool of a quarter of the prefixes
+# (6,250 blocks of 2 MiB, 12.2 GiB), a 32 GiB host tier (16,384 blocks), against no tier, in one
+# call. 64 conversations are under way, each one's next turn queued when its answer ends: their
+# histories (64 x 149 blocks) exceed the device pool, which holds ~42 running ones, so without
+# the tier each returning turn recomputes its prefix, and they fit the tier. --swap-space 0:
+# single-sequence requests preempt by recompute anyway, and the pinned allocator rounds the host
+# pool (tier and swap in one buffer) up to a power of two: 32 + 4 GiB would pin 64 GiB.
+# $1 multi-turn or unique. Estimates at ~20k prefill tok/s: multi-turn ~4 min (no tier ~100 s,
+# tier ~40 s, warm-ups ~20 s, two engine start-ups ~1 min); unique ~5 min (two all-miss runs
+# of 1.65M prompt tokens, ~85 s each).
+kv_tier() {
+  local extra=() out="$OUT/kv_offload_h200_llama3-8b_$1.json"
+  [ "$1" = unique ] && extra=(--unique-prefixes)
+  rm -f "$out"
+  bench kv-offload --device cuda --shape llama3-8b --conversations 200 --turns 4 \
+    --prefix-len 2000 --message-len 64 --output-len 32 --active-conversations 64 \
+    --concurrency 64 --device-share 0.25 --tier-gib 32 --swap-space 0 \
+    --max-num-batched-tokens 8192 "${extra[@]}" --out "$out"
+  [ -f "$out" ] || { echo "kv-tier $1: FAILED, $out was not written"; return 1; }
+  python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print({k: r[k] for k in (
+'later_turn_ttft_speedup', 'later_turn_scheduled_ttft_speedup', 'output_tok_s_ratio',
+'targets', 'meets_targets', 'active_blocks', 'tier_blocks', 'device_blocks')})" "$out"
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 for part in $parts; do
@@ -226,6 +297,14 @@ for part in $parts; do
         tests/platforms/cuda/test_layer_kernels.py 2>&1 | tee "$OUT/gpu_layer_tests.log" ;;
     attention) python3 scripts/bench_attention.py --out "$OUT/attention_h200.json" ;;
     cpu-offload) cpu_offload || failed="${failed:-} cpu-offload" ;;
+    cpu-offload-70b) cpu_offload_70b || failed="${failed:-} cpu-offload-70b" ;;
+    kv-tier) for w in multi-turn unique; do kv_tier $w || failed="${failed:-} kv-tier-$w"; done ;;
+    kv-tier-multi-turn) kv_tier multi-turn || failed="${failed:-} kv-tier-multi-turn" ;;
+    kv-tier-unique) kv_tier unique || failed="${failed:-} kv-tier-unique" ;;
+    # KV block moves of the tier (the block-major pinned host pool, the copy stream) against a
+    # pinned cudaMemcpyAsync of the same bytes, 2 MiB blocks, batches of 1-512; < 1 min.
+    kv-copy-rate) bench kv-copy-rate --device cuda --shape llama3-8b \
+        --batch-blocks 1 8 64 512 --out "$OUT/kv_copy_rate_h200_llama3-8b.json" ;;
     # Speculative decoding (issue 27): verify-step time against a plain step (k = 1..8 at
     # batch 1, 32, 256) and the synthetic forced-acceptance curve at batch 1.
     spec-verify) bench speculative --workload verify --device cuda --shape llama3-8b \

@@ -21,7 +21,10 @@ BENCHMARKS = {
     "speculative": "output tok/s with speculative decoding against without (batch-1 copy "
                    "prompts, or the throughput workload)",
     "kv-offload": "TTFT of multi-turn conversations whose prefixes left the device pool, "
-                  "without and with the host offloading tier",
+                  "without and with the host offloading tier; all-miss prefixes with "
+                  "--unique-prefixes",
+    "kv-copy-rate": "KV block moves of the offloading tier against a contiguous copy of the "
+                    "same bytes (pinned cudaMemcpyAsync on GPUs, memcpy on the CPU)",
 }
 
 

@@ -128,15 +128,14 @@ def run_hf_batches(args: argparse.Namespace, model_path, dtype, device, work) ->
             for bs in args.hf_batch_sizes]
 
 
-def engine_from_args(args: argparse.Namespace, **changes):
-    """The LLM the flags describe, with ``changes`` to its config; ``--shape`` swaps in random
-    weights of a real shape."""
+def bench_config(args: argparse.Namespace, **changes):
+    """The ``EngineConfig`` the flags describe, with ``changes``; ``--shape`` swaps in random
+    weights of a real shape (a checkpoint folder with no weights, written once per call)."""
     import dataclasses
     import tempfile
     from pathlib import Path
 
     from pagedserve.engine_args import config_from_args
-    from pagedserve.entrypoints.llm import LLM
 
     config = dataclasses.replace(config_from_args(args), **changes)
     if args.shape:
@@ -145,7 +144,14 @@ def engine_from_args(args: argparse.Namespace, **changes):
         folder = write_dummy_folder(args.shape, Path(tempfile.mkdtemp()) / args.shape)
         config = dataclasses.replace(config, model=str(folder), load_format="dummy",
                                      served_model_name=args.shape)
-    return LLM.from_config(config)
+    return config
+
+
+def engine_from_args(args: argparse.Namespace, **changes):
+    """The LLM the flags describe (``bench_config``)."""
+    from pagedserve.entrypoints.llm import LLM
+
+    return LLM.from_config(bench_config(args, **changes))
 
 
 def main(args: argparse.Namespace) -> None:

@@ -146,7 +146,13 @@ class ModelRunner:
     def init_dummy_weights(self, seed: int) -> None:
         """Random weights of the checkpoint's shapes, generated on the device and loaded like
         a checkpoint's: norms at 1, the rest small normal values so activations stay in range
-        at any depth."""
+        at any depth.
+
+        Each tensor is made only when the model asks for the next one (a generator, never a
+        list), so with CPU offload an offloaded layer has left the device before the next is
+        made: the device holds the resident layers and one more, host memory the offloaded
+        layers alone. That is how a model larger than both runs: Llama-3-70B's 131 GiB on one
+        H200 (139 GiB) with 128 GiB of host memory, of which the offloaded part is pinned."""
         generator = torch.Generator(device=self.device).manual_seed(seed)
 
         def tensors():

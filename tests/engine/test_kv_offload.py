@@ -59,6 +59,23 @@ def test_prefixes_that_left_the_device_come_back_from_the_host(llama3_folder, re
     assert stats.prefix_hit_rate_of("host") > stats.prefix_hit_rate_of("device")
 
 
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_restore_the_same_prefixes(llama3_folder, references):
+    """TP=2 over gloo: each rank offloads and loads back its own heads' halves of the same
+    blocks (one KV head each, 2 KiB a block), in the same steps; the greedy tokens are one
+    rank's without the tier."""
+    llm = make_llm(llama3_folder, tensor_parallel_size=2, kv_cache_memory_bytes=POOL * 2048,
+                   kv_offloading_size=_gib(llama3_folder, 200))
+    try:
+        assert llm.engine.kv.num_blocks == POOL
+        assert _conversations(llm, GREEDY) == references["greedy"]
+        stats = llm.engine.stats()
+        assert stats.offload_host_hits > 0
+        assert stats.prefix_hit_rate_of("host") > stats.prefix_hit_rate_of("device")
+    finally:
+        llm.engine.shutdown()
+
+
 def _disk_llm(folder, disk_dir, host_blocks: int = 4):
     return make_llm(folder, num_blocks=POOL, kv_offloading_size=_gib(folder, host_blocks),
                     kv_offloading_disk=str(disk_dir),

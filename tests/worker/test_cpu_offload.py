@@ -5,6 +5,8 @@ checkpoint fully resident: greedy tokens and logprobs must be identical."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -288,3 +290,60 @@ def test_no_graphs_are_captured_while_offloading(five_layers, resident, monkeypa
     assert built == [] and llm.engine.executor.runner.graphs is None
     engine(five_layers, load_format="dummy", enforce_eager=False)
     assert len(built) == 1  # the fake runner is asked for, without offload
+
+
+def test_dummy_weights_hold_the_resident_layers_and_one_more_at_most(five_layers, resident,
+                                                                     monkeypatch):
+    """``--load-format dummy`` with offload, the way the 70B row runs on one H200 (131 GiB of
+    weights, 139 GiB of device memory, 128 GiB of host memory): each random tensor is made on
+    the device as the loader asks for it and an offloaded layer leaves as soon as it is
+    complete, so at no point do the generated tensors still alive exceed the resident weights
+    plus the one layer being read; the host buffers are the offloaded layers' bytes alone, so
+    nothing resident is staged through host memory."""
+    import weakref
+
+    from pagedserve.platforms.cpu.platform import CpuPlatform
+    from pagedserve.worker.model_runner import ModelRunner
+
+    made, host, peak = [], [], [0]
+    real_load = ModelRunner.load_weights
+
+    def held(model) -> int:
+        """Bytes of the model's parameters and of the generated tensors still alive (q/k/v
+        shards waiting for their fused layer), each storage once."""
+        tensors = [*model.parameters(), *(t for t in (r() for r in made) if t is not None)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in tensors}
+        return sum(storages.values())
+
+    def load_weights(self, weights):
+        def watched():
+            for name, tensor in weights:
+                assert tensor.device == self.device
+                made.append(weakref.ref(tensor))
+                peak[0] = max(peak[0], held(self.model))
+                yield name, tensor
+
+        real_load(self, watched())
+
+    class CountingStream(WeightStream):
+        def host_buffer(self, nbytes):
+            host.append(nbytes)
+            return super().host_buffer(nbytes)
+
+    monkeypatch.setattr(ModelRunner, "load_weights", load_weights)
+    monkeypatch.setattr(CpuPlatform, "weight_stream", classmethod(
+        lambda cls, n: CountingStream(n)))
+    llm = engine(five_layers, load_format="dummy",
+                 cpu_offload_gb=gib_for_layers(resident, 2.5))
+    offload = llm.engine.executor.runner.offload
+    assert offload.chosen == range(2, 5)
+    per_layer = layer_param_bytes(resident)
+    total = resident.engine.executor.runner.weight_bytes()
+    largest = 4 * max(math.prod(shape) for shape in
+                      llm.engine.executor.runner.model.checkpoint_shapes().values())
+    # Three layers offloaded: the whole model (what loading everything first would hold) is
+    # three layers more than the resident part. The bound allows the layer being read and
+    # the tensor loaded before the one asked for (the model's loop still holds it).
+    assert total - 3 * per_layer < peak[0] <= total - 2 * per_layer + largest < total
+    assert len(host) == 3 and sum(host) == offload.host_bytes < 3 * per_layer + 3 * 16 * 256
