@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import NamedTuple
 
 REQUANTIZED = ("int8", "fp8")
 
@@ -63,26 +64,40 @@ def host_to_device_bandwidth(platform, nbytes: int = 1 << 30) -> float:
     return nbytes * 10 / (time.perf_counter() - start)
 
 
-def time_decode(engine, batch: int, context: int, steps: int) -> float:
-    """Median seconds of the steps in which all ``batch`` sequences decode one token each and
-    no prompt token is computed."""
+class DecodeTimes(NamedTuple):
+    median_s: float  # of the steps in which all the sequences decode one token each
+    # From the first such step to the last: the wall time per step, which counts a step's
+    # device time wherever the host happened to wait for it (async scheduling).
+    wall_s: float
+    num_preemptions: int
+
+
+def time_decode(engine, batch: int, context: int, steps: int) -> DecodeTimes:
+    """Decode step times of ``batch`` sequences of ``context`` prompt tokens, once no prompt
+    token is computed any more."""
     from pagedserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True,
                             detokenize=False)
     for i in range(batch):
         engine.add_request([(i * 7 + j) % 1000 + 10 for j in range(context)], params)
-    times = []
+    times, first, last, calls = [], None, None, 0
+    preemptions = engine.stats().num_preemptions
     while engine.has_unfinished_requests():
         before = engine.stats()
         start = time.perf_counter()
         engine.step()
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
         after = engine.stats()
+        calls += first is not None
         if (after.prompt_tokens == before.prompt_tokens
                 and after.generation_tokens - before.generation_tokens == batch):
-            times.append(elapsed)
-    return statistics.median(times)
+            times.append(end - start)
+            if first is None:
+                first, calls = start, 1
+            last, counted = end, calls
+    return DecodeTimes(statistics.median(times), (last - first) / counted,
+                       engine.stats().num_preemptions - preemptions)
 
 
 def requantize(model, kind: str) -> None:
@@ -128,16 +143,18 @@ def main(args: argparse.Namespace) -> None:
     kv_per_token = engine.kv_bytes_per_block // engine.resolved.block_size
     rows = []
     for batch in args.batch_sizes:
-        step = time_decode(engine, batch, args.context_len, args.steps)
+        timed = time_decode(engine, batch, args.context_len, args.steps)
+        step = timed.median_s
         kv_read = batch * (args.context_len + args.steps // 2) * kv_per_token
         roofline = (weights + kv_read) / bandwidth
         row = {"batch": batch, "step_ms": step * 1e3, "roofline_ms": roofline * 1e3,
-               "ratio_to_roofline": step / roofline, "tok_s": batch / step}
+               "ratio_to_roofline": step / roofline, "tok_s": batch / step,
+               "wall_step_ms": timed.wall_s * 1e3, "preemptions": timed.num_preemptions}
         if offloaded:
             row.update(bus_bound_ms=offloaded / bus * 1e3, bus_bound_tok_s=batch * bus / offloaded,
                        ratio_to_bus_bound=step * bus / offloaded)
         rows.append(row)
-    columns = ["batch", "step_ms", "roofline_ms", "ratio_to_roofline", "tok_s"]
+    columns = ["batch", "step_ms", "wall_step_ms", "roofline_ms", "ratio_to_roofline", "tok_s"]
     title = (f"decode step, context {args.context_len}, copy bandwidth {bandwidth / 1e9:.0f} "
              f"GB/s, weights read per step {weights / 2**30:.2f} GiB")
     if offloaded:
