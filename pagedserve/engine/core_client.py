@@ -236,8 +236,11 @@ class EngineCoreClient:
         return [RequestStream(p.output.request_id, self, p.queue) for p in pending]
 
     def abort(self, request_id: str) -> None:
-        if self._forget(request_id) is not None and self.is_running:
+        if request_id not in self._pending:
+            return
+        if self.is_running:  # first: the core must abort it before it removes its adapter
             self._send(msg.AbortRequests([request_id]))
+        self._forget(request_id)
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Have the core forget an adapter as soon as none of its requests is in flight (at
