@@ -54,12 +54,13 @@ def lora_server(chat_model, adapters, tmp_path_factory) -> Iterator[Server]:
         yield server
 
 
-def _reference(chat_model, adapter: Path | None, new_tokens: int = NEW_TOKENS) -> str:
+def _reference(chat_model, adapter: Path | None, new_tokens: int = NEW_TOKENS,
+               prompt: list[int] = PROMPT) -> str:
     """PEFT's greedy text (the base model's with no adapter), decoded as the server does."""
     from transformers import AutoTokenizer
 
     model = base_model(chat_model) if adapter is None else peft_model(chat_model, adapter)
-    tokens = hf_greedy(model, PROMPT, new_tokens)
+    tokens = hf_greedy(model, prompt, new_tokens)
     return AutoTokenizer.from_pretrained(chat_model).decode(tokens, skip_special_tokens=True)
 
 
@@ -95,6 +96,21 @@ def test_base_and_adapters_concurrently_equal_peft(lora_server, chat_model, adap
     for _ in range(2):
         for name, text in asyncio.run(round_of_all()):
             assert text == expected[name], name
+
+
+def test_a_streamed_chat_runs_its_adapter(lora_server, chat_model, adapters):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "hello there"}]
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    chunks = list(lora_server.client().chat.completions.create(
+        model="mlp", messages=messages, max_tokens=NEW_TOKENS, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert {c.model for c in chunks} == {"mlp"}
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == _reference(chat_model, adapters["mlp"], prompt=prompt)
 
 
 def test_models_lists_the_adapters_with_their_parent(lora_server, adapters):
@@ -220,3 +236,20 @@ def test_the_core_refuses_a_bad_adapter_alone(chat_model, adapters):
             await client.shutdown()
 
     assert asyncio.run(run()) == _reference(chat_model, adapters["attn"])
+
+
+def test_with_several_models_adapters_go_to_the_one_with_lora(chat_model, qwen_model, adapters,
+                                                             tmp_path):
+    config = tmp_path / "models.yaml"
+    config.write_text(f"models:\n"
+                      f"  - model: {qwen_model}\n"
+                      f"    served_model_name: qwen\n"
+                      f"  - model: {chat_model}\n"
+                      f"    enable_lora: true\n"
+                      f"    max_lora_rank: {MAX_RANK}\n")
+    with launch_server(None, tmp_path, "--models-config", str(config),
+                       "--lora-modules", f"attn={adapters['attn']}") as served:
+        cards = served.client().models.list().data
+        assert [(c.id, c.parent) for c in cards] == [("qwen", None), (BASE, None),
+                                                     ("attn", BASE)]
+        assert _complete(served, "attn") == _reference(chat_model, adapters["attn"])
