@@ -4,10 +4,10 @@
 Every adapter is read and checked here (its config, its weights, its rank against
 ``--max-lora-rank`` and its shapes against the model's) before its name is served, so the
 engine core is never handed one it cannot run. Each adapter gets a ``lora_int_id`` of its own
-on its base model's core: a new one from a counter, or the one the load request gives if that
-core holds no adapter of that id. Unloading takes the name away at once (requests naming it
-get 404s); the requests already in flight on it finish, and the core forgets the adapter after
-the last of them (``EngineCoreClient.remove_lora``).
+on its base model's core: a new one from the server's counter, or the one the load request
+gives if that core holds no adapter of that id. Unloading takes the name away at once
+(requests naming it get 404s); the requests already in flight on it finish, and the core
+forgets the adapter after the last of them (``EngineCoreClient.remove_lora``).
 
 Which base model an adapter belongs to: the one ``base_model_name`` names, else the one served
 model with LoRA on; with several, ``base_model_name`` must say.
