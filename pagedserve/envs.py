@@ -35,3 +35,9 @@ def dist_timeout_s() -> float:
     """PAGEDSERVE_DIST_TIMEOUT_S: how long a tensor-parallel rank waits in a collective (or
     for its peers to start) before it gives up (300)."""
     return float(os.environ.get("PAGEDSERVE_DIST_TIMEOUT_S", "300"))
+
+
+def allow_runtime_lora_updating() -> bool:
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING (vLLM's name, so that its deployments work unchanged):
+    1 or true turns on --enable-runtime-lora-updating."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")

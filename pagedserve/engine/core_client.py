@@ -14,6 +14,9 @@ Failure rules:
     ``is_running`` turns False (``/health`` answers 503);
   * a stream closed before its request finished (client gone) aborts the request in the core,
     which frees its KV blocks.
+
+LoRA adapters: ``remove_lora`` tells the core to forget an adapter once no request of it is
+in flight here (finished, failed or aborted), so requests already running on it finish first.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -60,6 +64,7 @@ class _Pending:
     """A request in flight: the output built from its deltas, and its stream's queue."""
 
     output: RequestOutput
+    lora_int_id: int | None = None  # its adapter, None: the base model
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
@@ -106,6 +111,9 @@ class EngineCoreClient:
         self.tokenizer = None
         self.stats: EngineStats | None = None  # the core's latest snapshot
         self._pending: dict[str, _Pending] = {}
+        # Requests in flight per adapter, and the adapters to remove once theirs reach zero.
+        self._lora_in_flight: Counter[int] = Counter()
+        self._removing: set[int] = set()
         self._process: multiprocessing.Process | None = None
         self._ipc_dir: Path | None = None
         self._dead: str | None = None  # why the core is gone, once it is
@@ -217,15 +225,49 @@ class EngineCoreClient:
             if r.request_id in self._pending:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
             self.facts.limits.check(r.prompt_token_ids, r.params)
+            if r.lora_request is not None and r.lora_request.lora_int_id in self._removing:
+                raise ValueError(f"LoRA adapter {r.lora_request.lora_name} is being removed")
         pending = [_Pending(RequestOutput(r.request_id, None, r.prompt_token_ids, None, [],
-                                          finished=False)) for r in requests]
+                                          finished=False),
+                            r.lora_request and r.lora_request.lora_int_id) for r in requests]
         self._send(msg.AddRequests(list(requests)))
         self._pending.update((p.output.request_id, p) for p in pending)
+        self._lora_in_flight.update(p.lora_int_id for p in pending if p.lora_int_id)
         return [RequestStream(p.output.request_id, self, p.queue) for p in pending]
 
     def abort(self, request_id: str) -> None:
-        if self._pending.pop(request_id, None) is not None and self.is_running:
+        if request_id not in self._pending:
+            return
+        if self.is_running:  # first: the core must abort it before it removes its adapter
             self._send(msg.AbortRequests([request_id]))
+        self._forget(request_id)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Have the core forget an adapter as soon as none of its requests is in flight (at
+        once if none is); no request of it may be added meanwhile."""
+        self._removing.add(lora_int_id)
+        self._remove_if_idle(lora_int_id)
+
+    def lora_in_use(self, lora_int_id: int) -> bool:
+        """Whether the core may still hold the adapter of this id: requests of it are in
+        flight, or it waits for them to end before it is removed."""
+        return lora_int_id in self._removing or self._lora_in_flight[lora_int_id] > 0
+
+    def _forget(self, request_id: str) -> _Pending | None:
+        """Stop tracking a request (finished, failed or aborted); the last of an adapter
+        being removed lets its removal go to the core (after the abort, if it is one)."""
+        pending = self._pending.pop(request_id, None)
+        if pending is not None and pending.lora_int_id is not None:
+            self._lora_in_flight[pending.lora_int_id] -= 1
+            self._remove_if_idle(pending.lora_int_id)
+        return pending
+
+    def _remove_if_idle(self, lora_int_id: int) -> None:
+        if lora_int_id in self._removing and self._lora_in_flight[lora_int_id] <= 0:
+            del self._lora_in_flight[lora_int_id]
+            self._removing.discard(lora_int_id)
+            if self.is_running:
+                self._send(msg.RemoveLoRA(lora_int_id))
 
     def _send(self, command: msg.Command) -> None:
         self._commands.send(msg.encode(command))
@@ -244,9 +286,9 @@ class EngineCoreClient:
             pending.output.add_delta(delta)
             pending.queue.put_nowait(pending.output)
             if delta.finished:
-                del self._pending[delta.request_id]
+                self._forget(delta.request_id)
         for failure in message.failures:
-            pending = self._pending.pop(failure.request_id, None)
+            pending = self._forget(failure.request_id)
             if pending is not None:
                 pending.queue.put_nowait(_failure_error(failure))
         self.stats = message.stats
@@ -262,6 +304,8 @@ class EngineCoreClient:
     def _mark_dead(self, reason: str) -> None:
         self._dead = self._dead or reason
         pending, self._pending = self._pending, {}
+        self._lora_in_flight.clear()
+        self._removing.clear()
         for p in pending.values():
             p.queue.put_nowait(EngineDeadError(self._dead))
 

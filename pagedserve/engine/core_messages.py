@@ -11,6 +11,7 @@ import msgspec
 
 from pagedserve.engine.input_processor import InputLimits
 from pagedserve.engine.stats import EngineStats
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 
@@ -19,6 +20,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
@@ -31,11 +33,36 @@ class AbortRequests(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[str]
 
 
+class RemoveLoRA(msgspec.Struct, tag=True, array_like=True):
+    """Forget an adapter (its device slot, host copy and content hash on every rank); the
+    server sends it once no request of the adapter is left in flight."""
+
+    lora_int_id: int
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-Command = AddRequests | AbortRequests | Shutdown
+Command = AddRequests | AbortRequests | RemoveLoRA | Shutdown
+
+
+class LoRAFacts(msgspec.Struct, array_like=True):
+    """What an adapter must fit to be served (``--max-lora-rank`` and the model's projection
+    shapes), so that the API server can refuse one before any request of it reaches the core."""
+
+    max_rank: int
+    num_layers: int
+    # (projection, shard, out_features, in_features) of every shard a LoRA layer adapts
+    shapes: list[tuple[str, int, int, int]]
+
+    def check(self, name: str, path: str) -> None:
+        """Read the adapter at ``path`` as the engine will; ``ValueError`` (one line) if it
+        cannot be served."""
+        from pagedserve.lora.adapter import check_fits, load_adapter
+
+        shapes = {(p, shard): (out, inp) for p, shard, out, inp in self.shapes}
+        check_fits(name, load_adapter(path), self.max_rank, self.num_layers, shapes)
 
 
 class EngineFacts(msgspec.Struct):
@@ -43,6 +70,7 @@ class EngineFacts(msgspec.Struct):
 
     model_name: str
     limits: InputLimits
+    lora: LoRAFacts | None = None  # None: LoRA is off
 
 
 class CoreReady(msgspec.Struct, tag=True, array_like=True):

@@ -58,7 +58,7 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, ready: Conne
     # out of the collector's sight, a full collection no longer walks it mid-step.
     gc.collect()
     gc.freeze()
-    facts = msg.EngineFacts(engine.model_name, engine.limits)
+    facts = msg.EngineFacts(engine.model_name, engine.limits, _lora_facts(engine))
     ready.send_bytes(msg.encode(msg.CoreReady(facts)))
     ready.close()
     context = zmq.Context()
@@ -74,6 +74,14 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, ready: Conne
     if engine.dead_reason() is not None:
         logger.error("the engine core stops: %s", engine.dead_reason())
         raise SystemExit(1)
+
+
+def _lora_facts(engine: LLMEngine) -> msg.LoRAFacts | None:
+    keys = engine.inputs.lora_keys
+    if keys is None:
+        return None
+    return msg.LoRAFacts(keys.max_rank, keys.num_layers,
+                         [(p, shard, *shape) for (p, shard), shape in keys.shapes.items()])
 
 
 class EngineCore:
@@ -120,14 +128,18 @@ class EngineCore:
             except zmq.Again:
                 return commands
 
-    def _apply(self, command: msg.AddRequests | msg.AbortRequests) -> None:
+    def _apply(self, command: msg.AddRequests | msg.AbortRequests | msg.RemoveLoRA) -> None:
         if isinstance(command, msg.AbortRequests):
             for request_id in command.request_ids:
                 self.engine.abort_request(request_id)
             return
+        if isinstance(command, msg.RemoveLoRA):
+            self.engine.remove_lora(command.lora_int_id)
+            return
         for new in command.requests:
             try:
-                self.engine.add_request(new.prompt_token_ids, new.params, new.request_id)
+                self.engine.add_request(new.prompt_token_ids, new.params, new.request_id,
+                                        new.lora_request)
             except ValueError as exc:  # checked in the server already; refused here alone
                 self._failures.append(msg.RequestFailure(
                     new.request_id, str(exc), getattr(exc, "param", None), kind="invalid"))

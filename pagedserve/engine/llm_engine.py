@@ -176,6 +176,15 @@ class LLMEngine:
             weakref.finalize(self, self._grammars.close)
         return self._grammars
 
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter no request runs with any more: its content hash here, its host
+        copy and device slot on every rank (a later request of that id reads its folder
+        again). The slot's weights stay where they are until another adapter is written
+        there, so a step already queued on the device still reads them."""
+        if self.inputs.lora_keys is not None:
+            self.inputs.lora_keys.forget(lora_int_id)
+            self.executor.remove_lora(lora_int_id)
+
     def abort_request(self, request_id: str) -> None:
         state = self.outputs.pop(request_id)
         if state is None:

@@ -125,6 +125,11 @@ class TensorParallelStep(StepAPI):
             self.group.remote.send(StepInput(ops, None, []))
             self.runner.kv_cache.apply_block_ops(ops)
 
+    def remove_lora(self, lora_int_id: int) -> None:
+        with self._watching():
+            self.group.remote.send(StepInput(BlockOps(), None, [], [lora_int_id]))
+            self.runner.lora.remove([lora_int_id])
+
     def _send_and_forward(self, out: SchedulerOutput, step: StepInput, spans: list[PromptSpan]
                           ) -> Forward:
         self.group.remote.send(step)
@@ -208,6 +213,10 @@ class Executor:
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Block moves of a step that computes nothing, on every rank."""
         self.step.move_blocks(ops)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Every rank forgets the adapter: its host copy and its device slot."""
+        self.step.remove_lora(lora_int_id)
 
     def stored_disk_blocks(self) -> list[bytes]:
         """Hashes of the KV offloading tier's block files found at start (one rank only, so

@@ -121,6 +121,8 @@ def _read_config(folder: Path) -> dict:
     except (OSError, ValueError) as exc:
         raise LoRAAdapterError(f"LoRA adapter {folder}: cannot read {CONFIG_FILE}: {exc}") \
             from exc
+    if not isinstance(config, dict):
+        raise LoRAAdapterError(f"LoRA adapter {folder}: {CONFIG_FILE} is not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise LoRAAdapterError(f"LoRA adapter {folder}: peft_type {config['peft_type']} is not "
                                "LORA")
@@ -136,12 +138,18 @@ def _read_config(folder: Path) -> dict:
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    if (folder / _SAFETENSORS).is_file():
-        from safetensors.torch import load_file
+    """The file's tensors; a file neither reader can read is the adapter's fault (whatever
+    the reader raises), never the engine's."""
+    try:
+        if (folder / _SAFETENSORS).is_file():
+            from safetensors.torch import load_file
 
-        return load_file(folder / _SAFETENSORS)
-    if (folder / _BIN).is_file():
-        return torch.load(folder / _BIN, map_location="cpu", weights_only=True)
+            return load_file(folder / _SAFETENSORS)
+        if (folder / _BIN).is_file():
+            return torch.load(folder / _BIN, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise LoRAAdapterError(f"LoRA adapter {folder}: cannot read its weights: "
+                               f"{type(exc).__name__}: {exc}") from exc
     raise LoRAAdapterError(f"LoRA adapter {folder}: no {_SAFETENSORS} or {_BIN}")
 
 
@@ -163,6 +171,9 @@ def _fold(folder: Path, config: dict, tensors: dict[str, torch.Tensor]
             raise LoRAAdapterError(f"LoRA adapter {folder}: layer {layer} {module} lacks "
                                    f"lora_{'B' if 'A' in ab else 'A'}")
         a, b = ab["A"].float(), ab["B"].float()
+        if a.dim() != 2 or b.dim() != 2:
+            raise LoRAAdapterError(f"LoRA adapter {folder}: layer {layer} {module}: A and B "
+                                   f"must be matrices, got {tuple(a.shape)} and {tuple(b.shape)}")
         if a.shape[0] != b.shape[1]:
             raise LoRAAdapterError(f"LoRA adapter {folder}: layer {layer} {module}: A has "
                                    f"rank {a.shape[0]}, B {b.shape[1]}")

@@ -33,3 +33,8 @@ class AdapterKeys:
             check_fits(request.lora_name, adapter, self.max_rank, self.num_layers, self.shapes)
             self._keys[request] = adapter.content_hash
         return self._keys[request]
+
+    def forget(self, lora_int_id: int) -> None:
+        """Drop what is remembered of the adapter of this id (it is read again if it returns,
+        so an id reused for another folder never takes the old one's key)."""
+        self._keys = {r: key for r, key in self._keys.items() if r.lora_int_id != lora_int_id}

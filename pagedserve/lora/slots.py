@@ -77,6 +77,13 @@ class LoRASlots:
             self.host.popitem(last=False)
         return adapter
 
+    def remove(self, lora_ids: list[int]) -> None:
+        """Forget these adapters: their host copies and their slots, which the next adapter
+        to load may take (their weights stay there until then)."""
+        for lora_id in lora_ids:
+            self.host.pop(lora_id, None)
+            self.resident.pop(lora_id, None)
+
     def _free_slot(self, wanted: dict[int, LoRARequest]) -> int:
         used = set(self.resident.values())
         free = next((s for s in range(self.max_loras) if s not in used), None)

@@ -3,7 +3,8 @@
 Request logic lives in ``serving_*.py``; the wire format in ``protocol.py``; what refuses a
 request before a route sees it (Host, API key, body size and type, read deadline, connection
 cap) in ``guards.py``. One engine core process serves each model (``--model`` repeated, or
-``--models-config``); a request's ``model`` picks it.
+``--models-config``); a request's ``model`` picks it, or a LoRA adapter of one
+(``serving_lora.py``).
 FastAPI and uvicorn are imported only here and below, so ``import pagedserve`` works without
 them.
 """
@@ -25,6 +26,7 @@ from pagedserve import __version__, envs
 from pagedserve.engine.core_client import EngineCoreClient, EngineStartError
 from pagedserve.errors import ConfigError
 from pagedserve.logger import get_logger
+from pagedserve.server.args import LoRAModule
 from pagedserve.server.errors import APIError, install_error_handlers
 from pagedserve.server.guards import (
     LOOPBACK_HOSTS,
@@ -36,9 +38,16 @@ from pagedserve.server.guards import (
 )
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.models_config import ModelSpec, serve_configs
-from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+from pagedserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from pagedserve.server.serving_chat import ChatServing
 from pagedserve.server.serving_completion import CompletionServing
+from pagedserve.server.serving_lora import LoRAServing
 from pagedserve.server.serving_models import ServedModel, ServingModels
 from pagedserve.server.serving_tokenization import TokenizationServing
 from pagedserve.server.tool_parsers import ToolParser, tool_parser
@@ -54,15 +63,21 @@ PUBLIC_PATHS = ("/health", "/metrics")
 def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
                max_request_bytes: int = 4 << 20, enable_docs: bool = False,
                tool_parser: ToolParser | None = None,
-               allowed_hosts: list[str] | None = None) -> FastAPI:
+               allowed_hosts: list[str] | None = None,
+               lora_modules: Sequence[LoRAModule] = (),
+               runtime_lora_updating: bool = False) -> FastAPI:
     """An app serving started engine cores, one per model (the first serves requests that
     name none); the app's lifespan reads their outputs and stops them at the end.
     ``enable_docs`` serves FastAPI's /docs, /redoc and /openapi.json, whose pages load their
     scripts from a public CDN. ``tool_parser`` enables ``tool_choice: "auto"``.
-    ``allowed_hosts``, if given, are the only Host names answered."""
+    ``allowed_hosts``, if given, are the only Host names answered. ``lora_modules`` are
+    served from the start (``ConfigError`` for one that cannot be); ``runtime_lora_updating``
+    adds the routes that load and unload adapters (without it they are 404s, as in vLLM)."""
     # Each core's latest stats, read at every scrape.
     metrics = ServerMetrics({e.facts.model_name: partial(getattr, e, "stats") for e in engines})
     models = ServingModels([ServedModel.of(e, metrics) for e in engines])
+    loras = LoRAServing(models)
+    loras.add_modules(lora_modules)
     completions = CompletionServing(models)
     chat = ChatServing(models, tool_parser)
     tokenization = TokenizationServing(models)
@@ -116,6 +131,15 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return _to_response(await _unless_disconnected(raw, chat.create(body)))
+
+    if runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            return await loras.load(body)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            return await loras.unload(body)
 
     @app.post("/tokenize")
     async def tokenize(body: dict) -> Response:  # which of two requests: see tokenization
@@ -176,7 +200,8 @@ def run_server(args: argparse.Namespace) -> None:
     try:
         _start_engines(specs, engines)
         app = create_app(engines, api_key, args.max_request_bytes, args.enable_docs, parser,
-                         hosts)
+                         hosts, args.lora_modules,
+                         args.enable_runtime_lora_updating or envs.allow_runtime_lora_updating())
     except (EngineStartError, ConfigError) as exc:  # one line, as the CLI does
         _stop(engines)
         print(f"pagedserve: error: {exc}", file=sys.stderr)

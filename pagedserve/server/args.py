@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import json
+from typing import NamedTuple
 
 from pagedserve.server.tool_parsers import TOOL_PARSERS
+
+
+class LoRAModule(NamedTuple):
+    """An adapter ``--lora-modules`` serves from the start; ``base_model_name`` None: the one
+    served model with --enable-lora."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +63,38 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="the tool-call format of the model family (hermes: <tool_call> JSON "
                         "blocks, as Hermes, Qwen and SmolLM use; llama3_json: Llama 3.1+ "
                         "JSON calls)")
+    g.add_argument("--lora-modules", type=_lora_module, nargs="+", action="extend", default=[],
+                   metavar="NAME=PATH",
+                   help="LoRA adapters served from the start (needs --enable-lora), each as "
+                        "NAME=PATH (a PEFT folder or Hugging Face id) or as JSON, "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a "
+                        "request's model NAME runs the adapter. With several models served, "
+                        "the adapters belong to the one with LoRA on, else base_model_name "
+                        "must name it")
+    g.add_argument("--enable-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on "
+                        "with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 or true); anyone who can "
+                        "reach the server can then make it read any folder it can")
+
+
+def _lora_module(text: str) -> LoRAModule:
+    if text.lstrip().startswith("{"):
+        try:
+            entry = json.loads(text)
+            module = LoRAModule(entry.pop("name"), entry.pop("path"),
+                                entry.pop("base_model_name", None))
+        except (ValueError, KeyError, AttributeError, TypeError):
+            raise argparse.ArgumentTypeError(
+                f"expected JSON with name, path and optionally base_model_name, got {text}"
+            ) from None
+        if entry or not all(isinstance(v, str) for v in module if v is not None):
+            raise argparse.ArgumentTypeError(
+                f"expected the strings name, path and base_model_name alone, got {text}")
+        return module
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH or JSON, got {text!r}")
+    return LoRAModule(name, path)
 
 
 def _names(text: str) -> list[str]:

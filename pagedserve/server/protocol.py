@@ -376,6 +376,23 @@ class DetokenizeRequest(StrictModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(StrictModel):
+    """vLLM's ``POST /v1/load_lora_adapter``; ``base_model_name`` (ours) picks the base model
+    where several serve LoRA."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    lora_int_id: int | None = Field(default=None, ge=1)
+    base_model_name: str | None = None
+
+
+class UnloadLoRAAdapterRequest(StrictModel):
+    """vLLM's ``POST /v1/unload_lora_adapter``."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class DetokenizeResponse(BaseModel):
     prompt: str
 
@@ -484,6 +501,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "pagedserve"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's path (vLLM's)
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

@@ -64,7 +64,8 @@ class CompletionServing:
         model.check_params(params, num_prompts=len(prompts))
         request_id = random_id("cmpl")
         streams = model.client.submit_all(
-            request_id, [p.token_ids for p in prompts], params, arrival, request.field_name)
+            request_id, [p.token_ids for p in prompts], params, arrival, request.field_name,
+            route.lora)
         if request.stream:
             return StreamingResponse(self._stream(route, request, request_id, prompts, streams),
                                      media_type="text/event-stream")

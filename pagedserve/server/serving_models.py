@@ -1,6 +1,6 @@
 """The served models as the API sees them (names, limits, tokenizers), the routing of a
-request's ``model`` to one of them, and how the serving layers hand each model's engine core
-requests and read them back."""
+request's ``model`` to one of them or to a LoRA adapter of one, and how the serving layers hand
+each model's engine core requests and read them back."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from pagedserve.engine.core_client import (
     EngineStepError,
     RequestStream,
 )
-from pagedserve.engine.core_messages import NewRequest
+from pagedserve.engine.core_messages import LoRAFacts, NewRequest
 from pagedserve.engine.input_processor import PromptTooLong
 from pagedserve.errors import ConfigError
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import SERVER_ERROR, APIError, bad_request
@@ -43,6 +44,7 @@ class ServedModel:
     max_model_len: int
     tokenizer: Any
     client: EngineClient
+    lora: LoRAFacts | None = None  # what its adapters must fit; None: LoRA is off
     card: ModelCard = field(init=False)
     _tokenizer_thread: ThreadPoolExecutor = field(init=False, repr=False)
 
@@ -63,7 +65,7 @@ class ServedModel:
         """The model a started engine core serves."""
         facts = engine.facts
         return cls(facts.model_name, facts.limits.max_model_len, engine.tokenizer,
-                   EngineClient(engine, metrics.of(facts.model_name)))
+                   EngineClient(engine, metrics.of(facts.model_name)), facts.lora)
 
     def check_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None,
                          param: str = "max_tokens") -> None:
@@ -92,18 +94,37 @@ class ServedModel:
         return self.tokenizer.decode(token_ids)
 
 
+@dataclass(frozen=True)
+class ServedAdapter:
+    """A LoRA adapter served under its own name over one base model."""
+
+    request: LoRARequest
+    base: ServedModel
+
+    @property
+    def name(self) -> str:
+        return self.request.lora_name
+
+    @property
+    def card(self) -> ModelCard:
+        return ModelCard(id=self.name, max_model_len=self.base.max_model_len,
+                         root=self.request.lora_path, parent=self.base.name)
+
+
 class Route(NamedTuple):
-    """Where a request's ``model`` leads: the name its responses carry, and the served model
-    (tokenizer, limits, engine core) that runs it. A LoRA adapter is meant to be one more kind
-    of route: its own name, its base model, and the adapter for the engine request."""
+    """Where a request's ``model`` leads: the name its responses carry, the served model
+    (tokenizer, limits, engine core) that runs it, and the adapter it runs with (None: the
+    base model)."""
 
     name: str
     model: ServedModel
+    lora: LoRARequest | None = None
 
 
 class ServingModels:
-    """Every model the server serves, each known by a name of its own, in the order given;
-    vLLM's ``OpenAIServingModels``. A request that names no model goes to the first, and one
+    """Every model the server serves, each known by a name of its own, in the order given,
+    and the LoRA adapters over them, each known by a name no model has; vLLM's
+    ``OpenAIServingModels``. A request that names no model goes to the first, and one
     that names a model not served is a 404, as in OpenAI."""
 
     def __init__(self, models: Sequence[ServedModel]) -> None:
@@ -114,20 +135,49 @@ class ServingModels:
                                   "served_model_name")
             self._by_name[model.name] = model
         self._first = models[0]
+        self._adapters: dict[str, ServedAdapter] = {}
 
     def __iter__(self) -> Iterator[ServedModel]:
         return iter(self._by_name.values())
 
     def resolve(self, requested: str | None) -> Route:
-        model = self._first if requested is None else self._by_name.get(requested)
-        if model is None:
-            raise APIError(HTTPStatus.NOT_FOUND, f"the model {requested!r} does not exist; "
-                           f"this server serves {self._names(self)}", param="model",
-                           code="model_not_found")
+        if requested in self._adapters:
+            adapter = self._adapters[requested]
+            return Route(adapter.name, adapter.base, adapter.request)
+        model = self._first if requested is None else self.base(requested)
         return Route(model.name, model)
 
+    def base(self, name: str) -> ServedModel:
+        """The base model of this name; 404 if none is served."""
+        model = self._by_name.get(name)
+        if model is None:
+            served = ", ".join(repr(n) for n in [*self._by_name, *self._adapters])
+            raise APIError(HTTPStatus.NOT_FOUND, f"the model {name!r} does not exist; "
+                           f"this server serves {served}", param="model",
+                           code="model_not_found")
+        return model
+
     def models(self) -> ModelList:
-        return ModelList(data=[m.card for m in self])
+        return ModelList(data=[m.card for m in self] + [a.card for a in self.adapters()])
+
+    def adapters(self) -> list[ServedAdapter]:
+        return list(self._adapters.values())
+
+    def adapter(self, name: str) -> ServedAdapter | None:
+        return self._adapters.get(name)
+
+    def name_in_use(self, name: str) -> bool:
+        return name in self._by_name or name in self._adapters
+
+    def add_adapter(self, adapter: ServedAdapter) -> None:
+        """Serve ``adapter`` under its name, which no model or adapter may have already."""
+        if self.name_in_use(adapter.name):
+            raise ValueError(f"the name {adapter.name!r} is in use")
+        self._adapters[adapter.name] = adapter
+
+    def remove_adapter(self, name: str) -> None:
+        """Requests naming it are 404s from now on; those in flight go on."""
+        del self._adapters[name]
 
     def unhealthy(self, requested: str | None = None) -> str | None:
         """Why the model named (with none: some model) cannot serve; None if it (each) can.
@@ -154,17 +204,19 @@ class EngineClient:
     metrics: ModelMetrics
 
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
-               arrival: float, field_name: Callable[[str], str]) -> TimedStream:
-        streams = self._submit([NewRequest(request_id, token_ids, _from_core(params))],
+               arrival: float, field_name: Callable[[str], str],
+               lora: LoRARequest | None = None) -> TimedStream:
+        streams = self._submit([NewRequest(request_id, token_ids, _from_core(params), lora)],
                                arrival, field_name)
         return streams[0]
 
     def submit_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                   arrival: float, field_name: Callable[[str], str]) -> list[TimedStream]:
-        """One engine request per prompt, all entering the same engine step; if one is
-        refused, none of them runs."""
+                   arrival: float, field_name: Callable[[str], str],
+                   lora: LoRARequest | None = None) -> list[TimedStream]:
+        """One engine request per prompt (each with the adapter ``lora``, None: the base
+        model), all entering the same engine step; if one is refused, none of them runs."""
         params = _from_core(params)
-        requests = [NewRequest(f"{request_id}-{i}", token_ids, params)
+        requests = [NewRequest(f"{request_id}-{i}", token_ids, params, lora)
                     for i, token_ids in enumerate(prompts)]
         return self._submit(requests, arrival, field_name)
 

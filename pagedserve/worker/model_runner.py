@@ -15,7 +15,7 @@ under async scheduling.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -87,6 +87,8 @@ class StepInput:
     block_ops: BlockOps
     inputs: HostInputs | None  # None: only block moves (nothing scheduled)
     prompt_rows: list[tuple[int, int]]  # (row, count) of each PromptSpan, in order
+    # Adapters (lora_int_id) to forget before the step: no request runs with them any more.
+    removed_loras: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -337,6 +339,8 @@ class ModelRunner:
         self.kv_cache.apply_block_ops(step.block_ops)
         if self.drafter is not None and step.block_ops.copies:
             self.drafter.copy_blocks(step.block_ops.copies)
+        if step.removed_loras:
+            self.lora.remove(step.removed_loras)
         if step.inputs is None:
             return None, {}, None
         inputs = step.inputs.to_device(self.device, in_flight_tokens)

@@ -43,6 +43,10 @@ class StepAPI(ABC):
     def move_blocks(self, ops: BlockOps) -> None:
         """Block moves of a step that computes nothing."""
 
+    @abstractmethod
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Every rank forgets the adapter (``LoRASlots.remove``)."""
+
     def execute(self, out: SchedulerOutput, sampling: SamplingInputs | None) -> StepResult:
         """A whole step: ``forward`` then ``sample``."""
         return self.sample(self.forward(out), sampling)
@@ -67,3 +71,6 @@ class LocalStep(StepAPI):
 
     def move_blocks(self, ops: BlockOps) -> None:
         self.runner.kv_cache.apply_block_ops(ops)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.runner.lora.remove([lora_int_id])

@@ -137,3 +137,36 @@ def test_a_request_that_cannot_be_sent_leaves_nothing_behind(client, loop):
     stream = client.add_requests([NewRequest("unsent-0", [5, 6, 7], _delta(max_tokens=2))])[0]
     assert loop.run_until_complete(_final(stream)).outputs[0].finish_reason == "length"
     assert len(client._pending) == before
+
+
+
+def test_an_adapter_is_removed_after_its_last_request_ends(tiny_model):
+    """``remove_lora`` waits for the adapter's requests in flight (one finishing, one aborted),
+    refuses new ones meanwhile, and reaches the core after the abort it follows. No core runs:
+    the commands are recorded."""
+    from types import SimpleNamespace
+
+    from pagedserve import LoRARequest
+    from pagedserve.engine import core_messages as msg
+
+    client = EngineCoreClient(EngineConfig(model=str(tiny_model), **ENGINE))
+    client._process = SimpleNamespace(is_alive=lambda: True)
+    client.facts = SimpleNamespace(limits=SimpleNamespace(check=lambda *args: None))
+    sent = []
+    client._send = sent.append
+    lora = LoRARequest("a", 3, "/adapter")
+    requests = [NewRequest(r, [5, 6], _delta(), lora) for r in ("r1", "r2")]
+    client.add_requests([*requests, NewRequest("base", [5, 6], _delta())])
+    client.remove_lora(3)
+    assert client.lora_in_use(3) and len(sent) == 1
+    with pytest.raises(ValueError, match="LoRA adapter a is being removed"):
+        client.add_requests([NewRequest("r3", [5], _delta(), lora)])
+    done = msg.SequenceDelta(0, "x", [7], None, None, "length", None)
+    client._dispatch(SimpleNamespace(outputs=[msg.RequestDelta("r1", [done], True, None, None)],
+                                     failures=[], stats=None))
+    assert client.lora_in_use(3) and len(sent) == 1
+    client.abort("r2")
+    assert sent[1:] == [msg.AbortRequests(["r2"]), msg.RemoveLoRA(3)]
+    assert not client.lora_in_use(3)
+    client.abort("base")  # the base model's requests never count
+    assert sent[3:] == [msg.AbortRequests(["base"])]

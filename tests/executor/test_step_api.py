@@ -49,6 +49,9 @@ class RecordingStep(StepAPI):
     def move_blocks(self, ops):
         self.log.append(("move_blocks", (ops,)))
 
+    def remove_lora(self, lora_int_id):
+        self.log.append(("remove_lora", (lora_int_id,)))
+
 
 class FakeRemote:
     def __init__(self, log: list, dead: str | None = None) -> None:
@@ -64,7 +67,8 @@ class FakeRemote:
 def test_both_implementations_are_the_one_interface():
     for cls in (LocalStep, TensorParallelStep):
         assert issubclass(cls, StepAPI) and not inspect.isabstract(cls)
-    assert sorted(StepAPI.__abstractmethods__) == ["forward", "move_blocks", "sample"]
+    assert sorted(StepAPI.__abstractmethods__) == ["forward", "move_blocks", "remove_lora",
+                                                   "sample"]
 
 
 def test_the_executor_forwards_each_call_to_its_step_once():
@@ -74,8 +78,9 @@ def test_the_executor_forwards_each_call_to_its_step_once():
     assert executor.forward("out") == "forward result"
     assert executor.sample("fwd", "meta") == "sample result"
     executor.apply_block_ops("ops")
+    executor.remove_lora(3)
     assert log == [("forward", ("out",)), ("sample", ("fwd", "meta")),
-                   ("move_blocks", ("ops",))]
+                   ("move_blocks", ("ops",)), ("remove_lora", (3,))]
     log.clear()
     assert executor.execute("out", "meta") == "sample result"
     assert log == [("forward", ("out",)), ("sample", ("forward result", "meta"))]
@@ -117,6 +122,12 @@ def test_tensor_parallel_step_sends_the_plan_before_rank_0_runs_it():
     ops = BlockOps()
     step.move_blocks(ops)
     assert log == [("remote.send", (StepInput(ops, None, []),)), ("kv.apply_block_ops", (ops,))]
+    log.clear()
+    runner = step.runner
+    runner.lora = Recorder(log, "lora")
+    step.remove_lora(3)
+    assert log == [("remote.send", (StepInput(BlockOps(), None, [], [3]),)),
+                   ("lora.remove", ([3],))]
 
 
 def test_tensor_parallel_step_refuses_to_start_once_a_rank_is_gone():

@@ -67,6 +67,36 @@ def test_missing_folder_and_dora_are_one_line_errors(llama3_folder, tmp_path):
         load_adapter(folder)
 
 
+@pytest.mark.parametrize(("file", "content", "says"), [
+    ("adapter_model.safetensors", b"\x10\x00not safetensors", "cannot read its weights"),
+    ("adapter_model.safetensors", None, "no adapter_model.safetensors or adapter_model.bin"),
+    ("adapter_config.json", b"[1, 2]", "adapter_config.json is not a JSON object"),
+    ("adapter_config.json", b"{", "cannot read adapter_config.json"),
+])
+def test_unreadable_files_are_one_line_errors(llama3_folder, tmp_path, file, content, says):
+    """Whatever the readers raise is the adapter's fault: a ``LoRAAdapterError`` (the engine
+    core refuses the request alone and keeps serving)."""
+    folder = write_adapter(llama3_folder, tmp_path / "a", ADAPTER_SPECS["attn"], seed=1)
+    if content is None:
+        (folder / file).unlink()
+    else:
+        (folder / file).write_bytes(content)
+    with pytest.raises(LoRAAdapterError, match=says):
+        load_adapter(folder)
+
+
+def test_a_tensor_that_is_no_matrix_is_refused(llama3_folder, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = write_adapter(llama3_folder, tmp_path / "a", ADAPTER_SPECS["attn"], seed=1)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    key = next(k for k in tensors if "lora_B" in k)
+    tensors[key] = tensors[key][:, 0].contiguous()
+    save_file(tensors, folder / "adapter_model.safetensors")
+    with pytest.raises(LoRAAdapterError, match="A and B must be matrices"):
+        load_adapter(folder)
+
+
 def test_a_hugging_face_id_reads_the_cached_snapshot(llama3_folder, tmp_path, monkeypatch):
     hub_cache = offline_cache(tmp_path, monkeypatch)
     folder = write_adapter(llama3_folder, tmp_path / "a", ADAPTER_SPECS["attn"], seed=1)

@@ -35,3 +35,25 @@ def test_two_ranks_equal_peft(tiny_model_folder, tmp_path, arch):
         ref = (base_model(base) if request is None
                else peft_model(base, tmp_path / request.lora_name))
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, NEW_TOKENS), request
+
+
+@pytest.mark.slow
+def test_a_removed_adapter_is_forgotten_on_every_rank(tiny_model_folder, tmp_path):
+    """The id of a removed adapter, reused for another: both ranks read the new one (a rank
+    that kept the old one's slot would add its delta to its half)."""
+    base = tiny_model_folder("llama3")
+    first, second = (write_adapter(base, tmp_path / n, ADAPTER_SPECS[n], seed=30 + i)
+                     for i, n in enumerate(["all", "mixed"]))
+    prompt = random_prompts("lora-tp-remove", [9])[0]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    llm = make_llm(base, tensor_parallel_size=2, enable_lora=True, max_loras=1,
+                   max_lora_rank=8)
+    try:
+        llm.generate([prompt], params, use_tqdm=False,
+                     lora_request=LoRARequest("first", 1, str(first)))
+        llm.engine.remove_lora(1)
+        out = llm.generate([prompt], params, use_tqdm=False,
+                           lora_request=LoRARequest("second", 1, str(second)))
+    finally:
+        llm.engine.shutdown()
+    assert out[0].outputs[0].token_ids == hf_greedy(peft_model(base, second), prompt, NEW_TOKENS)

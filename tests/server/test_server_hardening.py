@@ -108,7 +108,8 @@ def test_health_answers_while_a_request_is_being_tokenized(path, body, status):
 
     tokenizer = _GatedTokenizer()
     engine = SimpleNamespace(
-        facts=SimpleNamespace(model_name="model", limits=SimpleNamespace(max_model_len=64)),
+        facts=SimpleNamespace(model_name="model", limits=SimpleNamespace(max_model_len=64),
+                              lora=None),
         tokenizer=tokenizer, is_running=True, stats=None, add_requests=_refuse)
     app = create_app([engine])
 
