@@ -168,8 +168,9 @@ class Speculation:
 
 def check_draft_tokenizer(config: SpeculativeConfig, tokenizer, load_format: str) -> None:
     """A draft's token ids must mean what the target's mean: where the draft checkpoint has a
-    tokenizer, its vocabulary must be the target's, id for id (the worker checks the sizes,
-    which is all a checkpoint without tokenizer files can be checked for)."""
+    tokenizer, the tokens it shares with the target's must have the same ids (the worker
+    checks the vocabulary sizes, which is all a checkpoint without tokenizer files can be
+    checked for)."""
     if config.method != "draft_model":
         return
     source = loader.resolve_model(config.model, load_format != "dummy")
@@ -177,7 +178,12 @@ def check_draft_tokenizer(config: SpeculativeConfig, tokenizer, load_format: str
         draft = loader.load_tokenizer(source)
     except loader.ModelLoadError:
         return
-    if draft.get_vocab() != tokenizer.get_vocab():
+    target_ids, draft_ids = tokenizer.get_vocab(), draft.get_vocab()
+    target_tokens = {i: token for token, i in target_ids.items()}
+    # A token both know must have one id, and an id one token; a special token only one of
+    # them adds (transformers adds some per model type) is neither.
+    if any(target_ids.get(token, i) != i or target_tokens.get(i, token) != token
+           for token, i in draft_ids.items()):
         raise ConfigError(f"--speculative-config: the draft model's tokenizer ({source.name}) "
                           "differs from the target's; a draft must share its vocabulary")
 

@@ -35,6 +35,7 @@ import torch
 
 from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedserve.core.sequence import Sequence
+from pagedserve.sample.metadata import to_device
 from pagedserve.sample.sampler import exponential_race
 from pagedserve.worker.input_batch import pack_inputs
 from pagedserve.worker.sampling_batch import SamplingBatch
@@ -46,7 +47,14 @@ class DeviceDrafts(NamedTuple):
 
     token_ids: torch.Tensor  # int64 [R, K]: row i's first d_i drafts, then -1
     probs: torch.Tensor | None  # float32 [sum d_i, V]: q of each draft; None: all greedy
-    num_drafts: list[int]  # d_i
+    # int64 [sum d_i]: where each draft is in ``token_ids`` flattened, row by row (built on
+    # the host: a mask's nonzero would wait for the device).
+    flat_index: torch.Tensor
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """int64 [sum d_i]: the drafts row by row, the order of their slots in a step."""
+        return self.token_ids.view(-1)[self.flat_index]
 
 
 class Drafter:
@@ -60,7 +68,7 @@ class Drafter:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """The step's copy-on-write copies (source, destination), in the draft pool too."""
         pool = self.runner.kv_cache.pool
-        src, dst = torch.tensor(copies, dtype=torch.int64, device=pool.device).unbind(1)
+        src, dst = to_device(copies, torch.int64, pool.device).unbind(1)
         self.runner.platform.copy_blocks(pool, src, dst)
 
     @torch.inference_mode()
@@ -84,7 +92,7 @@ class Drafter:
             if j > 0:
                 inputs = self._next(items, rows, j, tokens[:, j - 1])
             logits = self._logits(inputs)
-            rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+            rows_t = to_device(rows, torch.int64, device)
             drawn = logits.argmax(dim=-1)
             if probs is not None:
                 q = torch.softmax(logits.float() / meta.temperature[rows_t], dim=-1)
@@ -97,11 +105,11 @@ class Drafter:
             tokens[rows_t, j] = drawn
         for item, d in zip(items, num_drafts, strict=True):
             self._written[item.seq] = (item.num_computed_tokens + d, item.seq.num_preemptions)
+        flat_index = to_device([i * width + j for i, d in enumerate(num_drafts)
+                                for j in range(d)], torch.int64, device)
         if probs is not None:
-            valid = torch.arange(width, device=device) < torch.tensor(
-                num_drafts, device=device).unsqueeze(1)
-            probs = probs[valid]
-        return DeviceDrafts(tokens, probs, num_drafts)
+            probs = probs.view(-1, probs.shape[-1])[flat_index]
+        return DeviceDrafts(tokens, probs, flat_index)
 
     def _catch_up(self, items: list[ScheduledSequence]):
         """Pass 1's inputs: each sequence from its first token without draft keys to the

@@ -81,8 +81,9 @@ class KVCache:
             self.copier.wait_device()
             self.copy_seconds += time.perf_counter() - start
         if ops.copies:
-            src, dst = torch.tensor(ops.copies, dtype=torch.int64,
-                                    device=self.pool.device).unbind(1)
+            # Not torch.tensor(..., device=): that waits for the device's queued work.
+            src, dst = torch.tensor(ops.copies, dtype=torch.int64).to(
+                self.pool.device, non_blocking=True).unbind(1)
             self.platform.copy_blocks(self.pool, src, dst)
 
 

@@ -34,7 +34,7 @@ from pagedserve.models.registry import model_class
 from pagedserve.platforms.interface import DeviceEvent, GraphRunner, Platform
 from pagedserve.quant.weights import LoadedWeight
 from pagedserve.sample.logprobs import LogprobsTensors
-from pagedserve.sample.metadata import SamplingMetadata
+from pagedserve.sample.metadata import SamplingMetadata, to_device
 from pagedserve.sample.rejection import rejection_sample
 from pagedserve.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
 from pagedserve.spec_decode.proposer import DRAFTED_ON_DEVICE
@@ -277,8 +277,8 @@ class ModelRunner:
             out = rejection_sample(logits, meta, torch.from_numpy(drafts).to(
                 self.device, non_blocking=True))
             return out.sampled, out.num_emitted
-        rows = torch.tensor([i for i, s in enumerate(sampled) if s.draft_token_ids],
-                            dtype=torch.int64, device=self.device)
+        rows = to_device([i for i, s in enumerate(sampled) if s.draft_token_ids], torch.int64,
+                         self.device)
         drafts = torch.full((len(sampled), width), -1, dtype=torch.int64, device=self.device)
         drafts[rows] = drafted.token_ids
         out = rejection_sample(logits, meta, drafts, drafted.probs)
@@ -369,12 +369,12 @@ class ModelRunner:
         drafts = None
         if scheduled is not None:
             drafts = self.drafter.propose(scheduled, self.sampling)
-            tokens = drafts.token_ids[drafts.token_ids >= 0]  # row by row: the slots' order
+            tokens = drafts.flat
         else:
             tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
         if self.tp.size > 1:
             self.tp.broadcast_from_first(tokens)
-        input_ids[torch.from_numpy(rows).to(self.device)] = tokens
+        input_ids[torch.from_numpy(rows).to(self.device, non_blocking=True)] = tokens
         return drafts
 
     def run_model(self, inputs: ModelInputs) -> torch.Tensor:

@@ -37,7 +37,7 @@ class StreamBlockCopier(BlockCopier):
                 dst: list[int]) -> None:
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            index = torch.tensor(src, device=pool.device)
+            index = _index(src, pool.device)
             staged = pool[:, :, index].movedim(2, 0).contiguous()
             for pos, first, length in block_runs(dst):
                 host[first:first + length].copy_(staged[pos:pos + length], non_blocking=True)
@@ -50,10 +50,17 @@ class StreamBlockCopier(BlockCopier):
                                  device=pool.device)
             for pos, first, length in block_runs(src):
                 staged[pos:pos + length].copy_(host[first:first + length], non_blocking=True)
-            pool[:, :, torch.tensor(dst, device=pool.device)] = staged.movedim(0, 2)
+            pool[:, :, _index(dst, pool.device)] = staged.movedim(0, 2)
 
     def wait_host(self) -> None:
         self.stream.synchronize()
 
     def wait_device(self) -> None:
         torch.cuda.current_stream().wait_stream(self.stream)
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """Block ids on the device without waiting for it: ``torch.tensor(..., device=)`` is a
+    synchronous copy, which would hold the host until the copy stream (and the step it waits
+    on) drained, and every step that moves blocks would lose its run-ahead."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
