@@ -22,6 +22,8 @@ BENCHMARKS = {
                    "prompts, or the throughput workload)",
     "kv-offload": "TTFT of multi-turn conversations whose prefixes left the device pool, "
                   "without and with the host offloading tier",
+    "lora": "output tok/s with requests spread over 1 / 8 / 32 LoRA adapters against the base "
+            "model, the batch-1 decode step with an adapter, adapters cycling through slots",
 }
 
 
