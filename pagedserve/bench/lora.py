@@ -17,7 +17,8 @@ every row outputs the same tokens. Workloads (``--workloads``):
 Before each timed row a short warm-up run uses the row's adapters, so the adapters are read
 from their folders (and, where they fit, in slots) before the clock starts; a timed row's slot
 loads are those its own scheduling caused, from host memory when ``--max-cpu-loras`` holds
-them.
+them. With ``--rounds N`` an engine's rows take turns N times and each reports its median
+run (for a busy host, as a shared CPU machine is).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="--workloads cycling: adapters, more than --max-loras")
     parser.add_argument("--decode-steps", type=int, default=64,
                         help="--workloads decode: timed steps")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="--workloads adapters: timed runs of each row, taking turns; the "
+                             "median counts (for a busy host)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads (default: the platform's)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
@@ -126,7 +130,8 @@ def _base_rows(llm, work: list[WorkItem], args: argparse.Namespace) -> dict:
     """The base engine: the throughput of the work, the batch-1 decode step."""
     rows = {}
     if {"adapters", "cycling"} & set(args.workloads):
-        rows["throughput"] = _timed_run(llm, work, [None] * len(work))
+        rows["throughput"] = _rounds(llm, work, {"base": [None] * len(work)},
+                                     args.rounds)["base"]
     if "decode" in args.workloads:
         rows["decode_ms"] = _decode_step_ms(llm, work[0].prompt_token_ids, args.decode_steps)
     return rows
@@ -137,8 +142,8 @@ def _lora_rows(llm, work: list[WorkItem], adapters, args: argparse.Namespace) ->
     cycling row."""
     rows: dict = {}
     if "adapters" in args.workloads:
-        rows["adapters"] = {n: _timed_run(llm, work, _round_robin(adapters[:n], len(work)))
-                            for n in [0, *args.adapter_counts]}
+        rows["adapters"] = _rounds(llm, work, {n: _round_robin(adapters[:n], len(work))
+                                               for n in [0, *args.adapter_counts]}, args.rounds)
     if "decode" in args.workloads:
         prompt = work[0].prompt_token_ids
         rows["decode_ms"] = {"no_adapter": _decode_step_ms(llm, prompt, args.decode_steps),
@@ -153,6 +158,22 @@ def _lora_rows(llm, work: list[WorkItem], adapters, args: argparse.Namespace) ->
 def _round_robin(adapters: list, num: int) -> list:
     """Request ``i``'s adapter: ``adapters[i % len]``; all None without adapters."""
     return [adapters[i % len(adapters)] if adapters else None for i in range(num)]
+
+
+def _rounds(llm, work: list[WorkItem], loras_of: dict, rounds: int) -> dict:
+    """For each key of ``loras_of``, ``rounds`` timed runs of ``work`` with those adapters,
+    the keys taking turns so a busy host slows each alike; each key's run of the median rate,
+    with every round's rate."""
+    runs: dict = {key: [] for key in loras_of}
+    for _ in range(rounds):
+        for key, loras in loras_of.items():
+            runs[key].append(_timed_run(llm, work, loras))
+    medians = {}
+    for key, results in runs.items():
+        rates = [r["output_tok_s"] for r in results]
+        medians[key] = {**sorted(results, key=lambda r: r["output_tok_s"])[len(results) // 2],
+                        "output_tok_s_per_round": rates}
+    return medians
 
 
 def _timed_run(llm, work: list[WorkItem], loras: list) -> dict:

@@ -44,12 +44,13 @@ def test_bench_lora_reports_each_workload(tmp_path, monkeypatch):
         "bench", "lora", "--shape", "tiny-llama", "--device", "cpu", "--num-prompts", "12",
         "--input-len", "8", "--output-len", "4", "--adapter-counts", "1", "3",
         "--cycle-adapters", "5", "--max-loras", "2", "--max-cpu-loras", "5",
-        "--decode-steps", "2", "--out", str(out)])
+        "--decode-steps", "2", "--rounds", "2", "--out", str(out)])
     lora.main(args)
     result = json.loads(out.read_text())
     assert set(result["adapters"]) == {"0", "1", "3"}
     rows = [result["base"]["throughput"], *result["adapters"].values(), result["cycling"]]
     assert all(r["output_tokens"] == 12 * 4 for r in rows)
+    assert all(len(r["output_tok_s_per_round"]) == 2 for r in rows[:-1])
     assert result["adapters"]["1"]["slot_loads"] == 0  # its warm-up put it in a slot
     # Five adapters through two slots: at least the three not resident when it starts.
     assert result["cycling"]["slot_loads"] >= 3
