@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -113,6 +114,7 @@ def _base_part(llm, folder: Path, args: argparse.Namespace) -> BasePart:
              "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras,
              "adapter_mb": adapter_numel(engine.arch, args.max_lora_rank)
              * engine.dtype.itemsize / 1e6}
+    setup["load_average_at_start"] = os.getloadavg()
     start = time.perf_counter()
     adapters = write_random_adapters(folder, engine.arch, max([*args.adapter_counts,
                                                                *_cycle_counts(args)]),
@@ -184,8 +186,10 @@ def _timed_run(llm, work: list[WorkItem], loras: list) -> dict:
     distinct = list(dict.fromkeys(loras))
     warm = [WorkItem(work[0].prompt_token_ids[:16], 4) for _ in distinct]
     run_engine(llm, warm, loras=distinct)
-    loads = _slot_loads(llm)
+    loads, cpu_start = _slot_loads(llm), time.process_time()
     result = run_engine(llm, work, loras=loras)
+    # This process's CPU seconds: on a shared CPU host, less moved by other jobs than wall time.
+    result["output_tok_per_cpu_s"] = result["output_tokens"] / (time.process_time() - cpu_start)
     result["slot_loads"] = _slot_loads(llm) - loads
     result["slot_loads_per_s"] = result["slot_loads"] / result["seconds"]
     return result
@@ -221,20 +225,24 @@ def _decode_step_ms(llm, prompt: list[int], steps: int, lora=None) -> float:
 
 
 def _report(setup: dict, base: dict, rows: dict, args: argparse.Namespace) -> None:
-    result = {**setup, "base": base, **rows}
+    result = {**setup, "load_average_at_end": os.getloadavg(), "base": base, **rows}
     if "throughput" in base:
         base_rate = base["throughput"]["output_tok_s"]
         table = [{"adapters": "base engine", **base["throughput"], "vs_base": 1.0}]
-        for n, row in rows.get("adapters", {}).items():
+        adapters = rows.get("adapters", {})
+        for n, row in adapters.items():
             row["vs_base"] = row["output_tok_s"] / base_rate
+            # Base requests on the LoRA engine run the base model's forward (no adapter in
+            # the step) and took turns with these rows: the same-engine comparison.
+            row["vs_no_adapter"] = row["output_tok_s"] / adapters[0]["output_tok_s"]
             table.append({"adapters": n or "none (LoRA engine)", **row})
         if "cycling" in rows:
             rows["cycling"]["vs_base"] = rows["cycling"]["output_tok_s"] / base_rate
             table.append({"adapters": f"{args.cycle_adapters} cycling", **rows["cycling"]})
         print_table(f"bench lora: {setup['num_prompts']} x {args.input_len}/{args.output_len}, "
                     f"rank {setup['rank']}, {args.max_loras} slots, device {setup['device']}",
-                    table, ["adapters", "seconds", "output_tok_s", "vs_base", "slot_loads",
-                            "slot_loads_per_s"])
+                    table, ["adapters", "seconds", "output_tok_s", "vs_base", "vs_no_adapter",
+                            "output_tok_per_cpu_s", "slot_loads", "slot_loads_per_s"])
     if "decode_ms" in base:
         decode = rows["decode_ms"]
         decode["one_adapter_vs_base"] = decode["one_adapter"] / base["decode_ms"]
