@@ -8,8 +8,9 @@ and ``--max-cpu-loras``. Every request has fixed input and output lengths and ig
 every row outputs the same tokens. Workloads (``--workloads``):
 
 - ``adapters``: ``--num-prompts`` requests spread round-robin over each of
-  ``--adapter-counts`` adapters; output tok/s over the base engine's on the same prompts (and
-  the LoRA engine's own with no adapter: what wrapping the layers costs).
+  ``--adapter-counts`` adapters; output tok/s over the base engine's on the same prompts, and
+  over the LoRA engine's own base requests (a step without adapters runs the base model's
+  forward; these take turns with the adapter rows).
 - ``decode``: the batch-1 decode step with one adapter over the base engine's step.
 - ``cycling``: the same requests over ``--cycle-adapters`` adapters, more than the slots:
   output tok/s and slot loads (adapters written into a device slot) per second.
