@@ -19,7 +19,8 @@ Before each timed row a short warm-up run uses the row's adapters, so the adapte
 from their folders (and, where they fit, in slots) before the clock starts; a timed row's slot
 loads are those its own scheduling caused, from host memory when ``--max-cpu-loras`` holds
 them. With ``--rounds N`` an engine's rows take turns N times and each reports its median
-run (for a busy host, as a shared CPU machine is).
+run; ``--side-by-side`` keeps both engines at once, so the base engine's runs take turns with
+the adapter rows too (for a busy host, as a shared CPU machine is).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="--workloads adapters: timed runs of each row, taking turns; the "
                              "median counts (for a busy host)")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="build both engines at once, the base engine's runs taking turns "
+                             "with the adapter rows (memory for two engines: CPU runs)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads (default: the platform's)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
@@ -78,11 +82,26 @@ def main(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="pagedserve-lora-") as tmp:
-        base = _with_engine(args, lambda llm: _base_part(llm, Path(tmp), args),
-                            enable_lora=False)
-        rows = _with_engine(args, lambda llm: _lora_rows(llm, base.work, base.adapters, args),
-                            enable_lora=True)
+        if args.side_by_side:
+            base, rows = _with_engine(args, lambda base_llm: _with_engine(
+                args, lambda lora_llm: _side_by_side(base_llm, lora_llm, Path(tmp), args),
+                enable_lora=True), enable_lora=False)
+        else:
+            base = _with_engine(args, lambda llm: _base_part(llm, Path(tmp), args),
+                                enable_lora=False)
+            rows = _with_engine(args, lambda llm: _lora_rows(llm, base, args), enable_lora=True)
     _report(base.setup, base.rows, rows, args)
+
+
+def _side_by_side(base_llm, lora_llm, folder: Path, args: argparse.Namespace
+                  ) -> tuple[BasePart, dict]:
+    """Both engines at once: the base engine's throughput runs take turns with the adapter
+    rows."""
+    base = _base_part(base_llm, folder, args, throughput=False)
+    runs = _rounds({"base": (base_llm, [None] * len(base.work)),
+                    **_adapter_plan(lora_llm, base, args)}, base.work, args.rounds)
+    base.rows["throughput"] = runs.pop("base")
+    return base, _lora_rows(lora_llm, base, args, adapter_rows=runs)
 
 
 def _with_engine(args: argparse.Namespace, run, **changes):
@@ -101,8 +120,10 @@ def _with_engine(args: argparse.Namespace, run, **changes):
         platform.release_cached_memory()
 
 
-def _base_part(llm, folder: Path, args: argparse.Namespace) -> BasePart:
-    """The workload, the adapters (written with the base engine's device), the base rows."""
+def _base_part(llm, folder: Path, args: argparse.Namespace, throughput: bool = True
+               ) -> BasePart:
+    """The workload, the adapters (written with the base engine's device), the base rows
+    (without the throughput run when not ``throughput``)."""
     from pagedserve.bench.random_adapters import adapter_numel, write_random_adapters
 
     engine = llm.engine
@@ -122,31 +143,40 @@ def _base_part(llm, folder: Path, args: argparse.Namespace) -> BasePart:
                                      args.max_lora_rank, engine.dtype,
                                      engine.platform.device(), args.seed)
     setup["adapters_written_s"] = time.perf_counter() - start
-    return BasePart(setup, work, adapters, _base_rows(llm, work, args))
+    return BasePart(setup, work, adapters, _base_rows(llm, work, args, throughput))
 
 
 def _cycle_counts(args: argparse.Namespace) -> list[int]:
     return [args.cycle_adapters] if "cycling" in args.workloads else []
 
 
-def _base_rows(llm, work: list[WorkItem], args: argparse.Namespace) -> dict:
+def _base_rows(llm, work: list[WorkItem], args: argparse.Namespace, throughput: bool) -> dict:
     """The base engine: the throughput of the work, the batch-1 decode step."""
     rows = {}
-    if {"adapters", "cycling"} & set(args.workloads):
-        rows["throughput"] = _rounds(llm, work, {"base": [None] * len(work)},
+    if throughput and {"adapters", "cycling"} & set(args.workloads):
+        rows["throughput"] = _rounds({"base": (llm, [None] * len(work))}, work,
                                      args.rounds)["base"]
     if "decode" in args.workloads:
         rows["decode_ms"] = _decode_step_ms(llm, work[0].prompt_token_ids, args.decode_steps)
     return rows
 
 
-def _lora_rows(llm, work: list[WorkItem], adapters, args: argparse.Namespace) -> dict:
-    """The LoRA engine: a row per adapter count (0: base requests), the decode steps, the
-    cycling row."""
+def _adapter_plan(llm, base: BasePart, args: argparse.Namespace) -> dict:
+    """The ``adapters`` workload's rows: each adapter count (0: base requests) and its
+    requests' adapters."""
+    return {n: (llm, _round_robin(base.adapters[:n], len(base.work)))
+            for n in [0, *args.adapter_counts]}
+
+
+def _lora_rows(llm, base: BasePart, args: argparse.Namespace, adapter_rows: dict | None = None
+               ) -> dict:
+    """The LoRA engine: a row per adapter count (unless ``adapter_rows`` has them), the decode
+    steps, the cycling row."""
     rows: dict = {}
+    work, adapters = base.work, base.adapters
     if "adapters" in args.workloads:
-        rows["adapters"] = _rounds(llm, work, {n: _round_robin(adapters[:n], len(work))
-                                               for n in [0, *args.adapter_counts]}, args.rounds)
+        rows["adapters"] = adapter_rows if adapter_rows is not None else _rounds(
+            _adapter_plan(llm, base, args), work, args.rounds)
     if "decode" in args.workloads:
         prompt = work[0].prompt_token_ids
         rows["decode_ms"] = {"no_adapter": _decode_step_ms(llm, prompt, args.decode_steps),
@@ -163,13 +193,13 @@ def _round_robin(adapters: list, num: int) -> list:
     return [adapters[i % len(adapters)] if adapters else None for i in range(num)]
 
 
-def _rounds(llm, work: list[WorkItem], loras_of: dict, rounds: int) -> dict:
-    """For each key of ``loras_of``, ``rounds`` timed runs of ``work`` with those adapters,
-    the keys taking turns so a busy host slows each alike; each key's run of the median rate,
-    with every round's rate."""
-    runs: dict = {key: [] for key in loras_of}
+def _rounds(plan: dict, work: list[WorkItem], rounds: int) -> dict:
+    """For each key of ``plan`` (an engine and each request's adapter), ``rounds`` timed runs
+    of ``work``, the keys taking turns so a busy host slows each alike; each key's run of the
+    median rate, with every round's rate."""
+    runs: dict = {key: [] for key in plan}
     for _ in range(rounds):
-        for key, loras in loras_of.items():
+        for key, (llm, loras) in plan.items():
             runs[key].append(_timed_run(llm, work, loras))
     medians = {}
     for key, results in runs.items():

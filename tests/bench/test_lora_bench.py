@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import tempfile
 
+import pytest
 import torch
 
 from pagedserve.bench.random_adapters import adapter_numel, write_random_adapters
@@ -35,7 +36,8 @@ def test_random_adapters_are_the_peft_adapters_peft_loads(llama3_folder, tmp_pat
     assert all(torch.equal(loaded[name], t) for name, t in saved[0].items())
 
 
-def test_bench_lora_reports_each_workload(tmp_path, monkeypatch):
+@pytest.mark.parametrize("together", [[], ["--side-by-side"]])
+def test_bench_lora_reports_each_workload(tmp_path, monkeypatch, together):
     from pagedserve.bench import lora
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -44,7 +46,7 @@ def test_bench_lora_reports_each_workload(tmp_path, monkeypatch):
         "bench", "lora", "--shape", "tiny-llama", "--device", "cpu", "--num-prompts", "12",
         "--input-len", "8", "--output-len", "4", "--adapter-counts", "1", "3",
         "--cycle-adapters", "5", "--max-loras", "2", "--max-cpu-loras", "5",
-        "--decode-steps", "2", "--rounds", "2", "--out", str(out)])
+        "--decode-steps", "2", "--rounds", "2", "--out", str(out), *together])
     lora.main(args)
     result = json.loads(out.read_text())
     assert set(result["adapters"]) == {"0", "1", "3"}
