@@ -10,7 +10,8 @@
 #                                        tp2-70b allreduce tp2-tests structured cpu-offload
 #                                        cpu-offload-70b kv-tier (= kv-tier-multi-turn
 #                                        kv-tier-unique) kv-copy-rate spec-verify
-#                                        spec-throughput spec-draft spec-tests
+#                                        spec-throughput spec-draft spec-tests lora
+#                                        lora-tests
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -335,6 +336,16 @@ for part in $parts; do
           --output-len 128 128 --skip-hf "${extra[@]}" \
           --out "$OUT/throughput_h200_llama3-8b_128_${run}_speculation.json"
       done ;;
+    # Multi-LoRA (issue 28), 8B shape, random base and rank-16 adapters on all seven
+    # projections (84 MB each, 128 of them written to a temporary folder): 1,000 x 128/128
+    # over 1 / 8 / 32 adapters in 32 slots and over 128 cycling through them, the batch-1
+    # decode step with one adapter, each against the base engine in the same call (~5 min).
+    lora) bench lora "${common[@]}" --shape llama3-8b --input-len 128 --output-len 128 \
+        --max-loras 32 --max-lora-rank 16 --max-cpu-loras 128 --adapter-counts 1 8 32 \
+        --cycle-adapters 128 --out "$OUT/lora_h200_llama3-8b.json" ;;
+    # The whole file: its interpreter-sized tests run on the GPU too.
+    lora-tests) python3 -m pytest -q -p no:cacheprovider \
+        tests/platforms/cuda/test_lora_kernels.py 2>&1 | tee "$OUT/gpu_lora_kernel_tests.log" ;;
     llama) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
         --output-len 128 128 --hf-batch-sizes 128 256 --hf-max-prompts 256 \
         --out "$OUT/throughput_h200_llama3-8b_128.json" ;;

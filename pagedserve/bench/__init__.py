@@ -25,6 +25,8 @@ BENCHMARKS = {
                   "--unique-prefixes",
     "kv-copy-rate": "KV block moves of the offloading tier against a contiguous copy of the "
                     "same bytes (pinned cudaMemcpyAsync on GPUs, memcpy on the CPU)",
+    "lora": "output tok/s with requests spread over 1 / 8 / 32 LoRA adapters against the base "
+            "model, the batch-1 decode step with an adapter, adapters cycling through slots",
 }
 
 

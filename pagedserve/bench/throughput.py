@@ -67,15 +67,17 @@ class PhaseTimes:
         return {**self.totals, "other_host_s": total - sum(self.totals.values())}
 
 
-def run_engine(llm, work, breakdown: bool = False) -> dict:
+def run_engine(llm, work, breakdown: bool = False, loras=None) -> dict:
+    """``work`` through the engine, all added before the clock starts; ``loras``: the
+    ``LoRARequest`` (or None) of each item."""
     from pagedserve.sampling_params import SamplingParams
 
     engine = llm.engine
     phases = PhaseTimes(engine) if breakdown else None
-    for item in work:
+    for item, lora in zip(work, loras or [None] * len(work), strict=True):
         engine.add_request(item.prompt_token_ids, SamplingParams(
             max_tokens=item.output_len, temperature=0.0, ignore_eos=True, detokenize=False,
-            output_kind="final_only"))
+            output_kind="final_only"), lora_request=lora)
     allocated = filled = steps = 0
     with Timer() as t:
         while engine.has_unfinished_requests():

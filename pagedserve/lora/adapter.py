@@ -177,7 +177,8 @@ def _fold(folder: Path, config: dict, tensors: dict[str, torch.Tensor]
         if a.shape[0] != b.shape[1]:
             raise LoRAAdapterError(f"LoRA adapter {folder}: layer {layer} {module}: A has "
                                    f"rank {a.shape[0]}, B {b.shape[1]}")
-        scale = _scaling(config, f"model.layers.{layer}.{_parent(module)}.{module}", a.shape[0])
+        key = f"model.layers.{layer}.{parent_module(module)}.{module}"
+        scale = _scaling(config, key, a.shape[0])
         projection, shard = PROJECTIONS[module]
         shards[(layer, projection, shard)] = LoRAWeights(a.contiguous(), (b * scale).contiguous())
     if not shards:
@@ -185,7 +186,8 @@ def _fold(folder: Path, config: dict, tensors: dict[str, torch.Tensor]
     return shards
 
 
-def _parent(module: str) -> str:
+def parent_module(module: str) -> str:
+    """The block of a PEFT module name: ``self_attn`` or ``mlp``."""
     return "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
 
 

@@ -11,9 +11,13 @@ The layout of ``a`` and ``b`` and the grouping of rows (``LoRARows``) are those 
 
 Dots take the activations' and weights' dtype (16-bit on the tensor cores, accumulating in
 float32), float32 ones in IEEE precision rather than TF32. The shrink writes float32
-``[T, S * R]`` (rows of slot -1 left unwritten and never read); the
-expand adds into ``out`` (any strides: a shard's column slice of the projection output) in its
-own dtype. Ranks are padded with zeros to ``R`` in ``a`` and ``b``, so no kernel reads a rank;
+``[T, S * R]`` (rows of slot -1 left unwritten and never read); SGMV's expand rounds those
+rows to B's 16-bit dtype for its dot (as Punica's and vLLM's expand do), BGMV's reduces them
+in float32; the expand adds into ``out`` (any strides: a shard's column slice of the
+projection output) in float32 and rounds once to ``out``'s dtype. The tests bound the error
+by exactly these roundings (``tests/lora/layouts.py``, ``rounding_bound``).
+
+Ranks are padded with zeros to ``R`` in ``a`` and ``b``, so no kernel reads a rank;
 ``R`` is padded again to a power of two of at least 16 in registers, masked. Each output row
 belongs to one slot, so no two programs write one element. Nothing synchronizes with the host.
 """
