@@ -138,16 +138,17 @@ def _base_part(llm, folder: Path, args: argparse.Namespace, throughput: bool = T
              * engine.dtype.itemsize / 1e6}
     setup["load_average_at_start"] = os.getloadavg()
     start = time.perf_counter()
-    adapters = write_random_adapters(folder, engine.arch, max([*args.adapter_counts,
-                                                               *_cycle_counts(args)]),
+    adapters = write_random_adapters(folder, engine.arch, _num_adapters(args),
                                      args.max_lora_rank, engine.dtype,
                                      engine.platform.device(), args.seed)
     setup["adapters_written_s"] = time.perf_counter() - start
     return BasePart(setup, work, adapters, _base_rows(llm, work, args, throughput))
 
 
-def _cycle_counts(args: argparse.Namespace) -> list[int]:
-    return [args.cycle_adapters] if "cycling" in args.workloads else []
+def _num_adapters(args: argparse.Namespace) -> int:
+    """The most adapters a workload asked for uses."""
+    wanted = {"adapters": max(args.adapter_counts), "decode": 1, "cycling": args.cycle_adapters}
+    return max(wanted[w] for w in args.workloads)
 
 
 def _base_rows(llm, work: list[WorkItem], args: argparse.Namespace, throughput: bool) -> dict:
@@ -210,12 +211,14 @@ def _rounds(plan: dict, work: list[WorkItem], rounds: int) -> dict:
 
 
 def _timed_run(llm, work: list[WorkItem], loras: list) -> dict:
-    """A warm-up of one short request per distinct adapter (reads each from its folder, and
-    compiles what the shapes need), then ``work`` timed, with the slot loads it caused."""
+    """A warm-up of one request per distinct adapter, ``work``'s first prompt with a few
+    output tokens (reads each adapter from its folder, and runs both the prefill's and the
+    decode's kernels: a prompt is more rows than BGMV takes), then ``work`` timed, with the
+    slot loads it caused."""
     from pagedserve.bench.throughput import run_engine
 
     distinct = list(dict.fromkeys(loras))
-    warm = [WorkItem(work[0].prompt_token_ids[:16], 4) for _ in distinct]
+    warm = [WorkItem(work[0].prompt_token_ids, 4) for _ in distinct]
     run_engine(llm, warm, loras=distinct)
     loads, cpu_start = _slot_loads(llm), time.process_time()
     result = run_engine(llm, work, loras=loras)
