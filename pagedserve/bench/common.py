@@ -39,6 +39,17 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
+def seconds_per_step(engine, steps: int) -> float:
+    """Mean wall seconds of the engine's next ``steps`` steps, the device drained before and
+    after (what was queued before does not count, what they queued does)."""
+    engine.platform.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    engine.platform.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
 def print_table(title: str, rows: list[dict], columns: list[str]) -> None:
     widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
     print(f"\n{title}")

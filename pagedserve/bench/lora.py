@@ -33,7 +33,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve.bench.common import WorkItem, print_table, random_workload, write_result
+from pagedserve.bench.common import (
+    WorkItem,
+    print_table,
+    random_workload,
+    seconds_per_step,
+    write_result,
+)
 
 WORKLOADS = ("adapters", "decode", "cycling")
 
@@ -246,12 +252,7 @@ def _decode_step_ms(llm, prompt: list[int], steps: int, lora=None) -> float:
     request_id = engine.add_request(prompt, params, lora_request=lora)
     for _ in range(4):  # the prefill, then decode steps at this shape
         engine.step()
-    engine.platform.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    engine.platform.synchronize()
-    seconds = (time.perf_counter() - start) / steps
+    seconds = seconds_per_step(engine, steps)
     engine.abort_request(request_id)
     while engine.has_unfinished_requests():
         engine.step()

@@ -25,7 +25,7 @@ import dataclasses
 import statistics
 import time
 
-from pagedserve.bench.common import print_table, random_workload, write_result
+from pagedserve.bench.common import print_table, random_workload, seconds_per_step, write_result
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
 
@@ -234,12 +234,7 @@ def _step_time(llm, batch_size: int, k: int, steps: int, prompt: list[int],
         engine.step()
     for _ in range(3):  # warm-up at this shape
         engine.step()
-    engine.platform.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    engine.platform.synchronize()
-    seconds = (time.perf_counter() - start) / steps
+    seconds = seconds_per_step(engine, steps)
     for request_id in ids:
         engine.abort_request(request_id)
     return seconds

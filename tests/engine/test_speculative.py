@@ -70,48 +70,68 @@ def test_greedy_with_drafts_equals_transformers(tiny_model_folder, arch):
     assert_pools_full(llm.engine.kv)
 
 
-@pytest.mark.parametrize("case", ["prefix_hits", "chunked_prefill", "swap", "recompute"])
-def test_greedy_with_drafts_through_the_engine_s_other_mechanisms(llama3_folder, case):
-    options = {
+MECHANISMS = ["prefix_hits", "chunked_prefill", "swap", "recompute"]
+
+
+def mechanism_options(case: str, num_blocks: int = 8) -> dict:
+    """Engine options under which ``case`` happens to the prompts of ``mechanism_prompts``."""
+    return {
         "prefix_hits": {},
         "chunked_prefill": {"max_num_batched_tokens": 16},
-        "swap": {"num_blocks": 8, "preemption_mode": "swap", "swap_space": 0.01,
+        "swap": {"num_blocks": num_blocks, "preemption_mode": "swap", "swap_space": 0.01,
                  "enable_prefix_caching": False},
-        "recompute": {"num_blocks": 8, "preemption_mode": "recompute",
+        "recompute": {"num_blocks": num_blocks, "preemption_mode": "recompute",
                       "enable_prefix_caching": False},
     }[case]
-    shared = random_prompts("shared", [40])[0]
-    prompts = [shared + p for p in random_prompts(case, [3, 9, 6, 12])] + [shared]
-    llm, _ = _oracle_llm(llama3_folder, prompts, 20, **options)
+
+
+def mechanism_prompts(seed: str) -> list[list[int]]:
+    shared = random_prompts(f"{seed}-shared", [40])[0]
+    return [shared + p for p in random_prompts(seed, [3, 9, 6, 12])] + [shared]
+
+
+def assert_greedy_through_mechanism(llm, folder, prompts, case: str) -> None:
+    """Greedy output equals transformers' while ``case`` happens (checked in the stats)."""
     if case == "prefix_hits":  # the prefixes are cached by a first run
         llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
-    assert assert_greedy_matches(llm, hf_model(llama3_folder), prompts, new_tokens=20) \
-        == len(prompts)
+    assert assert_greedy_matches(llm, hf_model(folder), prompts, new_tokens=20) == len(prompts)
     stats = llm.engine.stats()
     if case == "prefix_hits":
         assert stats.prefix_hit_tokens > 0
     if case in ("swap", "recompute"):
         assert stats.num_preemptions > 0
+    assert_pools_full(llm.engine.kv)
+
+
+@pytest.mark.parametrize("case", MECHANISMS)
+def test_greedy_with_drafts_through_the_engine_s_other_mechanisms(llama3_folder, case):
+    prompts = mechanism_prompts(case)
+    llm, _ = _oracle_llm(llama3_folder, prompts, 20, **mechanism_options(case))
+    assert_greedy_through_mechanism(llm, llama3_folder, prompts, case)
     assert _counters(llm).num_accepted_tokens > 0
+
+
+def assert_n_3_greedy_equals_one_and_seeded_repeats(llm, folder, prompts) -> None:
+    """Greedy n=3 gives the plain engine's one greedy text three times; seeded n=3 sampling
+    gives the same three texts twice."""
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, n=3,
+                                                  ignore_eos=True), use_tqdm=False)[0]
+    single = make_llm(folder).generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].token_ids
+    assert [c.token_ids for c in greedy.outputs] == [single] * 3
+    params = SamplingParams(max_tokens=12, temperature=0.8, n=3, seed=5, ignore_eos=True)
+    sampled = llm.generate(prompts, params, use_tqdm=False)[0]
+    again = llm.generate(prompts, params, use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in sampled.outputs] == [12] * 3
+    assert [c.token_ids for c in sampled.outputs] == [c.token_ids for c in again.outputs]
     assert_pools_full(llm.engine.kv)
 
 
 def test_n_3_seeded_sampling_runs_and_greedy_n_3_equals_one(llama3_folder):
     prompts = random_prompts("n3", [7])
     llm, _ = _oracle_llm(llama3_folder, prompts, 12)
-    greedy = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, n=3,
-                                                  ignore_eos=True), use_tqdm=False)[0]
-    single = make_llm(llama3_folder).generate(
-        prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-        use_tqdm=False)[0].outputs[0].token_ids
-    assert [c.token_ids for c in greedy.outputs] == [single] * 3
-    sampled = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.8, n=3,
-                                                   seed=5, ignore_eos=True), use_tqdm=False)[0]
-    again = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.8, n=3, seed=5,
-                                                 ignore_eos=True), use_tqdm=False)[0]
-    assert [len(c.token_ids) for c in sampled.outputs] == [12] * 3
-    assert [c.token_ids for c in sampled.outputs] == [c.token_ids for c in again.outputs]
-    assert_pools_full(llm.engine.kv)
+    assert_n_3_greedy_equals_one_and_seeded_repeats(llm, llama3_folder, prompts)
 
 
 COPY_PROMPTS = [
@@ -195,8 +215,13 @@ def test_greedy_with_drafts_under_tensor_parallelism(llama3_folder):
     stay in step through verify steps and take-backs."""
     prompts = random_prompts("tp", [5, 17, 9])
     llm, _ = _oracle_llm(llama3_folder, prompts, 16, tensor_parallel_size=2)
+    assert_greedy_with_accepted_drafts_then_shut_down(llm, llama3_folder, prompts)
+
+
+def assert_greedy_with_accepted_drafts_then_shut_down(llm, folder, prompts) -> None:
+    """For a tensor-parallel engine, which holds the process's one process group."""
     try:
-        assert assert_greedy_matches(llm, hf_model(llama3_folder), prompts, new_tokens=16) \
+        assert assert_greedy_matches(llm, hf_model(folder), prompts, new_tokens=16) \
             == len(prompts)
         assert _counters(llm).num_accepted_tokens > 0
     finally:

@@ -15,13 +15,21 @@ import torch
 
 from pagedserve import SamplingParams
 from pagedserve.errors import ConfigError
-from pagedserve.sample import rejection
+from tests.engine.test_speculative import (
+    MECHANISMS,
+    assert_greedy_through_mechanism,
+    assert_greedy_with_accepted_drafts_then_shut_down,
+    assert_n_3_greedy_equals_one_and_seeded_repeats,
+    mechanism_options,
+    mechanism_prompts,
+)
 from tests.engine.test_speculative_lossless import (
     NUM_REQUESTS,
     P_MIN,
     FreeDrafts,
     _p_values,
     _samples,
+    accept_every_draft,
 )
 from tests.kv_checks import assert_pools_full
 from tests.tiny_models import (
@@ -111,49 +119,22 @@ def test_a_draft_of_another_architecture_leaves_greedy_output_unchanged(tiny_mod
     assert_pools_full(llm.engine.kv)
 
 
-@pytest.mark.parametrize("case", ["prefix_hits", "chunked_prefill", "swap", "recompute"])
+@pytest.mark.parametrize("case", MECHANISMS)
 def test_greedy_with_a_draft_model_through_the_engine_s_other_mechanisms(llama3_folder, drafts,
                                                                          case):
-    options = {
-        "prefix_hits": {},
-        "chunked_prefill": {"max_num_batched_tokens": 16},
-        # 16 of the target's blocks are 8 of the pair's (the draft has the target's shape).
-        "swap": {"num_blocks": 16, "preemption_mode": "swap", "swap_space": 0.01,
-                 "enable_prefix_caching": False},
-        "recompute": {"num_blocks": 16, "preemption_mode": "recompute",
-                      "enable_prefix_caching": False},
-    }[case]
-    shared = random_prompts("draft-shared", [40])[0]
-    prompts = [shared + p for p in random_prompts(f"draft-{case}", [3, 9, 6, 12])] + [shared]
-    llm = _draft_llm(llama3_folder, drafts("llama3"), **options)
-    if case == "prefix_hits":  # the prefixes are cached by a first run
-        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
-    assert assert_greedy_matches(llm, hf_model(llama3_folder), prompts, new_tokens=20) \
-        == len(prompts)
-    stats = llm.engine.stats()
-    if case == "prefix_hits":
-        assert stats.prefix_hit_tokens > 0
-    if case in ("swap", "recompute"):
-        assert stats.num_preemptions > 0
+    prompts = mechanism_prompts(f"draft-{case}")
+    # 16 of the target's blocks are 8 of the pair's (the draft has the target's shape).
+    llm = _draft_llm(llama3_folder, drafts("llama3"), **mechanism_options(case, 16))
+    assert_greedy_through_mechanism(llm, llama3_folder, prompts, case)
+    # A stale draft cache would still give the target's tokens, but accept few drafts.
     assert _counters(llm).mean_acceptance_length > 2.0
-    assert_pools_full(llm.engine.kv)
 
 
 def test_n_3_with_a_draft_model(llama3_folder, drafts):
     prompts = random_prompts("draft-n3", [7])
     llm = _draft_llm(llama3_folder, drafts("llama3"))
-    greedy = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, n=3,
-                                                  ignore_eos=True), use_tqdm=False)[0]
-    single = make_llm(llama3_folder).generate(
-        prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-        use_tqdm=False)[0].outputs[0].token_ids
-    assert [c.token_ids for c in greedy.outputs] == [single] * 3
-    params = SamplingParams(max_tokens=12, temperature=0.8, n=3, seed=5, ignore_eos=True)
-    sampled = llm.generate(prompts, params, use_tqdm=False)[0]
-    again = llm.generate(prompts, params, use_tqdm=False)[0]
-    assert [len(c.token_ids) for c in sampled.outputs] == [12] * 3
-    assert [c.token_ids for c in sampled.outputs] == [c.token_ids for c in again.outputs]
-    assert_pools_full(llm.engine.kv)
+    assert_n_3_greedy_equals_one_and_seeded_repeats(llm, llama3_folder, prompts)
+    assert _counters(llm).num_accepted_tokens > 0
 
 
 @pytest.fixture(scope="module")
@@ -186,14 +167,6 @@ def test_taking_the_draft_s_tokens_unchecked_fails_the_same_test(llama3_folder, 
     """Accepting every draft samples the draft's distribution, not the target's: the same test
     sees the difference (so the draft differs clearly, and the test can fail)."""
     prompt, draft, plain = sampling_setup
-    true_rule = rejection.rejection_sample
-
-    def accept_every_draft(logits, meta, drafts, draft_probs=None, draws=None):
-        width = meta.positions.max_positions if meta.positions is not None else 1
-        zeros = torch.zeros(drafts.shape[0], width - 1)
-        noise = torch.empty(drafts.shape[0], logits.shape[-1]).exponential_()
-        return true_rule(logits, meta, drafts, draft_probs, rejection.Draws(zeros, noise))
-
     monkeypatch.setattr("pagedserve.worker.model_runner.rejection_sample", accept_every_draft)
     _, spec = _sampled_with_draft(llama3_folder, draft, prompt)
     assert min(_p_values(plain, spec)) < 1e-12
@@ -211,12 +184,7 @@ def test_greedy_with_a_draft_model_under_tensor_parallelism(llama3_folder, draft
     forward pass, whose collectives need both."""
     prompts = random_prompts("draft-tp", [5, 17, 9])
     llm = _draft_llm(llama3_folder, drafts("llama3"), tensor_parallel_size=2)
-    try:
-        assert assert_greedy_matches(llm, hf_model(llama3_folder), prompts, new_tokens=16) \
-            == len(prompts)
-        assert _counters(llm).num_accepted_tokens > 0
-    finally:
-        llm.shutdown()
+    assert_greedy_with_accepted_drafts_then_shut_down(llm, llama3_folder, prompts)
 
 
 def test_a_draft_with_another_tokenizer_is_a_one_line_error(llama3_folder, drafts, tmp_path):

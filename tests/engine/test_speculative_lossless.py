@@ -104,17 +104,18 @@ def test_sampling_with_drafts_matches_sampling_without(setup):
     assert min(_p_values(plain, spec)) > P_MIN
 
 
+def accept_every_draft(logits, meta, drafts, draft_probs=None, draws=None):
+    """A lossy rule: the rejection sampler with every acceptance draw at 0, so every draft
+    the target gives any probability is kept (and q > 0 always passes)."""
+    width = meta.positions.max_positions if meta.positions is not None else 1
+    zeros = torch.zeros(drafts.shape[0], width - 1)
+    noise = torch.empty(drafts.shape[0], logits.shape[-1]).exponential_()
+    return rejection.rejection_sample(logits, meta, drafts, draft_probs,
+                                      rejection.Draws(zeros, noise))
+
+
 def test_a_lossy_acceptance_rule_fails_the_same_test(setup, monkeypatch):
     folder, prompt, continuation, plain = setup
-    true_rule = rejection.rejection_sample
-
-    def accept_anything_possible(logits, meta, drafts, draft_probs=None, draws=None):
-        width = meta.positions.max_positions if meta.positions is not None else 1
-        zeros = torch.zeros(drafts.shape[0], width - 1)
-        noise = torch.empty(drafts.shape[0], logits.shape[-1]).exponential_()
-        return true_rule(logits, meta, drafts, draft_probs, rejection.Draws(zeros, noise))
-
-    monkeypatch.setattr("pagedserve.worker.model_runner.rejection_sample",
-                        accept_anything_possible)
+    monkeypatch.setattr("pagedserve.worker.model_runner.rejection_sample", accept_every_draft)
     spec = _samples(_spec_llm(folder, prompt, continuation), prompt, NUM_REQUESTS)
     assert min(_p_values(plain, spec)) < 1e-12
