@@ -6,8 +6,9 @@ The scheduler gives each drafting sequence ``d_i`` draft slots filled with
 Before the target's forward pass, the drafter runs the draft model ``max d_i`` times:
 
 - pass 1 feeds each sequence the tokens its draft cache lacks, up to and including the step's
-  first input token (usually that token alone; a whole prompt the first time), and draws
-  draft 1 from the draft's distribution after it;
+  first input token (usually that token alone; a whole prompt the first time, split into
+  forward passes of at most the step's token budget), and draws draft 1 from the draft's
+  distribution after it;
 - pass j feeds draft j - 1 to the sequences with ``d_i >= j`` and draws draft j.
 
 Drafts are sampled from the draft's distribution q (its logits at the request's temperature;
@@ -58,10 +59,13 @@ class DeviceDrafts(NamedTuple):
 
 
 class Drafter:
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, max_pass_tokens: int) -> None:
         # A ModelRunner of the draft checkpoint, its KV pool allocated with the target's block
         # count (its sampler unused: drafts are drawn here).
         self.runner = runner
+        # The most tokens a catch-up pass computes (the step's token budget): new sequences
+        # catch up whole prompts, and a pass of all of them at once could take any memory.
+        self.max_pass_tokens = max_pass_tokens
         # seq -> (tokens whose draft keys are written, the sequence's preemptions then)
         self._written: dict[Sequence, tuple[int, int]] = {}
 
@@ -86,12 +90,10 @@ class Drafter:
         tokens = torch.full((len(items), width), -1, dtype=torch.int64, device=device)
         probs = None if meta.all_greedy else torch.zeros(
             (len(items), width, self.runner.arch.vocab_size), dtype=torch.float32, device=device)
-        inputs = self._catch_up(items)
         for j in range(width):
             rows = [i for i, d in enumerate(num_drafts) if d > j]
-            if j > 0:
-                inputs = self._next(items, rows, j, tokens[:, j - 1])
-            logits = self._logits(inputs)
+            logits = (self._catch_up(items) if j == 0
+                      else self._logits(self._next(items, rows, j, tokens[:, j - 1])))
             rows_t = to_device(rows, torch.int64, device)
             drawn = logits.argmax(dim=-1)
             if probs is not None:
@@ -111,16 +113,34 @@ class Drafter:
             probs = probs.view(-1, probs.shape[-1])[flat_index]
         return DeviceDrafts(tokens, probs, flat_index)
 
-    def _catch_up(self, items: list[ScheduledSequence]):
-        """Pass 1's inputs: each sequence from its first token without draft keys to the
-        step's first input token."""
-        chunks = []
-        for item in items:
-            start = self._num_written(item.seq, item.num_computed_tokens)
-            chunks.append(ScheduledSequence(item.seq, start, item.num_computed_tokens + 1 - start,
-                                            item.block_ids, 1))
-        return pack_inputs(SchedulerOutput(chunks), self.runner.block_size).to_device(
-            self.runner.device)
+    def _catch_up(self, items: list[ScheduledSequence]) -> torch.Tensor:
+        """Pass 1: each sequence from its first token without draft keys to the step's first
+        input token, in passes of at most ``max_pass_tokens`` tokens (a long catch-up is split
+        over consecutive passes); the draft's logits after each sequence's last token."""
+        pending = [(i, self._num_written(item.seq, item.num_computed_tokens))
+                   for i, item in enumerate(items)]
+        logits: list[torch.Tensor | None] = [None] * len(items)
+        while pending:
+            chunks, done, rest, used = [], [], [], 0
+            for i, start in pending:
+                item, room = items[i], self.max_pass_tokens - used
+                end = item.num_computed_tokens + 1
+                if room <= 0:
+                    rest.append((i, start))
+                    continue
+                n = min(end - start, room)
+                chunks.append(ScheduledSequence(item.seq, start, n, item.block_ids, 1))
+                done.append(i if start + n == end else None)
+                if start + n < end:
+                    rest.append((i, start + n))
+                used += n
+            out = self._logits(pack_inputs(SchedulerOutput(chunks), self.runner.block_size)
+                               .to_device(self.runner.device))
+            for row, i in enumerate(done):
+                if i is not None:
+                    logits[i] = out[row]
+            pending = rest
+        return torch.stack(logits)
 
     def _next(self, items: list[ScheduledSequence], rows: list[int], j: int,
               previous: torch.Tensor):

@@ -172,10 +172,11 @@ class ModelRunner:
         self.lora = add_lora_layers(self.model, self.platform.lora_ops(), max_loras, max_rank,
                                     max_cpu_loras)
 
-    def add_drafter(self, draft: ModelRunner) -> None:
+    def add_drafter(self, draft: ModelRunner, max_pass_tokens: int) -> None:
         """Verify drafts of ``draft``'s model, drawn inside each verify step
-        (``worker/drafter.py``); its KV pool is allocated with this one's."""
-        self.drafter = Drafter(draft)
+        (``worker/drafter.py``), at most ``max_pass_tokens`` tokens a pass; its KV pool is
+        allocated with this one's."""
+        self.drafter = Drafter(draft, max_pass_tokens)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Device bytes of one KV block of this rank: the model's and its draft model's."""

@@ -74,7 +74,8 @@ class Worker:
             self.runner.add_lora(config.max_loras, config.max_lora_rank, config.cpu_loras)
         drafts = config.speculative_config
         if drafts is not None and drafts.method == "draft_model" and self.tp.rank == 0:
-            self.runner.add_drafter(_draft_runner(config, resolved, arch, self.platform))
+            self.runner.add_drafter(_draft_runner(config, resolved, arch, self.platform),
+                                    resolved.max_num_batched_tokens)
         self.sizes = self._agree(size_kv_cache(config, resolved, self.platform, self.runner))
         self.runner.allocate_kv_cache(
             KVCacheSpec(self.sizes.num_blocks, resolved.block_size, self.runner.kv_dtype))
