@@ -36,6 +36,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler, SchedulerOutput
+from pagedserve.core.sequence import Sequence as CoreSequence
 from pagedserve.core.sequence import SequenceStatus
 from pagedserve.engine.beam_driver import BeamDriver
 from pagedserve.engine.input_processor import InputLimits, InputProcessor
@@ -258,7 +259,7 @@ class LLMEngine:
         self._finish_disk_reads()
         if proposes:  # the host has seen every token
             self.speculation.propose(self.scheduler.running,
-                                     self.resolved.max_num_batched_tokens)
+                                     self.resolved.max_num_batched_tokens, self._grammar_of)
         out = self.scheduler.schedule(schedule_pending=run_ahead)
         if out.is_empty:
             # Nothing runs, but preempted sequences' blocks must still reach the swap pool.
@@ -338,6 +339,10 @@ class LLMEngine:
             self._in_flight = None
         return outputs
 
+    def _grammar_of(self, seq: CoreSequence) -> GrammarState | None:
+        state = self.outputs.find(seq)
+        return None if state is None else state.grammar
+
     def _take_in_flight(self) -> StepResult:
         result, self._in_flight = self._in_flight, None
         return result
@@ -354,15 +359,16 @@ class LLMEngine:
         """What rank 0's sampling batch cannot read from the sequences: the grammar masks and
         the beams' candidate count. A sequence whose request has finished since it was
         scheduled (its token will be dropped) samples with its row's settings, no grammar."""
-        seqs = [s.seq for s in out.scheduled if s.num_sample_positions]
-        if not seqs:
+        sampling = [s for s in out.scheduled if s.num_sample_positions]
+        if not sampling:
             return None
-        rows = [self.outputs.find(seq) for seq in seqs]
-        # A mask row per sequence: right while each samples one position (a grammar row
-        # sampling several would need its matcher advanced over the tokens before each).
+        rows = [self.outputs.find(s.seq) for s in sampling]
+        # A mask row per position: a verifying sequence's position j is masked as after its
+        # first j drafts (walked through its matcher and taken back, so none advances it;
+        # the output stage advances it by the tokens the step keeps).
         grammar_mask = build_grammar_mask(
             [r.grammar if r is not None and not r.finished else None for r in rows],
-            self.arch.vocab_size)
+            self.arch.vocab_size, [s.draft_token_ids for s in sampling])
         # Beams read their candidates from the top-k logprobs.
         return SamplingInputs(grammar_mask, max(
             (r.request.beam.search.num_candidates for r in rows

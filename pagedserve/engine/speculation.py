@@ -10,9 +10,12 @@ it can fit (``Sequence.draft_token_ids``), rank 0 verifies them with the rejecti
 (``sample/rejection.py``), the output stage appends the accepted tokens and gives the
 rejected drafts' slots back.
 
-Which sequences get drafts: those decoding (every known token but the last computed), not
-constrained by a grammar (a draft would need the matcher advanced over the drafts before
-it), with room under max_tokens for more than one token.
+Which sequences get drafts: those decoding (every known token but the last computed), with
+room under max_tokens for more than one token, and, with a draft model, not constrained by a
+grammar (its drafts are drawn on the device, where no matcher is). A constrained sequence's
+n-gram drafts are cut at the first one its grammar refuses (or would end at) before the
+policy counts them (``GrammarState.num_valid``, which leaves the matcher where it was); the
+engine then masks each verified position with the grammar's state after the drafts before it.
 
 Proposing needs the host's view of every token, so a step that may verify drafts runs one at
 a time. When a step verifies no draft (none was found, or the batch is large enough that
@@ -27,6 +30,7 @@ stream whose text starts repeating finds it within a few steps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,7 +42,10 @@ from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.ngram import NgramProposer
 from pagedserve.spec_decode.policy import Acceptance, StepTimeModel, choose_num_drafts
 from pagedserve.spec_decode.proposer import DraftModelSlots, ProposalBatch, Proposer
+from pagedserve.structured.grammar_state import GrammarState
 from pagedserve.worker.step import HostSamples, StepResult
+
+GrammarOf = Callable[[Sequence], GrammarState | None]
 
 # The longest pause, in steps, between proposals that verified nothing.
 _MAX_PAUSE = 64
@@ -86,6 +93,7 @@ class Speculation:
         self.proposer: Proposer = (
             NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
             if config.method == "ngram" else DraftModelSlots())
+        self._drafts_on_device = config.method == "draft_model"
         self.max_drafts = config.num_speculative_tokens
         self.step_times = StepTimeModel()
         self.acceptance = Acceptance()
@@ -114,14 +122,16 @@ class Speculation:
             seq not in self._buffers for g in running for seq in g.seqs
             if seq.num_computed_tokens == seq.num_tokens - 1)
 
-    def propose(self, running: list[SequenceGroup], budget: int) -> None:
-        """Set the drafts each decoding sequence of ``running`` verifies next step."""
+    def propose(self, running: list[SequenceGroup], budget: int, grammar_of: GrammarOf
+                ) -> None:
+        """Set the drafts each decoding sequence of ``running`` verifies next step;
+        ``grammar_of`` gives a sequence's grammar (None: unconstrained)."""
         seqs, base_tokens = [], 0
         for group in running:
             for seq in group.seqs:
                 num_left = seq.num_tokens - seq.num_computed_tokens
                 base_tokens += num_left
-                if num_left == 1 and _may_draft(seq):
+                if num_left == 1 and self._may_draft(seq):
                     seqs.append(seq)
         self._buffers = {seq: self._buffers.get(seq) or _TokenBuffer() for seq in seqs}
         if not seqs:
@@ -129,6 +139,8 @@ class Speculation:
         room = [min(self.max_drafts, seq.max_tokens - seq.num_output_tokens - 1) for seq in seqs]
         drafts = self.proposer.propose(ProposalBatch(
             [self._buffers[seq].view(seq.all_token_ids) for seq in seqs], room))
+        drafts = [_grammar_valid(draft, grammar_of(seq)) for seq, draft in zip(seqs, drafts,
+                                                                                strict=True)]
         available = np.array([len(d) for d in drafts], dtype=np.int64)
         rates = np.array([self.acceptance.rate(seq) for seq in seqs])
         chosen = choose_num_drafts(rates, available, min(base_tokens, budget), len(seqs),
@@ -140,6 +152,10 @@ class Speculation:
         else:
             self._paused_at, self._pause_left = len(seqs), self._next_pause
             self._next_pause = min(2 * self._next_pause, _MAX_PAUSE)
+
+    def _may_draft(self, seq: Sequence) -> bool:
+        return (seq.num_pending_tokens == 0 and seq.max_tokens - seq.num_output_tokens > 1
+                and not (self._drafts_on_device and seq.params.structured_outputs is not None))
 
     def record_step(self, num_tokens: int, verifies: bool, seconds: float) -> None:
         self.step_times.record(num_tokens, verifies, seconds)
@@ -188,6 +204,7 @@ def check_draft_tokenizer(config: SpeculativeConfig, tokenizer, load_format: str
                           "differs from the target's; a draft must share its vocabulary")
 
 
-def _may_draft(seq: Sequence) -> bool:
-    return (seq.num_pending_tokens == 0 and seq.params.structured_outputs is None
-            and seq.max_tokens - seq.num_output_tokens > 1)
+def _grammar_valid(drafts: np.ndarray, grammar: GrammarState | None) -> np.ndarray:
+    """The leading ``drafts`` that ``grammar`` allows (all of them without one)."""
+    return drafts if grammar is None or not len(drafts) else \
+        drafts[:grammar.num_valid(drafts.tolist())]

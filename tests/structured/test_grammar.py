@@ -1,5 +1,6 @@
 """The grammar pieces without a model: spec checks, the device-side mask against a bit-by-bit
-reference, padded vocabularies, and a constrained request crossing the process boundary."""
+reference, padded vocabularies, speculative drafts walked through a matcher without advancing
+it, and a constrained request crossing the process boundary."""
 
 from __future__ import annotations
 
@@ -95,6 +96,49 @@ def test_choice_grammar_accepts_exactly_the_choices(tokenizer):
         matcher = xgr.GrammarMatcher(compiled)
         accepted = matcher.accept_string(text) and matcher.is_completed()
         assert accepted == (text in choices), text
+
+
+def _mask_of(matcher, vocab_size: int) -> torch.Tensor:
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return bitmask[0]
+
+
+def test_drafts_are_cut_and_masked_without_advancing_the_matcher(tokenizer):
+    """``num_valid`` cuts drafts at the first the grammar refuses and before one that ends
+    it; ``build_grammar_mask`` gives a verifying sequence one row per position, position j
+    the mask of a fresh matcher fed the accepted tokens and the first j drafts, after the
+    rows of the sequences before it; neither leaves the matcher anywhere else."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, stop_token_ids=[tokenizer.eos_token_id])
+    compiled = xgr.GrammarCompiler(info).compile_regex(r"[0-9]{3}")
+    d = [tokenizer.convert_tokens_to_ids(c) for c in "0123456789"]
+    letter, eos = tokenizer.convert_tokens_to_ids("a"), tokenizer.eos_token_id
+    vocab = len(tokenizer)
+    state = GrammarState(compiled)
+    assert state.accept(d[1])
+    assert state.num_valid([d[2], letter, d[3]]) == 1  # refused
+    assert state.num_valid([d[2], d[3], d[4]]) == 2  # a fourth digit is refused
+    assert state.num_valid([d[2], d[3], eos]) == 2  # the end: the target emits it itself
+    assert state.num_valid([eos]) == 0 and state.num_valid([]) == 0
+
+    drafts = [[d[7]], [d[2], d[3]], []]  # a free row with one draft, ours, a free row
+    mask = build_grammar_mask([None, state, None], vocab, drafts)
+    assert mask.rows.tolist() == [2, 3, 4]
+    for j in range(3):
+        fresh = xgr.GrammarMatcher(compiled)
+        assert all(fresh.accept_token(t) for t in [d[1], *drafts[1][:j]])
+        assert torch.equal(mask.bitmask[j], _mask_of(fresh, vocab)), j
+    assert not bool(mask.bitmask[2, d[5] // 32] >> (d[5] % 32) & 1)  # 3 digits: no fourth
+
+    fresh = xgr.GrammarMatcher(compiled)
+    assert fresh.accept_token(d[1])
+    after = xgr.allocate_token_bitmask(1, vocab)
+    state.fill(after, 0)
+    assert torch.equal(after[0], _mask_of(fresh, vocab))  # the drafts left no trace
+    with pytest.raises(RuntimeError, match="outside the grammar"):
+        build_grammar_mask([state], vocab, [[letter]])
+    state.fill(after, 0)
+    assert torch.equal(after[0], _mask_of(fresh, vocab))  # nor did a refused one
 
 
 @pytest.mark.parametrize(("params", "words"), [
