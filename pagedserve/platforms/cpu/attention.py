@@ -1,12 +1,13 @@
-"""The CPU attention backend: decode-only float32 steps in one C call that reads keys and
-values straight from the paged cache; everything else in the portable torch ops."""
+"""The CPU attention backend: float32 steps of decode and short (speculative verify) queries
+in one C call that reads keys and values straight from the paged cache; everything else in
+the portable torch ops."""
 
 from __future__ import annotations
 
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_paged import TorchPagedAttention
+from pagedserve.attention.torch_paged import SHORT_QUERY, TorchPagedAttention
 from pagedserve.platforms.cpu.layer_ops import library
 
 F32 = torch.float32
@@ -17,6 +18,12 @@ class CpuPagedAttention(TorchPagedAttention):
     attends per (sequence, head) with an online softmax, walking the block table, so no
     context is gathered. Prefill, mixed steps and other dtypes take ``TorchPagedAttention``.
 
+    A step whose queries are all short (a verify step of speculative decoding: k + 1 rows a
+    sequence, with or without decode rows) runs the same kernel, one query row as one
+    sequence: row j of a sequence with c cached tokens attends over the first c + j + 1
+    slots of its block table, which is causal attention within the chunk, since the kernel
+    writes every row's key and value before it attends.
+
     One backend serves every layer, so the step's metadata is checked and turned into
     kernel arguments once, on the first layer that sees it: a step builds a new
     ``AttentionMetadata`` and never mutates it. The backend holds the last one, so a later
@@ -26,10 +33,12 @@ class CpuPagedAttention(TorchPagedAttention):
         super().__init__(*args, **kwargs)
         self._meta: AttentionMetadata | None = None
         self._meta_args: tuple | None = None
+        self._row_meta: tuple[torch.Tensor, torch.Tensor] | None = None  # kept alive: pointers
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         if meta is not self._meta:
-            self._meta, self._meta_args = meta, _meta_args(meta)
+            self._meta, self._row_meta = meta, _per_row(meta)
+            self._meta_args = _meta_args(meta, self._row_meta)
         if self._meta_args is None or not _native_layout(q, k, v, kv_cache):
             return super().forward(q, k, v, kv_cache, meta)
         out = torch.empty(q.shape, dtype=F32)
@@ -42,16 +51,32 @@ class CpuPagedAttention(TorchPagedAttention):
         return out
 
 
-def _meta_args(meta: AttentionMetadata) -> tuple | None:
-    """(slot_mapping, block_tables, its row stride, seq_lens, num_seqs) for the kernel, or
-    None where the step is not decode-only or the metadata has another layout."""
-    slots, tables, seq_lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
-    if not (meta.is_decode_only and slots.dtype == torch.int64 and slots.is_contiguous()
-            and tables.dtype == torch.int32 and tables.stride(1) == 1
+def _per_row(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a step of short queries that is not decode-only: each query row's block table
+    (its sequence's) and the keys it sees (its position plus one), int32; else None."""
+    if meta.is_decode_only or meta.max_query_len > SHORT_QUERY \
+            or meta.block_tables.dtype != torch.int32:
+        return None
+    lens = torch.tensor(meta.query_lens_cpu)
+    seq_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs), lens)
+    offset = torch.arange(meta.num_tokens) - meta.query_start_loc[seq_of_row].long()
+    seen = (meta.context_lens[seq_of_row].long() + offset + 1).to(torch.int32)
+    return meta.block_tables[seq_of_row].contiguous(), seen
+
+
+def _meta_args(meta: AttentionMetadata, per_row: tuple[torch.Tensor, torch.Tensor] | None
+               ) -> tuple | None:
+    """(slot_mapping, block_tables, its row stride, seq_lens, rows) for the kernel, one
+    row per query token, or None where the step's queries are not all short or the metadata
+    has another layout."""
+    slots = meta.slot_mapping
+    tables, seq_lens = per_row if per_row is not None else (meta.block_tables, meta.seq_lens)
+    if not ((meta.is_decode_only or per_row is not None) and slots.dtype == torch.int64
+            and slots.is_contiguous() and tables.dtype == torch.int32 and tables.stride(1) == 1
             and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()):
         return None
     return (slots.data_ptr(), tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
-            meta.num_seqs)
+            meta.num_tokens)
 
 
 def _native_layout(q, k, v, kv_cache) -> bool:

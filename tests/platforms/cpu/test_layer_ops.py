@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_paged import TorchPagedAttention
+from pagedserve.attention.torch_paged import SHORT_QUERY, TorchPagedAttention
 from pagedserve.models.layer_ops import LayerOps
 from pagedserve.platforms.cpu import layer_ops
 from pagedserve.platforms.cpu.attention import CpuPagedAttention
@@ -161,9 +161,9 @@ def test_decode_attention_with_large_scores():
     close(out, dense_reference(q, keys, values, 1.0, heads // kv_heads))
 
 
-def test_non_decode_steps_take_the_torch_path(monkeypatch):
+def test_long_query_steps_take_the_torch_path(monkeypatch):
     cache, keys, values, meta = decode_case(4, 2, 1, 16, [5, 9], seed=1)
-    meta.max_query_len = 2  # not decode-only: the native kernel must not run
+    meta.max_query_len = SHORT_QUERY + 1  # a prefill chunk: the native kernel must not run
     calls = []
     monkeypatch.setattr(TorchPagedAttention, "forward",
                         lambda self, *args: calls.append(args) or args[0])
@@ -191,3 +191,58 @@ def test_decode_attention_splits_query_head_groups(monkeypatch, threads, heads, 
     k, v = keys[0][-1:], values[0][-1:]
     out = CpuPagedAttention(heads, dim, kv_heads, 0.125).forward(q, k, v, cache, meta)
     close(out, dense_reference(q, keys, values, 0.125, heads // kv_heads))
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (9, 3)])
+def test_short_queries_match_a_causal_dense_reference(block_size, heads, kv_heads,
+                                                      monkeypatch):
+    """A verify step (sequences of 5 and 3 new rows after their context) mixed with decode
+    rows: the native kernel, one query row at a time, equals float64 causal attention, and
+    every new row's key and value land in its slot."""
+    monkeypatch.setattr(TorchPagedAttention, "forward", None)  # the native kernel only
+    dim, gen = 32, torch.Generator().manual_seed(block_size + heads)
+    contexts, news = [7, 0, 30, 12], [5, 1, 3, 1]
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in zip(contexts, news)) + 3
+    cache = torch.full((2, num_blocks, block_size, kv_heads, dim), float("nan"))
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, keys, values, slots = [], [], [], []
+    for c, n in zip(contexts, news):
+        blocks = [free.pop() for _ in range(-(-(c + n) // block_size))]
+        tables.append(blocks)
+        k, v = torch.randn(2, c + n, kv_heads, dim, generator=gen).unbind()
+        keys.append(k)
+        values.append(v)
+        for p in range(c):
+            cache[0, blocks[p // block_size], p % block_size] = k[p]
+            cache[1, blocks[p // block_size], p % block_size] = v[p]
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
+    width = max(len(t) for t in tables) + 1  # padded with a poisoned block
+    table_t = torch.tensor([t + [free[0]] * (width - len(t)) for t in tables], dtype=torch.int32)
+    starts = [0]
+    for n in news:
+        starts.append(starts[-1] + n)
+    seq_lens = [c + n for c, n in zip(contexts, news)]
+    meta = AttentionMetadata(
+        num_seqs=len(news), num_tokens=sum(news), max_query_len=max(news),
+        max_seq_len=max(seq_lens), block_size=block_size,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        context_lens=torch.tensor(contexts, dtype=torch.int32), block_tables=table_t,
+        slot_mapping=torch.tensor(slots), query_lens_cpu=news, seq_lens_cpu=seq_lens)
+    q = torch.randn(sum(news), heads, dim, generator=gen)
+    k = torch.cat([kk[c:] for kk, c in zip(keys, contexts)])
+    v = torch.cat([vv[c:] for vv, c in zip(values, contexts)])
+    out = CpuPagedAttention(heads, dim, kv_heads, dim ** -0.5).forward(q, k, v, cache, meta)
+    group, expected = heads // kv_heads, []
+    for i, (c, n) in enumerate(zip(contexts, news)):
+        kk = keys[i].double().repeat_interleave(group, dim=1)
+        vv = values[i].double().repeat_interleave(group, dim=1)
+        for j in range(n):
+            qi = q[starts[i] + j].double()
+            scores = torch.einsum("hd,khd->hk", qi, kk[:c + j + 1]) * dim ** -0.5
+            expected.append(torch.einsum("hk,khd->hd", scores.softmax(-1), vv[:c + j + 1]))
+    close(out, torch.stack(expected))
+    flat = cache.view(2, -1, kv_heads, dim)
+    assert torch.equal(flat[0, meta.slot_mapping], k)
+    assert torch.equal(flat[1, meta.slot_mapping], v)
