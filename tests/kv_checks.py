@@ -73,8 +73,12 @@ class SimulatedCache:
         self.host = [[None] * bs for _ in range(num_host)]
         self.disk: dict[bytes, list] = {}
         self.reads: list[tuple[bytes, int, list | None]] = []  # under way: what they will read
+        # A step's copies ahead of eviction run while its forward pass does: copied here after
+        # the step's writes, so a block the step wrote would reach the host changed.
+        self.ahead: list[tuple[int, int]] = []
 
     def apply(self, ops: BlockOps) -> None:
+        self._copy_ahead()
         for host, block_hash in ops.disk.spill:
             self.disk[block_hash] = list(self.host[host])
         for device, host in ops.swap_out + ops.offload:
@@ -89,6 +93,12 @@ class SimulatedCache:
         rows = [list(self.device[src]) for src, _ in ops.copies]
         for (_, dst), row in zip(ops.copies, rows):
             self.device[dst] = row
+        self.ahead = list(ops.offload_ahead)
+
+    def _copy_ahead(self) -> None:
+        for device, host in self.ahead:
+            self.host[host] = list(self.device[device])
+        self.ahead = []
 
     def finish_reads(self, corrupt: bool = False) -> list[tuple[bytes, bool]]:
         """Land the disk reads under way, or with ``corrupt`` fail them all (bad files)."""
@@ -122,6 +132,7 @@ class SimulatedCache:
         for item in scheduled:
             self.write(item.seq, item.block_ids, item.num_computed_tokens,
                        item.num_new_tokens)
+        self._copy_ahead()
         for item in scheduled:
             end = item.num_computed_tokens + item.num_new_tokens
             assert self.read(item.block_ids, end) == item.seq.all_token_ids[:end]

@@ -4,6 +4,7 @@ queue, and the prefix-cache index."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 
 
 class OutOfBlocks(RuntimeError):
@@ -92,6 +93,11 @@ class BlockPool:
         old = self._hash_of.pop(block, None)
         if old is not None:
             del self._block_of[old]
+
+    def next_evicted(self, n: int) -> list[tuple[int, bytes]]:
+        """(block, hash) of the hashed blocks among the next ``n`` that ``allocate`` hands
+        out, in that order."""
+        return [(b, self._hash_of[b]) for b in islice(self._free, n) if b in self._hash_of]
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self._block_of.get(block_hash)

@@ -69,13 +69,16 @@ class BlockOps:
     copies: BlockPairs = field(default_factory=list)  # (src, dst), both in the device pool
     num_host_blocks: int = 0  # size of the host pool (swap and tier) the host blocks index
     offload: BlockPairs = field(default_factory=list)  # (device block, host block)
+    # (device block, host block): copies of blocks the pool may hand out next step, which
+    # this step leaves in place, so its forward pass need not wait for them (the next does).
+    offload_ahead: BlockPairs = field(default_factory=list)
     load: BlockPairs = field(default_factory=list)  # (host block, device block)
     disk: DiskOps = field(default_factory=DiskOps)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.swap_out or self.swap_in or self.copies or self.offload or self.load
-                    or self.disk)
+        return not (self.swap_out or self.swap_in or self.copies or self.offload
+                    or self.offload_ahead or self.load or self.disk)
 
 
 @dataclass(frozen=True)
@@ -340,10 +343,13 @@ class KVCacheManager:
         """The block moves queued since the last call, for the coming step; the blocks they
         copy are unpinned, since later steps' moves and writes come after them."""
         if self.offload is not None:
+            num_evicted = len(self.pool.evictions)
             self._offload_evicted()
+            self._offload_ahead(num_evicted)
             self._ops.disk = self.offload.take_disk_ops()
             stats = self.offload.stats
-            stats.blocks_to_host += len(self._ops.swap_out) + len(self._ops.offload)
+            stats.blocks_to_host += (len(self._ops.swap_out) + len(self._ops.offload)
+                                     + len(self._ops.offload_ahead))
             stats.blocks_to_device += len(self._ops.swap_in) + len(self._ops.load)
         for pool, block in self._pinned:
             pool.release(block)
@@ -363,6 +369,19 @@ class KVCacheManager:
                 self._ops.offload.append((block, host_block))
                 self._pin(self.host_pool, host_block)
         self.pool.evictions = []
+
+    def _offload_ahead(self, num_blocks: int) -> None:
+        """Copy the hashed blocks among the next ``num_blocks`` the pool will hand out (as
+        many as this step evicted: the next step likely evicts as many) to the host tier now,
+        so that when the pool does hand them out their contents are already there and the
+        step that reuses them waits for no copy. The device blocks stay cached and in
+        eviction order (they are not pinned: a pin would requeue them last); nothing in this
+        step writes them, as every allocation of the step came before this call."""
+        for block, block_hash in self.pool.next_evicted(num_blocks):
+            host_block = self.offload.offload(block_hash)
+            if host_block is not None:
+                self._ops.offload_ahead.append((block, host_block))
+                self._pin(self.host_pool, host_block)
 
     def fetch_from_disk(self, seq: Sequence) -> bool:
         """Start reading the disk blocks that continue ``seq``'s cached prefix (see

@@ -47,6 +47,7 @@ class KVCache:
         self.copier = platform.block_copier()
         self.disk: DiskTier | None = None
         self.copy_seconds = 0.0  # host time spent queuing and waiting on block moves
+        self._ahead_pending = False  # copies ahead of eviction queued by the last step
 
     def host_block_shape(self) -> tuple[int, ...]:
         shape = list(self.pool.shape)
@@ -57,11 +58,16 @@ class KVCache:
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Move and copy whole blocks in the order the scheduler relies on (see
         ``core/kv_cache_manager``): disk writes, device to host, disk reads, host to device,
-        copy-on-write copies. Nothing here waits for the device but for what the CPU itself
-        reads or writes in the host pool (disk writes and reads)."""
+        copy-on-write copies; then the copies ahead of eviction, which the forward pass does
+        not wait for (the blocks stay in place this step; the next step's moves wait for
+        them first, before any of its writes). Nothing here waits for the device but for
+        what the CPU itself reads or writes in the host pool (disk writes and reads)."""
         start = time.perf_counter()
+        if self._ahead_pending:
+            self.copier.wait_device()
+            self._ahead_pending = False
         to_host, to_device = ops.swap_out + ops.offload, ops.swap_in + ops.load
-        if (to_host or to_device or ops.disk) and self.host_pool is None:
+        if (to_host or to_device or ops.offload_ahead or ops.disk) and self.host_pool is None:
             self.host_pool = torch.empty((ops.num_host_blocks, *self.host_block_shape()),
                                          dtype=self.pool.dtype,
                                          pin_memory=self.platform.pin_swap_memory)
@@ -85,6 +91,11 @@ class KVCache:
             src, dst = torch.tensor(ops.copies, dtype=torch.int64).to(
                 self.pool.device, non_blocking=True).unbind(1)
             self.platform.copy_blocks(self.pool, src, dst)
+        if ops.offload_ahead:
+            ahead = time.perf_counter()
+            self.copier.to_host(self.pool, self.host_pool, *_unzip(ops.offload_ahead))
+            self._ahead_pending = True
+            self.copy_seconds += time.perf_counter() - ahead
 
 
 def _unzip(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:

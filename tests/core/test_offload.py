@@ -82,6 +82,38 @@ def test_a_prefix_evicted_from_the_device_comes_back_from_the_host_with_its_cont
     assert kv.offload.stats.host_hits == 2
 
 
+def test_the_blocks_next_to_be_evicted_are_copied_ahead_and_not_again_at_eviction():
+    """A step that evicts two hashed blocks also copies the next two the pool will hand out
+    (left in place, cached); the step that evicts those queues no copy of its own, and their
+    contents still come back from the host."""
+    kv = KVCacheManager(num_blocks=6, block_size=BLOCK, num_offload_blocks=8)
+    cache = SimulatedCache(kv)
+    first = _computed(kv, cache, list(range(1, 17)))  # four full blocks
+    kv.free(first)  # all cached and free, evicted oldest-freed first: its tail first
+    evicting = _request([60 + i for i in range(4)])
+    assert kv.allocate_slots(evicting, 4 + 2 * BLOCK, kv.lookup_prefix(evicting))
+    ops = kv.take_block_ops()  # 2 free blocks, then the first two of the prefix's tail
+    ahead = [device for device, _ in ops.offload_ahead]
+    assert len(ops.offload) == 1 and len(ahead) == 1  # 3 allocated: 2 free + 1 evicted
+    assert ahead == [device for device, _ in kv.pool.next_evicted(1)]
+    cache.apply(ops)
+    cache.run_step([])  # the step's forward pass: the copies ahead land after it
+    second = _request([80 + i for i in range(4)])
+    assert kv.allocate_slots(second, BLOCK, kv.lookup_prefix(second))
+    ops = kv.take_block_ops()
+    assert ops.offload == []  # the block it evicted was on the host already
+    cache.apply(ops)
+    cache.run_step([])
+    kv.free(evicting)
+    kv.free(second)
+    again = _request(list(range(1, 17)) + [99])
+    prefix = kv.lookup_prefix(again)
+    assert len(prefix.device) + len(prefix.host) == 4 and len(prefix.host) == 2
+    assert kv.allocate_slots(again, 1, prefix)
+    cache.apply(kv.take_block_ops())
+    assert cache.read(kv.block_table(again), 16) == list(range(1, 17))
+
+
 def test_a_block_being_loaded_is_never_handed_out_and_an_abort_returns_everything():
     kv = KVCacheManager(num_blocks=4, block_size=BLOCK, num_offload_blocks=2)
     cache = SimulatedCache(kv)
