@@ -3,9 +3,13 @@
 The layout of ``a`` and ``b`` and the grouping of rows (``LoRARows``) are those of
 ``pagedserve.lora.ops``. Two forms of each, chosen by the number of rows:
 
-- **SGMV** (prefill, large batches): a program per (block of ``BLOCK_M`` rows of one slot,
-  slot), reading the slot's rows through ``sorted_rows`` so that one ``tl.dot`` serves a block
-  of rows of one adapter; programs past their slot's row count exit at once.
+- **SGMV** (prefill, large batches): a program per block of ``BLOCK_M`` rows in slot order
+  (``sorted_rows``), so that one ``tl.dot`` serves the block's rows of one adapter; a block
+  that spans slots (sorted, so only where a slot's rows end) runs a dot per slot among its
+  rows, each over that slot's rows alone, and a block of slot -1 rows exits at once. The grid
+  is the rows' alone, never rows times slots: with 32 slots, a grid over (row block, slot)
+  launched 32 programs per block, all but about one exiting at once, in every step, with
+  adapters or without (graphs run the kernels over a buffer of -1 slots too).
 - **BGMV** (decode, few rows): a program per row (and block of output columns), reading its
   row's slot and reducing on the CUDA cores; rows of slot -1 exit at once.
 
@@ -44,67 +48,78 @@ def _block_r(ranks: int) -> int:
 def shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tensor:
     """``x [T, K] @ a[slot].T -> float32 [T, S*R]`` per row."""
     t, k = x.shape
-    num_slots, ranks, _ = a.shape
+    ranks = a.shape[1]
     out = torch.empty((t, ranks), dtype=torch.float32, device=x.device)
     if t <= BGMV_MAX_ROWS:
         _bgmv_shrink[(t,)](x, a, out, rows.slots, k, ranks, x.stride(0), a.stride(0),
                            a.stride(1), BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K)
     else:
-        grid = (triton.cdiv(t, _BLOCK_M), num_slots)
-        _sgmv_shrink[grid](x, a, out, rows.sorted_rows, rows.starts, rows.counts, k, ranks,
-                           x.stride(0), a.stride(0), a.stride(1),
-                           BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K,
-                           IEEE=x.dtype == torch.float32 and a.dtype == torch.float32)
+        _sgmv_shrink[(triton.cdiv(t, _BLOCK_M),)](
+            x, a, out, rows.sorted_rows, rows.slots, t, k, ranks, x.stride(0), a.stride(0),
+            a.stride(1), BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K,
+            IEEE=x.dtype == torch.float32 and a.dtype == torch.float32)
     return out
 
 
 def expand(shrunk: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: LoRARows) -> None:
     """``out [T, N] += shrunk [T, R] @ b[slot] [N, R].T`` per row, in place."""
     t, n = out.shape
-    num_slots, _, rank = b.shape
-    args = (shrunk, b, out, n, rank, shrunk.stride(0), b.stride(0), b.stride(1),
-            out.stride(0), out.stride(1))
+    rank = b.shape[2]
+    strides = (shrunk.stride(0), b.stride(0), b.stride(1), out.stride(0), out.stride(1))
     if t <= BGMV_MAX_ROWS:
         _bgmv_expand[(t, triton.cdiv(n, _BLOCK_N))](
-            *args, rows.slots, BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N)
+            shrunk, b, out, n, rank, *strides, rows.slots, BLOCK_R=_block_r(rank),
+            BLOCK_N=_BLOCK_N)
     else:
-        grid = (triton.cdiv(t, _BLOCK_M), triton.cdiv(n, _BLOCK_N), num_slots)
-        _sgmv_expand[grid](*args, rows.sorted_rows, rows.starts, rows.counts,
-                           BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N,
-                           IEEE=b.dtype == torch.float32)
+        _sgmv_expand[(triton.cdiv(t, _BLOCK_M), triton.cdiv(n, _BLOCK_N))](
+            shrunk, b, out, t, n, rank, *strides, rows.sorted_rows, rows.slots,
+            BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N,
+            IEEE=b.dtype == torch.float32)
 
 
-@triton.jit(do_not_specialize=["K", "RANKS"])
-def _sgmv_shrink(x_ptr, a_ptr, out_ptr, sorted_ptr, starts_ptr, counts_ptr, K, RANKS,
+@triton.jit
+def _block_slots(sorted_ptr, slots_ptr, T, BLOCK_M: tl.constexpr):
+    """A program's block of rows in slot order: the rows, their mask, their slots (-1 for
+    masked rows) and the lowest and highest slot among them (hi < 0: no adapted row)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < T
+    rows = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    slots = tl.load(slots_ptr + rows, mask=mask_m, other=-1)
+    hi = tl.max(slots, axis=0)
+    lo = tl.min(tl.where(slots >= 0, slots, hi), axis=0)
+    return rows, mask_m, slots, lo, hi
+
+
+@triton.jit(do_not_specialize=["T", "K", "RANKS"])
+def _sgmv_shrink(x_ptr, a_ptr, out_ptr, sorted_ptr, slots_ptr, T, K, RANKS,
                  stride_x, stride_al, stride_ar,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                  IEEE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    slot = tl.program_id(1)
-    count = tl.load(counts_ptr + slot)
-    if pid_m * BLOCK_M >= count:
+    rows, mask_m, row_slots, lo, hi = _block_slots(sorted_ptr, slots_ptr, T, BLOCK_M)
+    if hi < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < count
-    rows = tl.load(sorted_ptr + tl.load(starts_ptr + slot) + offs_m, mask=mask_m, other=0)
-    rows = rows.to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < RANKS
-    a_base = a_ptr + slot.to(tl.int64) * stride_al
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        xs = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
-                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        at = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
-                     mask=mask_r[None, :] & mask_k[:, None], other=0.0)
-        if IEEE:
-            acc += tl.dot(xs, at, input_precision="ieee")
-        else:
-            acc += tl.dot(xs, at.to(xs.dtype))
+    # Each slot among the block's rows in turn, its rows alone: the others' inputs are zero,
+    # so every row's sum is its own slot's alone.
+    for slot in range(lo, hi + 1):
+        mine = mask_m & (row_slots == slot)
+        if tl.max(mine.to(tl.int32), axis=0) > 0:
+            a_base = a_ptr + tl.cast(slot, tl.int64) * stride_al
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < K
+                xs = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
+                             mask=mine[:, None] & mask_k[None, :], other=0.0)
+                at = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
+                             mask=mask_r[None, :] & mask_k[:, None], other=0.0)
+                if IEEE:
+                    acc += tl.dot(xs, at, input_precision="ieee")
+                else:
+                    acc += tl.dot(xs, at.to(xs.dtype))
     tl.store(out_ptr + rows[:, None] * RANKS + offs_r[None, :], acc,
-             mask=mask_m[:, None] & mask_r[None, :])
+             mask=(mask_m & (row_slots >= 0))[:, None] & mask_r[None, :])
 
 
 @triton.jit(do_not_specialize=["K", "RANKS"])
@@ -128,35 +143,32 @@ def _bgmv_shrink(x_ptr, a_ptr, out_ptr, slots_ptr, K, RANKS, stride_x, stride_al
     tl.store(out_ptr + row * RANKS + offs_r, acc, mask=mask_r)
 
 
-@triton.jit(do_not_specialize=["N", "RANK"])
-def _sgmv_expand(s_ptr, b_ptr, out_ptr, N, RANK, stride_s, stride_bl, stride_bn,
-                 stride_om, stride_on, sorted_ptr, starts_ptr, counts_ptr,
+@triton.jit(do_not_specialize=["T", "N", "RANK"])
+def _sgmv_expand(s_ptr, b_ptr, out_ptr, T, N, RANK, stride_s, stride_bl, stride_bn,
+                 stride_om, stride_on, sorted_ptr, slots_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                  IEEE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    slot = tl.program_id(2)
-    count = tl.load(counts_ptr + slot)
-    if pid_m * BLOCK_M >= count:
+    rows, mask_m, row_slots, lo, hi = _block_slots(sorted_ptr, slots_ptr, T, BLOCK_M)
+    if hi < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < count
-    rows = tl.load(sorted_ptr + tl.load(starts_ptr + slot) + offs_m, mask=mask_m, other=0)
-    rows = rows.to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < RANK
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    s = tl.load(s_ptr + rows[:, None] * stride_s + offs_r[None, :],
-                mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-    bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn
-                 + offs_r[:, None], mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-    if IEEE:
-        delta = tl.dot(s, bt, input_precision="ieee")
-    else:
-        delta = tl.dot(s.to(bt.dtype), bt)
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for slot in range(lo, hi + 1):  # as in the shrink: each slot's rows alone
+        mine = mask_m & (row_slots == slot)
+        if tl.max(mine.to(tl.int32), axis=0) > 0:
+            s = tl.load(s_ptr + rows[:, None] * stride_s + offs_r[None, :],
+                        mask=mine[:, None] & mask_r[None, :], other=0.0)
+            bt = tl.load(b_ptr + tl.cast(slot, tl.int64) * stride_bl + offs_n[None, :] * stride_bn
+                         + offs_r[:, None], mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+            if IEEE:
+                delta += tl.dot(s, bt, input_precision="ieee")
+            else:
+                delta += tl.dot(s.to(bt.dtype), bt)
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-    mask = mask_m[:, None] & mask_n[None, :]
+    mask = (mask_m & (row_slots >= 0))[:, None] & mask_n[None, :]
     base = tl.load(out_ptrs, mask=mask, other=0.0)
     tl.store(out_ptrs, (base.to(tl.float32) + delta).to(base.dtype), mask=mask)
 
