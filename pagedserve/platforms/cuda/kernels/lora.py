@@ -10,16 +10,21 @@ The layout of ``a`` and ``b`` and the grouping of rows (``LoRARows``) are those 
   is the rows' alone, never rows times slots: with 32 slots, a grid over (row block, slot)
   launched 32 programs per block, all but about one exiting at once, in every step, with
   adapters or without (graphs run the kernels over a buffer of -1 slots too).
-- **BGMV** (decode, few rows): a program per row (and block of output columns), reading its
-  row's slot and reducing on the CUDA cores; rows of slot -1 exit at once.
+- **BGMV** (decode, few rows): a program per row and block of output columns (the expand) or
+  of ``SPLIT_K`` input columns (the shrink), reading its row's slot and reducing on the CUDA
+  cores; rows of slot -1 exit at once. The shrink's programs each write their part's partial
+  sums and the expand adds them up (in part order, so the sums never depend on timing): one
+  program per row looping over all of K ran the whole shrink of a batch-1 step on one SM, 224
+  dependent loads deep for Llama-3-8B's down projection.
 
 Dots take the activations' and weights' dtype (16-bit on the tensor cores, accumulating in
 float32), float32 ones in IEEE precision rather than TF32. The shrink writes float32
-``[T, S * R]`` (rows of slot -1 left unwritten and never read); SGMV's expand rounds those
-rows to B's 16-bit dtype for its dot (as Punica's and vLLM's expand do), BGMV's reduces them
-in float32; the expand adds into ``out`` (any strides: a shard's column slice of the
-projection output) in float32 and rounds once to ``out``'s dtype. The tests bound the error
-by exactly these roundings (``tests/lora/layouts.py``, ``rounding_bound``).
+``[P, T, S * R]``, P partial sums (1 for SGMV; rows of slot -1 left unwritten and never read);
+SGMV's expand rounds those rows to B's 16-bit dtype for its dot (as Punica's and vLLM's expand
+do), BGMV's adds up the parts and reduces in float32; the expand adds into ``out`` (any
+strides: a shard's column slice of the projection output) in float32 and rounds once to
+``out``'s dtype. The tests bound the error by exactly these roundings
+(``tests/lora/layouts.py``, ``rounding_bound``).
 
 Ranks are padded with zeros to ``R`` in ``a`` and ``b``, so no kernel reads a rank;
 ``R`` is padded again to a power of two of at least 16 in registers, masked. Each output row
@@ -39,6 +44,7 @@ BGMV_MAX_ROWS = 32
 _BLOCK_M = 16
 _BLOCK_K = 64
 _BLOCK_N = 64
+_SPLIT_K = 512  # BGMV's shrink: input columns per program
 
 
 def _block_r(ranks: int) -> int:
@@ -46,14 +52,18 @@ def _block_r(ranks: int) -> int:
 
 
 def shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tensor:
-    """``x [T, K] @ a[slot].T -> float32 [T, S*R]`` per row."""
+    """``x [T, K] @ a[slot].T -> float32 [P, T, S*R]`` per row, in P partial sums over parts
+    of K (which ``expand`` adds up)."""
     t, k = x.shape
     ranks = a.shape[1]
-    out = torch.empty((t, ranks), dtype=torch.float32, device=x.device)
     if t <= BGMV_MAX_ROWS:
-        _bgmv_shrink[(t,)](x, a, out, rows.slots, k, ranks, x.stride(0), a.stride(0),
-                           a.stride(1), BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K)
+        parts = triton.cdiv(k, _SPLIT_K)
+        out = torch.empty((parts, t, ranks), dtype=torch.float32, device=x.device)
+        _bgmv_shrink[(t, parts)](x, a, out, rows.slots, k, ranks, x.stride(0), a.stride(0),
+                                 a.stride(1), out.stride(0), SPLIT_K=_SPLIT_K,
+                                 BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K)
     else:
+        out = torch.empty((1, t, ranks), dtype=torch.float32, device=x.device)
         _sgmv_shrink[(triton.cdiv(t, _BLOCK_M),)](
             x, a, out, rows.sorted_rows, rows.slots, t, k, ranks, x.stride(0), a.stride(0),
             a.stride(1), BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K,
@@ -62,14 +72,15 @@ def shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tensor:
 
 
 def expand(shrunk: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: LoRARows) -> None:
-    """``out [T, N] += shrunk [T, R] @ b[slot] [N, R].T`` per row, in place."""
+    """``out [T, N] += shrunk.sum(0) [T, R] @ b[slot] [N, R].T`` per row, in place (``shrunk``:
+    ``shrink``'s partial sums, or a column slice of them)."""
     t, n = out.shape
     rank = b.shape[2]
-    strides = (shrunk.stride(0), b.stride(0), b.stride(1), out.stride(0), out.stride(1))
+    strides = (shrunk.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1))
     if t <= BGMV_MAX_ROWS:
         _bgmv_expand[(t, triton.cdiv(n, _BLOCK_N))](
-            shrunk, b, out, n, rank, *strides, rows.slots, BLOCK_R=_block_r(rank),
-            BLOCK_N=_BLOCK_N)
+            shrunk, b, out, n, rank, *strides, rows.slots, shrunk.shape[0], shrunk.stride(0),
+            BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N)
     else:
         _sgmv_expand[(triton.cdiv(t, _BLOCK_M), triton.cdiv(n, _BLOCK_N))](
             shrunk, b, out, t, n, rank, *strides, rows.sorted_rows, rows.slots,
@@ -124,8 +135,10 @@ def _sgmv_shrink(x_ptr, a_ptr, out_ptr, sorted_ptr, slots_ptr, T, K, RANKS,
 
 @triton.jit(do_not_specialize=["K", "RANKS"])
 def _bgmv_shrink(x_ptr, a_ptr, out_ptr, slots_ptr, K, RANKS, stride_x, stride_al, stride_ar,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                 stride_part, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     slot = tl.load(slots_ptr + row)
     if slot < 0:
         return
@@ -133,14 +146,14 @@ def _bgmv_shrink(x_ptr, a_ptr, out_ptr, slots_ptr, K, RANKS, stride_x, stride_al
     mask_r = offs_r < RANKS
     a_base = a_ptr + slot.to(tl.int64) * stride_al
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(part * SPLIT_K, part * SPLIT_K + SPLIT_K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         xs = tl.load(x_ptr + row * stride_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         a = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :],
                     mask=mask_r[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(a * xs[None, :], axis=1)
-    tl.store(out_ptr + row * RANKS + offs_r, acc, mask=mask_r)
+    tl.store(out_ptr + part.to(tl.int64) * stride_part + row * RANKS + offs_r, acc, mask=mask_r)
 
 
 @triton.jit(do_not_specialize=["T", "N", "RANK"])
@@ -175,7 +188,7 @@ def _sgmv_expand(s_ptr, b_ptr, out_ptr, T, N, RANK, stride_s, stride_bl, stride_
 
 @triton.jit(do_not_specialize=["N", "RANK"])
 def _bgmv_expand(s_ptr, b_ptr, out_ptr, N, RANK, stride_s, stride_bl, stride_bn,
-                 stride_om, stride_on, slots_ptr,
+                 stride_om, stride_on, slots_ptr, PARTS, stride_part,
                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row)
@@ -185,7 +198,10 @@ def _bgmv_expand(s_ptr, b_ptr, out_ptr, N, RANK, stride_s, stride_bl, stride_bn,
     mask_r = offs_r < RANK
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    s = tl.load(s_ptr + row * stride_s + offs_r, mask=mask_r, other=0.0)
+    s = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for part in range(0, PARTS):  # the shrink's partial sums, in order
+        s += tl.load(s_ptr + part * stride_part + row * stride_s + offs_r, mask=mask_r,
+                     other=0.0)
     b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + offs_n[:, None] * stride_bn
                 + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
     delta = tl.sum(b.to(tl.float32) * s[None, :], axis=1)
