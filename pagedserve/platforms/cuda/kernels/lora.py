@@ -79,8 +79,8 @@ def expand(shrunk: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: LoRAR
     strides = (shrunk.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1))
     if t <= BGMV_MAX_ROWS:
         _bgmv_expand[(t, triton.cdiv(n, _BLOCK_N))](
-            shrunk, b, out, n, rank, *strides, rows.slots, shrunk.shape[0], shrunk.stride(0),
-            BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N)
+            shrunk, b, out, n, rank, *strides, rows.slots, shrunk.stride(0),
+            PARTS=shrunk.shape[0], BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N)
     else:
         _sgmv_expand[(triton.cdiv(t, _BLOCK_M), triton.cdiv(n, _BLOCK_N))](
             shrunk, b, out, t, n, rank, *strides, rows.sorted_rows, rows.slots,
@@ -188,7 +188,7 @@ def _sgmv_expand(s_ptr, b_ptr, out_ptr, T, N, RANK, stride_s, stride_bl, stride_
 
 @triton.jit(do_not_specialize=["N", "RANK"])
 def _bgmv_expand(s_ptr, b_ptr, out_ptr, N, RANK, stride_s, stride_bl, stride_bn,
-                 stride_om, stride_on, slots_ptr, PARTS, stride_part,
+                 stride_om, stride_on, slots_ptr, stride_part, PARTS: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row)
@@ -199,7 +199,7 @@ def _bgmv_expand(s_ptr, b_ptr, out_ptr, N, RANK, stride_s, stride_bl, stride_bn,
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     s = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for part in range(0, PARTS):  # the shrink's partial sums, in order
+    for part in tl.static_range(PARTS):  # the shrink's partial sums, in order, loaded at once
         s += tl.load(s_ptr + part * stride_part + row * stride_s + offs_r, mask=mask_r,
                      other=0.0)
     b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + offs_n[:, None] * stride_bn
