@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.lora.ops import LoRARows
+from pagedserve.lora.ops import LoRARows, Shards
 
 # Up to this many rows a step uses BGMV (a program per row), beyond it SGMV.
 BGMV_MAX_ROWS = 32
@@ -71,21 +71,27 @@ def shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tensor:
     return out
 
 
-def expand(shrunk: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: LoRARows) -> None:
-    """``out [T, N] += shrunk.sum(0) [T, R] @ b[slot] [N, R].T`` per row, in place (``shrunk``:
-    ``shrink``'s partial sums, or a column slice of them)."""
+def expand(shrunk: torch.Tensor, b: torch.Tensor, out: torch.Tensor, shards: Shards,
+           rows: LoRARows) -> None:
+    """``out [T, N] += shrunk.sum(0)[:, s*R:(s+1)*R] @ b[slot, off:off+n].T`` per row and shard
+    ``s`` (columns ``off .. off + n - 1``), in place, every shard in one launch (``shrunk``:
+    ``shrink``'s partial sums)."""
+    if len(shards) > 3:
+        raise ValueError(f"a projection of {len(shards)} shards; the kernels take 3 at most")
     t, n = out.shape
     rank = b.shape[2]
-    strides = (shrunk.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1))
+    # Where shards 1 and 2 begin (n where there is none): a column's shard is how many it passed.
+    off1, off2 = ([off for off, _ in shards[1:]] + [n, n])[:2]
+    args = (shrunk, b, out, off1, off2, n, rank, shrunk.stride(1), b.stride(0), b.stride(1),
+            out.stride(0), out.stride(1))
     if t <= BGMV_MAX_ROWS:
         _bgmv_expand[(t, triton.cdiv(n, _BLOCK_N))](
-            shrunk, b, out, n, rank, *strides, rows.slots, shrunk.stride(0),
-            PARTS=shrunk.shape[0], BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N)
+            *args, rows.slots, shrunk.stride(0), PARTS=shrunk.shape[0],
+            BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N)
     else:
         _sgmv_expand[(triton.cdiv(t, _BLOCK_M), triton.cdiv(n, _BLOCK_N))](
-            shrunk, b, out, t, n, rank, *strides, rows.sorted_rows, rows.slots,
-            BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N,
-            IEEE=b.dtype == torch.float32)
+            *args, rows.sorted_rows, rows.slots, t, BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(rank),
+            BLOCK_N=_BLOCK_N, IEEE=b.dtype == torch.float32)
 
 
 @triton.jit
@@ -99,6 +105,19 @@ def _block_slots(sorted_ptr, slots_ptr, T, BLOCK_M: tl.constexpr):
     hi = tl.max(slots, axis=0)
     lo = tl.min(tl.where(slots >= 0, slots, hi), axis=0)
     return rows, mask_m, slots, lo, hi
+
+
+@triton.jit
+def _block_shards(OFF1, OFF2, N, BLOCK_N: tl.constexpr):
+    """A program's block of output columns: the columns, their mask, their shards and the
+    first and last shard among them."""
+    first = tl.program_id(1) * BLOCK_N
+    offs_n = first + tl.arange(0, BLOCK_N)
+    shard = (offs_n >= OFF1).to(tl.int32) + (offs_n >= OFF2).to(tl.int32)
+    last = tl.minimum(first + BLOCK_N, N) - 1
+    lo = (first >= OFF1).to(tl.int32) + (first >= OFF2).to(tl.int32)
+    hi = (last >= OFF1).to(tl.int32) + (last >= OFF2).to(tl.int32)
+    return offs_n, offs_n < N, shard, lo, hi
 
 
 @triton.jit(do_not_specialize=["T", "K", "RANKS"])
@@ -156,9 +175,9 @@ def _bgmv_shrink(x_ptr, a_ptr, out_ptr, slots_ptr, K, RANKS, stride_x, stride_al
     tl.store(out_ptr + part.to(tl.int64) * stride_part + row * RANKS + offs_r, acc, mask=mask_r)
 
 
-@triton.jit(do_not_specialize=["T", "N", "RANK"])
-def _sgmv_expand(s_ptr, b_ptr, out_ptr, T, N, RANK, stride_s, stride_bl, stride_bn,
-                 stride_om, stride_on, sorted_ptr, slots_ptr,
+@triton.jit(do_not_specialize=["OFF1", "OFF2", "N", "RANK", "T"])
+def _sgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, stride_s, stride_bl, stride_bn,
+                 stride_om, stride_on, sorted_ptr, slots_ptr, T,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                  IEEE: tl.constexpr):
     rows, mask_m, row_slots, lo, hi = _block_slots(sorted_ptr, slots_ptr, T, BLOCK_M)
@@ -166,28 +185,32 @@ def _sgmv_expand(s_ptr, b_ptr, out_ptr, T, N, RANK, stride_s, stride_bl, stride_
         return
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < RANK
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    offs_n, mask_n, col_shards, first_shard, last_shard = _block_shards(OFF1, OFF2, N, BLOCK_N)
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for slot in range(lo, hi + 1):  # as in the shrink: each slot's rows alone
+    # Each slot's rows alone (as in the shrink), and each shard's columns alone: a column's
+    # sum is its own row's slot's and its own shard's, the other dots adding zeros.
+    for slot in range(lo, hi + 1):
         mine = mask_m & (row_slots == slot)
         if tl.max(mine.to(tl.int32), axis=0) > 0:
-            s = tl.load(s_ptr + rows[:, None] * stride_s + offs_r[None, :],
-                        mask=mine[:, None] & mask_r[None, :], other=0.0)
-            bt = tl.load(b_ptr + tl.cast(slot, tl.int64) * stride_bl + offs_n[None, :] * stride_bn
-                         + offs_r[:, None], mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-            if IEEE:
-                delta += tl.dot(s, bt, input_precision="ieee")
-            else:
-                delta += tl.dot(s.to(bt.dtype), bt)
+            b_base = b_ptr + tl.cast(slot, tl.int64) * stride_bl
+            for shard in range(first_shard, last_shard + 1):
+                s = tl.load(s_ptr + rows[:, None] * stride_s + shard * RANK + offs_r[None, :],
+                            mask=mine[:, None] & mask_r[None, :], other=0.0)
+                cols = mask_n & (col_shards == shard)
+                bt = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None],
+                             mask=mask_r[:, None] & cols[None, :], other=0.0)
+                if IEEE:
+                    delta += tl.dot(s, bt, input_precision="ieee")
+                else:
+                    delta += tl.dot(s.to(bt.dtype), bt)
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     mask = (mask_m & (row_slots >= 0))[:, None] & mask_n[None, :]
     base = tl.load(out_ptrs, mask=mask, other=0.0)
     tl.store(out_ptrs, (base.to(tl.float32) + delta).to(base.dtype), mask=mask)
 
 
-@triton.jit(do_not_specialize=["N", "RANK"])
-def _bgmv_expand(s_ptr, b_ptr, out_ptr, N, RANK, stride_s, stride_bl, stride_bn,
+@triton.jit(do_not_specialize=["OFF1", "OFF2", "N", "RANK"])
+def _bgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, stride_s, stride_bl, stride_bn,
                  stride_om, stride_on, slots_ptr, stride_part, PARTS: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -196,15 +219,17 @@ def _bgmv_expand(s_ptr, b_ptr, out_ptr, N, RANK, stride_s, stride_bl, stride_bn,
         return
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < RANK
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    s = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for part in tl.static_range(PARTS):  # the shrink's partial sums, in order, loaded at once
-        s += tl.load(s_ptr + part * stride_part + row * stride_s + offs_r, mask=mask_r,
-                     other=0.0)
-    b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + offs_n[:, None] * stride_bn
-                + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-    delta = tl.sum(b.to(tl.float32) * s[None, :], axis=1)
+    offs_n, mask_n, col_shards, first_shard, last_shard = _block_shards(OFF1, OFF2, N, BLOCK_N)
+    b_base = b_ptr + slot.to(tl.int64) * stride_bl
+    delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for shard in range(first_shard, last_shard + 1):  # each shard's columns alone
+        s = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for part in tl.static_range(PARTS):  # the shrink's partial sums, in order, at once
+            s += tl.load(s_ptr + part * stride_part + row * stride_s + shard * RANK + offs_r,
+                         mask=mask_r, other=0.0)
+        b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
+                    mask=(mask_n & (col_shards == shard))[:, None] & mask_r[None, :], other=0.0)
+        delta += tl.sum(b.to(tl.float32) * s[None, :], axis=1)
     out_ptrs = out_ptr + row * stride_om + offs_n * stride_on
     base = tl.load(out_ptrs, mask=mask_n, other=0.0)
     tl.store(out_ptrs, (base.to(tl.float32) + delta).to(base.dtype), mask=mask_n)
