@@ -21,10 +21,11 @@ Dots take the activations' and weights' dtype (16-bit on the tensor cores, accum
 float32), float32 ones in IEEE precision rather than TF32. The shrink writes float32
 ``[P, T, S * R]``, P partial sums (1 for SGMV; rows of slot -1 left unwritten and never read);
 SGMV's expand rounds those rows to B's 16-bit dtype for its dot (as Punica's and vLLM's expand
-do), BGMV's adds up the parts and reduces in float32; the expand adds into ``out`` (any
-strides: a shard's column slice of the projection output) in float32 and rounds once to
-``out``'s dtype. The tests bound the error by exactly these roundings
-(``tests/lora/layouts.py``, ``rounding_bound``).
+do), BGMV's adds up the parts and reduces in float32; the expand adds into ``out`` (the
+projection's output, any strides; a block of columns that spans shards runs a dot per shard,
+each over that shard's columns alone) in float32 and rounds once to ``out``'s dtype. The
+tests bound the error by exactly these roundings (``tests/lora/layouts.py``,
+``rounding_bound``).
 
 Ranks are padded with zeros to ``R`` in ``a`` and ``b``, so no kernel reads a rank;
 ``R`` is padded again to a power of two of at least 16 in registers, masked. Each output row
