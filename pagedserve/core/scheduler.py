@@ -342,18 +342,21 @@ class Scheduler:
 
     # ---- swapped and waiting groups -----------------------------------------------------
     # Both loops only add running groups, so they count free sequence slots down themselves
-    # instead of summing the running widths for every group they look at.
+    # instead of summing the running widths for every group they look at, and keep the running
+    # adapters in a set instead of collecting them from every running group for every group.
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        free_slots = self._free_seq_slots()
-        while self.swapped and budget > 0 and self._can_resume(self.swapped[0], free_slots):
+        free_slots, loras = self._free_seq_slots(), self._running_loras()
+        while self.swapped and budget > 0 and self._can_resume(self.swapped[0], free_slots,
+                                                                 loras):
             group = self.swapped.popleft()
             free_slots -= group.width
+            _add_lora(loras, group)
             self.kv.swap_in(group.seqs)
             budget = self._start(group, out, budget, resumed=True)
         return budget
 
-    def _can_resume(self, group: SequenceGroup, free_slots: int) -> bool:
-        return (free_slots >= group.width and self._lora_fits(group)
+    def _can_resume(self, group: SequenceGroup, free_slots: int, loras: set[int]) -> bool:
+        return (free_slots >= group.width and self._lora_fits(group, loras)
                 and self.kv.can_swap_in(group.seqs, self._watermark_blocks))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -368,7 +371,7 @@ class Scheduler:
                         hold_back: bool) -> tuple[int, int, bool]:
         """Start waiting groups until one does not fit; returns the budget and sequence slots
         left, and whether a held-back long prompt was passed over."""
-        i, passed_over = 0, False
+        i, passed_over, loras = 0, False, self._running_loras()
         while i < min(len(self.waiting), self.config.max_num_seqs) and budget > 0:
             group = self.waiting[i]
             if self._follows_a_prefill(group.root, self._prefilling):
@@ -378,13 +381,14 @@ class Scheduler:
                 i, passed_over = i + 1, True
                 continue
             # Reading its prefix from disk, or waiting for an adapter slot: others go first.
-            if self._loading_from_disk(group) or not self._lora_fits(group):
+            if self._loading_from_disk(group) or not self._lora_fits(group, loras):
                 i += 1
                 continue
             if not self._can_admit(group, budget, free_slots):
                 break
             del self.waiting[i]
             free_slots -= group.width
+            _add_lora(loras, group)
             self._num_long += self._is_long(self._num_left(group))
             self._prefilling.append(group.root)
             budget = self._start_waiting(group, out, budget)
@@ -416,14 +420,16 @@ class Scheduler:
         return self._schedule_group(group, len(self.running) - 1, out, budget,
                                     may_preempt=False)
 
-    def _lora_fits(self, group: SequenceGroup) -> bool:
-        """Running ``group`` keeps the running groups' distinct adapters within
+    def _lora_fits(self, group: SequenceGroup, running: set[int]) -> bool:
+        """Running ``group`` keeps the running groups' distinct adapters (``running``) within
         ``max_loras``, so no step ever needs more adapters than there are device slots."""
         lora = _lora_of(group)
         if lora is None or not self.config.max_loras:
             return True
-        running = {r.lora_int_id for r in map(_lora_of, self.running) if r is not None}
         return lora.lora_int_id in running or len(running) < self.config.max_loras
+
+    def _running_loras(self) -> set[int]:
+        return {r.lora_int_id for r in map(_lora_of, self.running) if r is not None}
 
     def _free_seq_slots(self) -> int:
         return self.config.max_num_seqs - sum(g.width for g in self.running)
@@ -495,6 +501,12 @@ def _lora_of(group: SequenceGroup):
     """The group's adapter (every stream of a request has the same), or None."""
     streams = group.seqs or group.pending_forks
     return streams[0].lora_request if streams else None
+
+
+def _add_lora(loras: set[int], group: SequenceGroup) -> None:
+    lora = _lora_of(group)
+    if lora is not None:
+        loras.add(lora.lora_int_id)
 
 
 def _fair_level(demands: list[int], supply: int) -> int:

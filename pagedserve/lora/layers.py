@@ -75,5 +75,9 @@ class LoRALinear(nn.Module):
             out_part, (off, n) = self.base.out_parts[shard], self.shards[shard]
             a = w.a[:, inp.start:inp.start + inp.size]
             b = w.b[out_part.start:out_part.start + out_part.size]
-            self.lora_a[slot, shard * r:shard * r + w.rank].copy_(a)
-            self.lora_b[slot, off:off + n, :w.rank].copy_(b)
+            # From host memory without waiting for the device: a blocking copy would wait for
+            # the queued steps, twice per shard of every layer. The copies are ordered after
+            # those steps on the stream, so a step still reading this slot's old adapter reads
+            # it whole.
+            self.lora_a[slot, shard * r:shard * r + w.rank].copy_(a, non_blocking=True)
+            self.lora_b[slot, off:off + n, :w.rank].copy_(b, non_blocking=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -61,9 +62,12 @@ class LoRASlots:
         """``ForwardContext.lora_slots`` for a step of these sequences (their adapters, None
         for the base model, and their rows), loading what is missing."""
         slot_of = self.slots_for([r for r in requests if r is not None])
-        per_seq = torch.tensor([-1 if r is None else slot_of[r.lora_int_id] for r in requests],
-                               dtype=torch.int32)
-        return torch.repeat_interleave(per_seq, torch.tensor(query_lens)).to(device)
+        per_seq = np.fromiter((-1 if r is None else slot_of[r.lora_int_id] for r in requests),
+                              dtype=np.int32, count=len(requests))
+        # Built on the host and copied without waiting: a blocking copy (as torch.tensor(...,
+        # device=) or .to(device) make) would wait for the device to finish the queued steps.
+        rows = torch.from_numpy(np.repeat(per_seq, query_lens))
+        return rows.to(device, non_blocking=True)
 
     def adapter(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter, read from host memory or from its folder (checked against the model)."""

@@ -119,3 +119,10 @@ def test_16bit_at_a_wide_k(num_rows, dtype):
 def test_bf16_at_8b_shapes(num_rows):
     _run(num_rows, torch.bfloat16, seed=3, shard_sizes=(4096, 1024, 1024), max_rank=16,
          k=4096).assert_within_bound()
+
+
+@pytest.mark.parametrize("num_rows", [1, 6])
+def test_bgmv_adds_up_its_shrink_parts(num_rows):
+    """K over three of BGMV's shrink parts, the last one partial: each part's sums count once."""
+    _run(num_rows, torch.float32, seed=11 + num_rows, shard_sizes=(48, 16), max_rank=8,
+         k=1100).assert_within_bound()

@@ -3,19 +3,29 @@
 The layout of ``a`` and ``b`` and the grouping of rows (``LoRARows``) are those of
 ``pagedserve.lora.ops``. Two forms of each, chosen by the number of rows:
 
-- **SGMV** (prefill, large batches): a program per (block of ``BLOCK_M`` rows of one slot,
-  slot), reading the slot's rows through ``sorted_rows`` so that one ``tl.dot`` serves a block
-  of rows of one adapter; programs past their slot's row count exit at once.
-- **BGMV** (decode, few rows): a program per row (and block of output columns), reading its
-  row's slot and reducing on the CUDA cores; rows of slot -1 exit at once.
+- **SGMV** (prefill, large batches): a program per block of ``BLOCK_M`` rows in slot order
+  (``sorted_rows``), so that one ``tl.dot`` serves the block's rows of one adapter; a block
+  that spans slots (sorted, so only where a slot's rows end) runs a dot per slot among its
+  rows, each over that slot's rows alone, and a block of slot -1 rows exits at once. The grid
+  is the rows' alone, never rows times slots: with 32 slots, a grid over (row block, slot)
+  launched 32 programs per block, all but about one exiting at once, in every step, with
+  adapters or without (graphs run the kernels over a buffer of -1 slots too).
+- **BGMV** (decode, few rows): a program per row and block of output columns (the expand) or
+  of ``SPLIT_K`` input columns (the shrink), reading its row's slot and reducing on the CUDA
+  cores; rows of slot -1 exit at once. The shrink's programs each write their part's partial
+  sums and the expand adds them up (in part order, so the sums never depend on timing): one
+  program per row looping over all of K ran the whole shrink of a batch-1 step on one SM, 224
+  dependent loads deep for Llama-3-8B's down projection.
 
 Dots take the activations' and weights' dtype (16-bit on the tensor cores, accumulating in
 float32), float32 ones in IEEE precision rather than TF32. The shrink writes float32
-``[T, S * R]`` (rows of slot -1 left unwritten and never read); SGMV's expand rounds those
-rows to B's 16-bit dtype for its dot (as Punica's and vLLM's expand do), BGMV's reduces them
-in float32; the expand adds into ``out`` (any strides: a shard's column slice of the
-projection output) in float32 and rounds once to ``out``'s dtype. The tests bound the error
-by exactly these roundings (``tests/lora/layouts.py``, ``rounding_bound``).
+``[P, T, S * R]``, P partial sums (1 for SGMV; rows of slot -1 left unwritten and never read);
+SGMV's expand rounds those rows to B's 16-bit dtype for its dot (as Punica's and vLLM's expand
+do), BGMV's adds up the parts and reduces in float32; the expand adds into ``out`` (the
+projection's output, any strides; a block of columns that spans shards runs a dot per shard,
+each over that shard's columns alone) in float32 and rounds once to ``out``'s dtype. The
+tests bound the error by exactly these roundings (``tests/lora/layouts.py``,
+``rounding_bound``).
 
 Ranks are padded with zeros to ``R`` in ``a`` and ``b``, so no kernel reads a rank;
 ``R`` is padded again to a power of two of at least 16 in registers, masked. Each output row
@@ -28,13 +38,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.lora.ops import LoRARows
+from pagedserve.lora.ops import LoRARows, Shards
 
 # Up to this many rows a step uses BGMV (a program per row), beyond it SGMV.
 BGMV_MAX_ROWS = 32
 _BLOCK_M = 16
 _BLOCK_K = 64
 _BLOCK_N = 64
+_SPLIT_K = 512  # BGMV's shrink: input columns per program
 
 
 def _block_r(ranks: int) -> int:
@@ -42,75 +53,112 @@ def _block_r(ranks: int) -> int:
 
 
 def shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tensor:
-    """``x [T, K] @ a[slot].T -> float32 [T, S*R]`` per row."""
+    """``x [T, K] @ a[slot].T -> float32 [P, T, S*R]`` per row, in P partial sums over parts
+    of K (which ``expand`` adds up)."""
     t, k = x.shape
-    num_slots, ranks, _ = a.shape
-    out = torch.empty((t, ranks), dtype=torch.float32, device=x.device)
+    ranks = a.shape[1]
     if t <= BGMV_MAX_ROWS:
-        _bgmv_shrink[(t,)](x, a, out, rows.slots, k, ranks, x.stride(0), a.stride(0),
-                           a.stride(1), BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K)
+        parts = triton.cdiv(k, _SPLIT_K)
+        out = torch.empty((parts, t, ranks), dtype=torch.float32, device=x.device)
+        _bgmv_shrink[(t, parts)](x, a, out, rows.slots, k, ranks, x.stride(0), a.stride(0),
+                                 a.stride(1), out.stride(0), SPLIT_K=_SPLIT_K,
+                                 BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K)
     else:
-        grid = (triton.cdiv(t, _BLOCK_M), num_slots)
-        _sgmv_shrink[grid](x, a, out, rows.sorted_rows, rows.starts, rows.counts, k, ranks,
-                           x.stride(0), a.stride(0), a.stride(1),
-                           BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K,
-                           IEEE=x.dtype == torch.float32 and a.dtype == torch.float32)
+        out = torch.empty((1, t, ranks), dtype=torch.float32, device=x.device)
+        _sgmv_shrink[(triton.cdiv(t, _BLOCK_M),)](
+            x, a, out, rows.sorted_rows, rows.slots, t, k, ranks, x.stride(0), a.stride(0),
+            a.stride(1), BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K,
+            IEEE=x.dtype == torch.float32 and a.dtype == torch.float32)
     return out
 
 
-def expand(shrunk: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: LoRARows) -> None:
-    """``out [T, N] += shrunk [T, R] @ b[slot] [N, R].T`` per row, in place."""
+def expand(shrunk: torch.Tensor, b: torch.Tensor, out: torch.Tensor, shards: Shards,
+           rows: LoRARows) -> None:
+    """``out [T, N] += shrunk.sum(0)[:, s*R:(s+1)*R] @ b[slot, off:off+n].T`` per row and shard
+    ``s`` (columns ``off .. off + n - 1``), in place, every shard in one launch (``shrunk``:
+    ``shrink``'s partial sums)."""
+    if len(shards) > 3:
+        raise ValueError(f"a projection of {len(shards)} shards; the kernels take 3 at most")
     t, n = out.shape
-    num_slots, _, rank = b.shape
-    args = (shrunk, b, out, n, rank, shrunk.stride(0), b.stride(0), b.stride(1),
+    rank = b.shape[2]
+    # Where shards 1 and 2 begin (n where there is none): a column's shard is how many it passed.
+    off1, off2 = ([off for off, _ in shards[1:]] + [n, n])[:2]
+    args = (shrunk, b, out, off1, off2, n, rank, shrunk.stride(1), b.stride(0), b.stride(1),
             out.stride(0), out.stride(1))
     if t <= BGMV_MAX_ROWS:
         _bgmv_expand[(t, triton.cdiv(n, _BLOCK_N))](
-            *args, rows.slots, BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N)
+            *args, rows.slots, shrunk.stride(0), PARTS=shrunk.shape[0],
+            BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N)
     else:
-        grid = (triton.cdiv(t, _BLOCK_M), triton.cdiv(n, _BLOCK_N), num_slots)
-        _sgmv_expand[grid](*args, rows.sorted_rows, rows.starts, rows.counts,
-                           BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N,
-                           IEEE=b.dtype == torch.float32)
+        _sgmv_expand[(triton.cdiv(t, _BLOCK_M), triton.cdiv(n, _BLOCK_N))](
+            *args, rows.sorted_rows, rows.slots, t, BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(rank),
+            BLOCK_N=_BLOCK_N, IEEE=b.dtype == torch.float32)
 
 
-@triton.jit(do_not_specialize=["K", "RANKS"])
-def _sgmv_shrink(x_ptr, a_ptr, out_ptr, sorted_ptr, starts_ptr, counts_ptr, K, RANKS,
+@triton.jit
+def _block_slots(sorted_ptr, slots_ptr, T, BLOCK_M: tl.constexpr):
+    """A program's block of rows in slot order: the rows, their mask, their slots (-1 for
+    masked rows) and the lowest and highest slot among them (hi < 0: no adapted row)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < T
+    rows = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    slots = tl.load(slots_ptr + rows, mask=mask_m, other=-1)
+    hi = tl.max(slots, axis=0)
+    lo = tl.min(tl.where(slots >= 0, slots, hi), axis=0)
+    return rows, mask_m, slots, lo, hi
+
+
+@triton.jit
+def _block_shards(OFF1, OFF2, N, BLOCK_N: tl.constexpr):
+    """A program's block of output columns: the columns, their mask, their shards and the
+    first and last shard among them."""
+    first = tl.program_id(1) * BLOCK_N
+    offs_n = first + tl.arange(0, BLOCK_N)
+    shard = (offs_n >= OFF1).to(tl.int32) + (offs_n >= OFF2).to(tl.int32)
+    last = tl.minimum(first + BLOCK_N, N) - 1
+    lo = (first >= OFF1).to(tl.int32) + (first >= OFF2).to(tl.int32)
+    hi = (last >= OFF1).to(tl.int32) + (last >= OFF2).to(tl.int32)
+    return offs_n, offs_n < N, shard, lo, hi
+
+
+@triton.jit(do_not_specialize=["T", "K", "RANKS"])
+def _sgmv_shrink(x_ptr, a_ptr, out_ptr, sorted_ptr, slots_ptr, T, K, RANKS,
                  stride_x, stride_al, stride_ar,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                  IEEE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    slot = tl.program_id(1)
-    count = tl.load(counts_ptr + slot)
-    if pid_m * BLOCK_M >= count:
+    rows, mask_m, row_slots, lo, hi = _block_slots(sorted_ptr, slots_ptr, T, BLOCK_M)
+    if hi < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < count
-    rows = tl.load(sorted_ptr + tl.load(starts_ptr + slot) + offs_m, mask=mask_m, other=0)
-    rows = rows.to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < RANKS
-    a_base = a_ptr + slot.to(tl.int64) * stride_al
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        xs = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
-                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        at = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
-                     mask=mask_r[None, :] & mask_k[:, None], other=0.0)
-        if IEEE:
-            acc += tl.dot(xs, at, input_precision="ieee")
-        else:
-            acc += tl.dot(xs, at.to(xs.dtype))
+    # Each slot among the block's rows in turn, its rows alone: the others' inputs are zero,
+    # so every row's sum is its own slot's alone.
+    for slot in range(lo, hi + 1):
+        mine = mask_m & (row_slots == slot)
+        if tl.max(mine.to(tl.int32), axis=0) > 0:
+            a_base = a_ptr + tl.cast(slot, tl.int64) * stride_al
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < K
+                xs = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
+                             mask=mine[:, None] & mask_k[None, :], other=0.0)
+                at = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
+                             mask=mask_r[None, :] & mask_k[:, None], other=0.0)
+                if IEEE:
+                    acc += tl.dot(xs, at, input_precision="ieee")
+                else:
+                    acc += tl.dot(xs, at.to(xs.dtype))
     tl.store(out_ptr + rows[:, None] * RANKS + offs_r[None, :], acc,
-             mask=mask_m[:, None] & mask_r[None, :])
+             mask=(mask_m & (row_slots >= 0))[:, None] & mask_r[None, :])
 
 
 @triton.jit(do_not_specialize=["K", "RANKS"])
 def _bgmv_shrink(x_ptr, a_ptr, out_ptr, slots_ptr, K, RANKS, stride_x, stride_al, stride_ar,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                 stride_part, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     slot = tl.load(slots_ptr + row)
     if slot < 0:
         return
@@ -118,52 +166,53 @@ def _bgmv_shrink(x_ptr, a_ptr, out_ptr, slots_ptr, K, RANKS, stride_x, stride_al
     mask_r = offs_r < RANKS
     a_base = a_ptr + slot.to(tl.int64) * stride_al
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(part * SPLIT_K, part * SPLIT_K + SPLIT_K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         xs = tl.load(x_ptr + row * stride_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         a = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :],
                     mask=mask_r[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(a * xs[None, :], axis=1)
-    tl.store(out_ptr + row * RANKS + offs_r, acc, mask=mask_r)
+    tl.store(out_ptr + part.to(tl.int64) * stride_part + row * RANKS + offs_r, acc, mask=mask_r)
 
 
-@triton.jit(do_not_specialize=["N", "RANK"])
-def _sgmv_expand(s_ptr, b_ptr, out_ptr, N, RANK, stride_s, stride_bl, stride_bn,
-                 stride_om, stride_on, sorted_ptr, starts_ptr, counts_ptr,
+@triton.jit(do_not_specialize=["OFF1", "OFF2", "N", "RANK", "T"])
+def _sgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, stride_s, stride_bl, stride_bn,
+                 stride_om, stride_on, sorted_ptr, slots_ptr, T,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                  IEEE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    slot = tl.program_id(2)
-    count = tl.load(counts_ptr + slot)
-    if pid_m * BLOCK_M >= count:
+    rows, mask_m, row_slots, lo, hi = _block_slots(sorted_ptr, slots_ptr, T, BLOCK_M)
+    if hi < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < count
-    rows = tl.load(sorted_ptr + tl.load(starts_ptr + slot) + offs_m, mask=mask_m, other=0)
-    rows = rows.to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < RANK
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    s = tl.load(s_ptr + rows[:, None] * stride_s + offs_r[None, :],
-                mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-    bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn
-                 + offs_r[:, None], mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-    if IEEE:
-        delta = tl.dot(s, bt, input_precision="ieee")
-    else:
-        delta = tl.dot(s.to(bt.dtype), bt)
+    offs_n, mask_n, col_shards, first_shard, last_shard = _block_shards(OFF1, OFF2, N, BLOCK_N)
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Each slot's rows alone (as in the shrink), and each shard's columns alone: a column's
+    # sum is its own row's slot's and its own shard's, the other dots adding zeros.
+    for slot in range(lo, hi + 1):
+        mine = mask_m & (row_slots == slot)
+        if tl.max(mine.to(tl.int32), axis=0) > 0:
+            b_base = b_ptr + tl.cast(slot, tl.int64) * stride_bl
+            for shard in range(first_shard, last_shard + 1):
+                s = tl.load(s_ptr + rows[:, None] * stride_s + shard * RANK + offs_r[None, :],
+                            mask=mine[:, None] & mask_r[None, :], other=0.0)
+                cols = mask_n & (col_shards == shard)
+                bt = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None],
+                             mask=mask_r[:, None] & cols[None, :], other=0.0)
+                if IEEE:
+                    delta += tl.dot(s, bt, input_precision="ieee")
+                else:
+                    delta += tl.dot(s.to(bt.dtype), bt)
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-    mask = mask_m[:, None] & mask_n[None, :]
+    mask = (mask_m & (row_slots >= 0))[:, None] & mask_n[None, :]
     base = tl.load(out_ptrs, mask=mask, other=0.0)
     tl.store(out_ptrs, (base.to(tl.float32) + delta).to(base.dtype), mask=mask)
 
 
-@triton.jit(do_not_specialize=["N", "RANK"])
-def _bgmv_expand(s_ptr, b_ptr, out_ptr, N, RANK, stride_s, stride_bl, stride_bn,
-                 stride_om, stride_on, slots_ptr,
+@triton.jit(do_not_specialize=["OFF1", "OFF2", "N", "RANK"])
+def _bgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, stride_s, stride_bl, stride_bn,
+                 stride_om, stride_on, slots_ptr, stride_part, PARTS: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row)
@@ -171,12 +220,17 @@ def _bgmv_expand(s_ptr, b_ptr, out_ptr, N, RANK, stride_s, stride_bl, stride_bn,
         return
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < RANK
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    s = tl.load(s_ptr + row * stride_s + offs_r, mask=mask_r, other=0.0)
-    b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + offs_n[:, None] * stride_bn
-                + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-    delta = tl.sum(b.to(tl.float32) * s[None, :], axis=1)
+    offs_n, mask_n, col_shards, first_shard, last_shard = _block_shards(OFF1, OFF2, N, BLOCK_N)
+    b_base = b_ptr + slot.to(tl.int64) * stride_bl
+    delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for shard in range(first_shard, last_shard + 1):  # each shard's columns alone
+        s = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for part in tl.static_range(PARTS):  # the shrink's partial sums, in order, at once
+            s += tl.load(s_ptr + part * stride_part + row * stride_s + shard * RANK + offs_r,
+                         mask=mask_r, other=0.0)
+        b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
+                    mask=(mask_n & (col_shards == shard))[:, None] & mask_r[None, :], other=0.0)
+        delta += tl.sum(b.to(tl.float32) * s[None, :], axis=1)
     out_ptrs = out_ptr + row * stride_om + offs_n * stride_on
     base = tl.load(out_ptrs, mask=mask_n, other=0.0)
     tl.store(out_ptrs, (base.to(tl.float32) + delta).to(base.dtype), mask=mask_n)
