@@ -34,6 +34,10 @@ class AttentionMetadata:
     # Host copies, so loops over sequences never read device memory.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Every sequence's query is one known token and its drafts (a decode or a speculative
+    # verify chunk), no prompt chunk: a backend may then attend row by row as decode steps
+    # do, and a prompt's numbers never depend on whether its prefix was cached.
+    decode_or_verify: bool = False
 
     @property
     def is_decode_only(self) -> bool:

@@ -61,6 +61,7 @@ class HostInputs:
     # Each sequence's adapter (None: the base model; padded sequences have none), or None
     # when no sequence of the step has one.
     lora_requests: list[LoRARequest | None] | None = None
+    decode_or_verify: bool = False  # AttentionMetadata.decode_or_verify
 
     def to_device(self, device: torch.device,
                   in_flight_tokens: torch.Tensor | None = None) -> ModelInputs:
@@ -80,6 +81,7 @@ class HostInputs:
             slot_mapping=to_dev(self.slot_mapping, torch.int64),
             query_lens_cpu=self.query_lens,
             seq_lens_cpu=self.seq_lens.tolist(),
+            decode_or_verify=self.decode_or_verify,
         )
         input_ids = to_dev(self.input_ids, torch.int64)
         if len(self.fill_rows):
@@ -161,7 +163,9 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
         sample_counts=np.asarray(sample_counts, dtype=np.int64),
         fill_rows=np.asarray(fill_rows, dtype=np.int64),
         fill_sources=np.asarray(fill_sources, dtype=np.int64),
-        lora_requests=loras if any(loras) else None)
+        lora_requests=loras if any(loras) else None,
+        decode_or_verify=all(item.num_new_tokens - len(item.draft_token_ids) == 1
+                             for item in out.scheduled))
 
 
 def _sample_rows(ends: list[int], counts: list[int]) -> np.ndarray:

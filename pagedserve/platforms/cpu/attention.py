@@ -18,11 +18,12 @@ class CpuPagedAttention(TorchPagedAttention):
     attends per (sequence, head) with an online softmax, walking the block table, so no
     context is gathered. Prefill, mixed steps and other dtypes take ``TorchPagedAttention``.
 
-    A step whose queries are all short (a verify step of speculative decoding: k + 1 rows a
-    sequence, with or without decode rows) runs the same kernel, one query row as one
-    sequence: row j of a sequence with c cached tokens attends over the first c + j + 1
-    slots of its block table, which is causal attention within the chunk, since the kernel
-    writes every row's key and value before it attends.
+    A speculative verify step (k + 1 rows a sequence, with or without decode rows; not a
+    prompt chunk, however short, so a prompt's numbers never depend on whether its prefix was
+    cached) runs the same kernel, one query row as one sequence: row j of a sequence with c
+    cached tokens attends over the first c + j + 1 slots of its block table, which is causal
+    attention within the chunk, since the kernel writes every row's key and value before it
+    attends. Each verified position thus gets the numbers a decode step there would.
 
     One backend serves every layer, so the step's metadata is checked and turned into
     kernel arguments once, on the first layer that sees it: a step builds a new
@@ -52,9 +53,9 @@ class CpuPagedAttention(TorchPagedAttention):
 
 
 def _per_row(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """For a step of short queries that is not decode-only: each query row's block table
-    (its sequence's) and the keys it sees (its position plus one), int32; else None."""
-    if meta.is_decode_only or meta.max_query_len > SHORT_QUERY \
+    """For a verify step of short queries: each query row's block table (its sequence's)
+    and the keys it sees (its position plus one), int32; else None."""
+    if meta.is_decode_only or not meta.decode_or_verify or meta.max_query_len > SHORT_QUERY \
             or meta.block_tables.dtype != torch.int32:
         return None
     lens = torch.tensor(meta.query_lens_cpu)

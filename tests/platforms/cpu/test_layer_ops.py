@@ -161,9 +161,12 @@ def test_decode_attention_with_large_scores():
     close(out, dense_reference(q, keys, values, 1.0, heads // kv_heads))
 
 
-def test_long_query_steps_take_the_torch_path(monkeypatch):
+@pytest.mark.parametrize("query_len,verify", [(2, False), (SHORT_QUERY + 1, True)])
+def test_prompt_chunks_and_long_queries_take_the_torch_path(monkeypatch, query_len, verify):
+    """A prompt chunk, however short (its numbers must not depend on whether its prefix was
+    cached), and a verify chunk longer than the native path takes."""
     cache, keys, values, meta = decode_case(4, 2, 1, 16, [5, 9], seed=1)
-    meta.max_query_len = SHORT_QUERY + 1  # a prefill chunk: the native kernel must not run
+    meta.max_query_len, meta.decode_or_verify = query_len, verify
     calls = []
     monkeypatch.setattr(TorchPagedAttention, "forward",
                         lambda self, *args: calls.append(args) or args[0])
@@ -229,7 +232,8 @@ def test_short_queries_match_a_causal_dense_reference(block_size, heads, kv_head
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         context_lens=torch.tensor(contexts, dtype=torch.int32), block_tables=table_t,
-        slot_mapping=torch.tensor(slots), query_lens_cpu=news, seq_lens_cpu=seq_lens)
+        slot_mapping=torch.tensor(slots), query_lens_cpu=news, seq_lens_cpu=seq_lens,
+        decode_or_verify=True)
     q = torch.randn(sum(news), heads, dim, generator=gen)
     k = torch.cat([kk[c:] for kk, c in zip(keys, contexts)])
     v = torch.cat([vv[c:] for vv, c in zip(values, contexts)])
