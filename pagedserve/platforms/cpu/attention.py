@@ -23,7 +23,7 @@ class CpuPagedAttention(TorchPagedAttention):
     cached) runs the same kernel, one query row as one sequence: row j of a sequence with c
     cached tokens attends over the first c + j + 1 slots of its block table, which is causal
     attention within the chunk, since the kernel writes every row's key and value before it
-    attends. Each verified position thus gets the numbers a decode step there would.
+    attends. Each verified position thus gets the attention a decode step there would.
 
     One backend serves every layer, so the step's metadata is checked and turned into
     kernel arguments once, on the first layer that sees it: a step builds a new
