@@ -13,6 +13,22 @@ HAS_ROCM = torch.cuda.is_available() and torch.version.hip is not None
 NVIDIA_REASON = "needs an NVIDIA GPU (torch.cuda without ROCm)"
 
 
+def choose_triton_interpreter() -> bool:
+    """Without an NVIDIA GPU, run Triton kernels in its interpreter: Triton picks interpreter
+    or compiler for each @jit function as it is defined, its own standard library included,
+    so ``TRITON_INTERPRET=1`` must be set before the process first imports triton. Call it at
+    the top of a kernel test module; True when triton was imported too early (then
+    ``interpreter_guards`` runs the module in a fresh process instead)."""
+    import os
+    import sys
+
+    too_late = (not HAS_NVIDIA and "triton" in sys.modules
+                and os.environ.get("TRITON_INTERPRET") != "1")
+    if not HAS_NVIDIA and not too_late:
+        os.environ["TRITON_INTERPRET"] = "1"
+    return too_late
+
+
 def interpreter_guards(path: str, imported_too_late: bool):
     """For a test module of Triton kernels: an autouse fixture that skips its tests when triton
     was imported before ``TRITON_INTERPRET=1`` could take effect, and a test that then runs

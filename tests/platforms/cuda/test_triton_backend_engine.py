@@ -14,12 +14,9 @@ import sys
 
 import pytest
 
-from tests.devices import HAS_NVIDIA
+from tests.devices import HAS_NVIDIA, choose_triton_interpreter
 
-IMPORTED_TOO_LATE = (not HAS_NVIDIA and "triton" in sys.modules
-                     and os.environ.get("TRITON_INTERPRET") != "1")
-if not HAS_NVIDIA and not IMPORTED_TOO_LATE:
-    os.environ["TRITON_INTERPRET"] = "1"
+IMPORTED_TOO_LATE = choose_triton_interpreter()
 pytest.importorskip("triton")
 
 from pagedserve import SamplingParams  # noqa: E402

@@ -10,23 +10,14 @@ out-of-range read shows up as NaN.
 from __future__ import annotations
 
 import math
-import os
-import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from tests.devices import HAS_NVIDIA, NVIDIA_REASON, interpreter_guards
+from tests.devices import HAS_NVIDIA, NVIDIA_REASON, choose_triton_interpreter, interpreter_guards
 
-# Triton picks interpreter or compiler for each @jit function as it is defined, its own standard
-# library (tl.zeros, tl.cdiv...) included, so on the CPU the variable must be set before the
-# process first imports triton. If something imported it earlier, the kernels run in a fresh
-# process instead (test_in_a_fresh_interpreter_process).
-IMPORTED_TOO_LATE = (not HAS_NVIDIA and "triton" in sys.modules
-                     and os.environ.get("TRITON_INTERPRET") != "1")
-if not HAS_NVIDIA and not IMPORTED_TOO_LATE:
-    os.environ["TRITON_INTERPRET"] = "1"
+IMPORTED_TOO_LATE = choose_triton_interpreter()
 pytest.importorskip("triton")
 
 from pagedserve.attention.metadata import AttentionMetadata  # noqa: E402

@@ -16,13 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.devices import HAS_NVIDIA, NVIDIA_REASON, interpreter_guards
+from tests.devices import HAS_NVIDIA, NVIDIA_REASON, choose_triton_interpreter, interpreter_guards
 
-# As in test_triton_kernels: the interpreter must be chosen before triton is first imported.
-IMPORTED_TOO_LATE = (not HAS_NVIDIA and "triton" in sys.modules
-                     and os.environ.get("TRITON_INTERPRET") != "1")
-if not HAS_NVIDIA and not IMPORTED_TOO_LATE:
-    os.environ["TRITON_INTERPRET"] = "1"
+IMPORTED_TOO_LATE = choose_triton_interpreter()
 pytest.importorskip("triton")
 
 from pagedserve.quant.weights import GroupQuantWeight  # noqa: E402
