@@ -6,12 +6,16 @@ busy is well below wall, the device waited for the host.
     python scripts/profile_step.py --shape llama3-8b --device cuda [--graphs]
 
 Steps run eagerly (one row per kernel) unless ``--graphs``, which replays the decode steps'
-CUDA graphs as the engine does by default (their kernels still show).
+CUDA graphs as the engine does by default (their kernels still show). With ``--lora-adapters
+N`` (and ``--enable-lora --max-lora-rank R``) the requests take turns over N random adapters of
+rank R on all seven projections, so the LoRA kernels' share of a step shows.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -46,13 +50,16 @@ def profiled_steps(engine, label: str, steps: int, rows: int, timed: bool = True
     print(events.table(sort_by="self_device_time_total", row_limit=rows))
 
 
-def add_requests(engine, num: int, prompt_len: int, max_tokens: int) -> None:
+def add_requests(engine, num: int, prompt_len: int, max_tokens: int, loras: list) -> None:
+    """``num`` requests, request ``i`` on adapter ``loras[i % len]`` (the base model without
+    adapters)."""
     from pagedserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                             detokenize=False, output_kind="final_only")
     for i in range(num):
-        engine.add_request([(i * 31 + j) % 400 + 10 for j in range(prompt_len)], params)
+        engine.add_request([(i * 31 + j) % 400 + 10 for j in range(prompt_len)], params,
+                           lora_request=loras[i % len(loras)] if loras else None)
 
 
 def main() -> None:
@@ -63,27 +70,40 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--graphs", action="store_true",
                         help="replay CUDA graphs for decode steps (default: eager)")
+    parser.add_argument("--lora-adapters", type=int, default=0,
+                        help="requests over this many random adapters (needs --enable-lora)")
     args = parser.parse_args()
     args.enforce_eager = not args.graphs
     engine = throughput.engine_from_args(args).engine
+    with tempfile.TemporaryDirectory(prefix="pagedserve-profile-") as folder:
+        loras = []
+        if args.lora_adapters:
+            from pagedserve.bench.random_adapters import write_random_adapters
 
-    add_requests(engine, 1, 512, 40)
+            loras = write_random_adapters(Path(folder), engine.arch, args.lora_adapters,
+                                          args.max_lora_rank, engine.dtype,
+                                          engine.platform.device(), args.seed)
+        profile_cases(engine, args.rows, loras)
+
+
+def profile_cases(engine, rows: int, loras: list) -> None:
+    add_requests(engine, 1, 512, 40, loras)
     for _ in range(8):
         engine.step()
-    profiled_steps(engine, "decode, batch 1, context ~520", 8, args.rows)
+    profiled_steps(engine, "decode, batch 1, context ~520", 8, rows)
     while engine.has_unfinished_requests():
         engine.step()
 
-    add_requests(engine, 64, 128, 3)
-    profiled_steps(engine, "prefill, 64 x 128 tokens in one step", 1, args.rows, timed=False)
+    add_requests(engine, 64, 128, 3, loras)
+    profiled_steps(engine, "prefill, 64 x 128 tokens in one step", 1, rows, timed=False)
     while engine.has_unfinished_requests():
         engine.step()
 
-    add_requests(engine, 1000, 128, 16)
+    add_requests(engine, 1000, 128, 16, loras)
     while engine.stats().num_waiting:
         engine.step()
     engine.step()
-    profiled_steps(engine, "decode, batch 1000, context ~140", 4, args.rows)
+    profiled_steps(engine, "decode, batch 1000, context ~140", 4, rows)
     with torch.inference_mode():
         while engine.has_unfinished_requests():
             engine.step()

@@ -9,22 +9,26 @@ The layout of ``a`` and ``b`` and the grouping of rows (``LoRARows``) are those 
   rows, each over that slot's rows alone, and a block of slot -1 rows exits at once. The grid
   is the rows' alone, never rows times slots: with 32 slots, a grid over (row block, slot)
   launched 32 programs per block, all but about one exiting at once, in every step, with
-  adapters or without (graphs run the kernels over a buffer of -1 slots too).
+  adapters or without (graphs run the kernels over a buffer of -1 slots too). The shrink
+  splits K into parts too where the row blocks alone would leave SMs idle (``_sgmv_parts``):
+  a decode step of 512 rows is 32 row blocks, and 32 programs each walking Llama-3-8B's down
+  projection's 14,336 columns in 224 dependent steps took longer than the step's matmul.
 - **BGMV** (decode, few rows): a program per row and block of output columns (the expand) or
   of ``SPLIT_K`` input columns (the shrink), reading its row's slot and reducing on the CUDA
-  cores; rows of slot -1 exit at once. The shrink's programs each write their part's partial
-  sums and the expand adds them up (in part order, so the sums never depend on timing): one
-  program per row looping over all of K ran the whole shrink of a batch-1 step on one SM, 224
-  dependent loads deep for Llama-3-8B's down projection.
+  cores; rows of slot -1 exit at once. One program per row looping over all of K ran the whole
+  shrink of a batch-1 step on one SM, 224 dependent loads deep for the down projection.
+
+Both shrinks write each part's partial sums and both expands add them up, in part order, so
+the sums never depend on timing (no atomics).
 
 Dots take the activations' and weights' dtype (16-bit on the tensor cores, accumulating in
 float32), float32 ones in IEEE precision rather than TF32. The shrink writes float32
-``[P, T, S * R]``, P partial sums (1 for SGMV; rows of slot -1 left unwritten and never read);
-SGMV's expand rounds those rows to B's 16-bit dtype for its dot (as Punica's and vLLM's expand
-do), BGMV's adds up the parts and reduces in float32; the expand adds into ``out`` (the
-projection's output, any strides; a block of columns that spans shards runs a dot per shard,
-each over that shard's columns alone) in float32 and rounds once to ``out``'s dtype. The
-tests bound the error by exactly these roundings (``tests/lora/layouts.py``,
+``[P, T, S * R]``, P partial sums (one for a prefill step's SGMV; rows of slot -1 left
+unwritten and never read). SGMV's expand rounds each row's sum to B's 16-bit dtype for its dot
+(as Punica's and vLLM's expand do), BGMV's reduces in float32; the expand adds into ``out``
+(the projection's output, any strides; a block of columns that spans shards runs a dot per
+shard, each over that shard's columns alone) in float32 and rounds once to ``out``'s dtype.
+The tests bound the error by exactly these roundings (``tests/lora/layouts.py``,
 ``rounding_bound``).
 
 Ranks are padded with zeros to ``R`` in ``a`` and ``b``, so no kernel reads a rank;
@@ -46,10 +50,23 @@ _BLOCK_M = 16
 _BLOCK_K = 64
 _BLOCK_N = 64
 _SPLIT_K = 512  # BGMV's shrink: input columns per program
+# SGMV's shrink splits K until its grid has this many programs: two waves of an H200's 132 SMs
+# (or a part is down to 4 blocks of K).
+_SGMV_MIN_PROGRAMS = 264
+_SGMV_MIN_PART = 4 * _BLOCK_K
 
 
 def _block_r(ranks: int) -> int:
     return max(16, triton.next_power_of_2(ranks))
+
+
+def _sgmv_parts(t: int, k: int) -> tuple[int, int]:
+    """SGMV's shrink's (parts, columns per part) for ``t`` rows over ``k`` input columns:
+    one part where the row blocks fill the GPU (prefill), more for a few dozen row blocks."""
+    row_blocks = triton.cdiv(t, _BLOCK_M)
+    wanted = min(triton.cdiv(_SGMV_MIN_PROGRAMS, row_blocks), triton.cdiv(k, _SGMV_MIN_PART))
+    split = triton.cdiv(triton.cdiv(k, max(wanted, 1)), _BLOCK_K) * _BLOCK_K
+    return triton.cdiv(k, split), split
 
 
 def shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tensor:
@@ -64,10 +81,12 @@ def shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tensor:
                                  a.stride(1), out.stride(0), SPLIT_K=_SPLIT_K,
                                  BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K)
     else:
-        out = torch.empty((1, t, ranks), dtype=torch.float32, device=x.device)
-        _sgmv_shrink[(triton.cdiv(t, _BLOCK_M),)](
-            x, a, out, rows.sorted_rows, rows.slots, t, k, ranks, x.stride(0), a.stride(0),
-            a.stride(1), BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K,
+        parts, split = _sgmv_parts(t, k)
+        out = torch.empty((parts, t, ranks), dtype=torch.float32, device=x.device)
+        _sgmv_shrink[(triton.cdiv(t, _BLOCK_M), parts)](
+            x, a, out, rows.sorted_rows, rows.slots, t, k, split, ranks, x.stride(0),
+            a.stride(0), a.stride(1), out.stride(0), BLOCK_M=_BLOCK_M,
+            BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K,
             IEEE=x.dtype == torch.float32 and a.dtype == torch.float32)
     return out
 
@@ -83,12 +102,11 @@ def expand(shrunk: torch.Tensor, b: torch.Tensor, out: torch.Tensor, shards: Sha
     rank = b.shape[2]
     # Where shards 1 and 2 begin (n where there is none): a column's shard is how many it passed.
     off1, off2 = ([off for off, _ in shards[1:]] + [n, n])[:2]
-    args = (shrunk, b, out, off1, off2, n, rank, shrunk.stride(1), b.stride(0), b.stride(1),
-            out.stride(0), out.stride(1))
+    args = (shrunk, b, out, off1, off2, n, rank, shrunk.shape[0], shrunk.stride(0),
+            shrunk.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1))
     if t <= BGMV_MAX_ROWS:
         _bgmv_expand[(t, triton.cdiv(n, _BLOCK_N))](
-            *args, rows.slots, shrunk.stride(0), PARTS=shrunk.shape[0],
-            BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N)
+            *args, rows.slots, BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N)
     else:
         _sgmv_expand[(triton.cdiv(t, _BLOCK_M), triton.cdiv(n, _BLOCK_N))](
             *args, rows.sorted_rows, rows.slots, t, BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(rank),
@@ -121,14 +139,15 @@ def _block_shards(OFF1, OFF2, N, BLOCK_N: tl.constexpr):
     return offs_n, offs_n < N, shard, lo, hi
 
 
-@triton.jit(do_not_specialize=["T", "K", "RANKS"])
-def _sgmv_shrink(x_ptr, a_ptr, out_ptr, sorted_ptr, slots_ptr, T, K, RANKS,
-                 stride_x, stride_al, stride_ar,
+@triton.jit(do_not_specialize=["T", "K", "SPLIT", "RANKS"])
+def _sgmv_shrink(x_ptr, a_ptr, out_ptr, sorted_ptr, slots_ptr, T, K, SPLIT, RANKS,
+                 stride_x, stride_al, stride_ar, stride_part,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                  IEEE: tl.constexpr):
     rows, mask_m, row_slots, lo, hi = _block_slots(sorted_ptr, slots_ptr, T, BLOCK_M)
     if hi < 0:
         return
+    part = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < RANKS
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -138,7 +157,7 @@ def _sgmv_shrink(x_ptr, a_ptr, out_ptr, sorted_ptr, slots_ptr, T, K, RANKS,
         mine = mask_m & (row_slots == slot)
         if tl.max(mine.to(tl.int32), axis=0) > 0:
             a_base = a_ptr + tl.cast(slot, tl.int64) * stride_al
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in range(part * SPLIT, tl.minimum(part * SPLIT + SPLIT, K), BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 mask_k = offs_k < K
                 xs = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
@@ -149,8 +168,8 @@ def _sgmv_shrink(x_ptr, a_ptr, out_ptr, sorted_ptr, slots_ptr, T, K, RANKS,
                     acc += tl.dot(xs, at, input_precision="ieee")
                 else:
                     acc += tl.dot(xs, at.to(xs.dtype))
-    tl.store(out_ptr + rows[:, None] * RANKS + offs_r[None, :], acc,
-             mask=(mask_m & (row_slots >= 0))[:, None] & mask_r[None, :])
+    tl.store(out_ptr + part.to(tl.int64) * stride_part + rows[:, None] * RANKS
+             + offs_r[None, :], acc, mask=(mask_m & (row_slots >= 0))[:, None] & mask_r[None, :])
 
 
 @triton.jit(do_not_specialize=["K", "RANKS"])
@@ -176,9 +195,9 @@ def _bgmv_shrink(x_ptr, a_ptr, out_ptr, slots_ptr, K, RANKS, stride_x, stride_al
     tl.store(out_ptr + part.to(tl.int64) * stride_part + row * RANKS + offs_r, acc, mask=mask_r)
 
 
-@triton.jit(do_not_specialize=["OFF1", "OFF2", "N", "RANK", "T"])
-def _sgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, stride_s, stride_bl, stride_bn,
-                 stride_om, stride_on, sorted_ptr, slots_ptr, T,
+@triton.jit(do_not_specialize=["OFF1", "OFF2", "N", "RANK", "PARTS", "T"])
+def _sgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, PARTS, stride_part, stride_s,
+                 stride_bl, stride_bn, stride_om, stride_on, sorted_ptr, slots_ptr, T,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                  IEEE: tl.constexpr):
     rows, mask_m, row_slots, lo, hi = _block_slots(sorted_ptr, slots_ptr, T, BLOCK_M)
@@ -195,8 +214,11 @@ def _sgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, stride_s, stride_bl
         if tl.max(mine.to(tl.int32), axis=0) > 0:
             b_base = b_ptr + tl.cast(slot, tl.int64) * stride_bl
             for shard in range(first_shard, last_shard + 1):
-                s = tl.load(s_ptr + rows[:, None] * stride_s + shard * RANK + offs_r[None, :],
-                            mask=mine[:, None] & mask_r[None, :], other=0.0)
+                s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                for part in range(0, PARTS):  # the shrink's partial sums, in order
+                    s += tl.load(s_ptr + part * stride_part + rows[:, None] * stride_s
+                                 + shard * RANK + offs_r[None, :],
+                                 mask=mine[:, None] & mask_r[None, :], other=0.0)
                 cols = mask_n & (col_shards == shard)
                 bt = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None],
                              mask=mask_r[:, None] & cols[None, :], other=0.0)
@@ -211,8 +233,8 @@ def _sgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, stride_s, stride_bl
 
 
 @triton.jit(do_not_specialize=["OFF1", "OFF2", "N", "RANK"])
-def _bgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, stride_s, stride_bl, stride_bn,
-                 stride_om, stride_on, slots_ptr, stride_part, PARTS: tl.constexpr,
+def _bgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, PARTS: tl.constexpr, stride_part,
+                 stride_s, stride_bl, stride_bn, stride_om, stride_on, slots_ptr,
                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row)
