@@ -11,7 +11,7 @@
 #                                        cpu-offload-70b kv-tier (= kv-tier-multi-turn
 #                                        kv-tier-unique) kv-copy-rate spec-verify
 #                                        spec-throughput spec-draft spec-tests lora
-#                                        lora-tests
+#                                        lora-tests lora-profile copy-tests
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -343,7 +343,17 @@ for part in $parts; do
     # rounds of each throughput row, the faster counting (~6 min, estimated).
     lora) bench lora "${common[@]}" --shape llama3-8b --input-len 128 --output-len 128 \
         --max-loras 32 --max-lora-rank 16 --max-cpu-loras 128 --adapter-counts 1 8 32 \
-        --cycle-adapters 128 --rounds 2 --out "$OUT/lora_h200_llama3-8b.json" ;;
+        --cycle-adapters 128 --rounds ${LORA_ROUNDS:-2} --out "$OUT/lora_h200_llama3-8b.json" ;;
+    # Where a LoRA step's time goes: profile_step.py's cases with 8 adapters in 32 slots,
+    # decode graphs on (~2 min).
+    lora-profile) python3 scripts/profile_step.py --device cuda --shape llama3-8b --graphs \
+        --max-num-batched-tokens 8192 --max-num-seqs 1024 --enable-lora --max-loras 32 \
+        --max-lora-rank 16 --lora-adapters 8 --rows 30 2>&1 | grep -v "^INFO.*tqdm" \
+        | tee "$OUT/profile_step_h200_lora8_graphs.log" ;;
+    # The KV block-move kernel on pinned host memory and the host tier in an engine.
+    copy-tests) python3 -m pytest -q -p no:cacheprovider \
+        tests/platforms/cuda/test_block_copy_kernel.py tests/platforms/cuda/test_engine_cuda.py \
+        -k "block or tier or copy_and_swap" 2>&1 | tee "$OUT/gpu_copy_tests.log" ;;
     # The whole file: its interpreter-sized tests run on the GPU too.
     lora-tests) python3 -m pytest -q -p no:cacheprovider \
         tests/platforms/cuda/test_lora_kernels.py 2>&1 | tee "$OUT/gpu_lora_kernel_tests.log" ;;

@@ -1,10 +1,9 @@
-"""The default block copier (CPU, HPU) against plain indexing, and the CUDA copier's grouping of
-host blocks into runs (pure Python: the copier itself needs a GPU, ``tests/platforms/cuda``)."""
+"""The default block copier (CPU, HPU) against plain indexing (the CUDA copier's kernel:
+``tests/platforms/cuda/test_block_copy_kernel.py``)."""
 
 import torch
 
 from pagedserve.platforms.cpu.platform import CpuPlatform
-from pagedserve.platforms.cuda.block_copier import block_runs
 
 
 def test_blocks_move_whole_between_the_device_layout_and_the_block_major_host_pool():
@@ -24,7 +23,3 @@ def test_blocks_move_whole_between_the_device_layout_and_the_block_major_host_po
     untouched = [b for b in range(10) if b not in (2, 9)]
     assert torch.equal(pool[:, :, untouched], before[:, :, untouched])
 
-
-def test_block_runs_group_consecutive_ids():
-    assert block_runs([3, 4, 5, 9, 0, 1]) == [(0, 3, 3), (3, 9, 1), (4, 0, 2)]
-    assert block_runs([]) == []
