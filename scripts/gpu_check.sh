@@ -354,9 +354,11 @@ for part in $parts; do
     copy-tests) python3 -m pytest -q -p no:cacheprovider \
         tests/platforms/cuda/test_block_copy_kernel.py tests/platforms/cuda/test_engine_cuda.py \
         -k "block or tier or copy_and_swap" 2>&1 | tee "$OUT/gpu_copy_tests.log" ;;
-    # The whole file: its interpreter-sized tests run on the GPU too.
+    # The kernels' whole file (its interpreter-sized tests run on the GPU too) and the engine
+    # with graphs against PEFT (pinned host adapters, slot loads, the kernels in graphs).
     lora-tests) python3 -m pytest -q -p no:cacheprovider \
-        tests/platforms/cuda/test_lora_kernels.py 2>&1 | tee "$OUT/gpu_lora_kernel_tests.log" ;;
+        tests/platforms/cuda/test_lora_kernels.py tests/lora/test_lora_engine.py -k \
+        "kernel or reference or parts or cuda" 2>&1 | tee "$OUT/gpu_lora_kernel_tests.log" ;;
     llama) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
         --output-len 128 128 --hf-batch-sizes 128 256 --hf-max-prompts 256 \
         --out "$OUT/throughput_h200_llama3-8b_128.json" ;;

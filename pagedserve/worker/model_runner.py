@@ -170,7 +170,7 @@ class ModelRunner:
     def add_lora(self, max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
         """Wrap the loaded model's projections in LoRA layers of ``max_loras`` slots."""
         self.lora = add_lora_layers(self.model, self.platform.lora_ops(), max_loras, max_rank,
-                                    max_cpu_loras)
+                                    max_cpu_loras, pin=self.platform.pin_swap_memory)
 
     def add_drafter(self, draft: ModelRunner, max_pass_tokens: int) -> None:
         """Verify drafts of ``draft``'s model, drawn inside each verify step

@@ -117,7 +117,7 @@ def test_bf16_at_8b_shapes(num_rows):
 
 @pytest.mark.parametrize("num_rows", [1, 6, 45])
 def test_expand_adds_up_the_shrink_parts(num_rows):
-    """K over three of BGMV's shrink parts (1 and 6 rows) or five of SGMV's (45 rows), the last
+    """K over five of BGMV's shrink parts (1 and 6 rows) or three of SGMV's (45 rows), the last
     one partial: each part's sums count once."""
     _run(num_rows, torch.float32, seed=11 + num_rows, shard_sizes=(48, 16), max_rank=8,
          k=1100).assert_within_bound()

@@ -46,14 +46,22 @@ from pagedserve.lora.ops import LoRARows, Shards
 
 # Up to this many rows a step uses BGMV (a program per row), beyond it SGMV.
 BGMV_MAX_ROWS = 32
-_BLOCK_M = 16
-_BLOCK_K = 64
-_BLOCK_N = 64
-_SPLIT_K = 512  # BGMV's shrink: input columns per program
+# SGMV: rows and input columns per shrink program and dot, rows and output columns per expand
+# program. Expand tiles of 16 x 64 ran a 1,000-row decode step's expands at a fifth of the
+# bandwidth their read-modify-write of the output needs (8 ms of a 41 ms step on the H200):
+# each program's work was too small for its slot lookups and partial-sum loads.
+_SHRINK_M = 32
+_SHRINK_K = 128
+_EXPAND_M = 64
+_EXPAND_N = 128
 # SGMV's shrink splits K until its grid has this many programs: two waves of an H200's 132 SMs
 # (or a part is down to 4 blocks of K).
 _SGMV_MIN_PROGRAMS = 264
-_SGMV_MIN_PART = 4 * _BLOCK_K
+_SGMV_MIN_PART = 4 * _SHRINK_K
+# BGMV: input columns per shrink program, read in one load (a loop of dependent loads was the
+# batch-1 shrink's latency: 7 us a call over 8 of them), and output columns per expand program.
+_SPLIT_K = 256
+_BGMV_N = 64
 
 
 def _block_r(ranks: int) -> int:
@@ -63,9 +71,9 @@ def _block_r(ranks: int) -> int:
 def _sgmv_parts(t: int, k: int) -> tuple[int, int]:
     """SGMV's shrink's (parts, columns per part) for ``t`` rows over ``k`` input columns:
     one part where the row blocks fill the GPU (prefill), more for a few dozen row blocks."""
-    row_blocks = triton.cdiv(t, _BLOCK_M)
+    row_blocks = triton.cdiv(t, _SHRINK_M)
     wanted = min(triton.cdiv(_SGMV_MIN_PROGRAMS, row_blocks), triton.cdiv(k, _SGMV_MIN_PART))
-    split = triton.cdiv(triton.cdiv(k, max(wanted, 1)), _BLOCK_K) * _BLOCK_K
+    split = triton.cdiv(triton.cdiv(k, max(wanted, 1)), _SHRINK_K) * _SHRINK_K
     return triton.cdiv(k, split), split
 
 
@@ -79,14 +87,14 @@ def shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tensor:
         out = torch.empty((parts, t, ranks), dtype=torch.float32, device=x.device)
         _bgmv_shrink[(t, parts)](x, a, out, rows.slots, k, ranks, x.stride(0), a.stride(0),
                                  a.stride(1), out.stride(0), SPLIT_K=_SPLIT_K,
-                                 BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K)
+                                 BLOCK_R=_block_r(ranks), num_warps=8)
     else:
         parts, split = _sgmv_parts(t, k)
         out = torch.empty((parts, t, ranks), dtype=torch.float32, device=x.device)
-        _sgmv_shrink[(triton.cdiv(t, _BLOCK_M), parts)](
+        _sgmv_shrink[(triton.cdiv(t, _SHRINK_M), parts)](
             x, a, out, rows.sorted_rows, rows.slots, t, k, split, ranks, x.stride(0),
-            a.stride(0), a.stride(1), out.stride(0), BLOCK_M=_BLOCK_M,
-            BLOCK_R=_block_r(ranks), BLOCK_K=_BLOCK_K,
+            a.stride(0), a.stride(1), out.stride(0), BLOCK_M=_SHRINK_M,
+            BLOCK_R=_block_r(ranks), BLOCK_K=_SHRINK_K,
             IEEE=x.dtype == torch.float32 and a.dtype == torch.float32)
     return out
 
@@ -105,12 +113,13 @@ def expand(shrunk: torch.Tensor, b: torch.Tensor, out: torch.Tensor, shards: Sha
     args = (shrunk, b, out, off1, off2, n, rank, shrunk.shape[0], shrunk.stride(0),
             shrunk.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1))
     if t <= BGMV_MAX_ROWS:
-        _bgmv_expand[(t, triton.cdiv(n, _BLOCK_N))](
-            *args, rows.slots, BLOCK_R=_block_r(rank), BLOCK_N=_BLOCK_N)
+        _bgmv_expand[(t, triton.cdiv(n, _BGMV_N))](
+            *args, rows.slots, BLOCK_P=triton.next_power_of_2(shrunk.shape[0]),
+            BLOCK_R=_block_r(rank), BLOCK_N=_BGMV_N)
     else:
-        _sgmv_expand[(triton.cdiv(t, _BLOCK_M), triton.cdiv(n, _BLOCK_N))](
-            *args, rows.sorted_rows, rows.slots, t, BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(rank),
-            BLOCK_N=_BLOCK_N, IEEE=b.dtype == torch.float32)
+        _sgmv_expand[(triton.cdiv(t, _EXPAND_M), triton.cdiv(n, _EXPAND_N))](
+            *args, rows.sorted_rows, rows.slots, t, BLOCK_M=_EXPAND_M, BLOCK_R=_block_r(rank),
+            BLOCK_N=_EXPAND_N, IEEE=b.dtype == torch.float32, num_warps=8)
 
 
 @triton.jit
@@ -174,8 +183,7 @@ def _sgmv_shrink(x_ptr, a_ptr, out_ptr, sorted_ptr, slots_ptr, T, K, SPLIT, RANK
 
 @triton.jit(do_not_specialize=["K", "RANKS"])
 def _bgmv_shrink(x_ptr, a_ptr, out_ptr, slots_ptr, K, RANKS, stride_x, stride_al, stride_ar,
-                 stride_part, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 stride_part, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     slot = tl.load(slots_ptr + row)
@@ -184,14 +192,12 @@ def _bgmv_shrink(x_ptr, a_ptr, out_ptr, slots_ptr, K, RANKS, stride_x, stride_al
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < RANKS
     a_base = a_ptr + slot.to(tl.int64) * stride_al
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(part * SPLIT_K, part * SPLIT_K + SPLIT_K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        xs = tl.load(x_ptr + row * stride_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        a = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :],
-                    mask=mask_r[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(a * xs[None, :], axis=1)
+    offs_k = part * SPLIT_K + tl.arange(0, SPLIT_K)
+    mask_k = offs_k < K
+    xs = tl.load(x_ptr + row * stride_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    a = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :],
+                mask=mask_r[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+    acc = tl.sum(a * xs[None, :], axis=1)
     tl.store(out_ptr + part.to(tl.int64) * stride_part + row * RANKS + offs_r, acc, mask=mask_r)
 
 
@@ -232,9 +238,9 @@ def _sgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, PARTS, stride_part,
     tl.store(out_ptrs, (base.to(tl.float32) + delta).to(base.dtype), mask=mask)
 
 
-@triton.jit(do_not_specialize=["OFF1", "OFF2", "N", "RANK"])
-def _bgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, PARTS: tl.constexpr, stride_part,
-                 stride_s, stride_bl, stride_bn, stride_om, stride_on, slots_ptr,
+@triton.jit(do_not_specialize=["OFF1", "OFF2", "N", "RANK", "PARTS"])
+def _bgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, PARTS, stride_part, stride_s,
+                 stride_bl, stride_bn, stride_om, stride_on, slots_ptr, BLOCK_P: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row)
@@ -244,12 +250,14 @@ def _bgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, PARTS: tl.constexpr
     mask_r = offs_r < RANK
     offs_n, mask_n, col_shards, first_shard, last_shard = _block_shards(OFF1, OFF2, N, BLOCK_N)
     b_base = b_ptr + slot.to(tl.int64) * stride_bl
+    offs_p = tl.arange(0, BLOCK_P)
     delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for shard in range(first_shard, last_shard + 1):  # each shard's columns alone
-        s = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for part in tl.static_range(PARTS):  # the shrink's partial sums, in order, at once
-            s += tl.load(s_ptr + part * stride_part + row * stride_s + shard * RANK + offs_r,
-                         mask=mask_r, other=0.0)
+        # The shrink's partial sums in one load, added up in a fixed order.
+        parts = tl.load(s_ptr + offs_p[:, None] * stride_part + row * stride_s + shard * RANK
+                        + offs_r[None, :], mask=(offs_p < PARTS)[:, None] & mask_r[None, :],
+                        other=0.0)
+        s = tl.sum(parts, axis=0)
         b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
                     mask=(mask_n & (col_shards == shard))[:, None] & mask_r[None, :], other=0.0)
         delta += tl.sum(b.to(tl.float32) * s[None, :], axis=1)
