@@ -11,7 +11,7 @@
 #                                        cpu-offload-70b kv-tier (= kv-tier-multi-turn
 #                                        kv-tier-unique) kv-copy-rate spec-verify
 #                                        spec-throughput spec-draft spec-tests lora
-#                                        lora-tests lora-profile copy-tests
+#                                        lora-tests lora-profile lora-sweep copy-tests
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -350,6 +350,8 @@ for part in $parts; do
         --max-num-batched-tokens 8192 --max-num-seqs 1024 --enable-lora --max-loras 32 \
         --max-lora-rank 16 --lora-adapters 8 --rows 30 2>&1 | grep -v "^INFO.*tqdm" \
         | tee "$OUT/profile_step_h200_lora8_graphs.log" ;;
+    # The LoRA kernels' tile sizes at the 8B projections, decode and prefill rows (~1 min).
+    lora-sweep) python3 scripts/bench_lora_kernels.py --out "$OUT/lora_kernels_h200.json" ;;
     # The KV block-move kernel on pinned host memory and the host tier in an engine.
     copy-tests) python3 -m pytest -q -p no:cacheprovider \
         tests/platforms/cuda/test_block_copy_kernel.py tests/platforms/cuda/test_engine_cuda.py \

@@ -2,7 +2,7 @@
 each row's adapter delta, added before the layer's all-reduce and bias.
 
 Each wrapped projection holds its slots' stacked weights in the layout of ``lora.ops``
-(``lora_a [L, S*R, K]``, ``lora_b [L, N, R]``, this rank's part of each) and is filled slot by
+(``lora_a [L, S*R, K]``, ``lora_b [L, R, N]``, this rank's part of each) and is filled slot by
 slot by ``lora.slots``. Under tensor parallelism A and B are cut as their base layer is: a
 column-parallel layer (q/k/v, gate/up) keeps B's rows of its output part and all of A, a
 row-parallel one (o, down) A's columns of its input part and all of B, whose per-rank partial
@@ -48,7 +48,7 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_a", torch.zeros(
             num_slots, len(sizes) * max_rank, base.in_features, dtype=f.dtype, device=f.device))
         self.register_buffer("lora_b", torch.zeros(
-            num_slots, sum(sizes), max_rank, dtype=f.dtype, device=f.device))
+            num_slots, max_rank, sum(sizes), dtype=f.dtype, device=f.device))
 
     @property
     def out_sizes(self) -> list[int]:
@@ -80,4 +80,7 @@ class LoRALinear(nn.Module):
             # those steps on the stream, so a step still reading this slot's old adapter reads
             # it whole.
             self.lora_a[slot, shard * r:shard * r + w.rank].copy_(a, non_blocking=True)
-            self.lora_b[slot, off:off + n, :w.rank].copy_(b, non_blocking=True)
+            # B goes over as it is (contiguous, so from pinned memory the copy is a DMA) and
+            # is transposed on the device.
+            self.lora_b[slot, :w.rank, off:off + n].copy_(
+                b.to(self.lora_b.device, non_blocking=True).T)

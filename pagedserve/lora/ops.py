@@ -5,11 +5,13 @@ gate/up, 1 for o and down) over ``L`` device slots with ranks padded to ``R``,
 
 - ``a [L, S * R, K]``: shard ``s``'s A in rank rows ``s*R .. s*R + R - 1``, zero beyond the
   adapter's own rank, and all zero for a shard (or a slot) the adapter does not adapt;
-- ``b [L, N, R]``: B of every shard along the projection's output columns, scaling folded in,
-  zero in padded rank columns.
+- ``b [L, R, N]``: B of every shard, transposed, along the projection's output columns,
+  scaling folded in, zero in padded rank rows. Transposed so that a rank's row of output
+  columns is contiguous: an expand reads B along N, and B [L, N, R] made every read of a tile
+  of columns 16-element pieces at a stride of R.
 
 So for a row of slot ``l``, shard ``s`` covering output columns ``off .. off + n - 1``:
-``out[:, off:off+n] += (x @ a[l, s*R:(s+1)*R].T) @ b[l, off:off+n].T``. Rows of slot -1 get
+``out[:, off:off+n] += (x @ a[l, s*R:(s+1)*R].T) @ b[l, :, off:off+n]``. Rows of slot -1 get
 nothing. Zero padding makes every rank below ``R`` exact, so kernels never read a rank.
 
 ``LoRARows`` is built once per step from the per-row slots (on the device, without a host
@@ -56,11 +58,11 @@ class LoRAOps:
                  shards: Shards, rows: LoRARows) -> None:
         """``out [T, N] += `` each row's delta (module docstring), in place."""
         num_slots, shard_ranks, k = a.shape
-        rank = b.shape[2]
+        rank = b.shape[1]
         mask = (rows.slots[:, None] == torch.arange(num_slots, device=x.device)).to(a.dtype)
         shrunk = (x.to(a.dtype) @ a.reshape(-1, k).T).view(-1, num_slots, shard_ranks)
         shrunk = shrunk * mask[:, :, None]
         for s, (off, n) in enumerate(shards):
             part = shrunk[:, :, s * rank:(s + 1) * rank].reshape(-1, num_slots * rank)
-            b_s = b[:, off:off + n].permute(0, 2, 1).reshape(num_slots * rank, n)
+            b_s = b[:, :, off:off + n].reshape(num_slots * rank, n)
             out[:, off:off + n] += (part @ b_s).to(out.dtype)

@@ -11,7 +11,7 @@ import torch
 
 class Layout(NamedTuple):
     a: torch.Tensor  # [L, S*R, K]
-    b: torch.Tensor  # [L, N, R]
+    b: torch.Tensor  # [L, R, N]
     shards: tuple[tuple[int, int], ...]
     # (slot, shard) -> (A [r, K], B [n, r]) float64, unpadded: the values ``a`` and ``b`` hold
     # (rounded to their dtype), so the reference computes on what a kernel reads
@@ -27,7 +27,7 @@ def random_layout(num_slots: int, max_rank: int, k: int, shard_sizes: list[int],
     offs = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
     shards = tuple(zip(offs, shard_sizes))
     a = torch.zeros(num_slots, len(shards) * max_rank, k, dtype=torch.float64)
-    b = torch.zeros(num_slots, sum(shard_sizes), max_rank, dtype=torch.float64)
+    b = torch.zeros(num_slots, max_rank, sum(shard_sizes), dtype=torch.float64)
     weights = {}
     for slot in range(num_slots):
         if slot in empty_slots:
@@ -40,7 +40,7 @@ def random_layout(num_slots: int, max_rank: int, k: int, shard_sizes: list[int],
             wa = torch.randn(r, k, generator=gen, dtype=torch.float64).to(dtype).double()
             wb = torch.randn(n, r, generator=gen, dtype=torch.float64).to(dtype).double()
             a[slot, s * max_rank:s * max_rank + r] = wa
-            b[slot, off:off + n, :r] = wb
+            b[slot, :r, off:off + n] = wb.T
             weights[(slot, s)] = (wa, wb)
     return Layout(a.to(dtype), b.to(dtype), shards, weights)
 

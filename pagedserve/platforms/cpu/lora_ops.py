@@ -21,7 +21,7 @@ class GroupedLoRAOps(LoRAOps):
         index = rows.sorted_rows[first:].long()
         xs = x[index].to(a.dtype)
         delta = torch.empty(len(index), out.shape[1], dtype=a.dtype)
-        rank = b.shape[2]
+        rank = b.shape[1]
         for slot, (start, count) in enumerate(zip(rows.starts.tolist(), counts)):
             if not count:
                 continue
@@ -29,5 +29,5 @@ class GroupedLoRAOps(LoRAOps):
             shrunk = xs[part] @ a[slot].T
             for s, (off, n) in enumerate(shards):
                 shrunk_s = shrunk[:, s * rank:(s + 1) * rank]
-                delta[part, off:off + n] = shrunk_s @ b[slot, off:off + n].T
+                delta[part, off:off + n] = shrunk_s @ b[slot, :, off:off + n]
         out.index_add_(0, index, delta.to(out.dtype))

@@ -52,8 +52,10 @@ BGMV_MAX_ROWS = 32
 # each program's work was too small for its slot lookups and partial-sum loads.
 _SHRINK_M = 32
 _SHRINK_K = 128
+_SHRINK_WARPS = 4
 _EXPAND_M = 64
 _EXPAND_N = 128
+_EXPAND_WARPS = 8
 # SGMV's shrink splits K until its grid has this many programs: two waves of an H200's 132 SMs
 # (or a part is down to 4 blocks of K).
 _SGMV_MIN_PROGRAMS = 264
@@ -95,19 +97,21 @@ def shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tensor:
             x, a, out, rows.sorted_rows, rows.slots, t, k, split, ranks, x.stride(0),
             a.stride(0), a.stride(1), out.stride(0), BLOCK_M=_SHRINK_M,
             BLOCK_R=_block_r(ranks), BLOCK_K=_SHRINK_K,
-            IEEE=x.dtype == torch.float32 and a.dtype == torch.float32)
+            IEEE=x.dtype == torch.float32 and a.dtype == torch.float32, num_warps=_SHRINK_WARPS)
     return out
 
 
 def expand(shrunk: torch.Tensor, b: torch.Tensor, out: torch.Tensor, shards: Shards,
            rows: LoRARows) -> None:
-    """``out [T, N] += shrunk.sum(0)[:, s*R:(s+1)*R] @ b[slot, off:off+n].T`` per row and shard
+    """``out [T, N] += shrunk.sum(0)[:, s*R:(s+1)*R] @ b[slot, :, off:off+n]`` per row and shard
     ``s`` (columns ``off .. off + n - 1``), in place, every shard in one launch (``shrunk``:
     ``shrink``'s partial sums)."""
     if len(shards) > 3:
         raise ValueError(f"a projection of {len(shards)} shards; the kernels take 3 at most")
     t, n = out.shape
-    rank = b.shape[2]
+    if b.stride(2) != 1:
+        raise ValueError("B's output columns must be contiguous")
+    rank = b.shape[1]
     # Where shards 1 and 2 begin (n where there is none): a column's shard is how many it passed.
     off1, off2 = ([off for off, _ in shards[1:]] + [n, n])[:2]
     args = (shrunk, b, out, off1, off2, n, rank, shrunk.shape[0], shrunk.stride(0),
@@ -119,7 +123,7 @@ def expand(shrunk: torch.Tensor, b: torch.Tensor, out: torch.Tensor, shards: Sha
     else:
         _sgmv_expand[(triton.cdiv(t, _EXPAND_M), triton.cdiv(n, _EXPAND_N))](
             *args, rows.sorted_rows, rows.slots, t, BLOCK_M=_EXPAND_M, BLOCK_R=_block_r(rank),
-            BLOCK_N=_EXPAND_N, IEEE=b.dtype == torch.float32, num_warps=8)
+            BLOCK_N=_EXPAND_N, IEEE=b.dtype == torch.float32, num_warps=_EXPAND_WARPS)
 
 
 @triton.jit
@@ -203,7 +207,7 @@ def _bgmv_shrink(x_ptr, a_ptr, out_ptr, slots_ptr, K, RANKS, stride_x, stride_al
 
 @triton.jit(do_not_specialize=["OFF1", "OFF2", "N", "RANK", "PARTS", "T"])
 def _sgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, PARTS, stride_part, stride_s,
-                 stride_bl, stride_bn, stride_om, stride_on, sorted_ptr, slots_ptr, T,
+                 stride_bl, stride_br, stride_om, stride_on, sorted_ptr, slots_ptr, T,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                  IEEE: tl.constexpr):
     rows, mask_m, row_slots, lo, hi = _block_slots(sorted_ptr, slots_ptr, T, BLOCK_M)
@@ -226,7 +230,7 @@ def _sgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, PARTS, stride_part,
                                  + shard * RANK + offs_r[None, :],
                                  mask=mine[:, None] & mask_r[None, :], other=0.0)
                 cols = mask_n & (col_shards == shard)
-                bt = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None],
+                bt = tl.load(b_base + offs_r[:, None] * stride_br + offs_n[None, :],
                              mask=mask_r[:, None] & cols[None, :], other=0.0)
                 if IEEE:
                     delta += tl.dot(s, bt, input_precision="ieee")
@@ -240,7 +244,7 @@ def _sgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, PARTS, stride_part,
 
 @triton.jit(do_not_specialize=["OFF1", "OFF2", "N", "RANK", "PARTS"])
 def _bgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, PARTS, stride_part, stride_s,
-                 stride_bl, stride_bn, stride_om, stride_on, slots_ptr, BLOCK_P: tl.constexpr,
+                 stride_bl, stride_br, stride_om, stride_on, slots_ptr, BLOCK_P: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row)
@@ -258,7 +262,7 @@ def _bgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, PARTS, stride_part,
                         + offs_r[None, :], mask=(offs_p < PARTS)[:, None] & mask_r[None, :],
                         other=0.0)
         s = tl.sum(parts, axis=0)
-        b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
+        b = tl.load(b_base + offs_r[None, :] * stride_br + offs_n[:, None],
                     mask=(mask_n & (col_shards == shard))[:, None] & mask_r[None, :], other=0.0)
         delta += tl.sum(b.to(tl.float32) * s[None, :], axis=1)
     out_ptrs = out_ptr + row * stride_om + offs_n * stride_on
