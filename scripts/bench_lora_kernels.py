@@ -78,7 +78,8 @@ def main() -> None:
         grouped = group_rows(slots, SLOTS)
         for name, k, shards in PROJECTIONS:
             ops = operands(k, shards, num_rows)
-            shrunk = lora.shrink(ops["x"], ops["a"], grouped)
+            shrunk = lora.shrink(ops["x"], ops["a"], grouped,
+                                 lora.shrink_buffer(ops["x"], ops["a"]))
             for tiles in EXPANDS:
                 set_tiles(tiles, shipped[1])
                 ms = _time(lambda: lora.expand(shrunk, ops["b"], ops["out"], ops["shards"],
@@ -88,7 +89,8 @@ def main() -> None:
                                      tiles == shipped[0]))
             for tiles in SHRINKS:
                 set_tiles(shipped[0], tiles)
-                ms = _time(lambda: lora.shrink(ops["x"], ops["a"], grouped))
+                buffer = lora.shrink_buffer(ops["x"], ops["a"])  # this variant's parts
+                ms = _time(lambda: lora.shrink(ops["x"], ops["a"], grouped, buffer))
                 moved = ops["x"].numel() * ops["x"].element_size()
                 rows_out.append(_row(step, name, "shrink", tiles, ms, moved, copy_gbs,
                                      tiles == shipped[1]))

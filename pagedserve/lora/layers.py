@@ -59,10 +59,12 @@ class LoRALinear(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        if lora_slots is None:
+            return self.base.finish(self.base.method.apply(self.base, x))
+        rows = self.rows.of(lora_slots)
+        shrunk = self.ops.shrink(x, self.lora_a, rows)  # may run beside the base matmul
         out = self.base.method.apply(self.base, x)
-        if lora_slots is not None:
-            self.ops.add_lora(out, x, self.lora_a, self.lora_b, self.shards,
-                              self.rows.of(lora_slots))
+        self.ops.expand(shrunk, self.lora_b, out, self.shards, rows)
         return self.base.finish(out)
 
     def set_slot(self, slot: int, shards: dict[int, LoRAWeights]) -> None:

@@ -51,17 +51,23 @@ def group_rows(slots: torch.Tensor, num_slots: int) -> LoRARows:
 
 
 class LoRAOps:
-    """The portable implementation; platforms subclass it with kernels."""
+    """The portable implementation; platforms subclass it with kernels. A projection calls
+    ``shrink`` before its base matmul (which it may run beside) and ``expand`` after it."""
 
     @classmethod
-    def add_lora(cls, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                 shards: Shards, rows: LoRARows) -> None:
-        """``out [T, N] += `` each row's delta (module docstring), in place."""
+    def shrink(cls, x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tensor:
+        """Each row's ``x @ a[slot].T``, in the form this class's ``expand`` reads: here
+        ``[T, L, S*R]``, zero but in the row's own slot."""
         num_slots, shard_ranks, k = a.shape
-        rank = b.shape[1]
         mask = (rows.slots[:, None] == torch.arange(num_slots, device=x.device)).to(a.dtype)
         shrunk = (x.to(a.dtype) @ a.reshape(-1, k).T).view(-1, num_slots, shard_ranks)
-        shrunk = shrunk * mask[:, :, None]
+        return shrunk * mask[:, :, None]
+
+    @classmethod
+    def expand(cls, shrunk: torch.Tensor, b: torch.Tensor, out: torch.Tensor, shards: Shards,
+               rows: LoRARows) -> None:
+        """``out [T, N] += `` each row's delta (module docstring), in place."""
+        num_slots, rank = b.shape[:2]
         for s, (off, n) in enumerate(shards):
             part = shrunk[:, :, s * rank:(s + 1) * rank].reshape(-1, num_slots * rank)
             b_s = b[:, :, off:off + n].reshape(num_slots * rank, n)

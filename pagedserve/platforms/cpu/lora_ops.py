@@ -6,28 +6,40 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.lora.ops import LoRAOps
+from pagedserve.lora.ops import LoRAOps, LoRARows
 
 
 class GroupedLoRAOps(LoRAOps):
     @classmethod
-    def add_lora(cls, out, x, a, b, shards, rows) -> None:
-        # The adapted rows, gathered once in slot order (rows of slot -1 come first and are
-        # left out), so each slot's rows are one slice and the deltas land in one index_add_.
-        counts = rows.counts.tolist()
-        first = len(rows.sorted_rows) - sum(counts)
-        if first == len(rows.sorted_rows):
-            return
-        index = rows.sorted_rows[first:].long()
+    def shrink(cls, x, a, rows) -> torch.Tensor:
+        """The adapted rows' ``x @ a[slot].T`` in slot order (rows of slot -1 are left out)."""
+        index, groups = _groups(rows)
         xs = x[index].to(a.dtype)
-        delta = torch.empty(len(index), out.shape[1], dtype=a.dtype)
+        shrunk = torch.empty(len(index), a.shape[1], dtype=a.dtype)
+        for slot, part in groups:
+            shrunk[part] = xs[part] @ a[slot].T
+        return shrunk
+
+    @classmethod
+    def expand(cls, shrunk, b, out, shards, rows) -> None:
+        # The deltas in slot order, landing in one index_add_.
+        index, groups = _groups(rows)
+        if not groups:
+            return
+        delta = torch.empty(len(index), out.shape[1], dtype=b.dtype)
         rank = b.shape[1]
-        for slot, (start, count) in enumerate(zip(rows.starts.tolist(), counts)):
-            if not count:
-                continue
-            part = slice(start - first, start - first + count)
-            shrunk = xs[part] @ a[slot].T
+        for slot, part in groups:
             for s, (off, n) in enumerate(shards):
-                shrunk_s = shrunk[:, s * rank:(s + 1) * rank]
-                delta[part, off:off + n] = shrunk_s @ b[slot, :, off:off + n]
+                delta[part, off:off + n] = shrunk[part, s * rank:(s + 1) * rank] \
+                    @ b[slot, :, off:off + n]
         out.index_add_(0, index, delta.to(out.dtype))
+
+
+def _groups(rows: LoRARows) -> tuple[torch.Tensor, list[tuple[int, slice]]]:
+    """The adapted rows in slot order (slot -1's come first in ``sorted_rows`` and are left
+    out), and each slot's slice of them."""
+    counts = rows.counts.tolist()
+    first = len(rows.sorted_rows) - sum(counts)
+    groups = [(slot, slice(start - first, start - first + count))
+              for slot, (start, count) in enumerate(zip(rows.starts.tolist(), counts)) if count]
+    return rows.sorted_rows[first:].long(), groups

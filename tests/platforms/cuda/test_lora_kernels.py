@@ -62,9 +62,9 @@ def _run(num_rows: int, dtype: torch.dtype, seed: int, shard_sizes=(40, 24, 24),
     x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
     out = torch.randn(num_rows, sum(shard_sizes)).to(dtype)
     out_dev = out.to(DEVICE, copy=True)  # a copy on the CPU too: ``out`` stays the input
-    TritonLoRAOps.add_lora(out_dev, x.to(DEVICE), layout.a.to(DEVICE), layout.b.to(DEVICE),
-                           layout.shards,
-                           group_rows(torch.tensor(slots, dtype=torch.int32, device=DEVICE), 5))
+    rows = group_rows(torch.tensor(slots, dtype=torch.int32, device=DEVICE), 5)
+    shrunk = TritonLoRAOps.shrink(x.to(DEVICE), layout.a.to(DEVICE), rows)
+    TritonLoRAOps.expand(shrunk, layout.b.to(DEVICE), out_dev, layout.shards, rows)
     # SGMV's expand feeds the tensor cores the shrunk rows in the weights' 16-bit dtype (as
     # Punica's and vLLM's do); float32 runs IEEE dots, and BGMV reduces in float32.
     sgmv_16bit = num_rows > lora.BGMV_MAX_ROWS and dtype != torch.float32

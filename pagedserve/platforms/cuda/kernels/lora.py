@@ -79,20 +79,25 @@ def _sgmv_parts(t: int, k: int) -> tuple[int, int]:
     return triton.cdiv(k, split), split
 
 
-def shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tensor:
-    """``x [T, K] @ a[slot].T -> float32 [P, T, S*R]`` per row, in P partial sums over parts
-    of K (which ``expand`` adds up)."""
+def shrink_buffer(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``shrink``'s output for these operands: float32 ``[P, T, S*R]``."""
+    t, k = x.shape
+    parts = triton.cdiv(k, _SPLIT_K) if t <= BGMV_MAX_ROWS else _sgmv_parts(t, k)[0]
+    return torch.empty((parts, t, a.shape[1]), dtype=torch.float32, device=x.device)
+
+
+def shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows, out: torch.Tensor) -> torch.Tensor:
+    """``x [T, K] @ a[slot].T`` per row into ``out`` (``shrink_buffer``'s), in P partial sums
+    over parts of K (which ``expand`` adds up)."""
     t, k = x.shape
     ranks = a.shape[1]
     if t <= BGMV_MAX_ROWS:
-        parts = triton.cdiv(k, _SPLIT_K)
-        out = torch.empty((parts, t, ranks), dtype=torch.float32, device=x.device)
+        parts = out.shape[0]
         _bgmv_shrink[(t, parts)](x, a, out, rows.slots, k, ranks, x.stride(0), a.stride(0),
                                  a.stride(1), out.stride(0), SPLIT_K=_SPLIT_K,
                                  BLOCK_R=_block_r(ranks), num_warps=8)
     else:
         parts, split = _sgmv_parts(t, k)
-        out = torch.empty((parts, t, ranks), dtype=torch.float32, device=x.device)
         _sgmv_shrink[(triton.cdiv(t, _SHRINK_M), parts)](
             x, a, out, rows.sorted_rows, rows.slots, t, k, split, ranks, x.stride(0),
             a.stride(0), a.stride(1), out.stride(0), BLOCK_M=_SHRINK_M,
