@@ -47,15 +47,19 @@ from pagedserve.lora.ops import LoRARows, Shards
 # Up to this many rows a step uses BGMV (a program per row), beyond it SGMV.
 BGMV_MAX_ROWS = 32
 # SGMV: rows and input columns per shrink program and dot, rows and output columns per expand
-# program. Expand tiles of 16 x 64 ran a 1,000-row decode step's expands at a fifth of the
-# bandwidth their read-modify-write of the output needs (8 ms of a 41 ms step on the H200):
-# each program's work was too small for its slot lookups and partial-sum loads.
+# program, and their warps: the best of ``scripts/bench_lora_kernels.py``'s sweep on the H200
+# at the 8B projections (``benchmarks/results/issue28/lora_kernels_h200.json``). The expand's
+# 32 x 128 was the fastest at every projection, decode and prefill (gate/up at a 1,000-row
+# decode step: 142 us against 189 for 16 x 64 and 223 for 64 x 128), timed against the
+# partial sums of a 32 x 128 shrink (9 parts at 1,000 rows). A 64 x 64 shrink was 12% faster
+# over a decode step's four projections but splits K in 16 parts there, whose sums every expand
+# program adds up: not timed together, so not chosen.
 _SHRINK_M = 32
 _SHRINK_K = 128
 _SHRINK_WARPS = 4
-_EXPAND_M = 64
+_EXPAND_M = 32
 _EXPAND_N = 128
-_EXPAND_WARPS = 8
+_EXPAND_WARPS = 4
 # SGMV's shrink splits K until its grid has this many programs: two waves of an H200's 132 SMs
 # (or a part is down to 4 blocks of K).
 _SGMV_MIN_PROGRAMS = 264
@@ -221,6 +225,10 @@ def _sgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, PARTS, stride_part,
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < RANK
     offs_n, mask_n, col_shards, first_shard, last_shard = _block_shards(OFF1, OFF2, N, BLOCK_N)
+    # The output tile is read first, so its latency passes under the loads and dots below.
+    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    mask = (mask_m & (row_slots >= 0))[:, None] & mask_n[None, :]
+    base = tl.load(out_ptrs, mask=mask, other=0.0)
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Each slot's rows alone (as in the shrink), and each shard's columns alone: a column's
     # sum is its own row's slot's and its own shard's, the other dots adding zeros.
@@ -241,9 +249,6 @@ def _sgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, PARTS, stride_part,
                     delta += tl.dot(s, bt, input_precision="ieee")
                 else:
                     delta += tl.dot(s.to(bt.dtype), bt)
-    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-    mask = (mask_m & (row_slots >= 0))[:, None] & mask_n[None, :]
-    base = tl.load(out_ptrs, mask=mask, other=0.0)
     tl.store(out_ptrs, (base.to(tl.float32) + delta).to(base.dtype), mask=mask)
 
 
@@ -259,6 +264,8 @@ def _bgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, PARTS, stride_part,
     mask_r = offs_r < RANK
     offs_n, mask_n, col_shards, first_shard, last_shard = _block_shards(OFF1, OFF2, N, BLOCK_N)
     b_base = b_ptr + slot.to(tl.int64) * stride_bl
+    out_ptrs = out_ptr + row * stride_om + offs_n * stride_on
+    base = tl.load(out_ptrs, mask=mask_n, other=0.0)  # first, as in SGMV's expand
     offs_p = tl.arange(0, BLOCK_P)
     delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for shard in range(first_shard, last_shard + 1):  # each shard's columns alone
@@ -270,6 +277,4 @@ def _bgmv_expand(s_ptr, b_ptr, out_ptr, OFF1, OFF2, N, RANK, PARTS, stride_part,
         b = tl.load(b_base + offs_r[None, :] * stride_br + offs_n[:, None],
                     mask=(mask_n & (col_shards == shard))[:, None] & mask_r[None, :], other=0.0)
         delta += tl.sum(b.to(tl.float32) * s[None, :], axis=1)
-    out_ptrs = out_ptr + row * stride_om + offs_n * stride_on
-    base = tl.load(out_ptrs, mask=mask_n, other=0.0)
     tl.store(out_ptrs, (base.to(tl.float32) + delta).to(base.dtype), mask=mask_n)
