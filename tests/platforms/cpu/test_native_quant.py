@@ -189,13 +189,21 @@ def test_int8_kernel_without_vnni(built, tmp_path, monkeypatch, poisoned, flags,
     check_float("gemv", 17, 19, 100, 4, 32)
 
 
-def test_matmul_takes_a_non_contiguous_x(built):
+@pytest.mark.parametrize("kernel", native_quant.KERNELS)
+def test_kernels_take_a_non_contiguous_x(built, kernel):
     values, scales, offsets = quantized(24, 64, 4, 32)
     w = native_quant.pack(values, scales, offsets, 4, 32)
     x = torch.randn(64, 5).T
-    expected, _ = reference(x, values, scales, offsets, 32)
-    torch.testing.assert_close(native_quant.matmul(x, w).double(), expected, rtol=1e-5,
-                               atol=1e-5)
+    assert torch.equal(native_quant.run(kernel, x, w), native_quant.run(kernel, x.contiguous(), w))
+
+
+def test_matmul_picks_int8_unless_told_not_to(built):
+    w = native_quant.pack(*quantized(8, 64, 4, 32), bits=4, group_size=32)
+    picks = {(m, int8): native_quant.kernel_for(m, w, int8) for m in (1, 600)
+             for int8 in (True, False)}
+    int8 = "int8" if native_quant.int8_supported(4) else None
+    assert picks == {(1, True): int8 or "gemv", (600, True): int8 or "dequant",
+                     (1, False): "gemv", (600, False): "dequant"}
 
 
 def test_weight_lists_every_tensor_it_holds(built):

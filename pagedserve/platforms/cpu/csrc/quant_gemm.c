@@ -256,7 +256,7 @@ void pq_dequant_t(const uint8_t *wq, const float *scales, const float *offsets, 
 #endif
 
 #define I8_MR 4 /* rows of x per micro-tile */
-#define I8_NB 2 /* blocks of 8 weight rows per micro-tile */
+#define I8_NB 3 /* blocks of 8 weight rows per micro-tile */
 /* Quantized rows of x per M tile: they stream from L2 once per pair of weight blocks, so a
  * tile takes half of a conservative 256 KiB L2. */
 #define I8_X_TILE_BYTES (128 * 1024)
@@ -294,11 +294,17 @@ static void quantize_row(const Shape *s, const float *row, int8_t *q, float *d, 
     for (int g = 0; g < s->n_groups; g++) {
         int start = g * s->group_size;
         int len = s->k - start < s->group_size ? s->k - start : s->group_size;
-        float amax = 0;
+        /* max|x| as the largest of the sign-cleared bit patterns, which order as the floats
+         * do: an integer max reduction vectorizes, a float one (NaN rules) does not. */
+        uint32_t abits = 0;
         for (int j = 0; j < len; j++) {
-            float a = row[start + j] < 0 ? -row[start + j] : row[start + j];
-            amax = a > amax ? a : amax;
+            uint32_t b;
+            memcpy(&b, row + start + j, sizeof b);
+            b &= 0x7fffffffu;
+            abits = b > abits ? b : abits;
         }
+        float amax;
+        memcpy(&amax, &abits, sizeof amax);
         float inv = amax > 0 ? 127.0f / amax : 0.0f;
         int8_t *qg = q + g * s->group_stride;
         int sum = 0;
@@ -371,10 +377,12 @@ static void i8_blocks(const Shape *s, const uint8_t *wq_all, const float *scales
         int mr = m1 - m0 < I8_MR ? m1 - m0 : I8_MR;
         v8f out[I8_MR][I8_NB];
         if (s->bits == 4) {
-            if (nb == 2) I8_MR_CASES(2, 4);
+            if (nb == 3) I8_MR_CASES(3, 4);
+            else if (nb == 2) I8_MR_CASES(2, 4);
             else I8_MR_CASES(1, 4);
         } else {
-            if (nb == 2) I8_MR_CASES(2, 8);
+            if (nb == 3) I8_MR_CASES(3, 8);
+            else if (nb == 2) I8_MR_CASES(2, 8);
             else I8_MR_CASES(1, 8);
         }
         for (int r = 0; r < mr; r++)
