@@ -32,7 +32,8 @@ FORMATS = {
                                            "int8_activations": False}, None),
     "GGUF blocks (bfloat16 activations)": ({"quantization": "auto", "dtype": "bfloat16",
                                             "int8_activations": False}, None),
-    "int8, groups of 32": (DEQUANTIZED, "int8"),
+    "int8, groups of 32": ({**DEQUANTIZED, "int8_activations": False}, "int8"),
+    "int8, groups of 32, int8 activations": (DEQUANTIZED, "int8"),
     "fp8, a scale per row": (DEQUANTIZED, "fp8"),
 }
 

@@ -246,10 +246,14 @@ void pq_dequant_t(const uint8_t *wq, const float *scales, const float *offsets, 
 
 /* VNNI sums 4 u8 x s8 products into each int32 lane without intermediate saturation, for
  * 4- and 8-bit weights; AVX2's maddubs saturates pairs at int16, safe for 4 bits only
- * (2 * 15 * 127 = 3810), so 8-bit weights keep the float path there. */
+ * (2 * 15 * 127 = 3810), so without VNNI 8-bit weights keep the float kernels. The portable
+ * dot product is exact for both (its speed against the float kernels is unmeasured). */
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define I8_BITS_MASK (4 | 8)
-#elif defined(__AVX2__)
+#define I8_VNNI 1
+#else
+#define I8_VNNI 0
+#endif
+#if defined(__AVX2__) && !I8_VNNI
 #define I8_BITS_MASK 4
 #else
 #define I8_BITS_MASK (4 | 8)
@@ -257,11 +261,11 @@ void pq_dequant_t(const uint8_t *wq, const float *scales, const float *offsets, 
 
 #define I8_MR 4 /* rows of x per micro-tile */
 #define I8_NB 3 /* blocks of 8 weight rows per micro-tile */
-/* Quantized rows of x per M tile: they stream from L2 once per pair of weight blocks, so a
- * tile takes half of a conservative 256 KiB L2. */
+/* Quantized rows of x per M tile: they stream from L2 once per micro-tile of weight blocks
+ * (whose few KiB stay in L1), so a tile takes half of a conservative 256 KiB L2. */
 #define I8_X_TILE_BYTES (128 * 1024)
 
-/* Bit b set: pq_matmul_i8 takes b-bit weights (exactly, and faster than float on this CPU). */
+/* Bit b set: this build's pq_matmul_i8 takes b-bit weights. */
 int pq_i8_bits_mask(void) { return I8_BITS_MASK; }
 
 /* acc + in each int32 lane, the dot product of lo's 4 bytes (u8) with xlo's (s8) plus hi's
@@ -270,7 +274,7 @@ static inline v8i dot8(v8i acc, v8i lo, v8i xlo, v8i hi, v8i xhi) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     acc = (v8i)_mm256_dpbusd_epi32((__m256i)acc, (__m256i)lo, (__m256i)xlo);
     return (v8i)_mm256_dpbusd_epi32((__m256i)acc, (__m256i)hi, (__m256i)xhi);
-#elif defined(__AVXVNNI__)
+#elif I8_VNNI
     acc = (v8i)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)lo, (__m256i)xlo);
     return (v8i)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)hi, (__m256i)xhi);
 #elif defined(__AVX2__)
