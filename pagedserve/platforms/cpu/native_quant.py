@@ -21,9 +21,9 @@ from pagedserve.platforms.cpu import native_build
 SOURCE = native_build.CSRC / "quant_gemm.c"
 LANES = 8  # rows per block: one per float32 lane of an AVX2 vector
 KSTEP = 8  # every group is padded to a multiple of this many columns (one packed chunk)
-# Up to this many rows of x the float32 GEMV reads the packed weight once for all of them;
-# above, the int8-activation kernel (or, without it, float32 tiles dequantized for torch.mm)
-# is faster: scripts/bench_cpu_int8_gemm.py measures the three.
+# With float32 activations: up to this many rows of x the GEMV reads the packed weight once for
+# all of them; above, float32 tiles dequantized for torch.mm (MKL) are faster. The int8 kernel
+# beats both at every m where it runs (scripts/bench_cpu_int8_gemm.py measures all three).
 GEMV_MAX_ROWS = 24
 KERNELS = ("gemv", "int8", "dequant")
 # Rows of W dequantized per torch.mm call: tiles stay in the L2/L3 caches.
@@ -145,6 +145,8 @@ def kernel_for(m: int, w: NativeQuantWeight, int8: bool = True) -> str:
 
 def run(kernel: str, x: torch.Tensor, w: NativeQuantWeight) -> torch.Tensor:
     """float32 x [m, k] @ W^T through one of ``KERNELS``."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown native quant kernel {kernel!r}; expected one of {KERNELS}")
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.k:
         raise ValueError(f"expected float32 x [m, {w.k}], got {x.dtype} {tuple(x.shape)}")
     lib = _library()

@@ -64,8 +64,9 @@ class CpuPlatform(Platform):
 
     @classmethod
     def linear_method(cls, weight: LoadedWeight, int8_activations: bool = True) -> LinearMethod:
-        """Grouped 4- and 8-bit weights stay quantized: in the native kernel, else in torch's
-        int4 kernel where its groups fit; FP8 and everything else are dequantized at load
+        """Grouped 4- and 8-bit weights stay quantized: in the native kernels (with int8
+        activations unless ``int8_activations`` is False), else in torch's int4 kernel where
+        its groups fit; FP8 and everything else are dequantized at load
         (CPUs have no FP8 arithmetic)."""
         from pagedserve.platforms.cpu import native_quant
         from pagedserve.platforms.cpu.quant_linear import (

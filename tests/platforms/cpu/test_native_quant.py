@@ -197,6 +197,12 @@ def test_kernels_take_a_non_contiguous_x(built, kernel):
     assert torch.equal(native_quant.run(kernel, x, w), native_quant.run(kernel, x.contiguous(), w))
 
 
+def test_run_names_the_kernels_it_knows(built):
+    w = native_quant.pack(*quantized(8, 64, 4, 32), bits=4, group_size=32)
+    with pytest.raises(ValueError, match="gemv"):
+        native_quant.run("mkl", torch.randn(2, 64), w)
+
+
 def test_matmul_picks_int8_unless_told_not_to(built):
     w = native_quant.pack(*quantized(8, 64, 4, 32), bits=4, group_size=32)
     picks = {(m, int8): native_quant.kernel_for(m, w, int8) for m in (1, 600)
