@@ -197,6 +197,14 @@ def test_kernels_take_a_non_contiguous_x(built, kernel):
     assert torch.equal(native_quant.run(kernel, x, w), native_quant.run(kernel, x.contiguous(), w))
 
 
+def test_int8_rows_do_not_depend_on_their_batch(built):
+    w = native_quant.pack(*quantized(40, 2300, 4, 32), bits=4, group_size=32)
+    x = torch.randn(133, 2300)  # several M tiles, and a last micro-tile of one row
+    y = native_quant.run("int8", x, w)
+    for i in (0, 5, 100, 132):
+        assert torch.equal(native_quant.run("int8", x[i:i + 1], w)[0], y[i])
+
+
 def test_run_names_the_kernels_it_knows(built):
     w = native_quant.pack(*quantized(8, 64, 4, 32), bits=4, group_size=32)
     with pytest.raises(ValueError, match="gemv"):
