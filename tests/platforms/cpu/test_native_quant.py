@@ -176,8 +176,9 @@ def test_int8_check_catches_a_wrong_offset_term(built, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("flags,bits_mask", [
     (("-mno-avxvnni", "-mno-avx512vnni"), 4),  # AVX2's maddubs: 4-bit weights only
+    (("-mno-avxvnni", "-mno-avx512f"), 4),  # the same in 16 vector registers: 2-block tiles
     (("-mno-avx2",), 4 | 8),  # the portable dot product
-], ids=["avx2", "portable"])
+], ids=["avx2-32-registers", "avx2", "portable"])
 def test_int8_kernel_without_vnni(built, tmp_path, monkeypatch, poisoned, flags, bits_mask):
     if "avx2" not in native_build._cpu_flags().split():
         pytest.skip("an x86 CPU with AVX2 builds these variants")
