@@ -103,6 +103,11 @@ class EngineConfig:
                 "quantized); none: dequantize at load; fp8: quantize a float checkpoint's "
                 "linear layers at load; awq, gptq, compressed-tensors, gguf: require that "
                 "format", choices=QUANTIZATION_CHOICES)
+    int8_activations: bool = option(
+        True, "quantized linear layers multiply activations quantized to int8 per weight "
+              "group (llama.cpp's Q8_1 numerics) where the platform's int8 kernel is faster: "
+              "the CPU's, for 4- and 8-bit groups; off: activations stay floating point "
+              "(docs/platforms.md)")
     kv_cache_dtype: str = option(
         "auto", "KV-cache element type; fp8 halves its size (cuda)", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = option(

@@ -1,7 +1,8 @@
 """Where the CPU's `bench throughput` workload spends its time (issue 31's profile): steps that
-carry prompt tokens against decode-only steps, and in each the quantized matmuls (the packed
-GEMV kernel up to ``GEMV_MAX_ROWS`` rows, dequantized tiles with torch.mm above), attention,
-and the whole forward pass; the rest of a step is the engine around the model.
+carry prompt tokens against decode-only steps, and in each the quantized matmuls by kernel
+(``native_quant.kernel_for``: int8 activations, else the packed float32 GEMV up to
+``GEMV_MAX_ROWS`` rows and dequantized tiles with torch.mm above), attention, and the whole
+forward pass; the rest of a step is the engine around the model.
 
     .venv/bin/python scripts/cpu_throughput_split.py [--out JSON]
 
@@ -20,6 +21,9 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.bench.common import random_workload
 from pagedserve.platforms.cpu import attention, native_quant
 
+MATMUL_LABELS = {"int8": "matmul, int8 activations", "gemv": "matmul, packed GEMV kernel",
+                 "dequant": "matmul, dequantized tiles + torch.mm"}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -35,9 +39,9 @@ def main() -> None:
             return result
         return wrapper
 
-    native_quant.matmul = timed(lambda x, w: "matmul, dequantized tiles + torch.mm"
-                                if x.shape[0] > native_quant.GEMV_MAX_ROWS
-                                else "matmul, packed GEMV kernel", native_quant.matmul)
+    native_quant.matmul = timed(
+        lambda x, w, int8=True: MATMUL_LABELS[native_quant.kernel_for(x.shape[0], w, int8)],
+        native_quant.matmul)
     cpu_attention = attention.CpuPagedAttention
     cpu_attention.forward = timed(lambda *a: "attention", cpu_attention.forward)
     engine = LLM(device="cpu").engine
@@ -70,8 +74,7 @@ def main() -> None:
     for kind, parts in split.items():
         whole = parts["whole step"]
         print(f"{kind}: {steps[kind]} steps, {whole:.1f} s")
-        for label in ("forward pass", "matmul, dequantized tiles + torch.mm",
-                      "matmul, packed GEMV kernel", "attention"):
+        for label in ("forward pass", *MATMUL_LABELS.values(), "attention"):
             print(f"  {label:38s} {parts[label]:6.2f} s  {parts[label] / whole:6.1%}")
     if args.out:
         with open(args.out, "w") as f:

@@ -27,9 +27,13 @@ DEQUANTIZED = {"quantization": "none", "dtype": "float32"}
 FORMATS = {
     "float32": (DEQUANTIZED, None),
     "bfloat16": ({"quantization": "none", "dtype": "bfloat16"}, None),
-    "GGUF blocks (float32 activations)": ({"quantization": "auto", "dtype": "float32"}, None),
-    "GGUF blocks (bfloat16 activations)": ({"quantization": "auto", "dtype": "bfloat16"}, None),
-    "int8, groups of 32": (DEQUANTIZED, "int8"),
+    "GGUF blocks (int8 activations)": ({"quantization": "auto", "dtype": "float32"}, None),
+    "GGUF blocks (float32 activations)": ({"quantization": "auto", "dtype": "float32",
+                                           "int8_activations": False}, None),
+    "GGUF blocks (bfloat16 activations)": ({"quantization": "auto", "dtype": "bfloat16",
+                                            "int8_activations": False}, None),
+    "int8, groups of 32": ({**DEQUANTIZED, "int8_activations": False}, "int8"),
+    "int8, groups of 32, int8 activations": (DEQUANTIZED, "int8"),
     "fp8, a scale per row": (DEQUANTIZED, "fp8"),
 }
 

@@ -31,17 +31,19 @@ if TYPE_CHECKING:
 class LinearFactory:
     """What every ``Linear`` of one model shares: the platform (which picks each layer's
     method), the activation dtype, the device, and the quantizer that ``--quantization fp8``
-    applies to dense weights at load (None: weights stay as the checkpoint has them), and the
-rank's place in tensor parallelism."""
+    applies to dense weights at load (None: weights stay as the checkpoint has them), the
+    rank's place in tensor parallelism, and whether methods may quantize activations to int8
+    (``--int8-activations``)."""
 
     def __init__(self, platform: type[Platform], dtype: torch.dtype, device: torch.device,
                  quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None,
-                 tp: TensorParallel = TensorParallel()) -> None:
+                 tp: TensorParallel = TensorParallel(), int8_activations: bool = True) -> None:
         self.platform = platform
         self.dtype = dtype
         self.device = device
         self.quantizer = quantizer
         self.tp = tp
+        self.int8_activations = int8_activations
 
     def column(self, in_features: int, out_parts: list[Part], bias: bool = False,
                quantize_at_load: bool = True) -> Linear:
@@ -97,7 +99,7 @@ class Linear(nn.Module):
         f = self.factory
         if f.quantizer is not None and self.quantize_at_load and isinstance(weight, torch.Tensor):
             weight = f.quantizer(weight)
-        self.method = f.platform.linear_method(weight)
+        self.method = f.platform.linear_method(weight, f.int8_activations)
         self.method.create_weights(self, weight, f.dtype, f.device)
 
     def load_bias(self, shard: int, bias: torch.Tensor) -> None:

@@ -181,10 +181,11 @@ class Platform:
         return LayerOps
 
     @classmethod
-    def linear_method(cls, weight: LoadedWeight) -> LinearMethod:
+    def linear_method(cls, weight: LoadedWeight, int8_activations: bool = True) -> LinearMethod:
         """How a linear layer with this loaded weight (dense or quantized) is held and
         multiplied here; by default dequantized at load into a dense weight, so every format
-        loads on every device."""
+        loads on every device. ``int8_activations``: the method may quantize activations to
+        int8 where that is faster (``--int8-activations``)."""
         from pagedserve.quant.linear_method import DenseLinearMethod
 
         return DenseLinearMethod()

@@ -96,7 +96,8 @@ class ModelRunner:
                  max_model_len: int, kv_cache_dtype: str = "auto",
                  quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None,
                  buckets: ShapeBuckets | None = None,
-                 tp: TensorParallel = TensorParallel(), cpu_offload_bytes: int = 0) -> None:
+                 tp: TensorParallel = TensorParallel(), cpu_offload_bytes: int = 0,
+                 int8_activations: bool = True) -> None:
         self.platform = platform
         self.arch = arch
         self.dtype = dtype
@@ -109,7 +110,7 @@ class ModelRunner:
         backend_cls = platform.attention_backend()
         backend = backend_cls(heads.num_heads, arch.head_dim, heads.num_kv_heads,
                               arch.head_dim ** -0.5, kv_cache_dtype=kv_cache_dtype)
-        linears = LinearFactory(platform, dtype, self.device, quantizer, tp)
+        linears = LinearFactory(platform, dtype, self.device, quantizer, tp, int8_activations)
         with torch.device(self.device):
             model = model_class(arch.architecture)(arch, backend, max_model_len,
                                                     platform.layer_ops(), linears)

@@ -65,7 +65,7 @@ class Worker:
                                   config.kv_cache_dtype,
                                   load_quantizer(arch.raw, config.quantization, dummy),
                                   _shape_buckets(config, resolved), self.tp,
-                                  int(config.cpu_offload_gb * 2**30))
+                                  int(config.cpu_offload_gb * 2**30), config.int8_activations)
         if dummy:
             self.runner.init_dummy_weights(config.seed)
         else:
@@ -129,7 +129,8 @@ def _draft_runner(config: EngineConfig, resolved: ResolvedConfig, arch: ModelArc
             f"--speculative-config: the draft model's vocabulary ({draft_arch.vocab_size} "
             f"tokens) differs from the target's ({arch.vocab_size})")
     runner = ModelRunner(platform, draft_arch, resolved.dtype, resolved.max_model_len,
-                         config.kv_cache_dtype, load_quantizer(draft_arch.raw, "auto", dummy))
+                         config.kv_cache_dtype, load_quantizer(draft_arch.raw, "auto", dummy),
+                         int8_activations=config.int8_activations)
     if dummy:
         runner.init_dummy_weights(config.seed + 1)
     else:

@@ -57,22 +57,31 @@ def test_beam_search_matches_transformers_on_the_default_model(default_llm, defa
     assert_pools_full(llm.engine.kv)
 
 
+# int8 activations (the default) move logits by up to ~1.5% on these prompts (two of four
+# diverge at such near-ties), float32 ones by rounding only.
+@pytest.mark.parametrize("int8_activations,rel_tol", [(False, 1e-3), (True, 3e-2)],
+                         ids=["float32_activations", "int8_activations"])
 def test_native_q4_1_matches_transformers_on_the_dequantized_weights(default_model_folder,
                                                                       default_llm,
-                                                                      default_hf_model):
+                                                                      default_hf_model,
+                                                                      int8_activations, rel_tol):
     """By default the GGUF's Q4_1 layers and Q8_0 table stay quantized, in a quarter of the
-    memory, and compute the same greedy tokens as the float model holding their values."""
+    memory, and compute the same greedy tokens as the float model holding their values (with
+    int8 activations, up to near-ties of ``rel_tol``)."""
     from pagedserve import LLM
     from pagedserve.models.linear import Linear
 
     llm = LLM(model=str(default_model_folder), device="cpu", dtype="float32",
-              kv_cache_memory_bytes=32 << 20)
+              kv_cache_memory_bytes=32 << 20, int8_activations=int8_activations)
     model = llm.engine.executor.runner.model
     methods = {type(m.method).__name__ for m in model.modules() if isinstance(m, Linear)}
     assert methods <= {"NativeQuantLinearMethod", "Int4PackLinearMethod"}, methods
+    assert {m.method.int8_activations for m in model.modules()
+            if type(getattr(m, "method", None)).__name__ == "NativeQuantLinearMethod"} \
+        <= {int8_activations}
     assert model.get_input_embeddings().weight is None  # the Q8_0 table, row by row
     dense = default_llm.engine.executor.runner.weight_bytes()
     assert llm.engine.executor.runner.weight_bytes() < 0.3 * dense
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]
-    assert assert_greedy_matches(llm, default_hf_model, prompts, NEW) >= 2
+    assert assert_greedy_matches(llm, default_hf_model, prompts, NEW, rel_tol) >= 2

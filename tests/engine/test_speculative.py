@@ -144,8 +144,10 @@ COPY_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def default_spec_llm(default_model_folder):
+    # float32 activations: the plain engine it is compared with is dense float32, which int8
+    # activations would move greedy tokens away from (docs/platforms.md)
     llm = LLM(model=str(default_model_folder), device="cpu", kv_cache_memory_bytes=64 << 20,
-              speculative_config=NGRAM)
+              speculative_config=NGRAM, int8_activations=False)
     llm.engine.speculation.step_times = FreeDrafts()  # what is drafted depends on no timing
     yield llm
     llm.shutdown()

@@ -20,10 +20,12 @@ from pagedserve.platforms.cpu import native_build
 
 SOURCE = native_build.CSRC / "quant_gemm.c"
 LANES = 8  # rows per block: one per float32 lane of an AVX2 vector
-KSTEP = 4  # every group is padded to a multiple of this many columns
-# Up to this many rows of x the kernel reads the packed weight once for all of them; above,
-# dequantizing to float32 tiles and multiplying with torch.mm (MKL) is faster.
+KSTEP = 8  # every group is padded to a multiple of this many columns (one packed chunk)
+# With float32 activations: up to this many rows of x the GEMV reads the packed weight once for
+# all of them; above, float32 tiles dequantized for torch.mm (MKL) are faster. The int8 kernel
+# beats both at every m where it runs (scripts/bench_cpu_int8_gemm.py measures all three).
 GEMV_MAX_ROWS = 24
+KERNELS = ("gemv", "int8", "dequant")
 # Rows of W dequantized per torch.mm call: tiles stay in the L2/L3 caches.
 DEQUANT_TILE_BYTES = 1 << 20
 
@@ -58,21 +60,37 @@ def library_path(source: bytes | None = None) -> Path:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     lib = native_build.load_library(SOURCE)
-    if lib is None:
-        return None
+    return None if lib is None else declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (built from ``SOURCE`` or a variant of it) with its functions' C types set."""
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.pq_matmul.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, ptr, i32, ptr, i32]
     lib.pq_matmul.restype = i32
     lib.pq_dequant_t.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, ptr, i32]
     lib.pq_dequant_t.restype = None
+    lib.pq_matmul_i8.argtypes = lib.pq_matmul.argtypes
+    lib.pq_matmul_i8.restype = i32
+    lib.pq_i8_bits_mask.argtypes = []
+    lib.pq_i8_bits_mask.restype = i32
     return lib
+
+
+def int8_supported(bits: int) -> bool:
+    """Whether the int8-activation kernel takes ``bits``-bit weights on this CPU (AVX2
+    without VNNI: 4 bits only, see quant_gemm.c)."""
+    lib = _library()
+    return lib is not None and bool(lib.pq_i8_bits_mask() & bits)
 
 
 def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
          group_size: int) -> NativeQuantWeight:
     """Rearrange W = values * scales + offsets (per group of ``group_size`` columns) into the
-    kernel's layout: rows padded to 8-row blocks, each group padded to a multiple of 4
-    columns, 4-bit values two to a byte."""
+    kernel's layout: rows padded to 8-row blocks, each group padded to a multiple of 8
+    columns, each block a run of 8-column chunks whose int32 lane r holds row r (4-bit:
+    columns j and 4 + j in the low and high nibble of byte j; 8-bit: columns 0-3 in the
+    first 32 bytes, 4-7 in the next)."""
     n, k = values.shape
     n_groups = -(-k // group_size)
     if bits not in (4, 8):
@@ -85,9 +103,11 @@ def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits
     blocks = -(-n // LANES)
     padded = torch.zeros(blocks * LANES, _padded_k(k, group_size), dtype=torch.uint8)
     padded[:n, _padded_columns(k, group_size)] = values
+    # [block, row, chunk, half (columns 0-3 / 4-7), column in half]
+    chunks = padded.view(blocks, LANES, -1, 2, KSTEP // 2)
     if bits == 4:
-        padded = padded[:, 0::2] | (padded[:, 1::2] << 4)
-    qweight = padded.view(blocks, LANES, -1).transpose(1, 2).contiguous()
+        chunks = chunks[:, :, :, :1] | (chunks[:, :, :, 1:] << 4)
+    qweight = chunks.permute(0, 2, 3, 1, 4).contiguous()
     return NativeQuantWeight(qweight, _blocked(scales, blocks), _blocked(offsets, blocks),
                              bits, group_size, n, k)
 
@@ -109,8 +129,24 @@ def _blocked(meta: torch.Tensor, blocks: int) -> torch.Tensor:
     return out.view(blocks, LANES, -1).transpose(1, 2).contiguous()
 
 
-def matmul(x: torch.Tensor, w: NativeQuantWeight) -> torch.Tensor:
-    """float32 x [m, k] @ W^T -> float32 [m, n]."""
+def matmul(x: torch.Tensor, w: NativeQuantWeight, int8: bool = True) -> torch.Tensor:
+    """float32 x [m, k] @ W^T -> float32 [m, n], by the kernel ``kernel_for`` picks."""
+    return run(kernel_for(x.shape[0], w, int8), x, w)
+
+
+def kernel_for(m: int, w: NativeQuantWeight, int8: bool = True) -> str:
+    """The fastest kernel for m rows of x: the int8 one wherever it takes w's bits (it
+    measured faster at every m, 1 to 512), else the float32 GEMV up to GEMV_MAX_ROWS rows and
+    dequantized tiles above. ``int8=False`` keeps the activations float32."""
+    if int8 and int8_supported(w.bits):
+        return "int8"
+    return "gemv" if m <= GEMV_MAX_ROWS else "dequant"
+
+
+def run(kernel: str, x: torch.Tensor, w: NativeQuantWeight) -> torch.Tensor:
+    """float32 x [m, k] @ W^T through one of ``KERNELS``."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown native quant kernel {kernel!r}; expected one of {KERNELS}")
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.k:
         raise ValueError(f"expected float32 x [m, {w.k}], got {x.dtype} {tuple(x.shape)}")
     lib = _library()
@@ -119,10 +155,12 @@ def matmul(x: torch.Tensor, w: NativeQuantWeight) -> torch.Tensor:
     x = x.contiguous()
     m = x.shape[0]
     y = torch.empty(m, w.n, dtype=torch.float32)
-    if m > GEMV_MAX_ROWS:
+    if kernel == "dequant":
         return _dequant_mm(lib, x, w, y)
-    if m and lib.pq_matmul(*_weight_args(w), x.data_ptr(), m, y.data_ptr(),
-                           torch.get_num_threads()):
+    if kernel == "int8" and not int8_supported(w.bits):
+        raise ValueError(f"the int8 kernel does not take {w.bits}-bit weights on this CPU")
+    fn = {"gemv": lib.pq_matmul, "int8": lib.pq_matmul_i8}[kernel]
+    if m and fn(*_weight_args(w), x.data_ptr(), m, y.data_ptr(), torch.get_num_threads()):
         raise MemoryError("native quant matmul could not allocate its scratch buffer")
     return y
 

@@ -63,9 +63,10 @@ class CpuPlatform(Platform):
         return layer_ops.CpuLayerOps if layer_ops.available() else super().layer_ops()
 
     @classmethod
-    def linear_method(cls, weight: LoadedWeight) -> LinearMethod:
-        """Grouped 4- and 8-bit weights stay quantized: in the native kernel, else in torch's
-        int4 kernel where its groups fit; FP8 and everything else are dequantized at load
+    def linear_method(cls, weight: LoadedWeight, int8_activations: bool = True) -> LinearMethod:
+        """Grouped 4- and 8-bit weights stay quantized: in the native kernels (with int8
+        activations unless ``int8_activations`` is False), else in torch's int4 kernel where
+        its groups fit; FP8 and everything else are dequantized at load
         (CPUs have no FP8 arithmetic)."""
         from pagedserve.platforms.cpu import native_quant
         from pagedserve.platforms.cpu.quant_linear import (
@@ -77,7 +78,7 @@ class CpuPlatform(Platform):
 
         if isinstance(weight, GroupQuantWeight):
             if native_quant.available():
-                return NativeQuantLinearMethod()
+                return NativeQuantLinearMethod(int8_activations)
             if kernel_group(weight.group_size):
                 return Int4PackLinearMethod()
         return super().linear_method(weight)

@@ -1,9 +1,10 @@
 """The CPU's linear methods for grouped-quantized weights (AWQ, GPTQ, GGUF, compressed-tensors
 int4).
 
-``NativeQuantLinearMethod``: the C kernel of ``native_quant`` (built at first use), in float32
-activations; where no C compiler works, ``Int4PackLinearMethod``: torch's own CPU kernels, in the
-model's dtype.
+``NativeQuantLinearMethod``: the C kernels of ``native_quant`` (built at first use), with
+activations quantized to int8 per weight group where the CPU has the int8 kernel for the
+weight's bits, else in float32 (``--no-int8-activations`` keeps float32); where no C compiler
+works, ``Int4PackLinearMethod``: torch's own CPU kernels, in the model's dtype.
 
 In torch's kernels, 4-bit weights go through ``_weight_int4pack_mm_for_cpu``, which dequantizes
 ``(q - 8) * scale + zero`` per group inside its matmul, so ``zero = offset + 8 * scale``. Its
@@ -30,6 +31,9 @@ _INT4_GROUPS = (32, 64, 128, 256)
 
 
 class NativeQuantLinearMethod(LinearMethod):
+    def __init__(self, int8_activations: bool = True) -> None:
+        self.int8_activations = int8_activations
+
     def create_weights(self, layer, weight: GroupQuantWeight, dtype, device) -> None:
         packed = native_quant.pack(weight.values, weight.scales, weight.offsets, weight.bits,
                                    weight.group_size)
@@ -45,7 +49,8 @@ class NativeQuantLinearMethod(LinearMethod):
     def apply(self, layer, x):
         if layer.input_perm is not None:
             x = x.index_select(-1, layer.input_perm)
-        out = native_quant.matmul(x.reshape(-1, x.shape[-1]).float(), layer.native)
+        out = native_quant.matmul(x.reshape(-1, x.shape[-1]).float(), layer.native,
+                                  self.int8_activations)
         return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 

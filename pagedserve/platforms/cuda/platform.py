@@ -71,7 +71,7 @@ class CudaPlatform(Platform):
         return TritonLayerOps
 
     @classmethod
-    def linear_method(cls, weight: LoadedWeight) -> LinearMethod:
+    def linear_method(cls, weight: LoadedWeight, int8_activations: bool = True) -> LinearMethod:
         """4-bit grouped weights stay packed (W4A16 Triton kernel); FP8 weights run W8A8 in the
         FP8 tensor cores where the GPU has them (compute capability 8.9+) and weight-only
         elsewhere; 8-bit and dense weights take the inherited path (dequantized at load)."""
