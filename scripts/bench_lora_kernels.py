@@ -16,6 +16,7 @@ marked ``*``.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -82,15 +83,15 @@ def main() -> None:
                                  lora.shrink_buffer(ops["x"], ops["a"]))
             for tiles in EXPANDS:
                 set_tiles(tiles, shipped[1])
-                ms = _time(lambda: lora.expand(shrunk, ops["b"], ops["out"], ops["shards"],
-                                               grouped))
+                ms = _time(functools.partial(lora.expand, shrunk, ops["b"], ops["out"],
+                                             ops["shards"], grouped))
                 moved = 2 * ops["out"].numel() * ops["out"].element_size()
                 rows_out.append(_row(step, name, "expand", tiles, ms, moved, copy_gbs,
                                      tiles == shipped[0]))
             for tiles in SHRINKS:
                 set_tiles(shipped[0], tiles)
                 buffer = lora.shrink_buffer(ops["x"], ops["a"])  # this variant's parts
-                ms = _time(lambda: lora.shrink(ops["x"], ops["a"], grouped, buffer))
+                ms = _time(functools.partial(lora.shrink, ops["x"], ops["a"], grouped, buffer))
                 moved = ops["x"].numel() * ops["x"].element_size()
                 rows_out.append(_row(step, name, "shrink", tiles, ms, moved, copy_gbs,
                                      tiles == shipped[1]))

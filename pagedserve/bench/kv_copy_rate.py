@@ -12,8 +12,9 @@ the reference alternating within a round so a drift of the machine shows in both
 ratio is the tier's share of the bus (issue 29's target: 80%).
 
 Host block ids are ``scattered`` (every other block, as LRU-allocated tier blocks mostly are)
-or ``consecutive``; device block ids are scattered in both, as a pool's are. After the timed rounds each batch's bytes are compared with their
-source, so a fast copy that moved the wrong blocks cannot pass.
+or ``consecutive``; device block ids are scattered in both, as a pool's are. After the timed
+rounds each batch's bytes are compared with their source, so a fast copy that moved the wrong
+blocks cannot pass.
 """
 
 from __future__ import annotations
