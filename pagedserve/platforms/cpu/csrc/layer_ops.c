@@ -6,7 +6,10 @@
    The paged KV cache of one layer is [2, num_blocks, block_size, num_kv_heads, head_dim]
    contiguous: token j of sequence i sits in slot
    s = block_tables[i * bt_stride + j / block_size] * block_size + j % block_size,
-   its key at key_cache + (s * num_kv_heads + kv_head) * head_dim, its value likewise. */
+   its key at key_cache + (s * num_kv_heads + kv_head) * head_dim, its value likewise. Its
+   elements are float32 or bfloat16 (the upper half of a float32: the same exponent range);
+   keys and values are widened to float32 as they are read, so attention runs in float32
+   either way. */
 
 #include <math.h>
 #include <stdint.h>
@@ -109,17 +112,52 @@ void lo_rotary(const int64_t *positions, float *q, long q_s0, long q_s1, int hea
     }
 }
 
+/* The cache's element types. The functions taking `bf16` are always inlined and called with
+   a constant, so each type gets its own loops: the float32 ones are those without bf16. */
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* Round to nearest even, as torch's .to(torch.bfloat16) does, NaN included (its vectorised
+   conversion writes 0xffff). Not AVX512-BF16's vcvtneps2bf16: that flushes subnormals to
+   zero. Only the step's new rows are converted, so the scalar loop costs nothing. */
+static inline uint16_t f32_to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if (x != x) return 0xffff;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Element d of a cached row, as float32. */
+static ALWAYS_INLINE float kv_at(const void *row, int d, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)row)[d]) : ((const float *)row)[d];
+}
+
+static inline void store_row(void *cache, long row, const float *src, int dim, int bf16) {
+    if (!bf16) {
+        memcpy((float *)cache + row, src, sizeof(float) * dim);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + row;
+    for (int d = 0; d < dim; d++) dst[d] = f32_to_bf16(src[d]);
+}
+
 /* Key and value row pointers of tokens j0 .. j0 + n - 1 of one sequence's kv head. */
-static inline void chunk_rows(const float *key_cache, const float *value_cache,
-                              const int32_t *table, int j0, int n, int block_size,
-                              int kv_heads, int kv_head, int dim, const float **krow,
-                              const float **vrow) {
+static ALWAYS_INLINE void chunk_rows(const void *key_cache, const void *value_cache,
+                                     const int32_t *table, int j0, int n, int block_size,
+                                     int kv_heads, int kv_head, int dim, int bf16,
+                                     const void **krow, const void **vrow) {
     int block = j0 / block_size, offset = j0 % block_size;
-    long base = (long)table[block] * block_size;
+    long base = (long)table[block] * block_size, size = bf16 ? 2 : 4;
     for (int c = 0; c < n; c++) {
-        long row = ((base + offset) * kv_heads + kv_head) * dim;
-        krow[c] = key_cache + row;
-        vrow[c] = value_cache + row;
+        long row = ((base + offset) * kv_heads + kv_head) * dim * size;
+        krow[c] = (const char *)key_cache + row;
+        vrow[c] = (const char *)value_cache + row;
         if (++offset == block_size && c + 1 < n) {
             offset = 0;
             base = (long)table[++block] * block_size;
@@ -127,15 +165,29 @@ static inline void chunk_rows(const float *key_cache, const float *value_cache,
     }
 }
 
-static inline float dot(const float *a, const float *b, int dim) {
+static ALWAYS_INLINE float dot(const float *q, const void *krow, int dim, int bf16) {
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int d = 0; d < dim; d++) sum += a[d] * b[d];
+    for (int d = 0; d < dim; d++) sum += q[d] * kv_at(krow, d, bf16);
     return sum;
+}
+
+/* acc += p * vrow, one key's value. */
+static ALWAYS_INLINE void add_scaled(float *acc, const void *vrow, float p, int dim,
+                                     int bf16) {
+#pragma omp simd
+    for (int d = 0; d < dim; d++) acc[d] += p * kv_at(vrow, d, bf16);
 }
 
 #ifdef __AVX2__
 #include <immintrin.h>
+
+/* Elements d .. d + 7 of a cached row: a bfloat16 widens by a 16-bit shift. */
+static ALWAYS_INLINE __m256 kv_load8(const void *row, int d, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)row + d);
+    __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + d));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
 
 /* The eight horizontal sums of a[0..7], as one vector. */
 static inline __m256 sum8x8(const __m256 *a) {
@@ -147,8 +199,8 @@ static inline __m256 sum8x8(const __m256 *a) {
 
 /* scores[c] = scale * q . krow[c]: eight keys at a time, each into its own accumulator, so
    the FMAs do not wait on each other and one transpose-add reduces all eight. */
-static inline void chunk_scores(const float *q, const float *const *krow, int n, int dim,
-                                float scale, float *scores) {
+static ALWAYS_INLINE void chunk_scores(const float *q, const void *const *krow, int n,
+                                       int dim, int bf16, float scale, float *scores) {
     int c = 0;
     if (dim % 8 == 0) {
         for (; c + 8 <= n; c += 8) {
@@ -157,24 +209,21 @@ static inline void chunk_scores(const float *q, const float *const *krow, int n,
             for (int d = 0; d < dim; d += 8) {
                 __m256 qd = _mm256_loadu_ps(q + d);
                 for (int t = 0; t < 8; t++)
-                    a[t] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(krow[c + t] + d), a[t]);
+                    a[t] = _mm256_fmadd_ps(qd, kv_load8(krow[c + t], d, bf16), a[t]);
             }
             _mm256_storeu_ps(scores + c, _mm256_mul_ps(sum8x8(a), _mm256_set1_ps(scale)));
         }
     }
-    for (; c < n; c++) scores[c] = scale * dot(q, krow[c], dim);
+    for (; c < n; c++) scores[c] = scale * dot(q, krow[c], dim, bf16);
 }
 
 /* acc += sum over c of p[c] * vrow[c], 64 columns of acc at a time in eight registers, so
    the FMAs of one key are independent. Written out because GCC otherwise vectorises across
    c with gathers, which are several times slower. */
-static inline void chunk_values(float *acc, const float *const *vrow, const float *p, int n,
-                                int dim) {
+static ALWAYS_INLINE void chunk_values(float *acc, const void *const *vrow, const float *p,
+                                       int n, int dim, int bf16) {
     if (dim % 8) {
-        for (int c = 0; c < n; c++) {
-#pragma omp simd
-            for (int d = 0; d < dim; d++) acc[d] += p[c] * vrow[c][d];
-        }
+        for (int c = 0; c < n; c++) add_scaled(acc, vrow[c], p[c], dim, bf16);
         return;
     }
     for (int d0 = 0; d0 < dim; d0 += 64) {
@@ -183,47 +232,44 @@ static inline void chunk_values(float *acc, const float *const *vrow, const floa
         for (int t = 0; t < w; t++) a[t] = _mm256_loadu_ps(acc + d0 + 8 * t);
         for (int c = 0; c < n; c++) {
             __m256 pc = _mm256_set1_ps(p[c]);
-            const float *vr = vrow[c] + d0;
             for (int t = 0; t < w; t++)
-                a[t] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vr + 8 * t), a[t]);
+                a[t] = _mm256_fmadd_ps(pc, kv_load8(vrow[c], d0 + 8 * t, bf16), a[t]);
         }
         for (int t = 0; t < w; t++) _mm256_storeu_ps(acc + d0 + 8 * t, a[t]);
     }
 }
 #else
-static inline void chunk_scores(const float *q, const float *const *krow, int n, int dim,
-                                float scale, float *scores) {
-    for (int c = 0; c < n; c++) scores[c] = scale * dot(q, krow[c], dim);
+static ALWAYS_INLINE void chunk_scores(const float *q, const void *const *krow, int n,
+                                       int dim, int bf16, float scale, float *scores) {
+    for (int c = 0; c < n; c++) scores[c] = scale * dot(q, krow[c], dim, bf16);
 }
 
-static inline void chunk_values(float *acc, const float *const *vrow, const float *p, int n,
-                                int dim) {
-    for (int c = 0; c < n; c++) {
-#pragma omp simd
-        for (int d = 0; d < dim; d++) acc[d] += p[c] * vrow[c][d];
-    }
+static ALWAYS_INLINE void chunk_values(float *acc, const void *const *vrow, const float *p,
+                                       int n, int dim, int bf16) {
+    for (int c = 0; c < n; c++) add_scaled(acc, vrow[c], p[c], dim, bf16);
 }
 #endif
 
 /* One sequence, query heads h0 .. h0 + nh - 1 (q rows q_s1 apart, out rows dim apart), all
    reading kv head kv_head: online softmax over the keys, CHUNK keys per rescale. Each chunk's
    keys and values serve every head of the group while they are in L1. Always inlined, so
-   the calls below with a constant dim unroll the loops over it. */
-static inline __attribute__((always_inline)) void attend_heads(
-        const float *q, long q_s1, int nh, const float *key_cache, const float *value_cache,
+   the calls below with a constant dim unroll the loops over it, and a constant bf16 picks
+   the cache's element type outside them. */
+static ALWAYS_INLINE void attend_heads(
+        const float *q, long q_s1, int nh, const void *key_cache, const void *value_cache,
         const int32_t *table, int seq_len, int block_size, int kv_heads, int kv_head, int dim,
-        float scale, float *out) {
+        int bf16, float scale, float *out) {
     float acc[nh * dim], m[nh], l[nh], scores[CHUNK];
-    const float *krow[CHUNK], *vrow[CHUNK];
+    const void *krow[CHUNK], *vrow[CHUNK];
     for (int d = 0; d < nh * dim; d++) acc[d] = 0.f;
     for (int h = 0; h < nh; h++) m[h] = -INFINITY, l[h] = 0.f;
     for (int j0 = 0; j0 < seq_len; j0 += CHUNK) {
         int n = seq_len - j0 < CHUNK ? seq_len - j0 : CHUNK;
         chunk_rows(key_cache, value_cache, table, j0, n, block_size, kv_heads, kv_head, dim,
-                   krow, vrow);
+                   bf16, krow, vrow);
         for (int h = 0; h < nh; h++) {
             float *a = acc + h * dim;
-            chunk_scores(q + h * q_s1, krow, n, dim, scale, scores);
+            chunk_scores(q + h * q_s1, krow, n, dim, bf16, scale, scores);
             float chunk_max = -INFINITY, sum = 0.f;
             for (int c = 0; c < n; c++) chunk_max = scores[c] > chunk_max ? scores[c] : chunk_max;
             if (chunk_max > m[h]) {
@@ -239,7 +285,7 @@ static inline __attribute__((always_inline)) void attend_heads(
                 sum += scores[c];
             }
             l[h] += sum;
-            chunk_values(a, vrow, scores, n, dim);
+            chunk_values(a, vrow, scores, n, dim, bf16);
         }
     }
     for (int h = 0; h < nh; h++) {
@@ -248,41 +294,48 @@ static inline __attribute__((always_inline)) void attend_heads(
     }
 }
 
-static void attend_heads_any(const float *q, long q_s1, int nh, const float *key_cache,
-                             const float *value_cache, const int32_t *table, int seq_len,
-                             int block_size, int kv_heads, int kv_head, int dim, float scale,
-                             float *out) {
-    switch (dim) {
+static void attend_heads_any(const float *q, long q_s1, int nh, const void *key_cache,
+                             const void *value_cache, const int32_t *table, int seq_len,
+                             int block_size, int kv_heads, int kv_head, int dim, int bf16,
+                             float scale, float *out) {
+#define ATTEND(D, B)                                                                         \
+    attend_heads(q, q_s1, nh, key_cache, value_cache, table, seq_len, block_size, kv_heads,  \
+                 kv_head, D, B, scale, out)
 #define CASE(D)                                                                              \
     case D:                                                                                  \
-        attend_heads(q, q_s1, nh, key_cache, value_cache, table, seq_len, block_size,        \
-                     kv_heads, kv_head, D, scale, out);                                      \
+        if (bf16) ATTEND(D, 1);                                                              \
+        else ATTEND(D, 0);                                                                   \
         return;
+    switch (dim) {
         CASE(64)
         CASE(128)
-#undef CASE
     default:
-        attend_heads(q, q_s1, nh, key_cache, value_cache, table, seq_len, block_size,
-                     kv_heads, kv_head, dim, scale, out);
+        if (bf16) ATTEND(dim, 1);
+        else ATTEND(dim, 0);
     }
+#undef CASE
+#undef ATTEND
 }
 
 /* A decode-only step: q/k/v [seqs, heads or kv_heads, dim], one row per sequence; kv_cache
-   is one layer's [2, num_blocks, block_size, kv_heads, dim]. Writes each row's key and value
-   to slot_mapping[i], then out [seqs, heads, dim] (contiguous) is attention of q over the
+   is one layer's [2, num_blocks, block_size, kv_heads, dim], float32, or bfloat16 if
+   kv_bf16 (k and v rounded to it on the way in). Writes each row's key and value to
+   slot_mapping[i], then out [seqs, heads, dim] (contiguous) is attention of q over the
    sequence's seq_lens[i] cached tokens. Query head h reads kv head h / (heads / kv_heads). */
 void lo_paged_decode(const float *q, long q_s0, long q_s1, const float *k, long k_s0,
-                     long k_s1, const float *v, long v_s0, long v_s1, float *kv_cache,
-                     long num_blocks, const int64_t *slot_mapping, const int32_t *block_tables,
-                     long bt_stride, const int32_t *seq_lens, int seqs, int heads, int kv_heads,
-                     int dim, int block_size, float scale, float *out, int threads) {
-    float *key_cache = kv_cache;
-    float *value_cache = kv_cache + num_blocks * block_size * kv_heads * dim;
+                     long k_s1, const float *v, long v_s0, long v_s1, void *kv_cache,
+                     int kv_bf16, long num_blocks, const int64_t *slot_mapping,
+                     const int32_t *block_tables, long bt_stride, const int32_t *seq_lens,
+                     int seqs, int heads, int kv_heads, int dim, int block_size, float scale,
+                     float *out, int threads) {
+    void *key_cache = kv_cache;
+    void *value_cache = (char *)kv_cache
+                        + num_blocks * block_size * kv_heads * dim * (kv_bf16 ? 2 : 4);
     for (int i = 0; i < seqs; i++) {
         for (int h = 0; h < kv_heads; h++) {
             long row = (slot_mapping[i] * kv_heads + h) * dim;
-            memcpy(key_cache + row, k + i * k_s0 + h * k_s1, sizeof(float) * dim);
-            memcpy(value_cache + row, v + i * v_s0 + h * v_s1, sizeof(float) * dim);
+            store_row(key_cache, row, k + i * k_s0 + h * k_s1, dim, kv_bf16);
+            store_row(value_cache, row, v + i * v_s0 + h * v_s1, dim, kv_bf16);
         }
     }
     /* Work items are (sequence, kv head, slice of its query heads): whole groups share
@@ -300,6 +353,6 @@ void lo_paged_decode(const float *q, long q_s0, long q_s1, const float *k, long 
         int h0 = g * group + part * per, nh = group - part * per < per ? group - part * per : per;
         attend_heads_any(q + i * q_s0 + h0 * q_s1, q_s1, nh, key_cache, value_cache,
                          block_tables + i * bt_stride, seq_lens[i], block_size, kv_heads, g,
-                         dim, scale, out + ((long)i * heads + h0) * dim);
+                         dim, kv_bf16, scale, out + ((long)i * heads + h0) * dim);
     }
 }
