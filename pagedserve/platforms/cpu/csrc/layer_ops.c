@@ -8,8 +8,8 @@
    s = block_tables[i * bt_stride + j / block_size] * block_size + j % block_size,
    its key at key_cache + (s * num_kv_heads + kv_head) * head_dim, its value likewise. Its
    elements are float32 or bfloat16 (the upper half of a float32: the same exponent range);
-   keys and values are widened to float32 as they are read, so attention runs in float32
-   either way. */
+   bfloat16 rows are widened to float32 as a chunk of them is read, so attention runs in
+   float32 either way. */
 
 #include <math.h>
 #include <stdint.h>
@@ -112,8 +112,6 @@ void lo_rotary(const int64_t *positions, float *q, long q_s0, long q_s1, int hea
     }
 }
 
-/* The cache's element types. The functions taking `bf16` are always inlined and called with
-   a constant, so each type gets its own loops: the float32 ones are those without bf16. */
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -133,11 +131,7 @@ static inline uint16_t f32_to_bf16(float x) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* Element d of a cached row, as float32. */
-static ALWAYS_INLINE float kv_at(const void *row, int d, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)row)[d]) : ((const float *)row)[d];
-}
-
+/* Row `row` (an element offset) of a float32 or bfloat16 cache := src, rounded. */
 static inline void store_row(void *cache, long row, const float *src, int dim, int bf16) {
     if (!bf16) {
         memcpy((float *)cache + row, src, sizeof(float) * dim);
@@ -147,17 +141,34 @@ static inline void store_row(void *cache, long row, const float *src, int dim, i
     for (int d = 0; d < dim; d++) dst[d] = f32_to_bf16(src[d]);
 }
 
-/* Key and value row pointers of tokens j0 .. j0 + n - 1 of one sequence's kv head. */
+static ALWAYS_INLINE void widen_row(float *restrict dst, const uint16_t *restrict src,
+                                    int dim) {
+#pragma omp simd
+    for (int d = 0; d < dim; d++) dst[d] = bf16_to_f32(src[d]);
+}
+
+/* Key and value row pointers of tokens j0 .. j0 + n - 1 of one sequence's kv head: into the
+   cache if it is float32; if bf16, into `widened` ([n][2][dim]), where the rows are widened
+   once for every query head of the group that reads them. Always inlined with a constant
+   bf16, so the float32 path is the plain pointer walk. */
 static ALWAYS_INLINE void chunk_rows(const void *key_cache, const void *value_cache,
                                      const int32_t *table, int j0, int n, int block_size,
                                      int kv_heads, int kv_head, int dim, int bf16,
-                                     const void **krow, const void **vrow) {
+                                     float *widened, const float **krow, const float **vrow) {
     int block = j0 / block_size, offset = j0 % block_size;
-    long base = (long)table[block] * block_size, size = bf16 ? 2 : 4;
+    long base = (long)table[block] * block_size;
     for (int c = 0; c < n; c++) {
-        long row = ((base + offset) * kv_heads + kv_head) * dim * size;
-        krow[c] = (const char *)key_cache + row;
-        vrow[c] = (const char *)value_cache + row;
+        long row = ((base + offset) * kv_heads + kv_head) * dim;
+        if (bf16) {
+            float *k = widened + 2L * c * dim;
+            widen_row(k, (const uint16_t *)key_cache + row, dim);
+            widen_row(k + dim, (const uint16_t *)value_cache + row, dim);
+            krow[c] = k;
+            vrow[c] = k + dim;
+        } else {
+            krow[c] = (const float *)key_cache + row;
+            vrow[c] = (const float *)value_cache + row;
+        }
         if (++offset == block_size && c + 1 < n) {
             offset = 0;
             base = (long)table[++block] * block_size;
@@ -165,29 +176,15 @@ static ALWAYS_INLINE void chunk_rows(const void *key_cache, const void *value_ca
     }
 }
 
-static ALWAYS_INLINE float dot(const float *q, const void *krow, int dim, int bf16) {
+static inline float dot(const float *a, const float *b, int dim) {
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int d = 0; d < dim; d++) sum += q[d] * kv_at(krow, d, bf16);
+    for (int d = 0; d < dim; d++) sum += a[d] * b[d];
     return sum;
-}
-
-/* acc += p * vrow, one key's value. */
-static ALWAYS_INLINE void add_scaled(float *acc, const void *vrow, float p, int dim,
-                                     int bf16) {
-#pragma omp simd
-    for (int d = 0; d < dim; d++) acc[d] += p * kv_at(vrow, d, bf16);
 }
 
 #ifdef __AVX2__
 #include <immintrin.h>
-
-/* Elements d .. d + 7 of a cached row: a bfloat16 widens by a 16-bit shift. */
-static ALWAYS_INLINE __m256 kv_load8(const void *row, int d, int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float *)row + d);
-    __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + d));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
 
 /* The eight horizontal sums of a[0..7], as one vector. */
 static inline __m256 sum8x8(const __m256 *a) {
@@ -199,8 +196,8 @@ static inline __m256 sum8x8(const __m256 *a) {
 
 /* scores[c] = scale * q . krow[c]: eight keys at a time, each into its own accumulator, so
    the FMAs do not wait on each other and one transpose-add reduces all eight. */
-static ALWAYS_INLINE void chunk_scores(const float *q, const void *const *krow, int n,
-                                       int dim, int bf16, float scale, float *scores) {
+static inline void chunk_scores(const float *q, const float *const *krow, int n, int dim,
+                                float scale, float *scores) {
     int c = 0;
     if (dim % 8 == 0) {
         for (; c + 8 <= n; c += 8) {
@@ -209,21 +206,24 @@ static ALWAYS_INLINE void chunk_scores(const float *q, const void *const *krow, 
             for (int d = 0; d < dim; d += 8) {
                 __m256 qd = _mm256_loadu_ps(q + d);
                 for (int t = 0; t < 8; t++)
-                    a[t] = _mm256_fmadd_ps(qd, kv_load8(krow[c + t], d, bf16), a[t]);
+                    a[t] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(krow[c + t] + d), a[t]);
             }
             _mm256_storeu_ps(scores + c, _mm256_mul_ps(sum8x8(a), _mm256_set1_ps(scale)));
         }
     }
-    for (; c < n; c++) scores[c] = scale * dot(q, krow[c], dim, bf16);
+    for (; c < n; c++) scores[c] = scale * dot(q, krow[c], dim);
 }
 
 /* acc += sum over c of p[c] * vrow[c], 64 columns of acc at a time in eight registers, so
    the FMAs of one key are independent. Written out because GCC otherwise vectorises across
    c with gathers, which are several times slower. */
-static ALWAYS_INLINE void chunk_values(float *acc, const void *const *vrow, const float *p,
-                                       int n, int dim, int bf16) {
+static inline void chunk_values(float *acc, const float *const *vrow, const float *p, int n,
+                                int dim) {
     if (dim % 8) {
-        for (int c = 0; c < n; c++) add_scaled(acc, vrow[c], p[c], dim, bf16);
+        for (int c = 0; c < n; c++) {
+#pragma omp simd
+            for (int d = 0; d < dim; d++) acc[d] += p[c] * vrow[c][d];
+        }
         return;
     }
     for (int d0 = 0; d0 < dim; d0 += 64) {
@@ -232,21 +232,25 @@ static ALWAYS_INLINE void chunk_values(float *acc, const void *const *vrow, cons
         for (int t = 0; t < w; t++) a[t] = _mm256_loadu_ps(acc + d0 + 8 * t);
         for (int c = 0; c < n; c++) {
             __m256 pc = _mm256_set1_ps(p[c]);
+            const float *vr = vrow[c] + d0;
             for (int t = 0; t < w; t++)
-                a[t] = _mm256_fmadd_ps(pc, kv_load8(vrow[c], d0 + 8 * t, bf16), a[t]);
+                a[t] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vr + 8 * t), a[t]);
         }
         for (int t = 0; t < w; t++) _mm256_storeu_ps(acc + d0 + 8 * t, a[t]);
     }
 }
 #else
-static ALWAYS_INLINE void chunk_scores(const float *q, const void *const *krow, int n,
-                                       int dim, int bf16, float scale, float *scores) {
-    for (int c = 0; c < n; c++) scores[c] = scale * dot(q, krow[c], dim, bf16);
+static inline void chunk_scores(const float *q, const float *const *krow, int n, int dim,
+                                float scale, float *scores) {
+    for (int c = 0; c < n; c++) scores[c] = scale * dot(q, krow[c], dim);
 }
 
-static ALWAYS_INLINE void chunk_values(float *acc, const void *const *vrow, const float *p,
-                                       int n, int dim, int bf16) {
-    for (int c = 0; c < n; c++) add_scaled(acc, vrow[c], p[c], dim, bf16);
+static inline void chunk_values(float *acc, const float *const *vrow, const float *p, int n,
+                                int dim) {
+    for (int c = 0; c < n; c++) {
+#pragma omp simd
+        for (int d = 0; d < dim; d++) acc[d] += p[c] * vrow[c][d];
+    }
 }
 #endif
 
@@ -254,22 +258,22 @@ static ALWAYS_INLINE void chunk_values(float *acc, const void *const *vrow, cons
    reading kv head kv_head: online softmax over the keys, CHUNK keys per rescale. Each chunk's
    keys and values serve every head of the group while they are in L1. Always inlined, so
    the calls below with a constant dim unroll the loops over it, and a constant bf16 picks
-   the cache's element type outside them. */
+   how chunk_rows reads the cache. */
 static ALWAYS_INLINE void attend_heads(
         const float *q, long q_s1, int nh, const void *key_cache, const void *value_cache,
         const int32_t *table, int seq_len, int block_size, int kv_heads, int kv_head, int dim,
         int bf16, float scale, float *out) {
-    float acc[nh * dim], m[nh], l[nh], scores[CHUNK];
-    const void *krow[CHUNK], *vrow[CHUNK];
+    float acc[nh * dim], m[nh], l[nh], scores[CHUNK], widened[bf16 ? 2 * CHUNK * dim : 1];
+    const float *krow[CHUNK], *vrow[CHUNK];
     for (int d = 0; d < nh * dim; d++) acc[d] = 0.f;
     for (int h = 0; h < nh; h++) m[h] = -INFINITY, l[h] = 0.f;
     for (int j0 = 0; j0 < seq_len; j0 += CHUNK) {
         int n = seq_len - j0 < CHUNK ? seq_len - j0 : CHUNK;
         chunk_rows(key_cache, value_cache, table, j0, n, block_size, kv_heads, kv_head, dim,
-                   bf16, krow, vrow);
+                   bf16, widened, krow, vrow);
         for (int h = 0; h < nh; h++) {
             float *a = acc + h * dim;
-            chunk_scores(q + h * q_s1, krow, n, dim, bf16, scale, scores);
+            chunk_scores(q + h * q_s1, krow, n, dim, scale, scores);
             float chunk_max = -INFINITY, sum = 0.f;
             for (int c = 0; c < n; c++) chunk_max = scores[c] > chunk_max ? scores[c] : chunk_max;
             if (chunk_max > m[h]) {
@@ -285,7 +289,7 @@ static ALWAYS_INLINE void attend_heads(
                 sum += scores[c];
             }
             l[h] += sum;
-            chunk_values(a, vrow, scores, n, dim, bf16);
+            chunk_values(a, vrow, scores, n, dim);
         }
     }
     for (int h = 0; h < nh; h++) {
