@@ -123,7 +123,7 @@ static inline float bf16_to_f32(uint16_t h) {
 
 /* Round to nearest even, as torch's .to(torch.bfloat16) does, NaN included (its vectorised
    conversion writes 0xffff). Not AVX512-BF16's vcvtneps2bf16: that flushes subnormals to
-   zero. Only the step's new rows are converted, so the scalar loop costs nothing. */
+   zero. Only the step's new rows are converted, so a scalar loop is cheap enough. */
 static inline uint16_t f32_to_bf16(float x) {
     uint32_t bits;
     memcpy(&bits, &x, sizeof bits);
