@@ -109,7 +109,9 @@ class EngineConfig:
               "the CPU's, for 4- and 8-bit groups; off: activations stay floating point "
               "(docs/platforms.md)")
     kv_cache_dtype: str = option(
-        "auto", "KV-cache element type; fp8 halves its size (cuda)", choices=KV_CACHE_DTYPES)
+        "auto", "KV-cache element type (auto: the model's); fp8 halves a 16-bit cache (cuda); "
+                "bfloat16 halves a float32 cache (cpu; elsewhere only with a bfloat16 model)",
+        choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = option(
         True, "automatic prefix caching: reuse the KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = option(

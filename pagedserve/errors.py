@@ -5,7 +5,7 @@ flag's value, without importing the config that imports them."""
 from __future__ import annotations
 
 # ``--kv-cache-dtype``'s choices; the CUDA attention backend checks its argument against them.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 
 
 class ConfigError(ValueError):

@@ -5,6 +5,11 @@ Decode-only steps gather every sequence's blocks into one padded batch and run o
 attention. So do the short queries of a mixed step (decodes, and the few tokens of a
 speculative verify step, up to ``SHORT_QUERY`` rows each, padded to the longest); longer
 prompt chunks attend per sequence, since their query lengths differ.
+
+The cache may hold a narrower type than the queries (a bfloat16 pool under a float32 model):
+keys and values are rounded into it and widened back as they are gathered, and a prompt
+without cached context attends over its rounded keys too, so its numbers do not depend on
+whether its prefix came from the cache.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ SHORT_QUERY = 16
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter the step's keys and values into their cache slots."""
+    """Scatter the step's keys and values into their cache slots, rounded to its dtype."""
     num_kv_heads, head_size = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, v)
+    kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping,
+                                                              k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping,
+                                                              v.to(kv_cache.dtype))
 
 
 def context_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -41,27 +48,35 @@ def context_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor,
 class TorchPagedAttention(AttentionBackend):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # Gathered keys and values land in one reused buffer: a fresh tensor of that size is
-        # a fresh mmap on the host, and its page faults cost more than the copy itself.
-        self._workspace = torch.empty(0)
+        # Gathered keys and values land in reused buffers, one per dtype (the cache's, and the
+        # queries' they are widened into): a fresh tensor of that size is a fresh mmap on the
+        # host, and its page faults cost more than the copy itself.
+        self._workspaces: dict[torch.dtype, torch.Tensor] = {}
+
+    def _workspace(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The first ``n`` elements of the reused buffer of ``dtype``, grown by a quarter."""
+        buffer = self._workspaces.get(dtype)
+        if buffer is None or buffer.numel() < n or buffer.device != device:
+            buffer = self._workspaces[dtype] = torch.empty(n + n // 4, dtype=dtype,
+                                                           device=device)
+        return buffer[:n]
 
     def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                seq_lens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[batch, num_tokens, num_kv_heads, head_size]`` of each sequence."""
+                seq_lens: torch.Tensor, num_tokens: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[batch, num_tokens, num_kv_heads, head_size]`` of each sequence,
+        in ``dtype``."""
         _, _, block_size, num_kv_heads, head_size = kv_cache.shape
         slots = context_slots(block_tables, seq_lens, num_tokens, block_size)
         row = num_kv_heads * head_size
         n = slots.numel() * row
-        if self._workspace.numel() < 2 * n or self._workspace.dtype != kv_cache.dtype \
-                or self._workspace.device != kv_cache.device:
-            self._workspace = torch.empty(2 * n + n // 2, dtype=kv_cache.dtype,
-                                          device=kv_cache.device)
-        keys = self._workspace[:n].view(-1, row)
-        values = self._workspace[n:2 * n].view(-1, row)
-        torch.index_select(kv_cache[0].view(-1, row), 0, slots, out=keys)
-        torch.index_select(kv_cache[1].view(-1, row), 0, slots, out=values)
+        gathered = self._workspace(2 * n, kv_cache.dtype, kv_cache.device)
+        torch.index_select(kv_cache[0].view(-1, row), 0, slots, out=gathered[:n].view(-1, row))
+        torch.index_select(kv_cache[1].view(-1, row), 0, slots, out=gathered[n:].view(-1, row))
+        if dtype != kv_cache.dtype:
+            gathered = self._workspace(2 * n, dtype, kv_cache.device).copy_(gathered)
         shape = (block_tables.shape[0], num_tokens, num_kv_heads, head_size)
-        return keys.view(shape), values.view(shape)
+        return gathered[:n].view(shape), gathered[n:].view(shape)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
@@ -87,7 +102,7 @@ class TorchPagedAttention(AttentionBackend):
 
     def _decode(self, q, kv_cache, block_tables, seq_lens, max_seq_len: int) -> torch.Tensor:
         """One query row per sequence, all sequences in one padded, masked attention."""
-        keys, values = self._gather(kv_cache, block_tables, seq_lens, max_seq_len)
+        keys, values = self._gather(kv_cache, block_tables, seq_lens, max_seq_len, q.dtype)
         positions = torch.arange(max_seq_len, device=q.device)
         valid = positions[None, :] < seq_lens[:, None]
         return self._attend(q[:, None], keys, values, valid[:, None, None, :], causal=False)[:, 0]
@@ -108,7 +123,8 @@ class TorchPagedAttention(AttentionBackend):
         seq_lens, lens = meta.seq_lens[index].long(), torch.tensor(q_lens, device=q.device)
         r = torch.arange(width, device=q.device)
         rows = starts[:, None] + torch.minimum(r, lens[:, None] - 1)
-        keys, values = self._gather(kv_cache, meta.block_tables[index], seq_lens, max_seq_len)
+        keys, values = self._gather(kv_cache, meta.block_tables[index], seq_lens, max_seq_len,
+                                    q.dtype)
         query_pos = (seq_lens - lens)[:, None] + r  # [B, width]
         key_pos = torch.arange(max_seq_len, device=q.device)
         mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, width, keys]
@@ -126,14 +142,20 @@ class TorchPagedAttention(AttentionBackend):
             if i in skip:
                 continue
             if q_len == seq_len:
-                # No cached context: attend over the fresh keys directly.
-                out[rows] = self._attend(q[None, rows], k[None, rows], v[None, rows],
-                                         None, causal=True)[0]
+                # No cached context: attend over the fresh keys directly, as the cache holds
+                # them.
+                keys, values = (_as_cached(x[None, rows], kv_cache.dtype) for x in (k, v))
+                out[rows] = self._attend(q[None, rows], keys, values, None, causal=True)[0]
                 continue
             keys, values = self._gather(kv_cache, meta.block_tables[i:i + 1],
-                                        meta.seq_lens[i:i + 1], seq_len)
+                                        meta.seq_lens[i:i + 1], seq_len, q.dtype)
             # Query row r sits at position seq_len - q_len + r and sees keys up to it.
             key_pos = torch.arange(seq_len, device=q.device)
             query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = key_pos[None, :] <= query_pos[:, None]
             out[rows] = self._attend(q[None, rows], keys, values, mask, causal=False)[0]
+
+
+def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to the cache's dtype and back: the value a gather from the cache gives."""
+    return x if x.dtype == cache_dtype else x.to(cache_dtype).to(x.dtype)

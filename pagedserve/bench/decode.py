@@ -169,7 +169,7 @@ def main(args: argparse.Namespace) -> None:
     write_result(f"decode_{label}", {
         "model": engine.model_name, "quantization": args.quantization,
         "requantize": args.requantize, "dtype": str(engine.dtype),
-        "copy_bandwidth_bytes_s": bandwidth,
+        "kv_cache_dtype": engine.config.kv_cache_dtype, "copy_bandwidth_bytes_s": bandwidth,
         "cpu_offload_bytes": offloaded, "host_to_device_bytes_s": bus,
         "weight_bytes_read_per_step": weights, "context_len": args.context_len,
         "rows": rows}, args.out)

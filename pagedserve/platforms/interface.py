@@ -200,8 +200,9 @@ class Platform:
 
     @classmethod
     def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-        """The element type of the KV pool for ``--kv-cache-dtype``."""
-        if kv_cache_dtype != "auto":
+        """The element type of the KV pool for ``--kv-cache-dtype``: the model's, which a
+        dtype's name (``bfloat16``) may also ask for."""
+        if kv_cache_dtype != "auto" and getattr(torch, kv_cache_dtype, None) != model_dtype:
             raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype} is not supported on the "
                               f"{cls.name} platform; use auto")
         return model_dtype

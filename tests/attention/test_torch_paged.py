@@ -1,4 +1,6 @@
-"""The portable paged attention against a float64 dense reference, with a poisoned pool."""
+"""The portable paged attention against a float64 dense reference, with a poisoned pool of
+float32 or of bfloat16 under float32 queries (the reference then reads the keys and values
+rounded as the pool holds them)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def reference(q, keys, values, context_lens, query_lens, scale, group):
     (4, 4, 4, 16), (8, 8, 2, 32), (16, 6, 3, 64),
 ])
 @pytest.mark.parametrize("shape", ["decode", "prefill", "chunked", "mixed"])
-def test_matches_dense_reference(block_size, heads, kv_heads, head_dim, shape):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_matches_dense_reference(block_size, heads, kv_heads, head_dim, shape, kv_dtype):
     torch.manual_seed(0)
     cases = {  # (context already cached, new query rows) per sequence
         "decode": [(5, 1), (17, 1), (1, 1), (30, 1)],
@@ -37,7 +40,8 @@ def test_matches_dense_reference(block_size, heads, kv_heads, head_dim, shape):
         "mixed": [(12, 1), (0, 13), (7, 5), (20, 1)],
     }[shape]
     num_blocks = 64
-    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"))
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"),
+                       dtype=kv_dtype)
     perm = torch.randperm(num_blocks).tolist()  # shuffled, non-contiguous block tables
     tables, full_k, full_v, q_rows, new_k, new_v, slots = [], [], [], [], [], [], []
     for ctx, n in cases:
@@ -72,10 +76,10 @@ def test_matches_dense_reference(block_size, heads, kv_heads, head_dim, shape):
     scale = head_dim ** -0.5
     backend = TorchPagedAttention(heads, head_dim, kv_heads, scale)
     out = backend.forward(q, torch.cat(new_k), torch.cat(new_v), cache, meta)
-    expected = reference(q, full_k, full_v, [c for c, _ in cases], query_lens, scale,
-                         heads // kv_heads)
+    expected = reference(q, [k.to(kv_dtype) for k in full_k], [v.to(kv_dtype) for v in full_v],
+                         [c for c, _ in cases], query_lens, scale, heads // kv_heads)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
-    # The new keys landed in their slots.
+    # The new keys landed in their slots, rounded as torch rounds them.
     flat_k = cache[0].reshape(-1, kv_heads, head_dim)
-    torch.testing.assert_close(flat_k[torch.tensor(slots)], torch.cat(new_k))
+    assert torch.equal(flat_k[torch.tensor(slots)], torch.cat(new_k).to(kv_dtype))

@@ -1,6 +1,6 @@
 """The CPU attention backend: float32 steps of decode and short (speculative verify) queries
-in one C call that reads keys and values straight from the paged cache; everything else in
-the portable torch ops."""
+in one C call that reads keys and values straight from the paged cache (float32 or
+bfloat16); everything else in the portable torch ops."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.torch_paged import SHORT_QUERY, TorchPagedAttention
-from pagedserve.platforms.cpu.layer_ops import library
+from pagedserve.platforms.cpu import layer_ops
 
 F32 = torch.float32
+KV_DTYPES = (F32, torch.bfloat16)  # the cache element types lo_paged_decode reads
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -44,9 +45,10 @@ class CpuPagedAttention(TorchPagedAttention):
             return super().forward(q, k, v, kv_cache, meta)
         out = torch.empty(q.shape, dtype=F32)
         num_blocks, block_size = kv_cache.shape[1:3]
-        library().lo_paged_decode(
+        layer_ops.library().lo_paged_decode(
             q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
-            v.data_ptr(), v.stride(0), v.stride(1), kv_cache.data_ptr(), num_blocks,
+            v.data_ptr(), v.stride(0), v.stride(1), kv_cache.data_ptr(),
+            kv_cache.dtype == torch.bfloat16, num_blocks,
             *self._meta_args, self.num_heads, self.num_kv_heads, self.head_size, block_size,
             self.scale, out.data_ptr(), torch.get_num_threads())
         return out
@@ -81,6 +83,6 @@ def _meta_args(meta: AttentionMetadata, per_row: tuple[torch.Tensor, torch.Tenso
 
 
 def _native_layout(q, k, v, kv_cache) -> bool:
-    return (q.dtype == F32 and k.dtype == F32 and v.dtype == F32 and kv_cache.dtype == F32
+    return (q.dtype == F32 and k.dtype == F32 and v.dtype == F32 and kv_cache.dtype in KV_DTYPES
             and q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
             and kv_cache.is_contiguous())

@@ -29,15 +29,18 @@ def available() -> bool:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     lib = native_build.load_library(SOURCE)
-    if lib is None:
-        return None
+    return None if lib is None else declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (built from ``SOURCE`` or a variant of it) with its functions' C types set."""
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     signatures = {
         "lo_rms_norm": [p, i64, p, i64, p, f32, p, i64, i32, i32, i32],
         "lo_silu_and_mul": [p, i64, p, i64, i32, i32, i32],
         "lo_rotary": [p, p, i64, i64, i32, p, i64, i64, i32, p, p, i32, i32, i32],
-        "lo_paged_decode": [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, p, p, i64, p,
-                            i32, i32, i32, i32, i32, f32, p, i32],
+        "lo_paged_decode": [p, i64, i64, p, i64, i64, p, i64, i64, p, i32, i64, p, p, i64,
+                            p, i32, i32, i32, i32, i32, f32, p, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

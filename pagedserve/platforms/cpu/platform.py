@@ -90,6 +90,13 @@ class CpuPlatform(Platform):
         return GroupedLoRAOps
 
     @classmethod
+    def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+        """bfloat16 under any model dtype: the attention kernels widen it as they read it."""
+        if kv_cache_dtype == "bfloat16":
+            return torch.bfloat16
+        return super().kv_cache_torch_dtype(kv_cache_dtype, model_dtype)
+
+    @classmethod
     def memory_info(cls) -> MemoryInfo:
         total = _meminfo_bytes("MemTotal")
         if total is None:

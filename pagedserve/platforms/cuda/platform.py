@@ -109,7 +109,9 @@ class CudaPlatform(Platform):
 
     @classmethod
     def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-        return torch.float8_e4m3fn if kv_cache_dtype.startswith("fp8") else model_dtype
+        if kv_cache_dtype.startswith("fp8"):
+            return torch.float8_e4m3fn
+        return super().kv_cache_torch_dtype(kv_cache_dtype, model_dtype)
 
     @classmethod
     def memory_info(cls) -> MemoryInfo:

@@ -46,12 +46,12 @@ class RocmPlatform(CudaPlatform):
     def kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
         # MI300 (gfx94x) would store float8_e4m3fnuz, which the cache kernels do not encode
         # (they write and read float8_e4m3fn only); gfx950's e4m3fn path is unverified.
-        if kv_cache_dtype != "auto":
+        if kv_cache_dtype.startswith("fp8"):
             arch = _gcn_arch().split(":")[0]
             raise ConfigError(
                 f"--kv-cache-dtype {kv_cache_dtype} is not supported on rocm ({arch}): "
                 "the Triton cache kernels do not handle AMD's FP8 KV cache yet; use auto")
-        return model_dtype
+        return super().kv_cache_torch_dtype(kv_cache_dtype, model_dtype)
 
 
 def _gcn_arch() -> str:

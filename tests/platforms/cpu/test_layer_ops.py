@@ -1,9 +1,8 @@
 """The native CPU layer ops and decode attention against float64 references: the plain-torch
-``LayerOps`` for the elementwise ops, dense attention over a NaN-poisoned paged pool."""
+``LayerOps`` for the elementwise ops, dense attention over a NaN-poisoned paged pool of float32
+or bfloat16 (the reference then reads the keys and values rounded as the pool holds them)."""
 
 from __future__ import annotations
-
-import random
 
 import pytest
 import torch
@@ -15,6 +14,9 @@ from pagedserve.platforms.cpu import layer_ops
 from pagedserve.platforms.cpu.attention import CpuPagedAttention
 from pagedserve.platforms.cpu.layer_ops import CpuLayerOps
 from pagedserve.platforms.cpu.platform import CpuPlatform
+from tests.platforms.cpu.paged_cases import decode_case, dense_reference
+
+KV_DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -83,57 +85,14 @@ def test_ops_fall_back_for_other_dtypes():
     torch.testing.assert_close(CpuLayerOps.silu_and_mul(x), LayerOps.silu_and_mul(x))
 
 
-def decode_case(block_size: int, heads: int, kv_heads: int, dim: int, seq_lens: list[int],
-                seed: int):
-    """A NaN-poisoned pool holding each sequence's context; the step's k/v are not in it."""
-    gen = random.Random(seed)
-    torch.manual_seed(seed)
-    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 5
-    cache = torch.full((2, num_blocks, block_size, kv_heads, dim), float("nan"))
-    free = list(range(num_blocks))
-    gen.shuffle(free)
-    tables, keys, values, slots = [], [], [], []
-    for n in seq_lens:
-        blocks = [free.pop() for _ in range(-(-n // block_size))]
-        tables.append(blocks)
-        k, v = torch.randn(2, n, kv_heads, dim).unbind()
-        keys.append(k)
-        values.append(v)
-        for p in range(n - 1):
-            cache[0, blocks[p // block_size], p % block_size] = k[p]
-            cache[1, blocks[p // block_size], p % block_size] = v[p]
-        slots.append(blocks[(n - 1) // block_size] * block_size + (n - 1) % block_size)
-    # Padding past a table's end points at a poisoned block, which must never be read.
-    width = max(len(t) for t in tables) + 1
-    table_t = torch.tensor([t + [free[0]] * (width - len(t)) for t in tables],
-                           dtype=torch.int32)
-    num = len(seq_lens)
-    meta = AttentionMetadata(
-        num_seqs=num, num_tokens=num, max_query_len=1, max_seq_len=max(seq_lens),
-        block_size=block_size, query_start_loc=torch.arange(num + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        context_lens=torch.tensor(seq_lens, dtype=torch.int32) - 1, block_tables=table_t,
-        slot_mapping=torch.tensor(slots), query_lens_cpu=[1] * num, seq_lens_cpu=seq_lens)
-    return cache, keys, values, meta
-
-
-def dense_reference(q, keys, values, scale, group):
-    outs = []
-    for qi, k, v in zip(q.double(), keys, values):
-        k = k.double().repeat_interleave(group, dim=1)
-        v = v.double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,khd->hk", qi, k) * scale
-        outs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
-    return torch.stack(outs)
-
-
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (9, 3)])
 @pytest.mark.parametrize("dim", [16, 64, 128, 20])  # 20: not a multiple of the vector width
-def test_decode_attention_matches_dense_reference(block_size, heads, kv_heads, dim):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_decode_attention_matches_dense_reference(block_size, heads, kv_heads, dim, kv_dtype):
     seq_lens = [1, 2, 33, 100, 17, 64]
     cache, keys, values, meta = decode_case(block_size, heads, kv_heads, dim, seq_lens,
-                                            seed=block_size * dim + heads)
+                                            seed=block_size * dim + heads, dtype=kv_dtype)
     # q/k/v are strided views of a fused projection, as in the model.
     num = len(seq_lens)
     qkv = torch.randn(num, (heads + 2 * kv_heads) * dim) * 2
@@ -144,21 +103,24 @@ def test_decode_attention_matches_dense_reference(block_size, heads, kv_heads, d
         k[i], v[i] = keys[i][n - 1], values[i][n - 1]
     scale = dim ** -0.5
     out = CpuPagedAttention(heads, dim, kv_heads, scale).forward(q, k, v, cache, meta)
-    close(out, dense_reference(q, keys, values, scale, heads // kv_heads))
+    close(out, dense_reference(q, keys, values, scale, heads // kv_heads, kv_dtype))
+    # The step's rows are rounded into the pool as torch rounds them.
     flat = cache.view(2, -1, kv_heads, dim)
-    assert torch.equal(flat[0, meta.slot_mapping], k)
-    assert torch.equal(flat[1, meta.slot_mapping], v)
+    assert torch.equal(flat[0, meta.slot_mapping], k.to(kv_dtype))
+    assert torch.equal(flat[1, meta.slot_mapping], v.to(kv_dtype))
 
 
-def test_decode_attention_with_large_scores():
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_decode_attention_with_large_scores(kv_dtype):
     """Scores far apart (a key aligned with q among random ones) exercise the rescaling."""
     heads, kv_heads, dim = 2, 1, 64
     seq_lens = [70]
-    cache, keys, values, meta = decode_case(4, heads, kv_heads, dim, seq_lens, seed=3)
+    cache, keys, values, meta = decode_case(4, heads, kv_heads, dim, seq_lens, seed=3,
+                                            dtype=kv_dtype)
     q = keys[0][40, :, None].expand(1, heads, dim).contiguous() * 6
     k, v = keys[0][69:], values[0][69:]
     out = CpuPagedAttention(heads, dim, kv_heads, 1.0).forward(q, k, v, cache, meta)
-    close(out, dense_reference(q, keys, values, 1.0, heads // kv_heads))
+    close(out, dense_reference(q, keys, values, 1.0, heads // kv_heads, kv_dtype))
 
 
 @pytest.mark.parametrize("query_len,verify", [(2, False), (SHORT_QUERY + 1, True)])
@@ -198,7 +160,8 @@ def test_decode_attention_splits_query_head_groups(monkeypatch, threads, heads, 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (9, 3)])
-def test_short_queries_match_a_causal_dense_reference(block_size, heads, kv_heads,
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_short_queries_match_a_causal_dense_reference(block_size, heads, kv_heads, kv_dtype,
                                                       monkeypatch):
     """A verify step (sequences of 5 and 3 new rows after their context) mixed with decode
     rows: the native kernel, one query row at a time, equals float64 causal attention, and
@@ -207,7 +170,7 @@ def test_short_queries_match_a_causal_dense_reference(block_size, heads, kv_head
     dim, gen = 32, torch.Generator().manual_seed(block_size + heads)
     contexts, news = [7, 0, 30, 12], [5, 1, 3, 1]
     num_blocks = sum(-(-(c + n) // block_size) for c, n in zip(contexts, news)) + 3
-    cache = torch.full((2, num_blocks, block_size, kv_heads, dim), float("nan"))
+    cache = torch.full((2, num_blocks, block_size, kv_heads, dim), float("nan"), dtype=kv_dtype)
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables, keys, values, slots = [], [], [], []
     for c, n in zip(contexts, news):
@@ -240,13 +203,13 @@ def test_short_queries_match_a_causal_dense_reference(block_size, heads, kv_head
     out = CpuPagedAttention(heads, dim, kv_heads, dim ** -0.5).forward(q, k, v, cache, meta)
     group, expected = heads // kv_heads, []
     for i, (c, n) in enumerate(zip(contexts, news)):
-        kk = keys[i].double().repeat_interleave(group, dim=1)
-        vv = values[i].double().repeat_interleave(group, dim=1)
+        kk = keys[i].to(kv_dtype).double().repeat_interleave(group, dim=1)
+        vv = values[i].to(kv_dtype).double().repeat_interleave(group, dim=1)
         for j in range(n):
             qi = q[starts[i] + j].double()
             scores = torch.einsum("hd,khd->hk", qi, kk[:c + j + 1]) * dim ** -0.5
             expected.append(torch.einsum("hk,khd->hd", scores.softmax(-1), vv[:c + j + 1]))
     close(out, torch.stack(expected))
     flat = cache.view(2, -1, kv_heads, dim)
-    assert torch.equal(flat[0, meta.slot_mapping], k)
-    assert torch.equal(flat[1, meta.slot_mapping], v)
+    assert torch.equal(flat[0, meta.slot_mapping], k.to(kv_dtype))
+    assert torch.equal(flat[1, meta.slot_mapping], v.to(kv_dtype))

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.platforms.cpu import native_build, native_quant
+from tests.platforms.cpu.native_variants import build_variant
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -34,19 +35,6 @@ def built(tmp_path_factory: pytest.TempPathFactory):
             pytest.skip("no working C compiler for the native kernels (see the log)")
         yield native_quant.library_path()
     native_quant._library.cache_clear()
-
-
-@pytest.fixture
-def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every float tensor torch.empty hands out starts as NaN, so an output element a kernel
-    leaves unwritten shows."""
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        out = empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
 
 
 def quantized(n: int, k: int, bits: int, group_size: int, seed: int = 0):
@@ -150,16 +138,7 @@ def variant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edits: dict[str, st
             flags: tuple[str, ...] = ()) -> None:
     """Makes native_quant use a library built from the shipped source with ``edits`` (each
     text must occur) and extra compiler ``flags``."""
-    source = native_quant.SOURCE.read_text()
-    for old, new in edits.items():
-        assert old in source
-        source = source.replace(old, new)
-    path = tmp_path / native_quant.SOURCE.name
-    path.write_text(source)
-    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))  # not the shared test cache
-    monkeypatch.setattr(native_build, "FLAGS", native_build.FLAGS + flags)
-    lib = native_build.load_library(path)
-    assert lib is not None
+    lib = build_variant(native_quant.SOURCE, tmp_path, monkeypatch, edits, flags)
     monkeypatch.setattr(native_quant, "_library", lambda: native_quant.declare(lib))
 
 

@@ -6,7 +6,10 @@
    The paged KV cache of one layer is [2, num_blocks, block_size, num_kv_heads, head_dim]
    contiguous: token j of sequence i sits in slot
    s = block_tables[i * bt_stride + j / block_size] * block_size + j % block_size,
-   its key at key_cache + (s * num_kv_heads + kv_head) * head_dim, its value likewise. */
+   its key at key_cache + (s * num_kv_heads + kv_head) * head_dim, its value likewise. Its
+   elements are float32 or bfloat16 (the upper half of a float32: the same exponent range);
+   bfloat16 rows are widened to float32 as a chunk of them is read, so attention runs in
+   float32 either way. */
 
 #include <math.h>
 #include <stdint.h>
@@ -109,17 +112,63 @@ void lo_rotary(const int64_t *positions, float *q, long q_s0, long q_s1, int hea
     }
 }
 
-/* Key and value row pointers of tokens j0 .. j0 + n - 1 of one sequence's kv head. */
-static inline void chunk_rows(const float *key_cache, const float *value_cache,
-                              const int32_t *table, int j0, int n, int block_size,
-                              int kv_heads, int kv_head, int dim, const float **krow,
-                              const float **vrow) {
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* Round to nearest even, as torch's .to(torch.bfloat16) does, NaN included (its vectorised
+   conversion writes 0xffff). Not AVX512-BF16's vcvtneps2bf16: that flushes subnormals to
+   zero. Only the step's new rows are converted, so a scalar loop is cheap enough. */
+static inline uint16_t f32_to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if (x != x) return 0xffff;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Row `row` (an element offset) of a float32 or bfloat16 cache := src, rounded. */
+static inline void store_row(void *cache, long row, const float *src, int dim, int bf16) {
+    if (!bf16) {
+        memcpy((float *)cache + row, src, sizeof(float) * dim);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + row;
+    for (int d = 0; d < dim; d++) dst[d] = f32_to_bf16(src[d]);
+}
+
+static ALWAYS_INLINE void widen_row(float *restrict dst, const uint16_t *restrict src,
+                                    int dim) {
+#pragma omp simd
+    for (int d = 0; d < dim; d++) dst[d] = bf16_to_f32(src[d]);
+}
+
+/* Key and value row pointers of tokens j0 .. j0 + n - 1 of one sequence's kv head: into the
+   cache if it is float32; if bf16, into `widened` ([n][2][dim]), where the rows are widened
+   once for every query head of the group that reads them. Always inlined with a constant
+   bf16, so the float32 path is the plain pointer walk. */
+static ALWAYS_INLINE void chunk_rows(const void *key_cache, const void *value_cache,
+                                     const int32_t *table, int j0, int n, int block_size,
+                                     int kv_heads, int kv_head, int dim, int bf16,
+                                     float *widened, const float **krow, const float **vrow) {
     int block = j0 / block_size, offset = j0 % block_size;
     long base = (long)table[block] * block_size;
     for (int c = 0; c < n; c++) {
         long row = ((base + offset) * kv_heads + kv_head) * dim;
-        krow[c] = key_cache + row;
-        vrow[c] = value_cache + row;
+        if (bf16) {
+            float *k = widened + 2L * c * dim;
+            widen_row(k, (const uint16_t *)key_cache + row, dim);
+            widen_row(k + dim, (const uint16_t *)value_cache + row, dim);
+            krow[c] = k;
+            vrow[c] = k + dim;
+        } else {
+            krow[c] = (const float *)key_cache + row;
+            vrow[c] = (const float *)value_cache + row;
+        }
         if (++offset == block_size && c + 1 < n) {
             offset = 0;
             base = (long)table[++block] * block_size;
@@ -208,19 +257,20 @@ static inline void chunk_values(float *acc, const float *const *vrow, const floa
 /* One sequence, query heads h0 .. h0 + nh - 1 (q rows q_s1 apart, out rows dim apart), all
    reading kv head kv_head: online softmax over the keys, CHUNK keys per rescale. Each chunk's
    keys and values serve every head of the group while they are in L1. Always inlined, so
-   the calls below with a constant dim unroll the loops over it. */
-static inline __attribute__((always_inline)) void attend_heads(
-        const float *q, long q_s1, int nh, const float *key_cache, const float *value_cache,
+   the calls below with a constant dim unroll the loops over it, and a constant bf16 picks
+   how chunk_rows reads the cache. */
+static ALWAYS_INLINE void attend_heads(
+        const float *q, long q_s1, int nh, const void *key_cache, const void *value_cache,
         const int32_t *table, int seq_len, int block_size, int kv_heads, int kv_head, int dim,
-        float scale, float *out) {
-    float acc[nh * dim], m[nh], l[nh], scores[CHUNK];
+        int bf16, float scale, float *out) {
+    float acc[nh * dim], m[nh], l[nh], scores[CHUNK], widened[bf16 ? 2 * CHUNK * dim : 1];
     const float *krow[CHUNK], *vrow[CHUNK];
     for (int d = 0; d < nh * dim; d++) acc[d] = 0.f;
     for (int h = 0; h < nh; h++) m[h] = -INFINITY, l[h] = 0.f;
     for (int j0 = 0; j0 < seq_len; j0 += CHUNK) {
         int n = seq_len - j0 < CHUNK ? seq_len - j0 : CHUNK;
         chunk_rows(key_cache, value_cache, table, j0, n, block_size, kv_heads, kv_head, dim,
-                   krow, vrow);
+                   bf16, widened, krow, vrow);
         for (int h = 0; h < nh; h++) {
             float *a = acc + h * dim;
             chunk_scores(q + h * q_s1, krow, n, dim, scale, scores);
@@ -248,41 +298,48 @@ static inline __attribute__((always_inline)) void attend_heads(
     }
 }
 
-static void attend_heads_any(const float *q, long q_s1, int nh, const float *key_cache,
-                             const float *value_cache, const int32_t *table, int seq_len,
-                             int block_size, int kv_heads, int kv_head, int dim, float scale,
-                             float *out) {
-    switch (dim) {
+static void attend_heads_any(const float *q, long q_s1, int nh, const void *key_cache,
+                             const void *value_cache, const int32_t *table, int seq_len,
+                             int block_size, int kv_heads, int kv_head, int dim, int bf16,
+                             float scale, float *out) {
+#define ATTEND(D, B)                                                                         \
+    attend_heads(q, q_s1, nh, key_cache, value_cache, table, seq_len, block_size, kv_heads,  \
+                 kv_head, D, B, scale, out)
 #define CASE(D)                                                                              \
     case D:                                                                                  \
-        attend_heads(q, q_s1, nh, key_cache, value_cache, table, seq_len, block_size,        \
-                     kv_heads, kv_head, D, scale, out);                                      \
+        if (bf16) ATTEND(D, 1);                                                              \
+        else ATTEND(D, 0);                                                                   \
         return;
+    switch (dim) {
         CASE(64)
         CASE(128)
-#undef CASE
     default:
-        attend_heads(q, q_s1, nh, key_cache, value_cache, table, seq_len, block_size,
-                     kv_heads, kv_head, dim, scale, out);
+        if (bf16) ATTEND(dim, 1);
+        else ATTEND(dim, 0);
     }
+#undef CASE
+#undef ATTEND
 }
 
 /* A decode-only step: q/k/v [seqs, heads or kv_heads, dim], one row per sequence; kv_cache
-   is one layer's [2, num_blocks, block_size, kv_heads, dim]. Writes each row's key and value
-   to slot_mapping[i], then out [seqs, heads, dim] (contiguous) is attention of q over the
+   is one layer's [2, num_blocks, block_size, kv_heads, dim], float32, or bfloat16 if
+   kv_bf16 (k and v rounded to it on the way in). Writes each row's key and value to
+   slot_mapping[i], then out [seqs, heads, dim] (contiguous) is attention of q over the
    sequence's seq_lens[i] cached tokens. Query head h reads kv head h / (heads / kv_heads). */
 void lo_paged_decode(const float *q, long q_s0, long q_s1, const float *k, long k_s0,
-                     long k_s1, const float *v, long v_s0, long v_s1, float *kv_cache,
-                     long num_blocks, const int64_t *slot_mapping, const int32_t *block_tables,
-                     long bt_stride, const int32_t *seq_lens, int seqs, int heads, int kv_heads,
-                     int dim, int block_size, float scale, float *out, int threads) {
-    float *key_cache = kv_cache;
-    float *value_cache = kv_cache + num_blocks * block_size * kv_heads * dim;
+                     long k_s1, const float *v, long v_s0, long v_s1, void *kv_cache,
+                     int kv_bf16, long num_blocks, const int64_t *slot_mapping,
+                     const int32_t *block_tables, long bt_stride, const int32_t *seq_lens,
+                     int seqs, int heads, int kv_heads, int dim, int block_size, float scale,
+                     float *out, int threads) {
+    void *key_cache = kv_cache;
+    void *value_cache = (char *)kv_cache
+                        + num_blocks * block_size * kv_heads * dim * (kv_bf16 ? 2 : 4);
     for (int i = 0; i < seqs; i++) {
         for (int h = 0; h < kv_heads; h++) {
             long row = (slot_mapping[i] * kv_heads + h) * dim;
-            memcpy(key_cache + row, k + i * k_s0 + h * k_s1, sizeof(float) * dim);
-            memcpy(value_cache + row, v + i * v_s0 + h * v_s1, sizeof(float) * dim);
+            store_row(key_cache, row, k + i * k_s0 + h * k_s1, dim, kv_bf16);
+            store_row(value_cache, row, v + i * v_s0 + h * v_s1, dim, kv_bf16);
         }
     }
     /* Work items are (sequence, kv head, slice of its query heads): whole groups share
@@ -300,6 +357,6 @@ void lo_paged_decode(const float *q, long q_s0, long q_s1, const float *k, long 
         int h0 = g * group + part * per, nh = group - part * per < per ? group - part * per : per;
         attend_heads_any(q + i * q_s0 + h0 * q_s1, q_s1, nh, key_cache, value_cache,
                          block_tables + i * bt_stride, seq_lens[i], block_size, kv_heads, g,
-                         dim, scale, out + ((long)i * heads + h0) * dim);
+                         dim, kv_bf16, scale, out + ((long)i * heads + h0) * dim);
     }
 }
