@@ -72,6 +72,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="--workload verify: a draft model of random weights of this shape "
                              "(e.g. llama3-1b) as the speculative config's model; the table "
                              "then also times steps whose drafts it draws")
+    parser.add_argument("--eagle3", action="store_true",
+                        help="--workload verify: a random EAGLE-3 head of the public layout for "
+                             "--shape as the speculative config's model; the table then also "
+                             "times steps whose drafts it draws, and the forced-acceptance "
+                             "curve pays for its passes")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256],
                         help="--workload verify")
     parser.add_argument("--draft-lens", type=int, nargs="+", default=[1, 2, 4, 8],
@@ -240,9 +245,44 @@ def _step_time(llm, batch_size: int, k: int, steps: int, prompt: list[int],
     return seconds
 
 
+class _ForcedHeadDrafts:
+    """``k`` draft slots per row, drawn by the EAGLE-3 head inside the step (its passes cost
+    what they cost), whose tokens are then replaced by ``_ForcedDrafts``' choice: a random
+    head accepts nothing on its own."""
+
+    def __init__(self, forced: _ForcedDrafts) -> None:
+        from pagedserve.worker.eagle_drafter import EagleDrafter
+
+        self.forced, self.original = forced, EagleDrafter.propose
+        forced_drafts = self
+
+        def propose(drafter, scheduled, sampling):
+            import torch
+
+            from pagedserve.spec_decode.proposer import ProposalBatch
+
+            out = forced_drafts.original(drafter, scheduled, sampling)
+            rows = [s for s in scheduled if s.draft_token_ids]
+            chosen = forced_drafts.forced.propose(ProposalBatch(
+                [s.seq.all_token_ids[:s.num_computed_tokens + 1] for s in rows],
+                [len(s.draft_token_ids) for s in rows]))
+            tokens = out.token_ids.clone()
+            for i, drafts in enumerate(chosen):
+                tokens[i, :len(drafts)] = torch.as_tensor(drafts, device=tokens.device)
+            return out._replace(token_ids=tokens)
+
+        EagleDrafter.propose = propose
+
+    def restore(self) -> None:
+        from pagedserve.worker.eagle_drafter import EagleDrafter
+
+        EagleDrafter.propose = self.original
+
+
 def _forced_acceptance(llm, prompt: list[int], k: int, lengths: list[int],
-                       new_tokens: int) -> list[dict]:
-    """Batch 1: tok/s with drafts right for the first L - 1, against plain decoding."""
+                       new_tokens: int, on_device: bool = False) -> list[dict]:
+    """Batch 1: tok/s with drafts right for the first L - 1, against plain decoding; with
+    ``on_device`` the drafts come from the EAGLE-3 head's slots (``_ForcedHeadDrafts``)."""
     from pagedserve import SamplingParams
 
     engine = llm.engine
@@ -260,7 +300,15 @@ def _forced_acceptance(llm, prompt: list[int], k: int, lengths: list[int],
     for length in lengths:
         counters = engine.speculation.counters
         before = (counters.num_drafts, counters.num_accepted_tokens)
-        tokens, seconds = run(_ForcedDrafts(k, len(prompt), reference, length - 1))
+        forced = _ForcedDrafts(k, len(prompt), reference, length - 1)
+        if on_device:
+            patch = _ForcedHeadDrafts(forced)
+            try:
+                tokens, seconds = run(_DraftSlots(k))
+            finally:
+                patch.restore()
+        else:
+            tokens, seconds = run(forced)
         rows_verified = counters.num_drafts - before[0]
         measured = 1 + (counters.num_accepted_tokens - before[1]) / max(rows_verified, 1)
         rows.append({"forced_L": length, "measured_L": measured,
@@ -274,13 +322,18 @@ def _verify_main(args: argparse.Namespace) -> None:
     import tempfile
     from pathlib import Path
 
-    from pagedserve.bench.dummy_model import write_dummy_folder
+    from pagedserve.bench.dummy_model import write_dummy_eagle3_folder, write_dummy_folder
     from pagedserve.bench.throughput import engine_from_args
 
+    drafted = args.draft_shape is not None or args.eagle3
     if args.draft_shape is not None:
         spec = json.loads(args.speculative_config)
         spec["model"] = str(write_dummy_folder(args.draft_shape, Path(tempfile.mkdtemp())))
         args.speculative_config = json.dumps({**spec, "method": "draft_model"})
+    elif args.eagle3:
+        spec = json.loads(args.speculative_config)
+        spec["model"] = str(write_dummy_eagle3_folder(args.shape, Path(tempfile.mkdtemp())))
+        args.speculative_config = json.dumps({**spec, "method": "eagle3"})
     llm = engine_from_args(args)
     if llm.engine.speculation is None:
         raise SystemExit("--workload verify needs --speculative-config")
@@ -294,14 +347,14 @@ def _verify_main(args: argparse.Namespace) -> None:
         row = {"batch": batch_size, "plain ms": plain * 1e3}
         for k in args.draft_lens:
             row[f"k={k} x"] = _step_time(llm, batch_size, k, args.steps, prompt) / plain
-        if args.draft_shape is not None:  # the same steps with the draft model's passes
+        if drafted:  # the same steps with the draft model's or the head's passes
             for k in args.draft_lens:
                 row[f"k={k} drafted x"] = _step_time(llm, batch_size, k, args.steps, prompt,
                                                      True) / plain
         step_rows.append(row)
         print(row, flush=True)
     k = max(args.draft_lens)
-    curve = _forced_acceptance(llm, prompt, k, [1, 2, 3, 4, min(k + 1, 5)], 96)
+    curve = _forced_acceptance(llm, prompt, k, [1, 2, 3, 4, min(k + 1, 5)], 96, args.eagle3)
     t_plain = step_rows[0]["plain ms"] if step_rows[0]["batch"] == 1 else None
     for point in curve:
         verify_x = step_rows[0].get(f"k={k} x") if t_plain is not None else None
@@ -311,6 +364,7 @@ def _verify_main(args: argparse.Namespace) -> None:
     print_table(f"batch 1, k={k}, forced acceptance (synthetic): speed-up over plain decoding; "
                 "model = L * t_plain / t_verify(k)", curve,
                 ["forced_L", "measured_L", "speedup", "model", "same_tokens"])
-    write_result(f"speculative_verify_{args.shape or 'model'}", {
-        "shape": args.shape, "draft_shape": args.draft_shape, "steps": args.steps,
+    write_result(f"speculative_verify_{args.shape or 'model'}{'_eagle3' * args.eagle3}", {
+        "shape": args.shape, "draft_shape": args.draft_shape, "eagle3": args.eagle3,
+        "steps": args.steps,
         "step_times": step_rows, "forced_acceptance": curve, "k_for_curve": k}, args.out)
