@@ -12,7 +12,7 @@
 #                                        kv-tier-unique) kv-copy-rate spec-verify
 #                                        spec-throughput spec-draft spec-tests lora
 #                                        lora-tests lora-profile lora-sweep copy-tests
-#                                        eagle3 eagle3-tests
+#                                        eagle3 eagle3-tests eagle3-profile
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -332,6 +332,8 @@ for part in $parts; do
         --speculative-config '{"method": "eagle3", "num_speculative_tokens": 4}' \
         --max-num-batched-tokens 8192 --batch-sizes 1 32 --draft-lens 2 4 \
         --out "$OUT/speculative_eagle3_h200_llama3-8b.json" ;;
+    eagle3-profile) python3 scripts/profile_step.py --device cuda --shape llama3-8b --graphs \
+        --eagle3 4 --rows 30 2>&1 | grep -v "^INFO" | tee "$OUT/profile_step_h200_eagle3.log" ;;
     eagle3-tests) python3 -m pytest -q -m cuda -p no:cacheprovider \
         tests/platforms/cuda/test_eagle3_cuda.py 2>&1 | tee "$OUT/gpu_eagle3_tests.log" ;;
     spec-tests) python3 -m pytest -q -m cuda -p no:cacheprovider \

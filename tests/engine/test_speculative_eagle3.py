@@ -108,7 +108,7 @@ class DraftRecorder:
         drawn = logits.argmax(dim=-1)
         for k, i in enumerate(rows):
             item = self.items[i]
-            self.records.append((self.tokens[i], list(self.fed[i]), logits[k].double()))
+            self.records.append((self.tokens[i], list(self.fed[i]), logits[k].double().cpu()))
             full = self.full[tuple(item.seq.prompt_token_ids)]
             position = item.num_computed_tokens + 1 + j
             if j < self.step % 4 and position < len(full) and full[position] in self.to_draft:
