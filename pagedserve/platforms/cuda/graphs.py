@@ -79,7 +79,8 @@ class CudaGraphRunner:
             block_size=self.block_size, query_start_loc=self.query_start_loc[q][:bs + 1],
             seq_lens=self.seq_lens[:bs], context_lens=self.seq_lens[:bs] - q,
             block_tables=self.block_tables[:bs], slot_mapping=self.slot_mapping[:bs * q],
-            query_lens_cpu=[q] * bs, seq_lens_cpu=[self.max_model_len] * bs)
+            query_lens_cpu=[q] * bs, seq_lens_cpu=[self.max_model_len] * bs,
+            decode_or_verify=True)
 
     def _forward(self, bs: int, q: int) -> torch.Tensor:
         rows = bs * q
