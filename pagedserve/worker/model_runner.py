@@ -81,6 +81,18 @@ class _QueuedStep(NamedTuple):
     prompt: dict[Sequence, tuple[int, LogprobsTensors]]  # seq -> (first position, logprobs)
 
 
+class _Forwarded(NamedTuple):
+    """What a step's first half leaves for its second, on rank 0."""
+
+    step_id: int
+    logits: torch.Tensor | None  # the sampling rows'
+    prompt: dict[Sequence, tuple[int, LogprobsTensors]]
+    drafts: DeviceDrafts | None  # the draft model's or the head's, drawn in this step
+    # With an EAGLE-3 head: the step's inputs and the target's auxiliary hidden states, which
+    # its extend pass reads once the step has sampled.
+    head_inputs: tuple[ModelInputs, HostInputs, torch.Tensor] | None
+
+
 @dataclass
 class StepInput:
     """What every rank runs for one step: plain data, the same on all ranks."""
@@ -131,7 +143,7 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None  # ranks > 0
         # Rank 0, between a step's halves: its logits and prompt logprobs, by step id.
         self._step_id = 0
-        self._forwarded: tuple[int, torch.Tensor | None, dict] | None = None
+        self._forwarded: _Forwarded | None = None
         self._queued: dict[int, _QueuedStep] = {}  # steps sampled, not yet fetched
         self.buckets = buckets  # pad every step to these shapes (shape_buckets.py)
         self.pad_block = 0  # with buckets: the pool's last block, written by padded rows only
@@ -240,7 +252,7 @@ class ModelRunner:
         sample_logits, prompt, drafts, head_inputs = self._run(
             step, self._in_flight and self._in_flight.token_ids, spans, out.scheduled)
         self._step_id += 1
-        self._forwarded = (self._step_id, sample_logits, prompt, drafts, head_inputs)
+        self._forwarded = _Forwarded(self._step_id, sample_logits, prompt, drafts, head_inputs)
         return Forward(out, self._step_id)
 
     @torch.inference_mode()
