@@ -325,6 +325,7 @@ def _forced_acceptance(llm, prompt: list[int], k: int, lengths: list[int],
 
 
 def _verify_main(args: argparse.Namespace) -> None:
+    import gc
     import json
     import random
     import tempfile
@@ -352,9 +353,11 @@ def _verify_main(args: argparse.Namespace) -> None:
         base_ms = {b: _step_time(base, b, 0, args.steps, prompt) for b in args.batch_sizes}
         _generate(base, prompt, 96)  # warm-up
         base_s = _generate(base, prompt, 96)[1]
+        platform = base.engine.platform
         base.shutdown()
         del base
-        _free_device_memory()
+        gc.collect()  # what the engine held goes back to the device before the next starts
+        platform.release_cached_memory()
     llm = engine_from_args(args)
     if llm.engine.speculation is None:
         raise SystemExit("--workload verify needs --speculative-config")
@@ -394,13 +397,3 @@ def _verify_main(args: argparse.Namespace) -> None:
         "steps": args.steps,
         "step_times": step_rows, "forced_acceptance": curve, "k_for_curve": k}, args.out)
 
-
-def _free_device_memory() -> None:
-    """What a shut-down engine left in the caching allocator, back to the device."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
