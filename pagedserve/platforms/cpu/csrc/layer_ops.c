@@ -530,9 +530,13 @@ static ALWAYS_INLINE void prefill_tile(
             float *sr = s + r * KV_TILE, row_max = -INFINITY, sum = 0.f;
             int seen = p0 + r / group - j0 + 1;
             seen = seen < n ? seen : n;
-            for (int c = 0; c < seen; c++) {
+            /* All KV_TILE lanes with a select, not a loop to `seen`: that one stays scalar,
+               and was as slow as the two matrix products together. */
+#pragma omp simd reduction(max : row_max)
+            for (int c = 0; c < KV_TILE; c++) {
                 sr[c] *= scale;
-                row_max = sr[c] > row_max ? sr[c] : row_max;
+                float x = c < seen ? sr[c] : -INFINITY;
+                row_max = x > row_max ? x : row_max;
             }
             if (row_max > m[r]) {  /* never on a tile the row sees nothing of */
                 float correction = exp_approx(m[r] - row_max);  /* ~0 on the first tile */
