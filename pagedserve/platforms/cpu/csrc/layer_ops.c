@@ -399,7 +399,9 @@ static ALWAYS_INLINE void load_kv_tile(const void *key_cache, const void *value_
 #define LANES 8
 #endif
 typedef float vec __attribute__((vector_size(LANES * 4)));
-typedef float vec_u __attribute__((vector_size(LANES * 4), aligned(4)));  /* unaligned */
+/* For loads and stores at any float address, allowed to alias the float arrays, as the
+   intrinsics' own unaligned types (__m256_u) are. */
+typedef float vec_u __attribute__((vector_size(LANES * 4), aligned(4), may_alias));
 #define LOAD(p) (*(const vec_u *)(p))
 #define STORE(p, x) (*(vec_u *)(p) = (x))
 
