@@ -124,17 +124,17 @@ def test_decode_attention_with_large_scores(kv_dtype):
 
 
 @pytest.mark.parametrize("query_len,verify", [(2, False), (SHORT_QUERY + 1, True)])
-def test_prompt_chunks_and_long_queries_take_the_torch_path(monkeypatch, query_len, verify):
+def test_prompt_chunks_and_long_queries_take_the_prefill_kernel(monkeypatch, query_len, verify):
     """A prompt chunk, however short (its numbers must not depend on whether its prefix was
-    cached), and a verify chunk longer than the native path takes."""
+    cached), and a verify chunk longer than the decode kernel takes: ``lo_paged_prefill``
+    (its numerics are in test_prefill_attention.py), never the torch ops."""
     cache, keys, values, meta = decode_case(4, 2, 1, 16, [5, 9], seed=1)
     meta.max_query_len, meta.decode_or_verify = query_len, verify
-    calls = []
-    monkeypatch.setattr(TorchPagedAttention, "forward",
-                        lambda self, *args: calls.append(args) or args[0])
+    monkeypatch.setattr(TorchPagedAttention, "forward", None)
     q = torch.randn(2, 2, 16)
-    CpuPagedAttention(2, 16, 1, 0.25).forward(q, q[:, :1], q[:, :1], cache, meta)
-    assert len(calls) == 1
+    attention = CpuPagedAttention(2, 16, 1, 0.25)
+    attention.forward(q, q[:, :1], q[:, :1], cache, meta)
+    assert attention._kernel[0] == "lo_paged_prefill"
 
 
 def test_platform_picks_native_ops_when_they_build(monkeypatch):
