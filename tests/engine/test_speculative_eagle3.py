@@ -195,6 +195,43 @@ def test_a_deliberately_wrong_shift_fails_the_definition_check(llama3_folder, he
         _assert_logits_match_the_reference(recorder, heads("full"), llama3_folder, 10)
 
 
+class EveryOtherProposal:
+    """A step-time model under which drafts pay at every other proposal: speculation pauses
+    in between and, with async scheduling, the engine schedules ahead (steps whose inputs are
+    still on the device), so the head's extend runs on both kinds of step."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def record(self, num_tokens: int, verifies: bool, seconds: float) -> None:
+        pass
+
+    def coefficients(self) -> tuple[float, float, float]:
+        self.calls += 1
+        return (1.0, 0.0, 0.0) if self.calls % 2 else (1.0, 1.0, 0.0)
+
+
+def test_draft_logits_equal_the_definition_across_paused_steps_run_ahead(
+        llama3_folder, heads, monkeypatch):
+    prompts = random_prompts("eagle3-async", [7, 19])
+    full = _greedy_references(llama3_folder, prompts, 24)
+    recorder = DraftRecorder(monkeypatch, full)
+    llm = _eagle_llm(llama3_folder, heads("full"), async_scheduling=True)
+    llm.engine.speculation.step_times = EveryOtherProposal()
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for prompt in prompts:
+        llm.engine.add_request(prompt, params)
+    ran_ahead = False
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        ran_ahead |= llm.engine._in_flight is not None
+    assert ran_ahead and _counters(llm).num_accepted_tokens > 0
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert prompt + list(out.outputs[0].token_ids) == full[tuple(prompt)]
+    _assert_logits_match_the_reference(recorder, heads("full"), llama3_folder, 10)
+
+
 @pytest.mark.parametrize("case", ["swap", "prefix_hits"])
 def test_greedy_with_an_eagle3_head_equals_transformers(llama3_folder, heads, case):
     """The head's own drafts (random: almost all rejected); swapped-in blocks leave its keys
