@@ -8,6 +8,9 @@ Times are medians from ``triton.testing.do_bench_cudagraph`` (GPU time, as under
 the ``eager`` column is ``do_bench`` and adds the Python and launch overhead of each call.
 
     python scripts/bench_attention.py --out benchmarks/results/attention_h200.json
+    # an earlier decode kernel on the same shapes in the same run, and the tile sweep:
+    git show HEAD~1:pagedserve/platforms/cuda/kernels/decode_attention.py > /tmp/base.py
+    python scripts/bench_attention.py --kv-cache-dtype fp8 --base /tmp/base.py --sweep-decode
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DECODE_BATCHES = (1, 32, 128, 256)
 DECODE_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+# (batch, context) of the tile sweep: latency-bound, the issue-30 target (256 x 2,048), long.
+SWEEP_SHAPES = ((1, 4096), (32, 4096), (256, 2048), (256, 8192))
+# (block_n, warps, stages, prefetch_ids)
+SWEEP_TILES = [(n, w, st, pf) for pf in (False, True) for n in (64, 128, 256) for w in (2, 4)
+               for st in (2, 3, 4)]
 # (query lengths, context lengths): fresh prompts, then chunks after a cached prefix.
 PREFILL_CASES = (
     ([512], [0]), ([2048], [0]), ([8192], [0]), ([2048] * 4, [0] * 4),
@@ -46,6 +54,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-kv-gib", type=float, default=40.0,
                    help="skip decode shapes whose KV cache would exceed this")
     p.add_argument("--quick", action="store_true", help="fewer shapes, for a smoke run")
+    p.add_argument("--base", type=Path,
+                   help="another decode_attention.py (e.g. the commit before) to time on the "
+                        "same decode shapes in the same run")
+    p.add_argument("--sweep-decode", action="store_true",
+                   help="time the decode tile configurations (block_n, warps, stages) on "
+                        "SWEEP_SHAPES and report each against the default")
+    p.add_argument("--decode-only", action="store_true", help="skip the prefill cases")
     return p.parse_args()
 
 
@@ -90,30 +105,84 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() / ms / 1e6
 
 
-def bench_decode(s: Setup, batch: int, ctx: int) -> dict:
+def load_base(path: Path):
+    """``decode_attention`` of another version of the module, imported from ``path`` (it may
+    import this tree's helpers, e.g. prefill_attention's tiles)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("decode_attention_base", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.decode_attention
+
+
+def time_decode(s: Setup, batch: int, ctx: int, decode=None, **kwargs) -> tuple[float, float]:
+    """(graph ms, eager ms) of one decode call at ``batch`` x ``ctx``: this tree's kernel, or
+    ``decode``; ``kwargs`` go to the call (e.g. ``config``)."""
     from triton.testing import do_bench, do_bench_cudagraph
 
-    from pagedserve.platforms.cuda.kernels.decode_attention import (
-        decode_attention,
-        pick_partition_size,
-    )
-    from pagedserve.platforms.cuda.kernels.device import sm_count
+    from pagedserve.platforms.cuda.kernels.decode_attention import decode_attention
 
+    decode = decode or decode_attention
     cache, tables, lens = s.paged([ctx] * batch)
     q = torch.randn(batch, s.h, s.d, device="cuda", dtype=s.dtype)
     out = torch.empty_like(q)
 
     def run() -> None:
-        decode_attention(q, cache[0], cache[1], tables, lens, s.scale, ctx, s.k_scale,
-                         s.v_scale, out=out)
+        decode(q, cache[0], cache[1], tables, lens, s.scale, ctx, s.k_scale, s.v_scale, out=out,
+               **kwargs)
 
     ms = do_bench_cudagraph(run, return_mode="median")
-    eager = do_bench(run, return_mode="median")
-    part = pick_partition_size(batch, s.kvh, ctx, sm_count(q.device), 64)
+    return ms, do_bench(run, return_mode="median")
+
+
+def bench_decode(s: Setup, batch: int, ctx: int, base=None) -> dict:
+    from pagedserve.platforms.cuda.kernels.decode_attention import pick_partition_size
+    from pagedserve.platforms.cuda.kernels.device import sm_count
+
+    ms, eager = time_decode(s, batch, ctx)
+    part = pick_partition_size(batch, s.kvh, ctx, sm_count(torch.device("cuda")), 64)
     nbytes = s.kv_bytes(batch * ctx)
-    return {"batch": batch, "context": ctx, "ms": ms, "eager_ms": eager, "kv_bytes": nbytes,
-            "gbs": nbytes / ms / 1e6, "partition_size": part,
-            "partitions": math.ceil(ctx / part)}
+    row = {"batch": batch, "context": ctx, "ms": ms, "eager_ms": eager, "kv_bytes": nbytes,
+           "gbs": nbytes / ms / 1e6, "partition_size": part,
+           "partitions": math.ceil(ctx / part)}
+    if base is not None:
+        row["base_ms"] = time_decode(s, batch, ctx, base)[0]
+        row["base_gbs"] = nbytes / row["base_ms"] / 1e6
+    torch.cuda.empty_cache()  # the next shape's cache may be larger
+    return row
+
+
+def sweep_decode(s: Setup) -> list[dict]:
+    """Each tile of SWEEP_TILES at SWEEP_SHAPES; ``None`` ms where it does not compile/fit."""
+    from pagedserve.platforms.cuda.kernels.decode_attention import DecodeConfig
+
+    rows = []
+    for batch, ctx in SWEEP_SHAPES:
+        default = time_decode(s, batch, ctx)[0]
+        for tile in SWEEP_TILES:
+            try:
+                ms = time_decode(s, batch, ctx, config=DecodeConfig(*tile))[0]
+            except Exception as exc:  # out of shared memory or registers: a result here
+                print(f"  tile {tile} at {batch} x {ctx}: {type(exc).__name__}")
+                ms = None
+            gbs = ms and s.kv_bytes(batch * ctx) / ms / 1e6
+            rows.append({"batch": batch, "context": ctx, "tile": tile, "ms": ms, "gbs": gbs,
+                         "default_ms": default})
+    return rows
+
+
+def print_sweep(rows: list[dict]) -> None:
+    print(f"\n{'tile (n, warps, stages, pf)':>30} " + " ".join(
+        f"{b}x{c:>5}" for b, c in SWEEP_SHAPES) + "   (GB/s; default first)")
+    shapes = {(r["batch"], r["context"]): r for r in rows}
+    s0 = [shapes[sh]["default_ms"] for sh in SWEEP_SHAPES]
+    print(f"{'default':>30} " + " ".join(f"{ms * 1000:>9.1f}" for ms in s0) + "   (µs)")
+    for tile in SWEEP_TILES:
+        cells = [next(r for r in rows if (r["batch"], r["context"]) == sh and r["tile"] == tile)
+                 for sh in SWEEP_SHAPES]
+        print(f"{str(tile):>30} " + " ".join(
+            f"{c['gbs']:>9.0f}" if c["ms"] else f"{'-':>9}" for c in cells))
 
 
 def bench_prefill(s: Setup, query_lens: list[int], context_lens: list[int]) -> dict:
@@ -159,11 +228,13 @@ def print_tables(result: dict) -> None:
     peak = result["copy_gbs"]
     print(f"\n{result['device']}  copy bandwidth {peak:.0f} GB/s  {result['config']}")
     print(f"\n{'decode batch':>12} {'context':>8} {'ms':>9} {'GB/s':>8} {'% copy':>7} "
-          f"{'part':>6} {'nparts':>6} {'eager ms':>9}")
+          f"{'part':>6} {'nparts':>6} {'eager ms':>9} {'base GB/s':>9} {'new/base':>8}")
     for r in result["decode"]:
+        base = (f"{r['base_gbs']:>9.0f} {r['base_ms'] / r['ms']:>7.2f}x" if "base_ms" in r
+                else "")
         print(f"{r['batch']:>12} {r['context']:>8} {r['ms']:>9.4f} {r['gbs']:>8.0f} "
               f"{100 * r['gbs'] / peak:>6.1f}% {r['partition_size']:>6} {r['partitions']:>6} "
-              f"{r['eager_ms']:>9.4f}")
+              f"{r['eager_ms']:>9.4f} {base}")
     print(f"\n{'prefill queries':>22} {'context':>14} {'ms':>9} {'TFLOP/s':>8} {'sdpa ms':>8}")
     for r in result["prefill"]:
         sdpa = f"{r['sdpa_ms']:.4f}" if r["sdpa_ms"] is not None else "-"
@@ -180,14 +251,14 @@ def main() -> None:
     s = Setup(args)
     batches = DECODE_BATCHES[:2] if args.quick else DECODE_BATCHES
     contexts = DECODE_CONTEXTS[::3] if args.quick else DECODE_CONTEXTS
+    base = load_base(args.base) if args.base else None
     decode = []
     for batch in batches:
         for ctx in contexts:
             if s.kv_bytes(batch * ctx) > args.max_kv_gib * 1024**3:
                 continue
-            decode.append(bench_decode(s, batch, ctx))
-            torch.cuda.empty_cache()
-    cases = PREFILL_CASES[:3] if args.quick else PREFILL_CASES
+            decode.append(bench_decode(s, batch, ctx, base))
+    cases = [] if args.decode_only else PREFILL_CASES[:3] if args.quick else PREFILL_CASES
     prefill = [bench_prefill(s, list(q), list(c)) for q, c in cases]
     result = {
         "device": torch.cuda.get_device_name(),
@@ -196,8 +267,12 @@ def main() -> None:
         "copy_gbs": copy_bandwidth_gbs(),
         "decode": decode,
         "prefill": prefill,
+        "base": str(args.base) if args.base else None,
     }
     print_tables(result)
+    if args.sweep_decode:
+        result["decode_sweep"] = sweep_decode(s)
+        print_sweep(result["decode_sweep"])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

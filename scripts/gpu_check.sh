@@ -12,7 +12,8 @@
 #                                        kv-tier-unique) kv-copy-rate spec-verify
 #                                        spec-throughput spec-draft spec-tests lora
 #                                        lora-tests lora-profile lora-sweep copy-tests
-#                                        eagle3 eagle3-tests eagle3-profile
+#                                        eagle3 eagle3-tests eagle3-profile attention
+#                                        attention-vs-base
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -303,6 +304,15 @@ for part in $parts; do
     layer-tests) python3 -m pytest -q -p no:cacheprovider \
         tests/platforms/cuda/test_layer_kernels.py 2>&1 | tee "$OUT/gpu_layer_tests.log" ;;
     attention) python3 scripts/bench_attention.py --out "$OUT/attention_h200.json" ;;
+    # FP8-KV decode attention (issue 30, item 2) against ATTN_BASE (an earlier
+    # decode_attention.py, e.g. `git show HEAD~1:pagedserve/platforms/cuda/kernels/...`) on the
+    # same shapes, then its tile sweep; the bf16 cache's quick shapes against the same base.
+    attention-vs-base)
+      base=(); [ -n "${ATTN_BASE:-}" ] && base=(--base "$ATTN_BASE")
+      python3 scripts/bench_attention.py --kv-cache-dtype fp8 --decode-only "${base[@]}" \
+        --sweep-decode --out "$OUT/attention_h200_fp8.json"
+      python3 scripts/bench_attention.py --decode-only --quick "${base[@]}" \
+        --out "$OUT/attention_h200_bf16_quick.json" ;;
     cpu-offload) cpu_offload || failed="${failed:-} cpu-offload" ;;
     cpu-offload-70b) cpu_offload_70b || failed="${failed:-} cpu-offload-70b" ;;
     kv-tier) for w in multi-turn unique; do kv_tier $w || failed="${failed:-} kv-tier-$w"; done ;;

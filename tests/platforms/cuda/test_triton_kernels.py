@@ -278,7 +278,8 @@ def _run_decode(case, seq_lens, cache_dtype=None, scales=(1.0, 1.0), seed=0):
     decode_mod.decode_attention(
         q, batch.kv_cache[0], batch.kv_cache[1], tables, seq_lens_t, scale,
         batch.meta.max_seq_len, k_scale, v_scale, out=out, partition_size=partition_size,
-        block_n=block_n)
+        config=decode_mod.DecodeConfig(*block_n) if isinstance(block_n, tuple) else
+        block_n and decode_mod.DecodeConfig(block_n))
     assert_close(out[:-1], ref_attention(batch, scale), dtype, cache_dtype == FP8)
     assert torch.equal(out[-1].cpu(), torch.zeros_like(out[-1].cpu()))
 
@@ -288,8 +289,11 @@ def test_decode(case):
     _run_decode(case, seq_lens=[1, 17, 70, 45])
 
 
-def test_decode_fp8_cache():
-    _run_decode((16, 2, 2, 32, torch.float16, 32, 16), [50, 3], FP8, scales=(0.03, 0.4))
+@pytest.mark.parametrize("prefetch_ids", [False, True])
+def test_decode_fp8_cache(prefetch_ids):
+    # Partitions of two tiles and a ragged last one: the loop, its prefetch and the tail.
+    _run_decode((16, 2, 2, 32, torch.float16, 32, (16, 4, 2, prefetch_ids)), [50, 3, 32], FP8,
+                scales=(0.03, 0.4))
 
 
 def test_partition_size_heuristic_fills_the_gpu():

@@ -20,11 +20,14 @@ writes the final output and stage 2 is skipped.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from pagedserve.platforms.cuda.kernels.device import gpu_arch, sm_count
+from pagedserve.platforms.cuda.kernels.e4m3_pairs import split_e4m3_pairs
 from pagedserve.platforms.cuda.kernels.prefill_attention import (
     LOG2E,
     NEG_BIG,
@@ -32,10 +35,117 @@ from pagedserve.platforms.cuda.kernels.prefill_attention import (
     check_cache_pair,
     dot_precision,
     fp8_compute_dtype,
+    slots_of,
+    softmax_step,
+    tile_block_ids,
 )
 
 # Shortest partition the heuristic picks: shorter ones spend more on the merge than they save.
 MIN_PARTITION_SIZE = 128
+
+
+@triton.jit
+def _attend_tile_e4m3(
+    acc_even, acc_odd, m_i, l_i, q_even, q_odd, offs_n, block_ids, n_valid,
+    k_ptr, v_ptr, stride_cb, stride_cs, qk_scale, offs_w, w_mask,
+    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, PTX: tl.constexpr,
+):
+    """``attend_tile`` for an fp8 cache read as int16 words (``e4m3_pairs``): element pairs
+    split into even and odd halves, two dots per matmul, one accumulator per half.
+    ``block_ids`` and ``n_valid`` are ``tile_block_ids``' for keys ``offs_n``."""
+    slots = slots_of(block_ids, offs_n, stride_cb, stride_cs, BLOCK_SIZE)
+    k_ptrs = (k_ptr + slots[None, :]).to(tl.pointer_type(tl.int16)) + offs_w[:, None]
+    v_ptrs = (v_ptr + slots[:, None]).to(tl.pointer_type(tl.int16)) + offs_w[None, :]
+    if MASKED:
+        k_words = tl.load(k_ptrs, mask=n_valid[None, :] & w_mask[:, None], other=0)
+    else:
+        k_words = tl.load(k_ptrs, mask=w_mask[:, None], other=0)
+    k_even, k_odd = split_e4m3_pairs(k_words, PTX)
+    s = (tl.dot(q_even, k_even) + tl.dot(q_odd, k_odd)) * qk_scale
+    if MASKED:
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+    p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
+
+    if MASKED:
+        v_words = tl.load(v_ptrs, mask=n_valid[:, None] & w_mask[None, :], other=0)
+    else:
+        v_words = tl.load(v_ptrs, mask=w_mask[None, :], other=0)
+    v_even, v_odd = split_e4m3_pairs(v_words, PTX)
+    p = p.to(tl.float16)
+    acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even)
+    acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd)
+    return acc_even, acc_odd, m_new, l_i
+
+
+@triton.jit
+def _attend_partition(
+    q, q_pos, start, end, k_ptr, v_ptr, bt_row_ptr, stride_btn,
+    stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
+    GROUP_PAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Unnormalized output, running max and sum over keys ``start .. end`` of a 16- or 32-bit
+    cache."""
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, q_pos, n0, end, k_ptr, v_ptr, bt_row_ptr, stride_btn,
+            stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, False, DOT_PREC)
+    if full_end < end:  # the ragged last tile of the sequence
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, q_pos, full_end, end, k_ptr, v_ptr, bt_row_ptr, stride_btn,
+            stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, True, DOT_PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_partition_e4m3(
+    q, start, end, k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs, qk_scale,
+    GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr,
+    PREFETCH_IDS: tl.constexpr,
+):
+    """``_attend_partition`` over an fp8 cache; the output's even and odd columns are
+    accumulated apart and interleaved at the end."""
+    q_even, q_odd = tl.split(tl.reshape(q, (GROUP_PAD, HEAD_PAD // 2, 2)))
+    offs_w = tl.arange(0, HEAD_PAD // 2)
+    w_mask = offs_w < HEAD_SIZE // 2
+    acc_even = tl.zeros([GROUP_PAD, HEAD_PAD // 2], dtype=tl.float32)
+    acc_odd = tl.zeros([GROUP_PAD, HEAD_PAD // 2], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    offs_n = start + tl.arange(0, BLOCK_N)
+    block_ids, n_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n, end, BLOCK_SIZE, True)
+    for _ in range(start, full_end, BLOCK_N):
+        if PREFETCH_IDS:
+            # The next tile's block ids load while this tile computes: the cache reads that
+            # depend on them are then not held up behind a block-table read each tile.
+            next_ids, next_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n + BLOCK_N, end,
+                                                  BLOCK_SIZE, True)
+        else:
+            block_ids, n_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n, end,
+                                                BLOCK_SIZE, False)
+        acc_even, acc_odd, m_i, l_i = _attend_tile_e4m3(
+            acc_even, acc_odd, m_i, l_i, q_even, q_odd, offs_n, block_ids, n_valid, k_ptr,
+            v_ptr, stride_cb, stride_cs, qk_scale, offs_w, w_mask, BLOCK_SIZE, False, PTX)
+        offs_n += BLOCK_N
+        if PREFETCH_IDS:
+            block_ids, n_valid = next_ids, next_valid
+    if full_end < end:
+        if not PREFETCH_IDS:
+            block_ids, n_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n, end,
+                                                BLOCK_SIZE, True)
+        acc_even, acc_odd, m_i, l_i = _attend_tile_e4m3(
+            acc_even, acc_odd, m_i, l_i, q_even, q_odd, offs_n, block_ids, n_valid, k_ptr,
+            v_ptr, stride_cb, stride_cs, qk_scale, offs_w, w_mask, BLOCK_SIZE, True, PTX)
+    acc = tl.reshape(tl.join(acc_even, acc_odd), (GROUP_PAD, HEAD_PAD))
+    return acc, m_i, l_i
 
 
 # Ints that change from step to step (block-table width, partition count) are not specialised
@@ -56,6 +166,7 @@ def _decode_partition_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PREC: tl.constexpr,
+    PTX: tl.constexpr, PREFETCH_IDS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -91,21 +202,16 @@ def _decode_partition_kernel(
     v_ptr = v_cache_ptr + kv_head * stride_ch
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
-    acc = tl.zeros([GROUP_PAD, HEAD_PAD], dtype=tl.float32)
-    m_i = tl.full([GROUP_PAD], NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     end = tl.minimum(start + partition_size, seq_len)
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N
-    for n0 in range(start, full_end, BLOCK_N):
-        acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, q_pos, n0, end, k_ptr, v_ptr, bt_row_ptr, stride_btn,
-            stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, False, DOT_PREC)
-    if full_end < end:  # the ragged last tile of the sequence
-        acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, q_pos, full_end, end, k_ptr, v_ptr, bt_row_ptr, stride_btn,
-            stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, True, DOT_PREC)
+    if HAS_SCALES:
+        acc, m_i, l_i = _attend_partition_e4m3(
+            q, start, end, k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs, qk_scale,
+            GROUP_PAD, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PTX, PREFETCH_IDS)
+    else:
+        acc, m_i, l_i = _attend_partition(
+            q, q_pos, start, end, k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs,
+            stride_cd, qk_scale, offs_d, d_mask, GROUP_PAD, HEAD_PAD, BLOCK_SIZE, BLOCK_N,
+            DOT_PREC)
 
     out = acc / l_i[:, None]
     if SINGLE_PARTITION:
@@ -172,19 +278,26 @@ def pick_partition_size(
     return max(size, MIN_PARTITION_SIZE, block_n)
 
 
-def _decode_config(
-    head_pad: int, dtype: torch.dtype, cache_dtype: torch.dtype
-) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for H100/H200-class GPUs; decode is bandwidth-bound.
+class DecodeConfig(NamedTuple):
+    """Stage 1's tile: keys per step of the loop, and the launch's warps and pipeline stages."""
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    prefetch_ids: bool = False  # fp8 caches: load the next tile's block ids a tile ahead
+
+
+def _decode_config(head_pad: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> DecodeConfig:
+    """The tile for H100/H200-class GPUs; decode is bandwidth-bound.
 
     From a sweep on an H200 (head 128, GQA 4, batch 1..256): 64/4/3 for 16-bit caches; fp8
     caches, which spend more time converting, like longer tiles with fewer stages.
     """
     if dtype == torch.float32 or head_pad > 128:
-        return 32, 4, 2
+        return DecodeConfig(32, 4, 2)
     if cache_dtype == torch.float8_e4m3fn:
-        return 128, 4, 2
-    return 64, 4, 3
+        return DecodeConfig(128, 4, 2)
+    return DecodeConfig(64, 4, 3)
 
 
 def decode_attention(
@@ -199,13 +312,15 @@ def decode_attention(
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     partition_size: int | None = None,
-    block_n: int | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """One decode step of attention; layouts in the module docstring.
 
     ``max_seq_len`` sizes the grid and must be at least every ``seq_lens`` entry (an upper bound
-    is fine, e.g. under CUDA graphs). ``partition_size`` (a power of two, multiple of
-    ``block_n``) overrides the heuristic; fix it when capturing graphs so the grid is stable.
+    is fine, e.g. under CUDA graphs). ``partition_size`` (a power of two, multiple of the
+    tile's ``block_n``) overrides the heuristic; fix it when capturing graphs so the grid is
+    stable. ``config`` overrides the tile: tests cover tile edges with it, the benchmark sweeps
+    it.
     """
     num_seqs, num_heads, head_size = q.shape
     num_kv_heads = key_cache.shape[2]
@@ -222,9 +337,15 @@ def decode_attention(
         return out
     group = num_heads // num_kv_heads
     group_pad = max(16, triton.next_power_of_2(group))  # tl.dot wants M >= 16
-    head_pad = max(16, triton.next_power_of_2(head_size))
-    cfg_n, num_warps, num_stages = _decode_config(head_pad, q.dtype, key_cache.dtype)
-    block_n = max(block_n or cfg_n, 16)
+    # An fp8 cache is read in 16-bit pairs of elements (e4m3_pairs): each half is still a
+    # dot's K of at least 16.
+    head_pad = max(32 if has_scales else 16, triton.next_power_of_2(head_size))
+    if has_scales and (head_size % 2 or key_cache.stride(3) != 1):
+        raise ValueError("an fp8 cache is read in pairs of elements: it needs an even head "
+                         f"size and contiguous heads, not {head_size} and stride "
+                         f"{key_cache.stride(3)}")
+    config = config or _decode_config(head_pad, q.dtype, key_cache.dtype)
+    block_n = max(config.block_n, 16)
     if partition_size is None:
         partition_size = pick_partition_size(
             num_seqs, num_kv_heads, max_seq_len, sm_count(q.device), block_n)
@@ -256,7 +377,9 @@ def decode_attention(
         BLOCK_SIZE=key_cache.shape[1], BLOCK_N=block_n,
         SINGLE_PARTITION=single, HAS_SCALES=has_scales,
         DOT_PREC=dot_precision(q.dtype, gpu_arch(q.device)),
-        num_warps=num_warps, num_stages=num_stages,
+        PTX=q.device.type == "cuda" and gpu_arch(q.device) is None,
+        PREFETCH_IDS=config.prefetch_ids,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](

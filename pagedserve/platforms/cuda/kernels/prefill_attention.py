@@ -35,6 +35,35 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def tile_block_ids(bt_row_ptr, stride_btn, offs_n, kv_end, BLOCK_SIZE: tl.constexpr,
+                   MASKED: tl.constexpr):
+    """The cache blocks of keys ``offs_n`` of one sequence (its block table row at
+    ``bt_row_ptr``), and which keys lie before ``kv_end`` (only read with ``MASKED``)."""
+    bt_ptrs = bt_row_ptr + (offs_n // BLOCK_SIZE) * stride_btn
+    n_valid = offs_n < kv_end
+    if MASKED:
+        return tl.load(bt_ptrs, mask=n_valid, other=0), n_valid
+    return tl.load(bt_ptrs), n_valid
+
+
+@triton.jit
+def slots_of(block_ids, offs_n, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr):
+    # int64 before scaling: one layer's cache can pass 2**31 elements.
+    return block_ids.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs
+
+
+@triton.jit
+def softmax_step(s, m_i, l_i):
+    """One online-softmax update over a tile of log2-domain scores ``s``: the tile's
+    unnormalized probabilities, the factor that rescales what came before, the new running
+    max and the new running sum."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def attend_tile(
     acc, m_i, l_i, q, q_pos,
     n0, kv_end,
@@ -53,14 +82,9 @@ def attend_tile(
     key in the tile must be valid and visible to every row.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    bt_ptrs = bt_row_ptr + (offs_n // BLOCK_SIZE) * stride_btn
-    if MASKED:
-        n_valid = offs_n < kv_end
-        block_ids = tl.load(bt_ptrs, mask=n_valid, other=0)
-    else:
-        block_ids = tl.load(bt_ptrs)
-    # int64 before scaling: one layer's cache can pass 2**31 elements.
-    slots = block_ids.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs
+    block_ids, n_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n, kv_end, BLOCK_SIZE,
+                                        MASKED)
+    slots = slots_of(block_ids, offs_n, stride_cb, stride_cs, BLOCK_SIZE)
     k_ptrs = k_ptr + slots[None, :] + offs_d[:, None] * stride_cd
     v_ptrs = v_ptr + slots[:, None] + offs_d[None, :] * stride_cd
     if MASKED:
@@ -72,10 +96,7 @@ def attend_tile(
     if MASKED:
         visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
 
     if MASKED:
         v = tl.load(v_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
