@@ -165,8 +165,10 @@ def _w4a16(m: int):
         scale = "fp16" if dtype != "fp32" else "fp32"
         ptrs = {"x_ptr": "ACT", "qw_ptr": "i32", "s_ptr": scale, "z_ptr": scale,
                 "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
-        consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      ONE_GROUP_PER_BLOCK=True, ZERO_POINT=scale == "fp16", SPLIT=m <= 16)
+        consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SLICES=8,
+                      ZERO_POINT=scale == "fp16", SPLIT=m <= 16, EVEN_K=True,
+                      BIAS=dtype != "fp32", CHUNK=max(1, 8192 // (cfg.block_m * cfg.block_n)),
+                      PREFETCH=cfg.prefetch)
         return Spec(w4a16._w4a16_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages)
     return spec
 

@@ -8,14 +8,22 @@ device-to-device copy rate measured in the same run; large M as TFLOP/s.
 Times are medians from ``triton.testing.do_bench_cudagraph`` (GPU time, as under CUDA graphs).
 The calls cycle through copies of the weight that together pass four times the L2 cache, so
 each call reads its weight from memory, as a decode step does. ``--sweep-gemv`` times the
-one-row kernel's configurations.
+one-row kernel's configurations, ``--sweep-tiles`` the tiles' (block sizes, warps, stages,
+split-K target, prefetch) at each M and picks the fastest per range of M (``--write-choice``
+writes it into the kernel's source, for the runs that follow and to commit). ``--base FILE``
+times an earlier copy of ``kernels/w4a16.py`` (its own ``pack`` and ``matmul``) beside this
+one, on the same values.
 
-    python scripts/bench_w4a16.py --out benchmarks/results/w4a16_h200.json [--sweep-gemv]
+    git show REV:pagedserve/platforms/cuda/kernels/w4a16.py > /tmp/w4a16_base.py
+    python scripts/bench_w4a16.py --out benchmarks/results/w4a16_h200.json \
+        [--base /tmp/w4a16_base.py] [--sweep-gemv] [--sweep-tiles]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -41,7 +49,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--ms", type=int, nargs="+", default=list(MS))
     p.add_argument("--sweep-gemv", action="store_true")
+    p.add_argument("--sweep-tiles", action="store_true")
+    p.add_argument("--write-choice", action="store_true",
+                   help="with --sweep-tiles: write its choice into the kernel's source")
+    p.add_argument("--base", help="an earlier kernels/w4a16.py to time beside this one")
     return p.parse_args()
+
+
+def load_base(path: str):
+    """The module at ``path`` (an earlier ``kernels/w4a16.py``), imported under its own name."""
+    spec = importlib.util.spec_from_file_location("w4a16_base", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def copy_bandwidth_gbs() -> float:
@@ -75,28 +95,33 @@ def packed_bytes(packed) -> int:
                                                       packed.shifts))
 
 
-def random_packed(n: int, k: int, group: int):
-    from pagedserve.platforms.cuda.kernels import w4a16
-
+def random_packed(n: int, k: int, group: int, modules: tuple) -> tuple:
+    """One random weight packed by each of ``modules`` (this kernel, and the base's)."""
     groups = -(-k // group)
     values = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=DEVICE)
     scales = (torch.rand(n, groups, device=DEVICE) * 0.02 + 0.002).half().float()
     offsets = -torch.randint(0, 16, (n, groups), device=DEVICE).float() * scales
-    return w4a16.pack(values, scales, offsets, group, torch.device(DEVICE))
+    return tuple(m.pack(values, scales, offsets, group, torch.device(DEVICE)) for m in modules)
 
 
-def bench_shape(name: str, n: int, k: int, args: argparse.Namespace,
-                copy_gbs: float) -> list[dict]:
+def bench_shape(name: str, n: int, k: int, args: argparse.Namespace, copy_gbs: float,
+                base) -> list[dict]:
+    from pagedserve.platforms.cuda.kernels import w4a16
+
     dtype = DTYPES[args.dtype]
-    packed = copies_past_l2(lambda: random_packed(n, k, args.group_size), n * k // 2)
+    modules = (w4a16,) if base is None else (w4a16, base)
+    pairs = copies_past_l2(lambda: random_packed(n, k, args.group_size, modules), n * k // 2)
+    packed = [p[0] for p in pairs]
     w_bytes = packed_bytes(packed[0])
     dense = copies_past_l2(lambda: torch.randn(n, k, device=DEVICE, dtype=dtype) * 0.02,
                            2 * n * k)
     rows = []
     for m in args.ms:
-        ms_w4, ms_mm, paths = time_all(m, packed, dense)
+        x = torch.randn(m, k, device=DEVICE, dtype=dtype)
+        out = torch.empty(m, n, device=DEVICE, dtype=dtype)
+        ms_w4, ms_mm, paths = time_all(w4a16, x, out, packed, dense)
         flops = 2 * m * n * k
-        rows.append({
+        row = {
             "layer": name, "n": n, "k": k, "m": m, "w4a16_ms": ms_w4,
             "torch_mm_ms": ms_mm, "path_ms": paths,
             "speedup": ms_mm / ms_w4, "packed_bytes": w_bytes,
@@ -104,33 +129,37 @@ def bench_shape(name: str, n: int, k: int, args: argparse.Namespace,
             "w4a16_pct_copy": 100 * w_bytes / ms_w4 / 1e6 / copy_gbs,
             "torch_mm_weight_gbs": 2 * n * k / ms_mm / 1e6,
             "w4a16_tflops": flops / ms_w4 / 1e9, "torch_mm_tflops": flops / ms_mm / 1e9,
-        })
-        print(_row(rows[-1]) + "  " + " ".join(f"{p} {t * 1000:.1f}us"
-                                                 for p, t in paths.items()), flush=True)
+        }
+        if base is not None:
+            ms_base = _time(cycling(lambda w, x=x, out=out: base.matmul(x, w, out=out),
+                                    [p[1] for p in pairs]))
+            row.update(base_ms=ms_base, base_over_w4a16=ms_base / ms_w4)
+        rows.append(row)
+        print(_row(row) + "  " + " ".join(f"{p} {t * 1000:.1f}us" for p, t in paths.items())
+              + (f"  base {row['base_ms'] * 1000:.1f}us ({row['base_over_w4a16']:.2f}x)"
+                 if base is not None else ""), flush=True)
     return rows
 
 
-def time_all(m: int, packed: list, dense: list) -> tuple[float, float, dict]:
-    """Milliseconds of the W4A16 matmul as the engine runs it, of ``torch.mm`` on the dense
-    weight, and of each of the W4A16 paths that take M rows forced; NaN for one that fails."""
-    from pagedserve.platforms.cuda.kernels import w4a16
-
-    n, k = dense[0].shape
-    x = torch.randn(m, k, device=DEVICE, dtype=dense[0].dtype)
-    out = torch.empty(m, n, device=DEVICE, dtype=dense[0].dtype)
-    paths = {path: _time(cycling(lambda w, path=path: w4a16.matmul(x, w, out=out, path=path),
+def time_all(module, x: torch.Tensor, out: torch.Tensor, packed: list,
+             dense: list) -> tuple[float, float, dict]:
+    """Milliseconds of ``module``'s W4A16 matmul as the engine runs it, of ``torch.mm`` on the
+    dense weight, and of each of the paths that take M rows forced; NaN for one that fails."""
+    m = x.shape[0]
+    paths = {path: _time(cycling(lambda w, path=path: module.matmul(x, w, out=out, path=path),
                                  packed))
-             for path in w4a16.PATHS if path != "gemv" or m <= w4a16.GEMV_MAX_M}
-    return (_time(cycling(lambda w: w4a16.matmul(x, w, out=out), packed)),
-            _time(cycling(lambda w: torch.mm(x, w.T, out=out), dense)), paths)
+             for path in module.PATHS if path != "gemv" or m <= module.GEMV_MAX_M}
+    ms_mm = _time(cycling(lambda w: torch.mm(x, w.T, out=out), dense))
+    return _time(cycling(lambda w: module.matmul(x, w, out=out), packed)), ms_mm, paths
 
 
 def sweep_gemv(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
     """The one-row kernel's configurations over the four layers, each from memory."""
     from pagedserve.platforms.cuda.kernels import w4a16
 
-    weights = {name: copies_past_l2(lambda n=n, k=k: random_packed(n, k, args.group_size),
-                                    n * k // 2) for name, n, k in SHAPES}
+    weights = {name: [p[0] for p in copies_past_l2(
+        lambda n=n, k=k: random_packed(n, k, args.group_size, (w4a16,)), n * k // 2)]
+        for name, n, k in SHAPES}
     original = (w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM, w4a16._gemv_decode)
     rows = []
     variants = [(c, p, "pairs") for c in ((128, 128, 4), (256, 64, 4), (256, 128, 4),
@@ -155,6 +184,111 @@ def sweep_gemv(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
               + f"  {pct:5.1f}% of copy", flush=True)
     w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM, w4a16._gemv_decode = original
     return rows
+
+
+# The tiles' candidates by the bound of M they are for: (BLOCK_M, BLOCK_N, warps, stages), each
+# with split-K targets (programs per SM; they matter only where BLOCK_M holds every row) and
+# with and without the kernel's PREFETCH.
+TILE_CANDIDATES = {
+    16: [(16, 128, 4, 3), (16, 256, 4, 3)],
+    32: [(32, 128, 4, 3), (32, 64, 4, 3)],
+    64: [(64, 128, 4, 3), (64, 64, 4, 3)],
+    None: [(128, 128, 8, 3), (64, 128, 4, 3)],
+}
+
+
+def _bound(m: int):
+    return next(b for b in TILE_CANDIDATES if b is None or m <= b)
+
+
+def sweep_tiles(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
+    """The tiles' candidate configurations at each M of ``--ms`` over the four layers, and the
+    dequantize path there."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    weights = {name: [p[0] for p in copies_past_l2(
+        lambda n=n, k=k: random_packed(n, k, args.group_size, (w4a16,)), n * k // 2)]
+        for name, n, k in SHAPES}
+    total_bytes = sum(packed_bytes(w[0]) for w in weights.values())
+    original = w4a16._TILE_CONFIGS
+    rows = []
+    for m in args.ms:
+        xs = {name: (torch.randn(m, k, device=DEVICE, dtype=DTYPES[args.dtype]),
+                     torch.empty(m, n, device=DEVICE, dtype=DTYPES[args.dtype]))
+              for name, n, k in SHAPES}
+
+        def layers(path, xs=xs):
+            return {name: _time(cycling(lambda w, x=x, out=out: w4a16.matmul(x, w, out=out,
+                                                                              path=path),
+                                        weights[name])) for name, (x, out) in xs.items()}
+        variants = [w4a16._TileConfig(*c, per_sm, prefetch) for c in TILE_CANDIDATES[_bound(m)]
+                    for per_sm in ((2, 4) if c[0] >= m else (1,)) for prefetch in (False, True)]
+        for cfg in variants:
+            w4a16._TILE_CONFIGS = ((None, cfg),)
+            rows.append(_sweep_row(m, "tiles", cfg, layers("tiles"), total_bytes, copy_gbs))
+        rows.append(_sweep_row(m, "dequant", None, layers("dequant"), total_bytes, copy_gbs))
+    w4a16._TILE_CONFIGS = original
+    return rows
+
+
+def _sweep_row(m: int, path: str, cfg, layer_ms: dict, total_bytes: int,
+               copy_gbs: float) -> dict:
+    total = sum(layer_ms.values())
+    pct = 100 * total_bytes / total / 1e6 / copy_gbs
+    print(f"{path:>7} M {m:>4} {str(tuple(cfg)) if cfg else '':<28}: "
+          + " ".join(f"{k} {v * 1000:6.1f}us" for k, v in layer_ms.items())
+          + f"  sum {total * 1000:6.1f}us {pct:5.1f}% of copy", flush=True)
+    return {"m": m, "path": path, "config": cfg._asdict() if cfg else None,
+            "layer_ms": layer_ms, "total_ms": total, "pct_copy": pct}
+
+
+def choose(sweep: list[dict]) -> tuple[tuple, int]:
+    """From ``sweep_tiles``'s rows: per bound of M, the candidate with the least time summed
+    over the swept M in its range, and the smallest swept M from which dequantizing was faster
+    than the best tiles (at it and every larger swept M)."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    totals, best_at, dequant_at = {}, {}, {}
+    for r in sweep:
+        if r["path"] == "dequant":
+            dequant_at[r["m"]] = r["total_ms"]
+            continue
+        cfg = w4a16._TileConfig(**r["config"])
+        key = (_bound(r["m"]), cfg)
+        totals[key] = totals.get(key, 0.0) + r["total_ms"]
+        best_at[r["m"]] = min(best_at.get(r["m"], float("inf")), r["total_ms"])
+    table = []
+    for bound in TILE_CANDIDATES:
+        mine = {cfg: t for (b, cfg), t in totals.items() if b == bound}
+        if mine:
+            table.append((bound, min(mine, key=mine.get)))
+    if table[-1][0] is not None:
+        table[-1] = (None, table[-1][1])
+    dequant_min = max(dequant_at) + 1 if dequant_at else w4a16.DEQUANT_MIN_M
+    for m in sorted(dequant_at, reverse=True):
+        if dequant_at[m] >= best_at[m]:
+            break
+        dequant_min = m
+    return tuple(table), dequant_min
+
+
+def write_choice(table: tuple, dequant_min: int) -> None:
+    """Rewrite ``_TILE_CONFIGS`` and ``DEQUANT_MIN_M`` in the kernel's source (and in this
+    process)."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    path = Path(w4a16.__file__)
+    text = path.read_text()
+    rows = "".join(f"    ({bound}, _TileConfig{tuple(cfg)}),\n" for bound, cfg in table)
+    text, n1 = re.subn(r"^_TILE_CONFIGS = \(\n.*?^\)\n", f"_TILE_CONFIGS = (\n{rows})\n",
+                       text, flags=re.M | re.S)
+    text, n2 = re.subn(r"^DEQUANT_MIN_M = \d+$", f"DEQUANT_MIN_M = {dequant_min}", text,
+                       flags=re.M)
+    if (n1, n2) != (1, 1):
+        sys.exit(f"cannot find _TILE_CONFIGS or DEQUANT_MIN_M in {path}")
+    path.write_text(text)
+    w4a16._TILE_CONFIGS, w4a16.DEQUANT_MIN_M = table, dequant_min
+    print(f"wrote {path}: DEQUANT_MIN_M = {dequant_min}\n{rows}", flush=True)
 
 
 def _time(fn) -> float:
@@ -191,12 +325,22 @@ def main() -> None:
     print("x: mm ms / w4 ms")
     print("GB/s: the weight's bytes read (packed for w4, dense for mm) per second; % copy: "
           "of the copy rate (bytes read + written)\n" + _HEADER)
+    base = load_base(args.base) if args.base else None
+    result = {"device": torch.cuda.get_device_name(), "dtype": args.dtype,
+              "group_size": args.group_size, "copy_gbs": copy_gbs, "base": args.base}
+    if args.sweep_tiles:
+        result["tiles_sweep"] = sweep_tiles(args, copy_gbs)
+        table, dequant_min = choose(result["tiles_sweep"])
+        result["choice"] = {"tile_configs": [[b, c._asdict()] for b, c in table],
+                            "dequant_min_m": dequant_min}
+        if args.write_choice:
+            write_choice(table, dequant_min)
+        torch.cuda.empty_cache()
     rows = []
     for name, n, k in SHAPES:
-        rows += bench_shape(name, n, k, args, copy_gbs)
+        rows += bench_shape(name, n, k, args, copy_gbs, base)
         torch.cuda.empty_cache()
-    result = {"device": torch.cuda.get_device_name(), "dtype": args.dtype,
-              "group_size": args.group_size, "copy_gbs": copy_gbs, "rows": rows}
+    result["rows"] = rows
     if args.sweep_gemv:
         result["gemv_sweep"] = sweep_gemv(args, copy_gbs)
     write_result("w4a16", result, args.out)

@@ -104,13 +104,14 @@ def test_kernel_matches_reference(case, dtype):
     assert_close(run_kernel(x, weight, split_k), reference(x, weight), dtype)
 
 
-# (path, M, group, style): each path forced, with zero points and with GGUF offsets, in 32-
-# and 64-column groups and one that is not a multiple of the tile's K (the GEMV's block of K
-# is cut to 32 there; 160 is not a multiple of its 128 columns, so its blocks are masked).
-PATH_CASES = [("gemv", 1, 32, "gguf"), ("gemv", 1, 160, "awq"), ("gemv", 1, 64, "awq"),
+# (path, M, group, style): each path forced, with zero points and with GGUF offsets. K = 160 is
+# not a multiple of the packed tile (128): its second tile is padded and masked. The GEMV takes
+# groups that hold whole tiles (128, or one group of all 160 columns); the tiles groups of a
+# multiple of 16, splitting them or cut unevenly (96: each slice finds its group).
+PATH_CASES = [("gemv", 1, 128, "gguf"), ("gemv", 1, 160, "awq"), ("gemv", 1, 128, "awq"),
               ("tiles", 1, 32, "gguf"), ("tiles", 5, 160, "awq"),
-              ("tiles", 2, 32, "awq"), ("tiles", 3, 64, "gguf"),
-              ("dequant", 6, 32, "gguf"), ("dequant", 3, 64, "awq")]
+              ("tiles", 2, 32, "awq"), ("tiles", 3, 64, "gguf"), ("tiles", 7, 96, "awq"),
+              ("dequant", 6, 32, "gguf"), ("dequant", 3, 64, "awq"), ("dequant", 3, 24, "awq")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -127,26 +128,51 @@ def test_each_path_matches_reference(case, dtype):
 
 
 def test_path_choice_by_rows_and_groups():
-    def packed(group):
-        weight = random_weight(8, 96, group, seed=1)
+    def packed(group, k=256):
+        weight = random_weight(8, k, group, seed=1)
         return w4a16.pack(weight.values, weight.scales, weight.offsets, group,
                           torch.device("cpu"))
 
-    def rows(m):  # float32: one row at most in the GEMV (more take bfloat16 on NVIDIA)
-        return torch.ones(m, 96, device=DEVICE)
+    def rows(m, k=256):  # float32: one row at most in the GEMV (more take bfloat16 on NVIDIA)
+        return torch.ones(m, k, device=DEVICE)
 
-    g32 = packed(32)
-    assert w4a16._choose_path(rows(1), g32) == "gemv"
-    assert w4a16._choose_path(rows(2), g32) == "tiles"
-    assert w4a16._choose_path(rows(w4a16.DEQUANT_MIN_M - 1), g32) == "tiles"
-    assert w4a16._choose_path(rows(w4a16.DEQUANT_MIN_M), g32) == "dequant"
-    # Groups of 24 put no 16-column block in one group; one group of 96 does.
-    assert w4a16._choose_path(rows(1), packed(24)) == "tiles"
-    assert w4a16._choose_path(rows(1), packed(96)) == "gemv"
+    g128 = packed(128)
+    assert w4a16._choose_path(rows(1), g128) == "gemv"
+    assert w4a16._choose_path(rows(2), g128) == "tiles"
+    assert w4a16._choose_path(rows(w4a16.DEQUANT_MIN_M - 1), g128) == "tiles"
+    assert w4a16._choose_path(rows(w4a16.DEQUANT_MIN_M), g128) == "dequant"
+    # Groups of 32 split a tile (the GEMV sums a tile's codes before scaling): the tiles.
+    assert w4a16._choose_path(rows(1), packed(32)) == "tiles"
+    # Groups of 24 cut the tiles' 16-column slices: dequantize.
+    assert w4a16._choose_path(rows(1), packed(24)) == "dequant"
+    assert w4a16._choose_path(rows(5), packed(24)) == "dequant"
+    # One group of 96 columns holds its one (padded) tile.
+    assert w4a16._choose_path(rows(1, 96), packed(96, 96)) == "gemv"
     with pytest.raises(ValueError, match="groups"):
-        w4a16.matmul(rows(1), packed(24), path="gemv")
+        w4a16.matmul(rows(1), packed(32), path="gemv")
+    with pytest.raises(ValueError, match="groups"):
+        w4a16.matmul(rows(3), packed(24), path="tiles")
     with pytest.raises(ValueError, match="rows"):
-        w4a16.matmul(rows(2), g32, path="gemv")
+        w4a16.matmul(rows(2), g128, path="gemv")
+
+
+# Every group size the tiles take (16-column slices: per slice, 2 or 4 slices a group, a whole
+# tile, several tiles, one group of all columns, and 48/80, which cut tiles unevenly), both
+# dequantization forms, odd M and a K (300) that ends mid-tile and mid-slice, with and without
+# split K.
+@pytest.mark.parametrize("group", [16, 32, 48, 64, 80, 128, 256, 300])
+@pytest.mark.parametrize("style", ["awq", "gguf"])
+def test_tiles_every_group_size(group, style):
+    weight = random_weight(40, 300, group, seed=group, style=style)
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, group, DEVICE)
+    for m, split_k in ((1, 3), (3, None), (19, 1)):
+        x = torch.randn(m, 300, generator=torch.Generator().manual_seed(m)).to(DEVICE,
+                                                                              torch.float16)
+        ref = reference(x, weight)
+        out = torch.full((m, 40), float("nan"), dtype=x.dtype, device=DEVICE)
+        w4a16.matmul(x, packed, split_k, out, path="tiles")
+        assert not packed.counters.any()
+        assert_close(out, ref, x.dtype)
 
 
 def test_pack_keeps_zero_points_exact_in_float16():
@@ -154,12 +180,18 @@ def test_pack_keeps_zero_points_exact_in_float16():
     packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 32, torch.device("cpu"))
     assert packed.scales.dtype == torch.float16 and packed.zero_point
     assert torch.equal(packed.shifts.float(), packed.shifts.float().round())
-    assert packed.qweight.shape == (8, 8) and packed.qweight.dtype == torch.int32
-    # Columns 2p and 2p + 1 of word j are nibbles p and p + 4: bits 4p and 16 + 4p.
-    word = packed.qweight[0, 0].item() & 0xFFFFFFFF
+    # 64 columns pad to one tile of 128: 16 words of 8 codes.
+    assert packed.qweight.shape == (16, 8) and packed.qweight.dtype == torch.int32
+    # Word r holds columns r + 16 t (slice t) at nibble_shift(t): slices 2p and 2p + 1 at bits
+    # 4p and 16 + 4p.
     bits = [0, 16, 4, 20, 8, 24, 12, 28]
     assert [w4a16.nibble_shift(t) for t in range(8)] == bits
-    assert [(word >> b) & 0xF for b in bits] == weight.values[0, :8].tolist()
+    for r in (0, 5):
+        word = packed.qweight[r, 0].item() & 0xFFFFFFFF
+        codes = [(word >> b) & 0xF for b in bits]
+        expected = [weight.values[0, r + 16 * t].item() if r + 16 * t < 64 else 0
+                    for t in range(8)]
+        assert codes == expected
 
 
 def test_pack_keeps_gguf_offsets_in_float16():
@@ -230,10 +262,12 @@ LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 2, 7, 16, 300])
+@pytest.mark.parametrize("dtype_m", [(torch.bfloat16, m) for m in (1, 2, 7, 16, 33, 64, 129, 256)]
+                         + [(torch.float16, m) for m in (1, 7, 64, 300)],
+                         ids=lambda d: f"{str(d[0])[6:]}-m{d[1]}")
 @pytest.mark.parametrize("shape", LLAMA_SHAPES, ids=lambda s: f"n{s[0]}k{s[1]}")
-def test_kernel_llama_sizes_cuda(shape, m, dtype):
+def test_kernel_llama_sizes_cuda(shape, dtype_m):
+    dtype, m = dtype_m
     n, k = shape
     weight = _llama_weight(n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
@@ -328,14 +362,15 @@ def compile_matmul(fn, act, scale, consts, num_warps, num_stages):
     compile_sm90(fn, sig, consts, num_warps, num_stages)
 
 
-for act, scale, m, split, one_group in [("bf16", "fp16", 1, True, True),
-                                        ("bf16", "fp16", 1, True, False),
-                                        ("fp16", "fp32", 40, True, True),
-                                        ("bf16", "fp16", 200, False, True),
-                                        ("fp32", "fp32", 1000, False, True)]:
+for act, scale, m, split, slices, bias in [("bf16", "fp16", 1, True, 8, True),
+                                          ("bf16", "fp16", 1, True, 2, True),
+                                          ("fp16", "fp32", 40, True, 1, True),
+                                          ("bf16", "fp16", 200, False, 8, False),
+                                          ("fp32", "fp32", 1000, False, 4, False)]:
     cfg = w4a16._config(m)
-    consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  ONE_GROUP_PER_BLOCK=one_group, ZERO_POINT=scale == "fp16", SPLIT=split)
+    consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SLICES=slices,
+                  ZERO_POINT=scale == "fp16", SPLIT=split, EVEN_K=True, BIAS=bias,
+                  CHUNK=max(1, 8192 // (cfg.block_m * cfg.block_n)), PREFETCH=bias)
     compile_matmul(w4a16._w4a16_kernel, act, scale, consts, cfg.num_warps, cfg.num_stages)
 cfg = w4a16._gemv_config()
 for act, scale, rows, split, even, decode in [("bf16", "fp16", 1, True, True, "pairs"),
@@ -350,7 +385,7 @@ for act, scale, rows, split, even, decode in [("bf16", "fp16", 1, True, True, "p
 fn = w4a16._dequant_kernel
 consts = dict(BLOCK_KW=8, BLOCK_N=128, ZERO_POINT=True)
 sig = {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": "*bf16", "N": "i32",
-       "K": "i32", "group_size": "i32", **{k: "constexpr" for k in consts}}
+       "K": "i32", "K_WORDS": "i32", "group_size": "i32", **{k: "constexpr" for k in consts}}
 compile_sm90(fn, sig, consts, 4, 1)
 print("compiled")
 """

@@ -74,11 +74,13 @@ def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, grou
     """From ``GroupQuantWeight`` fields (values ``[N, K]`` in 0..15, float32 scales and offsets
     ``[N, ceil(K / G)]``) to the kernel's layout on ``device``."""
     n, k = values.shape
-    words = -(-k // 8)
-    v = torch.nn.functional.pad(values.to(device), (0, words * 8 - k)).view(n, words, 8)
-    packed = torch.zeros((n, words), dtype=torch.int64, device=device)
+    tiles = -(-k // TILE_K)
+    v = torch.nn.functional.pad(values.to(device), (0, tiles * TILE_K - k))
+    v = v.view(n, tiles, 8, SLICE_K)  # [N, tile, slice t, word r]
+    packed = torch.zeros((n, tiles, SLICE_K), dtype=torch.int64, device=device)
     for t in range(8):  # a nibble at a time: int64 of [N, K / 8], not of [N, K]
-        packed |= v[..., t].to(torch.int64) << nibble_shift(t)
+        packed |= v[:, :, t].to(torch.int64) << nibble_shift(t)
+    packed = packed.view(n, tiles * SLICE_K)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
     s = scales.to(device=device, dtype=torch.float64)
     o = offsets.to(device=device, dtype=torch.float64)
@@ -93,29 +95,19 @@ def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, grou
                     shifts.T.to(dtype).contiguous(), counters, k, group_size, zero_point)
 
 
+# K per packed tile: nibble ``t`` of word ``r`` of a tile holds its column ``SLICE_K * t + r``.
+TILE_K = 128
+SLICE_K = TILE_K // 8
+_TILE_K = tl.constexpr(TILE_K)
+
+
 def nibble_shift(t):
-    """The bit at which column ``8j + t`` starts in word ``j`` (an int, or a Triton tensor)."""
+    """The bit at which slice ``t`` of a tile (its columns ``SLICE_K * t ..``) starts in a word."""
     return ((t >> 1) << 2) | ((t & 1) << 4)
 
 
 def _exact_in_half(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all() and torch.equal(t.half().double(), t))
-
-
-@triton.jit
-def _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N,
-            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The ``[BLOCK_K, BLOCK_N]`` tile of 4-bit codes from row ``k0``, as int32: each word
-    loaded once, its 8 nibbles spread along a middle axis and merged into rows. Nibbles past
-    the end of K are the zeros ``pack`` padded with."""
-    rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    mask = (rows * 8 < k_end)[:, None] & mask_n[None, :]
-    words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
-                    mask=mask, other=0)
-    t = tl.arange(0, 8)
-    shifts = (((t >> 1) << 2) | ((t & 1) << 4))[None, :, None]  # nibble_shift
-    q = (words[:, None, :] >> shifts) & 0xF
-    return tl.reshape(q, (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
@@ -127,46 +119,165 @@ def _dequant(q, s, z, ZERO_POINT: tl.constexpr):
         return q * s + z
 
 
+@triton.jit
+def _x_slice(x_rows, mask_m, k, K, SLICE: tl.constexpr, EVEN_K: tl.constexpr):
+    """Columns ``k .. k + SLICE - 1`` of the block's rows of x."""
+    offs_k = k + tl.arange(0, SLICE)
+    if EVEN_K:
+        return tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+    return tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _tile_loads(w_ptrs, x_rows, mask_m, mask_n, k, K, N, SLICE: tl.constexpr,
+                EVEN_K: tl.constexpr):
+    """The words of the tile at column k and its 8 slices of x."""
+    return (tl.load(w_ptrs + (k // 8) * N, mask=mask_n[None, :], other=0),
+            _x_slice(x_rows, mask_m, k, K, SLICE, EVEN_K),
+            _x_slice(x_rows, mask_m, k + SLICE, K, SLICE, EVEN_K),
+            _x_slice(x_rows, mask_m, k + 2 * SLICE, K, SLICE, EVEN_K),
+            _x_slice(x_rows, mask_m, k + 3 * SLICE, K, SLICE, EVEN_K),
+            _x_slice(x_rows, mask_m, k + 4 * SLICE, K, SLICE, EVEN_K),
+            _x_slice(x_rows, mask_m, k + 5 * SLICE, K, SLICE, EVEN_K),
+            _x_slice(x_rows, mask_m, k + 6 * SLICE, K, SLICE, EVEN_K),
+            _x_slice(x_rows, mask_m, k + 7 * SLICE, K, SLICE, EVEN_K))
+
+
+@triton.jit
+def _scale_row(s_ptr, z_ptr, k, K, N, group_size, offs_n, mask_n):
+    """The scales and zeros (or offsets) of column k's group; past K (where x is zero) the last
+    group's."""
+    g_ptrs = (tl.minimum(k, K - 1) // group_size) * N + offs_n
+    return (tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0),
+            tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0))
+
+
+@triton.jit
+def _slice_dot(acc, part, x_cols, s, z, x, words, t: tl.constexpr, k_t,
+               s_ptr, z_ptr, K, N, group_size, offs_n, mask_n,
+               GROUP_SLICES: tl.constexpr, ZERO_POINT: tl.constexpr, BIAS: tl.constexpr):
+    """Slice ``t`` of a tile (its columns ``k_t ..``) into the group's dot ``part``; at the
+    group's last slice, ``part`` scaled into ``acc``. ``s`` and ``z`` are the group's (loaded
+    here for groups that start inside a tile)."""
+    BF16: tl.constexpr = x.dtype == tl.bfloat16
+    if t % GROUP_SLICES == 0:
+        if t > 0:
+            s, z = _scale_row(s_ptr, z_ptr, k_t, K, N, group_size, offs_n, mask_n)
+        part = tl.zeros_like(part)
+        # Summed over the group's slices elementwise, reduced across columns once.
+        x_cols = tl.zeros_like(x_cols)
+    q = (words >> (4 * (t // 2) + 16 * (t % 2))) & 0xF  # nibble_shift(t)
+    if BIAS:
+        w = (q | (0x4300 if BF16 else 0x6400)).to(tl.int16).to(x.dtype, bitcast=True)
+    else:
+        # The code under the exponent of 2**23 reads 2**23 + q: no int-to-float conversion
+        # (a quarter-rate instruction).
+        f = (q | 0x4B000000).to(tl.float32, bitcast=True)
+        zf = z.to(tl.float32)[None, :]
+        w = (f - (8388608.0 + zf) if ZERO_POINT else f - 8388608.0).to(x.dtype)
+    if x.dtype == tl.float32:
+        part = tl.dot(x, w, part, input_precision="ieee")
+    else:
+        part = tl.dot(x, w, part)
+    if BIAS or not ZERO_POINT:
+        x_cols += x.to(tl.float32)
+    if (t + 1) % GROUP_SLICES == 0:
+        sf = s.to(tl.float32)[None, :]
+        zf = z.to(tl.float32)[None, :]
+        x_sum = tl.sum(x_cols, axis=1)[:, None]
+        if BIAS:
+            if ZERO_POINT:
+                part -= x_sum * (zf + (128.0 if BF16 else 1024.0))
+            else:
+                part -= x_sum * (128.0 if BF16 else 1024.0)
+        acc += part * sf
+        if not ZERO_POINT:
+            acc += x_sum * zf
+    return acc, part, x_cols, s, z
+
+
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
     M, N, K, group_size, k_per_split, num_splits,
     stride_xm, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ONE_GROUP_PER_BLOCK: tl.constexpr, ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SLICES: tl.constexpr,
+    ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BIAS: tl.constexpr,
+    CHUNK: tl.constexpr, PREFETCH: tl.constexpr,
 ):
+    """A ``BLOCK_M x BLOCK_N`` tile of ``y`` over one slice of K (``k_per_split``, whole tiles
+    of ``TILE_K``). Slice t of a tile's words is the ``[SLICE_K, BLOCK_N]`` block of weight
+    rows ``k0 + SLICE_K * t ..``, so each goes into ``tl.dot`` as it is decoded: no reshape.
+    The dot takes ``q - z`` (exact in any float type) or, with ``BIAS``, the code's bits under
+    the exponent of ``BIAS`` (bf16 ``0x4300`` reads ``128 + q``, fp16 ``0x6400`` ``1024 + q``:
+    no float arithmetic per weight at all), whose excess is taken off per output as ``BIAS``
+    times the row's sum of x. The group's scale multiplies the dot's sum once per output
+    every ``GROUP_SLICES`` slices, not every weight; offsets (``q * s + m``) add ``m`` times
+    the row's sum of x.
+
+    The next tile's first scales are loaded while this one is computed (a value carried by
+    the loop), and with ``PREFETCH`` its words and x too; without, Triton's pipeliner copies
+    those ahead (``num_stages``)."""
+    SLICE: tl.constexpr = _TILE_K // 8
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, SLICE)
     mask_m = offs_m < M
     mask_n = offs_n < N
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    # Whole tiles: pack padded K with zero codes, which meet zero columns of x.
+    w_ptrs = qw_ptr + offs_r[:, None].to(tl.int64) * N + offs_n[None, :]
+    if PREFETCH:
+        words, x0, x1, x2, x3, x4, x5, x6, x7 = _tile_loads(w_ptrs, x_rows, mask_m, mask_n,
+                                                            k_start, K, N, SLICE, EVEN_K)
+    s0, z0 = _scale_row(s_ptr, z_ptr, k_start, K, N, group_size, offs_n, mask_n)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_end
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        q = _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N, BLOCK_K, BLOCK_N).to(tl.float32)
-        if ONE_GROUP_PER_BLOCK:
-            g_ptrs = (k0 // group_size) * N + offs_n[None, :]
-            s = tl.load(s_ptr + g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_cols = tl.zeros((BLOCK_M, SLICE), dtype=tl.float32)
+    for k0 in range(k_start, k_end, _TILE_K):
+        s, z = s0, z0
+        # Past the slice's last tile, its last tile again (where it is: no masks needed).
+        kn = tl.minimum(k0 + _TILE_K, k_end - 1) // _TILE_K * _TILE_K
+        if PREFETCH:
+            w, a0, a1, a2, a3, a4, a5, a6, a7 = words, x0, x1, x2, x3, x4, x5, x6, x7
+            words, x0, x1, x2, x3, x4, x5, x6, x7 = _tile_loads(w_ptrs, x_rows, mask_m, mask_n,
+                                                                kn, K, N, SLICE, EVEN_K)
         else:
-            g_ptrs = (offs_k // group_size)[:, None] * N + offs_n[None, :]
-            mask_g = mask_k[:, None] & mask_n[None, :]
-            s = tl.load(s_ptr + g_ptrs, mask=mask_g, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g_ptrs, mask=mask_g, other=0.0).to(tl.float32)
-        w = _dequant(q, s, z, ZERO_POINT).to(x.dtype)
-        if x.dtype == tl.float32:
-            acc += tl.dot(x, w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w)
+            w, a0, a1, a2, a3, a4, a5, a6, a7 = _tile_loads(w_ptrs, x_rows, mask_m, mask_n, k0,
+                                                            K, N, SLICE, EVEN_K)
+        s0, z0 = _scale_row(s_ptr, z_ptr, kn, K, N, group_size, offs_n, mask_n)
+        acc, part, x_cols, s, z = _slice_dot(
+            acc, part, x_cols, s, z, a0, w, 0, k0, s_ptr, z_ptr, K, N, group_size,
+            offs_n, mask_n, GROUP_SLICES, ZERO_POINT, BIAS)
+        acc, part, x_cols, s, z = _slice_dot(
+            acc, part, x_cols, s, z, a1, w, 1, k0 + SLICE, s_ptr, z_ptr, K, N, group_size,
+            offs_n, mask_n, GROUP_SLICES, ZERO_POINT, BIAS)
+        acc, part, x_cols, s, z = _slice_dot(
+            acc, part, x_cols, s, z, a2, w, 2, k0 + 2 * SLICE, s_ptr, z_ptr, K, N, group_size,
+            offs_n, mask_n, GROUP_SLICES, ZERO_POINT, BIAS)
+        acc, part, x_cols, s, z = _slice_dot(
+            acc, part, x_cols, s, z, a3, w, 3, k0 + 3 * SLICE, s_ptr, z_ptr, K, N, group_size,
+            offs_n, mask_n, GROUP_SLICES, ZERO_POINT, BIAS)
+        acc, part, x_cols, s, z = _slice_dot(
+            acc, part, x_cols, s, z, a4, w, 4, k0 + 4 * SLICE, s_ptr, z_ptr, K, N, group_size,
+            offs_n, mask_n, GROUP_SLICES, ZERO_POINT, BIAS)
+        acc, part, x_cols, s, z = _slice_dot(
+            acc, part, x_cols, s, z, a5, w, 5, k0 + 5 * SLICE, s_ptr, z_ptr, K, N, group_size,
+            offs_n, mask_n, GROUP_SLICES, ZERO_POINT, BIAS)
+        acc, part, x_cols, s, z = _slice_dot(
+            acc, part, x_cols, s, z, a6, w, 6, k0 + 6 * SLICE, s_ptr, z_ptr, K, N, group_size,
+            offs_n, mask_n, GROUP_SLICES, ZERO_POINT, BIAS)
+        acc, part, x_cols, s, z = _slice_dot(
+            acc, part, x_cols, s, z, a7, w, 7, k0 + 7 * SLICE, s_ptr, z_ptr, K, N, group_size,
+            offs_n, mask_n, GROUP_SLICES, ZERO_POINT, BIAS)
     finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n,
-           M, N, stride_om, pid_n, pid_s, num_splits, SPLIT, 1)
+           M, N, stride_om, pid_n, pid_s, num_splits, SPLIT, CHUNK)
 
 
 def _pairs_ptx(rows: int) -> str:
@@ -202,11 +313,29 @@ _CONSTRAINTS_1, _CONSTRAINTS_2 = (tl.constexpr(_pairs_constraints(1)),
 
 
 @triton.jit
-def _x_pair(pair_ptrs, p: tl.constexpr, rows, k_end, EVEN: tl.constexpr):
-    """Columns ``8j + 2p`` and ``8j + 2p + 1`` of a bfloat16 row, as one int32 per row j."""
+def _x_pair(x16_ptrs, cols, p: tl.constexpr, K, EVEN: tl.constexpr):
+    """The columns of slices ``2p`` and ``2p + 1`` of each word row (``cols`` is its column of
+    slice 0) of a 16-bit row, as one int32 per word row: the pair that the word's bits
+    ``4p`` and ``16 + 4p`` meet."""
+    lo_k = cols + 2 * p * (_TILE_K // 8)
+    hi_k = lo_k + _TILE_K // 8
     if EVEN:
-        return tl.load(pair_ptrs + p)
-    return tl.load(pair_ptrs + p, mask=rows * 8 + 2 * p < k_end, other=0)
+        lo = tl.load(x16_ptrs + lo_k)
+        hi = tl.load(x16_ptrs + hi_k)
+    else:
+        lo = tl.load(x16_ptrs + lo_k, mask=lo_k < K, other=0)
+        hi = tl.load(x16_ptrs + hi_k, mask=hi_k < K, other=0)
+    return (lo.to(tl.int32) & 0xFFFF) | (hi.to(tl.int32) << 16)
+
+
+@triton.jit
+def _slice0_cols(row0, BLOCK_KW: tl.constexpr):
+    """The columns that slice 0 of word rows ``row0 .. row0 + BLOCK_KW - 1`` holds: rows of one
+    tile (``BLOCK_KW`` divides ``SLICE_K``; ``row0`` is a multiple of it), so contiguous
+    columns from a multiple of ``BLOCK_KW``."""
+    tile = row0 // (_TILE_K // 8)
+    cols = tile * _TILE_K + (row0 - tile * (_TILE_K // 8)) + tl.arange(0, BLOCK_KW)
+    return tl.max_contiguous(tl.multiple_of(cols, BLOCK_KW), BLOCK_KW)
 
 
 @triton.jit
@@ -216,16 +345,16 @@ def _pair_sum(xp):
 
 
 @triton.jit
-def _x_pairs(x_ptr, row, M, stride_xm, rows, k_end, EVEN: tl.constexpr, ZERO_POINT: tl.constexpr):
+def _x_pairs(x_ptr, row, M, K, stride_xm, cols, EVEN: tl.constexpr, ZERO_POINT: tl.constexpr):
     """Row ``row`` of x (the last row in its place past M: its output is masked) as the four
     int32 pairs of each word's columns, and, for offsets, each word's sum of x."""
-    pair_ptrs = (x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-                 + tl.minimum(row, M - 1) * (stride_xm // 2) + rows * 4)
-    x01 = _x_pair(pair_ptrs, 0, rows, k_end, EVEN)
-    x23 = _x_pair(pair_ptrs, 1, rows, k_end, EVEN)
-    x45 = _x_pair(pair_ptrs, 2, rows, k_end, EVEN)
-    x67 = _x_pair(pair_ptrs, 3, rows, k_end, EVEN)
-    x_sum = tl.zeros(rows.shape, dtype=tl.float32)
+    x16_ptrs = (x_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+                + tl.minimum(row, M - 1) * stride_xm)
+    x01 = _x_pair(x16_ptrs, cols, 0, K, EVEN)
+    x23 = _x_pair(x16_ptrs, cols, 1, K, EVEN)
+    x45 = _x_pair(x16_ptrs, cols, 2, K, EVEN)
+    x67 = _x_pair(x16_ptrs, cols, 3, K, EVEN)
+    x_sum = tl.zeros(cols.shape, dtype=tl.float32)
     if not ZERO_POINT:
         x_sum = _pair_sum(x01) + _pair_sum(x23) + _pair_sum(x45) + _pair_sum(x67)
     return x01[:, None], x23[:, None], x45[:, None], x67[:, None], x_sum
@@ -243,7 +372,7 @@ def _add_scaled(acc, qx, s, z, x_sum, ZERO_POINT: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
-    M, N, K, group_size, k_per_split, num_splits, stride_xm, stride_om,
+    M, N, K, K_PAD, group_size, k_per_split, num_splits, stride_xm, stride_om,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, DECODE: tl.constexpr,
 ):
@@ -268,21 +397,23 @@ def _w4a16_gemv_kernel(
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    # Word rows (as 8 * row) of this slice; the padded tiles make every one exist.
     k_start = pid_s * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    k_end = tl.minimum(k_start + k_per_split, K_PAD)
     # One accumulator per row; the second is never read at one row, so it costs nothing.
     acc0 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         rows = k0 // 8 + tl.arange(0, BLOCK_KW)
+        cols = _slice0_cols(k0 // 8, BLOCK_KW)
         w_ptrs = qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
-        g_ptrs = (k0 // group_size) * N + offs_n
+        g_ptrs = ((k0 // _TILE_K) * _TILE_K // group_size) * N + offs_n  # the tile's group
         if EVEN:
             words = tl.load(w_ptrs)
             s = tl.load(s_ptr + g_ptrs).to(tl.float32)
             z = tl.load(z_ptr + g_ptrs).to(tl.float32)
         else:
-            words = tl.load(w_ptrs, mask=(rows * 8 < k_end)[:, None] & mask_n[None, :], other=0)
+            words = tl.load(w_ptrs, mask=mask_n[None, :], other=0)
             s = tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
         if DECODE == "pairs":
@@ -291,14 +422,14 @@ def _w4a16_gemv_kernel(
                 c = (c | (c << 16))[None, :]
             else:
                 c = tl.full((1, BLOCK_N), 0x43004300, tl.int32)
-            a01, a23, a45, a67, a_sum = _x_pairs(x_ptr, 0, M, stride_xm, rows, k_end, EVEN,
+            a01, a23, a45, a67, a_sum = _x_pairs(x_ptr, 0, M, K, stride_xm, cols, EVEN,
                                                  ZERO_POINT)
             if ROWS == 1:
                 q0 = tl.inline_asm_elementwise(_PTX_1, _CONSTRAINTS_1,
                                                [words, c, a01, a23, a45, a67],
                                                dtype=tl.float32, is_pure=True, pack=1)
             else:
-                b01, b23, b45, b67, b_sum = _x_pairs(x_ptr, 1, M, stride_xm, rows, k_end, EVEN,
+                b01, b23, b45, b67, b_sum = _x_pairs(x_ptr, 1, M, K, stride_xm, cols, EVEN,
                                                      ZERO_POINT)
                 q0, q1 = tl.inline_asm_elementwise(
                     _PTX_2, _CONSTRAINTS_2, [words, c, a01, a23, a45, a67, b01, b23, b45, b67],
@@ -312,11 +443,11 @@ def _w4a16_gemv_kernel(
             for i in tl.static_range(8):
                 j = i // 2  # nibble_shift(i): nibble j of the low (even i) or high half-word
                 half = words if i % 2 == 0 else high
-                k = rows * 8 + i
+                k = cols + (_TILE_K // 8) * i
                 if EVEN:
                     x = tl.load(x_ptr + k).to(tl.float32)
                 else:
-                    x = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
+                    x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
                 if not ZERO_POINT:
                     x_sum += x
                 if DECODE == "subnormal":
@@ -342,16 +473,17 @@ def _w4a16_gemv_kernel(
 
 
 @triton.jit
-def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, K_WORDS, group_size,
                     BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr):
     """The dense ``[K, N]`` weight, ``8 * BLOCK_KW`` rows by ``BLOCK_N`` columns a program."""
     rows = tl.program_id(0) * BLOCK_KW + tl.arange(0, BLOCK_KW)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
-                    mask=(rows * 8 < K)[:, None] & mask_n[None, :], other=0)
+                    mask=(rows < K_WORDS)[:, None] & mask_n[None, :], other=0)
+    cols = _slice0_cols(tl.program_id(0) * BLOCK_KW, BLOCK_KW)
     for i in tl.static_range(8):
-        k = rows * 8 + i
+        k = cols + (_TILE_K // 8) * i
         mask = (k < K)[:, None] & mask_n[None, :]
         g_ptrs = (k // group_size)[:, None] * N + offs_n[None, :]
         s = tl.load(s_ptr + g_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -363,25 +495,35 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
 
 
 # Rows up to which the CUDA-core GEMV runs (one where its decode is not the packed PTX's), and
-# from which the weight is dequantized for cuBLAS; the tiles in between.
+# from which the weight is dequantized for cuBLAS (written with _TILE_CONFIGS); the tiles in
+# between.
 GEMV_MAX_M = 2
 DEQUANT_MIN_M = 128
 PATHS = ("gemv", "tiles", "dequant")
 
 
-def _config(m: int) -> _Config:
-    # Fixed configurations by M; small M streams W (bandwidth), large M amortizes the dequant
-    # of each W tile over many rows (compute).
-    if m <= 16:
-        # Swept on the H200 at M = 1 over the 8B shapes (BLOCK_N 64-256, BLOCK_K 64-256, 4 or
-        # 8 warps, 2 or 4 waves): 256 x 128 with 4 warps read them 1.37x faster than 64 x 128.
-        return _Config(16, 256, 128, 4, 3)
-    # Compiled for sm_90 (no GPU), these use 128, 138, 127 and 251 registers, spilling none.
-    if m <= 64:
-        return _Config(64, _SPLIT_BLOCK_N, 64, 8, 4)
-    if m <= 256:
-        return _Config(64, 128, 64, 8, 4)
-    return _Config(128, 128, 64, 8, 3)
+class _TileConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int  # the split of K aims at this many (where one block holds every row)
+    prefetch: bool  # the kernel's PREFETCH
+
+
+# The tiles' configuration for M up to each bound (None: any M), fixed (no autotuning). Written
+# by `scripts/bench_w4a16.py --sweep-tiles --write-choice` from its sweep on the H200: for each
+# bound, the candidate fastest over the four Llama-3-8B layers at the swept M in its range.
+_TILE_CONFIGS = (
+    (16, _TileConfig(16, 128, 4, 3, 4, False)),
+    (32, _TileConfig(32, 128, 4, 3, 2, False)),
+    (64, _TileConfig(64, 128, 4, 3, 2, False)),
+    (None, _TileConfig(128, 128, 8, 3, 2, False)),
+)
+
+
+def _config(m: int) -> _TileConfig:
+    return next(cfg for bound, cfg in _TILE_CONFIGS if bound is None or m <= bound)
 
 
 def _gemv_config() -> _Config:
@@ -397,32 +539,39 @@ GEMV_PROGRAMS_PER_SM = 8
 GEMV_MAX_SPLITS = 64
 
 
-def _config_for(m: int, dtype: torch.dtype, arch: str | None) -> _Config:
+def _config_for(m: int, dtype: torch.dtype, arch: str | None) -> _TileConfig:
     """``_config``, with fp32 tiles cut to fit the 64 KiB of LDS of AMD GPUs other than gfx950
     (``arch`` is None on NVIDIA). Chosen by compiling for gfx90a/gfx942/gfx1100 on the CPU
     (``scripts/amd_compile_sweep.py``); never run on an AMD GPU."""
     cfg = _config(m)
     if dtype != torch.float32 or arch is None or arch.startswith("gfx950"):
         return cfg
-    if m <= 16:
-        return cfg._replace(block_k=32)
     return cfg._replace(num_stages=min(cfg.num_stages, 2))
 
 
 def _gemv_block_k(w: PackedW4, block_k: int) -> int | None:
-    """The GEMV's block of K: ``block_k`` cut so that each block lies in one group; None where
-    that leaves fewer than 16 columns (groups of an odd multiple of 8 or less)."""
-    if w.scales.shape[0] == 1:
+    """The GEMV's block of K: a block's codes span its tile's ``TILE_K`` columns, and its
+    scale multiplies their sum, so None unless each tile lies in one group."""
+    if w.scales.shape[0] == 1 or w.group_size % TILE_K == 0:
         return block_k
-    block_k = min(block_k, w.group_size & -w.group_size)
-    return block_k if block_k >= 16 else None
+    return None
+
+
+def _group_slices(w: PackedW4) -> int | None:
+    """The tiles' ``GROUP_SLICES``: slices of ``SLICE_K`` columns between scales, one where
+    groups cut tiles unevenly (each slice finds its group), None where they cut slices."""
+    if w.scales.shape[0] == 1 or w.group_size % TILE_K == 0:
+        return 8
+    if w.group_size % SLICE_K:
+        return None
+    return w.group_size // SLICE_K if TILE_K % w.group_size == 0 else 1
 
 
 def _choose_path(x: torch.Tensor, w: PackedW4) -> str:
     m = x.shape[0]
     if m <= _gemv_max_rows(_gemv_decode(x)) and _gemv_block_k(w, _gemv_config().block_k):
         return "gemv"
-    return "tiles" if m < DEQUANT_MIN_M else "dequant"
+    return "tiles" if m < DEQUANT_MIN_M and _group_slices(w) else "dequant"
 
 
 def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
@@ -445,16 +594,18 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         return torch.mm(x, dequantize(w, x.dtype), out=out)
     if path == "gemv":
         return _gemv(x, w, split_k, out)
+    group_slices = _group_slices(w)
+    if group_slices is None:
+        raise ValueError(f"the tiles take groups of a multiple of {SLICE_K}, not "
+                         f"{w.group_size}")
     cfg = _config_for(m, x.dtype, gpu_arch(x.device))
-    block_k = cfg.block_k
-    if w.group_size < block_k and w.group_size % 16 == 0:
-        block_k = w.group_size  # so that each block of K lies in one group
     grid_m, grid_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
-    k_blocks = triton.cdiv(k, block_k)
+    tiles = w.qweight.shape[0] // SLICE_K
     splits = 1
     if grid_m == 1:  # the counters are per block of N
-        splits = split_k or split_count(grid_n, k_blocks, 2 * sm_count(x.device), 4)
-    k_per_split = triton.cdiv(k_blocks, splits) * block_k
+        splits = split_k or split_count(grid_n, tiles,
+                                        cfg.programs_per_sm * sm_count(x.device), 1)
+    k_per_split = triton.cdiv(tiles, splits) * TILE_K
     splits = triton.cdiv(k, k_per_split)
     # Where the slices leave their partial sums (not written when there is one slice).
     partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
@@ -462,9 +613,12 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
     _w4a16_kernel[(grid_m, grid_n, splits)](
         x, w.qweight, w.scales, w.shifts, out, partial, w.counters,
         m, n, k, w.group_size, k_per_split, splits, x.stride(0), out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        ONE_GROUP_PER_BLOCK=w.group_size % block_k == 0 or w.scales.shape[0] == 1,
-        ZERO_POINT=w.zero_point, SPLIT=splits > 1,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SLICES=group_slices,
+        ZERO_POINT=w.zero_point, SPLIT=splits > 1, EVEN_K=k % TILE_K == 0,
+        BIAS=x.dtype != torch.float32,
+        # The last slice adds the partial sums a few at a time: one at a time, their
+        # latencies added up (8 KiB of float32 per thread block at once).
+        CHUNK=max(1, 8192 // (cfg.block_m * cfg.block_n)), PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -492,25 +646,26 @@ def _gemv(x: torch.Tensor, w: PackedW4, split_k: int | None, out: torch.Tensor) 
     decode = _gemv_decode(x)
     if m > _gemv_max_rows(decode) or block_k is None:
         raise ValueError(f"the GEMV takes up to {GEMV_MAX_M} bfloat16 rows on NVIDIA (else "
-                         f"one) and groups of a multiple of 16, not {m} {x.dtype} rows and "
-                         f"groups of {w.group_size}")
-    grid_n, k_blocks = triton.cdiv(n, cfg.block_n), triton.cdiv(k, block_k)
+                         f"one) and groups of a multiple of {TILE_K}, not {m} {x.dtype} rows "
+                         f"and groups of {w.group_size}")
+    k_pad = w.qweight.shape[0] * 8
+    grid_n, k_blocks = triton.cdiv(n, cfg.block_n), triton.cdiv(k_pad, block_k)
     # Slices as short as one block: a decode step's smaller weights (8 MB) must be nearly all
     # in flight at once to be read at the copy rate, which few long slices cannot do.
     splits = split_k or split_count(grid_n, k_blocks, GEMV_PROGRAMS_PER_SM * sm_count(x.device),
                                     1)
     splits = min(splits, GEMV_MAX_SPLITS)
     k_per_split = triton.cdiv(k_blocks, splits) * block_k
-    splits = triton.cdiv(k, k_per_split)
+    splits = triton.cdiv(k_pad, k_per_split)
     partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
                           device=x.device)
     _w4a16_gemv_kernel[(grid_n, splits)](
         x, w.qweight, w.scales, w.shifts, out, partial, w.counters,
-        m, n, k, w.group_size, k_per_split, splits, x.stride(0), out.stride(0),
+        m, n, k, k_pad, w.group_size, k_per_split, splits, x.stride(0), out.stride(0),
         ROWS=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         ZERO_POINT=w.zero_point, SPLIT=splits > 1,
         # No masks where every block is whole: they cost as much as the arithmetic.
-        EVEN=n % cfg.block_n == 0 and k % block_k == 0, DECODE=decode,
+        EVEN=n % cfg.block_n == 0 and k % TILE_K == 0, DECODE=decode,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -521,6 +676,6 @@ def dequantize(w: PackedW4, dtype: torch.dtype) -> torch.Tensor:
     dense = torch.empty((k, n), dtype=dtype, device=w.qweight.device)
     block_kw, block_n = 8, 128
     _dequant_kernel[(triton.cdiv(w.qweight.shape[0], block_kw), triton.cdiv(n, block_n))](
-        w.qweight, w.scales, w.shifts, dense, n, k, w.group_size,
+        w.qweight, w.scales, w.shifts, dense, n, k, w.qweight.shape[0], w.group_size,
         BLOCK_KW=block_kw, BLOCK_N=block_n, ZERO_POINT=w.zero_point, num_warps=4)
     return dense
