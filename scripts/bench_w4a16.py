@@ -9,7 +9,7 @@ Times are medians from ``triton.testing.do_bench_cudagraph`` (GPU time, as under
 The calls cycle through copies of the weight that together pass four times the L2 cache, so
 each call reads its weight from memory, as a decode step does. ``--sweep-gemv`` times the
 one-row kernel's configurations, ``--sweep-tiles`` the tiles' (block sizes, warps, stages,
-split-K target, prefetch) at each M and picks the fastest per range of M (``--write-choice``
+split-K target, biased codes) at each M and picks the fastest per range of M (``--write-choice``
 writes it into the kernel's source, for the runs that follow and to commit). ``--base FILE``
 times an earlier copy of ``kernels/w4a16.py`` (its own ``pack`` and ``matmul``) beside this
 one, on the same values.
@@ -187,8 +187,8 @@ def sweep_gemv(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
 
 
 # The tiles' candidates by the bound of M they are for: (BLOCK_M, BLOCK_N, warps, stages), each
-# with split-K targets (programs per SM; they matter only where BLOCK_M holds every row) and
-# with and without the kernel's PREFETCH.
+# with split-K targets (programs per SM; they matter only where BLOCK_M holds every row), with
+# biased codes and with q - z.
 TILE_CANDIDATES = {
     16: [(16, 128, 4, 3), (16, 256, 4, 3)],
     32: [(32, 128, 4, 3), (32, 64, 4, 3)],
@@ -221,8 +221,8 @@ def sweep_tiles(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
             return {name: _time(cycling(lambda w, x=x, out=out: w4a16.matmul(x, w, out=out,
                                                                               path=path),
                                         weights[name])) for name, (x, out) in xs.items()}
-        variants = [w4a16._TileConfig(*c, per_sm, prefetch) for c in TILE_CANDIDATES[_bound(m)]
-                    for per_sm in ((2, 4) if c[0] >= m else (1,)) for prefetch in (False, True)]
+        variants = [w4a16._TileConfig(*c, per_sm, bias) for c in TILE_CANDIDATES[_bound(m)]
+                    for per_sm in ((1, 2, 4) if c[0] >= m else (1,)) for bias in (True, False)]
         for cfg in variants:
             w4a16._TILE_CONFIGS = ((None, cfg),)
             rows.append(_sweep_row(m, "tiles", cfg, layers("tiles"), total_bytes, copy_gbs))
@@ -248,7 +248,7 @@ def choose(sweep: list[dict]) -> tuple[tuple, int]:
     than the best tiles (at it and every larger swept M)."""
     from pagedserve.platforms.cuda.kernels import w4a16
 
-    totals, best_at, dequant_at = {}, {}, {}
+    totals, counts, best_at, dequant_at = {}, {}, {}, {}
     for r in sweep:
         if r["path"] == "dequant":
             dequant_at[r["m"]] = r["total_ms"]
@@ -256,12 +256,17 @@ def choose(sweep: list[dict]) -> tuple[tuple, int]:
         cfg = w4a16._TileConfig(**r["config"])
         key = (_bound(r["m"]), cfg)
         totals[key] = totals.get(key, 0.0) + r["total_ms"]
+        counts[key] = counts.get(key, 0) + 1
         best_at[r["m"]] = min(best_at.get(r["m"], float("inf")), r["total_ms"])
     table = []
     for bound in TILE_CANDIDATES:
+        # Only candidates timed at every swept M of the range (split-K targets are swept
+        # only where one block holds every row).
         mine = {cfg: t for (b, cfg), t in totals.items() if b == bound}
         if mine:
-            table.append((bound, min(mine, key=mine.get)))
+            most = max(counts[bound, cfg] for cfg in mine)
+            table.append((bound, min((c for c in mine if counts[bound, c] == most),
+                                     key=mine.get)))
     if table[-1][0] is not None:
         table[-1] = (None, table[-1][1])
     dequant_min = max(dequant_at) + 1 if dequant_at else w4a16.DEQUANT_MIN_M

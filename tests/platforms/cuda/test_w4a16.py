@@ -369,8 +369,7 @@ for act, scale, m, split, slices, bias in [("bf16", "fp16", 1, True, 8, True),
                                           ("fp32", "fp32", 1000, False, 4, False)]:
     cfg = w4a16._config(m)
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SLICES=slices,
-                  ZERO_POINT=scale == "fp16", SPLIT=split, EVEN_K=True, BIAS=bias,
-                  CHUNK=max(1, 8192 // (cfg.block_m * cfg.block_n)), PREFETCH=bias)
+                  ZERO_POINT=scale == "fp16", SPLIT=split, EVEN_K=True, BIAS=bias)
     compile_matmul(w4a16._w4a16_kernel, act, scale, consts, cfg.num_warps, cfg.num_stages)
 cfg = w4a16._gemv_config()
 for act, scale, rows, split, even, decode in [("bf16", "fp16", 1, True, True, "pairs"),

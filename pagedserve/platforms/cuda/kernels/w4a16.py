@@ -2,11 +2,14 @@
 
 Layout the kernel reads (built once at load by ``pack``):
 
-- ``qweight`` int32 ``[ceil(K / 8), N]``: word ``[j, n]`` holds ``W[n, 8j .. 8j + 7]``, column
-  ``8j + t`` at bits ``nibble_shift(t) = 4 * (t // 2) + 16 * (t % 2)``: columns ``2p`` and
-  ``2p + 1`` sit 16 bits apart, so one mask lifts both into the two halves of a register (the
-  GEMV's packed bfloat16 pairs); K is padded with zero nibbles. N is the contiguous
-  dimension, so a tile of words is read coalesced along the output features.
+- ``qweight`` int32 ``[16 * ceil(K / 128), N]``: K in tiles of ``TILE_K = 128`` columns (the
+  last padded with zero codes); word ``r`` of tile ``T`` (row ``16 T + r``) holds
+  ``W[n, 128 T + 16 t + r]`` for ``t = 0 .. 7`` at bits ``nibble_shift(t) = 4 * (t // 2) +
+  16 * (t % 2)``. So nibble t of a tile's 16 words (slice t) is the block of weight rows
+  ``128 T + 16 t ..`` that ``tl.dot`` takes with 16 contiguous columns of x, as decoded, with no
+  reshape of the tile; and the GEMV's mask lifts slices ``2p`` and ``2p + 1`` (bits ``4p``
+  and ``16 + 4p``) into the two halves of a register (its packed bfloat16 pairs). N is the
+  contiguous dimension, so a tile of words is read coalesced along the output features.
 - ``scales``, ``shifts`` ``[ceil(K / G), N]``: with ``zero_point``,
   ``W[n, k] = (q[n, k] - shifts[g, n]) * scales[g, n]`` (``g = k // G``), which keeps AWQ's and
   GPTQ's integer zero points exact in float16; otherwise ``q * scales + shifts`` (GGUF's
@@ -16,19 +19,28 @@ Layout the kernel reads (built once at load by ``pack``):
 Three paths, chosen by the number of rows M:
 
 - **GEMV** (one row, or two bfloat16 rows on NVIDIA: decode at batch 1-2; groups holding whole
-  blocks of 16 columns): CUDA cores, with codes decoded by bit tricks rather than converted
-  (``_w4a16_gemv_kernel``), and K cut into slices as short as one block so that the smaller
-  weights are read all at once.
-- **Tiles** (up to ``DEQUANT_MIN_M``): a ``BLOCK_M x BLOCK_N`` tile of ``y`` per program over
-  one of ``SPLIT_K`` slices of K, reading each tile of W once for all its rows and
-  dequantizing it in registers before ``tl.dot``. Decode (small M) uses one block of rows and
-  splits K so that enough programs stream the weight. Both split paths end in
-  ``split_k.finish``: deterministic, and one launch.
+  tiles, a multiple of 128 or one group): CUDA cores, with codes decoded by bit tricks rather
+  than converted (``_w4a16_gemv_kernel``), and K cut into slices as short as one block so that
+  the smaller weights are read all at once.
+- **Tiles** (up to ``DEQUANT_MIN_M``; groups of a multiple of 16, so that each slice lies in
+  one group): a ``BLOCK_M x BLOCK_N`` tile of ``y`` per program over one of ``SPLIT_K`` slices
+  of K, decoding each tile of W once for all its rows, a slice at a time into ``tl.dot``
+  (``_w4a16_kernel``). Decode (small M) uses one block of rows and splits K so that enough
+  programs stream the weight. Both split paths end in ``split_k.finish``: deterministic, and
+  one launch. Groups that cut slices (24, say) are dequantized at every M.
 - **Dequantize** (M from ``DEQUANT_MIN_M``, prefill and large decode batches): the weight is
   expanded to a dense ``[K, N]`` copy in the activation dtype and multiplied by ``torch.mm``.
-  There the matmul is compute-bound: our tiles dequantize each weight tile once per block of
-  rows and reach a third to a half of cuBLAS, while the extra pass over the weight costs about
-  what reading it in bfloat16 would (measured on the H200: README).
+  There the matmul is compute-bound and the tiles reach a fifth to a third of cuBLAS, while
+  the extra pass over the weight costs about what reading it in bfloat16 would.
+
+Measured on the H200 on 2026-12-01 (``scripts/gpu_check.sh w4a16-tiles-sweep`` with
+``W4A16_BASE`` the kernel before this layout, ``benchmarks/results/issue30/``; the four
+Llama-3-8B layers summed, bf16, groups of 128), against the earlier layout whose tiles
+unpacked ``[BK / 8, BN]`` words into a ``[BK, BN]`` tile: M = 16, 32, 64 take 117, 192, 240 µs
+(1.09x, 1.33x, 1.08x faster; 0.64x and 0.53x cuBLAS bf16 at 32 and 64, 23% of the copy rate at
+16); the GEMV at M = 1 takes 84 µs, 0.73x the earlier layout's 61 (its x pairs are now two
+loads 16 columns apart); from 128 rows nothing changed (dequantize). Per layer the tiles read
+14-28% of the copy rate at M <= 16 (the GEMV at M = 1 20-40%), far from the target of 80%.
 
 Configurations are fixed per range of M (no autotuning) and M is not specialized on, so a new
 batch size compiles nothing; nothing in ``matmul`` synchronizes with the host or allocates but
@@ -119,84 +131,6 @@ def _dequant(q, s, z, ZERO_POINT: tl.constexpr):
         return q * s + z
 
 
-@triton.jit
-def _x_slice(x_rows, mask_m, k, K, SLICE: tl.constexpr, EVEN_K: tl.constexpr):
-    """Columns ``k .. k + SLICE - 1`` of the block's rows of x."""
-    offs_k = k + tl.arange(0, SLICE)
-    if EVEN_K:
-        return tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
-    return tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :],
-                   other=0.0)
-
-
-@triton.jit
-def _tile_loads(w_ptrs, x_rows, mask_m, mask_n, k, K, N, SLICE: tl.constexpr,
-                EVEN_K: tl.constexpr):
-    """The words of the tile at column k and its 8 slices of x."""
-    return (tl.load(w_ptrs + (k // 8) * N, mask=mask_n[None, :], other=0),
-            _x_slice(x_rows, mask_m, k, K, SLICE, EVEN_K),
-            _x_slice(x_rows, mask_m, k + SLICE, K, SLICE, EVEN_K),
-            _x_slice(x_rows, mask_m, k + 2 * SLICE, K, SLICE, EVEN_K),
-            _x_slice(x_rows, mask_m, k + 3 * SLICE, K, SLICE, EVEN_K),
-            _x_slice(x_rows, mask_m, k + 4 * SLICE, K, SLICE, EVEN_K),
-            _x_slice(x_rows, mask_m, k + 5 * SLICE, K, SLICE, EVEN_K),
-            _x_slice(x_rows, mask_m, k + 6 * SLICE, K, SLICE, EVEN_K),
-            _x_slice(x_rows, mask_m, k + 7 * SLICE, K, SLICE, EVEN_K))
-
-
-@triton.jit
-def _scale_row(s_ptr, z_ptr, k, K, N, group_size, offs_n, mask_n):
-    """The scales and zeros (or offsets) of column k's group; past K (where x is zero) the last
-    group's."""
-    g_ptrs = (tl.minimum(k, K - 1) // group_size) * N + offs_n
-    return (tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0),
-            tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0))
-
-
-@triton.jit
-def _slice_dot(acc, part, x_cols, s, z, x, words, t: tl.constexpr, k_t,
-               s_ptr, z_ptr, K, N, group_size, offs_n, mask_n,
-               GROUP_SLICES: tl.constexpr, ZERO_POINT: tl.constexpr, BIAS: tl.constexpr):
-    """Slice ``t`` of a tile (its columns ``k_t ..``) into the group's dot ``part``; at the
-    group's last slice, ``part`` scaled into ``acc``. ``s`` and ``z`` are the group's (loaded
-    here for groups that start inside a tile)."""
-    BF16: tl.constexpr = x.dtype == tl.bfloat16
-    if t % GROUP_SLICES == 0:
-        if t > 0:
-            s, z = _scale_row(s_ptr, z_ptr, k_t, K, N, group_size, offs_n, mask_n)
-        part = tl.zeros_like(part)
-        # Summed over the group's slices elementwise, reduced across columns once.
-        x_cols = tl.zeros_like(x_cols)
-    q = (words >> (4 * (t // 2) + 16 * (t % 2))) & 0xF  # nibble_shift(t)
-    if BIAS:
-        w = (q | (0x4300 if BF16 else 0x6400)).to(tl.int16).to(x.dtype, bitcast=True)
-    else:
-        # The code under the exponent of 2**23 reads 2**23 + q: no int-to-float conversion
-        # (a quarter-rate instruction).
-        f = (q | 0x4B000000).to(tl.float32, bitcast=True)
-        zf = z.to(tl.float32)[None, :]
-        w = (f - (8388608.0 + zf) if ZERO_POINT else f - 8388608.0).to(x.dtype)
-    if x.dtype == tl.float32:
-        part = tl.dot(x, w, part, input_precision="ieee")
-    else:
-        part = tl.dot(x, w, part)
-    if BIAS or not ZERO_POINT:
-        x_cols += x.to(tl.float32)
-    if (t + 1) % GROUP_SLICES == 0:
-        sf = s.to(tl.float32)[None, :]
-        zf = z.to(tl.float32)[None, :]
-        x_sum = tl.sum(x_cols, axis=1)[:, None]
-        if BIAS:
-            if ZERO_POINT:
-                part -= x_sum * (zf + (128.0 if BF16 else 1024.0))
-            else:
-                part -= x_sum * (128.0 if BF16 else 1024.0)
-        acc += part * sf
-        if not ZERO_POINT:
-            acc += x_sum * zf
-    return acc, part, x_cols, s, z
-
-
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
@@ -204,22 +138,20 @@ def _w4a16_kernel(
     stride_xm, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SLICES: tl.constexpr,
     ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BIAS: tl.constexpr,
-    CHUNK: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """A ``BLOCK_M x BLOCK_N`` tile of ``y`` over one slice of K (``k_per_split``, whole tiles
     of ``TILE_K``). Slice t of a tile's words is the ``[SLICE_K, BLOCK_N]`` block of weight
     rows ``k0 + SLICE_K * t ..``, so each goes into ``tl.dot`` as it is decoded: no reshape.
     The dot takes ``q - z`` (exact in any float type) or, with ``BIAS``, the code's bits under
     the exponent of ``BIAS`` (bf16 ``0x4300`` reads ``128 + q``, fp16 ``0x6400`` ``1024 + q``:
-    no float arithmetic per weight at all), whose excess is taken off per output as ``BIAS``
-    times the row's sum of x. The group's scale multiplies the dot's sum once per output
-    every ``GROUP_SLICES`` slices, not every weight; offsets (``q * s + m``) add ``m`` times
-    the row's sum of x.
-
-    The next tile's first scales are loaded while this one is computed (a value carried by
-    the loop), and with ``PREFETCH`` its words and x too; without, Triton's pipeliner copies
-    those ahead (``num_stages``)."""
+    no float arithmetic per weight), whose excess is taken off per output as the bias times
+    the row's sum of x. The group's scale multiplies the dot's sum once per output every
+    ``GROUP_SLICES`` slices, not every weight; offsets (``q * s + m``) add ``m`` times the
+    row's sum of x."""
     SLICE: tl.constexpr = _TILE_K // 8
+    BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    BIAS_BITS: tl.constexpr = 0x4300 if BF16 else 0x6400
+    BIAS_VALUE: tl.constexpr = 128.0 if BF16 else 1024.0
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -231,53 +163,53 @@ def _w4a16_kernel(
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    # Whole tiles: pack padded K with zero codes, which meet zero columns of x.
-    w_ptrs = qw_ptr + offs_r[:, None].to(tl.int64) * N + offs_n[None, :]
-    if PREFETCH:
-        words, x0, x1, x2, x3, x4, x5, x6, x7 = _tile_loads(w_ptrs, x_rows, mask_m, mask_n,
-                                                            k_start, K, N, SLICE, EVEN_K)
-    s0, z0 = _scale_row(s_ptr, z_ptr, k_start, K, N, group_size, offs_n, mask_n)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    x_cols = tl.zeros((BLOCK_M, SLICE), dtype=tl.float32)
     for k0 in range(k_start, k_end, _TILE_K):
-        s, z = s0, z0
-        # Past the slice's last tile, its last tile again (where it is: no masks needed).
-        kn = tl.minimum(k0 + _TILE_K, k_end - 1) // _TILE_K * _TILE_K
-        if PREFETCH:
-            w, a0, a1, a2, a3, a4, a5, a6, a7 = words, x0, x1, x2, x3, x4, x5, x6, x7
-            words, x0, x1, x2, x3, x4, x5, x6, x7 = _tile_loads(w_ptrs, x_rows, mask_m, mask_n,
-                                                                kn, K, N, SLICE, EVEN_K)
-        else:
-            w, a0, a1, a2, a3, a4, a5, a6, a7 = _tile_loads(w_ptrs, x_rows, mask_m, mask_n, k0,
-                                                            K, N, SLICE, EVEN_K)
-        s0, z0 = _scale_row(s_ptr, z_ptr, kn, K, N, group_size, offs_n, mask_n)
-        acc, part, x_cols, s, z = _slice_dot(
-            acc, part, x_cols, s, z, a0, w, 0, k0, s_ptr, z_ptr, K, N, group_size,
-            offs_n, mask_n, GROUP_SLICES, ZERO_POINT, BIAS)
-        acc, part, x_cols, s, z = _slice_dot(
-            acc, part, x_cols, s, z, a1, w, 1, k0 + SLICE, s_ptr, z_ptr, K, N, group_size,
-            offs_n, mask_n, GROUP_SLICES, ZERO_POINT, BIAS)
-        acc, part, x_cols, s, z = _slice_dot(
-            acc, part, x_cols, s, z, a2, w, 2, k0 + 2 * SLICE, s_ptr, z_ptr, K, N, group_size,
-            offs_n, mask_n, GROUP_SLICES, ZERO_POINT, BIAS)
-        acc, part, x_cols, s, z = _slice_dot(
-            acc, part, x_cols, s, z, a3, w, 3, k0 + 3 * SLICE, s_ptr, z_ptr, K, N, group_size,
-            offs_n, mask_n, GROUP_SLICES, ZERO_POINT, BIAS)
-        acc, part, x_cols, s, z = _slice_dot(
-            acc, part, x_cols, s, z, a4, w, 4, k0 + 4 * SLICE, s_ptr, z_ptr, K, N, group_size,
-            offs_n, mask_n, GROUP_SLICES, ZERO_POINT, BIAS)
-        acc, part, x_cols, s, z = _slice_dot(
-            acc, part, x_cols, s, z, a5, w, 5, k0 + 5 * SLICE, s_ptr, z_ptr, K, N, group_size,
-            offs_n, mask_n, GROUP_SLICES, ZERO_POINT, BIAS)
-        acc, part, x_cols, s, z = _slice_dot(
-            acc, part, x_cols, s, z, a6, w, 6, k0 + 6 * SLICE, s_ptr, z_ptr, K, N, group_size,
-            offs_n, mask_n, GROUP_SLICES, ZERO_POINT, BIAS)
-        acc, part, x_cols, s, z = _slice_dot(
-            acc, part, x_cols, s, z, a7, w, 7, k0 + 7 * SLICE, s_ptr, z_ptr, K, N, group_size,
-            offs_n, mask_n, GROUP_SLICES, ZERO_POINT, BIAS)
+        # Whole tiles: pack padded K with zero codes, which meet zero columns of x.
+        words = tl.load(qw_ptr + (k0 // 8 + offs_r)[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=mask_n[None, :], other=0)
+        for t in tl.static_range(8):
+            k_t = k0 + SLICE * t
+            if t % GROUP_SLICES == 0:
+                # Slices past K (x is zero there) read the last group.
+                g_ptrs = (tl.minimum(k_t, K - 1) // group_size) * N + offs_n
+                s = tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                # Summed over the group's slices elementwise, reduced across columns once.
+                x_cols = tl.zeros((BLOCK_M, SLICE), dtype=tl.float32)
+            offs_k = k_t + offs_r
+            if EVEN_K:
+                x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+            else:
+                x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :],
+                            other=0.0)
+            q = (words >> (4 * (t // 2) + 16 * (t % 2))) & 0xF  # nibble_shift(t)
+            if BIAS:
+                w = (q | BIAS_BITS).to(tl.int16).to(x.dtype, bitcast=True)
+            else:
+                # The code under the exponent of 2**23 reads 2**23 + q: no int-to-float
+                # conversion (a quarter-rate instruction).
+                f = (q | 0x4B000000).to(tl.float32, bitcast=True)
+                w = (f - (8388608.0 + z[None, :]) if ZERO_POINT else f - 8388608.0).to(x.dtype)
+            if x.dtype == tl.float32:
+                part = tl.dot(x, w, part, input_precision="ieee")
+            else:
+                part = tl.dot(x, w, part)
+            if BIAS or not ZERO_POINT:
+                x_cols += x.to(tl.float32)
+            if (t + 1) % GROUP_SLICES == 0:
+                x_sum = tl.sum(x_cols, axis=1)
+                if BIAS:
+                    if ZERO_POINT:
+                        part -= x_sum[:, None] * (z + BIAS_VALUE)[None, :]
+                    else:
+                        part -= x_sum[:, None] * BIAS_VALUE
+                acc += part * s[None, :]
+                if not ZERO_POINT:
+                    acc += x_sum[:, None] * z[None, :]
     finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n,
-           M, N, stride_om, pid_n, pid_s, num_splits, SPLIT, CHUNK)
+           M, N, stride_om, pid_n, pid_s, num_splits, SPLIT, 1)
 
 
 def _pairs_ptx(rows: int) -> str:
@@ -329,12 +261,10 @@ def _x_pair(x16_ptrs, cols, p: tl.constexpr, K, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _slice0_cols(row0, BLOCK_KW: tl.constexpr):
-    """The columns that slice 0 of word rows ``row0 .. row0 + BLOCK_KW - 1`` holds: rows of one
-    tile (``BLOCK_KW`` divides ``SLICE_K``; ``row0`` is a multiple of it), so contiguous
-    columns from a multiple of ``BLOCK_KW``."""
-    tile = row0 // (_TILE_K // 8)
-    cols = tile * _TILE_K + (row0 - tile * (_TILE_K // 8)) + tl.arange(0, BLOCK_KW)
+def _slice0_cols(rows, BLOCK_KW: tl.constexpr):
+    """The columns that slice 0 of word rows ``rows`` holds: ``BLOCK_KW`` consecutive rows of
+    one tile (it divides ``SLICE_K``; the first is a multiple of it), so contiguous columns."""
+    cols = (rows // (_TILE_K // 8)) * _TILE_K + rows % (_TILE_K // 8)
     return tl.max_contiguous(tl.multiple_of(cols, BLOCK_KW), BLOCK_KW)
 
 
@@ -405,7 +335,7 @@ def _w4a16_gemv_kernel(
     acc1 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         rows = k0 // 8 + tl.arange(0, BLOCK_KW)
-        cols = _slice0_cols(k0 // 8, BLOCK_KW)
+        cols = _slice0_cols(rows, BLOCK_KW)
         w_ptrs = qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
         g_ptrs = ((k0 // _TILE_K) * _TILE_K // group_size) * N + offs_n  # the tile's group
         if EVEN:
@@ -481,7 +411,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, K_WORDS, group_size,
     mask_n = offs_n < N
     words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
                     mask=(rows < K_WORDS)[:, None] & mask_n[None, :], other=0)
-    cols = _slice0_cols(tl.program_id(0) * BLOCK_KW, BLOCK_KW)
+    cols = _slice0_cols(rows, BLOCK_KW)
     for i in tl.static_range(8):
         k = cols + (_TILE_K // 8) * i
         mask = (k < K)[:, None] & mask_n[None, :]
@@ -508,17 +438,20 @@ class _TileConfig(NamedTuple):
     num_warps: int
     num_stages: int
     programs_per_sm: int  # the split of K aims at this many (where one block holds every row)
-    prefetch: bool  # the kernel's PREFETCH
+    bias: bool  # the kernel's BIAS for 16-bit activations
 
 
-# The tiles' configuration for M up to each bound (None: any M), fixed (no autotuning). Written
-# by `scripts/bench_w4a16.py --sweep-tiles --write-choice` from its sweep on the H200: for each
-# bound, the candidate fastest over the four Llama-3-8B layers at the swept M in its range.
+# The tiles' configuration for M up to each bound (None: any M), fixed (no autotuning): for each
+# bound, the candidate fastest over the four Llama-3-8B layers summed over the swept M in its
+# range (`scripts/bench_w4a16.py --sweep-tiles`, which with --write-choice rewrites this
+# table). These are from the H200 sweep of 2026-12-01 (benchmarks/results/issue30/): M = 1 and
+# 16: 16 x 128, 4 warps, 4 programs per SM, 222 us against 229 at 2 per SM, 249 at 16 x 256;
+# M = 32: 191 us; M = 64: 241 us; 128 and 256: dequantized (the tiles took 423 and 919 us).
 _TILE_CONFIGS = (
-    (16, _TileConfig(16, 128, 4, 3, 4, False)),
-    (32, _TileConfig(32, 128, 4, 3, 2, False)),
-    (64, _TileConfig(64, 128, 4, 3, 2, False)),
-    (None, _TileConfig(128, 128, 8, 3, 2, False)),
+    (16, _TileConfig(16, 128, 4, 3, 4, True)),
+    (32, _TileConfig(32, 128, 4, 3, 2, True)),
+    (64, _TileConfig(64, 128, 4, 3, 2, True)),
+    (None, _TileConfig(128, 128, 8, 3, 1, True)),
 )
 
 
@@ -615,10 +548,7 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         m, n, k, w.group_size, k_per_split, splits, x.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SLICES=group_slices,
         ZERO_POINT=w.zero_point, SPLIT=splits > 1, EVEN_K=k % TILE_K == 0,
-        BIAS=x.dtype != torch.float32,
-        # The last slice adds the partial sums a few at a time: one at a time, their
-        # latencies added up (8 KiB of float32 per thread block at once).
-        CHUNK=max(1, 8192 // (cfg.block_m * cfg.block_n)), PREFETCH=cfg.prefetch,
+        BIAS=cfg.bias and x.dtype != torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
