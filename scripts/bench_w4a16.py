@@ -254,14 +254,17 @@ def choose(sweep: list[dict]) -> tuple[tuple, int]:
             dequant_at[r["m"]] = r["total_ms"]
             continue
         cfg = w4a16._TileConfig(**r["config"])
-        key = (_bound(r["m"]), cfg)
-        totals[key] = totals.get(key, 0.0) + r["total_ms"]
-        counts[key] = counts.get(key, 0) + 1
+        # Where one block does not hold every row, K is not split: that time stands for every
+        # split-K target.
+        targets = ((1, 2, 4) if cfg.block_m < r["m"] else (cfg.programs_per_sm,))
+        for per_sm in targets:
+            key = (_bound(r["m"]), cfg._replace(programs_per_sm=per_sm))
+            totals[key] = totals.get(key, 0.0) + r["total_ms"]
+            counts[key] = counts.get(key, 0) + 1
         best_at[r["m"]] = min(best_at.get(r["m"], float("inf")), r["total_ms"])
     table = []
     for bound in TILE_CANDIDATES:
-        # Only candidates timed at every swept M of the range (split-K targets are swept
-        # only where one block holds every row).
+        # Only candidates timed at every swept M of the range.
         mine = {cfg: t for (b, cfg), t in totals.items() if b == bound}
         if mine:
             most = max(counts[bound, cfg] for cfg in mine)

@@ -451,7 +451,7 @@ _TILE_CONFIGS = (
     (16, _TileConfig(16, 128, 4, 3, 4, True)),
     (32, _TileConfig(32, 128, 4, 3, 2, True)),
     (64, _TileConfig(64, 128, 4, 3, 2, True)),
-    (None, _TileConfig(128, 128, 8, 3, 1, True)),
+    (None, _TileConfig(128, 128, 8, 3, 2, True)),
 )
 
 
