@@ -161,8 +161,9 @@ class EngineConfig:
         65536, "largest JSON schema, regex or grammar text a request may carry, in bytes")
     speculative_config: SpeculativeConfig | None = option(
         None, "speculative decoding, as JSON with vLLM's fields: method (ngram, "
-              "draft_model), num_speculative_tokens, prompt_lookup_max and prompt_lookup_min "
-              "(ngram), model (the draft checkpoint), draft_tensor_parallel_size; e.g. "
+              "draft_model, eagle3), num_speculative_tokens, prompt_lookup_max and "
+              "prompt_lookup_min (ngram), model (the draft checkpoint or the EAGLE-3 head), "
+              "draft_tensor_parallel_size; e.g. "
               "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'. A step that may "
               "verify drafts runs one at a time (no async scheduling)")
     enable_lora: bool = option(

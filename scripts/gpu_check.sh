@@ -13,6 +13,7 @@
 #                                        kv-tier-unique) kv-copy-rate spec-verify
 #                                        spec-throughput spec-draft spec-tests lora
 #                                        lora-tests lora-profile lora-sweep copy-tests
+#                                        eagle3 eagle3-tests eagle3-profile
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -325,6 +326,17 @@ for part in $parts; do
         --speculative-config '{"method": "draft_model", "num_speculative_tokens": 8}' \
         --max-num-batched-tokens 8192 --batch-sizes 1 32 256 --draft-lens 1 2 4 8 \
         --out "$OUT/speculative_draft_h200_llama3-8b_1b.json" ;;
+    # EAGLE-3 (issue 32): a random head of the public Llama-3.1-8B head's shape; verify steps
+    # at k = 4 with the head's drafts given and drawn (its extend and chain passes), batch 1
+    # and 32, and the forced-acceptance curve at batch 1 paying for the head's passes.
+    eagle3) bench speculative --workload verify --device cuda --shape llama3-8b --eagle3 \
+        --speculative-config '{"method": "eagle3", "num_speculative_tokens": 4}' \
+        --max-num-batched-tokens 8192 --batch-sizes 1 32 --draft-lens 2 4 \
+        --out "$OUT/speculative_eagle3_h200_llama3-8b.json" ;;
+    eagle3-profile) python3 scripts/profile_step.py --device cuda --shape llama3-8b --graphs \
+        --eagle3 4 --rows 30 2>&1 | grep -v "^INFO" | tee "$OUT/profile_step_h200_eagle3.log" ;;
+    eagle3-tests) python3 -m pytest -q -m cuda -p no:cacheprovider \
+        tests/platforms/cuda/test_eagle3_cuda.py 2>&1 | tee "$OUT/gpu_eagle3_tests.log" ;;
     spec-tests) python3 -m pytest -q -m cuda -p no:cacheprovider \
         tests/platforms/cuda/test_engine_cuda.py -k "speculative or draft" 2>&1 \
         | tee "$OUT/gpu_spec_tests.log" ;;

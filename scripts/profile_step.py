@@ -8,7 +8,9 @@ busy is well below wall, the device waited for the host.
 Steps run eagerly (one row per kernel) unless ``--graphs``, which replays the decode steps'
 CUDA graphs as the engine does by default (their kernels still show). With ``--lora-adapters
 N`` (and ``--enable-lora --max-lora-rank R``) the requests take turns over N random adapters of
-rank R on all seven projections, so the LoRA kernels' share of a step shows.
+rank R on all seven projections, so the LoRA kernels' share of a step shows. With ``--eagle3
+K`` a random EAGLE-3 head of the shape drafts K tokens for a batch-1 stream every step (all
+verified, whatever they score), and the host's Python of those steps is profiled too.
 """
 
 from __future__ import annotations
@@ -72,8 +74,12 @@ def main() -> None:
                         help="replay CUDA graphs for decode steps (default: eager)")
     parser.add_argument("--lora-adapters", type=int, default=0,
                         help="requests over this many random adapters (needs --enable-lora)")
+    parser.add_argument("--eagle3", type=int, default=0, metavar="K",
+                        help="a random EAGLE-3 head drafting K tokens a step (batch 1 only)")
     args = parser.parse_args()
     args.enforce_eager = not args.graphs
+    if args.eagle3:
+        return profile_eagle3(args)
     engine = throughput.engine_from_args(args).engine
     with tempfile.TemporaryDirectory(prefix="pagedserve-profile-") as folder:
         loras = []
@@ -107,6 +113,33 @@ def profile_cases(engine, rows: int, loras: list) -> None:
     with torch.inference_mode():
         while engine.has_unfinished_requests():
             engine.step()
+
+
+def profile_eagle3(args) -> None:
+    import cProfile
+    import json
+    import pstats
+
+    from pagedserve.bench import speculative, throughput
+    from pagedserve.bench.dummy_model import write_dummy_eagle3_folder
+
+    head = write_dummy_eagle3_folder(args.shape, Path(tempfile.mkdtemp()))
+    args.speculative_config = json.dumps({"method": "eagle3", "model": str(head),
+                                          "num_speculative_tokens": args.eagle3})
+    engine = throughput.engine_from_args(args).engine
+    engine.speculation.step_times = speculative._FreeDrafts()
+    engine.speculation.acceptance = speculative._SureAcceptance()
+    engine.speculation.proposer = speculative._DraftSlots(args.eagle3)
+    add_requests(engine, 1, 512, 400, [])
+    for _ in range(8):
+        engine.step()
+    profiled_steps(engine, f"EAGLE-3 verify, k={args.eagle3}, batch 1, context ~520", 8,
+                   args.rows)
+    with cProfile.Profile() as host:
+        for _ in range(20):
+            engine.step()
+    print("\n=== the host's Python over 20 of those steps (cProfile slows it: shares only)")
+    pstats.Stats(host).sort_stats("tottime").print_stats(args.rows)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Paged attention in portable torch ops: the CPU platform's kernel, the HPU platform's
-fallback, and the reference the Triton kernels are tested against.
+"""Paged attention in portable torch ops: the HPU platform's kernel, the CPU platform's
+fallback (where its C kernels do not build or read the layout), and the reference the Triton
+kernels are tested against.
 
 Decode-only steps gather every sequence's blocks into one padded batch and run one masked
 attention. So do the short queries of a mixed step (decodes, and the few tokens of a

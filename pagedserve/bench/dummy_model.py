@@ -63,3 +63,28 @@ def write_dummy_folder(shape: str, folder: Path) -> Path:
     eos = f"<{cfg['eos_token_id']}>"
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos).save_pretrained(folder)
     return folder
+
+
+# EAGLE-3's public Llama-3.1-8B head: one layer of the target's width, 32,000 draft tokens.
+EAGLE3_DRAFT_VOCAB = 32000
+
+
+def write_dummy_eagle3_folder(shape: str, folder: Path) -> Path:
+    """The config of an EAGLE-3 head of the public layout for ``shape`` (its weights random,
+    as ``--load-format dummy`` makes them)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of: {', '.join(SHAPES)}")
+    target = SHAPES[shape]
+    cfg = {k: target[k] for k in ("model_type", "rms_norm_eps", "vocab_size", "rope_theta",
+                                  "max_position_embeddings", "hidden_size",
+                                  "intermediate_size", "num_attention_heads",
+                                  "num_key_value_heads")}
+    # The public heads' layers (2, L / 2, L - 3), kept inside shallow test shapes.
+    layers = target["num_hidden_layers"]
+    aux = [min(max(i, 0), layers - 1) for i in (2, layers // 2, layers - 3)]
+    cfg.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+               draft_vocab_size=min(EAGLE3_DRAFT_VOCAB, target["vocab_size"]),
+               eagle_config={"eagle_aux_hidden_state_layer_ids": aux})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    return folder

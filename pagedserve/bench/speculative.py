@@ -72,6 +72,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="--workload verify: a draft model of random weights of this shape "
                              "(e.g. llama3-1b) as the speculative config's model; the table "
                              "then also times steps whose drafts it draws")
+    parser.add_argument("--eagle3", action="store_true",
+                        help="--workload verify: a random EAGLE-3 head of the public layout for "
+                             "--shape as the speculative config's model; the table then also "
+                             "times steps whose drafts it draws, and the forced-acceptance "
+                             "curve pays for its passes")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256],
                         help="--workload verify")
     parser.add_argument("--draft-lens", type=int, nargs="+", default=[1, 2, 4, 8],
@@ -226,7 +231,8 @@ def _step_time(llm, batch_size: int, k: int, steps: int, prompt: list[int],
     from pagedserve import SamplingParams
 
     engine = llm.engine
-    engine.speculation.proposer = _DraftSlots(k) if drafted else _ForcedDrafts(k)
+    if engine.speculation is not None:  # else an engine without speculation (k = 0)
+        engine.speculation.proposer = _DraftSlots(k) if drafted else _ForcedDrafts(k)
     params = SamplingParams(max_tokens=steps * (k + 1) + 64, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(prompt, params) for _ in range(batch_size)]
     while any(s.num_computed_tokens < s.num_tokens - 1 for g in engine.scheduler.running
@@ -240,77 +246,154 @@ def _step_time(llm, batch_size: int, k: int, steps: int, prompt: list[int],
     return seconds
 
 
-def _forced_acceptance(llm, prompt: list[int], k: int, lengths: list[int],
-                       new_tokens: int) -> list[dict]:
-    """Batch 1: tok/s with drafts right for the first L - 1, against plain decoding."""
+class _ForcedAcceptance:
+    """The rejection sampler of a batch-1 verify step, with the row's first ``length - 1``
+    drafts accepted whatever the target says and the target's greedy token after them:
+    synthetic acceptance, for drafts (a random EAGLE-3 head's) that are never right on their
+    own and whose drafting passes must still run and be paid for. The output is then not the
+    target's."""
+
+    def __init__(self, length: int) -> None:
+        from pagedserve.worker import model_runner
+
+        self.length, self.module = length, model_runner
+        self.original = model_runner.rejection_sample
+        model_runner.rejection_sample = self
+
+    def __call__(self, logits, meta, drafts, draft_probs=None, draws=None):
+        import torch
+
+        out = self.original(logits, meta, drafts, draft_probs, draws)
+        if drafts.shape[0] != 1:
+            raise RuntimeError("forced acceptance is a batch-1 measurement")
+        n = min(self.length, logits.shape[0])
+        tokens = out.sampled.token_ids.clone()
+        tokens[0, :n - 1] = drafts[0, :n - 1]
+        tokens[0, n - 1] = logits[n - 1].argmax()
+        tokens[0, n:] = -1
+        return out._replace(sampled=out.sampled._replace(token_ids=tokens),
+                            num_emitted=torch.full_like(out.num_emitted, n))
+
+    def restore(self) -> None:
+        self.module.rejection_sample = self.original
+
+
+def _generate(llm, prompt: list[int], new_tokens: int, proposer=None) -> tuple[list[int], float]:
+    """Batch 1, greedy: the tokens and the seconds (with ``proposer``'s drafts)."""
     from pagedserve import SamplingParams
 
-    engine = llm.engine
+    if proposer is not None:
+        llm.engine.speculation.proposer = proposer
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    return out, time.perf_counter() - start
 
+
+def _forced_acceptance(llm, prompt: list[int], k: int, lengths: list[int],
+                       new_tokens: int, plain_s: float | None = None) -> list[dict]:
+    """Batch 1: tok/s with drafts right for the first L - 1, against plain decoding (this
+    engine's without drafts, or ``plain_s``, an engine's without speculation). With
+    ``plain_s`` the drafts are the EAGLE-3 head's, accepted by force (``_ForcedAcceptance``;
+    the tokens then differ from plain decoding's, and ``same_tokens`` is None)."""
     def run(proposer) -> tuple[list[int], float]:
-        engine.speculation.proposer = proposer
-        start = time.perf_counter()
-        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-        return out, time.perf_counter() - start
+        return _generate(llm, prompt, new_tokens, proposer)
 
+    on_device = plain_s is not None
     run(_ForcedDrafts(0))  # warm-up
-    reference, plain_s = run(_ForcedDrafts(0))
+    reference, own_plain_s = run(_ForcedDrafts(0))
+    plain_s = plain_s or own_plain_s
     rows = []
     for length in lengths:
-        counters = engine.speculation.counters
+        counters = llm.engine.speculation.counters
         before = (counters.num_drafts, counters.num_accepted_tokens)
-        tokens, seconds = run(_ForcedDrafts(k, len(prompt), reference, length - 1))
+        forced = _ForcedDrafts(k, len(prompt), reference, length - 1)
+        if on_device:
+            patch = _ForcedAcceptance(length)
+            try:
+                tokens, seconds = run(_DraftSlots(k))
+            finally:
+                patch.restore()
+        else:
+            tokens, seconds = run(forced)
         rows_verified = counters.num_drafts - before[0]
         measured = 1 + (counters.num_accepted_tokens - before[1]) / max(rows_verified, 1)
         rows.append({"forced_L": length, "measured_L": measured,
-                     "speedup": plain_s / seconds, "same_tokens": tokens == reference})
+                     "speedup": plain_s / seconds,
+                     "same_tokens": None if on_device else tokens == reference})
     return rows
 
 
 def _verify_main(args: argparse.Namespace) -> None:
+    import gc
     import json
     import random
     import tempfile
     from pathlib import Path
 
-    from pagedserve.bench.dummy_model import write_dummy_folder
+    from pagedserve.bench.dummy_model import write_dummy_eagle3_folder, write_dummy_folder
     from pagedserve.bench.throughput import engine_from_args
 
+    drafted = args.draft_shape is not None or args.eagle3
     if args.draft_shape is not None:
         spec = json.loads(args.speculative_config)
         spec["model"] = str(write_dummy_folder(args.draft_shape, Path(tempfile.mkdtemp())))
         args.speculative_config = json.dumps({**spec, "method": "draft_model"})
+    elif args.eagle3:
+        spec = json.loads(args.speculative_config)
+        spec["model"] = str(write_dummy_eagle3_folder(args.shape, Path(tempfile.mkdtemp())))
+        args.speculative_config = json.dumps({**spec, "method": "eagle3"})
+    rng = random.Random(0)
+    base_ms, base_s = {}, None
+    if args.eagle3:
+        # The baseline is an engine without the head: an EAGLE engine runs the head's extend
+        # pass on every step, drafting or not.
+        base = engine_from_args(args, speculative_config=None)
+        prompt = [rng.randrange(100, base.engine.arch.vocab_size - 100) for _ in range(128)]
+        base_ms = {b: _step_time(base, b, 0, args.steps, prompt) for b in args.batch_sizes}
+        _generate(base, prompt, 96)  # warm-up
+        base_s = _generate(base, prompt, 96)[1]
+        platform = base.engine.platform
+        base.shutdown()
+        del base
+        gc.collect()  # what the engine held goes back to the device before the next starts
+        platform.release_cached_memory()
     llm = engine_from_args(args)
     if llm.engine.speculation is None:
         raise SystemExit("--workload verify needs --speculative-config")
     llm.engine.speculation.step_times = _FreeDrafts()
     llm.engine.speculation.acceptance = _SureAcceptance()
-    rng = random.Random(0)
-    prompt = [rng.randrange(100, llm.engine.arch.vocab_size - 100) for _ in range(128)]
+    if not args.eagle3:
+        prompt = [rng.randrange(100, llm.engine.arch.vocab_size - 100) for _ in range(128)]
     step_rows = []
     for batch_size in args.batch_sizes:
-        plain = _step_time(llm, batch_size, 0, args.steps, prompt)
+        own = _step_time(llm, batch_size, 0, args.steps, prompt)
+        plain = base_ms.get(batch_size, own)
         row = {"batch": batch_size, "plain ms": plain * 1e3}
+        if args.eagle3:  # this engine's steps without drafts: the head's extend pass added
+            row["no drafts x"] = own / plain
         for k in args.draft_lens:
             row[f"k={k} x"] = _step_time(llm, batch_size, k, args.steps, prompt) / plain
-        if args.draft_shape is not None:  # the same steps with the draft model's passes
+        if drafted:  # the same steps with the draft model's or the head's passes
             for k in args.draft_lens:
                 row[f"k={k} drafted x"] = _step_time(llm, batch_size, k, args.steps, prompt,
                                                      True) / plain
         step_rows.append(row)
         print(row, flush=True)
     k = max(args.draft_lens)
-    curve = _forced_acceptance(llm, prompt, k, [1, 2, 3, 4, min(k + 1, 5)], 96)
+    curve = _forced_acceptance(llm, prompt, k, [1, 2, 3, 4, min(k + 1, 5)], 96, base_s)
     t_plain = step_rows[0]["plain ms"] if step_rows[0]["batch"] == 1 else None
+    verified = f"k={k} drafted x" if args.eagle3 else f"k={k} x"
     for point in curve:
-        verify_x = step_rows[0].get(f"k={k} x") if t_plain is not None else None
+        verify_x = step_rows[0].get(verified) if t_plain is not None else None
         point["model"] = point["measured_L"] / verify_x if verify_x else None
     print_table(f"verify step time / plain step time ({args.shape or args.model})", step_rows,
                 list(step_rows[0]))
     print_table(f"batch 1, k={k}, forced acceptance (synthetic): speed-up over plain decoding; "
-                "model = L * t_plain / t_verify(k)", curve,
+                f"model = L * t_plain / t({verified[:-2]})", curve,
                 ["forced_L", "measured_L", "speedup", "model", "same_tokens"])
-    write_result(f"speculative_verify_{args.shape or 'model'}", {
-        "shape": args.shape, "draft_shape": args.draft_shape, "steps": args.steps,
+    write_result(f"speculative_verify_{args.shape or 'model'}{'_eagle3' * args.eagle3}", {
+        "shape": args.shape, "draft_shape": args.draft_shape, "eagle3": args.eagle3,
+        "steps": args.steps,
         "step_times": step_rows, "forced_acceptance": curve, "k_for_curve": k}, args.out)
+

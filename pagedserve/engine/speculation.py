@@ -2,8 +2,9 @@
 to verify; after it, learn from what they accepted.
 
 The drafts come from a proposer (``spec_decode/``): n-gram lookup over each sequence's own
-tokens, run on the host, or a draft model, whose tokens rank 0 draws inside the verify step
-itself (``worker/drafter.py``; here only their slots are asked for). How many of them a step
+tokens, run on the host, or a draft model or an EAGLE-3 head, whose tokens rank 0 draws inside
+the verify step itself (``worker/drafter.py``, ``worker/eagle_drafter.py``; here only their
+slots are asked for). How many of them a step
 verifies is the policy's choice (``spec_decode/policy.py``): per sequence, its measured
 acceptance against the step time the engine measures, down to none. The scheduler takes what
 it can fit (``Sequence.draft_token_ids``), rank 0 verifies them with the rejection sampler
@@ -38,7 +39,7 @@ import numpy as np
 from pagedserve.core.sequence import Sequence, SequenceGroup
 from pagedserve.errors import ConfigError
 from pagedserve.models import loader
-from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_decode.config import DEVICE_METHODS, SpeculativeConfig
 from pagedserve.spec_decode.ngram import NgramProposer
 from pagedserve.spec_decode.policy import Acceptance, StepTimeModel, choose_num_drafts
 from pagedserve.spec_decode.proposer import DraftModelSlots, ProposalBatch, Proposer
@@ -93,7 +94,7 @@ class Speculation:
         self.proposer: Proposer = (
             NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
             if config.method == "ngram" else DraftModelSlots())
-        self._drafts_on_device = config.method == "draft_model"
+        self._drafts_on_device = config.method in DEVICE_METHODS
         self.max_drafts = config.num_speculative_tokens
         self.step_times = StepTimeModel()
         self.acceptance = Acceptance()

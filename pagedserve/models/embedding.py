@@ -55,6 +55,15 @@ class VocabEmbedding(nn.Module):
             return self.weight
         return GroupQuantWeight(self.values, self.scales, self.offsets, *self.quant_format)
 
+    def gathered_to_first(self) -> torch.Tensor | None:
+        """The whole table, dequantized, on rank 0 (None on the others): every rank calls
+        it, as it is a collective under tensor parallelism."""
+        rows = dequantize(self.as_weight()).to(self.device, self.dtype)
+        if self.tp.size == 1:
+            return rows
+        full = self.tp.gather_to_first(rows.T)
+        return None if full is None else full.T[:self.shape[0]].contiguous()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return self._lookup(ids)

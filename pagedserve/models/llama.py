@@ -33,7 +33,11 @@ _STACKED = {
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding,
-                 backend: AttentionBackend, linears: LinearFactory) -> None:
+                 backend: AttentionBackend, linears: LinearFactory,
+                 input_size: int | None = None) -> None:
+        """``input_size``: the width q/k/v are projected from, the hidden size unless given
+        (an EAGLE-3 head's layer reads a token's embedding and a hidden state side by
+        side)."""
         super().__init__()
         heads = split_heads(cfg.num_heads, cfg.num_kv_heads, linears.tp)
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -41,7 +45,8 @@ class LlamaAttention(nn.Module):
         self.q_size = heads.num_heads * cfg.head_dim
         q, kv = (Part(p.full * cfg.head_dim, p.start * cfg.head_dim, p.size * cfg.head_dim)
                  for p in (heads.q, heads.kv))
-        self.qkv_proj = linears.column(cfg.hidden_size, [q, kv, kv], bias=cfg.attention_bias)
+        self.qkv_proj = linears.column(input_size or cfg.hidden_size, [q, kv, kv],
+                                       bias=cfg.attention_bias)
         self.o_proj = linears.row(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
         self.rotary = rotary
         self.attn = PagedAttention(backend)
@@ -107,13 +112,24 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(cfg, rotary, backend, ops, linears)
             for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        # Layers whose input (the residual stream entering them) an EAGLE-3 head reads
+        # (``models/eagle3.py``); empty: none, and the forward returns the hidden states alone.
+        self.aux_layers: tuple[int, ...] = ()
 
-    def forward(self, input_ids, positions, kv_caches, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv_caches, ctx: ForwardContext
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        aux = []
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if i in self.aux_layers:  # a copy: the fused norms add into the residual in place
+                aux.append(hidden.clone() if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, kv_cache, ctx)
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        if not self.aux_layers:
+            return hidden
+        # In the order the head's config names them: its fusing projection reads them so.
+        order = sorted(set(self.aux_layers))
+        return hidden, torch.cat([aux[order.index(i)] for i in self.aux_layers], dim=-1)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -133,9 +149,12 @@ class LlamaForCausalLM(nn.Module):
                                       quantize_at_load=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], ctx: ForwardContext
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Hidden states ``[num_tokens, hidden]`` for a packed batch of tokens; ``ctx`` is the
-        step's attention metadata and per-row extras, handed to every layer."""
+        step's attention metadata and per-row extras, handed to every layer. With
+        ``model.aux_layers`` set, also the inputs of those layers side by side
+        (``[num_tokens, len(aux_layers) * hidden]``)."""
         return self.model(input_ids, positions, kv_caches, ctx)
 
     def get_input_embeddings(self) -> VocabEmbedding:
@@ -187,9 +206,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            target, shard = _fused_target(name)
+            target, shard = fused_target(name)
             owner_name, _, kind = target.rpartition(".")
-            owner = _submodule(self, owner_name)
+            owner = submodule(self, owner_name)
             if isinstance(owner, Linear) and kind == "weight":
                 owner.load_shard(shard or 0, weight)
             elif isinstance(owner, VocabEmbedding):
@@ -220,14 +239,14 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0]}")
 
 
-def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+def submodule(model: nn.Module, name: str) -> nn.Module | None:
     try:
         return model.get_submodule(name)
     except AttributeError:
         return None
 
 
-def _fused_target(name: str) -> tuple[str, int | None]:
+def fused_target(name: str) -> tuple[str, int | None]:
     for fragment, (fused, shard) in _STACKED.items():
         if f".{fragment}." in name:
             return name.replace(fragment, fused), shard

@@ -52,6 +52,22 @@ class GraphRunner(Protocol):
             ctx: ForwardContext) -> torch.Tensor: ...
 
 
+class ChainGraphRunner(Protocol):
+    """Captures an EAGLE-3 head's greedy chained passes (drafts 2 .. k) in one graph per
+    batch size and replays them (``worker/eagle_drafter.py`` drives it)."""
+
+    def __init__(self, head: torch.nn.Module, kv_cache: torch.Tensor, dtype: torch.dtype,
+                 max_num_seqs: int, max_model_len: int, block_size: int,
+                 num_passes: int) -> None: ...
+
+    def capture(self) -> None: ...
+
+    def can_run(self, num_rows: int, width: int) -> bool: ...
+
+    def run(self, first: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+            num_drafts: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor: ...
+
+
 class WeightStream:
     """Copies of offloaded weights (``--cpu-offload-gb``) from host memory into the device's
     staging slots, ordered against the model's compute (``models/offload.py`` drives it).
@@ -250,6 +266,12 @@ class Platform:
     @classmethod
     def graph_runner(cls) -> type[GraphRunner] | None:
         """A class that captures and replays decode steps, or None where graphs don't exist."""
+        return None
+
+    @classmethod
+    def chain_graphs(cls) -> type[ChainGraphRunner] | None:
+        """A class that captures an EAGLE-3 head's chained drafting passes in one graph per
+        batch size (``platforms/cuda/chain_graphs.py``), or None: they run eagerly."""
         return None
 
     @classmethod

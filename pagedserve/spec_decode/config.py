@@ -1,10 +1,11 @@
 """``speculative_config``: vLLM's fields, parsed and checked once.
 
 ``LLM(speculative_config={...})`` and ``--speculative-config '<json>'`` take the same keys as
-vLLM's: ``method`` (``ngram``, ``draft_model``), ``num_speculative_tokens``,
-``prompt_lookup_max`` / ``prompt_lookup_min`` (n-gram), ``model`` (the draft checkpoint) and
-``draft_tensor_parallel_size``. As in vLLM, a missing ``method`` is inferred from ``model``:
-``"ngram"`` / ``"[ngram]"`` name the n-gram proposer, anything else a draft checkpoint.
+vLLM's: ``method`` (``ngram``, ``draft_model``, ``eagle3``), ``num_speculative_tokens``,
+``prompt_lookup_max`` / ``prompt_lookup_min`` (n-gram), ``model`` (the draft checkpoint or
+the EAGLE-3 head) and ``draft_tensor_parallel_size``. As in vLLM, a missing ``method`` is
+inferred from ``model``: ``"ngram"`` / ``"[ngram]"`` name the n-gram proposer, a folder whose
+config names an EAGLE-3 head ``eagle3``, anything else a draft checkpoint.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pagedserve.errors import ConfigError
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "eagle3")
+# The methods whose drafts rank 0 draws on the device, inside the verify step.
+DEVICE_METHODS = ("draft_model", "eagle3")
 _FLAG = "--speculative-config"
 # Without either bound: match suffixes of 2 to 5 tokens (longest first).
 _DEFAULT_LOOKUP = (2, 5)
@@ -65,7 +69,8 @@ class SpeculativeConfig:
         if self.method == "ngram":
             self._resolve_lookup()
         elif self.model is None:
-            raise ConfigError(f"{_FLAG}: method draft_model needs model (the draft checkpoint)")
+            raise ConfigError(f"{_FLAG}: method {self.method} needs model (the draft "
+                              "checkpoint or the EAGLE-3 head)")
         if self.draft_tensor_parallel_size is not None and self.draft_tensor_parallel_size != 1:
             # The draft runs on rank 0 alone, whatever the target's tensor parallelism.
             raise ConfigError(f"{_FLAG}: draft_tensor_parallel_size "
@@ -88,4 +93,8 @@ class SpeculativeConfig:
 def _inferred_method(model: str | None) -> str:
     if model is None:
         raise ConfigError(f"{_FLAG}: give method ({', '.join(SPEC_METHODS)}) or model")
-    return "ngram" if model in ("ngram", "[ngram]") else "draft_model"
+    if model in ("ngram", "[ngram]"):
+        return "ngram"
+    from pagedserve.models.eagle3 import is_eagle3_folder
+
+    return "eagle3" if is_eagle3_folder(Path(model).expanduser()) else "draft_model"

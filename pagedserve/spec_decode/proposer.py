@@ -28,9 +28,10 @@ DRAFTED_ON_DEVICE = -1
 
 
 class DraftModelSlots:
-    """The engine's half of ``method: draft_model``: every row may get as many drafts as it
-    has room for, and their tokens are drawn on the device by the draft model inside the step
-    that verifies them (``worker/drafter.py``), so the host never waits for a drafting pass."""
+    """The engine's half of ``method: draft_model`` and ``eagle3``: every row may get as many
+    drafts as it has room for, and their tokens are drawn on the device by the draft model or
+    the head inside the step that verifies them (``worker/drafter.py``,
+    ``worker/eagle_drafter.py``), so the host never waits for a drafting pass."""
 
     def propose(self, batch: ProposalBatch) -> list[np.ndarray]:
         return [np.full(k, DRAFTED_ON_DEVICE, dtype=np.int64) for k in batch.num_tokens]

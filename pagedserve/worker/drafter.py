@@ -36,10 +36,16 @@ import torch
 
 from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedserve.core.sequence import Sequence
-from pagedserve.sample.metadata import to_device
+from pagedserve.sample.metadata import SamplingMetadata, to_device
 from pagedserve.sample.sampler import exponential_race
 from pagedserve.worker.input_batch import pack_inputs
+from pagedserve.worker.kv_cache import KVCacheSpec
 from pagedserve.worker.sampling_batch import SamplingBatch
+
+
+def copy_blocks(platform, pool: torch.Tensor, copies: list[tuple[int, int]]) -> None:
+    src, dst = to_device(copies, torch.int64, pool.device).unbind(1)
+    platform.copy_blocks(pool, src, dst)
 
 
 class DeviceDrafts(NamedTuple):
@@ -58,6 +64,22 @@ class DeviceDrafts(NamedTuple):
         return self.token_ids.view(-1)[self.flat_index]
 
 
+def draw(logits: torch.Tensor, meta: SamplingMetadata, rows: list[int], rows_t: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Drafts from ``logits`` (rows ``rows`` of ``meta``'s, also as ``rows_t`` on the device):
+    each row's argmax where it is greedy, else a draw from q, its softmax at the row's
+    temperature, with the row's generator where it is seeded; and q (None: all greedy), which
+    the rejection sampler reads."""
+    drawn = logits.argmax(dim=-1)
+    if meta.all_greedy:
+        return drawn, None
+    q = torch.softmax(logits.float() / meta.temperature[rows_t], dim=-1)
+    generators = {k: meta.generators[i] for k, i in enumerate(rows) if i in meta.generators}
+    random = exponential_race(q.clone(), generators)
+    drawn = random if meta.greedy is None else torch.where(meta.greedy[rows_t], drawn, random)
+    return drawn, q
+
+
 class Drafter:
     def __init__(self, runner, max_pass_tokens: int) -> None:
         # A ModelRunner of the draft checkpoint, its KV pool allocated with the target's block
@@ -69,11 +91,19 @@ class Drafter:
         # seq -> (tokens whose draft keys are written, the sequence's preemptions then)
         self._written: dict[Sequence, tuple[int, int]] = {}
 
+    def kv_bytes_per_block(self, spec: KVCacheSpec) -> int:
+        return spec.bytes_per_block(self.runner.arch, self.runner.num_kv_heads)
+
+    def allocate_kv_cache(self, spec: KVCacheSpec) -> None:
+        self.runner.allocate_kv_cache(spec)
+
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        """Its passes after the first are decode steps: graphs of the draft model's own."""
+        self.runner.capture_graphs(max_num_seqs)
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """The step's copy-on-write copies (source, destination), in the draft pool too."""
-        pool = self.runner.kv_cache.pool
-        src, dst = to_device(copies, torch.int64, pool.device).unbind(1)
-        self.runner.platform.copy_blocks(pool, src, dst)
+        copy_blocks(self.runner.platform, self.runner.kv_cache.pool, copies)
 
     @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledSequence], sampling: SamplingBatch
@@ -95,15 +125,9 @@ class Drafter:
             logits = (self._catch_up(items) if j == 0
                       else self._logits(self._next(items, rows, j, tokens[:, j - 1])))
             rows_t = to_device(rows, torch.int64, device)
-            drawn = logits.argmax(dim=-1)
+            drawn, q = draw(logits, meta, rows, rows_t)
             if probs is not None:
-                q = torch.softmax(logits.float() / meta.temperature[rows_t], dim=-1)
                 probs[rows_t, j] = q
-                generators = {k: meta.generators[i] for k, i in enumerate(rows)
-                              if i in meta.generators}
-                random = exponential_race(q.clone(), generators)
-                drawn = random if meta.greedy is None else torch.where(
-                    meta.greedy[rows_t], drawn, random)
             tokens[rows_t, j] = drawn
         for item, d in zip(items, num_drafts, strict=True):
             self._written[item.seq] = (item.num_computed_tokens + d, item.seq.num_preemptions)

@@ -39,6 +39,7 @@ from pagedserve.sample.rejection import rejection_sample
 from pagedserve.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
 from pagedserve.spec_decode.proposer import DRAFTED_ON_DEVICE
 from pagedserve.worker.drafter import DeviceDrafts, Drafter
+from pagedserve.worker.eagle_drafter import EagleDrafter
 from pagedserve.worker.input_batch import (
     HostInputs,
     InFlightTokens,
@@ -78,6 +79,18 @@ class _QueuedStep(NamedTuple):
     num_emitted: torch.Tensor | None  # host, int64 [N]: a verify step's tokens per row
     ready: DeviceEvent | None
     prompt: dict[Sequence, tuple[int, LogprobsTensors]]  # seq -> (first position, logprobs)
+
+
+class _Forwarded(NamedTuple):
+    """What a step's first half leaves for its second, on rank 0."""
+
+    step_id: int
+    logits: torch.Tensor | None  # the sampling rows'
+    prompt: dict[Sequence, tuple[int, LogprobsTensors]]
+    drafts: DeviceDrafts | None  # the draft model's or the head's, drawn in this step
+    # With an EAGLE-3 head: the step's inputs and the target's auxiliary hidden states, which
+    # its extend pass reads once the step has sampled.
+    head_inputs: tuple[ModelInputs, HostInputs, torch.Tensor] | None
 
 
 @dataclass
@@ -130,12 +143,13 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None  # ranks > 0
         # Rank 0, between a step's halves: its logits and prompt logprobs, by step id.
         self._step_id = 0
-        self._forwarded: tuple[int, torch.Tensor | None, dict] | None = None
+        self._forwarded: _Forwarded | None = None
         self._queued: dict[int, _QueuedStep] = {}  # steps sampled, not yet fetched
         self.buckets = buckets  # pad every step to these shapes (shape_buckets.py)
         self.pad_block = 0  # with buckets: the pool's last block, written by padded rows only
         self.lora: LoRASlots | None = None  # with --enable-lora: the adapters' device slots
-        self.drafter: Drafter | None = None  # rank 0, with a draft model (speculative decoding)
+        # Rank 0, with a draft model or an EAGLE-3 head (speculative decoding).
+        self.drafter: Drafter | EagleDrafter | None = None
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
         """Load the checkpoint; with CPU offload, each offloaded layer leaves the device as
@@ -173,20 +187,21 @@ class ModelRunner:
         self.lora = add_lora_layers(self.model, self.platform.lora_ops(), max_loras, max_rank,
                                     max_cpu_loras, pin=self.platform.pin_swap_memory)
 
-    def add_drafter(self, draft: ModelRunner, max_pass_tokens: int) -> None:
-        """Verify drafts of ``draft``'s model, drawn inside each verify step
-        (``worker/drafter.py``), at most ``max_pass_tokens`` tokens a pass; its KV pool is
-        allocated with this one's."""
-        self.drafter = Drafter(draft, max_pass_tokens)
+    def add_drafter(self, drafter: Drafter | EagleDrafter) -> None:
+        """Verify drafts of a draft model (``worker/drafter.py``) or an EAGLE-3 head
+        (``worker/eagle_drafter.py``), drawn inside each verify step; its KV pool is
+        allocated with this one's. An EAGLE-3 head reads this model's auxiliary hidden
+        states."""
+        self.drafter = drafter
+        if isinstance(drafter, EagleDrafter):
+            self.model.model.aux_layers = drafter.head.config.aux_layer_ids
+            drafter.head.share_embedding(self.model.get_input_embeddings())
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Device bytes of one KV block of this rank: the model's and its draft model's."""
         spec = KVCacheSpec(1, block_size, self.kv_dtype)
         own = spec.bytes_per_block(self.arch, self.num_kv_heads)
-        if self.drafter is None:
-            return own
-        draft = self.drafter.runner
-        return own + spec.bytes_per_block(draft.arch, draft.num_kv_heads)
+        return own if self.drafter is None else own + self.drafter.kv_bytes_per_block(spec)
 
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters, wherever they are held."""
@@ -213,10 +228,11 @@ class ModelRunner:
         ``spec.num_blocks``: the pad block."""
         self.block_size = spec.block_size
         self.pad_block = spec.num_blocks
-        self.kv_cache = KVCache(self.platform, self.arch, self.num_kv_heads, KVCacheSpec(
-            spec.num_blocks + (self.buckets is not None), spec.block_size, spec.dtype))
+        padded = KVCacheSpec(spec.num_blocks + (self.buckets is not None), spec.block_size,
+                             spec.dtype)
+        self.kv_cache = KVCache(self.platform, self.arch, self.num_kv_heads, padded)
         if self.drafter is not None:  # the same block ids address both pools
-            self.drafter.runner.allocate_kv_cache(spec)
+            self.drafter.allocate_kv_cache(padded)
 
     def plan(self, out: SchedulerOutput) -> tuple[StepInput, list[PromptSpan]]:
         """The step every rank runs, and (for rank 0 alone) which rows score prompts."""
@@ -233,22 +249,22 @@ class ModelRunner:
         """Rank 0's part of a planned step, up to its sampling: block moves, the forward pass,
         the logits, kept here until ``sample``. The sampling metadata can be built while the
         device computes."""
-        sample_logits, prompt, drafts = self._run(
+        sample_logits, prompt, drafts, head_inputs = self._run(
             step, self._in_flight and self._in_flight.token_ids, spans, out.scheduled)
         self._step_id += 1
-        self._forwarded = (self._step_id, sample_logits, prompt, drafts)
+        self._forwarded = _Forwarded(self._step_id, sample_logits, prompt, drafts, head_inputs)
         return Forward(out, self._step_id)
 
     @torch.inference_mode()
     def sample(self, forward: Forward, sampling: SamplingInputs | None) -> StepResult:
         """The second half: sample (and hand the tokens to the other ranks). The sampled
         tokens are copied to the host in the background (``fetch`` waits for them)."""
-        step_id, logits, prompt, drafts = self._forwarded
+        step_id, logits, prompt, drafts, head_inputs = self._forwarded
         if step_id != forward.step_id:
             raise RuntimeError(f"step {forward.step_id} was not the last one forwarded")
         self._forwarded = None
         sampled = [s for s in forward.out.scheduled if s.num_sample_positions]
-        host_output = num_emitted = ready = None
+        host_output = host_emitted = num_emitted = ready = sampler_output = None
         if sampled:
             meta = self._sampling_metadata(sampled, sampling)
             if any(s.draft_token_ids for s in sampled):
@@ -259,9 +275,12 @@ class ModelRunner:
                 self.tp.broadcast_from_first(sampler_output.token_ids)
             self._keep_in_flight(sampled, sampler_output.token_ids)
             # Where the host runs ahead, the copy lands later: ``ready`` marks when.
-            host_output, num_emitted = _to_host(self.platform, sampler_output, num_emitted)
+            host_output, host_emitted = _to_host(self.platform, sampler_output, num_emitted)
             ready = self.platform.record_event()
-        self._queued[step_id] = _QueuedStep(host_output, num_emitted, ready, prompt)
+        if head_inputs is not None:  # the EAGLE-3 head's pass over the step, now it sampled
+            self.drafter.extend(*head_inputs, forward.out.scheduled, sampled,
+                                sampler_output and sampler_output.token_ids, num_emitted)
+        self._queued[step_id] = _QueuedStep(host_output, host_emitted, ready, prompt)
         return StepResult(step_id, [s.seq for s in sampled],
                           [s.num_sample_positions for s in sampled])
 
@@ -334,23 +353,25 @@ class ModelRunner:
     def _run(self, step: StepInput, in_flight_tokens: torch.Tensor | None,
              spans: list[PromptSpan], scheduled: list[ScheduledSequence] | None = None
              ) -> tuple[torch.Tensor | None, dict[Sequence, tuple[int, LogprobsTensors]],
-                        DeviceDrafts | None]:
+                        DeviceDrafts | None, tuple[ModelInputs, HostInputs, torch.Tensor] | None]:
         """Block moves, the draft model's drafts, the forward pass, the logits of the sampling
         rows, and each prompt span's logprobs, one span's logits at a time (on ranks other
-        than 0, which get no logits and no ``scheduled``, ``spans`` is empty)."""
+        than 0, which get no logits and no ``scheduled``, ``spans`` is empty); with an
+        EAGLE-3 head, what its pass after the sampling reads: the step's inputs and the
+        auxiliary hidden states."""
         self.kv_cache.apply_block_ops(step.block_ops)
         if self.drafter is not None and step.block_ops.copies:
             self.drafter.copy_blocks(step.block_ops.copies)
         if step.removed_loras:
             self.lora.remove(step.removed_loras)
         if step.inputs is None:
-            return None, {}, None
+            return None, {}, None, None
         inputs = step.inputs.to_device(self.device, in_flight_tokens)
         drafts = self._fill_drafts(step.inputs, inputs.input_ids, scheduled)
         if self.lora is not None and step.inputs.lora_requests is not None:
             inputs.ctx.lora_slots = self.lora.row_slots(step.inputs.lora_requests,
                                                         step.inputs.query_lens, self.device)
-        hidden = self.run_model(inputs)
+        hidden, aux = self._forward_pass(inputs)
         sample_logits = None
         if len(step.inputs.sample_rows):
             sample_logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -359,7 +380,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row:row + count])
             if logits is not None:
                 prompt[spans[i].seq] = _prompt_logprobs(spans[i], logits)
-        return sample_logits, prompt, drafts
+        return sample_logits, prompt, drafts, (
+            None if aux is None else (inputs, step.inputs, aux))
 
     def _fill_drafts(self, host: HostInputs, input_ids: torch.Tensor,
                      scheduled: list[ScheduledSequence] | None) -> DeviceDrafts | None:
@@ -380,13 +402,17 @@ class ModelRunner:
         return drafts
 
     def run_model(self, inputs: ModelInputs) -> torch.Tensor:
+        return self._forward_pass(inputs)[0]
+
+    def _forward_pass(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The hidden states, and the auxiliary ones an EAGLE-3 head reads (None: none)."""
         if self.graphs is not None and self.graphs.can_run(inputs.ctx):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.ctx)
+            out = self.graphs.run(inputs.input_ids, inputs.positions, inputs.ctx)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers,
-                                inputs.ctx)
+            out = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers,
+                             inputs.ctx)
         self.platform.end_forward()
-        return hidden
+        return out if isinstance(out, tuple) else (out, None)
 
     def capture_graphs(self, max_num_seqs: int, verify_len: int = 1) -> None:
         """Capture decode steps where the platform supports graphs (after the KV pool), and

@@ -12,18 +12,30 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from pagedserve import distributed, envs
 from pagedserve.config import EngineConfig, ResolvedConfig
-from pagedserve.distributed import TensorParallel
+from pagedserve.distributed import TensorParallel, split_heads
 from pagedserve.errors import ConfigError
 from pagedserve.logger import get_logger
 from pagedserve.models import loader
 from pagedserve.models.config import ModelArchConfig
+from pagedserve.models.eagle3 import (
+    Eagle3Config,
+    Eagle3Head,
+    iter_head_weights,
+    random_head_weights,
+)
+from pagedserve.models.linear import LinearFactory
 from pagedserve.platforms import resolve_platform
 from pagedserve.platforms.interface import Platform
 from pagedserve.quant.formats import checkpoint_format, load_quantizer
+from pagedserve.spec_decode.config import DEVICE_METHODS
 from pagedserve.worker.cache_sizing import CacheSizes, size_kv_cache
 from pagedserve.worker.disk_tier import DiskTier, model_identity
+from pagedserve.worker.drafter import Drafter
+from pagedserve.worker.eagle_drafter import EagleDrafter
 from pagedserve.worker.kv_cache import KVCacheSpec
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.shape_buckets import ShapeBuckets
@@ -73,9 +85,17 @@ class Worker:
         if config.enable_lora:
             self.runner.add_lora(config.max_loras, config.max_lora_rank, config.cpu_loras)
         drafts = config.speculative_config
-        if drafts is not None and drafts.method == "draft_model" and self.tp.rank == 0:
-            self.runner.add_drafter(_draft_runner(config, resolved, arch, self.platform),
-                                    resolved.max_num_batched_tokens)
+        # An EAGLE-3 head on rank 0 reads the target's embedding table: under tensor
+        # parallelism a gathered copy (the target's own lookup is a collective).
+        table = (self.runner.model.get_input_embeddings().gathered_to_first()
+                 if drafts is not None and drafts.method == "eagle3" and self.tp.size > 1
+                 else None)
+        if drafts is not None and drafts.method in DEVICE_METHODS and self.tp.rank == 0:
+            self.runner.add_drafter(
+                _eagle_drafter(config, resolved, arch, self.platform, table)
+                if drafts.method == "eagle3" else
+                Drafter(_draft_runner(config, resolved, arch, self.platform),
+                        resolved.max_num_batched_tokens))
         self.sizes = self._agree(size_kv_cache(config, resolved, self.platform, self.runner))
         self.runner.allocate_kv_cache(
             KVCacheSpec(self.sizes.num_blocks, resolved.block_size, self.runner.kv_dtype))
@@ -84,8 +104,8 @@ class Worker:
         if not config.enforce_eager:
             self.runner.capture_graphs(
                 config.max_num_seqs, 1 + drafts.num_speculative_tokens if drafts else 1)
-            if self.runner.drafter is not None:  # its passes after the first are decode steps
-                self.runner.drafter.runner.capture_graphs(config.max_num_seqs)
+            if self.runner.drafter is not None:
+                self.runner.drafter.capture_graphs(config.max_num_seqs)
         # After graph capture: HPU graphs record each bucket at its first run. Every rank
         # warms up the same shapes in the same order (the forwards hold collectives).
         warm_up(self.runner)
@@ -137,6 +157,45 @@ def _draft_runner(config: EngineConfig, resolved: ResolvedConfig, arch: ModelArc
         fmt = checkpoint_format(draft_arch.raw, "auto", source.gguf)
         runner.load_weights(fmt.read(loader.iter_weights(source)))
     return runner
+
+
+def _eagle_drafter(config: EngineConfig, resolved: ResolvedConfig, arch: ModelArchConfig,
+                   platform: type[Platform], table: torch.Tensor | None) -> EagleDrafter:
+    """The EAGLE-3 head of ``speculative_config``, on rank 0's device in the target's dtype:
+    read from its folder (safetensors or the public heads' ``pytorch_model.bin``; a hub id
+    as any model, safetensors only), or random of its config's shapes with
+    ``--load-format dummy``. Without a table of its own it shares the target's, or takes
+    ``table`` (the target's, gathered) as its own."""
+    dummy = config.load_format == "dummy"
+    model = config.speculative_config.model
+    local = Path(model).expanduser().is_dir()
+    source = loader.resolve_model(model, not dummy and not local)
+    cfg = Eagle3Config.from_folder(source.path, arch)
+    weights = {} if dummy else dict(iter_head_weights(source.path))
+    if table is not None and "embed_tokens.weight" not in weights:
+        weights["embed_tokens.weight"] = table
+    own_embedding = "embed_tokens.weight" in weights
+    if not own_embedding and cfg.arch.hidden_size != arch.hidden_size:
+        raise ConfigError("--speculative-config: the EAGLE-3 head has no embedding table and "
+                          f"its hidden size ({cfg.arch.hidden_size}) differs from the "
+                          f"target's ({arch.hidden_size}), whose table it would read")
+    device = platform.device()
+    heads = split_heads(cfg.arch.num_heads, cfg.arch.num_kv_heads, TensorParallel())
+    backend = platform.attention_backend()(
+        heads.num_heads, cfg.arch.head_dim, heads.num_kv_heads, cfg.arch.head_dim ** -0.5,
+        kv_cache_dtype=config.kv_cache_dtype)
+    linears = LinearFactory(platform, resolved.dtype, device,
+                            int8_activations=config.int8_activations)
+    with torch.device(device):
+        head = Eagle3Head(cfg, backend, resolved.max_model_len, platform.layer_ops(), linears,
+                          own_embedding)
+    head = head.to(dtype=resolved.dtype).eval()
+    head.load_weights([*random_head_weights(head, config.seed + 1, resolved.dtype, device,
+                                            skip=set(weights)), *weights.items()]
+                      if dummy else weights.items())
+    return EagleDrafter(head, platform, heads.num_kv_heads, device, resolved.dtype,
+                        resolved.max_model_len,
+                        config.speculative_config.num_speculative_tokens)
 
 
 def _shape_buckets(config: EngineConfig, resolved: ResolvedConfig) -> ShapeBuckets | None:

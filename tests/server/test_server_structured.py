@@ -143,7 +143,13 @@ def test_parse_returns_a_pydantic_object(smol):
 def test_json_object_regex_choice_and_grammar(smol):
     client = smol.client()
     chat = dict(model=MODEL, messages=USER, max_tokens=60, temperature=0)
-    obj = client.chat.completions.create(**chat, response_format={"type": "json_object"})
+    # A prompt the model answers with a short object: json_object bounds nothing, and USER's
+    # answer loops on one string past any max_tokens (a truncated object would not parse).
+    obj = client.chat.completions.create(
+        **{**chat, "messages": [{"role": "user",
+                                 "content": "Give a JSON object with a name and an age."}]},
+        response_format={"type": "json_object"})
+    assert obj.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(obj.choices[0].message.content), dict)
     date = r"\d{4}-\d{2}-\d{2}"
     for body in ({"structured_outputs": {"regex": date}}, {"guided_regex": date}):

@@ -3,8 +3,8 @@
 At batch 1 a decoder layer's elementwise ops cost more in torch's per-op overhead than in
 arithmetic; ``csrc/layer_ops.c`` (built by ``native_build``) does each in one pass. Other
 dtypes, and layouts the kernels do not read (a strided last dimension), fall back to the
-portable ``LayerOps``. The decode attention kernel of the same library lives in
-``attention.py``.
+portable ``LayerOps``. The attention kernels of the same library (decode and prefill) are
+wired in ``attention.py``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "lo_rotary": [p, p, i64, i64, i32, p, i64, i64, i32, p, p, i32, i32, i32],
         "lo_paged_decode": [p, i64, i64, p, i64, i64, p, i64, i64, p, i32, i64, p, p, i64,
                             p, i32, i32, i32, i32, i32, f32, p, i32],
+        "lo_paged_prefill": [p, i64, i64, p, i64, i64, p, i64, i64, p, i32, i64, p, p, i64,
+                             p, p, i32, i32, i32, i32, i32, f32, p, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

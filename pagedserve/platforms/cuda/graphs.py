@@ -70,7 +70,8 @@ class CudaGraphRunner:
         self.query_start_loc = {q: torch.arange(0, q * (n + 1), q, dtype=torch.int32,
                                                 device=device) for q in self.query_lens}
         self.lora_slots = torch.full((rows,), -1, dtype=torch.int32, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph,
+                                                 torch.Tensor | tuple[torch.Tensor, ...]]] = {}
 
     def _meta(self, bs: int, q: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -78,7 +79,8 @@ class CudaGraphRunner:
             block_size=self.block_size, query_start_loc=self.query_start_loc[q][:bs + 1],
             seq_lens=self.seq_lens[:bs], context_lens=self.seq_lens[:bs] - q,
             block_tables=self.block_tables[:bs], slot_mapping=self.slot_mapping[:bs * q],
-            query_lens_cpu=[q] * bs, seq_lens_cpu=[self.max_model_len] * bs)
+            query_lens_cpu=[q] * bs, seq_lens_cpu=[self.max_model_len] * bs,
+            decode_or_verify=True)
 
     def _forward(self, bs: int, q: int) -> torch.Tensor:
         rows = bs * q
@@ -140,4 +142,5 @@ class CudaGraphRunner:
             self.lora_slots[rows] = ctx.lora_slots
         graph, out = self.graphs[bs, q]
         graph.replay()
-        return out[rows]
+        # A model may also return the auxiliary hidden states an EAGLE-3 head reads.
+        return tuple(t[rows] for t in out) if isinstance(out, tuple) else out[rows]

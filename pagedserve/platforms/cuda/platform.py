@@ -9,6 +9,7 @@ import torch
 
 from pagedserve.platforms.interface import (
     BlockCopier,
+    ChainGraphRunner,
     GraphRunner,
     MemoryInfo,
     Platform,
@@ -170,3 +171,9 @@ class CudaPlatform(Platform):
         from pagedserve.platforms.cuda.graphs import CudaGraphRunner
 
         return CudaGraphRunner
+
+    @classmethod
+    def chain_graphs(cls) -> type[ChainGraphRunner]:
+        from pagedserve.platforms.cuda.chain_graphs import ChainGraphs
+
+        return ChainGraphs

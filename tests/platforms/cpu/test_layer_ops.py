@@ -7,14 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.torch_paged import SHORT_QUERY, TorchPagedAttention
 from pagedserve.models.layer_ops import LayerOps
 from pagedserve.platforms.cpu import layer_ops
 from pagedserve.platforms.cpu.attention import CpuPagedAttention
 from pagedserve.platforms.cpu.layer_ops import CpuLayerOps
 from pagedserve.platforms.cpu.platform import CpuPlatform
-from tests.platforms.cpu.paged_cases import decode_case, dense_reference
+from tests.platforms.cpu.paged_cases import (
+    causal_reference,
+    decode_case,
+    dense_reference,
+    prefill_case,
+)
 
 KV_DTYPES = [torch.float32, torch.bfloat16]
 
@@ -124,17 +128,17 @@ def test_decode_attention_with_large_scores(kv_dtype):
 
 
 @pytest.mark.parametrize("query_len,verify", [(2, False), (SHORT_QUERY + 1, True)])
-def test_prompt_chunks_and_long_queries_take_the_torch_path(monkeypatch, query_len, verify):
+def test_prompt_chunks_and_long_queries_take_the_prefill_kernel(monkeypatch, query_len, verify):
     """A prompt chunk, however short (its numbers must not depend on whether its prefix was
-    cached), and a verify chunk longer than the native path takes."""
+    cached), and a verify chunk longer than the decode kernel takes: ``lo_paged_prefill``
+    (its numerics are in test_prefill_attention.py), never the torch ops."""
     cache, keys, values, meta = decode_case(4, 2, 1, 16, [5, 9], seed=1)
     meta.max_query_len, meta.decode_or_verify = query_len, verify
-    calls = []
-    monkeypatch.setattr(TorchPagedAttention, "forward",
-                        lambda self, *args: calls.append(args) or args[0])
+    monkeypatch.setattr(TorchPagedAttention, "forward", None)
     q = torch.randn(2, 2, 16)
-    CpuPagedAttention(2, 16, 1, 0.25).forward(q, q[:, :1], q[:, :1], cache, meta)
-    assert len(calls) == 1
+    attention = CpuPagedAttention(2, 16, 1, 0.25)
+    attention.forward(q, q[:, :1], q[:, :1], cache, meta)
+    assert attention._kernel[0] == "lo_paged_prefill"
 
 
 def test_platform_picks_native_ops_when_they_build(monkeypatch):
@@ -167,49 +171,14 @@ def test_short_queries_match_a_causal_dense_reference(block_size, heads, kv_head
     rows: the native kernel, one query row at a time, equals float64 causal attention, and
     every new row's key and value land in its slot."""
     monkeypatch.setattr(TorchPagedAttention, "forward", None)  # the native kernel only
-    dim, gen = 32, torch.Generator().manual_seed(block_size + heads)
-    contexts, news = [7, 0, 30, 12], [5, 1, 3, 1]
-    num_blocks = sum(-(-(c + n) // block_size) for c, n in zip(contexts, news)) + 3
-    cache = torch.full((2, num_blocks, block_size, kv_heads, dim), float("nan"), dtype=kv_dtype)
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, keys, values, slots = [], [], [], []
-    for c, n in zip(contexts, news):
-        blocks = [free.pop() for _ in range(-(-(c + n) // block_size))]
-        tables.append(blocks)
-        k, v = torch.randn(2, c + n, kv_heads, dim, generator=gen).unbind()
-        keys.append(k)
-        values.append(v)
-        for p in range(c):
-            cache[0, blocks[p // block_size], p % block_size] = k[p]
-            cache[1, blocks[p // block_size], p % block_size] = v[p]
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
-    width = max(len(t) for t in tables) + 1  # padded with a poisoned block
-    table_t = torch.tensor([t + [free[0]] * (width - len(t)) for t in tables], dtype=torch.int32)
-    starts = [0]
-    for n in news:
-        starts.append(starts[-1] + n)
-    seq_lens = [c + n for c, n in zip(contexts, news)]
-    meta = AttentionMetadata(
-        num_seqs=len(news), num_tokens=sum(news), max_query_len=max(news),
-        max_seq_len=max(seq_lens), block_size=block_size,
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        context_lens=torch.tensor(contexts, dtype=torch.int32), block_tables=table_t,
-        slot_mapping=torch.tensor(slots), query_lens_cpu=news, seq_lens_cpu=seq_lens,
-        decode_or_verify=True)
-    q = torch.randn(sum(news), heads, dim, generator=gen)
-    k = torch.cat([kk[c:] for kk, c in zip(keys, contexts)])
-    v = torch.cat([vv[c:] for vv, c in zip(values, contexts)])
+    dim, contexts = 32, [7, 0, 30, 12]
+    cache, q, k, v, meta, keys, values = prefill_case(
+        block_size, heads, kv_heads, dim, contexts, [5, 1, 3, 1], seed=block_size + heads,
+        dtype=kv_dtype)
+    meta.decode_or_verify = True
     out = CpuPagedAttention(heads, dim, kv_heads, dim ** -0.5).forward(q, k, v, cache, meta)
-    group, expected = heads // kv_heads, []
-    for i, (c, n) in enumerate(zip(contexts, news)):
-        kk = keys[i].to(kv_dtype).double().repeat_interleave(group, dim=1)
-        vv = values[i].to(kv_dtype).double().repeat_interleave(group, dim=1)
-        for j in range(n):
-            qi = q[starts[i] + j].double()
-            scores = torch.einsum("hd,khd->hk", qi, kk[:c + j + 1]) * dim ** -0.5
-            expected.append(torch.einsum("hk,khd->hd", scores.softmax(-1), vv[:c + j + 1]))
-    close(out, torch.stack(expected))
+    close(out, causal_reference(q, keys, values, contexts, dim ** -0.5, heads // kv_heads,
+                                kv_dtype))
     flat = cache.view(2, -1, kv_heads, dim)
     assert torch.equal(flat[0, meta.slot_mapping], k.to(kv_dtype))
     assert torch.equal(flat[1, meta.slot_mapping], v.to(kv_dtype))

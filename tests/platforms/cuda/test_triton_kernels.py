@@ -325,6 +325,23 @@ def test_backend_mixed_then_decode(kv_cache_dtype):
                  ref_attention(decode, 32**-0.5), torch.float16, cache_dtype is not None)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("query_lens, context_lens", [([5], [40]), ([5, 3, 1, 4], [9, 0, 33, 17])],
+                         ids=["batch1", "batch4"])
+def test_backend_verify_rows_through_the_decode_kernel(kv_cache_dtype, query_lens,
+                                                       context_lens):
+    """A small verify batch (decode_or_verify) attends row by row with the decode kernel: each
+    row sees its context and the rows before it, as the float64 reference says."""
+    cache_dtype = FP8 if kv_cache_dtype == "fp8" else None
+    scales = (0.05, 0.2) if cache_dtype else (1.0, 1.0)
+    batch = make_batch(query_lens, context_lens, 4, 2, 32, 8, torch.float16, cache_dtype,
+                       scales, seed=3)
+    batch.meta.decode_or_verify = True
+    assert not batch.meta.is_decode_only
+    assert_close(_backend_step(batch, kv_cache_dtype, scales), ref_attention(batch, 32**-0.5),
+                 torch.float16, cache_dtype is not None)
+
+
 def test_backend_rejects_mismatched_cache_dtype():
     batch = make_batch([1], [4], 2, 1, 16, 8, torch.float32)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
@@ -370,6 +387,16 @@ def test_decode_sweep_cuda(block_size, group, head_size, dtype, cache_dtype):
 def test_decode_long_context_cuda(partition_size):
     case = (16, 8, 4, 128, torch.bfloat16, partition_size, None)
     _run_decode(case, [32768, 9000])
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("query_lens, context_lens", [([5], [520]), ([9, 9, 2], [4000, 7, 1])])
+def test_backend_verify_rows_cuda(query_lens, context_lens):
+    batch = make_batch(query_lens, context_lens, 32, 8, 128, 16, torch.bfloat16, seed=4)
+    batch.meta.decode_or_verify = True
+    assert_close(_backend_step(batch, "auto"), ref_attention(batch, 128**-0.5), torch.bfloat16,
+                 False)
 
 
 @cuda
