@@ -25,6 +25,10 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then  # packages the machine la
     .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# The loader (and so the tests' conftest and the engine) imports gguf: say so at once if the
+# machine lacks it and no wheel came (the device tool carries .whl only when asked to).
+python3 -c "import gguf" 2>/dev/null \
+  || echo "gpu_check: no gguf (carry .whl/gguf-*.whl): tests and engine runs will fail" >&2
 # A fresh Triton cache, as on a new machine: kernels compile during engine start-up, and any
 # compile left for a timed run shows in its numbers.
 export TRITON_CACHE_DIR=$(mktemp -d)
@@ -419,15 +423,19 @@ for part in $parts; do
         -k "not engine and not compiles" 2>&1 | tee "$OUT/gpu_w4a16_tests.log"
       python3 scripts/bench_w4a16.py ${W4A16_BASE:+--base "$W4A16_BASE"} \
         --out "$OUT/w4a16_h200.json" 2>&1 | tee "$OUT/w4a16_h200.log" ;;
+    # The kernel's CUDA tests (every variant the sweep may choose, 8B sizes, odd M, groups).
     w4a16-tests) python3 -m pytest -q -p no:cacheprovider tests/platforms/cuda/test_w4a16.py \
-        -k "not engine and not compiles" 2>&1 | tee "$OUT/gpu_w4a16_tests.log" ;;
+        -k "not engine and not compiles" --junitxml "$OUT/gpu_w4a16_tests.xml" 2>&1 \
+        | tee "$OUT/gpu_w4a16_tests.log" ;;
     # The one-row kernel's configurations (BLOCK_N, BLOCK_K, warps, programs per SM).
     w4a16-sweep) python3 scripts/bench_w4a16.py --ms 1 2 --sweep-gemv \
         --out "$OUT/w4a16_gemv_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_gemv_sweep_h200.log" ;;
-    # The tiles' configurations at M = 1 .. 256, the fastest written into the kernel's source
-    # (for the parts after it; commit it), then every path (and W4A16_BASE's) there.
-    w4a16-tiles-sweep) python3 scripts/bench_w4a16.py --ms 1 16 32 64 128 256 --sweep-tiles \
-        --write-choice ${W4A16_BASE:+--base "$W4A16_BASE"} \
+    # The GEMV's variants at M = 1, 2 and the tiles' at M = 16 .. 128 (config fields: blocks,
+    # split-K target, pair_words, bias, prefetch), each checked against dequantize + cuBLAS
+    # first; the fastest written into the kernel's source (for the parts after it; commit
+    # it), then every path (and W4A16_BASE's) at those M.
+    w4a16-tiles-sweep) python3 scripts/bench_w4a16.py --ms 1 16 32 64 128 --sweep-tiles \
+        --sweep-gemv --write-choice ${W4A16_BASE:+--base "$W4A16_BASE"} \
         --out "$OUT/w4a16_tiles_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_tiles_sweep_h200.log" ;;
     decode-awq) bench decode --device cuda --shape llama3-8b --load-format dummy \
         --quantization awq --batch-sizes 1 2 32 128 --context-len 512 \

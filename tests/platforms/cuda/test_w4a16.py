@@ -175,6 +175,111 @@ def test_tiles_every_group_size(group, style):
         assert_close(out, ref, x.dtype)
 
 
+# The tiles' variants (config fields: biased codes or q - z, the scale row a tile ahead or not)
+# over the group sizes they take (32, 64: several groups a tile; 128; one group of all 300
+# columns), zero points and offsets, odd M, split K and not.
+TILE_VARIANTS = [(bias, prefetch) for bias in (True, False) for prefetch in (False, True)]
+
+
+@pytest.mark.parametrize("bias,prefetch", TILE_VARIANTS, ids=lambda v: str(int(v)))
+@pytest.mark.parametrize("group", [32, 64, 128, 300])
+def test_tile_variants_match_reference(bias, prefetch, group, monkeypatch):
+    cfg = w4a16._TileConfig(16, 64, 4, 2, 2, bias, prefetch)
+    monkeypatch.setattr(w4a16, "_TILE_CONFIGS", ((None, cfg),))
+    for style, (m, split_k) in (("awq", (3, 2)), ("gguf", (1, None)), ("awq", (17, None))):
+        weight = random_weight(40, 300, group, seed=group + m, style=style)
+        packed = w4a16.pack(weight.values, weight.scales, weight.offsets, group, DEVICE)
+        x = torch.randn(m, 300, generator=torch.Generator().manual_seed(m)).to(DEVICE,
+                                                                              torch.float16)
+        out = torch.full((m, 40), float("nan"), dtype=x.dtype, device=DEVICE)
+        w4a16.matmul(x, packed, split_k, out, path="tiles")
+        assert not packed.counters.any()
+        assert_close(out, reference(x, weight), x.dtype)
+
+
+@pytest.fixture
+def emulated_inline_asm(monkeypatch):
+    """Inline PTX run by ``ptx_emulator`` under Triton's interpreter (which cannot run it)."""
+    if HAS_NVIDIA:
+        pytest.skip("the interpreter's stand-in; on a GPU the PTX runs itself")
+    from triton.runtime import interpreter
+
+    from tests.platforms.cuda import ptx_emulator
+
+    class Results:
+        def __init__(self, handles):
+            self.handles = handles
+
+        def get_result(self, i):
+            return self.handles[i]
+
+    def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
+        assert pack == 1, pack
+        outs = ptx_emulator.run(asm, len(types), [v.data for v in values])
+        return Results([interpreter.TensorHandle(o, t.scalar) for o, t in zip(outs, types)])
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", create_inline_asm)
+
+
+# (M, N, K, group, style): one and two rows, zero points and offsets, blocks of N and K that
+# are whole (EVEN) or not (N = 72, K = 160 ends mid-tile), one group of all columns.
+GEMV_PAIR_CASES = [(1, 256, 256, 128, "awq"), (2, 256, 384, 128, "gguf"),
+                   (1, 72, 160, 160, "gguf"), (2, 72, 160, 160, "awq")]
+
+
+@pytest.mark.parametrize("pair_words", [False, True])
+@pytest.mark.parametrize("case", GEMV_PAIR_CASES, ids=lambda c: "m{}n{}k{}g{}-{}".format(*c))
+def test_gemv_pairs_match_reference(case, pair_words, emulated_inline_asm, monkeypatch):
+    """The packed-PTX GEMV (NVIDIA, bfloat16) with one word's pairs and with two words', its
+    PTX emulated: x goes in as the bits of bfloat16 (the interpreter has no bfloat16; the
+    kernel reads x only as 16- and 32-bit integers) and the output as float32."""
+    m, n, k, group, style = case
+    monkeypatch.setattr(w4a16, "_gemv_decode", lambda x: "pairs")
+    monkeypatch.setattr(w4a16, "_gemv_config",
+                        lambda: w4a16._GemvConfig(128, 64, 2, 8, pair_words))
+    weight = random_weight(n, k, group, seed=n + k, style=style)
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, group, DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    for split_k in (None, 2):
+        out = torch.full((m, n), float("nan"))
+        w4a16._gemv(x.view(torch.int16), packed, split_k, out)
+        assert not packed.counters.any()
+        assert_close(out, reference(x, weight), torch.bfloat16)
+
+
+def test_pairs_ptx_emulated_against_float64():
+    """``_pairs_ptx`` alone, through the emulator: random words, zero points and x pairs."""
+    from tests.platforms.cuda import ptx_emulator
+
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, 2):
+        for words in (1, 2):
+            n = 64
+            w = torch.randint(-2**31, 2**31, (words, n), generator=gen, dtype=torch.int64)
+            z = torch.randint(0, 16, (n,), generator=gen)
+            x = torch.randn(rows, words, 8, n, generator=gen).bfloat16()
+            zb = (z + 128).bfloat16().view(torch.int16).int() & 0xFFFF
+            xs = x.view(torch.int16).int() & 0xFFFF  # [rows, words, 8 halves, n]
+            pairs = xs[:, :, 0::2] | (xs[:, :, 1::2] << 16)  # [rows, words, 4, n]
+            inputs = [wi.int().numpy() for wi in w] + [(zb | zb << 16).numpy()]
+            inputs += [pairs[r].reshape(4 * words, n)[i].numpy() for r in range(rows)
+                       for i in range(4 * words)]
+            got = ptx_emulator.run(w4a16._pairs_ptx(rows, words), rows, inputs)
+            codes = [[(w[i] >> w4a16.nibble_shift(t)) & 0xF for t in range(8)]
+                     for i in range(words)]
+            for r in range(rows):
+                want = torch.zeros(n, dtype=torch.float64)
+                for i in range(4 * words):  # pair i of x meets these codes
+                    if words == 1:
+                        lo, hi = codes[0][2 * i], codes[0][2 * i + 1]
+                    else:  # x pair t: slice t of both words
+                        lo, hi = codes[0][i], codes[1][i]
+                    xl, xh = x[r].reshape(4 * words, 2, n)[i].double()
+                    want += (lo - z) * xl + (hi - z) * xh
+                err = (torch.from_numpy(got[r]).double() - want).abs().max().item()
+                assert err <= 2e-2 * want.abs().max().item(), (rows, words, err)
+
+
 def test_pack_keeps_zero_points_exact_in_float16():
     weight = random_weight(8, 64, 32, seed=1)
     packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 32, torch.device("cpu"))
@@ -329,71 +434,14 @@ def test_engine_matches_transformers(config, tiny_model_folder, tmp_path, monkey
     assert assert_greedy_matches(llm, hf_model(reference_dir), prompts) >= 1
 
 
-# Compiles the kernel for an H100/H200 (sm_90) with Triton's bundled toolchain, no GPU needed:
-# catches what only the real compiler rejects. Run in its own process, away from the
-# interpreter this module switches on.
-_COMPILE_SM90 = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from pagedserve.platforms.cuda.kernels import w4a16
-
-
-
-def compile_sm90(fn, sig, consts, num_warps, num_stages):
-    src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
-    assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
-
-
-pointers = {"x_ptr": "ACT", "qw_ptr": "i32", "s_ptr": "SCALE", "z_ptr": "SCALE",
-            "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
-
-
-def compile_matmul(fn, act, scale, consts, num_warps, num_stages):
-    # fn with the pointer types above (ACT and SCALE filled in), ints elsewhere.
-    sig = {}
-    for name in fn.arg_names:
-        kind = pointers.get(name)
-        sig[name] = ("constexpr" if name in consts else "i32" if kind is None
-                     else "*" + kind.replace("ACT", act).replace("SCALE", scale))
-    compile_sm90(fn, sig, consts, num_warps, num_stages)
-
-
-for act, scale, m, split, slices, bias in [("bf16", "fp16", 1, True, 8, True),
-                                          ("bf16", "fp16", 1, True, 2, True),
-                                          ("fp16", "fp32", 40, True, 1, True),
-                                          ("bf16", "fp16", 200, False, 8, False),
-                                          ("fp32", "fp32", 1000, False, 4, False)]:
-    cfg = w4a16._config(m)
-    consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SLICES=slices,
-                  ZERO_POINT=scale == "fp16", SPLIT=split, EVEN_K=True, BIAS=bias)
-    compile_matmul(w4a16._w4a16_kernel, act, scale, consts, cfg.num_warps, cfg.num_stages)
-cfg = w4a16._gemv_config()
-for act, scale, rows, split, even, decode in [("bf16", "fp16", 1, True, True, "pairs"),
-                                              ("bf16", "fp32", 2, False, False, "pairs"),
-                                              ("bf16", "fp16", 2, True, True, "pairs"),
-                                              ("fp16", "fp32", 1, False, False, "subnormal"),
-                                              ("fp16", "fp16", 1, True, True, "exponent")]:
-    consts = dict(ROWS=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  ZERO_POINT=scale == "fp16", SPLIT=split, EVEN=even, DECODE=decode)
-    compile_matmul(w4a16._w4a16_gemv_kernel, act, scale, consts, cfg.num_warps,
-                   cfg.num_stages)
-fn = w4a16._dequant_kernel
-consts = dict(BLOCK_KW=8, BLOCK_N=128, ZERO_POINT=True)
-sig = {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": "*bf16", "N": "i32",
-       "K": "i32", "K_WORDS": "i32", "group_size": "i32", **{k: "constexpr" for k in consts}}
-compile_sm90(fn, sig, consts, 4, 1)
-print("compiled")
-"""
-
-
+# Compiles every kernel variant for an H100/H200 (sm_90) with Triton's bundled toolchain, no GPU
+# needed (scripts/w4a16_sass.py --check): catches what only the real compiler rejects. Run in
+# its own process, away from the interpreter this module switches on.
 @pytest.mark.slow
 def test_compiles_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True,
-                          text=True, timeout=300)
+    script = os.path.join(os.path.dirname(__file__), "../../../scripts/w4a16_sass.py")
+    done = subprocess.run([sys.executable, script, "--check"], env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-4000:]

@@ -73,12 +73,13 @@ class PackedW4(NamedTuple):
     zero_point: bool
 
 
-class _Config(NamedTuple):
-    block_m: int
+class _GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int
-    num_stages: int
+    programs_per_sm: int  # the split of K aims at this many: enough loads in flight
+    pair_words: bool  # the kernel's PAIR_WORDS (with the packed PTX)
+    num_stages: int = 1
 
 
 def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
@@ -97,7 +98,9 @@ def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, grou
     s = scales.to(device=device, dtype=torch.float64)
     o = offsets.to(device=device, dtype=torch.float64)
     z = -o / s  # inf or nan where a scale is 0: not exact in half, so the offset form
-    if _exact_in_half(s) and _exact_in_half(z):
+    # The kernels subtract z from the code as a small integer (``(128 + q) - (128 + z)`` in
+    # bfloat16, ``(2**23 + q) - (2**23 + z)`` in float32), exact only for such z.
+    if _exact_in_half(s) and _exact_in_half(z) and _small_integers(z):
         zero_point, shifts, dtype = True, z, torch.float16
     else:  # float32 is exact for the inputs as they are
         zero_point, shifts = False, o
@@ -122,6 +125,20 @@ def _exact_in_half(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all() and torch.equal(t.half().double(), t))
 
 
+def _small_integers(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.round(), t) and t.abs().max() <= 64)
+
+
+@triton.jit
+def _group_row(s_ptr, z_ptr, k, K, group_size, N, offs_n, mask_n):
+    """The scales and shifts (float32) of the group of column ``k``; columns past K (where x
+    is zero) read the last group."""
+    g_ptrs = (tl.minimum(k, K - 1) // group_size) * N + offs_n
+    s = tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+    return s, z
+
+
 @triton.jit
 def _dequant(q, s, z, ZERO_POINT: tl.constexpr):
     """Float codes to weights: ``(q - z) * s`` with zero points, else ``q * s + z``."""
@@ -138,6 +155,7 @@ def _w4a16_kernel(
     stride_xm, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SLICES: tl.constexpr,
     ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BIAS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """A ``BLOCK_M x BLOCK_N`` tile of ``y`` over one slice of K (``k_per_split``, whole tiles
     of ``TILE_K``). Slice t of a tile's words is the ``[SLICE_K, BLOCK_N]`` block of weight
@@ -147,7 +165,14 @@ def _w4a16_kernel(
     no float arithmetic per weight), whose excess is taken off per output as the bias times
     the row's sum of x. The group's scale multiplies the dot's sum once per output every
     ``GROUP_SLICES`` slices, not every weight; offsets (``q * s + m``) add ``m`` times the
-    row's sum of x."""
+    row's sum of x. Without ``BIAS``, 16-bit x takes the biased code less ``BIAS + z`` in its
+    own type (exact: both are integers below 2**8 apart), one packed subtraction per two
+    weights.
+
+    ``PREFETCH`` (one group per tile, ``GROUP_SLICES == 8``): the next tile's scale and shift
+    rows are loaded while this tile is decoded and carried into the next iteration. Triton's
+    pipeliner copies ahead only the loads that feed ``tl.dot`` (words, x); a plain load at
+    the top of the tile would otherwise stall the tile's epilogue on its full latency."""
     SLICE: tl.constexpr = _TILE_K // 8
     BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     BIAS_BITS: tl.constexpr = 0x4300 if BF16 else 0x6400
@@ -164,17 +189,22 @@ def _w4a16_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:
+        s_next, z_next = _group_row(s_ptr, z_ptr, k_start, K, group_size, N, offs_n, mask_n)
     for k0 in range(k_start, k_end, _TILE_K):
         # Whole tiles: pack padded K with zero codes, which meet zero columns of x.
         words = tl.load(qw_ptr + (k0 // 8 + offs_r)[:, None].to(tl.int64) * N + offs_n[None, :],
                         mask=mask_n[None, :], other=0)
+        if PREFETCH:
+            s, z = s_next, z_next
+            # Past the slice's end this reads the last group again, unused.
+            s_next, z_next = _group_row(s_ptr, z_ptr, k0 + _TILE_K, K, group_size, N, offs_n,
+                                        mask_n)
         for t in tl.static_range(8):
             k_t = k0 + SLICE * t
             if t % GROUP_SLICES == 0:
-                # Slices past K (x is zero there) read the last group.
-                g_ptrs = (tl.minimum(k_t, K - 1) // group_size) * N + offs_n
-                s = tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+                if not PREFETCH:
+                    s, z = _group_row(s_ptr, z_ptr, k_t, K, group_size, N, offs_n, mask_n)
                 part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 # Summed over the group's slices elementwise, reduced across columns once.
                 x_cols = tl.zeros((BLOCK_M, SLICE), dtype=tl.float32)
@@ -187,6 +217,12 @@ def _w4a16_kernel(
             q = (words >> (4 * (t // 2) + 16 * (t % 2))) & 0xF  # nibble_shift(t)
             if BIAS:
                 w = (q | BIAS_BITS).to(tl.int16).to(x.dtype, bitcast=True)
+            elif x.dtype != tl.float32:
+                w = (q | BIAS_BITS).to(tl.int16).to(x.dtype, bitcast=True)
+                if ZERO_POINT:
+                    w -= (z + BIAS_VALUE).to(x.dtype)[None, :]
+                else:
+                    w -= BIAS_VALUE
             else:
                 # The code under the exponent of 2**23 reads 2**23 + q: no int-to-float
                 # conversion (a quarter-rate instruction).
@@ -212,36 +248,69 @@ def _w4a16_kernel(
            M, N, stride_om, pid_n, pid_s, num_splits, SPLIT, 1)
 
 
-def _pairs_ptx(rows: int) -> str:
-    """PTX for one word of codes against ``rows`` rows of bfloat16 activations: outputs
-    ``$0 .. $(rows - 1)`` (float32), then the word, the pair ``(128 + z, 128 + z)`` (or
-    ``(128, 128)`` for offsets), and per row the activation pairs of columns ``(2p, 2p + 1)``.
-    Mask p (the word shifted by 4p) lifts columns 2p and 2p + 1 into the mantissas of the pair
-    (128, 128) (``lop3``: ``(a & b) | c``), which then reads ``(128 + q, 128 + q')`` exactly;
-    less the zero pair it is ``(q - z, q' - z)``, exact too. Decoded once for all rows; each row
-    then takes four packed multiply-adds, summed in bfloat16 per half, then in float32."""
-    word, zero = f"${rows}", f"${rows + 1}"
-    lines = [".reg .b32 w, v0, v1, v2, v3, acc, lo, hi;"]
-    for p in range(4):
-        if p:
-            lines.append(f"shr.b32 w, {word}, {4 * p};")
-        lines += [f"lop3.b32 v{p}, {'w' if p else word}, 0x000F000F, 0x43004300, 0xEA;",
-                  f"sub.rn.bf16x2 v{p}, v{p}, {zero};"]
+# The slices whose codes the low and the high nibble of byte b of a word hold (nibble_shift).
+_BYTE_SLICES = ((0, 2), (4, 6), (1, 3), (5, 7))
+_LIFT = "0x000F000F, 0x43004300, 0xEA"  # lop3's (a & 0x000F000F) | 0x43004300
+
+
+def _pairs_ptx(rows: int, words: int) -> str:
+    """PTX for ``words`` words of codes (one, or those of word rows r and r + 1) against
+    ``rows`` rows of bfloat16 activations: outputs ``$0 .. $(rows - 1)`` (float32), then the
+    words, the pair ``(128 + z, 128 + z)`` (or ``(128, 128)`` for offsets), and per row
+    ``4 * words`` activation pairs (int32 of two bfloat16: ``_x_pairs``, ``_x_word_pairs``).
+
+    Each ``lop3`` lifts two codes into the mantissas of the pair (128, 128), which then reads
+    ``(128 + q, 128 + q')`` exactly; less the zero pair it is ``(q - z, q' - z)``, exact too.
+    Which two codes:
+
+    - one word: the word shifted by 4p, slices 2p and 2p + 1 of its row (bits 4p and
+      16 + 4p), 16 columns apart, so x pair p is two loads merged;
+    - two words: ``prmt`` puts byte b of each word in one half, so a mask lifts the same
+      slice of both rows, two adjacent columns: x pair t (slice t) is one int32 load, for one
+      ``prmt`` per two masks.
+
+    Decoded once for all rows; each row then takes packed multiply-adds, four to a bfloat16
+    chain (so their rounding stays below the output's), the chains summed in float32."""
+    word = [f"${rows + i}" for i in range(words)]
+    zero = f"${rows + words}"
+    lines = [".reg .b32 w, u, v<8>, acc, lo, hi;"]
+    if words == 1:
+        for p in range(4):  # v_p meets x pair p
+            if p:
+                lines.append(f"shr.b32 w, {word[0]}, {4 * p};")
+            lines.append(f"lop3.b32 v{p}, {'w' if p else word[0]}, {_LIFT};")
+        x_of_v = list(range(4))
+    else:
+        for b in range(4):  # v_(2b), v_(2b + 1): the low and high nibble of byte b
+            selector = b | b << 4 | (4 + b) << 8 | (4 + b) << 12
+            lines += [f"prmt.b32 u, {word[0]}, {word[1]}, {selector:#06x};",
+                      f"lop3.b32 v{2 * b}, u, {_LIFT};", "shr.b32 w, u, 4;",
+                      f"lop3.b32 v{2 * b + 1}, w, {_LIFT};"]
+        x_of_v = [_BYTE_SLICES[i // 2][i % 2] for i in range(8)]
+    lines += [f"sub.rn.bf16x2 v{i}, v{i}, {zero};" for i in range(4 * words)]
     for r in range(rows):
-        x = [f"${rows + 2 + 4 * r + p}" for p in range(4)]
-        lines.append(f"mul.rn.bf16x2 acc, v0, {x[0]};")
-        lines += [f"fma.rn.bf16x2 acc, v{p}, {x[p]}, acc;" for p in (1, 2, 3)]
-        lines += ["shl.b32 lo, acc, 16;", "and.b32 hi, acc, 0xFFFF0000;", f"add.f32 ${r}, lo, hi;"]
+        first_x = rows + words + 1 + 4 * words * r
+        for chain in range(words):
+            v = range(4 * chain, 4 * chain + 4)
+            x = [f"${first_x + x_of_v[i]}" for i in v]
+            lines.append(f"mul.rn.bf16x2 acc, v{v[0]}, {x[0]};")
+            lines += [f"fma.rn.bf16x2 acc, v{i}, {xi}, acc;" for i, xi in zip(v[1:], x[1:])]
+            lines += ["shl.b32 lo, acc, 16;", "and.b32 hi, acc, 0xFFFF0000;"]
+            lines += ([f"add.f32 ${r}, lo, hi;"] if chain == 0
+                      else [f"add.f32 ${r}, ${r}, lo;", f"add.f32 ${r}, ${r}, hi;"])
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-def _pairs_constraints(rows: int) -> str:
-    return ",".join(["=f"] * rows + ["r"] * (2 + 4 * rows))
+def _pairs_constraints(rows: int, words: int) -> str:
+    return ",".join(["=f"] * rows + ["r"] * (words + 1 + 4 * words * rows))
 
 
-_PTX_1, _PTX_2 = tl.constexpr(_pairs_ptx(1)), tl.constexpr(_pairs_ptx(2))
-_CONSTRAINTS_1, _CONSTRAINTS_2 = (tl.constexpr(_pairs_constraints(1)),
-                                  tl.constexpr(_pairs_constraints(2)))
+# By (rows, words).
+_PTX = {(r, w): tl.constexpr(_pairs_ptx(r, w)) for r in (1, 2) for w in (1, 2)}
+_CONSTRAINTS = {(r, w): tl.constexpr(_pairs_constraints(r, w)) for r in (1, 2) for w in (1, 2)}
+_PTX_1, _PTX_2, _PTX_1W2, _PTX_2W2 = _PTX[1, 1], _PTX[2, 1], _PTX[1, 2], _PTX[2, 2]
+_CONSTRAINTS_1, _CONSTRAINTS_2 = _CONSTRAINTS[1, 1], _CONSTRAINTS[2, 1]
+_CONSTRAINTS_1W2, _CONSTRAINTS_2W2 = _CONSTRAINTS[1, 2], _CONSTRAINTS[2, 2]
 
 
 @triton.jit
@@ -269,6 +338,15 @@ def _slice0_cols(rows, BLOCK_KW: tl.constexpr):
 
 
 @triton.jit
+def _slice0_pairs(rows, PAIRS: tl.constexpr):
+    """For ``PAIRS`` even word rows ``r`` (rows r and r + 1 of one tile, the first a multiple
+    of ``2 * PAIRS``): the int32 index of the column pair (``c``, ``c + 1``) that slice 0 of
+    rows r and r + 1 holds, contiguous."""
+    pairs = ((rows // (_TILE_K // 8)) * _TILE_K + rows % (_TILE_K // 8)) // 2
+    return tl.max_contiguous(tl.multiple_of(pairs, PAIRS), PAIRS)
+
+
+@triton.jit
 def _pair_sum(xp):
     """The two bfloat16 of each int32, added in float32."""
     return (xp << 16).to(tl.float32, bitcast=True) + (xp & -65536).to(tl.float32, bitcast=True)
@@ -291,6 +369,38 @@ def _x_pairs(x_ptr, row, M, K, stride_xm, cols, EVEN: tl.constexpr, ZERO_POINT: 
 
 
 @triton.jit
+def _x_word_pair(x32_ptrs, pairs, t: tl.constexpr, K, EVEN: tl.constexpr):
+    """Slice ``t``'s columns of each pair of word rows: one int32 (two bfloat16) per pair."""
+    k = pairs + t * (_TILE_K // 16)
+    if EVEN:
+        return tl.load(x32_ptrs + k)[:, None]
+    return tl.load(x32_ptrs + k, mask=2 * k < K, other=0)[:, None]  # K is even
+
+
+@triton.jit
+def _x_word_pairs(x_ptr, row, M, K, stride_xm, pairs, EVEN: tl.constexpr,
+                  ZERO_POINT: tl.constexpr):
+    """Row ``row`` of x as the eight int32 pairs that two word rows' slices meet (slice order;
+    ``pairs`` from ``_slice0_pairs``), and, for offsets, each pair of rows' sum of x. Rows
+    are int32-aligned (``_gemv_decode`` checks)."""
+    x32_ptrs = (x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                + tl.minimum(row, M - 1) * (stride_xm // 2))
+    x0 = _x_word_pair(x32_ptrs, pairs, 0, K, EVEN)
+    x1 = _x_word_pair(x32_ptrs, pairs, 1, K, EVEN)
+    x2 = _x_word_pair(x32_ptrs, pairs, 2, K, EVEN)
+    x3 = _x_word_pair(x32_ptrs, pairs, 3, K, EVEN)
+    x4 = _x_word_pair(x32_ptrs, pairs, 4, K, EVEN)
+    x5 = _x_word_pair(x32_ptrs, pairs, 5, K, EVEN)
+    x6 = _x_word_pair(x32_ptrs, pairs, 6, K, EVEN)
+    x7 = _x_word_pair(x32_ptrs, pairs, 7, K, EVEN)
+    x_sum = tl.zeros(pairs.shape, dtype=tl.float32)
+    if not ZERO_POINT:
+        x_sum = tl.sum(_pair_sum(x0) + _pair_sum(x1) + _pair_sum(x2) + _pair_sum(x3)
+                       + _pair_sum(x4) + _pair_sum(x5) + _pair_sum(x6) + _pair_sum(x7), axis=1)
+    return x0, x1, x2, x3, x4, x5, x6, x7, x_sum
+
+
+@triton.jit
 def _add_scaled(acc, qx, s, z, x_sum, ZERO_POINT: tl.constexpr):
     """One block of K into the accumulator: its scale times ``sum (q - z) * x``, and for
     offsets (``q * s + m``) ``m`` times the block's sum of x."""
@@ -305,6 +415,7 @@ def _w4a16_gemv_kernel(
     M, N, K, K_PAD, group_size, k_per_split, num_splits, stride_xm, stride_om,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, DECODE: tl.constexpr,
+    PAIR_WORDS: tl.constexpr,
 ):
     """One or two rows (``ROWS``) of ``x`` by CUDA cores (two only with ``"pairs"``, which
     decodes a word's codes once for both). Each block of K lies in one group, so its scale
@@ -321,8 +432,16 @@ def _w4a16_gemv_kernel(
       makes it ``(q - z) * 2**(4j - 22)`` exactly, and x carries the ``2**(22 - 4j)``.
     - ``"exponent"`` (AMD, whose float32 subnormals may flush): the nibble is or-ed into the
       exponent of ``2**(23 - 4j)``, whose mantissa unit is then ``16**-j``, so the bits read
-      ``2**(23 - 4j) + q`` exactly; subtracting ``2**(23 - 4j) + z`` leaves ``q - z``."""
+      ``2**(23 - 4j) + q`` exactly; subtracting ``2**(23 - 4j) + z`` leaves ``q - z``.
+
+    ``PAIR_WORDS`` (``"pairs"`` only): decode word rows r and r + 1 together, so that each
+    packed pair holds one slice's code of both rows, two adjacent columns: x pairs are then
+    single int32 loads (``_x_word_pairs``) instead of two 16-bit loads merged, which the
+    K-strided layout otherwise costs the GEMV (it took 17-45% longer than the earlier layout,
+    where a word's pairs were adjacent columns)."""
     BLOCK_KW: tl.constexpr = BLOCK_K // 8
+    # With PAIR_WORDS each accumulator row takes two word rows.
+    ACC_ROWS: tl.constexpr = BLOCK_KW // 2 if PAIR_WORDS else BLOCK_KW
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -331,19 +450,25 @@ def _w4a16_gemv_kernel(
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K_PAD)
     # One accumulator per row; the second is never read at one row, so it costs nothing.
-    acc0 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    acc0 = tl.zeros((ACC_ROWS, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((ACC_ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        rows = k0 // 8 + tl.arange(0, BLOCK_KW)
-        cols = _slice0_cols(rows, BLOCK_KW)
+        if PAIR_WORDS:  # the even rows; their odd neighbours are one row of N further
+            rows = k0 // 8 + 2 * tl.arange(0, ACC_ROWS)
+        else:
+            rows = k0 // 8 + tl.arange(0, BLOCK_KW)
         w_ptrs = qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
         g_ptrs = ((k0 // _TILE_K) * _TILE_K // group_size) * N + offs_n  # the tile's group
         if EVEN:
             words = tl.load(w_ptrs)
+            if PAIR_WORDS:
+                words1 = tl.load(w_ptrs + N)
             s = tl.load(s_ptr + g_ptrs).to(tl.float32)
             z = tl.load(z_ptr + g_ptrs).to(tl.float32)
         else:
             words = tl.load(w_ptrs, mask=mask_n[None, :], other=0)
+            if PAIR_WORDS:
+                words1 = tl.load(w_ptrs + N, mask=mask_n[None, :], other=0)
             s = tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
         if DECODE == "pairs":
@@ -352,21 +477,43 @@ def _w4a16_gemv_kernel(
                 c = (c | (c << 16))[None, :]
             else:
                 c = tl.full((1, BLOCK_N), 0x43004300, tl.int32)
-            a01, a23, a45, a67, a_sum = _x_pairs(x_ptr, 0, M, K, stride_xm, cols, EVEN,
-                                                 ZERO_POINT)
-            if ROWS == 1:
-                q0 = tl.inline_asm_elementwise(_PTX_1, _CONSTRAINTS_1,
-                                               [words, c, a01, a23, a45, a67],
-                                               dtype=tl.float32, is_pure=True, pack=1)
+            if PAIR_WORDS:
+                pairs = _slice0_pairs(rows, ACC_ROWS)
+                a0, a1, a2, a3, a4, a5, a6, a7, a_sum = _x_word_pairs(
+                    x_ptr, 0, M, K, stride_xm, pairs, EVEN, ZERO_POINT)
+                if ROWS == 1:
+                    q0 = tl.inline_asm_elementwise(
+                        _PTX_1W2, _CONSTRAINTS_1W2, [words, words1, c, a0, a1, a2, a3, a4, a5,
+                                                     a6, a7],
+                        dtype=tl.float32, is_pure=True, pack=1)
+                else:
+                    b0, b1, b2, b3, b4, b5, b6, b7, b_sum = _x_word_pairs(
+                        x_ptr, 1, M, K, stride_xm, pairs, EVEN, ZERO_POINT)
+                    q0, q1 = tl.inline_asm_elementwise(
+                        _PTX_2W2, _CONSTRAINTS_2W2,
+                        [words, words1, c, a0, a1, a2, a3, a4, a5, a6, a7,
+                         b0, b1, b2, b3, b4, b5, b6, b7],
+                        dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+                    acc1 = _add_scaled(acc1, q1, s, z, b_sum, ZERO_POINT)
             else:
-                b01, b23, b45, b67, b_sum = _x_pairs(x_ptr, 1, M, K, stride_xm, cols, EVEN,
+                cols = _slice0_cols(rows, BLOCK_KW)
+                a01, a23, a45, a67, a_sum = _x_pairs(x_ptr, 0, M, K, stride_xm, cols, EVEN,
                                                      ZERO_POINT)
-                q0, q1 = tl.inline_asm_elementwise(
-                    _PTX_2, _CONSTRAINTS_2, [words, c, a01, a23, a45, a67, b01, b23, b45, b67],
-                    dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-                acc1 = _add_scaled(acc1, q1, s, z, b_sum, ZERO_POINT)
+                if ROWS == 1:
+                    q0 = tl.inline_asm_elementwise(_PTX_1, _CONSTRAINTS_1,
+                                                   [words, c, a01, a23, a45, a67],
+                                                   dtype=tl.float32, is_pure=True, pack=1)
+                else:
+                    b01, b23, b45, b67, b_sum = _x_pairs(x_ptr, 1, M, K, stride_xm, cols, EVEN,
+                                                         ZERO_POINT)
+                    q0, q1 = tl.inline_asm_elementwise(
+                        _PTX_2, _CONSTRAINTS_2,
+                        [words, c, a01, a23, a45, a67, b01, b23, b45, b67],
+                        dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+                    acc1 = _add_scaled(acc1, q1, s, z, b_sum, ZERO_POINT)
             acc0 = _add_scaled(acc0, q0, s, z, a_sum, ZERO_POINT)
         else:
+            cols = _slice0_cols(rows, BLOCK_KW)
             high = words >> 16
             qx = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
             x_sum = tl.zeros((BLOCK_KW,), dtype=tl.float32)
@@ -439,6 +586,7 @@ class _TileConfig(NamedTuple):
     num_stages: int
     programs_per_sm: int  # the split of K aims at this many (where one block holds every row)
     bias: bool  # the kernel's BIAS for 16-bit activations
+    prefetch: bool = False  # the kernel's PREFETCH, where a tile lies in one group
 
 
 # The tiles' configuration for M up to each bound (None: any M), fixed (no autotuning): for each
@@ -459,15 +607,14 @@ def _config(m: int) -> _TileConfig:
     return next(cfg for bound, cfg in _TILE_CONFIGS if bound is None or m <= bound)
 
 
-def _gemv_config() -> _Config:
+def _gemv_config() -> _GemvConfig:
     # Swept on the H200 over the 8B layers (BLOCK_N 128-512, BLOCK_K 64-128, 2 or 4 warps,
     # 4-32 programs per SM; scripts/bench_w4a16.py --sweep-gemv): 256 x 64, 2 warps, 8 per SM
-    # read them at 47% of the copy rate, the best within noise.
-    return _Config(1, 256, 64, 2, 1)
+    # read them at 47% of the copy rate with the earlier layout, the best within noise.
+    # pair_words is not yet measured against single words (the sweep times both).
+    return _GemvConfig(256, 64, 2, 8, True)
 
 
-# Programs per SM the GEMV's split of K aims at: enough loads in flight to stream the weight.
-GEMV_PROGRAMS_PER_SM = 8
 # Slices of K at most: each leaves a partial sum of N floats to write and read back.
 GEMV_MAX_SPLITS = 64
 
@@ -548,7 +695,7 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         m, n, k, w.group_size, k_per_split, splits, x.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SLICES=group_slices,
         ZERO_POINT=w.zero_point, SPLIT=splits > 1, EVEN_K=k % TILE_K == 0,
-        BIAS=cfg.bias and x.dtype != torch.float32,
+        BIAS=cfg.bias and x.dtype != torch.float32, PREFETCH=cfg.prefetch and group_slices == 8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -582,7 +729,7 @@ def _gemv(x: torch.Tensor, w: PackedW4, split_k: int | None, out: torch.Tensor) 
     grid_n, k_blocks = triton.cdiv(n, cfg.block_n), triton.cdiv(k_pad, block_k)
     # Slices as short as one block: a decode step's smaller weights (8 MB) must be nearly all
     # in flight at once to be read at the copy rate, which few long slices cannot do.
-    splits = split_k or split_count(grid_n, k_blocks, GEMV_PROGRAMS_PER_SM * sm_count(x.device),
+    splits = split_k or split_count(grid_n, k_blocks, cfg.programs_per_sm * sm_count(x.device),
                                     1)
     splits = min(splits, GEMV_MAX_SPLITS)
     k_per_split = triton.cdiv(k_blocks, splits) * block_k
@@ -596,6 +743,7 @@ def _gemv(x: torch.Tensor, w: PackedW4, split_k: int | None, out: torch.Tensor) 
         ZERO_POINT=w.zero_point, SPLIT=splits > 1,
         # No masks where every block is whole: they cost as much as the arithmetic.
         EVEN=n % cfg.block_n == 0 and k % TILE_K == 0, DECODE=decode,
+        PAIR_WORDS=cfg.pair_words and decode == "pairs",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
