@@ -21,7 +21,8 @@ Three paths, chosen by the number of rows M:
 - **GEMV** (one row, or two bfloat16 rows on NVIDIA: decode at batch 1-2; groups holding whole
   tiles, a multiple of 128 or one group): CUDA cores, with codes decoded by bit tricks rather
   than converted (``_w4a16_gemv_kernel``), and K cut into slices as short as one block so that
-  the smaller weights are read all at once.
+  the smaller weights are read all at once. With ``pair_words`` it decodes word rows r and
+  r + 1 together, so that each packed pair of codes meets two adjacent columns of x.
 - **Tiles** (up to ``DEQUANT_MIN_M``; groups of a multiple of 16, so that each slice lies in
   one group): a ``BLOCK_M x BLOCK_N`` tile of ``y`` per program over one of ``SPLIT_K`` slices
   of K, decoding each tile of W once for all its rows, a slice at a time into ``tl.dot``
@@ -42,6 +43,9 @@ unpacked ``[BK / 8, BN]`` words into a ``[BK, BN]`` tile: M = 16, 32, 64 take 11
 loads 16 columns apart); from 128 rows nothing changed (dequantize). Per layer the tiles read
 14-28% of the copy rate at M <= 16 (the GEMV at M = 1 20-40%), far from the target of 80%.
 
+Variants are fields of the configurations (``_GemvConfig.pair_words``, ``_TileConfig.bias`` and
+``.prefetch``), so ``scripts/bench_w4a16.py --sweep-gemv --sweep-tiles`` times them against each
+other in one call, and ``scripts/w4a16_sass.py`` counts their sm_90 main loops on the CPU.
 Configurations are fixed per range of M (no autotuning) and M is not specialized on, so a new
 batch size compiles nothing; nothing in ``matmul`` synchronizes with the host or allocates but
 the output, the partial sums and the dense copy, so CUDA graphs capture it.
