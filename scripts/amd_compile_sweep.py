@@ -165,8 +165,9 @@ def _w4a16(m: int):
         scale = "fp16" if dtype != "fp32" else "fp32"
         ptrs = {"x_ptr": "ACT", "qw_ptr": "i32", "s_ptr": scale, "z_ptr": scale,
                 "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
-        consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      ONE_GROUP_PER_BLOCK=True, ZERO_POINT=scale == "fp16", SPLIT=m <= 16)
+        consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SLICES=8,
+                      ZERO_POINT=scale == "fp16", SPLIT=m <= 16, EVEN_K=True,
+                      BIAS=cfg.bias and dtype != "fp32", PREFETCH=cfg.prefetch)
         return Spec(w4a16._w4a16_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages)
     return spec
 
@@ -179,7 +180,7 @@ def _w4a16_gemv(dtype: str, arch: str) -> Spec:
             "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
     # AMD decodes through the exponent (the packed PTX is NVIDIA's).
     consts = dict(ROWS=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ZERO_POINT=True,
-                  SPLIT=True, EVEN=True, DECODE="exponent")
+                  SPLIT=True, EVEN=True, DECODE="exponent", PAIR_WORDS=False)
     return Spec(w4a16._w4a16_gemv_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages)
 
 

@@ -8,14 +8,25 @@ device-to-device copy rate measured in the same run; large M as TFLOP/s.
 Times are medians from ``triton.testing.do_bench_cudagraph`` (GPU time, as under CUDA graphs).
 The calls cycle through copies of the weight that together pass four times the L2 cache, so
 each call reads its weight from memory, as a decode step does. ``--sweep-gemv`` times the
-one-row kernel's configurations.
+one- and two-row kernel's configurations (blocks, warps, split-K target, one word's pairs or
+two words'), ``--sweep-tiles`` the tiles' (block sizes, warps, stages, split-K target, biased
+codes or ``q - z``, the scale row a tile ahead or not) at each M and picks the fastest per
+range of M (``--write-choice`` writes both choices into the kernel's source, for the runs
+that follow and to commit). Each swept variant's output is checked against dequantize +
+``torch.mm`` first; a wrong one is timed as NaN and never chosen. ``--base FILE``
+times an earlier copy of ``kernels/w4a16.py`` (its own ``pack`` and ``matmul``) beside this
+one, on the same values.
 
-    python scripts/bench_w4a16.py --out benchmarks/results/w4a16_h200.json [--sweep-gemv]
+    git show REV:pagedserve/platforms/cuda/kernels/w4a16.py > /tmp/w4a16_base.py
+    python scripts/bench_w4a16.py --out benchmarks/results/w4a16_h200.json \
+        [--base /tmp/w4a16_base.py] [--sweep-gemv] [--sweep-tiles]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -41,7 +52,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--ms", type=int, nargs="+", default=list(MS))
     p.add_argument("--sweep-gemv", action="store_true")
+    p.add_argument("--sweep-tiles", action="store_true")
+    p.add_argument("--write-choice", action="store_true",
+                   help="with --sweep-tiles / --sweep-gemv: write their choices into the "
+                   "kernel's source")
+    p.add_argument("--base", help="an earlier kernels/w4a16.py to time beside this one")
     return p.parse_args()
+
+
+def load_base(path: str):
+    """The module at ``path`` (an earlier ``kernels/w4a16.py``), imported under its own name."""
+    spec = importlib.util.spec_from_file_location("w4a16_base", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def copy_bandwidth_gbs() -> float:
@@ -75,28 +99,33 @@ def packed_bytes(packed) -> int:
                                                       packed.shifts))
 
 
-def random_packed(n: int, k: int, group: int):
-    from pagedserve.platforms.cuda.kernels import w4a16
-
+def random_packed(n: int, k: int, group: int, modules: tuple) -> tuple:
+    """One random weight packed by each of ``modules`` (this kernel, and the base's)."""
     groups = -(-k // group)
     values = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=DEVICE)
     scales = (torch.rand(n, groups, device=DEVICE) * 0.02 + 0.002).half().float()
     offsets = -torch.randint(0, 16, (n, groups), device=DEVICE).float() * scales
-    return w4a16.pack(values, scales, offsets, group, torch.device(DEVICE))
+    return tuple(m.pack(values, scales, offsets, group, torch.device(DEVICE)) for m in modules)
 
 
-def bench_shape(name: str, n: int, k: int, args: argparse.Namespace,
-                copy_gbs: float) -> list[dict]:
+def bench_shape(name: str, n: int, k: int, args: argparse.Namespace, copy_gbs: float,
+                base) -> list[dict]:
+    from pagedserve.platforms.cuda.kernels import w4a16
+
     dtype = DTYPES[args.dtype]
-    packed = copies_past_l2(lambda: random_packed(n, k, args.group_size), n * k // 2)
+    modules = (w4a16,) if base is None else (w4a16, base)
+    pairs = copies_past_l2(lambda: random_packed(n, k, args.group_size, modules), n * k // 2)
+    packed = [p[0] for p in pairs]
     w_bytes = packed_bytes(packed[0])
     dense = copies_past_l2(lambda: torch.randn(n, k, device=DEVICE, dtype=dtype) * 0.02,
                            2 * n * k)
     rows = []
     for m in args.ms:
-        ms_w4, ms_mm, paths = time_all(m, packed, dense)
+        x = torch.randn(m, k, device=DEVICE, dtype=dtype)
+        out = torch.empty(m, n, device=DEVICE, dtype=dtype)
+        ms_w4, ms_mm, paths = time_all(w4a16, x, out, packed, dense)
         flops = 2 * m * n * k
-        rows.append({
+        row = {
             "layer": name, "n": n, "k": k, "m": m, "w4a16_ms": ms_w4,
             "torch_mm_ms": ms_mm, "path_ms": paths,
             "speedup": ms_mm / ms_w4, "packed_bytes": w_bytes,
@@ -104,57 +133,242 @@ def bench_shape(name: str, n: int, k: int, args: argparse.Namespace,
             "w4a16_pct_copy": 100 * w_bytes / ms_w4 / 1e6 / copy_gbs,
             "torch_mm_weight_gbs": 2 * n * k / ms_mm / 1e6,
             "w4a16_tflops": flops / ms_w4 / 1e9, "torch_mm_tflops": flops / ms_mm / 1e9,
-        })
-        print(_row(rows[-1]) + "  " + " ".join(f"{p} {t * 1000:.1f}us"
-                                                 for p, t in paths.items()), flush=True)
+        }
+        if base is not None:
+            ms_base = _time(cycling(lambda w, x=x, out=out: base.matmul(x, w, out=out),
+                                    [p[1] for p in pairs]))
+            row.update(base_ms=ms_base, base_over_w4a16=ms_base / ms_w4)
+        rows.append(row)
+        print(_row(row) + "  " + " ".join(f"{p} {t * 1000:.1f}us" for p, t in paths.items())
+              + (f"  base {row['base_ms'] * 1000:.1f}us ({row['base_over_w4a16']:.2f}x)"
+                 if base is not None else ""), flush=True)
     return rows
 
 
-def time_all(m: int, packed: list, dense: list) -> tuple[float, float, dict]:
-    """Milliseconds of the W4A16 matmul as the engine runs it, of ``torch.mm`` on the dense
-    weight, and of each of the W4A16 paths that take M rows forced; NaN for one that fails."""
-    from pagedserve.platforms.cuda.kernels import w4a16
-
-    n, k = dense[0].shape
-    x = torch.randn(m, k, device=DEVICE, dtype=dense[0].dtype)
-    out = torch.empty(m, n, device=DEVICE, dtype=dense[0].dtype)
-    paths = {path: _time(cycling(lambda w, path=path: w4a16.matmul(x, w, out=out, path=path),
+def time_all(module, x: torch.Tensor, out: torch.Tensor, packed: list,
+             dense: list) -> tuple[float, float, dict]:
+    """Milliseconds of ``module``'s W4A16 matmul as the engine runs it, of ``torch.mm`` on the
+    dense weight, and of each of the paths that take M rows forced; NaN for one that fails."""
+    m = x.shape[0]
+    paths = {path: _time(cycling(lambda w, path=path: module.matmul(x, w, out=out, path=path),
                                  packed))
-             for path in w4a16.PATHS if path != "gemv" or m <= w4a16.GEMV_MAX_M}
-    return (_time(cycling(lambda w: w4a16.matmul(x, w, out=out), packed)),
-            _time(cycling(lambda w: torch.mm(x, w.T, out=out), dense)), paths)
+             for path in module.PATHS if path != "gemv" or m <= module.GEMV_MAX_M}
+    ms_mm = _time(cycling(lambda w: torch.mm(x, w.T, out=out), dense))
+    return _time(cycling(lambda w: module.matmul(x, w, out=out), packed)), ms_mm, paths
+
+
+# The GEMV's candidates: (BLOCK_N, BLOCK_K, warps, programs per SM), each with one word's
+# pairs and with two words' (pair_words), timed at M = 1 and 2.
+GEMV_CANDIDATES = [(256, 64, 2, 8), (256, 64, 2, 16), (128, 64, 2, 8), (256, 128, 4, 8)]
 
 
 def sweep_gemv(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
-    """The one-row kernel's configurations over the four layers, each from memory."""
+    """The one- and two-row kernel's configurations over the four layers, each from memory;
+    a configuration whose output is wrong is reported as NaN."""
     from pagedserve.platforms.cuda.kernels import w4a16
 
-    weights = {name: copies_past_l2(lambda n=n, k=k: random_packed(n, k, args.group_size),
-                                    n * k // 2) for name, n, k in SHAPES}
-    original = (w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM, w4a16._gemv_decode)
+    weights = _sweep_weights(args)
+    total_bytes = sum(packed_bytes(w[0]) for w in weights.values())
+    original = w4a16._gemv_config
     rows = []
-    variants = [(c, p, "pairs") for c in ((128, 128, 4), (256, 64, 4), (256, 128, 4),
-                                          (512, 64, 4), (256, 64, 2), (128, 64, 2))
-                for p in (4, 8, 16, 32)]
-    variants += [((256, 64, 4), p, "subnormal") for p in (4, 8)]
-    for (block_n, block_k, warps), per_sm, decode in variants:
-        cfg = w4a16._Config(1, block_n, block_k, warps, 1)
-        w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM = (lambda cfg=cfg: cfg), per_sm
-        w4a16._gemv_decode = lambda _x, decode=decode: decode
-        layer_ms = {}
-        for name, _n, k in SHAPES:
-            x = torch.randn(1, k, device=DEVICE, dtype=DTYPES[args.dtype])
-            layer_ms[name] = _time(cycling(lambda w, x=x: w4a16.matmul(x, w, path="gemv"),
-                                           weights[name]))
-        total_bytes = sum(packed_bytes(w[0]) for w in weights.values())
-        pct = 100 * total_bytes / sum(layer_ms.values()) / 1e6 / copy_gbs
-        rows.append({"config": cfg._asdict(), "programs_per_sm": per_sm, "decode": decode,
-                     "layer_ms": layer_ms, "pct_copy": pct})
-        print(f"gemv {block_n:>5} x {block_k:>3} {warps} warps {per_sm}/SM {decode:>9}: "
-              + " ".join(f"{k} {v * 1000:6.1f}us" for k, v in layer_ms.items())
-              + f"  {pct:5.1f}% of copy", flush=True)
-    w4a16._gemv_config, w4a16.GEMV_PROGRAMS_PER_SM, w4a16._gemv_decode = original
+    for m in (1, 2):
+        xs = _sweep_inputs(m, args)
+        refs = _references(w4a16, weights, xs)
+        for block_n, block_k, warps, per_sm in GEMV_CANDIDATES:
+            for pair_words in (False, True):
+                cfg = w4a16._GemvConfig(block_n, block_k, warps, per_sm, pair_words)
+                w4a16._gemv_config = lambda cfg=cfg: cfg
+                layer_ms = _layers(w4a16, "gemv", weights, xs, refs)
+                rows.append(_sweep_row(m, "gemv", cfg, layer_ms, total_bytes, copy_gbs))
+    w4a16._gemv_config = original
     return rows
+
+
+def choose_gemv(sweep: list[dict]):
+    """The GEMV candidate with the least time summed over M = 1 and 2 (timed at both)."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    totals: dict = {}
+    for r in sweep:
+        cfg = w4a16._GemvConfig(**r["config"])
+        totals.setdefault(cfg, []).append(r["total_ms"])
+    timed = {cfg: sum(t) for cfg, t in totals.items() if len(t) == 2 and sum(t) == sum(t)}
+    return min(timed, key=timed.get) if timed else None
+
+
+def _sweep_weights(args: argparse.Namespace) -> dict:
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    return {name: [p[0] for p in copies_past_l2(
+        lambda n=n, k=k: random_packed(n, k, args.group_size, (w4a16,)), n * k // 2)]
+        for name, n, k in SHAPES}
+
+
+def _sweep_inputs(m: int, args: argparse.Namespace) -> dict:
+    return {name: (torch.randn(m, k, device=DEVICE, dtype=DTYPES[args.dtype]),
+                   torch.empty(m, n, device=DEVICE, dtype=DTYPES[args.dtype]))
+            for name, n, k in SHAPES}
+
+
+def _references(module, weights: dict, xs: dict) -> dict:
+    """Each layer's output on its first weight copy, by dequantize + torch.mm."""
+    return {name: module.matmul(x, weights[name][0], path="dequant").float()
+            for name, (x, _out) in xs.items()}
+
+
+def _layers(module, path: str, weights: dict, xs: dict, refs: dict) -> dict:
+    """Milliseconds per layer of ``path`` as ``module`` is now configured; NaN where its output
+    on the first weight copy is wrong (a broken variant must not win the sweep)."""
+    times = {}
+    for name, (x, out) in xs.items():
+        try:
+            got = module.matmul(x, weights[name][0], out=out, path=path).float()
+        except Exception as exc:  # one failing variant must not hide the others' numbers
+            print(f"failed: {type(exc).__name__}: {str(exc)[:500]}", flush=True)
+            got = torch.full_like(refs[name], float("nan"))
+        ref = refs[name]
+        if not (got - ref).abs().max() <= 2e-2 * ref.abs().max() + 1e-3:
+            print(f"wrong output: {path} {name} M {x.shape[0]}", flush=True)
+            times[name] = float("nan")
+            continue
+        times[name] = _time(cycling(lambda w, x=x, out=out: module.matmul(x, w, out=out,
+                                                                           path=path),
+                                    weights[name]))
+    return times
+
+
+# The tiles' candidates by the bound of M they are for: (BLOCK_M, BLOCK_N, warps, stages), each
+# with split-K targets (programs per SM; they matter only where BLOCK_M holds every row), with
+# biased codes and with q - z (bias), and with the scale row loaded a tile ahead or not
+# (prefetch). 1 program per SM, 16 x 256 with 8 warps or 4 stages, BLOCK_N 64 at M = 32 and
+# 64, and the tiles at M = 256 were slower in the sweep of 2026-12-01 and are not timed again
+# (so that the sweep fits one device call).
+TILE_CANDIDATES = {
+    16: [(16, 128, 4, 3), (16, 256, 4, 3)],
+    32: [(32, 128, 4, 3)],
+    64: [(64, 128, 4, 3)],
+    None: [(128, 128, 8, 3)],
+}
+SPLIT_TARGETS = (2, 4)
+
+
+def _bound(m: int):
+    return next(b for b in TILE_CANDIDATES if b is None or m <= b)
+
+
+def tile_variants(m: int) -> list:
+    """The ``_TileConfig``s timed at M = ``m``: every candidate of its range by each field."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    return [w4a16._TileConfig(*c, per_sm, bias, prefetch) for c in TILE_CANDIDATES[_bound(m)]
+            for per_sm in (SPLIT_TARGETS if c[0] >= m else SPLIT_TARGETS[:1])
+            for bias in (True, False) for prefetch in (False, True)]
+
+
+def sweep_tiles(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
+    """The tiles' candidate configurations at each M of ``--ms`` over the four layers, and the
+    dequantize path there; a configuration whose output is wrong is reported as NaN."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    weights = _sweep_weights(args)
+    total_bytes = sum(packed_bytes(w[0]) for w in weights.values())
+    original = w4a16._TILE_CONFIGS
+    rows = []
+    for m in args.ms:
+        xs = _sweep_inputs(m, args)
+        refs = _references(w4a16, weights, xs)
+        for cfg in tile_variants(m):
+            w4a16._TILE_CONFIGS = ((None, cfg),)
+            layer_ms = _layers(w4a16, "tiles", weights, xs, refs)
+            rows.append(_sweep_row(m, "tiles", cfg, layer_ms, total_bytes, copy_gbs))
+        layer_ms = _layers(w4a16, "dequant", weights, xs, refs)
+        rows.append(_sweep_row(m, "dequant", None, layer_ms, total_bytes, copy_gbs))
+    w4a16._TILE_CONFIGS = original
+    return rows
+
+
+def _sweep_row(m: int, path: str, cfg, layer_ms: dict, total_bytes: int,
+               copy_gbs: float) -> dict:
+    total = sum(layer_ms.values())
+    pct = 100 * total_bytes / total / 1e6 / copy_gbs
+    print(f"{path:>7} M {m:>4} {str(tuple(cfg)) if cfg else '':<36}: "
+          + " ".join(f"{k} {v * 1000:6.1f}us" for k, v in layer_ms.items())
+          + f"  sum {total * 1000:6.1f}us {pct:5.1f}% of copy", flush=True)
+    return {"m": m, "path": path, "config": cfg._asdict() if cfg else None,
+            "layer_ms": layer_ms, "total_ms": total, "pct_copy": pct}
+
+
+def choose(sweep: list[dict]) -> tuple[tuple, int]:
+    """From ``sweep_tiles``'s rows: per bound of M, the candidate with the least time summed
+    over the swept M in its range, and the smallest swept M from which dequantizing was faster
+    than the best tiles (at it and every larger swept M)."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    totals, counts, best_at, dequant_at = {}, {}, {}, {}
+    for r in sweep:
+        if r["total_ms"] != r["total_ms"]:  # NaN: failed or wrong
+            continue
+        if r["path"] == "dequant":
+            dequant_at[r["m"]] = r["total_ms"]
+            continue
+        cfg = w4a16._TileConfig(**r["config"])
+        # Where one block does not hold every row, K is not split: that time stands for every
+        # split-K target.
+        targets = SPLIT_TARGETS if cfg.block_m < r["m"] else (cfg.programs_per_sm,)
+        for per_sm in targets:
+            key = (_bound(r["m"]), cfg._replace(programs_per_sm=per_sm))
+            totals[key] = totals.get(key, 0.0) + r["total_ms"]
+            counts[key] = counts.get(key, 0) + 1
+        best_at[r["m"]] = min(best_at.get(r["m"], float("inf")), r["total_ms"])
+    table = []
+    for bound in TILE_CANDIDATES:
+        # Only candidates timed at every swept M of the range.
+        mine = {cfg: t for (b, cfg), t in totals.items() if b == bound}
+        if mine:
+            most = max(counts[bound, cfg] for cfg in mine)
+            table.append((bound, min((c for c in mine if counts[bound, c] == most),
+                                     key=mine.get)))
+    if table[-1][0] is not None:
+        table[-1] = (None, table[-1][1])
+    dequant_min = max(dequant_at) + 1 if dequant_at else w4a16.DEQUANT_MIN_M
+    for m in sorted(dequant_at, reverse=True):
+        if dequant_at[m] >= best_at[m]:
+            break
+        dequant_min = m
+    return tuple(table), dequant_min
+
+
+def write_gemv_choice(cfg) -> None:
+    """Rewrite ``_gemv_config``'s configuration in the kernel's source (and in this process)."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    path = Path(w4a16.__file__)
+    text, n = re.subn(r"^    return _GemvConfig\(.*\)$",
+                      f"    return _GemvConfig{tuple(cfg)[:5]}", path.read_text(), flags=re.M)
+    if n != 1:
+        sys.exit(f"cannot find _gemv_config's return in {path}")
+    path.write_text(text)
+    w4a16._gemv_config = lambda: cfg
+    print(f"wrote {path}: _GemvConfig{tuple(cfg)}", flush=True)
+
+
+def write_choice(table: tuple, dequant_min: int) -> None:
+    """Rewrite ``_TILE_CONFIGS`` and ``DEQUANT_MIN_M`` in the kernel's source (and in this
+    process)."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    path = Path(w4a16.__file__)
+    text = path.read_text()
+    rows = "".join(f"    ({bound}, _TileConfig{tuple(cfg)}),\n" for bound, cfg in table)
+    text, n1 = re.subn(r"^_TILE_CONFIGS = \(\n.*?^\)\n", f"_TILE_CONFIGS = (\n{rows})\n",
+                       text, flags=re.M | re.S)
+    text, n2 = re.subn(r"^DEQUANT_MIN_M = \d+$", f"DEQUANT_MIN_M = {dequant_min}", text,
+                       flags=re.M)
+    if (n1, n2) != (1, 1):
+        sys.exit(f"cannot find _TILE_CONFIGS or DEQUANT_MIN_M in {path}")
+    path.write_text(text)
+    w4a16._TILE_CONFIGS, w4a16.DEQUANT_MIN_M = table, dequant_min
+    print(f"wrote {path}: DEQUANT_MIN_M = {dequant_min}\n{rows}", flush=True)
 
 
 def _time(fn) -> float:
@@ -191,14 +405,29 @@ def main() -> None:
     print("x: mm ms / w4 ms")
     print("GB/s: the weight's bytes read (packed for w4, dense for mm) per second; % copy: "
           "of the copy rate (bytes read + written)\n" + _HEADER)
+    base = load_base(args.base) if args.base else None
+    result = {"device": torch.cuda.get_device_name(), "dtype": args.dtype,
+              "group_size": args.group_size, "copy_gbs": copy_gbs, "base": args.base}
+    if args.sweep_gemv:  # first, so that the table below runs the chosen GEMV
+        result["gemv_sweep"] = sweep_gemv(args, copy_gbs)
+        gemv = choose_gemv(result["gemv_sweep"])
+        result["gemv_choice"] = gemv._asdict() if gemv else None
+        if args.write_choice and gemv:
+            write_gemv_choice(gemv)
+        torch.cuda.empty_cache()
+    if args.sweep_tiles:
+        result["tiles_sweep"] = sweep_tiles(args, copy_gbs)
+        table, dequant_min = choose(result["tiles_sweep"])
+        result["choice"] = {"tile_configs": [[b, c._asdict()] for b, c in table],
+                            "dequant_min_m": dequant_min}
+        if args.write_choice:
+            write_choice(table, dequant_min)
+        torch.cuda.empty_cache()
     rows = []
     for name, n, k in SHAPES:
-        rows += bench_shape(name, n, k, args, copy_gbs)
+        rows += bench_shape(name, n, k, args, copy_gbs, base)
         torch.cuda.empty_cache()
-    result = {"device": torch.cuda.get_device_name(), "dtype": args.dtype,
-              "group_size": args.group_size, "copy_gbs": copy_gbs, "rows": rows}
-    if args.sweep_gemv:
-        result["gemv_sweep"] = sweep_gemv(args, copy_gbs)
+    result["rows"] = rows
     write_result("w4a16", result, args.out)
 
 

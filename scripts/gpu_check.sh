@@ -4,7 +4,8 @@
 #   scripts/gpu_check.sh PART [PART...]  some of: engine-tests quant-tests kernel-tests
 #                                        layer-tests llama llama-breakdown decode
 #                                        step-overhead mixed smollm2 fp8 serve
-#                                        w4a16 w4a16-sweep decode-awq awq fp8-tests fp8-w8a8
+#                                        w4a16 w4a16-tests w4a16-sweep w4a16-tiles-sweep decode-awq
+#                                        decode-bf16 awq bf16 fp8-tests fp8-w8a8
 #                                        fp8-w8a8-kv decode-fp8 fp8-linear serve-make tp1-vs-base
 #                                        bf16-vs-base fp8-vs-base tp2
 #                                        tp2-70b allreduce tp2-tests structured cpu-offload
@@ -25,6 +26,10 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then  # packages the machine la
     .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# The loader (and so the tests' conftest and the engine) imports gguf: say so at once if the
+# machine lacks it and no wheel came (the device tool carries .whl only when asked to).
+python3 -c "import gguf" 2>/dev/null \
+  || echo "gpu_check: no gguf (carry .whl/gguf-*.whl): tests and engine runs will fail" >&2
 # A fresh Triton cache, as on a new machine: kernels compile during engine start-up, and any
 # compile left for a timed run shows in its numbers.
 export TRITON_CACHE_DIR=$(mktemp -d)
@@ -422,19 +427,38 @@ for part in $parts; do
     # pass and sampling.
     structured) bench structured --device cuda --num-requests 64 --output-len 128 \
         --out "$OUT/structured_h200.json" ;;
-    w4a16) python3 -m pytest -q -m cuda -p no:cacheprovider tests/platforms/cuda/test_w4a16.py \
-        2>&1 | tee "$OUT/gpu_w4a16_tests.log"
-      python3 scripts/bench_w4a16.py --out "$OUT/w4a16_h200.json" 2>&1 \
-        | tee "$OUT/w4a16_h200.log" ;;
+    # W4A16_BASE=FILE: an earlier kernels/w4a16.py, timed beside this one (bench_w4a16.py
+    # --base); its own tests are not run.
+    w4a16) python3 -m pytest -q -p no:cacheprovider tests/platforms/cuda/test_w4a16.py \
+        -k "not engine and not compiles" 2>&1 | tee "$OUT/gpu_w4a16_tests.log"
+      python3 scripts/bench_w4a16.py ${W4A16_BASE:+--base "$W4A16_BASE"} \
+        --out "$OUT/w4a16_h200.json" 2>&1 | tee "$OUT/w4a16_h200.log" ;;
+    # The kernel's CUDA tests (every variant the sweep may choose, 8B sizes, odd M, groups).
+    w4a16-tests) python3 -m pytest -q -p no:cacheprovider tests/platforms/cuda/test_w4a16.py \
+        -k "not engine and not compiles" --junitxml "$OUT/gpu_w4a16_tests.xml" 2>&1 \
+        | tee "$OUT/gpu_w4a16_tests.log" ;;
     # The one-row kernel's configurations (BLOCK_N, BLOCK_K, warps, programs per SM).
     w4a16-sweep) python3 scripts/bench_w4a16.py --ms 1 2 --sweep-gemv \
         --out "$OUT/w4a16_gemv_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_gemv_sweep_h200.log" ;;
+    # The GEMV's variants at M = 1, 2 and the tiles' at M = 16 .. 128 (config fields: blocks,
+    # split-K target, pair_words, bias, prefetch), each checked against dequantize + cuBLAS
+    # first; the fastest written into the kernel's source (for the parts after it; commit
+    # it), then every path (and W4A16_BASE's) at those M.
+    w4a16-tiles-sweep) python3 scripts/bench_w4a16.py --ms 1 16 32 64 128 --sweep-tiles \
+        --sweep-gemv --write-choice ${W4A16_BASE:+--base "$W4A16_BASE"} \
+        --out "$OUT/w4a16_tiles_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_tiles_sweep_h200.log" ;;
     decode-awq) bench decode --device cuda --shape llama3-8b --load-format dummy \
-        --quantization awq --batch-sizes 1 2 32 --context-len 512 \
+        --quantization awq --batch-sizes 1 2 32 128 --context-len 512 \
         --out "$OUT/decode_h200_llama3-8b_awq.json" ;;
+    # bf16 at the batches decode-awq compares with, for the same call.
+    decode-bf16) bench decode --device cuda --shape llama3-8b --batch-sizes 1 32 128 \
+        --context-len 512 --out "$OUT/decode_h200_llama3-8b_bf16.json" ;;
     awq) bench throughput "${common[@]}" --shape llama3-8b --load-format dummy \
         --quantization awq --input-len 128 128 --output-len 128 128 --skip-hf \
         --out "$OUT/throughput_h200_llama3-8b_awq_128.json" ;;
+    # bf16 at 1,000 x 128/128 without the Hugging Face runs, to compare with awq in one call.
+    bf16) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
+        --output-len 128 128 --skip-hf --out "$OUT/throughput_h200_llama3-8b_bf16_128.json" ;;
     fp8-linear) python3 scripts/bench_fp8.py --sweep-gemv --out "$OUT/fp8_linear_h200.json" \
         2>&1 | tee "$OUT/fp8_linear_h200.log" ;;
     tp1-vs-base) vs_base tp1 ;;

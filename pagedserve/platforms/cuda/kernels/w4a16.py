@@ -2,11 +2,14 @@
 
 Layout the kernel reads (built once at load by ``pack``):
 
-- ``qweight`` int32 ``[ceil(K / 8), N]``: word ``[j, n]`` holds ``W[n, 8j .. 8j + 7]``, column
-  ``8j + t`` at bits ``nibble_shift(t) = 4 * (t // 2) + 16 * (t % 2)``: columns ``2p`` and
-  ``2p + 1`` sit 16 bits apart, so one mask lifts both into the two halves of a register (the
-  GEMV's packed bfloat16 pairs); K is padded with zero nibbles. N is the contiguous
-  dimension, so a tile of words is read coalesced along the output features.
+- ``qweight`` int32 ``[16 * ceil(K / 128), N]``: K in tiles of ``TILE_K = 128`` columns (the
+  last padded with zero codes); word ``r`` of tile ``T`` (row ``16 T + r``) holds
+  ``W[n, 128 T + 16 t + r]`` for ``t = 0 .. 7`` at bits ``nibble_shift(t) = 4 * (t // 2) +
+  16 * (t % 2)``. So nibble t of a tile's 16 words (slice t) is the block of weight rows
+  ``128 T + 16 t ..`` that ``tl.dot`` takes with 16 contiguous columns of x, as decoded, with no
+  reshape of the tile; and the GEMV's mask lifts slices ``2p`` and ``2p + 1`` (bits ``4p``
+  and ``16 + 4p``) into the two halves of a register (its packed bfloat16 pairs). N is the
+  contiguous dimension, so a tile of words is read coalesced along the output features.
 - ``scales``, ``shifts`` ``[ceil(K / G), N]``: with ``zero_point``,
   ``W[n, k] = (q[n, k] - shifts[g, n]) * scales[g, n]`` (``g = k // G``), which keeps AWQ's and
   GPTQ's integer zero points exact in float16; otherwise ``q * scales + shifts`` (GGUF's
@@ -16,20 +19,33 @@ Layout the kernel reads (built once at load by ``pack``):
 Three paths, chosen by the number of rows M:
 
 - **GEMV** (one row, or two bfloat16 rows on NVIDIA: decode at batch 1-2; groups holding whole
-  blocks of 16 columns): CUDA cores, with codes decoded by bit tricks rather than converted
-  (``_w4a16_gemv_kernel``), and K cut into slices as short as one block so that the smaller
-  weights are read all at once.
-- **Tiles** (up to ``DEQUANT_MIN_M``): a ``BLOCK_M x BLOCK_N`` tile of ``y`` per program over
-  one of ``SPLIT_K`` slices of K, reading each tile of W once for all its rows and
-  dequantizing it in registers before ``tl.dot``. Decode (small M) uses one block of rows and
-  splits K so that enough programs stream the weight. Both split paths end in
-  ``split_k.finish``: deterministic, and one launch.
+  tiles, a multiple of 128 or one group): CUDA cores, with codes decoded by bit tricks rather
+  than converted (``_w4a16_gemv_kernel``), and K cut into slices as short as one block so that
+  the smaller weights are read all at once. With ``pair_words`` it decodes word rows r and
+  r + 1 together, so that each packed pair of codes meets two adjacent columns of x.
+- **Tiles** (up to ``DEQUANT_MIN_M``; groups of a multiple of 16, so that each slice lies in
+  one group): a ``BLOCK_M x BLOCK_N`` tile of ``y`` per program over one of ``SPLIT_K`` slices
+  of K, decoding each tile of W once for all its rows, a slice at a time into ``tl.dot``
+  (``_w4a16_kernel``). Decode (small M) uses one block of rows and splits K so that enough
+  programs stream the weight. Both split paths end in ``split_k.finish``: deterministic, and
+  one launch. Groups that cut slices (24, say) are dequantized at every M.
 - **Dequantize** (M from ``DEQUANT_MIN_M``, prefill and large decode batches): the weight is
   expanded to a dense ``[K, N]`` copy in the activation dtype and multiplied by ``torch.mm``.
-  There the matmul is compute-bound: our tiles dequantize each weight tile once per block of
-  rows and reach a third to a half of cuBLAS, while the extra pass over the weight costs about
-  what reading it in bfloat16 would (measured on the H200: README).
+  There the matmul is compute-bound and the tiles reach a fifth to a third of cuBLAS, while
+  the extra pass over the weight costs about what reading it in bfloat16 would.
 
+Measured on the H200 on 2026-12-01 (``scripts/gpu_check.sh w4a16-tiles-sweep`` with
+``W4A16_BASE`` the kernel before this layout, ``benchmarks/results/issue30/``; the four
+Llama-3-8B layers summed, bf16, groups of 128), against the earlier layout whose tiles
+unpacked ``[BK / 8, BN]`` words into a ``[BK, BN]`` tile: M = 16, 32, 64 take 117, 192, 240 µs
+(1.09x, 1.33x, 1.08x faster; 0.64x and 0.53x cuBLAS bf16 at 32 and 64, 23% of the copy rate at
+16); the GEMV at M = 1 takes 84 µs, 0.73x the earlier layout's 61 (its x pairs are now two
+loads 16 columns apart); from 128 rows nothing changed (dequantize). Per layer the tiles read
+14-28% of the copy rate at M <= 16 (the GEMV at M = 1 20-40%), far from the target of 80%.
+
+Variants are fields of the configurations (``_GemvConfig.pair_words``, ``_TileConfig.bias`` and
+``.prefetch``), so ``scripts/bench_w4a16.py --sweep-gemv --sweep-tiles`` times them against each
+other in one call, and ``scripts/w4a16_sass.py`` counts their sm_90 main loops on the CPU.
 Configurations are fixed per range of M (no autotuning) and M is not specialized on, so a new
 batch size compiles nothing; nothing in ``matmul`` synchronizes with the host or allocates but
 the output, the partial sums and the dense copy, so CUDA graphs capture it.
@@ -61,12 +77,13 @@ class PackedW4(NamedTuple):
     zero_point: bool
 
 
-class _Config(NamedTuple):
-    block_m: int
+class _GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int
-    num_stages: int
+    programs_per_sm: int  # the split of K aims at this many: enough loads in flight
+    pair_words: bool  # the kernel's PAIR_WORDS (with the packed PTX)
+    num_stages: int = 1
 
 
 def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
@@ -74,16 +91,20 @@ def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, grou
     """From ``GroupQuantWeight`` fields (values ``[N, K]`` in 0..15, float32 scales and offsets
     ``[N, ceil(K / G)]``) to the kernel's layout on ``device``."""
     n, k = values.shape
-    words = -(-k // 8)
-    v = torch.nn.functional.pad(values.to(device), (0, words * 8 - k)).view(n, words, 8)
-    packed = torch.zeros((n, words), dtype=torch.int64, device=device)
+    tiles = -(-k // TILE_K)
+    v = torch.nn.functional.pad(values.to(device), (0, tiles * TILE_K - k))
+    v = v.view(n, tiles, 8, SLICE_K)  # [N, tile, slice t, word r]
+    packed = torch.zeros((n, tiles, SLICE_K), dtype=torch.int64, device=device)
     for t in range(8):  # a nibble at a time: int64 of [N, K / 8], not of [N, K]
-        packed |= v[..., t].to(torch.int64) << nibble_shift(t)
+        packed |= v[:, :, t].to(torch.int64) << nibble_shift(t)
+    packed = packed.view(n, tiles * SLICE_K)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
     s = scales.to(device=device, dtype=torch.float64)
     o = offsets.to(device=device, dtype=torch.float64)
     z = -o / s  # inf or nan where a scale is 0: not exact in half, so the offset form
-    if _exact_in_half(s) and _exact_in_half(z):
+    # The kernels subtract z from the code as a small integer (``(128 + q) - (128 + z)`` in
+    # bfloat16, ``(2**23 + q) - (2**23 + z)`` in float32), exact only for such z.
+    if _exact_in_half(s) and _exact_in_half(z) and _small_integers(z):
         zero_point, shifts, dtype = True, z, torch.float16
     else:  # float32 is exact for the inputs as they are
         zero_point, shifts = False, o
@@ -93,8 +114,14 @@ def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, grou
                     shifts.T.to(dtype).contiguous(), counters, k, group_size, zero_point)
 
 
+# K per packed tile: nibble ``t`` of word ``r`` of a tile holds its column ``SLICE_K * t + r``.
+TILE_K = 128
+SLICE_K = TILE_K // 8
+_TILE_K = tl.constexpr(TILE_K)
+
+
 def nibble_shift(t):
-    """The bit at which column ``8j + t`` starts in word ``j`` (an int, or a Triton tensor)."""
+    """The bit at which slice ``t`` of a tile (its columns ``SLICE_K * t ..``) starts in a word."""
     return ((t >> 1) << 2) | ((t & 1) << 4)
 
 
@@ -102,20 +129,18 @@ def _exact_in_half(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all() and torch.equal(t.half().double(), t))
 
 
+def _small_integers(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.round(), t) and t.abs().max() <= 64)
+
+
 @triton.jit
-def _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N,
-            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The ``[BLOCK_K, BLOCK_N]`` tile of 4-bit codes from row ``k0``, as int32: each word
-    loaded once, its 8 nibbles spread along a middle axis and merged into rows. Nibbles past
-    the end of K are the zeros ``pack`` padded with."""
-    rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    mask = (rows * 8 < k_end)[:, None] & mask_n[None, :]
-    words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
-                    mask=mask, other=0)
-    t = tl.arange(0, 8)
-    shifts = (((t >> 1) << 2) | ((t & 1) << 4))[None, :, None]  # nibble_shift
-    q = (words[:, None, :] >> shifts) & 0xF
-    return tl.reshape(q, (BLOCK_K, BLOCK_N))
+def _group_row(s_ptr, z_ptr, k, K, group_size, N, offs_n, mask_n):
+    """The scales and shifts (float32) of the group of column ``k``; columns past K (where x
+    is zero) read the last group."""
+    g_ptrs = (tl.minimum(k, K - 1) // group_size) * N + offs_n
+    s = tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+    return s, z
 
 
 @triton.jit
@@ -132,81 +157,197 @@ def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
     M, N, K, group_size, k_per_split, num_splits,
     stride_xm, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ONE_GROUP_PER_BLOCK: tl.constexpr, ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SLICES: tl.constexpr,
+    ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BIAS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
+    """A ``BLOCK_M x BLOCK_N`` tile of ``y`` over one slice of K (``k_per_split``, whole tiles
+    of ``TILE_K``). Slice t of a tile's words is the ``[SLICE_K, BLOCK_N]`` block of weight
+    rows ``k0 + SLICE_K * t ..``, so each goes into ``tl.dot`` as it is decoded: no reshape.
+    The dot takes ``q - z`` (exact in any float type) or, with ``BIAS``, the code's bits under
+    the exponent of ``BIAS`` (bf16 ``0x4300`` reads ``128 + q``, fp16 ``0x6400`` ``1024 + q``:
+    no float arithmetic per weight), whose excess is taken off per output as the bias times
+    the row's sum of x. The group's scale multiplies the dot's sum once per output every
+    ``GROUP_SLICES`` slices, not every weight; offsets (``q * s + m``) add ``m`` times the
+    row's sum of x. Without ``BIAS``, 16-bit x takes the biased code less ``BIAS + z`` in its
+    own type (exact: both are integers below 2**8 apart), one packed subtraction per two
+    weights.
+
+    ``PREFETCH`` (one group per tile, ``GROUP_SLICES == 8``): the next tile's scale and shift
+    rows are loaded while this tile is decoded and carried into the next iteration. Triton's
+    pipeliner copies ahead only the loads that feed ``tl.dot`` (words, x); a plain load at
+    the top of the tile would otherwise stall the tile's epilogue on its full latency."""
+    SLICE: tl.constexpr = _TILE_K // 8
+    BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    BIAS_BITS: tl.constexpr = 0x4300 if BF16 else 0x6400
+    BIAS_VALUE: tl.constexpr = 128.0 if BF16 else 1024.0
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, SLICE)
     mask_m = offs_m < M
     mask_n = offs_n < N
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_end
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        q = _unpack(qw_ptr, k0, k_end, offs_n, mask_n, N, BLOCK_K, BLOCK_N).to(tl.float32)
-        if ONE_GROUP_PER_BLOCK:
-            g_ptrs = (k0 // group_size) * N + offs_n[None, :]
-            s = tl.load(s_ptr + g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g_ptrs, mask=mask_n[None, :], other=0.0).to(tl.float32)
-        else:
-            g_ptrs = (offs_k // group_size)[:, None] * N + offs_n[None, :]
-            mask_g = mask_k[:, None] & mask_n[None, :]
-            s = tl.load(s_ptr + g_ptrs, mask=mask_g, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g_ptrs, mask=mask_g, other=0.0).to(tl.float32)
-        w = _dequant(q, s, z, ZERO_POINT).to(x.dtype)
-        if x.dtype == tl.float32:
-            acc += tl.dot(x, w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w)
+    if PREFETCH:
+        s_next, z_next = _group_row(s_ptr, z_ptr, k_start, K, group_size, N, offs_n, mask_n)
+    for k0 in range(k_start, k_end, _TILE_K):
+        # Whole tiles: pack padded K with zero codes, which meet zero columns of x.
+        words = tl.load(qw_ptr + (k0 // 8 + offs_r)[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=mask_n[None, :], other=0)
+        if PREFETCH:
+            s, z = s_next, z_next
+            # Past the slice's end this reads the last group again, unused.
+            s_next, z_next = _group_row(s_ptr, z_ptr, k0 + _TILE_K, K, group_size, N, offs_n,
+                                        mask_n)
+        for t in tl.static_range(8):
+            k_t = k0 + SLICE * t
+            if t % GROUP_SLICES == 0:
+                if not PREFETCH:
+                    s, z = _group_row(s_ptr, z_ptr, k_t, K, group_size, N, offs_n, mask_n)
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                # Summed over the group's slices elementwise, reduced across columns once.
+                x_cols = tl.zeros((BLOCK_M, SLICE), dtype=tl.float32)
+            offs_k = k_t + offs_r
+            if EVEN_K:
+                x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+            else:
+                x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :],
+                            other=0.0)
+            q = (words >> (4 * (t // 2) + 16 * (t % 2))) & 0xF  # nibble_shift(t)
+            if BIAS:
+                w = (q | BIAS_BITS).to(tl.int16).to(x.dtype, bitcast=True)
+            elif x.dtype != tl.float32:
+                w = (q | BIAS_BITS).to(tl.int16).to(x.dtype, bitcast=True)
+                if ZERO_POINT:
+                    w -= (z + BIAS_VALUE).to(x.dtype)[None, :]
+                else:
+                    w -= BIAS_VALUE
+            else:
+                # The code under the exponent of 2**23 reads 2**23 + q: no int-to-float
+                # conversion (a quarter-rate instruction).
+                f = (q | 0x4B000000).to(tl.float32, bitcast=True)
+                w = (f - (8388608.0 + z[None, :]) if ZERO_POINT else f - 8388608.0).to(x.dtype)
+            if x.dtype == tl.float32:
+                part = tl.dot(x, w, part, input_precision="ieee")
+            else:
+                part = tl.dot(x, w, part)
+            if BIAS or not ZERO_POINT:
+                x_cols += x.to(tl.float32)
+            if (t + 1) % GROUP_SLICES == 0:
+                x_sum = tl.sum(x_cols, axis=1)
+                if BIAS:
+                    if ZERO_POINT:
+                        part -= x_sum[:, None] * (z + BIAS_VALUE)[None, :]
+                    else:
+                        part -= x_sum[:, None] * BIAS_VALUE
+                acc += part * s[None, :]
+                if not ZERO_POINT:
+                    acc += x_sum[:, None] * z[None, :]
     finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n,
            M, N, stride_om, pid_n, pid_s, num_splits, SPLIT, 1)
 
 
-def _pairs_ptx(rows: int) -> str:
-    """PTX for one word of codes against ``rows`` rows of bfloat16 activations: outputs
-    ``$0 .. $(rows - 1)`` (float32), then the word, the pair ``(128 + z, 128 + z)`` (or
-    ``(128, 128)`` for offsets), and per row the activation pairs of columns ``(2p, 2p + 1)``.
-    Mask p (the word shifted by 4p) lifts columns 2p and 2p + 1 into the mantissas of the pair
-    (128, 128) (``lop3``: ``(a & b) | c``), which then reads ``(128 + q, 128 + q')`` exactly;
-    less the zero pair it is ``(q - z, q' - z)``, exact too. Decoded once for all rows; each row
-    then takes four packed multiply-adds, summed in bfloat16 per half, then in float32."""
-    word, zero = f"${rows}", f"${rows + 1}"
-    lines = [".reg .b32 w, v0, v1, v2, v3, acc, lo, hi;"]
-    for p in range(4):
-        if p:
-            lines.append(f"shr.b32 w, {word}, {4 * p};")
-        lines += [f"lop3.b32 v{p}, {'w' if p else word}, 0x000F000F, 0x43004300, 0xEA;",
-                  f"sub.rn.bf16x2 v{p}, v{p}, {zero};"]
+# The slices whose codes the low and the high nibble of byte b of a word hold (nibble_shift).
+_BYTE_SLICES = ((0, 2), (4, 6), (1, 3), (5, 7))
+_LIFT = "0x000F000F, 0x43004300, 0xEA"  # lop3's (a & 0x000F000F) | 0x43004300
+
+
+def _pairs_ptx(rows: int, words: int) -> str:
+    """PTX for ``words`` words of codes (one, or those of word rows r and r + 1) against
+    ``rows`` rows of bfloat16 activations: outputs ``$0 .. $(rows - 1)`` (float32), then the
+    words, the pair ``(128 + z, 128 + z)`` (or ``(128, 128)`` for offsets), and per row
+    ``4 * words`` activation pairs (int32 of two bfloat16: ``_x_pairs``, ``_x_word_pairs``).
+
+    Each ``lop3`` lifts two codes into the mantissas of the pair (128, 128), which then reads
+    ``(128 + q, 128 + q')`` exactly; less the zero pair it is ``(q - z, q' - z)``, exact too.
+    Which two codes:
+
+    - one word: the word shifted by 4p, slices 2p and 2p + 1 of its row (bits 4p and
+      16 + 4p), 16 columns apart, so x pair p is two loads merged;
+    - two words: ``prmt`` puts byte b of each word in one half, so a mask lifts the same
+      slice of both rows, two adjacent columns: x pair t (slice t) is one int32 load, for one
+      ``prmt`` per two masks.
+
+    Decoded once for all rows; each row then takes packed multiply-adds, four to a bfloat16
+    chain (so their rounding stays below the output's), the chains summed in float32."""
+    word = [f"${rows + i}" for i in range(words)]
+    zero = f"${rows + words}"
+    lines = [".reg .b32 w, u, v<8>, acc, lo, hi;"]
+    if words == 1:
+        for p in range(4):  # v_p meets x pair p
+            if p:
+                lines.append(f"shr.b32 w, {word[0]}, {4 * p};")
+            lines.append(f"lop3.b32 v{p}, {'w' if p else word[0]}, {_LIFT};")
+        x_of_v = list(range(4))
+    else:
+        for b in range(4):  # v_(2b), v_(2b + 1): the low and high nibble of byte b
+            selector = b | b << 4 | (4 + b) << 8 | (4 + b) << 12
+            lines += [f"prmt.b32 u, {word[0]}, {word[1]}, {selector:#06x};",
+                      f"lop3.b32 v{2 * b}, u, {_LIFT};", "shr.b32 w, u, 4;",
+                      f"lop3.b32 v{2 * b + 1}, w, {_LIFT};"]
+        x_of_v = [_BYTE_SLICES[i // 2][i % 2] for i in range(8)]
+    lines += [f"sub.rn.bf16x2 v{i}, v{i}, {zero};" for i in range(4 * words)]
     for r in range(rows):
-        x = [f"${rows + 2 + 4 * r + p}" for p in range(4)]
-        lines.append(f"mul.rn.bf16x2 acc, v0, {x[0]};")
-        lines += [f"fma.rn.bf16x2 acc, v{p}, {x[p]}, acc;" for p in (1, 2, 3)]
-        lines += ["shl.b32 lo, acc, 16;", "and.b32 hi, acc, 0xFFFF0000;", f"add.f32 ${r}, lo, hi;"]
+        first_x = rows + words + 1 + 4 * words * r
+        for chain in range(words):
+            v = range(4 * chain, 4 * chain + 4)
+            x = [f"${first_x + x_of_v[i]}" for i in v]
+            lines.append(f"mul.rn.bf16x2 acc, v{v[0]}, {x[0]};")
+            lines += [f"fma.rn.bf16x2 acc, v{i}, {xi}, acc;" for i, xi in zip(v[1:], x[1:])]
+            lines += ["shl.b32 lo, acc, 16;", "and.b32 hi, acc, 0xFFFF0000;"]
+            lines += ([f"add.f32 ${r}, lo, hi;"] if chain == 0
+                      else [f"add.f32 ${r}, ${r}, lo;", f"add.f32 ${r}, ${r}, hi;"])
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-def _pairs_constraints(rows: int) -> str:
-    return ",".join(["=f"] * rows + ["r"] * (2 + 4 * rows))
+def _pairs_constraints(rows: int, words: int) -> str:
+    return ",".join(["=f"] * rows + ["r"] * (words + 1 + 4 * words * rows))
 
 
-_PTX_1, _PTX_2 = tl.constexpr(_pairs_ptx(1)), tl.constexpr(_pairs_ptx(2))
-_CONSTRAINTS_1, _CONSTRAINTS_2 = (tl.constexpr(_pairs_constraints(1)),
-                                  tl.constexpr(_pairs_constraints(2)))
+# By (rows, words).
+_PTX = {(r, w): tl.constexpr(_pairs_ptx(r, w)) for r in (1, 2) for w in (1, 2)}
+_CONSTRAINTS = {(r, w): tl.constexpr(_pairs_constraints(r, w)) for r in (1, 2) for w in (1, 2)}
+_PTX_1, _PTX_2, _PTX_1W2, _PTX_2W2 = _PTX[1, 1], _PTX[2, 1], _PTX[1, 2], _PTX[2, 2]
+_CONSTRAINTS_1, _CONSTRAINTS_2 = _CONSTRAINTS[1, 1], _CONSTRAINTS[2, 1]
+_CONSTRAINTS_1W2, _CONSTRAINTS_2W2 = _CONSTRAINTS[1, 2], _CONSTRAINTS[2, 2]
 
 
 @triton.jit
-def _x_pair(pair_ptrs, p: tl.constexpr, rows, k_end, EVEN: tl.constexpr):
-    """Columns ``8j + 2p`` and ``8j + 2p + 1`` of a bfloat16 row, as one int32 per row j."""
+def _x_pair(x16_ptrs, cols, p: tl.constexpr, K, EVEN: tl.constexpr):
+    """The columns of slices ``2p`` and ``2p + 1`` of each word row (``cols`` is its column of
+    slice 0) of a 16-bit row, as one int32 per word row: the pair that the word's bits
+    ``4p`` and ``16 + 4p`` meet."""
+    lo_k = cols + 2 * p * (_TILE_K // 8)
+    hi_k = lo_k + _TILE_K // 8
     if EVEN:
-        return tl.load(pair_ptrs + p)
-    return tl.load(pair_ptrs + p, mask=rows * 8 + 2 * p < k_end, other=0)
+        lo = tl.load(x16_ptrs + lo_k)
+        hi = tl.load(x16_ptrs + hi_k)
+    else:
+        lo = tl.load(x16_ptrs + lo_k, mask=lo_k < K, other=0)
+        hi = tl.load(x16_ptrs + hi_k, mask=hi_k < K, other=0)
+    return (lo.to(tl.int32) & 0xFFFF) | (hi.to(tl.int32) << 16)
+
+
+@triton.jit
+def _slice0_cols(rows, BLOCK_KW: tl.constexpr):
+    """The columns that slice 0 of word rows ``rows`` holds: ``BLOCK_KW`` consecutive rows of
+    one tile (it divides ``SLICE_K``; the first is a multiple of it), so contiguous columns."""
+    cols = (rows // (_TILE_K // 8)) * _TILE_K + rows % (_TILE_K // 8)
+    return tl.max_contiguous(tl.multiple_of(cols, BLOCK_KW), BLOCK_KW)
+
+
+@triton.jit
+def _slice0_pairs(rows, PAIRS: tl.constexpr):
+    """For ``PAIRS`` even word rows ``r`` (rows r and r + 1 of one tile, the first a multiple
+    of ``2 * PAIRS``): the int32 index of the column pair (``c``, ``c + 1``) that slice 0 of
+    rows r and r + 1 holds, contiguous."""
+    pairs = ((rows // (_TILE_K // 8)) * _TILE_K + rows % (_TILE_K // 8)) // 2
+    return tl.max_contiguous(tl.multiple_of(pairs, PAIRS), PAIRS)
 
 
 @triton.jit
@@ -216,19 +357,51 @@ def _pair_sum(xp):
 
 
 @triton.jit
-def _x_pairs(x_ptr, row, M, stride_xm, rows, k_end, EVEN: tl.constexpr, ZERO_POINT: tl.constexpr):
+def _x_pairs(x_ptr, row, M, K, stride_xm, cols, EVEN: tl.constexpr, ZERO_POINT: tl.constexpr):
     """Row ``row`` of x (the last row in its place past M: its output is masked) as the four
     int32 pairs of each word's columns, and, for offsets, each word's sum of x."""
-    pair_ptrs = (x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-                 + tl.minimum(row, M - 1) * (stride_xm // 2) + rows * 4)
-    x01 = _x_pair(pair_ptrs, 0, rows, k_end, EVEN)
-    x23 = _x_pair(pair_ptrs, 1, rows, k_end, EVEN)
-    x45 = _x_pair(pair_ptrs, 2, rows, k_end, EVEN)
-    x67 = _x_pair(pair_ptrs, 3, rows, k_end, EVEN)
-    x_sum = tl.zeros(rows.shape, dtype=tl.float32)
+    x16_ptrs = (x_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+                + tl.minimum(row, M - 1) * stride_xm)
+    x01 = _x_pair(x16_ptrs, cols, 0, K, EVEN)
+    x23 = _x_pair(x16_ptrs, cols, 1, K, EVEN)
+    x45 = _x_pair(x16_ptrs, cols, 2, K, EVEN)
+    x67 = _x_pair(x16_ptrs, cols, 3, K, EVEN)
+    x_sum = tl.zeros(cols.shape, dtype=tl.float32)
     if not ZERO_POINT:
         x_sum = _pair_sum(x01) + _pair_sum(x23) + _pair_sum(x45) + _pair_sum(x67)
     return x01[:, None], x23[:, None], x45[:, None], x67[:, None], x_sum
+
+
+@triton.jit
+def _x_word_pair(x32_ptrs, pairs, t: tl.constexpr, K, EVEN: tl.constexpr):
+    """Slice ``t``'s columns of each pair of word rows: one int32 (two bfloat16) per pair."""
+    k = pairs + t * (_TILE_K // 16)
+    if EVEN:
+        return tl.load(x32_ptrs + k)[:, None]
+    return tl.load(x32_ptrs + k, mask=2 * k < K, other=0)[:, None]  # K is even
+
+
+@triton.jit
+def _x_word_pairs(x_ptr, row, M, K, stride_xm, pairs, EVEN: tl.constexpr,
+                  ZERO_POINT: tl.constexpr):
+    """Row ``row`` of x as the eight int32 pairs that two word rows' slices meet (slice order;
+    ``pairs`` from ``_slice0_pairs``), and, for offsets, each pair of rows' sum of x. Rows
+    are int32-aligned (``_gemv_decode`` checks)."""
+    x32_ptrs = (x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                + tl.minimum(row, M - 1) * (stride_xm // 2))
+    x0 = _x_word_pair(x32_ptrs, pairs, 0, K, EVEN)
+    x1 = _x_word_pair(x32_ptrs, pairs, 1, K, EVEN)
+    x2 = _x_word_pair(x32_ptrs, pairs, 2, K, EVEN)
+    x3 = _x_word_pair(x32_ptrs, pairs, 3, K, EVEN)
+    x4 = _x_word_pair(x32_ptrs, pairs, 4, K, EVEN)
+    x5 = _x_word_pair(x32_ptrs, pairs, 5, K, EVEN)
+    x6 = _x_word_pair(x32_ptrs, pairs, 6, K, EVEN)
+    x7 = _x_word_pair(x32_ptrs, pairs, 7, K, EVEN)
+    x_sum = tl.zeros(pairs.shape, dtype=tl.float32)
+    if not ZERO_POINT:
+        x_sum = tl.sum(_pair_sum(x0) + _pair_sum(x1) + _pair_sum(x2) + _pair_sum(x3)
+                       + _pair_sum(x4) + _pair_sum(x5) + _pair_sum(x6) + _pair_sum(x7), axis=1)
+    return x0, x1, x2, x3, x4, x5, x6, x7, x_sum
 
 
 @triton.jit
@@ -243,9 +416,10 @@ def _add_scaled(acc, qx, s, z, x_sum, ZERO_POINT: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
-    M, N, K, group_size, k_per_split, num_splits, stride_xm, stride_om,
+    M, N, K, K_PAD, group_size, k_per_split, num_splits, stride_xm, stride_om,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, DECODE: tl.constexpr,
+    PAIR_WORDS: tl.constexpr,
 ):
     """One or two rows (``ROWS``) of ``x`` by CUDA cores (two only with ``"pairs"``, which
     decodes a word's codes once for both). Each block of K lies in one group, so its scale
@@ -262,27 +436,43 @@ def _w4a16_gemv_kernel(
       makes it ``(q - z) * 2**(4j - 22)`` exactly, and x carries the ``2**(22 - 4j)``.
     - ``"exponent"`` (AMD, whose float32 subnormals may flush): the nibble is or-ed into the
       exponent of ``2**(23 - 4j)``, whose mantissa unit is then ``16**-j``, so the bits read
-      ``2**(23 - 4j) + q`` exactly; subtracting ``2**(23 - 4j) + z`` leaves ``q - z``."""
+      ``2**(23 - 4j) + q`` exactly; subtracting ``2**(23 - 4j) + z`` leaves ``q - z``.
+
+    ``PAIR_WORDS`` (``"pairs"`` only): decode word rows r and r + 1 together, so that each
+    packed pair holds one slice's code of both rows, two adjacent columns: x pairs are then
+    single int32 loads (``_x_word_pairs``) instead of two 16-bit loads merged, which the
+    K-strided layout otherwise costs the GEMV (it took 17-45% longer than the earlier layout,
+    where a word's pairs were adjacent columns)."""
     BLOCK_KW: tl.constexpr = BLOCK_K // 8
+    # With PAIR_WORDS each accumulator row takes two word rows.
+    ACC_ROWS: tl.constexpr = BLOCK_KW // 2 if PAIR_WORDS else BLOCK_KW
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    # Word rows (as 8 * row) of this slice; the padded tiles make every one exist.
     k_start = pid_s * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    k_end = tl.minimum(k_start + k_per_split, K_PAD)
     # One accumulator per row; the second is never read at one row, so it costs nothing.
-    acc0 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    acc0 = tl.zeros((ACC_ROWS, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((ACC_ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        rows = k0 // 8 + tl.arange(0, BLOCK_KW)
+        if PAIR_WORDS:  # the even rows; their odd neighbours are one row of N further
+            rows = k0 // 8 + 2 * tl.arange(0, ACC_ROWS)
+        else:
+            rows = k0 // 8 + tl.arange(0, BLOCK_KW)
         w_ptrs = qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
-        g_ptrs = (k0 // group_size) * N + offs_n
+        g_ptrs = ((k0 // _TILE_K) * _TILE_K // group_size) * N + offs_n  # the tile's group
         if EVEN:
             words = tl.load(w_ptrs)
+            if PAIR_WORDS:
+                words1 = tl.load(w_ptrs + N)
             s = tl.load(s_ptr + g_ptrs).to(tl.float32)
             z = tl.load(z_ptr + g_ptrs).to(tl.float32)
         else:
-            words = tl.load(w_ptrs, mask=(rows * 8 < k_end)[:, None] & mask_n[None, :], other=0)
+            words = tl.load(w_ptrs, mask=mask_n[None, :], other=0)
+            if PAIR_WORDS:
+                words1 = tl.load(w_ptrs + N, mask=mask_n[None, :], other=0)
             s = tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
         if DECODE == "pairs":
@@ -291,32 +481,54 @@ def _w4a16_gemv_kernel(
                 c = (c | (c << 16))[None, :]
             else:
                 c = tl.full((1, BLOCK_N), 0x43004300, tl.int32)
-            a01, a23, a45, a67, a_sum = _x_pairs(x_ptr, 0, M, stride_xm, rows, k_end, EVEN,
-                                                 ZERO_POINT)
-            if ROWS == 1:
-                q0 = tl.inline_asm_elementwise(_PTX_1, _CONSTRAINTS_1,
-                                               [words, c, a01, a23, a45, a67],
-                                               dtype=tl.float32, is_pure=True, pack=1)
+            if PAIR_WORDS:
+                pairs = _slice0_pairs(rows, ACC_ROWS)
+                a0, a1, a2, a3, a4, a5, a6, a7, a_sum = _x_word_pairs(
+                    x_ptr, 0, M, K, stride_xm, pairs, EVEN, ZERO_POINT)
+                if ROWS == 1:
+                    q0 = tl.inline_asm_elementwise(
+                        _PTX_1W2, _CONSTRAINTS_1W2, [words, words1, c, a0, a1, a2, a3, a4, a5,
+                                                     a6, a7],
+                        dtype=tl.float32, is_pure=True, pack=1)
+                else:
+                    b0, b1, b2, b3, b4, b5, b6, b7, b_sum = _x_word_pairs(
+                        x_ptr, 1, M, K, stride_xm, pairs, EVEN, ZERO_POINT)
+                    q0, q1 = tl.inline_asm_elementwise(
+                        _PTX_2W2, _CONSTRAINTS_2W2,
+                        [words, words1, c, a0, a1, a2, a3, a4, a5, a6, a7,
+                         b0, b1, b2, b3, b4, b5, b6, b7],
+                        dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+                    acc1 = _add_scaled(acc1, q1, s, z, b_sum, ZERO_POINT)
             else:
-                b01, b23, b45, b67, b_sum = _x_pairs(x_ptr, 1, M, stride_xm, rows, k_end, EVEN,
+                cols = _slice0_cols(rows, BLOCK_KW)
+                a01, a23, a45, a67, a_sum = _x_pairs(x_ptr, 0, M, K, stride_xm, cols, EVEN,
                                                      ZERO_POINT)
-                q0, q1 = tl.inline_asm_elementwise(
-                    _PTX_2, _CONSTRAINTS_2, [words, c, a01, a23, a45, a67, b01, b23, b45, b67],
-                    dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-                acc1 = _add_scaled(acc1, q1, s, z, b_sum, ZERO_POINT)
+                if ROWS == 1:
+                    q0 = tl.inline_asm_elementwise(_PTX_1, _CONSTRAINTS_1,
+                                                   [words, c, a01, a23, a45, a67],
+                                                   dtype=tl.float32, is_pure=True, pack=1)
+                else:
+                    b01, b23, b45, b67, b_sum = _x_pairs(x_ptr, 1, M, K, stride_xm, cols, EVEN,
+                                                         ZERO_POINT)
+                    q0, q1 = tl.inline_asm_elementwise(
+                        _PTX_2, _CONSTRAINTS_2,
+                        [words, c, a01, a23, a45, a67, b01, b23, b45, b67],
+                        dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+                    acc1 = _add_scaled(acc1, q1, s, z, b_sum, ZERO_POINT)
             acc0 = _add_scaled(acc0, q0, s, z, a_sum, ZERO_POINT)
         else:
+            cols = _slice0_cols(rows, BLOCK_KW)
             high = words >> 16
             qx = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
             x_sum = tl.zeros((BLOCK_KW,), dtype=tl.float32)
             for i in tl.static_range(8):
                 j = i // 2  # nibble_shift(i): nibble j of the low (even i) or high half-word
                 half = words if i % 2 == 0 else high
-                k = rows * 8 + i
+                k = cols + (_TILE_K // 8) * i
                 if EVEN:
                     x = tl.load(x_ptr + k).to(tl.float32)
                 else:
-                    x = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
+                    x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
                 if not ZERO_POINT:
                     x_sum += x
                 if DECODE == "subnormal":
@@ -342,16 +554,17 @@ def _w4a16_gemv_kernel(
 
 
 @triton.jit
-def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, K_WORDS, group_size,
                     BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr):
     """The dense ``[K, N]`` weight, ``8 * BLOCK_KW`` rows by ``BLOCK_N`` columns a program."""
     rows = tl.program_id(0) * BLOCK_KW + tl.arange(0, BLOCK_KW)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
-                    mask=(rows * 8 < K)[:, None] & mask_n[None, :], other=0)
+                    mask=(rows < K_WORDS)[:, None] & mask_n[None, :], other=0)
+    cols = _slice0_cols(rows, BLOCK_KW)
     for i in tl.static_range(8):
-        k = rows * 8 + i
+        k = cols + (_TILE_K // 8) * i
         mask = (k < K)[:, None] & mask_n[None, :]
         g_ptrs = (k // group_size)[:, None] * N + offs_n[None, :]
         s = tl.load(s_ptr + g_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -363,66 +576,86 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
 
 
 # Rows up to which the CUDA-core GEMV runs (one where its decode is not the packed PTX's), and
-# from which the weight is dequantized for cuBLAS; the tiles in between.
+# from which the weight is dequantized for cuBLAS (written with _TILE_CONFIGS); the tiles in
+# between.
 GEMV_MAX_M = 2
 DEQUANT_MIN_M = 128
 PATHS = ("gemv", "tiles", "dequant")
 
 
-def _config(m: int) -> _Config:
-    # Fixed configurations by M; small M streams W (bandwidth), large M amortizes the dequant
-    # of each W tile over many rows (compute).
-    if m <= 16:
-        # Swept on the H200 at M = 1 over the 8B shapes (BLOCK_N 64-256, BLOCK_K 64-256, 4 or
-        # 8 warps, 2 or 4 waves): 256 x 128 with 4 warps read them 1.37x faster than 64 x 128.
-        return _Config(16, 256, 128, 4, 3)
-    # Compiled for sm_90 (no GPU), these use 128, 138, 127 and 251 registers, spilling none.
-    if m <= 64:
-        return _Config(64, _SPLIT_BLOCK_N, 64, 8, 4)
-    if m <= 256:
-        return _Config(64, 128, 64, 8, 4)
-    return _Config(128, 128, 64, 8, 3)
+class _TileConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int  # the split of K aims at this many (where one block holds every row)
+    bias: bool  # the kernel's BIAS for 16-bit activations
+    prefetch: bool = False  # the kernel's PREFETCH, where a tile lies in one group
 
 
-def _gemv_config() -> _Config:
+# The tiles' configuration for M up to each bound (None: any M), fixed (no autotuning): for each
+# bound, the candidate fastest over the four Llama-3-8B layers summed over the swept M in its
+# range (`scripts/bench_w4a16.py --sweep-tiles`, which with --write-choice rewrites this
+# table). These are from the H200 sweep of 2026-12-01 (benchmarks/results/issue30/): M = 1 and
+# 16: 16 x 128, 4 warps, 4 programs per SM, 222 us against 229 at 2 per SM, 249 at 16 x 256;
+# M = 32: 191 us; M = 64: 241 us; 128 and 256: dequantized (the tiles took 423 and 919 us).
+_TILE_CONFIGS = (
+    (16, _TileConfig(16, 128, 4, 3, 4, True)),
+    (32, _TileConfig(32, 128, 4, 3, 2, True)),
+    (64, _TileConfig(64, 128, 4, 3, 2, True)),
+    (None, _TileConfig(128, 128, 8, 3, 2, True)),
+)
+
+
+def _config(m: int) -> _TileConfig:
+    return next(cfg for bound, cfg in _TILE_CONFIGS if bound is None or m <= bound)
+
+
+def _gemv_config() -> _GemvConfig:
     # Swept on the H200 over the 8B layers (BLOCK_N 128-512, BLOCK_K 64-128, 2 or 4 warps,
     # 4-32 programs per SM; scripts/bench_w4a16.py --sweep-gemv): 256 x 64, 2 warps, 8 per SM
-    # read them at 47% of the copy rate, the best within noise.
-    return _Config(1, 256, 64, 2, 1)
+    # read them at 47% of the copy rate with the earlier layout, the best within noise.
+    # pair_words is not yet measured against single words (the sweep times both).
+    return _GemvConfig(256, 64, 2, 8, True)
 
 
-# Programs per SM the GEMV's split of K aims at: enough loads in flight to stream the weight.
-GEMV_PROGRAMS_PER_SM = 8
 # Slices of K at most: each leaves a partial sum of N floats to write and read back.
 GEMV_MAX_SPLITS = 64
 
 
-def _config_for(m: int, dtype: torch.dtype, arch: str | None) -> _Config:
+def _config_for(m: int, dtype: torch.dtype, arch: str | None) -> _TileConfig:
     """``_config``, with fp32 tiles cut to fit the 64 KiB of LDS of AMD GPUs other than gfx950
     (``arch`` is None on NVIDIA). Chosen by compiling for gfx90a/gfx942/gfx1100 on the CPU
     (``scripts/amd_compile_sweep.py``); never run on an AMD GPU."""
     cfg = _config(m)
     if dtype != torch.float32 or arch is None or arch.startswith("gfx950"):
         return cfg
-    if m <= 16:
-        return cfg._replace(block_k=32)
     return cfg._replace(num_stages=min(cfg.num_stages, 2))
 
 
 def _gemv_block_k(w: PackedW4, block_k: int) -> int | None:
-    """The GEMV's block of K: ``block_k`` cut so that each block lies in one group; None where
-    that leaves fewer than 16 columns (groups of an odd multiple of 8 or less)."""
-    if w.scales.shape[0] == 1:
+    """The GEMV's block of K: a block's codes span its tile's ``TILE_K`` columns, and its
+    scale multiplies their sum, so None unless each tile lies in one group."""
+    if w.scales.shape[0] == 1 or w.group_size % TILE_K == 0:
         return block_k
-    block_k = min(block_k, w.group_size & -w.group_size)
-    return block_k if block_k >= 16 else None
+    return None
+
+
+def _group_slices(w: PackedW4) -> int | None:
+    """The tiles' ``GROUP_SLICES``: slices of ``SLICE_K`` columns between scales, one where
+    groups cut tiles unevenly (each slice finds its group), None where they cut slices."""
+    if w.scales.shape[0] == 1 or w.group_size % TILE_K == 0:
+        return 8
+    if w.group_size % SLICE_K:
+        return None
+    return w.group_size // SLICE_K if TILE_K % w.group_size == 0 else 1
 
 
 def _choose_path(x: torch.Tensor, w: PackedW4) -> str:
     m = x.shape[0]
     if m <= _gemv_max_rows(_gemv_decode(x)) and _gemv_block_k(w, _gemv_config().block_k):
         return "gemv"
-    return "tiles" if m < DEQUANT_MIN_M else "dequant"
+    return "tiles" if m < DEQUANT_MIN_M and _group_slices(w) else "dequant"
 
 
 def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
@@ -445,16 +678,18 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         return torch.mm(x, dequantize(w, x.dtype), out=out)
     if path == "gemv":
         return _gemv(x, w, split_k, out)
+    group_slices = _group_slices(w)
+    if group_slices is None:
+        raise ValueError(f"the tiles take groups of a multiple of {SLICE_K}, not "
+                         f"{w.group_size}")
     cfg = _config_for(m, x.dtype, gpu_arch(x.device))
-    block_k = cfg.block_k
-    if w.group_size < block_k and w.group_size % 16 == 0:
-        block_k = w.group_size  # so that each block of K lies in one group
     grid_m, grid_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
-    k_blocks = triton.cdiv(k, block_k)
+    tiles = w.qweight.shape[0] // SLICE_K
     splits = 1
     if grid_m == 1:  # the counters are per block of N
-        splits = split_k or split_count(grid_n, k_blocks, 2 * sm_count(x.device), 4)
-    k_per_split = triton.cdiv(k_blocks, splits) * block_k
+        splits = split_k or split_count(grid_n, tiles,
+                                        cfg.programs_per_sm * sm_count(x.device), 1)
+    k_per_split = triton.cdiv(tiles, splits) * TILE_K
     splits = triton.cdiv(k, k_per_split)
     # Where the slices leave their partial sums (not written when there is one slice).
     partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
@@ -462,9 +697,9 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
     _w4a16_kernel[(grid_m, grid_n, splits)](
         x, w.qweight, w.scales, w.shifts, out, partial, w.counters,
         m, n, k, w.group_size, k_per_split, splits, x.stride(0), out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        ONE_GROUP_PER_BLOCK=w.group_size % block_k == 0 or w.scales.shape[0] == 1,
-        ZERO_POINT=w.zero_point, SPLIT=splits > 1,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SLICES=group_slices,
+        ZERO_POINT=w.zero_point, SPLIT=splits > 1, EVEN_K=k % TILE_K == 0,
+        BIAS=cfg.bias and x.dtype != torch.float32, PREFETCH=cfg.prefetch and group_slices == 8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -492,25 +727,27 @@ def _gemv(x: torch.Tensor, w: PackedW4, split_k: int | None, out: torch.Tensor) 
     decode = _gemv_decode(x)
     if m > _gemv_max_rows(decode) or block_k is None:
         raise ValueError(f"the GEMV takes up to {GEMV_MAX_M} bfloat16 rows on NVIDIA (else "
-                         f"one) and groups of a multiple of 16, not {m} {x.dtype} rows and "
-                         f"groups of {w.group_size}")
-    grid_n, k_blocks = triton.cdiv(n, cfg.block_n), triton.cdiv(k, block_k)
+                         f"one) and groups of a multiple of {TILE_K}, not {m} {x.dtype} rows "
+                         f"and groups of {w.group_size}")
+    k_pad = w.qweight.shape[0] * 8
+    grid_n, k_blocks = triton.cdiv(n, cfg.block_n), triton.cdiv(k_pad, block_k)
     # Slices as short as one block: a decode step's smaller weights (8 MB) must be nearly all
     # in flight at once to be read at the copy rate, which few long slices cannot do.
-    splits = split_k or split_count(grid_n, k_blocks, GEMV_PROGRAMS_PER_SM * sm_count(x.device),
+    splits = split_k or split_count(grid_n, k_blocks, cfg.programs_per_sm * sm_count(x.device),
                                     1)
     splits = min(splits, GEMV_MAX_SPLITS)
     k_per_split = triton.cdiv(k_blocks, splits) * block_k
-    splits = triton.cdiv(k, k_per_split)
+    splits = triton.cdiv(k_pad, k_per_split)
     partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
                           device=x.device)
     _w4a16_gemv_kernel[(grid_n, splits)](
         x, w.qweight, w.scales, w.shifts, out, partial, w.counters,
-        m, n, k, w.group_size, k_per_split, splits, x.stride(0), out.stride(0),
+        m, n, k, k_pad, w.group_size, k_per_split, splits, x.stride(0), out.stride(0),
         ROWS=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         ZERO_POINT=w.zero_point, SPLIT=splits > 1,
         # No masks where every block is whole: they cost as much as the arithmetic.
-        EVEN=n % cfg.block_n == 0 and k % block_k == 0, DECODE=decode,
+        EVEN=n % cfg.block_n == 0 and k % TILE_K == 0, DECODE=decode,
+        PAIR_WORDS=cfg.pair_words and decode == "pairs",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -521,6 +758,6 @@ def dequantize(w: PackedW4, dtype: torch.dtype) -> torch.Tensor:
     dense = torch.empty((k, n), dtype=dtype, device=w.qweight.device)
     block_kw, block_n = 8, 128
     _dequant_kernel[(triton.cdiv(w.qweight.shape[0], block_kw), triton.cdiv(n, block_n))](
-        w.qweight, w.scales, w.shifts, dense, n, k, w.group_size,
+        w.qweight, w.scales, w.shifts, dense, n, k, w.qweight.shape[0], w.group_size,
         BLOCK_KW=block_kw, BLOCK_N=block_n, ZERO_POINT=w.zero_point, num_warps=4)
     return dense

@@ -1,0 +1,240 @@
+"""Compile the W4A16 kernels' variants for sm_90 on the CPU and read their main loop's SASS.
+
+No GPU is needed: ``triton.compile`` with a ``cuda`` target runs the whole pipeline with the
+bundled ``ptxas``, and ``nvdisasm`` lists the cubin. Each variant is compiled as the launch at
+the Llama-3-8B shapes would specialize it (pointers and N, K, strides, the slice of K and the
+group size divisible by 16; M not specialized). The K loop is the kernel's largest loop that
+ends in a backward branch; per iteration (one packed tile of 128 columns for the tiles, one
+block of K for the GEMV) the script counts the instructions a warp issues, the global loads
+copied ahead by the pipeliner (``LDGSTS``, cp.async) and the plain ones (``LDG``), the
+shared-memory traffic and the tensor-core instructions. ``weights_per_sm_cycle`` is what the
+loop could reach if issue were the only limit (four schedulers each issuing one instruction
+a cycle), to set against the ~32 4-bit weights per SM cycle that the H200's copy rate brings
+(4.2 TB/s over 132 SMs at 1.98 GHz).
+
+    python scripts/w4a16_sass.py [--out FILE.json]   # every variant, a table
+    python scripts/w4a16_sass.py --check             # compile only (the CPU test suite)
+
+Run with ``TRITON_INTERPRET`` unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+POINTERS = {"x_ptr": "ACT", "qw_ptr": "i32", "s_ptr": "SCALE", "z_ptr": "SCALE",
+            "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
+# Integer arguments that the launch at the 8B shapes finds divisible by 16 (Triton's
+# specialization); the others (M, the split count) are plain i32.
+DIVISIBLE = {"N", "K", "K_PAD", "group_size", "k_per_split", "stride_xm", "stride_om"}
+SMEM_LIMIT = 227 * 1024
+COUNTED = ("LDGSTS", "LDG", "LDS", "LDSM", "STS", "HMMA", "HGMMA", "BAR", "PRMT", "LOP3",
+           "HFMA2", "F2FP")
+
+
+class Variant(NamedTuple):
+    name: str
+    kernel: str  # "tiles" or "gemv"
+    act: str  # activation dtype: bf16, fp16, fp32
+    scale: str  # fp16 (zero points) or fp32 (offsets)
+    consts: dict
+    num_warps: int
+    num_stages: int
+    k_per_iteration: int  # columns of K one loop iteration covers
+    base: bool = False  # the --base file's kernel (its constexprs are those it takes)
+
+
+def tile_variant(name: str, cfg, act: str = "bf16", scale: str = "fp16", slices: int = 8,
+                 split: bool = True) -> Variant:
+    consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SLICES=slices,
+                  ZERO_POINT=scale == "fp16", SPLIT=split, EVEN_K=True,
+                  BIAS=cfg.bias and act != "fp32", PREFETCH=cfg.prefetch and slices == 8)
+    return Variant(name, "tiles", act, scale, consts, cfg.num_warps, cfg.num_stages, 128)
+
+
+def gemv_variant(name: str, cfg, rows: int = 1, act: str = "bf16", scale: str = "fp16",
+                 decode: str = "pairs", even: bool = True, split: bool = True) -> Variant:
+    consts = dict(ROWS=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  ZERO_POINT=scale == "fp16", SPLIT=split, EVEN=even, DECODE=decode,
+                  PAIR_WORDS=cfg.pair_words and decode == "pairs")
+    return Variant(name, "gemv", act, scale, consts, cfg.num_warps, cfg.num_stages,
+                   cfg.block_k)
+
+
+def base_variants() -> list[Variant]:
+    """The kernel of 2cbeaf3 (before the K-strided layout) at its M = 1 and M <= 16 settings,
+    given as ``--base``."""
+    gemv = dict(ROWS=1, BLOCK_N=256, BLOCK_K=64, ZERO_POINT=True, SPLIT=True, EVEN=True,
+                DECODE="pairs")
+    tiles = dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, ONE_GROUP_PER_BLOCK=True,
+                 ZERO_POINT=True, SPLIT=True)
+    return [Variant("base gemv 1 row", "gemv", "bf16", "fp16", gemv, 2, 1, 64, True),
+            Variant("base tiles 16x256", "tiles", "bf16", "fp16", tiles, 4, 3, 128, True)]
+
+
+def variants() -> list[Variant]:
+    """The variants the H200 sweep times (``bench_w4a16.py --sweep-tiles``), each compiled."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    tile = w4a16._TileConfig(16, 128, 4, 3, 4, True)
+    out = [tile_variant(f"tiles 16x128 bias={b:d} prefetch={p:d}",
+                        tile._replace(bias=b, prefetch=p)) for b in (True, False)
+           for p in (False, True)]
+    big = w4a16._TileConfig(64, 128, 4, 3, 2, True)
+    out += [tile_variant(f"tiles 64x128 bias={b:d} prefetch={p:d}",
+                         big._replace(bias=b, prefetch=p), split=False)
+            for b in (True, False) for p in (False, True)]
+    gemv = w4a16._gemv_config()
+    out += [gemv_variant(f"gemv {rows} row{'s' * (rows > 1)} pair_words={pw:d}",
+                         gemv._replace(pair_words=pw), rows=rows)
+            for rows in (1, 2) for pw in (False, True)]
+    return out
+
+
+def check_variants() -> list[Variant]:
+    """Besides ``variants``: the other dtypes, offsets, groups per slice and masks that the
+    launches can ask for, compiled only (what only the real compiler rejects)."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    out = [tile_variant(f"tiles m{m} {act} {scale} slices {slices}",
+                        w4a16._config(m)._replace(prefetch=True), act, scale, slices,
+                        split=m <= 16)
+           for act, scale, m, slices in [("bf16", "fp16", 1, 2), ("fp16", "fp32", 40, 1),
+                                         ("bf16", "fp16", 200, 8), ("fp32", "fp32", 1000, 4),
+                                         ("fp16", "fp16", 16, 8)]]
+    gemv = w4a16._gemv_config()
+    out += [gemv_variant(f"gemv {rows} {act} {scale} {decode} even={even:d} pw={pw:d}",
+                         gemv._replace(pair_words=pw), rows, act, scale, decode, even)
+            for act, scale, rows, even, decode, pw in [
+                ("bf16", "fp32", 2, False, "pairs", True),
+                ("bf16", "fp32", 1, False, "pairs", True),
+                ("bf16", "fp32", 2, False, "pairs", False),
+                ("fp16", "fp32", 1, False, "subnormal", False),
+                ("fp16", "fp16", 1, True, "exponent", False)]]
+    return out
+
+
+def compile_variant(v: Variant, base=None):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    module = base if v.base else w4a16
+    fn = module._w4a16_kernel if v.kernel == "tiles" else module._w4a16_gemv_kernel
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        kind = POINTERS.get(name)
+        if name in v.consts:
+            signature[name] = "constexpr"
+        elif kind is not None:
+            signature[name] = "*" + kind.replace("ACT", v.act).replace("SCALE", v.scale)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if name in DIVISIBLE:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, signature, v.consts, attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": v.num_warps, "num_stages": v.num_stages})
+    if kernel.metadata.shared > SMEM_LIMIT:
+        raise ValueError(f"{v.name}: {kernel.metadata.shared} bytes of shared memory")
+    return kernel
+
+
+def sass(kernel) -> str:
+    import triton
+
+    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_LABEL = re.compile(r"^\.(L_x_\d+):", re.M)
+
+
+def main_loop(text: str) -> list[str]:
+    """The opcodes of the largest loop: from a label to the last backward branch to it."""
+    addresses, opcodes, operands = [], [], []
+    labels = {}
+    for line in text.splitlines():
+        label = _LABEL.match(line.strip())
+        if label:
+            labels[label.group(1)] = len(opcodes)
+            continue
+        m = _INSTRUCTION.search(line)
+        if m:
+            addresses.append(int(m.group(1), 16))
+            opcodes.append(m.group(3))
+            operands.append(m.group(4))
+    best = (0, 0)
+    for i, (op, args) in enumerate(zip(opcodes, operands)):
+        target = re.search(r"`\(\.(L_x_\d+)\)", args)
+        if op.startswith("BRA") and target and labels.get(target.group(1), i + 1) <= i:
+            start = labels[target.group(1)]
+            if i + 1 - start > best[1] - best[0]:
+                best = (start, i + 1)
+    return opcodes[best[0]:best[1]]
+
+
+def summarize(v: Variant, kernel) -> dict:
+    loop = main_loop(sass(kernel))
+    counts = Counter()
+    for op in loop:
+        base = op.split(".")[0]
+        if base in COUNTED:
+            counts[base] += 1
+    weights = v.consts["BLOCK_N"] * v.k_per_iteration
+    # Issue-bound: the warps' instructions spread over the SM's four schedulers.
+    per_cycle = weights / (len(loop) * v.num_warps / 4) if loop else float("nan")
+    return {"name": v.name, "instructions_per_iteration": len(loop),
+            "k_per_iteration": v.k_per_iteration, "num_warps": v.num_warps,
+            "weights_per_sm_cycle": per_cycle, "shared_bytes": kernel.metadata.shared,
+            "registers": getattr(kernel, "n_regs", None), **{k: counts[k] for k in COUNTED}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="compile every variant, count nothing")
+    p.add_argument("--out", help="JSON of the table")
+    p.add_argument("--base", help="an earlier kernels/w4a16.py (2cbeaf3's) to read beside")
+    args = p.parse_args()
+    if args.check:
+        for v in variants() + check_variants():
+            compile_variant(v)
+        print("compiled")
+        return
+    rows = []
+    print(f"{'variant':<36} {'instr':>6} {'w/cyc':>6} " + " ".join(f"{k:>6}" for k in COUNTED))
+    base = None
+    if args.base:
+        from scripts.bench_w4a16 import load_base
+
+        base = load_base(args.base)
+    for v in (base_variants() if base else []) + variants():
+        r = summarize(v, compile_variant(v, base))
+        rows.append(r)
+        print(f"{r['name']:<36} {r['instructions_per_iteration']:>6} "
+              f"{r['weights_per_sm_cycle']:>6.1f} " + " ".join(f"{r[k]:>6}" for k in COUNTED),
+              flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
