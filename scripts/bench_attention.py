@@ -32,9 +32,8 @@ DECODE_BATCHES = (1, 32, 128, 256)
 DECODE_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 # (batch, context) of the tile sweep: latency-bound, the issue-30 target (256 x 2,048), long.
 SWEEP_SHAPES = ((1, 4096), (32, 4096), (256, 2048), (256, 8192))
-# (block_n, warps, stages, prefetch_ids)
-SWEEP_TILES = [(n, w, st, pf) for pf in (False, True) for n in (64, 128, 256) for w in (2, 4)
-               for st in (2, 3, 4)]
+# (block_n, warps, stages)
+SWEEP_TILES = [(n, w, st) for n in (64, 128, 256) for w in (2, 4) for st in (2, 3, 4)]
 # (query lengths, context lengths): fresh prompts, then chunks after a cached prefix.
 PREFILL_CASES = (
     ([512], [0]), ([2048], [0]), ([8192], [0]), ([2048] * 4, [0] * 4),
@@ -173,7 +172,7 @@ def sweep_decode(s: Setup) -> list[dict]:
 
 
 def print_sweep(rows: list[dict]) -> None:
-    print(f"\n{'tile (n, warps, stages, pf)':>30} " + " ".join(
+    print(f"\n{'tile (n, warps, stages)':>30} " + " ".join(
         f"{b}x{c:>5}" for b, c in SWEEP_SHAPES) + "   (GB/s; default first)")
     shapes = {(r["batch"], r["context"]): r for r in rows}
     s0 = [shapes[sh]["default_ms"] for sh in SWEEP_SHAPES]

@@ -289,10 +289,10 @@ def test_decode(case):
     _run_decode(case, seq_lens=[1, 17, 70, 45])
 
 
-@pytest.mark.parametrize("prefetch_ids", [False, True])
-def test_decode_fp8_cache(prefetch_ids):
-    # Partitions of two tiles and a ragged last one: the loop, its prefetch and the tail.
-    _run_decode((16, 2, 2, 32, torch.float16, 32, (16, 4, 2, prefetch_ids)), [50, 3, 32], FP8,
+@pytest.mark.parametrize("warps", [2, 4])
+def test_decode_fp8_cache(warps):
+    # Partitions of two tiles and a ragged last one: the loop and the tail.
+    _run_decode((16, 2, 2, 32, torch.float16, 32, (16, warps, 2)), [50, 3, 32], FP8,
                 scales=(0.03, 0.4))
 
 

@@ -108,7 +108,6 @@ def _attend_partition_e4m3(
     q, start, end, k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs, qk_scale,
     GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr,
-    PREFETCH_IDS: tl.constexpr,
 ):
     """``_attend_partition`` over an fp8 cache; the output's even and odd columns are
     accumulated apart and interleaved at the end."""
@@ -120,27 +119,17 @@ def _attend_partition_e4m3(
     m_i = tl.full([GROUP_PAD], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
-    offs_n = start + tl.arange(0, BLOCK_N)
-    block_ids, n_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n, end, BLOCK_SIZE, True)
-    for _ in range(start, full_end, BLOCK_N):
-        if PREFETCH_IDS:
-            # The next tile's block ids load while this tile computes: the cache reads that
-            # depend on them are then not held up behind a block-table read each tile.
-            next_ids, next_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n + BLOCK_N, end,
-                                                  BLOCK_SIZE, True)
-        else:
-            block_ids, n_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n, end,
-                                                BLOCK_SIZE, False)
+    for n0 in range(start, full_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        block_ids, n_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n, end, BLOCK_SIZE,
+                                            False)
         acc_even, acc_odd, m_i, l_i = _attend_tile_e4m3(
             acc_even, acc_odd, m_i, l_i, q_even, q_odd, offs_n, block_ids, n_valid, k_ptr,
             v_ptr, stride_cb, stride_cs, qk_scale, offs_w, w_mask, BLOCK_SIZE, False, PTX)
-        offs_n += BLOCK_N
-        if PREFETCH_IDS:
-            block_ids, n_valid = next_ids, next_valid
     if full_end < end:
-        if not PREFETCH_IDS:
-            block_ids, n_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n, end,
-                                                BLOCK_SIZE, True)
+        offs_n = full_end + tl.arange(0, BLOCK_N)
+        block_ids, n_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n, end, BLOCK_SIZE,
+                                            True)
         acc_even, acc_odd, m_i, l_i = _attend_tile_e4m3(
             acc_even, acc_odd, m_i, l_i, q_even, q_odd, offs_n, block_ids, n_valid, k_ptr,
             v_ptr, stride_cb, stride_cs, qk_scale, offs_w, w_mask, BLOCK_SIZE, True, PTX)
@@ -166,7 +155,7 @@ def _decode_partition_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PREC: tl.constexpr,
-    PTX: tl.constexpr, PREFETCH_IDS: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -206,7 +195,7 @@ def _decode_partition_kernel(
     if HAS_SCALES:
         acc, m_i, l_i = _attend_partition_e4m3(
             q, start, end, k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs, qk_scale,
-            GROUP_PAD, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PTX, PREFETCH_IDS)
+            GROUP_PAD, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PTX)
     else:
         acc, m_i, l_i = _attend_partition(
             q, q_pos, start, end, k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs,
@@ -284,20 +273,30 @@ class DecodeConfig(NamedTuple):
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
-    prefetch_ids: bool = False  # fp8 caches: load the next tile's block ids a tile ahead
 
 
-def _decode_config(head_pad: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> DecodeConfig:
-    """The tile for H100/H200-class GPUs; decode is bandwidth-bound.
-
-    From a sweep on an H200 (head 128, GQA 4, batch 1..256): 64/4/3 for 16-bit caches; fp8
-    caches, which spend more time converting, like longer tiles with fewer stages.
-    """
+def _default_block_n(head_pad: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
     if dtype == torch.float32 or head_pad > 128:
-        return DecodeConfig(32, 4, 2)
+        return 32
+    return 128 if cache_dtype == torch.float8_e4m3fn else 64
+
+
+def _decode_config(block_n: int, dtype: torch.dtype, cache_dtype: torch.dtype, programs: int,
+                   num_sms: int) -> DecodeConfig:
+    """The tile for H100/H200-class GPUs, for a stage 1 of ``programs`` programs.
+
+    From sweeps on an H200 (head 128, GQA 4; `scripts/bench_attention.py --sweep-decode`):
+    64 keys, 4 warps, 3 stages for 16-bit caches. An fp8 cache: 128 keys a tile, and where
+    there are programs enough to fill the GPU a few times over, 2 warps and 3 stages (3,840
+    GB/s at 256 x 2,048 against 3,484 with 4 warps, 3,537 against 2,808 at 32 x 4,096); fewer,
+    longer-running programs (batch 1) keep 4 warps and 2 stages (961 against 893 GB/s at
+    1 x 4,096).
+    """
+    if dtype == torch.float32 or block_n < 64:
+        return DecodeConfig(block_n, 4, 2)
     if cache_dtype == torch.float8_e4m3fn:
-        return DecodeConfig(128, 4, 2)
-    return DecodeConfig(64, 4, 3)
+        return DecodeConfig(block_n, *((2, 3) if programs >= 3 * num_sms else (4, 2)))
+    return DecodeConfig(block_n, 4, 3)
 
 
 def decode_attention(
@@ -344,17 +343,20 @@ def decode_attention(
         raise ValueError("an fp8 cache is read in pairs of elements: it needs an even head "
                          f"size and contiguous heads, not {head_size} and stride "
                          f"{key_cache.stride(3)}")
-    config = config or _decode_config(head_pad, q.dtype, key_cache.dtype)
-    block_n = max(config.block_n, 16)
+    block_n = max(config.block_n if config else
+                  _default_block_n(head_pad, q.dtype, key_cache.dtype), 16)
+    num_sms = sm_count(q.device)
     if partition_size is None:
-        partition_size = pick_partition_size(
-            num_seqs, num_kv_heads, max_seq_len, sm_count(q.device), block_n)
+        partition_size = pick_partition_size(num_seqs, num_kv_heads, max_seq_len, num_sms,
+                                             block_n)
     if partition_size < 16 or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     block_n = min(block_n, partition_size)
     if partition_size % block_n:
         raise ValueError(f"partition_size {partition_size} must be a multiple of {block_n}")
     num_parts = triton.cdiv(max(max_seq_len, 1), partition_size)
+    config = config or _decode_config(block_n, q.dtype, key_cache.dtype,
+                                      num_seqs * num_kv_heads * num_parts, num_sms)
     single = num_parts == 1
 
     if single:  # stage 1 writes `out`; the buffers are never read
@@ -378,7 +380,6 @@ def decode_attention(
         SINGLE_PARTITION=single, HAS_SCALES=has_scales,
         DOT_PREC=dot_precision(q.dtype, gpu_arch(q.device)),
         PTX=q.device.type == "cuda" and gpu_arch(q.device) is None,
-        PREFETCH_IDS=config.prefetch_ids,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not single:

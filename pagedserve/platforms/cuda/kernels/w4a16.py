@@ -596,14 +596,15 @@ class _TileConfig(NamedTuple):
 # The tiles' configuration for M up to each bound (None: any M), fixed (no autotuning): for each
 # bound, the candidate fastest over the four Llama-3-8B layers summed over the swept M in its
 # range (`scripts/bench_w4a16.py --sweep-tiles`, which with --write-choice rewrites this
-# table). These are from the H200 sweep of 2026-12-01 (benchmarks/results/issue30/): M = 1 and
-# 16: 16 x 128, 4 warps, 4 programs per SM, 222 us against 229 at 2 per SM, 249 at 16 x 256;
-# M = 32: 191 us; M = 64: 241 us; 128 and 256: dequantized (the tiles took 423 and 919 us).
+# table). From the H200 sweep of 2026-12-01 (benchmarks/results/issue30/w4a16_variants_*):
+# q - z in 16 bits (bias False) and the scale row a tile ahead (prefetch) won at every M up to
+# 64: at M = 16, 92 us against 117 with neither; M = 32: 114 against 191; M = 64: 193 against
+# 243. From 128 rows dequantize + cuBLAS stays faster (327 against 377 us for the tiles).
 _TILE_CONFIGS = (
-    (16, _TileConfig(16, 128, 4, 3, 4, True)),
-    (32, _TileConfig(32, 128, 4, 3, 2, True)),
-    (64, _TileConfig(64, 128, 4, 3, 2, True)),
-    (None, _TileConfig(128, 128, 8, 3, 2, True)),
+    (16, _TileConfig(16, 128, 4, 3, 4, False, True)),
+    (32, _TileConfig(32, 128, 4, 3, 2, False, True)),
+    (64, _TileConfig(64, 128, 4, 3, 2, False, True)),
+    (None, _TileConfig(128, 128, 8, 3, 2, False, False)),
 )
 
 
@@ -615,7 +616,8 @@ def _gemv_config() -> _GemvConfig:
     # Swept on the H200 over the 8B layers (BLOCK_N 128-512, BLOCK_K 64-128, 2 or 4 warps,
     # 4-32 programs per SM; scripts/bench_w4a16.py --sweep-gemv): 256 x 64, 2 warps, 8 per SM
     # read them at 47% of the copy rate with the earlier layout, the best within noise.
-    # pair_words is not yet measured against single words (the sweep times both).
+    # pair_words (2026-12-01 sweep): 58 us at one row against 55 without, 75 against 87 at
+    # two; summed over both, it wins.
     return _GemvConfig(256, 64, 2, 8, True)
 
 
