@@ -46,13 +46,15 @@ MIN_PARTITION_SIZE = 128
 
 @triton.jit
 def _attend_tile_e4m3(
-    acc_even, acc_odd, m_i, l_i, q_even, q_odd, offs_n, block_ids, n_valid,
-    k_ptr, v_ptr, stride_cb, stride_cs, qk_scale, offs_w, w_mask,
-    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, PTX: tl.constexpr,
+    acc_even, acc_odd, m_i, l_i, q_even, q_odd, n0, kv_end,
+    k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs, qk_scale, offs_w, w_mask,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PTX: tl.constexpr,
 ):
     """``attend_tile`` for an fp8 cache read as int16 words (``e4m3_pairs``): element pairs
-    split into even and odd halves, two dots per matmul, one accumulator per half.
-    ``block_ids`` and ``n_valid`` are ``tile_block_ids``' for keys ``offs_n``."""
+    split into even and odd halves, two dots per matmul, one accumulator per half."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    block_ids, n_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n, kv_end, BLOCK_SIZE,
+                                        MASKED)
     slots = slots_of(block_ids, offs_n, stride_cb, stride_cs, BLOCK_SIZE)
     k_ptrs = (k_ptr + slots[None, :]).to(tl.pointer_type(tl.int16)) + offs_w[:, None]
     v_ptrs = (v_ptr + slots[:, None]).to(tl.pointer_type(tl.int16)) + offs_w[None, :]
@@ -120,19 +122,15 @@ def _attend_partition_e4m3(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
     for n0 in range(start, full_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        block_ids, n_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n, end, BLOCK_SIZE,
-                                            False)
         acc_even, acc_odd, m_i, l_i = _attend_tile_e4m3(
-            acc_even, acc_odd, m_i, l_i, q_even, q_odd, offs_n, block_ids, n_valid, k_ptr,
-            v_ptr, stride_cb, stride_cs, qk_scale, offs_w, w_mask, BLOCK_SIZE, False, PTX)
-    if full_end < end:
-        offs_n = full_end + tl.arange(0, BLOCK_N)
-        block_ids, n_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n, end, BLOCK_SIZE,
-                                            True)
+            acc_even, acc_odd, m_i, l_i, q_even, q_odd, n0, end, k_ptr, v_ptr, bt_row_ptr,
+            stride_btn, stride_cb, stride_cs, qk_scale, offs_w, w_mask,
+            BLOCK_SIZE, BLOCK_N, False, PTX)
+    if full_end < end:  # the ragged last tile of the sequence
         acc_even, acc_odd, m_i, l_i = _attend_tile_e4m3(
-            acc_even, acc_odd, m_i, l_i, q_even, q_odd, offs_n, block_ids, n_valid, k_ptr,
-            v_ptr, stride_cb, stride_cs, qk_scale, offs_w, w_mask, BLOCK_SIZE, True, PTX)
+            acc_even, acc_odd, m_i, l_i, q_even, q_odd, full_end, end, k_ptr, v_ptr,
+            bt_row_ptr, stride_btn, stride_cb, stride_cs, qk_scale, offs_w, w_mask,
+            BLOCK_SIZE, BLOCK_N, True, PTX)
     acc = tl.reshape(tl.join(acc_even, acc_odd), (GROUP_PAD, HEAD_PAD))
     return acc, m_i, l_i
 
