@@ -7,7 +7,7 @@
 #                                        w4a16 w4a16-tests w4a16-sweep w4a16-tiles-sweep decode-awq
 #                                        decode-bf16 awq bf16 fp8-tests fp8-w8a8
 #                                        fp8-w8a8-kv decode-fp8 fp8-linear serve-make tp1-vs-base
-#                                        bf16-vs-base fp8-vs-base tp2
+#                                        bf16-vs-base fp8-vs-base fp8kv-vs-base tp2
 #                                        tp2-70b allreduce tp2-tests structured cpu-offload
 #                                        cpu-offload-70b kv-tier (= kv-tier-multi-turn
 #                                        kv-tier-unique) kv-copy-rate spec-verify
@@ -465,6 +465,7 @@ for part in $parts; do
     # bf16 and FP8 W8A8 against TP_BASE (set it to the commit before the change measured).
     bf16-vs-base) vs_base bf16 ;;
     fp8-vs-base) vs_base fp8 --load-format dummy --quantization fp8 ;;
+    fp8kv-vs-base) vs_base fp8kv --load-format dummy --quantization fp8 --kv-cache-dtype fp8 ;;
     # Two GPUs (the nvidia-h200-x2 kind): 8B at 128/128 split over two ranks, and on one rank
     # in the same run (the benchmark runs both).
     tp2) bench throughput "${common[@]}" --shape llama3-8b --input-len 128 128 \
