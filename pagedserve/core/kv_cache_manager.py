@@ -192,7 +192,7 @@ class KVCacheManager:
         """Reserve room for ``num_new_tokens`` after the sequence's computed (and newly cached)
         tokens, copying shared blocks they go into and loading host hits. Returns False,
         changing nothing, if that would leave fewer than ``reserve_blocks`` free."""
-        if not cached_blocks and self._fits_in_last_block(seq, num_new_tokens):
+        if not cached_blocks and self.fits_in_last_block(seq, num_new_tokens):
             return True
         prefix = _as_prefix(cached_blocks)
         needed = self.blocks_needed(seq, num_new_tokens, prefix)
@@ -227,7 +227,7 @@ class KVCacheManager:
         pool.share(block)
         self._pinned.append((pool, block))
 
-    def _fits_in_last_block(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def fits_in_last_block(self, seq: Sequence, num_new_tokens: int) -> bool:
         """The common decode case, decided without building lists: the tokens land in a block
         the sequence alone holds and do not fill it (so nothing to copy, allocate or hash)."""
         table = self.tables.get(seq)

@@ -93,6 +93,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # Swaps and copy-on-write copies to apply before the forward pass.
     block_ops: BlockOps = field(default_factory=BlockOps)
+    num_prompt_tokens: int = 0  # of the scheduled tokens, those that are prompt tokens
 
     @property
     def num_batched_tokens(self) -> int:
@@ -154,10 +155,34 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             group = self.running[i]
+            if self._decode_in_place(group, out):
+                budget -= 1
+                i += 1
+                continue
             budget = self._schedule_group(group, i, out, budget, may_preempt=True)
             if i < len(self.running) and self.running[i] is group:
                 i += 1  # otherwise the group was preempted and the next one moved up
         return budget
+
+    def _decode_in_place(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
+        """Schedule the common step of a running group, decided without building a chunk: one
+        stream, no forks pending, whose next chunk is the one token after its computed ones
+        (no drafts, not past max_tokens) and lands in a block it alone holds without filling
+        it (nothing to look up, allocate, copy or hash). ``_schedule_group`` would schedule it
+        the same way; False, scheduling nothing, for anything else, which it handles."""
+        if group.pending_forks or len(group.seqs) != 1 or self._prefill_cap < 1:
+            return False
+        seq = group.seqs[0]
+        computed = seq.num_computed_tokens
+        num_tokens = self._num_tokens(seq)
+        num_prompt = len(seq.prompt_token_ids)
+        if not (computed and num_tokens - computed == 1 and not seq.draft_token_ids
+                and num_tokens - num_prompt < max(seq.max_tokens, 1)
+                and self.kv.fits_in_last_block(seq, 1)):
+            return False
+        out.scheduled.append(ScheduledSequence(seq, computed, 1, self.kv.block_table(seq), 1))
+        out.num_prompt_tokens += computed < num_prompt  # a prefill that stopped one short
+        return True
 
     def _schedule_group(self, group: SequenceGroup, index: int, out: SchedulerOutput,
                         budget: int, may_preempt: bool) -> int:
@@ -216,7 +241,8 @@ class Scheduler:
         """Set this step's prefill cap and count the long prompts mid-prefill."""
         decodes, demands, self._num_long, self._prefilling = 0, [], 0, []
         for group in self.running:
-            num_left = self._num_left(group) if group.seqs else 0  # else: only forks pending
+            seqs = group.seqs  # empty: only forks pending
+            num_left = self._num_tokens(seqs[0]) - seqs[0].num_computed_tokens if seqs else 0
             if num_left > 1:
                 demands.append(num_left)
                 self._num_long += self._is_long(num_left)
@@ -439,6 +465,7 @@ class Scheduler:
         drafts = tuple(seq.draft_token_ids[:num_drafts])
         seq.draft_token_ids = []  # verified by this step, or proposed again after it
         reaches_end = computed + num_new - num_drafts == self._num_tokens(seq)
+        out.num_prompt_tokens += max(0, min(num_new, len(seq.prompt_token_ids) - computed))
         out.scheduled.append(ScheduledSequence(
             seq, computed, num_new, self.kv.block_table(seq),
             num_sample_positions=reaches_end + num_drafts, draft_token_ids=drafts,

@@ -325,9 +325,7 @@ class LLMEngine:
 
     def _advance(self, out: SchedulerOutput) -> None:
         self.scheduler.advance(out)
-        self._num_prompt_tokens += sum(
-            max(0, min(s.num_new_tokens, s.seq.num_prompt_tokens - s.num_computed_tokens))
-            for s in out.scheduled)
+        self._num_prompt_tokens += out.num_prompt_tokens
 
     def _process(self, result: StepResult) -> list[RequestOutput]:
         output = self.executor.fetch(result)

@@ -12,7 +12,7 @@ from pagedserve.engine.beam_driver import BeamDriver
 from pagedserve.engine.request_state import RequestState, SequenceState, token_logprobs
 from pagedserve.engine.stop_conditions import stop_status
 from pagedserve.logger import get_logger
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.structured.grammar_state import GrammarState
 from pagedserve.worker.step import HostSamples, StepOutput, StepResult
 
@@ -105,14 +105,18 @@ class OutputProcessor:
                 beam_requests.add(state.request)
                 continue
             emitted = count if rows.counts is None else rows.counts[i]
-            self.append_tokens(state, rows, i, emitted)
+            if emitted == 1:  # a decode step's one token: skip the loop
+                self._apply_sample(state, rows, i, 0)
+            else:
+                self.append_tokens(state, rows, i, emitted)
             if emitted < count and not state.finished:
                 self._take_back(seq, count - emitted)  # the rejected drafts' slots
-            _record_token_time(state.request, now)
-            touched.add(state.request)
+            request = state.request
+            _record_token_time(request.metrics, now)
+            touched.add(request)
         for request in beam_requests:
             if self._beam_step(request):
-                _record_token_time(request, now)
+                _record_token_time(request.metrics, now)
                 touched.add(request)
         return touched
 
@@ -188,6 +192,6 @@ def _grammar_status(grammar: GrammarState, token: int) -> SequenceStatus | None:
     return SequenceStatus.FINISHED_STOPPED if grammar.terminated else None
 
 
-def _record_token_time(state: RequestState, now: float) -> None:
-    state.metrics.first_token_time = state.metrics.first_token_time or now
-    state.metrics.last_token_time = now
+def _record_token_time(metrics: RequestMetrics, now: float) -> None:
+    metrics.first_token_time = metrics.first_token_time or now
+    metrics.last_token_time = now

@@ -74,7 +74,11 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        # A loop, not all() over a generator: read for every request every step.
+        for s in self.seqs:
+            if not s.seq.status.finished:
+                return False
+        return True
 
     @property
     def runs_ahead(self) -> bool:

@@ -229,3 +229,42 @@ def test_resumed_group_is_not_preempted_again_before_it_samples():
     sim.run()
     assert sched.num_preemptions > 1
     assert sim.thrashes == 0
+
+
+def _recorded_steps(sched: Scheduler, seed: int) -> list[tuple]:
+    """Every step of a seeded random workload, as plain values: what ran, with which blocks,
+    what was preempted and which block moves were queued."""
+    sim = _Sim(sched)
+    _random_workload(sim, random.Random(seed), num=16)
+    steps = []
+    while sched.has_unfinished:
+        out = sim.step()
+        steps.append((
+            [(s.seq.name, s.num_computed_tokens, s.num_new_tokens, tuple(s.block_ids),
+              s.num_sample_positions, s.draft_token_ids) for s in out.scheduled],
+            [s.name for s in out.preempted], out.block_ops, out.num_prompt_tokens))
+    return steps
+
+
+@pytest.mark.parametrize("partial_prefills", [1, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_fast_path_schedules_as_the_general_path(monkeypatch, seed, partial_prefills):
+    """``_decode_in_place`` only shortcuts what ``_schedule_group`` would do: with it turned
+    off, the same workload (forks, beams, preemption by swap and recompute, prefix sharing)
+    schedules the same chunks with the same blocks at every step."""
+    def scheduler():
+        kv = KVCacheManager(14, BLOCK, enable_caching=True, num_host_blocks=32)
+        return Scheduler(SchedulerConfig(
+            max_num_seqs=12, max_num_batched_tokens=16, max_model_len=256,
+            enable_chunked_prefill=True, preemption_mode="auto", watermark=0.0,
+            max_num_partial_prefills=partial_prefills, long_prefill_token_threshold=6), kv)
+
+    taken = []
+    fast = Scheduler._decode_in_place
+    monkeypatch.setattr(Scheduler, "_decode_in_place",
+                        lambda self, group, out: taken.append(fast(self, group, out))
+                        or taken[-1])
+    with_fast_path = _recorded_steps(scheduler(), seed)
+    monkeypatch.setattr(Scheduler, "_decode_in_place", lambda self, group, out: False)
+    assert _recorded_steps(scheduler(), seed) == with_fast_path
+    assert sum(taken) > 20 and not all(taken)  # both paths ran
