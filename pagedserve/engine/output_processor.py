@@ -113,7 +113,10 @@ class OutputProcessor:
                 self._take_back(seq, count - emitted)  # the rejected drafts' slots
             request = state.request
             _record_token_time(request.metrics, now)
-            touched.add(request)
+            # A final-only request has no output until its streams are done, and the last
+            # to finish does so here: the others need no look at all in ``_outputs``.
+            if seq.status.finished or request.params.output_kind != "final_only":
+                touched.add(request)
         for request in beam_requests:
             if self._beam_step(request):
                 _record_token_time(request.metrics, now)

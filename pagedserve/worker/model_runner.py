@@ -453,12 +453,14 @@ def _prompt_spans(out: SchedulerOutput) -> list[PromptSpan]:
     spans = []
     row = 0
     for item in out.scheduled:
-        seq, start, n = item.seq, item.num_computed_tokens, item.num_new_tokens
-        # Rows whose next token is still a prompt token (not after a preemption restart).
-        last = min(start + n, seq.num_prompt_tokens - 1)
-        if seq.params.prompt_logprobs is not None and seq.num_preemptions == 0 and last > start:
-            spans.append(PromptSpan(seq, start, row, last - start))
-        row += n
+        seq = item.seq
+        if seq.params.prompt_logprobs is not None and seq.num_preemptions == 0:
+            # Rows whose next token is still a prompt token (not after a preemption restart).
+            start = item.num_computed_tokens
+            last = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            if last > start:
+                spans.append(PromptSpan(seq, start, row, last - start))
+        row += item.num_new_tokens
     return spans
 
 
