@@ -244,8 +244,7 @@ class Scheduler:
         decodes, demands, self._num_long = 0, [], 0
         self._prefilling = _PrefillIndex(self.kv.block_size)
         for group in self.running:
-            seqs = group.seqs  # empty: only forks pending
-            num_left = self._num_tokens(seqs[0]) - seqs[0].num_computed_tokens if seqs else 0
+            num_left = self._num_left(group) if group.seqs else 0  # else: only forks pending
             if num_left > 1:
                 demands.append(num_left)
                 self._num_long += self._is_long(num_left)

@@ -363,6 +363,8 @@ class LLMEngine:
         sampling = [s for s in out.scheduled if s.num_sample_positions]
         if not sampling:
             return None
+        if not self.outputs.num_with_sampling_inputs:  # no grammar, no beams: nothing to add
+            return SamplingInputs(None, 0)
         rows = [self.outputs.find(s.seq) for s in sampling]
         # A mask row per position: a verifying sequence's position j is masked as after its
         # first j drafts (walked through its matcher and taken back, so none advances it;

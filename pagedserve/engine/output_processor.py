@@ -33,6 +33,8 @@ class OutputProcessor:
         self.num_generation_tokens = 0
         # Requests in flight that need the engine to run one step at a time.
         self.num_step_by_step = 0
+        # Requests in flight that sample with the engine's inputs (grammar masks, beams).
+        self.num_with_sampling_inputs = 0
 
     # ---- the requests in flight ---------------------------------------------------------
     def add(self, state: RequestState) -> None:
@@ -40,6 +42,7 @@ class OutputProcessor:
         for seq in state.seqs:
             self._seqs[seq.seq] = seq
         self.num_step_by_step += not state.runs_ahead
+        self.num_with_sampling_inputs += state.has_sampling_inputs
 
     def pop(self, request_id: str) -> RequestState | None:
         """Forget a request (finished or aborted); its sequences stay in ``state.seqs``."""
@@ -48,6 +51,7 @@ class OutputProcessor:
             for seq in state.seqs:
                 self._seqs.pop(seq.seq, None)
             self.num_step_by_step -= not state.runs_ahead
+            self.num_with_sampling_inputs -= state.has_sampling_inputs
         return state
 
     def sequence(self, seq: Sequence) -> SequenceState:

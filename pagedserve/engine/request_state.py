@@ -91,6 +91,12 @@ class RequestState:
                     or p.repetition_penalty != 1.0 or p.presence_penalty
                     or p.frequency_penalty)
 
+    @property
+    def has_sampling_inputs(self) -> bool:
+        """Whether its sampling reads what the engine adds (``SamplingInputs``): a grammar's
+        mask, or the beams' top-k width."""
+        return self.beam is not None or self.params.structured_outputs is not None
+
     def record_prompt_logprobs(self, first_position: int,
                                entries: list[TokenLogprobs]) -> None:
         """Logprobs of prompt tokens first_position+1 ...; the first prompt token has none."""
