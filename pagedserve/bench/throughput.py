@@ -43,13 +43,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 class PhaseTimes:
     """Host seconds spent scheduling, queueing forward passes and waiting for the device in
     ``engine``'s steps, measured by wrapping those three calls; the rest of a step is output
-    handling. Under async scheduling the waits are what the host could not hide."""
+    handling. Under async scheduling the waits are what the host could not hide. ``calls``:
+    other (object, method name, key) triples to time instead."""
 
-    def __init__(self, engine) -> None:
-        self.totals = {"schedule_s": 0.0, "queue_forward_s": 0.0, "wait_device_s": 0.0}
-        for owner, name, key in ((engine.scheduler, "schedule", "schedule_s"),
-                                 (engine.executor, "execute", "queue_forward_s"),
-                                 (engine.executor, "fetch", "wait_device_s")):
+    def __init__(self, engine, calls=None) -> None:
+        calls = calls or ((engine.scheduler, "schedule", "schedule_s"),
+                          (engine.executor, "execute", "queue_forward_s"),
+                          (engine.executor, "fetch", "wait_device_s"))
+        self.totals = {key: 0.0 for _, _, key in calls}
+        for owner, name, key in calls:
             setattr(owner, name, self._timed(getattr(owner, name), key))
 
     def _timed(self, fn, key: str):

@@ -192,7 +192,7 @@ class KVCacheManager:
         """Reserve room for ``num_new_tokens`` after the sequence's computed (and newly cached)
         tokens, copying shared blocks they go into and loading host hits. Returns False,
         changing nothing, if that would leave fewer than ``reserve_blocks`` free."""
-        if not cached_blocks and self._fits_in_last_block(seq, num_new_tokens):
+        if not cached_blocks and self.fits_in_last_block(seq, num_new_tokens):
             return True
         prefix = _as_prefix(cached_blocks)
         needed = self.blocks_needed(seq, num_new_tokens, prefix)
@@ -227,15 +227,22 @@ class KVCacheManager:
         pool.share(block)
         self._pinned.append((pool, block))
 
-    def _fits_in_last_block(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def fits_in_last_block(self, seq: Sequence, num_new_tokens: int) -> bool:
         """The common decode case, decided without building lists: the tokens land in a block
         the sequence alone holds and do not fill it (so nothing to copy, allocate or hash)."""
+        return self.table_if_it_fits(seq, num_new_tokens) is not None
+
+    def table_if_it_fits(self, seq: Sequence, num_new_tokens: int) -> list[int] | None:
+        """``seq``'s block table if ``fits_in_last_block``, else None: the scheduler's decode
+        fast path reads both with one lookup."""
         table = self.tables.get(seq)
         start = seq.num_computed_tokens
         block = start // self.block_size
-        return (table is not None and block < len(table)
+        if (table is not None and block < len(table)
                 and (start + num_new_tokens) // self.block_size == block
-                and self.pool.ref_counts[table[block]] == 1)
+                and self.pool.ref_counts[table[block]] == 1):
+            return table
+        return None
 
     def _shared_write_targets(self, seq: Sequence, table: list[int],
                               num_new_tokens: int) -> list[int]:

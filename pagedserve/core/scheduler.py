@@ -93,6 +93,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # Swaps and copy-on-write copies to apply before the forward pass.
     block_ops: BlockOps = field(default_factory=BlockOps)
+    num_prompt_tokens: int = 0  # of the scheduled tokens, those that are prompt tokens
 
     @property
     def num_batched_tokens(self) -> int:
@@ -124,7 +125,7 @@ class Scheduler:
             config.max_num_partial_prefills > 1
         self._prefill_cap = config.max_num_batched_tokens  # tokens one prefill chunk may take
         self._num_long = 0  # long prompts mid-prefill, counting those admitted this step
-        self._prefilling: list[Sequence] = []  # their roots, for the shared-prefix rule
+        self._prefilling = _PrefillIndex(kv.block_size)  # their roots: the shared-prefix rule
 
     def add_group(self, group: SequenceGroup) -> None:
         self.waiting.append(group)
@@ -154,10 +155,36 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             group = self.running[i]
+            if self._decode_in_place(group, out):
+                budget -= 1
+                i += 1
+                continue
             budget = self._schedule_group(group, i, out, budget, may_preempt=True)
             if i < len(self.running) and self.running[i] is group:
                 i += 1  # otherwise the group was preempted and the next one moved up
         return budget
+
+    def _decode_in_place(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
+        """Schedule the common step of a running group, decided without building a chunk: one
+        stream, no forks pending, whose next chunk is the one token after its computed ones
+        (no drafts, not past max_tokens) and lands in a block it alone holds without filling
+        it (nothing to look up, allocate, copy or hash). ``_schedule_group`` would schedule it
+        the same way; False, scheduling nothing, for anything else, which it handles."""
+        if group.pending_forks or len(group.seqs) != 1 or self._prefill_cap < 1:
+            return False
+        seq = group.seqs[0]
+        computed = seq.num_computed_tokens
+        num_tokens = self._num_tokens(seq)
+        num_prompt = len(seq.prompt_token_ids)
+        if not (computed and num_tokens - computed == 1 and not seq.draft_token_ids
+                and num_tokens - num_prompt < max(seq.max_tokens, 1)):
+            return False
+        table = self.kv.table_if_it_fits(seq, 1)
+        if table is None:
+            return False
+        out.scheduled.append(ScheduledSequence(seq, computed, 1, table, 1))
+        out.num_prompt_tokens += computed < num_prompt  # a prefill that stopped one short
+        return True
 
     def _schedule_group(self, group: SequenceGroup, index: int, out: SchedulerOutput,
                         budget: int, may_preempt: bool) -> int:
@@ -214,13 +241,14 @@ class Scheduler:
     # ---- partial prefills ---------------------------------------------------------------
     def _plan_prefills(self) -> None:
         """Set this step's prefill cap and count the long prompts mid-prefill."""
-        decodes, demands, self._num_long, self._prefilling = 0, [], 0, []
+        decodes, demands, self._num_long = 0, [], 0
+        self._prefilling = _PrefillIndex(self.kv.block_size)
         for group in self.running:
             num_left = self._num_left(group) if group.seqs else 0  # else: only forks pending
             if num_left > 1:
                 demands.append(num_left)
                 self._num_long += self._is_long(num_left)
-                self._prefilling.append(group.root)
+                self._prefilling.add(group.root)
             else:
                 decodes += len(group.seqs)
         if not self.swapped:  # waiting requests start only once nothing is swapped out
@@ -230,7 +258,7 @@ class Scheduler:
     def _waiting_demands(self) -> list[int]:
         """Tokens left of the waiting prompts that may start this step, at most
         ``max_num_partial_prefills`` of them."""
-        demands, num_long, starting = [], self._num_long, list(self._prefilling)
+        demands, num_long, starting = [], self._num_long, self._prefilling.copy()
         for group in self._scan_waiting():
             num_left = self._num_left(group)
             if self._follows_a_prefill(group.root, starting):
@@ -240,7 +268,7 @@ class Scheduler:
                     continue
                 num_long += 1
             demands.append(num_left)
-            starting.append(group.root)
+            starting.add(group.root)
             if len(demands) == self.config.max_num_partial_prefills:
                 break
         return demands
@@ -259,21 +287,14 @@ class Scheduler:
                 and self._num_long >= self.config.max_long_partial_prefills
                 and self._is_long(self._num_left(group)))
 
-    def _follows_a_prefill(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
+    def _follows_a_prefill(self, seq: Sequence, prefilling: _PrefillIndex) -> bool:
         """One of ``prefilling`` computes the next block of ``seq``'s prompt this step (the
         same tokens from the start up to that block's end, under the same adapter), which
         ``seq`` can take from the prefix cache a step later instead of computing it too."""
         if (not self._shares_prefills or not self.kv.enable_caching
                 or seq.params.prompt_logprobs is not None):
             return False
-        bs = self.kv.block_size
-        for other in prefilling:
-            end = (other.num_computed_tokens // bs + 1) * bs
-            if (end <= min(seq.num_prompt_tokens, other.num_prompt_tokens)
-                    and seq.cache_key == other.cache_key
-                    and seq.prompt_token_ids[:end] == other.prompt_token_ids[:end]):
-                return True
-        return False
+        return prefilling.computes_next_block_of(seq)
 
     def _cached_prefix(self, seq: Sequence) -> CachedPrefix:
         return self.kv.lookup_prefix(seq) if self._looks_up(seq) else CachedPrefix([])
@@ -390,8 +411,9 @@ class Scheduler:
             free_slots -= group.width
             _add_lora(loras, group)
             self._num_long += self._is_long(self._num_left(group))
-            self._prefilling.append(group.root)
             budget = self._start_waiting(group, out, budget)
+            if self._shares_prefills:  # indexed once its chunk (prefix hits too) is final
+                self._prefilling.add(group.root)
         return budget, free_slots, passed_over
 
     def _start_waiting(self, group: SequenceGroup, out: SchedulerOutput, budget: int) -> int:
@@ -439,6 +461,7 @@ class Scheduler:
         drafts = tuple(seq.draft_token_ids[:num_drafts])
         seq.draft_token_ids = []  # verified by this step, or proposed again after it
         reaches_end = computed + num_new - num_drafts == self._num_tokens(seq)
+        out.num_prompt_tokens += max(0, min(num_new, len(seq.prompt_token_ids) - computed))
         out.scheduled.append(ScheduledSequence(
             seq, computed, num_new, self.kv.block_table(seq),
             num_sample_positions=reaches_end + num_drafts, draft_token_ids=drafts,
@@ -495,6 +518,39 @@ class Scheduler:
                 allocated += len(self.kv.block_table(seq)) * self.kv.block_size
                 filled += seq.num_computed_tokens
         return allocated, filled
+
+
+class _PrefillIndex:
+    """The roots of the prompts prefilling in a step, by the block each computes next: its
+    prompt from the start to that block's end, under its adapter's cache key. Asking whether
+    a prompt follows one of them is a lookup per distinct block end instead of a comparison
+    per root, which in the first step of a burst of requests compared every pair of them.
+
+    A root is added once its progress in the step is final (running, or admitted with its
+    chunk scheduled); nothing moves it within the step after that, since admission stops at
+    the first preemption."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._by_end: dict[int, set[tuple[str | None, tuple[int, ...]]]] = {}
+
+    def add(self, root: Sequence) -> None:
+        end = (root.num_computed_tokens // self.block_size + 1) * self.block_size
+        if end <= len(root.prompt_token_ids):
+            self._by_end.setdefault(end, set()).add(_prefix_key(root, end))
+
+    def computes_next_block_of(self, seq: Sequence) -> bool:
+        return any(end <= len(seq.prompt_token_ids) and _prefix_key(seq, end) in keys
+                   for end, keys in self._by_end.items())
+
+    def copy(self) -> _PrefillIndex:
+        twin = _PrefillIndex(self.block_size)
+        twin._by_end = {end: set(keys) for end, keys in self._by_end.items()}
+        return twin
+
+
+def _prefix_key(seq: Sequence, end: int) -> tuple[str | None, tuple[int, ...]]:
+    return seq.cache_key, tuple(seq.prompt_token_ids[:end])
 
 
 def _lora_of(group: SequenceGroup):

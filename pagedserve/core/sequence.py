@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from pagedserve.lora.request import LoRARequest
 
 
+# The finished statuses, by member name, and the reason each reports.
+_FINISH_REASONS = {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH": "length",
+                   "FINISHED_ABORTED": "abort", "FINISHED_ERROR": "error"}
+
+
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -30,21 +35,11 @@ class SequenceStatus(enum.Enum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()
 
-    @property
-    def finished(self) -> bool:
-        return self in _FINISH_REASONS  # a dict lookup: checked for every stream every step
-
-    @property
-    def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
-
-
-_FINISH_REASONS = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-    SequenceStatus.FINISHED_ERROR: "error",
-}
+    def __init__(self, _value: int) -> None:
+        # Plain attributes, not properties: ``finished`` is read for every stream every step,
+        # and an enum member's hash (a dict lookup's) is a Python call.
+        self.finish_reason: str | None = _FINISH_REASONS.get(self._name_)
+        self.finished = self.finish_reason is not None
 
 
 @dataclass(eq=False)

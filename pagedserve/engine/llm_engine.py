@@ -28,6 +28,8 @@ compiled (in a worker process, ``structured/compiler``); the others keep running
 
 from __future__ import annotations
 
+import atexit
+import gc
 import time
 import weakref
 from collections.abc import Sequence
@@ -113,6 +115,7 @@ class LLMEngine:
             time.perf_counter() - start, self.platform.name, self.model_name, source.origin,
             str(self.dtype).removeprefix("torch."), self.max_model_len, sizes.num_blocks,
             self.resolved.block_size, sizes.num_blocks * self.resolved.block_size)
+        _freeze_startup_heap()
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -325,9 +328,7 @@ class LLMEngine:
 
     def _advance(self, out: SchedulerOutput) -> None:
         self.scheduler.advance(out)
-        self._num_prompt_tokens += sum(
-            max(0, min(s.num_new_tokens, s.seq.num_prompt_tokens - s.num_computed_tokens))
-            for s in out.scheduled)
+        self._num_prompt_tokens += out.num_prompt_tokens
 
     def _process(self, result: StepResult) -> list[RequestOutput]:
         output = self.executor.fetch(result)
@@ -362,6 +363,8 @@ class LLMEngine:
         sampling = [s for s in out.scheduled if s.num_sample_positions]
         if not sampling:
             return None
+        if not self.outputs.num_with_sampling_inputs:  # no grammar, no beams: nothing to add
+            return SamplingInputs(None, 0)
         rows = [self.outputs.find(s.seq) for s in sampling]
         # A mask row per position: a verifying sequence's position j is masked as after its
         # first j drafts (walked through its matcher and taken back, so none advances it;
@@ -422,6 +425,20 @@ class LLMEngine:
         return {"spec_num_drafts": c.num_drafts, "spec_num_draft_tokens": c.num_draft_tokens,
                 "spec_num_accepted_tokens": c.num_accepted_tokens,
                 "spec_accepted_per_position": tuple(c.accepted_per_position)}
+
+
+def _freeze_startup_heap() -> None:
+    """Take what start-up left (modules, the model's parameters, the tokenizer: some 340,000
+    objects with a small model) out of the cycle collector's view, as vLLM does after its
+    warm-up: each oldest-generation collection that the step loop's allocations trigger then
+    walks only what was made since, instead of pausing the step for all of it. Garbage is
+    collected first, so none is kept for good. Process-wide, like the collector itself."""
+    gc.collect()
+    if not gc.get_freeze_count():
+        # Handed back at exit, once per process, so the last collection still frees the
+        # frozen cycles (extension modules such as triton's report what it never frees).
+        atexit.register(gc.unfreeze)
+    gc.freeze()
 
 
 def _adapter_keys(config: EngineConfig, arch: ModelArchConfig) -> AdapterKeys | None:

@@ -12,7 +12,7 @@ from pagedserve.engine.beam_driver import BeamDriver
 from pagedserve.engine.request_state import RequestState, SequenceState, token_logprobs
 from pagedserve.engine.stop_conditions import stop_status
 from pagedserve.logger import get_logger
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.structured.grammar_state import GrammarState
 from pagedserve.worker.step import HostSamples, StepOutput, StepResult
 
@@ -33,6 +33,8 @@ class OutputProcessor:
         self.num_generation_tokens = 0
         # Requests in flight that need the engine to run one step at a time.
         self.num_step_by_step = 0
+        # Requests in flight that sample with the engine's inputs (grammar masks, beams).
+        self.num_with_sampling_inputs = 0
 
     # ---- the requests in flight ---------------------------------------------------------
     def add(self, state: RequestState) -> None:
@@ -40,6 +42,7 @@ class OutputProcessor:
         for seq in state.seqs:
             self._seqs[seq.seq] = seq
         self.num_step_by_step += not state.runs_ahead
+        self.num_with_sampling_inputs += state.has_sampling_inputs
 
     def pop(self, request_id: str) -> RequestState | None:
         """Forget a request (finished or aborted); its sequences stay in ``state.seqs``."""
@@ -48,6 +51,7 @@ class OutputProcessor:
             for seq in state.seqs:
                 self._seqs.pop(seq.seq, None)
             self.num_step_by_step -= not state.runs_ahead
+            self.num_with_sampling_inputs -= state.has_sampling_inputs
         return state
 
     def sequence(self, seq: Sequence) -> SequenceState:
@@ -105,14 +109,21 @@ class OutputProcessor:
                 beam_requests.add(state.request)
                 continue
             emitted = count if rows.counts is None else rows.counts[i]
-            self.append_tokens(state, rows, i, emitted)
+            if emitted == 1:  # a decode step's one token: skip the loop
+                self._apply_sample(state, rows, i, 0)
+            else:
+                self.append_tokens(state, rows, i, emitted)
             if emitted < count and not state.finished:
                 self._take_back(seq, count - emitted)  # the rejected drafts' slots
-            _record_token_time(state.request, now)
-            touched.add(state.request)
+            request = state.request
+            _record_token_time(request.metrics, now)
+            # A final-only request has no output until its streams are done, and the last
+            # to finish does so here: the others need no look at all in ``_outputs``.
+            if seq.status.finished or request.params.output_kind != "final_only":
+                touched.add(request)
         for request in beam_requests:
             if self._beam_step(request):
-                _record_token_time(request, now)
+                _record_token_time(request.metrics, now)
                 touched.add(request)
         return touched
 
@@ -188,6 +199,6 @@ def _grammar_status(grammar: GrammarState, token: int) -> SequenceStatus | None:
     return SequenceStatus.FINISHED_STOPPED if grammar.terminated else None
 
 
-def _record_token_time(state: RequestState, now: float) -> None:
-    state.metrics.first_token_time = state.metrics.first_token_time or now
-    state.metrics.last_token_time = now
+def _record_token_time(metrics: RequestMetrics, now: float) -> None:
+    metrics.first_token_time = metrics.first_token_time or now
+    metrics.last_token_time = now

@@ -74,7 +74,11 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        # A loop, not all() over a generator: read for every request every step.
+        for s in self.seqs:
+            if not s.seq.status.finished:
+                return False
+        return True
 
     @property
     def runs_ahead(self) -> bool:
@@ -86,6 +90,12 @@ class RequestState:
         return not (p.use_beam_search or p.min_tokens or p.prompt_logprobs is not None
                     or p.repetition_penalty != 1.0 or p.presence_penalty
                     or p.frequency_penalty)
+
+    @property
+    def has_sampling_inputs(self) -> bool:
+        """Whether its sampling reads what the engine adds (``SamplingInputs``): a grammar's
+        mask, or the beams' top-k width."""
+        return self.beam is not None or self.params.structured_outputs is not None
 
     def record_prompt_logprobs(self, first_position: int,
                                entries: list[TokenLogprobs]) -> None:

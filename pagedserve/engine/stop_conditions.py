@@ -11,7 +11,8 @@ def stop_status(seq: Sequence, token: int, stop_string: str | None) -> SequenceS
     are out; the length limit always does. Sets ``seq.stop_reason`` for stop tokens and
     strings, as the OpenAI API reports them."""
     params = seq.params
-    past_min = seq.num_output_tokens >= params.min_tokens
+    num_output = len(seq.output_token_ids)
+    past_min = num_output >= params.min_tokens
     if past_min and not params.ignore_eos and token in seq.eos_token_ids:
         return SequenceStatus.FINISHED_STOPPED
     if past_min and token in params.stop_token_ids:
@@ -20,6 +21,6 @@ def stop_status(seq: Sequence, token: int, stop_string: str | None) -> SequenceS
     if past_min and stop_string is not None:
         seq.stop_reason = stop_string
         return SequenceStatus.FINISHED_STOPPED
-    if seq.num_output_tokens >= seq.max_tokens:
+    if num_output >= seq.max_tokens:
         return SequenceStatus.FINISHED_LENGTH
     return None

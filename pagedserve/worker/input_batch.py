@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -103,24 +104,28 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
                 in_flight_rows: dict[Sequence, int] | None = None,
                 buckets: ShapeBuckets | None = None, pad_block: int = 0) -> HostInputs:
     """Pack every scheduled chunk back to back, a verify step's drafts after its known tokens.
-    The loop is per sequence; everything per token is a numpy array op. A chunk ending in a
-    token still in flight gets it from row
-    ``in_flight_rows[seq]`` of the previous step's output, on the device. With ``buckets``
-    the batch is padded to a bucketed shape with sequences whose keys and values go to block
-    ``pad_block`` (shape_buckets.py states the invariants)."""
+    The loop is per sequence and only collects plain lists (flat token ids, one table list
+    per sequence); everything per token or per block is a numpy array op. A chunk ending in
+    a token still in flight gets it from row ``in_flight_rows[seq]`` of the previous step's
+    output, on the device. With ``buckets`` the batch is padded to a bucketed shape with
+    sequences whose keys and values go to block ``pad_block`` (shape_buckets.py states the
+    invariants). ``tests/worker/reference_inputs.py`` builds the same arrays chunk by chunk."""
     ids, query_lens, context_lens, tables, sample_ends, sample_counts = [], [], [], [], [], []
     fill_rows, fill_sources, loras = [], [], []
-    row = 0
+    row, decode_or_verify = 0, True
     for item in out.scheduled:
-        loras.append(item.seq.lora_request)
-        start, n = item.num_computed_tokens, item.num_new_tokens
-        num_known = n - len(item.draft_token_ids)  # the drafts come last
-        tokens = item.seq.all_token_ids[start:start + num_known]
+        seq, start, n, drafts = (item.seq, item.num_computed_tokens, item.num_new_tokens,
+                                 item.draft_token_ids)
+        loras.append(seq.lora_request)
+        num_known = n - len(drafts)  # the drafts come last
+        tokens = seq.all_token_ids[start:start + num_known]
+        ids += tokens
         if len(tokens) < num_known:  # only the last token can be in flight
             fill_rows.append(row + num_known - 1)
-            fill_sources.append(in_flight_rows[item.seq])
-            tokens = [*tokens, 0]
-        ids.append([*tokens, *item.draft_token_ids])
+            fill_sources.append(in_flight_rows[seq])
+            ids.append(0)
+        ids += drafts
+        decode_or_verify = decode_or_verify and num_known == 1
         query_lens.append(n)
         context_lens.append(start)
         tables.append(item.block_ids)
@@ -128,12 +133,12 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
         if item.num_sample_positions:
             sample_ends.append(row)
             sample_counts.append(item.num_sample_positions)
-    max_blocks = max(len(t) for t in tables)
+    max_blocks = max(map(len, tables))
     if buckets is not None:
         shape = buckets.pad(len(query_lens), row, max_blocks)
         max_blocks = shape.width
         for n in _pad_query_lens(shape.num_seqs - len(query_lens), shape.num_tokens - row):
-            ids.append([0] * n)
+            ids += [0] * n
             query_lens.append(n)
             context_lens.append(0)
             tables.append([pad_block] * max_blocks)
@@ -148,12 +153,10 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
     # Padded rows sit at position 0, so they all write the pad block's first slot.
     positions[row:] = 0
 
-    table_np = np.zeros((len(tables), max_blocks), dtype=np.int64)
-    for i, t in enumerate(tables):
-        table_np[i, :len(t)] = t
+    table_np = _block_table(tables, max_blocks)
     slots = table_np[seq_of_row, positions // block_size] * block_size + positions % block_size
     return HostInputs(
-        input_ids=np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
+        input_ids=np.asarray(ids, dtype=np.int64),
         positions=positions, query_start_loc=starts, seq_lens=seq_lens_np,
         context_lens=context_np, block_tables=table_np, slot_mapping=slots,
         query_lens=query_lens,
@@ -164,8 +167,17 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
         fill_rows=np.asarray(fill_rows, dtype=np.int64),
         fill_sources=np.asarray(fill_sources, dtype=np.int64),
         lora_requests=loras if any(loras) else None,
-        decode_or_verify=all(item.num_new_tokens - len(item.draft_token_ids) == 1
-                             for item in out.scheduled))
+        decode_or_verify=decode_or_verify)
+
+
+def _block_table(tables: list[list[int]], width: int) -> np.ndarray:
+    """The tables as one zero-padded [num_seqs, width] array: one copy of all their ids, laid
+    into the rows by a mask (row-major, so each row's ids land in order)."""
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    table = np.zeros((len(tables), width), dtype=np.int64)
+    table[np.arange(width) < lens[:, None]] = np.fromiter(
+        chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
+    return table
 
 
 def _sample_rows(ends: list[int], counts: list[int]) -> np.ndarray:

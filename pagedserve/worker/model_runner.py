@@ -264,16 +264,18 @@ class ModelRunner:
             raise RuntimeError(f"step {forward.step_id} was not the last one forwarded")
         self._forwarded = None
         sampled = [s for s in forward.out.scheduled if s.num_sample_positions]
+        seqs = [s.seq for s in sampled]
+        counts = [s.num_sample_positions for s in sampled]
         host_output = host_emitted = num_emitted = ready = sampler_output = None
         if sampled:
-            meta = self._sampling_metadata(sampled, sampling)
+            meta = self._sampling_metadata(seqs, counts, sampling)
             if any(s.draft_token_ids for s in sampled):
                 sampler_output, num_emitted = self._verify(logits, meta, sampled, drafts)
             else:
                 sampler_output = self.sampler(logits, meta)
             if self.tp.size > 1:
                 self.tp.broadcast_from_first(sampler_output.token_ids)
-            self._keep_in_flight(sampled, sampler_output.token_ids)
+            self._keep_in_flight(seqs, counts, sampler_output.token_ids)
             # Where the host runs ahead, the copy lands later: ``ready`` marks when.
             host_output, host_emitted = _to_host(self.platform, sampler_output, num_emitted)
             ready = self.platform.record_event()
@@ -281,8 +283,7 @@ class ModelRunner:
             self.drafter.extend(*head_inputs, forward.out.scheduled, sampled,
                                 sampler_output and sampler_output.token_ids, num_emitted)
         self._queued[step_id] = _QueuedStep(host_output, host_emitted, ready, prompt)
-        return StepResult(step_id, [s.seq for s in sampled],
-                          [s.num_sample_positions for s in sampled])
+        return StepResult(step_id, seqs, counts)
 
     def _verify(self, logits: torch.Tensor, meta: SamplingMetadata,
                 sampled: list[ScheduledSequence], drafted: DeviceDrafts | None
@@ -322,17 +323,17 @@ class ModelRunner:
         return StepOutput(samples, {seq: _host_chunk(first, r)
                                     for seq, (first, r) in queued.prompt.items()})
 
-    def _keep_in_flight(self, sampled: list[ScheduledSequence], token_ids: torch.Tensor) -> None:
+    def _keep_in_flight(self, seqs: list[Sequence], counts: list[int],
+                        token_ids: torch.Tensor) -> None:
         """Remember the step's tokens ([num_sampled, max_positions]) for the next step's
-        inputs: a stream's next input is its last sampled token."""
-        width = token_ids.shape[1]
-        rows = {s.seq: row * width + s.num_sample_positions - 1 for row, s in enumerate(sampled)}
-        self._in_flight = InFlightTokens(token_ids.view(-1), rows)
+        inputs: a stream's next input is its last sampled token, at ``row * width + count -
+        1`` of the flat view."""
+        last = np.arange(len(counts)) * token_ids.shape[1] + np.asarray(counts) - 1
+        self._in_flight = InFlightTokens(token_ids.view(-1), dict(zip(seqs, last.tolist())))
 
-    def _sampling_metadata(self, sampled: list[ScheduledSequence],
+    def _sampling_metadata(self, seqs: list[Sequence], counts: list[int],
                            inputs: SamplingInputs) -> SamplingMetadata:
-        meta = self.sampling.metadata([s.seq for s in sampled],
-                                      [s.num_sample_positions for s in sampled])
+        meta = self.sampling.metadata(seqs, counts)
         if inputs.grammar_mask is not None:
             meta.grammar_mask = inputs.grammar_mask.to(self.device)
         meta.max_num_logprobs = max(meta.max_num_logprobs, inputs.min_num_logprobs)
@@ -453,12 +454,14 @@ def _prompt_spans(out: SchedulerOutput) -> list[PromptSpan]:
     spans = []
     row = 0
     for item in out.scheduled:
-        seq, start, n = item.seq, item.num_computed_tokens, item.num_new_tokens
-        # Rows whose next token is still a prompt token (not after a preemption restart).
-        last = min(start + n, seq.num_prompt_tokens - 1)
-        if seq.params.prompt_logprobs is not None and seq.num_preemptions == 0 and last > start:
-            spans.append(PromptSpan(seq, start, row, last - start))
-        row += n
+        seq = item.seq
+        if seq.params.prompt_logprobs is not None and seq.num_preemptions == 0:
+            # Rows whose next token is still a prompt token (not after a preemption restart).
+            start = item.num_computed_tokens
+            last = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            if last > start:
+                spans.append(PromptSpan(seq, start, row, last - start))
+        row += item.num_new_tokens
     return spans
 
 

@@ -124,7 +124,7 @@ class SamplingBatch:
 
     def _rows_of(self, seqs: list[Sequence]) -> list[int]:
         try:
-            return [self.rows[seq] for seq in seqs]
+            return list(map(self.rows.__getitem__, seqs))
         except KeyError:
             self._add([seq for seq in seqs if seq not in self.rows], seqs)
             return [self.rows[seq] for seq in seqs]

@@ -229,3 +229,101 @@ def test_resumed_group_is_not_preempted_again_before_it_samples():
     sim.run()
     assert sched.num_preemptions > 1
     assert sim.thrashes == 0
+
+
+def _shared_prefix_workload(sim: _Sim, rng: random.Random, num: int) -> None:
+    """Single streams whose prompts start with one of two system prompts of 3 blocks."""
+    system = [[rng.randrange(1, 40) for _ in range(3 * BLOCK)] for _ in range(2)]
+    for i in range(num):
+        prompt = rng.choice(system)[:rng.randint(BLOCK, 3 * BLOCK)] + [
+            rng.randrange(1, 40) for _ in range(rng.randint(1, 6))]
+        root = _req(f"g{i}", prompt, max_tokens=rng.randint(2, 6))
+        sim.add(SequenceGroup(root.name, [root]))
+
+
+def _recorded_steps(sched: Scheduler, seed: int, workload=_random_workload) -> list[tuple]:
+    """Every step of a seeded random workload, as plain values: what ran, with which blocks,
+    what was preempted and which block moves were queued."""
+    sim = _Sim(sched)
+    workload(sim, random.Random(seed), num=16)
+    steps = []
+    while sched.has_unfinished:
+        out = sim.step()
+        steps.append((
+            [(s.seq.name, s.num_computed_tokens, s.num_new_tokens, tuple(s.block_ids),
+              s.num_sample_positions, s.draft_token_ids) for s in out.scheduled],
+            [s.name for s in out.preempted], out.block_ops, out.num_prompt_tokens))
+    return steps
+
+
+@pytest.mark.parametrize("partial_prefills", [1, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_fast_path_schedules_as_the_general_path(monkeypatch, seed, partial_prefills):
+    """``_decode_in_place`` only shortcuts what ``_schedule_group`` would do: with it turned
+    off, the same workload (forks, beams, preemption by swap and recompute, prefix sharing)
+    schedules the same chunks with the same blocks at every step."""
+    def scheduler():
+        kv = KVCacheManager(14, BLOCK, enable_caching=True, num_host_blocks=32)
+        return Scheduler(SchedulerConfig(
+            max_num_seqs=12, max_num_batched_tokens=16, max_model_len=256,
+            enable_chunked_prefill=True, preemption_mode="auto", watermark=0.0,
+            max_num_partial_prefills=partial_prefills, long_prefill_token_threshold=6), kv)
+
+    taken = []
+    fast = Scheduler._decode_in_place
+    monkeypatch.setattr(Scheduler, "_decode_in_place",
+                        lambda self, group, out: taken.append(fast(self, group, out))
+                        or taken[-1])
+    with_fast_path = _recorded_steps(scheduler(), seed)
+    monkeypatch.setattr(Scheduler, "_decode_in_place", lambda self, group, out: False)
+    assert _recorded_steps(scheduler(), seed) == with_fast_path
+    assert sum(taken) > 20 and not all(taken)  # both paths ran
+
+
+class _EveryRoot:
+    """The shared-prefix rule as first written: compare ``seq`` with every prefilling root,
+    reading each root's progress when asked."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size, self.roots = block_size, []
+
+    def add(self, root: Sequence) -> None:
+        self.roots.append(root)
+
+    def computes_next_block_of(self, seq: Sequence) -> bool:
+        for other in self.roots:
+            end = (other.num_computed_tokens // self.block_size + 1) * self.block_size
+            if (end <= min(seq.num_prompt_tokens, other.num_prompt_tokens)
+                    and seq.cache_key == other.cache_key
+                    and seq.prompt_token_ids[:end] == other.prompt_token_ids[:end]):
+                return True
+        return False
+
+    def copy(self) -> "_EveryRoot":
+        twin = _EveryRoot(self.block_size)
+        twin.roots = list(self.roots)
+        return twin
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prefill_index_follows_prefills_as_comparing_every_root(monkeypatch, seed):
+    """``_PrefillIndex`` holds each root's next block as of when it was added: the same
+    workload (prompts sharing system prompts, preempted under a small pool) schedules the
+    same steps as with the rule that compares every root at its progress when asked."""
+    from pagedserve.core import scheduler as scheduler_module
+
+    def scheduler():
+        kv = KVCacheManager(14, BLOCK, enable_caching=True, num_host_blocks=32)
+        return Scheduler(SchedulerConfig(
+            max_num_seqs=12, max_num_batched_tokens=16, max_model_len=256,
+            enable_chunked_prefill=True, preemption_mode="auto", watermark=0.0,
+            max_num_partial_prefills=3, long_prefill_token_threshold=6), kv)
+
+    follows = []
+    rule = Scheduler._follows_a_prefill
+    monkeypatch.setattr(Scheduler, "_follows_a_prefill", lambda self, seq, prefilling:
+                        follows.append(rule(self, seq, prefilling)) or follows[-1])
+    indexed = _recorded_steps(scheduler(), seed, _shared_prefix_workload)
+    monkeypatch.setattr(scheduler_module, "_PrefillIndex", _EveryRoot)
+    assert _recorded_steps(scheduler(), seed, _shared_prefix_workload) == indexed
+    assert any(follows)  # the rule held some prompts back

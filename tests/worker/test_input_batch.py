@@ -3,12 +3,16 @@ from the block tables, including a token still in flight."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
+import pytest
 import torch
 
 from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedserve.core.sequence import Sequence
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.input_batch import InFlightTokens, build_inputs
+from pagedserve.worker.input_batch import InFlightTokens, build_inputs, pack_inputs
 
 
 def _sequence(tokens: list[int]) -> Sequence:
@@ -98,3 +102,53 @@ def test_bucket_ladders_and_budget():
     assert all(p.num_seqs in buckets.seqs and p.num_tokens in buckets.tokens
                and p.width in buckets.widths for p in shapes)
     assert len(shapes) <= buckets.num_shapes == 5 * 4 * 9
+
+
+def _random_step(rng: random.Random, block: int) -> tuple[SchedulerOutput, dict[Sequence, int]]:
+    """A step of prefill chunks, decodes (some with their token in flight) and verify
+    chunks with drafts, over random block tables; some sequences have an adapter."""
+    from pagedserve.lora.request import LoRARequest
+
+    items, in_flight = [], {}
+    for i in range(rng.randint(1, 12)):
+        seq = _sequence([rng.randrange(1, 500) for _ in range(rng.randint(1, 40))])
+        if rng.random() < 0.2:
+            seq.lora_request = LoRARequest(f"a{i}", i + 1, "unused")
+        kind = rng.choice(["prefill", "decode", "in_flight", "verify"])
+        drafts = ()
+        if kind == "prefill":
+            start = rng.randrange(seq.num_tokens)
+            n = rng.randint(1, seq.num_tokens - start)
+        elif kind == "verify":
+            drafts = tuple(rng.randrange(1, 500) for _ in range(rng.randint(1, 4)))
+            start, n = seq.num_tokens - 1, 1 + len(drafts)
+        else:
+            start, n = seq.num_tokens - 1, 1
+            if kind == "in_flight":
+                seq.num_pending_tokens, start = 1, seq.num_tokens
+                in_flight[seq] = rng.randrange(16)
+        table = rng.sample(range(200), -(-(start + n) // block))
+        reaches_end = start + n - len(drafts) >= seq.num_tokens
+        items.append(ScheduledSequence(seq, start, n, table, reaches_end + len(drafts), drafts))
+    return SchedulerOutput(items), in_flight
+
+
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_packing_equals_the_chunk_by_chunk_build(bucketed):
+    """``pack_inputs`` (flat lists, one copy of the tables) builds exactly the arrays of the
+    chunk-by-chunk reference, over random mixed steps, padded to buckets or not."""
+    from pagedserve.worker.shape_buckets import ShapeBuckets
+    from tests.worker.reference_inputs import pack_inputs_by_chunk
+
+    rng, block = random.Random(0), 4
+    buckets = ShapeBuckets.for_limits(16, 256, 16) if bucketed else None
+    for _ in range(200):
+        out, in_flight = _random_step(rng, block)
+        got = pack_inputs(out, block, in_flight, buckets, pad_block=250)
+        want = pack_inputs_by_chunk(out, block, in_flight, buckets, pad_block=250)
+        for name, value in vars(want).items():
+            if isinstance(value, np.ndarray):
+                assert np.array_equal(getattr(got, name), value), name
+                assert getattr(got, name).dtype == value.dtype, name
+            else:
+                assert getattr(got, name) == value, name
