@@ -90,10 +90,11 @@ def _decode(dtype: str, arch: str) -> Spec:
     from pagedserve.platforms.cuda.kernels import decode_attention as da
 
     t = _torch_dtype(dtype)
-    block_n, warps, stages = da._decode_config(HEAD, t, t)
+    # The fp8 cache is NVIDIA's only (RocmPlatform refuses it): a 16-bit cache's tile.
+    block_n, warps, stages = da._decode_config(da._default_block_n(HEAD, t, t), t, t, 0, 1)
     consts = dict(GROUP=GROUP, GROUP_PAD=16, HEAD_SIZE=HEAD, HEAD_PAD=HEAD,
                   BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, SINGLE_PARTITION=False,
-                  HAS_SCALES=False, DOT_PREC=da.dot_precision(t, arch))
+                  HAS_SCALES=False, DOT_PREC=da.dot_precision(t, arch), PTX=False)
     return Spec(da._decode_partition_kernel, _attention_pointers(True), consts, warps, stages,
                 ("sm_scale",))
 

@@ -626,11 +626,14 @@ GEMV_MAX_SPLITS = 64
 
 
 def _config_for(m: int, dtype: torch.dtype, arch: str | None) -> _TileConfig:
-    """``_config``, with fp32 tiles cut to fit the 64 KiB of LDS of AMD GPUs other than gfx950
-    (``arch`` is None on NVIDIA). Chosen by compiling for gfx90a/gfx942/gfx1100 on the CPU
-    (``scripts/amd_compile_sweep.py``); never run on an AMD GPU."""
+    """``_config``, with the tiles that pass the 64 KiB of LDS of AMD GPUs other than gfx950
+    cut to 2 stages (``arch`` is None on NVIDIA): fp32 ones, and 128-row ones whose dot takes
+    ``q - z`` (its 16-bit copy of the decoded tile; 80 KiB on gfx1100). Chosen by compiling
+    for gfx90a/gfx942/gfx1100 on the CPU (``scripts/amd_compile_sweep.py``); never run on an
+    AMD GPU."""
     cfg = _config(m)
-    if dtype != torch.float32 or arch is None or arch.startswith("gfx950"):
+    large = dtype == torch.float32 or (cfg.block_m >= 128 and not cfg.bias)
+    if not large or arch is None or arch.startswith("gfx950"):
         return cfg
     return cfg._replace(num_stages=min(cfg.num_stages, 2))
 
