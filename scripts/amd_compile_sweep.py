@@ -168,7 +168,8 @@ def _w4a16(m: int):
                 "out_ptr": "ACT", "partial_ptr": "fp32", "counter_ptr": "i32"}
         consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SLICES=8,
                       ZERO_POINT=scale == "fp16", SPLIT=m <= 16, EVEN_K=True,
-                      BIAS=cfg.bias and dtype != "fp32", PREFETCH=cfg.prefetch)
+                      BIAS=cfg.bias and dtype != "fp32", PREFETCH=cfg.prefetch,
+                      SWAP_AB=cfg.swap_ab, SCALE_A=cfg.scale_a)
         return Spec(w4a16._w4a16_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages)
     return spec
 

@@ -38,8 +38,8 @@ POINTERS = {"x_ptr": "ACT", "qw_ptr": "i32", "s_ptr": "SCALE", "z_ptr": "SCALE",
 # specialization); the others (M, the split count) are plain i32.
 DIVISIBLE = {"N", "K", "K_PAD", "group_size", "k_per_split", "stride_xm", "stride_om"}
 SMEM_LIMIT = 227 * 1024
-COUNTED = ("LDGSTS", "LDG", "LDS", "LDSM", "STS", "HMMA", "HGMMA", "BAR", "PRMT", "LOP3",
-           "HFMA2", "F2FP")
+COUNTED = ("LDGSTS", "LDG", "LDS", "LDSM", "STS", "HMMA", "HGMMA", "HGMMA_A_REGS", "BAR",
+           "PRMT", "LOP3", "HFMA2", "F2FP")
 
 
 class Variant(NamedTuple):
@@ -58,7 +58,8 @@ def tile_variant(name: str, cfg, act: str = "bf16", scale: str = "fp16", slices:
                  split: bool = True) -> Variant:
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SLICES=slices,
                   ZERO_POINT=scale == "fp16", SPLIT=split, EVEN_K=True,
-                  BIAS=cfg.bias and act != "fp32", PREFETCH=cfg.prefetch and slices == 8)
+                  BIAS=cfg.bias and act != "fp32", PREFETCH=cfg.prefetch and slices == 8,
+                  SWAP_AB=cfg.swap_ab, SCALE_A=cfg.scale_a)
     return Variant(name, "tiles", act, scale, consts, cfg.num_warps, cfg.num_stages, 128)
 
 
@@ -94,6 +95,13 @@ def variants() -> list[Variant]:
     out += [tile_variant(f"tiles 64x128 bias={b:d} prefetch={p:d}",
                          big._replace(bias=b, prefetch=p), split=False)
             for b in (True, False) for p in (False, True)]
+    # The transposed tiles (wgmma with the decoded weights in registers), two accumulators or
+    # the scales on the weights (scale_a), and the dequantize range's tile before them.
+    out += [tile_variant(f"tiles {m}x{n}x{w}w swap={sw:d} scale_a={sa:d}",
+                         w4a16._TileConfig(m, n, w, 3, 2, False, True, sw, sa), split=False)
+            for m, n, w, sw, sa in [(64, 128, 4, True, False), (64, 128, 4, True, True),
+                                    (64, 256, 8, True, True), (128, 128, 4, True, True),
+                                    (128, 256, 8, True, True), (128, 128, 8, False, False)]]
     gemv = w4a16._gemv_config()
     out += [gemv_variant(f"gemv {rows} row{'s' * (rows > 1)} pair_words={pw:d}",
                          gemv._replace(pair_words=pw), rows=rows)
@@ -112,6 +120,13 @@ def check_variants() -> list[Variant]:
            for act, scale, m, slices in [("bf16", "fp16", 1, 2), ("fp16", "fp32", 40, 1),
                                          ("bf16", "fp16", 200, 8), ("fp32", "fp32", 1000, 4),
                                          ("fp16", "fp16", 16, 8)]]
+    swapped = w4a16._TileConfig(64, 128, 4, 3, 2, False, False, True)
+    out += [tile_variant(f"tiles swap {act} {scale} slices {slices} bias={b:d} scale_a={sa:d}",
+                         swapped._replace(bias=b, scale_a=sa), act, scale, slices, split=split)
+            for act, scale, slices, b, sa, split in [
+                ("bf16", "fp32", 8, False, True, True), ("fp16", "fp16", 1, False, True, False),
+                ("fp16", "fp32", 2, True, False, True), ("fp32", "fp32", 4, False, True, False),
+                ("fp32", "fp16", 8, False, False, True)]]
     gemv = w4a16._gemv_config()
     out += [gemv_variant(f"gemv {rows} {act} {scale} {decode} even={even:d} pw={pw:d}",
                          gemv._replace(pair_words=pw), rows, act, scale, decode, even)
@@ -153,23 +168,36 @@ def compile_variant(v: Variant, base=None):
     return kernel
 
 
-def sass(kernel) -> str:
+def _cubin_tool(kernel, tool: str, *flags: str) -> str:
+    """The output of Triton's bundled ``tool`` (nvdisasm, cuobjdump) on the kernel's cubin."""
     import triton
 
-    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    path = Path(triton.__file__).parent / "backends/nvidia/bin" / tool
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        return subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
+        return subprocess.run([str(path), *flags, f.name], capture_output=True, text=True,
                               check=True).stdout
+
+
+def sass(kernel) -> str:
+    return _cubin_tool(kernel, "nvdisasm", "-c")
+
+
+def resources(kernel) -> dict:
+    """Registers per thread and spill stack bytes (``cuobjdump -res-usage``)."""
+    text = _cubin_tool(kernel, "cuobjdump", "-res-usage")
+    found = dict(re.findall(r"(REG|STACK):(\d+)", text))
+    return {"registers": int(found.get("REG", 0)), "stack": int(found.get("STACK", 0))}
 
 
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 _LABEL = re.compile(r"^\.(L_x_\d+):", re.M)
 
 
-def main_loop(text: str) -> list[str]:
-    """The opcodes of the largest loop: from a label to the last backward branch to it."""
+def main_loop(text: str) -> list[tuple[str, str]]:
+    """The (opcode, operands) of the largest loop: from a label to the last backward branch to
+    it."""
     addresses, opcodes, operands = [], [], []
     labels = {}
     for line in text.splitlines():
@@ -189,23 +217,27 @@ def main_loop(text: str) -> list[str]:
             start = labels[target.group(1)]
             if i + 1 - start > best[1] - best[0]:
                 best = (start, i + 1)
-    return opcodes[best[0]:best[1]]
+    return list(zip(opcodes, operands))[best[0]:best[1]]
 
 
 def summarize(v: Variant, kernel) -> dict:
     loop = main_loop(sass(kernel))
     counts = Counter()
-    for op in loop:
+    for op, args in loop:
         base = op.split(".")[0]
         if base in COUNTED:
             counts[base] += 1
+        # wgmma's A operand from registers: "HGMMA.64x64x16.F32.BF16 Rd, Ra, gdesc[..]" (from
+        # shared memory: "Rd, gdesc[..], .."); the opcode's match ends at the shape's "x".
+        if base == "HGMMA" and re.match(r"\S*\s+R\d+, R\d+,", args):
+            counts["HGMMA_A_REGS"] += 1
     weights = v.consts["BLOCK_N"] * v.k_per_iteration
     # Issue-bound: the warps' instructions spread over the SM's four schedulers.
     per_cycle = weights / (len(loop) * v.num_warps / 4) if loop else float("nan")
     return {"name": v.name, "instructions_per_iteration": len(loop),
             "k_per_iteration": v.k_per_iteration, "num_warps": v.num_warps,
             "weights_per_sm_cycle": per_cycle, "shared_bytes": kernel.metadata.shared,
-            "registers": getattr(kernel, "n_regs", None), **{k: counts[k] for k in COUNTED}}
+            **resources(kernel), **{k: counts[k] for k in COUNTED}}
 
 
 def main() -> None:
@@ -220,7 +252,8 @@ def main() -> None:
         print("compiled")
         return
     rows = []
-    print(f"{'variant':<36} {'instr':>6} {'w/cyc':>6} " + " ".join(f"{k:>6}" for k in COUNTED))
+    print(f"{'variant':<44} {'instr':>6} {'w/cyc':>6} {'regs':>5} {'stack':>5} "
+          + " ".join(f"{k[:6]:>6}" for k in COUNTED))
     base = None
     if args.base:
         from scripts.bench_w4a16 import load_base
@@ -229,9 +262,9 @@ def main() -> None:
     for v in (base_variants() if base else []) + variants():
         r = summarize(v, compile_variant(v, base))
         rows.append(r)
-        print(f"{r['name']:<36} {r['instructions_per_iteration']:>6} "
-              f"{r['weights_per_sm_cycle']:>6.1f} " + " ".join(f"{r[k]:>6}" for k in COUNTED),
-              flush=True)
+        print(f"{r['name']:<44} {r['instructions_per_iteration']:>6} "
+              f"{r['weights_per_sm_cycle']:>6.1f} {r['registers']:>5} {r['stack']:>5} "
+              + " ".join(f"{r[k]:>6}" for k in COUNTED), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
 

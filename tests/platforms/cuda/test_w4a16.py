@@ -175,23 +175,48 @@ def test_tiles_every_group_size(group, style):
         assert_close(out, ref, x.dtype)
 
 
-# The tiles' variants (config fields: biased codes or q - z, the scale row a tile ahead or not)
-# over the group sizes they take (32, 64: several groups a tile; 128; one group of all 300
-# columns), zero points and offsets, odd M, split K and not.
-TILE_VARIANTS = [(bias, prefetch) for bias in (True, False) for prefetch in (False, True)]
+# The tiles' variants (config fields: biased codes or q - z, the scale row a tile ahead or not,
+# the tile computed transposed, the scales applied to the decoded weights) over the group sizes
+# they take (32, 64: several groups a tile; 128; one group of all 300 columns), zero points and
+# offsets, odd M (17, and 65 over several blocks of rows), split K and not.
+TILE_VARIANTS = [(bias, prefetch, False, False) for bias in (True, False)
+                 for prefetch in (False, True)]
+TILE_VARIANTS += [(True, False, True, False), (False, True, True, False),
+                  (False, False, True, True), (False, True, True, True),
+                  (False, True, False, True)]
 
 
-@pytest.mark.parametrize("bias,prefetch", TILE_VARIANTS, ids=lambda v: str(int(v)))
+@pytest.mark.parametrize("variant", TILE_VARIANTS,
+                         ids=lambda v: "bias{}-prefetch{}-swap{}-scale{}".format(*map(int, v)))
 @pytest.mark.parametrize("group", [32, 64, 128, 300])
-def test_tile_variants_match_reference(bias, prefetch, group, monkeypatch):
-    cfg = w4a16._TileConfig(16, 64, 4, 2, 2, bias, prefetch)
+def test_tile_variants_match_reference(variant, group, monkeypatch):
+    bias, prefetch, swap_ab, scale_a = variant
+    cfg = w4a16._TileConfig(16, 64, 4, 2, 2, bias, prefetch, swap_ab, scale_a)
     monkeypatch.setattr(w4a16, "_TILE_CONFIGS", ((None, cfg),))
-    for style, (m, split_k) in (("awq", (3, 2)), ("gguf", (1, None)), ("awq", (17, None))):
+    for style, (m, split_k) in (("awq", (3, 2)), ("gguf", (1, None)), ("awq", (17, None)),
+                                ("gguf", (65, None))):
         weight = random_weight(40, 300, group, seed=group + m, style=style)
         packed = w4a16.pack(weight.values, weight.scales, weight.offsets, group, DEVICE)
         x = torch.randn(m, 300, generator=torch.Generator().manual_seed(m)).to(DEVICE,
                                                                               torch.float16)
         out = torch.full((m, 40), float("nan"), dtype=x.dtype, device=DEVICE)
+        w4a16.matmul(x, packed, split_k, out, path="tiles")
+        assert not packed.counters.any()
+        assert_close(out, reference(x, weight), x.dtype)
+
+
+@pytest.mark.parametrize("scale_a", [False, True])
+@pytest.mark.parametrize("style", ["awq", "gguf"])
+def test_swapped_tiles_in_float32(style, scale_a, monkeypatch):
+    """The transposed tile with float32 activations (the ieee dot and 2**23 decode), K ending
+    mid-tile, split K."""
+    cfg = w4a16._TileConfig(16, 64, 4, 2, 2, False, False, True, scale_a)
+    monkeypatch.setattr(w4a16, "_TILE_CONFIGS", ((None, cfg),))
+    weight = random_weight(40, 200, 32, seed=9, style=style)
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 32, DEVICE)
+    x = torch.randn(5, 200, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    for split_k in (None, 2):
+        out = torch.full((5, 40), float("nan"), device=DEVICE)
         w4a16.matmul(x, packed, split_k, out, path="tiles")
         assert not packed.counters.any()
         assert_close(out, reference(x, weight), x.dtype)

@@ -43,12 +43,13 @@ unpacked ``[BK / 8, BN]`` words into a ``[BK, BN]`` tile: M = 16, 32, 64 take 11
 loads 16 columns apart); from 128 rows nothing changed (dequantize). Per layer the tiles read
 14-28% of the copy rate at M <= 16 (the GEMV at M = 1 20-40%), far from the target of 80%.
 
-Variants are fields of the configurations (``_GemvConfig.pair_words``, ``_TileConfig.bias`` and
-``.prefetch``), so ``scripts/bench_w4a16.py --sweep-gemv --sweep-tiles`` times them against each
-other in one call, and ``scripts/w4a16_sass.py`` counts their sm_90 main loops on the CPU.
-Configurations are fixed per range of M (no autotuning) and M is not specialized on, so a new
-batch size compiles nothing; nothing in ``matmul`` synchronizes with the host or allocates but
-the output, the partial sums and the dense copy, so CUDA graphs capture it.
+Variants are fields of the configurations (``_GemvConfig.pair_words``, ``_TileConfig.bias``,
+``.prefetch``, ``.swap_ab`` and ``.scale_a``), so ``scripts/bench_w4a16.py --sweep-gemv
+--sweep-tiles`` times them against each other in one call, and ``scripts/w4a16_sass.py``
+counts their sm_90 main loops on the CPU. Configurations are fixed per range of M (no
+autotuning) and M is not specialized on, so a new batch size compiles nothing; nothing in
+``matmul`` synchronizes with the host or allocates but the output, the partial sums and the
+dense copy, so CUDA graphs capture it.
 """
 
 from __future__ import annotations
@@ -152,6 +153,63 @@ def _dequant(q, s, z, ZERO_POINT: tl.constexpr):
         return q * s + z
 
 
+@triton.jit
+def _per_n(v, SWAP_AB: tl.constexpr):
+    """A vector over the tile's output features against the accumulator: its columns, or with
+    ``SWAP_AB`` (the accumulator is ``y``'s tile transposed) its rows."""
+    if SWAP_AB:
+        return v[:, None]
+    else:
+        return v[None, :]
+
+
+@triton.jit
+def _per_m(v, SWAP_AB: tl.constexpr):
+    """A vector over the tile's rows of ``x`` against the accumulator (see ``_per_n``)."""
+    if SWAP_AB:
+        return v[None, :]
+    else:
+        return v[:, None]
+
+
+@triton.jit
+def _decode_slice(words, T: tl.constexpr, z, DTYPE: tl.constexpr, BIAS: tl.constexpr,
+                  ZERO_POINT: tl.constexpr, SWAP_AB: tl.constexpr):
+    """Slice ``T`` of a tile's words (``[SLICE_K, BLOCK_N]``, or transposed with ``SWAP_AB``)
+    as the dot's weights in ``DTYPE``: the biased code (``BIAS``), ``q - z``, or ``q`` (less
+    nothing: offsets), as ``_w4a16_kernel`` describes."""
+    BF16: tl.constexpr = DTYPE == tl.bfloat16
+    BIAS_BITS: tl.constexpr = 0x4300 if BF16 else 0x6400
+    BIAS_VALUE: tl.constexpr = 128.0 if BF16 else 1024.0
+    q = (words >> (4 * (T // 2) + 16 * (T % 2))) & 0xF  # nibble_shift(T)
+    if BIAS:
+        w = (q | BIAS_BITS).to(tl.int16).to(DTYPE, bitcast=True)
+    elif DTYPE != tl.float32:
+        w = (q | BIAS_BITS).to(tl.int16).to(DTYPE, bitcast=True)
+        if ZERO_POINT:
+            w -= _per_n((z + BIAS_VALUE).to(DTYPE), SWAP_AB)
+        else:
+            w -= BIAS_VALUE
+    else:
+        # The code under the exponent of 2**23 reads 2**23 + q: no int-to-float conversion (a
+        # quarter-rate instruction).
+        f = (q | 0x4B000000).to(tl.float32, bitcast=True)
+        if ZERO_POINT:
+            w = f - _per_n(8388608.0 + z, SWAP_AB)
+        else:
+            w = f - 8388608.0
+    return w
+
+
+@triton.jit
+def _dot(a, b, acc):
+    """``acc + a @ b``; float32 operands in full precision (no TF32)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
@@ -159,7 +217,7 @@ def _w4a16_kernel(
     stride_xm, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SLICES: tl.constexpr,
     ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BIAS: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, SWAP_AB: tl.constexpr, SCALE_A: tl.constexpr,
 ):
     """A ``BLOCK_M x BLOCK_N`` tile of ``y`` over one slice of K (``k_per_split``, whole tiles
     of ``TILE_K``). Slice t of a tile's words is the ``[SLICE_K, BLOCK_N]`` block of weight
@@ -176,11 +234,25 @@ def _w4a16_kernel(
     ``PREFETCH`` (one group per tile, ``GROUP_SLICES == 8``): the next tile's scale and shift
     rows are loaded while this tile is decoded and carried into the next iteration. Triton's
     pipeliner copies ahead only the loads that feed ``tl.dot`` (words, x); a plain load at
-    the top of the tile would otherwise stall the tile's epilogue on its full latency."""
+    the top of the tile would otherwise stall the tile's epilogue on its full latency.
+
+    ``SWAP_AB`` (Machete's operand order): the tile is computed transposed, ``y^T = W x^T``,
+    with the decoded weight ``[BLOCK_N, SLICE_K]`` as the dot's first operand. On Hopper wgmma
+    reads only its first operand from registers, so the decoded weights stay there, where as
+    the second operand they are written to shared memory each slice; x^T, the second
+    operand, is copied to shared memory as it is loaded. The words are read as a
+    ``[BLOCK_N, SLICE_K]`` tile (a ``tl.trans`` of the loaded tile is not carried through to
+    the dot's layout), and Triton 3.6 decodes them in the dot's layout only where each warp
+    has 32 or more of the BLOCK_N rows (``BLOCK_N >= 32 * num_warps``); with fewer the
+    decoded slices go through shared memory again. The accumulator is transposed back at
+    the end.
+
+    ``SCALE_A``: the group's scale and offset are applied to the decoded weights in x's type,
+    ``(q - z) * s`` or ``q * s + m`` (a packed multiply more per two weights, and the scale
+    rounded to bfloat16), so that one accumulator takes the dot instead of two (the group's
+    sum and the total): the transposed tiles of 128 rows of x then fit in registers."""
     SLICE: tl.constexpr = _TILE_K // 8
-    BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
-    BIAS_BITS: tl.constexpr = 0x4300 if BF16 else 0x6400
-    BIAS_VALUE: tl.constexpr = 128.0 if BF16 else 1024.0
+    BIAS_VALUE: tl.constexpr = 128.0 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024.0
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -192,13 +264,21 @@ def _w4a16_kernel(
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PREFETCH:
         s_next, z_next = _group_row(s_ptr, z_ptr, k_start, K, group_size, N, offs_n, mask_n)
     for k0 in range(k_start, k_end, _TILE_K):
         # Whole tiles: pack padded K with zero codes, which meet zero columns of x.
-        words = tl.load(qw_ptr + (k0 // 8 + offs_r)[:, None].to(tl.int64) * N + offs_n[None, :],
-                        mask=mask_n[None, :], other=0)
+        word_rows = (k0 // 8 + offs_r).to(tl.int64) * N
+        if SWAP_AB:  # [BLOCK_N, SLICE]: the words transposed as they are read
+            words = tl.load(qw_ptr + word_rows[None, :] + offs_n[:, None], mask=mask_n[:, None],
+                            other=0)
+        else:
+            words = tl.load(qw_ptr + word_rows[:, None] + offs_n[None, :], mask=mask_n[None, :],
+                            other=0)
         if PREFETCH:
             s, z = s_next, z_next
             # Past the slice's end this reads the last group again, unused.
@@ -209,45 +289,44 @@ def _w4a16_kernel(
             if t % GROUP_SLICES == 0:
                 if not PREFETCH:
                     s, z = _group_row(s_ptr, z_ptr, k_t, K, group_size, N, offs_n, mask_n)
-                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                # Summed over the group's slices elementwise, reduced across columns once.
-                x_cols = tl.zeros((BLOCK_M, SLICE), dtype=tl.float32)
+                if SCALE_A:  # the group's scale and shift in the dot's type, once a group
+                    s_w = _per_n(s.to(x_ptr.dtype.element_ty), SWAP_AB)
+                    z_w = _per_n(z.to(x_ptr.dtype.element_ty), SWAP_AB)
+                else:
+                    part = tl.zeros_like(acc)
+                    # Summed over the group's slices elementwise, reduced across columns once.
+                    x_cols = tl.zeros((BLOCK_M, SLICE), dtype=tl.float32)
             offs_k = k_t + offs_r
             if EVEN_K:
                 x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
             else:
                 x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :],
                             other=0.0)
-            q = (words >> (4 * (t // 2) + 16 * (t % 2))) & 0xF  # nibble_shift(t)
-            if BIAS:
-                w = (q | BIAS_BITS).to(tl.int16).to(x.dtype, bitcast=True)
-            elif x.dtype != tl.float32:
-                w = (q | BIAS_BITS).to(tl.int16).to(x.dtype, bitcast=True)
-                if ZERO_POINT:
-                    w -= (z + BIAS_VALUE).to(x.dtype)[None, :]
-                else:
-                    w -= BIAS_VALUE
+            w = _decode_slice(words, t, z, x.dtype, BIAS and not SCALE_A, ZERO_POINT, SWAP_AB)
+            if SCALE_A:  # the weight itself: (q - z) * s, or q * s + m
+                w = w * s_w + z_w if not ZERO_POINT else w * s_w
+            if SWAP_AB:
+                a, b = w.to(x.dtype), tl.trans(x)
             else:
-                # The code under the exponent of 2**23 reads 2**23 + q: no int-to-float
-                # conversion (a quarter-rate instruction).
-                f = (q | 0x4B000000).to(tl.float32, bitcast=True)
-                w = (f - (8388608.0 + z[None, :]) if ZERO_POINT else f - 8388608.0).to(x.dtype)
-            if x.dtype == tl.float32:
-                part = tl.dot(x, w, part, input_precision="ieee")
+                a, b = x, w.to(x.dtype)
+            if SCALE_A:
+                acc = _dot(a, b, acc)
             else:
-                part = tl.dot(x, w, part)
-            if BIAS or not ZERO_POINT:
-                x_cols += x.to(tl.float32)
-            if (t + 1) % GROUP_SLICES == 0:
-                x_sum = tl.sum(x_cols, axis=1)
-                if BIAS:
-                    if ZERO_POINT:
-                        part -= x_sum[:, None] * (z + BIAS_VALUE)[None, :]
-                    else:
-                        part -= x_sum[:, None] * BIAS_VALUE
-                acc += part * s[None, :]
-                if not ZERO_POINT:
-                    acc += x_sum[:, None] * z[None, :]
+                part = _dot(a, b, part)
+                if BIAS or not ZERO_POINT:
+                    x_cols += x.to(tl.float32)
+                if (t + 1) % GROUP_SLICES == 0:
+                    x_sum = _per_m(tl.sum(x_cols, axis=1), SWAP_AB)
+                    if BIAS:
+                        if ZERO_POINT:
+                            part -= x_sum * _per_n(z + BIAS_VALUE, SWAP_AB)
+                        else:
+                            part -= x_sum * BIAS_VALUE
+                    acc += part * _per_n(s, SWAP_AB)
+                    if not ZERO_POINT:
+                        acc += x_sum * _per_n(z, SWAP_AB)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     finish(acc, out_ptr, partial_ptr, counter_ptr, offs_m, offs_n, mask_m, mask_n,
            M, N, stride_om, pid_n, pid_s, num_splits, SPLIT, 1)
 
@@ -591,6 +670,8 @@ class _TileConfig(NamedTuple):
     programs_per_sm: int  # the split of K aims at this many (where one block holds every row)
     bias: bool  # the kernel's BIAS for 16-bit activations
     prefetch: bool = False  # the kernel's PREFETCH, where a tile lies in one group
+    swap_ab: bool = False  # the kernel's SWAP_AB: the tile computed transposed
+    scale_a: bool = False  # the kernel's SCALE_A: the scales applied to the weights
 
 
 # The tiles' configuration for M up to each bound (None: any M), fixed (no autotuning): for each
@@ -705,7 +786,8 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SLICES=group_slices,
         ZERO_POINT=w.zero_point, SPLIT=splits > 1, EVEN_K=k % TILE_K == 0,
         BIAS=cfg.bias and x.dtype != torch.float32, PREFETCH=cfg.prefetch and group_slices == 8,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SWAP_AB=cfg.swap_ab, SCALE_A=cfg.scale_a, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
 
 
