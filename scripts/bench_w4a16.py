@@ -237,17 +237,30 @@ def _layers(module, path: str, weights: dict, xs: dict, refs: dict) -> dict:
     return times
 
 
-# The tiles' candidates by the bound of M they are for: (BLOCK_M, BLOCK_N, warps, stages), each
-# with split-K targets (programs per SM; they matter only where BLOCK_M holds every row), with
-# biased codes and with q - z (bias), and with the scale row loaded a tile ahead or not
-# (prefetch). 1 program per SM, 16 x 256 with 8 warps or 4 stages, BLOCK_N 64 at M = 32 and
-# 64, and the tiles at M = 256 were slower in the sweep of 2026-12-01 and are not timed again
-# (so that the sweep fits one device call).
+# The tiles' candidates by the bound of M they are for: (BLOCK_M, BLOCK_N, warps, stages, the
+# fields timed), each with split-K targets (programs per SM; they matter only where BLOCK_M
+# holds every row). The fields are (bias, prefetch, swap_ab, scale_a): biased codes or q - z,
+# the scale row a tile ahead or not, the tile computed transposed (the decoded weights as
+# wgmma's register operand) and the scales applied to the weights (one accumulator; the
+# transposed tiles of 128 rows need it to fit in registers). 1 program per SM, 16 x 256 with
+# 8 warps or 4 stages and BLOCK_N 64 at M = 32 and 64 were slower in the sweep of 2026-12-01
+# and are not timed again, nor are the fields that lost there from 64 rows (so that the sweep
+# fits one device call). The transposed tiles keep the decoded weights in registers only
+# where BLOCK_N >= 32 * warps (scripts/w4a16_sass.py), so only those are timed.
+BIAS_PREFETCH = tuple((bias, prefetch, False, False) for bias in (True, False)
+                      for prefetch in (False, True))
+SWAPPED = ((False, True, True, False), (False, True, True, True))
+SCALED = ((False, True, True, True),)
+_LARGE = [(128, 128, 8, 3, ((False, False, False, False),)), (64, 128, 4, 3, SWAPPED),
+          (64, 256, 8, 3, SCALED), (128, 128, 4, 3, SCALED), (128, 128, 4, 4, SCALED),
+          (128, 256, 8, 3, SCALED)]
 TILE_CANDIDATES = {
-    16: [(16, 128, 4, 3), (16, 256, 4, 3)],
-    32: [(32, 128, 4, 3)],
-    64: [(64, 128, 4, 3)],
-    None: [(128, 128, 8, 3)],
+    16: [(16, 128, 4, 3, BIAS_PREFETCH), (16, 256, 4, 3, BIAS_PREFETCH)],
+    32: [(32, 128, 4, 3, BIAS_PREFETCH)],
+    64: [(64, 128, 4, 3, ((False, True, False, False),)), (64, 128, 4, 3, SWAPPED),
+         (64, 128, 4, 4, SCALED), (64, 256, 8, 3, SWAPPED)],
+    128: _LARGE,
+    None: _LARGE,
 }
 SPLIT_TARGETS = (2, 4)
 
@@ -257,12 +270,13 @@ def _bound(m: int):
 
 
 def tile_variants(m: int) -> list:
-    """The ``_TileConfig``s timed at M = ``m``: every candidate of its range by each field."""
+    """The ``_TileConfig``s timed at M = ``m``: every candidate of its range by each of its
+    fields."""
     from pagedserve.platforms.cuda.kernels import w4a16
 
-    return [w4a16._TileConfig(*c, per_sm, bias, prefetch) for c in TILE_CANDIDATES[_bound(m)]
+    return [w4a16._TileConfig(*c[:4], per_sm, *fields) for c in TILE_CANDIDATES[_bound(m)]
             for per_sm in (SPLIT_TARGETS if c[0] >= m else SPLIT_TARGETS[:1])
-            for bias in (True, False) for prefetch in (False, True)]
+            for fields in c[4]]
 
 
 def sweep_tiles(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
@@ -322,17 +336,20 @@ def choose(sweep: list[dict]) -> tuple[tuple, int]:
         best_at[r["m"]] = min(best_at.get(r["m"], float("inf")), r["total_ms"])
     table = []
     for bound in TILE_CANDIDATES:
-        # Only candidates timed at every swept M of the range.
+        # Only candidates timed at every swept M of the range; a range with none swept keeps
+        # the configuration it has now.
         mine = {cfg: t for (b, cfg), t in totals.items() if b == bound}
         if mine:
             most = max(counts[bound, cfg] for cfg in mine)
             table.append((bound, min((c for c in mine if counts[bound, c] == most),
                                      key=mine.get)))
+        else:
+            table.append((bound, w4a16._config(bound or 1 << 30)))
     if table[-1][0] is not None:
         table[-1] = (None, table[-1][1])
     dequant_min = max(dequant_at) + 1 if dequant_at else w4a16.DEQUANT_MIN_M
     for m in sorted(dequant_at, reverse=True):
-        if dequant_at[m] >= best_at[m]:
+        if dequant_at[m] >= best_at.get(m, float("inf")):
             break
         dequant_min = m
     return tuple(table), dequant_min

@@ -4,7 +4,8 @@
 #   scripts/gpu_check.sh PART [PART...]  some of: engine-tests quant-tests kernel-tests
 #                                        layer-tests llama llama-breakdown decode
 #                                        step-overhead mixed smollm2 fp8 serve
-#                                        w4a16 w4a16-tests w4a16-sweep w4a16-tiles-sweep decode-awq
+#                                        w4a16 w4a16-tests w4a16-sweep w4a16-tiles-sweep
+#                                        w4a16-large-sweep decode-awq
 #                                        decode-bf16 awq bf16 fp8-tests fp8-w8a8
 #                                        fp8-w8a8-kv decode-fp8 fp8-linear serve-make tp1-vs-base
 #                                        bf16-vs-base fp8-vs-base fp8kv-vs-base tp2
@@ -447,6 +448,14 @@ for part in $parts; do
     w4a16-tiles-sweep) python3 scripts/bench_w4a16.py --ms 1 16 32 64 128 --sweep-tiles \
         --sweep-gemv --write-choice ${W4A16_BASE:+--base "$W4A16_BASE"} \
         --out "$OUT/w4a16_tiles_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_tiles_sweep_h200.log" ;;
+    # The tiles from 64 rows with the transposed form (swap_ab, scale_a) beside the current
+    # ones and dequantize + cuBLAS, at M = 64, 128, 256; the fastest written into the kernel's
+    # source (with DEQUANT_MIN_M, which moves past 128 where the tiles win), then every path
+    # (and W4A16_BASE's) at those M. Run w4a16-tests after it, on the choice.
+    w4a16-large-sweep) python3 scripts/bench_w4a16.py --ms 64 128 256 --sweep-tiles \
+        --write-choice ${W4A16_BASE:+--base "$W4A16_BASE"} \
+        --out "$OUT/w4a16_large_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_large_sweep_h200.log"
+      git diff -- pagedserve/platforms/cuda/kernels/w4a16.py > "$OUT/w4a16_large_choice.diff" ;;
     decode-awq) bench decode --device cuda --shape llama3-8b --load-format dummy \
         --quantization awq --batch-sizes 1 2 32 128 --context-len 512 \
         --out "$OUT/decode_h200_llama3-8b_awq.json" ;;

@@ -178,7 +178,7 @@ def test_tiles_every_group_size(group, style):
 # The tiles' variants (config fields: biased codes or q - z, the scale row a tile ahead or not,
 # the tile computed transposed, the scales applied to the decoded weights) over the group sizes
 # they take (32, 64: several groups a tile; 128; one group of all 300 columns), zero points and
-# offsets, odd M (17, and 65 over several blocks of rows), split K and not.
+# offsets, odd M (17; 65 over several blocks of rows for the transposed tiles), split K and not.
 TILE_VARIANTS = [(bias, prefetch, False, False) for bias in (True, False)
                  for prefetch in (False, True)]
 TILE_VARIANTS += [(True, False, True, False), (False, True, True, False),
@@ -193,8 +193,10 @@ def test_tile_variants_match_reference(variant, group, monkeypatch):
     bias, prefetch, swap_ab, scale_a = variant
     cfg = w4a16._TileConfig(16, 64, 4, 2, 2, bias, prefetch, swap_ab, scale_a)
     monkeypatch.setattr(w4a16, "_TILE_CONFIGS", ((None, cfg),))
-    for style, (m, split_k) in (("awq", (3, 2)), ("gguf", (1, None)), ("awq", (17, None)),
-                                ("gguf", (65, None))):
+    cases = [("awq", (3, 2)), ("gguf", (1, None)), ("awq", (17, None))]
+    if swap_ab:  # the transposed store of several blocks of rows
+        cases.append(("gguf", (65, None)))
+    for style, (m, split_k) in cases:
         weight = random_weight(40, 300, group, seed=group + m, style=style)
         packed = w4a16.pack(weight.values, weight.scales, weight.offsets, group, DEVICE)
         x = torch.randn(m, 300, generator=torch.Generator().manual_seed(m)).to(DEVICE,
@@ -402,6 +404,33 @@ def test_kernel_llama_sizes_cuda(shape, dtype_m):
     weight = _llama_weight(n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     assert_close(run_kernel(x, weight), reference(x, weight), dtype)
+
+
+# The transposed tiles the large-M sweep times (scripts/bench_w4a16.py), whichever it chooses:
+# the decoded weights as wgmma's register operand, two accumulators or the scales on the
+# weights, at the 8B down projection (K = 14,336) with rows in one block and in several.
+SWAPPED_CUDA_CONFIGS = [(64, 128, 4, 3, False), (64, 128, 4, 3, True), (64, 256, 8, 3, True),
+                        (128, 128, 4, 3, True), (128, 256, 8, 3, True)]
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype_m", [(torch.bfloat16, m) for m in (65, 129, 256)]
+                         + [(torch.float16, 100)], ids=lambda d: f"{str(d[0])[6:]}-m{d[1]}")
+@pytest.mark.parametrize("cfg", SWAPPED_CUDA_CONFIGS,
+                         ids=lambda c: "{}x{}-{}w-{}st-scale{:d}".format(*c))
+def test_swapped_tiles_llama_cuda(cfg, dtype_m, monkeypatch):
+    dtype, m = dtype_m
+    block_m, block_n, warps, stages, scale_a = cfg
+    tile = w4a16._TileConfig(block_m, block_n, warps, stages, 2, False, True, True, scale_a)
+    monkeypatch.setattr(w4a16, "_TILE_CONFIGS", ((None, tile),))
+    weight = _llama_weight(4096, 14336)
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 128, DEVICE)
+    x = torch.randn(m, 14336, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+    out = torch.full((m, 4096), float("nan"), dtype=dtype, device=DEVICE)
+    w4a16.matmul(x, packed, out=out, path="tiles")
+    assert not packed.counters.any()
+    assert_close(out, reference(x, weight), dtype)
 
 
 @cuda
