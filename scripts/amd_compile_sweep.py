@@ -169,7 +169,7 @@ def _w4a16(m: int):
         consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SLICES=8,
                       ZERO_POINT=scale == "fp16", SPLIT=m <= 16, EVEN_K=True,
                       BIAS=cfg.bias and dtype != "fp32", PREFETCH=cfg.prefetch,
-                      SWAP_AB=cfg.swap_ab, SCALE_A=cfg.scale_a)
+                      SWAP_AB=cfg.swap_ab, SCALE_A=cfg.scale_a, PTX_DECODE=False)
         return Spec(w4a16._w4a16_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages)
     return spec
 

@@ -239,26 +239,31 @@ def _layers(module, path: str, weights: dict, xs: dict, refs: dict) -> dict:
 
 # The tiles' candidates by the bound of M they are for: (BLOCK_M, BLOCK_N, warps, stages, the
 # fields timed), each with split-K targets (programs per SM; they matter only where BLOCK_M
-# holds every row). The fields are (bias, prefetch, swap_ab, scale_a): biased codes or q - z,
-# the scale row a tile ahead or not, the tile computed transposed (the decoded weights as
-# wgmma's register operand) and the scales applied to the weights (one accumulator; the
-# transposed tiles of 128 rows need it to fit in registers). 1 program per SM, 16 x 256 with
-# 8 warps or 4 stages and BLOCK_N 64 at M = 32 and 64 were slower in the sweep of 2026-12-01
-# and are not timed again, nor are the fields that lost there from 64 rows (so that the sweep
-# fits one device call). The transposed tiles keep the decoded weights in registers only
-# where BLOCK_N >= 32 * warps (scripts/w4a16_sass.py), so only those are timed.
-BIAS_PREFETCH = tuple((bias, prefetch, False, False) for bias in (True, False)
+# holds every row). The fields are (bias, prefetch, swap_ab, scale_a, ptx_decode): biased codes
+# or q - z, the scale row a tile ahead or not, the tile computed transposed (the decoded
+# weights as wgmma's register operand), the scales applied to the weights (one accumulator;
+# the transposed tiles of 128 rows need it to fit in registers) and the codes decoded by
+# _slice_ptx. 1 program per SM, 16 x 256 with 8 warps or 4 stages and BLOCK_N 64 at M = 32
+# and 64 were slower in the sweep of 2026-12-01 and are not timed again, nor are the fields
+# that lost there from 64 rows (so that the sweep fits one device call). The transposed tiles
+# keep the decoded weights in registers only where BLOCK_N >= 32 * warps
+# (scripts/w4a16_sass.py), so only those are timed.
+BIAS_PREFETCH = tuple((bias, prefetch, False, False, False) for bias in (True, False)
                       for prefetch in (False, True))
-SWAPPED = ((False, True, True, False), (False, True, True, True))
-SCALED = ((False, True, True, True),)
-_LARGE = [(128, 128, 8, 3, ((False, False, False, False),)), (64, 128, 4, 3, SWAPPED),
-          (64, 256, 8, 3, SCALED), (128, 128, 4, 3, SCALED), (128, 128, 4, 4, SCALED),
+SWAPPED = tuple((False, True, True, scale_a, ptx) for scale_a in (False, True)
+                for ptx in (False, True))
+SCALED = ((False, True, True, True, False), (False, True, True, True, True))
+SCALED_PTX = ((False, True, True, True, True),)
+_LARGE = [(128, 128, 8, 3, ((False, False, False, False, False),
+                            (False, False, False, False, True))),
+          (64, 128, 4, 3, SWAPPED), (64, 256, 8, 3, SCALED_PTX), (128, 128, 4, 3, SCALED),
           (128, 256, 8, 3, SCALED)]
 TILE_CANDIDATES = {
     16: [(16, 128, 4, 3, BIAS_PREFETCH), (16, 256, 4, 3, BIAS_PREFETCH)],
     32: [(32, 128, 4, 3, BIAS_PREFETCH)],
-    64: [(64, 128, 4, 3, ((False, True, False, False),)), (64, 128, 4, 3, SWAPPED),
-         (64, 128, 4, 4, SCALED), (64, 256, 8, 3, SWAPPED)],
+    64: [(64, 128, 4, 3, ((False, True, False, False, False), (False, True, False, False, True))),
+         (64, 128, 4, 3, SWAPPED), (64, 256, 8, 3, ((False, True, True, False, True),
+                                                   (False, True, True, True, True)))],
     128: _LARGE,
     None: _LARGE,
 }

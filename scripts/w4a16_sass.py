@@ -59,7 +59,8 @@ def tile_variant(name: str, cfg, act: str = "bf16", scale: str = "fp16", slices:
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SLICES=slices,
                   ZERO_POINT=scale == "fp16", SPLIT=split, EVEN_K=True,
                   BIAS=cfg.bias and act != "fp32", PREFETCH=cfg.prefetch and slices == 8,
-                  SWAP_AB=cfg.swap_ab, SCALE_A=cfg.scale_a)
+                  SWAP_AB=cfg.swap_ab, SCALE_A=cfg.scale_a,
+                  PTX_DECODE=cfg.ptx_decode and act != "fp32")
     return Variant(name, "tiles", act, scale, consts, cfg.num_warps, cfg.num_stages, 128)
 
 
@@ -96,12 +97,19 @@ def variants() -> list[Variant]:
                          big._replace(bias=b, prefetch=p), split=False)
             for b in (True, False) for p in (False, True)]
     # The transposed tiles (wgmma with the decoded weights in registers), two accumulators or
-    # the scales on the weights (scale_a), and the dequantize range's tile before them.
-    out += [tile_variant(f"tiles {m}x{n}x{w}w swap={sw:d} scale_a={sa:d}",
-                         w4a16._TileConfig(m, n, w, 3, 2, False, True, sw, sa), split=False)
-            for m, n, w, sw, sa in [(64, 128, 4, True, False), (64, 128, 4, True, True),
-                                    (64, 256, 8, True, True), (128, 128, 4, True, True),
-                                    (128, 256, 8, True, True), (128, 128, 8, False, False)]]
+    # the scales on the weights (scale_a), the codes by _slice_ptx or not, and the
+    # dequantize range's tile before them.
+    out += [tile_variant(f"tiles {m}x{n}x{w}w swap={sw:d} scale_a={sa:d} ptx={ptx:d}",
+                         w4a16._TileConfig(m, n, w, 3, 2, False, m < 128 or sw, sw, sa, ptx),
+                         split=False)
+            for m, n, w, sw, sa, ptx in [
+                (64, 128, 4, False, False, True), (64, 128, 4, True, False, False),
+                (64, 128, 4, True, False, True), (64, 128, 4, True, True, False),
+                (64, 128, 4, True, True, True), (64, 256, 8, True, True, True),
+                (64, 128, 8, True, True, True), (128, 128, 4, True, True, False),
+                (128, 128, 4, True, True, True), (128, 256, 8, True, True, False),
+                (128, 256, 8, True, True, True), (128, 128, 8, False, False, False),
+                (128, 128, 8, False, False, True)]]
     gemv = w4a16._gemv_config()
     out += [gemv_variant(f"gemv {rows} row{'s' * (rows > 1)} pair_words={pw:d}",
                          gemv._replace(pair_words=pw), rows=rows)
@@ -121,12 +129,16 @@ def check_variants() -> list[Variant]:
                                          ("bf16", "fp16", 200, 8), ("fp32", "fp32", 1000, 4),
                                          ("fp16", "fp16", 16, 8)]]
     swapped = w4a16._TileConfig(64, 128, 4, 3, 2, False, False, True)
-    out += [tile_variant(f"tiles swap {act} {scale} slices {slices} bias={b:d} scale_a={sa:d}",
-                         swapped._replace(bias=b, scale_a=sa), act, scale, slices, split=split)
-            for act, scale, slices, b, sa, split in [
-                ("bf16", "fp32", 8, False, True, True), ("fp16", "fp16", 1, False, True, False),
-                ("fp16", "fp32", 2, True, False, True), ("fp32", "fp32", 4, False, True, False),
-                ("fp32", "fp16", 8, False, False, True)]]
+    out += [tile_variant(f"tiles swap {act} {scale} slices {slices} bias={b:d} scale_a={sa:d} "
+                         f"ptx={ptx:d}", swapped._replace(bias=b, scale_a=sa, ptx_decode=ptx),
+                         act, scale, slices, split=split)
+            for act, scale, slices, b, sa, ptx, split in [
+                ("bf16", "fp32", 8, False, True, True, True),
+                ("fp16", "fp16", 1, False, True, True, False),
+                ("fp16", "fp32", 2, True, False, True, True),
+                ("bf16", "fp16", 2, True, False, False, True),
+                ("fp32", "fp32", 4, False, True, False, False),
+                ("fp32", "fp16", 8, False, False, True, True)]]
     gemv = w4a16._gemv_config()
     out += [gemv_variant(f"gemv {rows} {act} {scale} {decode} even={even:d} pw={pw:d}",
                          gemv._replace(pair_words=pw), rows, act, scale, decode, even)

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -241,9 +242,18 @@ def emulated_inline_asm(monkeypatch):
             return self.handles[i]
 
     def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
-        assert pack == 1, pack
-        outs = ptx_emulator.run(asm, len(types), [v.data for v in values])
-        return Results([interpreter.TensorHandle(o, t.scalar) for o, t in zip(outs, types)])
+        if pack == 1:
+            outs = ptx_emulator.run(asm, len(types), [v.data for v in values])
+            return Results([interpreter.TensorHandle(o, t.scalar) for o, t in zip(outs, types)])
+        # Two 32-bit elements in, two 16-bit ones out in one register (``_slice_ptx``).
+        assert pack == 2 and len(values) == len(types) == 1, (pack, len(values), len(types))
+        words = values[0].data
+        flat = words.reshape(-1)
+        (out,) = ptx_emulator.run(asm, 1, [flat[0::2], flat[1::2]])
+        bits = out.view(np.uint32)
+        halves = np.stack([bits & 0xFFFF, bits >> 16], axis=-1).astype(np.uint16)
+        return Results([interpreter.TensorHandle(halves.reshape(words.shape).view(np.float16),
+                                                 types[0].scalar)])
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", create_inline_asm)
 
@@ -272,6 +282,42 @@ def test_gemv_pairs_match_reference(case, pair_words, emulated_inline_asm, monke
         w4a16._gemv(x.view(torch.int16), packed, split_k, out)
         assert not packed.counters.any()
         assert_close(out, reference(x, weight), torch.bfloat16)
+
+
+@pytest.mark.parametrize("variant", [(False, False), (True, False), (True, True)],
+                         ids=lambda v: "swap{}-scale{}".format(*map(int, v)))
+@pytest.mark.parametrize("group", [32, 128, 300])
+def test_tiles_ptx_decode_match_reference(variant, group, emulated_inline_asm, monkeypatch):
+    """The tiles with their codes decoded by ``_slice_ptx`` (NVIDIA, 16-bit x), its PTX
+    emulated, float16 activations."""
+    swap_ab, scale_a = variant
+    cfg = w4a16._TileConfig(16, 64, 4, 2, 2, False, True, swap_ab, scale_a, True)
+    monkeypatch.setattr(w4a16, "_TILE_CONFIGS", ((None, cfg),))
+    monkeypatch.setattr(w4a16, "_tile_ptx", lambda x: True)
+    for style, (m, split_k) in (("awq", (3, 2)), ("gguf", (17, None))):
+        weight = random_weight(40, 300, group, seed=group + m, style=style)
+        packed = w4a16.pack(weight.values, weight.scales, weight.offsets, group, DEVICE)
+        x = torch.randn(m, 300, generator=torch.Generator().manual_seed(m)).half()
+        out = torch.full((m, 40), float("nan"), dtype=x.dtype)
+        w4a16.matmul(x, packed, split_k, out, path="tiles")
+        assert not packed.counters.any()
+        assert_close(out, reference(x, weight), x.dtype)
+
+
+def test_slice_ptx_emulated_against_nibbles():
+    """``_slice_ptx`` alone: each half of its output is one word's code at the slice's bits
+    under the bias, whichever two words come in."""
+    from tests.platforms.cuda import ptx_emulator
+
+    gen = torch.Generator().manual_seed(4)
+    words = torch.randint(-2**31, 2**31, (2, 256), generator=gen, dtype=torch.int64)
+    for bias in (0x4300, 0x6400):
+        for t in range(8):
+            (got,) = ptx_emulator.run(w4a16._slice_ptx(t, bias * 0x10001), 1,
+                                      [w.int().numpy() for w in words])
+            bits = torch.from_numpy(got.view(np.uint32).astype(np.int64))
+            for half, w in zip((bits & 0xFFFF, bits >> 16), words):
+                assert torch.equal(half, ((w >> w4a16.nibble_shift(t)) & 0xF) | bias), (bias, t)
 
 
 def test_pairs_ptx_emulated_against_float64():
@@ -406,23 +452,33 @@ def test_kernel_llama_sizes_cuda(shape, dtype_m):
     assert_close(run_kernel(x, weight), reference(x, weight), dtype)
 
 
-# The transposed tiles the large-M sweep times (scripts/bench_w4a16.py), whichever it chooses:
-# the decoded weights as wgmma's register operand, two accumulators or the scales on the
-# weights, at the 8B down projection (K = 14,336) with rows in one block and in several.
-SWAPPED_CUDA_CONFIGS = [(64, 128, 4, 3, False), (64, 128, 4, 3, True), (64, 256, 8, 3, True),
-                        (128, 128, 4, 3, True), (128, 256, 8, 3, True)]
+# The tiles the large-M sweep times (scripts/bench_w4a16.py), whichever it chooses: transposed
+# (the decoded weights as wgmma's register operand) with two accumulators or the scales on the
+# weights, codes by _slice_ptx or not, at the 8B down projection (K = 14,336) with rows in one
+# block and in several. (BLOCK_M, BLOCK_N, warps, stages, prefetch, swap_ab, scale_a, ptx)
+LARGE_CUDA_CONFIGS = [(64, 128, 4, 3, True, False, False, True),
+                      (64, 128, 4, 3, True, True, False, False),
+                      (64, 128, 4, 3, True, True, False, True),
+                      (64, 128, 4, 3, True, True, True, False),
+                      (64, 256, 8, 3, True, True, True, True),
+                      (128, 128, 4, 3, True, True, True, True),
+                      (128, 256, 8, 3, True, True, True, False),
+                      (128, 256, 8, 3, True, True, True, True),
+                      (128, 128, 8, 3, False, False, False, True)]
 
 
 @cuda
 @needs_cuda
 @pytest.mark.parametrize("dtype_m", [(torch.bfloat16, m) for m in (65, 129, 256)]
                          + [(torch.float16, 100)], ids=lambda d: f"{str(d[0])[6:]}-m{d[1]}")
-@pytest.mark.parametrize("cfg", SWAPPED_CUDA_CONFIGS,
-                         ids=lambda c: "{}x{}-{}w-{}st-scale{:d}".format(*c))
-def test_swapped_tiles_llama_cuda(cfg, dtype_m, monkeypatch):
+@pytest.mark.parametrize(
+    "cfg", LARGE_CUDA_CONFIGS,
+    ids=lambda c: "{}x{}-{}w-{}st-pre{:d}-swap{:d}-scale{:d}-ptx{:d}".format(*c))
+def test_large_tiles_llama_cuda(cfg, dtype_m, monkeypatch):
     dtype, m = dtype_m
-    block_m, block_n, warps, stages, scale_a = cfg
-    tile = w4a16._TileConfig(block_m, block_n, warps, stages, 2, False, True, True, scale_a)
+    block_m, block_n, warps, stages, prefetch, swap_ab, scale_a, ptx = cfg
+    tile = w4a16._TileConfig(block_m, block_n, warps, stages, 2, False, prefetch, swap_ab,
+                             scale_a, ptx)
     monkeypatch.setattr(w4a16, "_TILE_CONFIGS", ((None, tile),))
     weight = _llama_weight(4096, 14336)
     packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 128, DEVICE)

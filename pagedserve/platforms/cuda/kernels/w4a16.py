@@ -153,6 +153,26 @@ def _dequant(q, s, z, ZERO_POINT: tl.constexpr):
         return q * s + z
 
 
+def _slice_ptx(t: int, bias: int) -> str:
+    """PTX for slice ``t`` of two words (``$1``, ``$2``) as their biased codes: the pair
+    ``(bias | q, bias | q')`` of 16-bit values (``$0``), ``q`` the word's code at
+    ``nibble_shift(t)``. Elementwise (each half of the output reads one word), so whichever two
+    elements Triton packs give the right codes; where they are the K-adjacent words of an
+    output feature (wgmma's register operand) ``prmt`` sets their half-words side by side
+    once for the four slices of a half and one ``lop3`` lifts both codes."""
+    half = "0x7632" if t % 2 else "0x5410"  # the words' high or low half-words
+    lines = ["{", ".reg .b32 p;", f"prmt.b32 p, $1, $2, {half};"]
+    if t // 2:
+        lines.append(f"shr.b32 p, p, {4 * (t // 2)};")
+    lines += [f"lop3.b32 $0, p, 0x000F000F, {bias:#010x}, 0xEA;", "}"]
+    return "\n".join(lines)
+
+
+# Slice t's PTX for float16 codes at t, for bfloat16 at 8 + t.
+_SLICE_PTX = tl.constexpr(tuple(_slice_ptx(t, 0x43004300 if bf16 else 0x64006400)
+                                for bf16 in (False, True) for t in range(8)))
+
+
 @triton.jit
 def _per_n(v, SWAP_AB: tl.constexpr):
     """A vector over the tile's output features against the accumulator: its columns, or with
@@ -174,25 +194,31 @@ def _per_m(v, SWAP_AB: tl.constexpr):
 
 @triton.jit
 def _decode_slice(words, T: tl.constexpr, z, DTYPE: tl.constexpr, BIAS: tl.constexpr,
-                  ZERO_POINT: tl.constexpr, SWAP_AB: tl.constexpr):
+                  ZERO_POINT: tl.constexpr, SWAP_AB: tl.constexpr, PTX: tl.constexpr):
     """Slice ``T`` of a tile's words (``[SLICE_K, BLOCK_N]``, or transposed with ``SWAP_AB``)
     as the dot's weights in ``DTYPE``: the biased code (``BIAS``), ``q - z``, or ``q`` (less
-    nothing: offsets), as ``_w4a16_kernel`` describes."""
+    nothing: offsets), as ``_w4a16_kernel`` describes. With ``PTX`` (16-bit x on NVIDIA) the
+    biased codes come from ``_slice_ptx``."""
     BF16: tl.constexpr = DTYPE == tl.bfloat16
     BIAS_BITS: tl.constexpr = 0x4300 if BF16 else 0x6400
     BIAS_VALUE: tl.constexpr = 128.0 if BF16 else 1024.0
-    q = (words >> (4 * (T // 2) + 16 * (T % 2))) & 0xF  # nibble_shift(T)
-    if BIAS:
-        w = (q | BIAS_BITS).to(tl.int16).to(DTYPE, bitcast=True)
-    elif DTYPE != tl.float32:
-        w = (q | BIAS_BITS).to(tl.int16).to(DTYPE, bitcast=True)
-        if ZERO_POINT:
-            w -= _per_n((z + BIAS_VALUE).to(DTYPE), SWAP_AB)
+    if DTYPE != tl.float32:
+        if PTX:
+            w = tl.inline_asm_elementwise(_SLICE_PTX[8 * BF16 + T], "=r,r,r", [words],
+                                          dtype=tl.bfloat16 if BF16 else tl.float16,
+                                          is_pure=True, pack=2)
         else:
-            w -= BIAS_VALUE
+            q = (words >> (4 * (T // 2) + 16 * (T % 2))) & 0xF  # nibble_shift(T)
+            w = (q | BIAS_BITS).to(tl.int16).to(DTYPE, bitcast=True)
+        if not BIAS:
+            if ZERO_POINT:
+                w -= _per_n((z + BIAS_VALUE).to(DTYPE), SWAP_AB)
+            else:
+                w -= BIAS_VALUE
     else:
         # The code under the exponent of 2**23 reads 2**23 + q: no int-to-float conversion (a
         # quarter-rate instruction).
+        q = (words >> (4 * (T // 2) + 16 * (T % 2))) & 0xF
         f = (q | 0x4B000000).to(tl.float32, bitcast=True)
         if ZERO_POINT:
             w = f - _per_n(8388608.0 + z, SWAP_AB)
@@ -218,6 +244,7 @@ def _w4a16_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SLICES: tl.constexpr,
     ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BIAS: tl.constexpr,
     PREFETCH: tl.constexpr, SWAP_AB: tl.constexpr, SCALE_A: tl.constexpr,
+    PTX_DECODE: tl.constexpr,
 ):
     """A ``BLOCK_M x BLOCK_N`` tile of ``y`` over one slice of K (``k_per_split``, whole tiles
     of ``TILE_K``). Slice t of a tile's words is the ``[SLICE_K, BLOCK_N]`` block of weight
@@ -302,7 +329,8 @@ def _w4a16_kernel(
             else:
                 x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :],
                             other=0.0)
-            w = _decode_slice(words, t, z, x.dtype, BIAS and not SCALE_A, ZERO_POINT, SWAP_AB)
+            w = _decode_slice(words, t, z, x.dtype, BIAS and not SCALE_A, ZERO_POINT, SWAP_AB,
+                              PTX_DECODE)
             if SCALE_A:  # the weight itself: (q - z) * s, or q * s + m
                 w = w * s_w + z_w if not ZERO_POINT else w * s_w
             if SWAP_AB:
@@ -672,6 +700,7 @@ class _TileConfig(NamedTuple):
     prefetch: bool = False  # the kernel's PREFETCH, where a tile lies in one group
     swap_ab: bool = False  # the kernel's SWAP_AB: the tile computed transposed
     scale_a: bool = False  # the kernel's SCALE_A: the scales applied to the weights
+    ptx_decode: bool = False  # the kernel's PTX_DECODE, where _tile_ptx allows it
 
 
 # The tiles' configuration for M up to each bound (None: any M), fixed (no autotuning): for each
@@ -786,8 +815,8 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SLICES=group_slices,
         ZERO_POINT=w.zero_point, SPLIT=splits > 1, EVEN_K=k % TILE_K == 0,
         BIAS=cfg.bias and x.dtype != torch.float32, PREFETCH=cfg.prefetch and group_slices == 8,
-        SWAP_AB=cfg.swap_ab, SCALE_A=cfg.scale_a, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        SWAP_AB=cfg.swap_ab, SCALE_A=cfg.scale_a, PTX_DECODE=cfg.ptx_decode and _tile_ptx(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -800,6 +829,13 @@ def _gemv_decode(x: torch.Tensor) -> str:
             and (x.shape[0] == 1 or x.stride(0) % 2 == 0)):
         return "pairs"
     return "subnormal"
+
+
+def _tile_ptx(x: torch.Tensor) -> bool:
+    """Whether the tiles may decode with ``_slice_ptx``: 16-bit x on NVIDIA (not ROCm, not the
+    interpreter)."""
+    return (x.device.type == "cuda" and gpu_arch(x.device) is None
+            and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def _gemv_max_rows(decode: str) -> int:
