@@ -455,7 +455,7 @@ for part in $parts; do
     w4a16-large-sweep) python3 scripts/bench_w4a16.py --ms 64 128 256 --sweep-tiles \
         --write-choice ${W4A16_BASE:+--base "$W4A16_BASE"} \
         --out "$OUT/w4a16_large_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_large_sweep_h200.log"
-      git diff -- pagedserve/platforms/cuda/kernels/w4a16.py > "$OUT/w4a16_large_choice.diff" ;;
+      cp pagedserve/platforms/cuda/kernels/w4a16.py "$OUT/w4a16_large_choice.py" ;;
     decode-awq) bench decode --device cuda --shape llama3-8b --load-format dummy \
         --quantization awq --batch-sizes 1 2 32 128 --context-len 512 \
         --out "$OUT/decode_h200_llama3-8b_awq.json" ;;

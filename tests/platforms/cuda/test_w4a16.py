@@ -225,6 +225,21 @@ def test_swapped_tiles_in_float32(style, scale_a, monkeypatch):
         assert_close(out, reference(x, weight), x.dtype)
 
 
+def test_amd_takes_the_tiles_before_the_transposed_form(monkeypatch):
+    """The transposed tiles are for Hopper's wgmma: on AMD the tiles of the rows before them
+    run in their place (the configurations scripts/amd_compile_sweep.py compiles)."""
+    swapped = w4a16._TileConfig(128, 256, 8, 3, 2, False, True, True, True, True)
+    monkeypatch.setattr(w4a16, "_TILE_CONFIGS", ((64, swapped._replace(block_m=64)),
+                                                 (None, swapped)))
+    assert w4a16._config_for(200, torch.bfloat16, None) == swapped
+    assert w4a16._config_for(200, torch.bfloat16, "gfx950") == w4a16._TileConfig(
+        128, 128, 8, 3, 2, False, True)
+    assert w4a16._config_for(200, torch.bfloat16, "gfx942") == w4a16._TileConfig(
+        128, 128, 8, 2, 2, False, True)
+    assert w4a16._config_for(64, torch.float32, "gfx90a") == w4a16._TileConfig(
+        64, 128, 4, 2, 2, False, True)
+
+
 @pytest.fixture
 def emulated_inline_asm(monkeypatch):
     """Inline PTX run by ``ptx_emulator`` under Triton's interpreter (which cannot run it)."""

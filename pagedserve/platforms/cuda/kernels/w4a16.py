@@ -28,7 +28,9 @@ Three paths, chosen by the number of rows M:
   of K, decoding each tile of W once for all its rows, a slice at a time into ``tl.dot``
   (``_w4a16_kernel``). Decode (small M) uses one block of rows and splits K so that enough
   programs stream the weight. Both split paths end in ``split_k.finish``: deterministic, and
-  one launch. Groups that cut slices (24, say) are dequantized at every M.
+  one launch. Groups that cut slices (24, say) are dequantized at every M. With ``swap_ab``
+  the tile is computed transposed, so that on Hopper the decoded weights are wgmma's register
+  operand instead of being written to shared memory each slice (Machete's operand order).
 - **Dequantize** (M from ``DEQUANT_MIN_M``, prefill and large decode batches): the weight is
   expanded to a dense ``[K, N]`` copy in the activation dtype and multiplied by ``torch.mm``.
   There the matmul is compute-bound and the tiles reach a fifth to a third of cuBLAS, while
@@ -736,14 +738,20 @@ GEMV_MAX_SPLITS = 64
 
 
 def _config_for(m: int, dtype: torch.dtype, arch: str | None) -> _TileConfig:
-    """``_config``, with the tiles that pass the 64 KiB of LDS of AMD GPUs other than gfx950
-    cut to 2 stages (``arch`` is None on NVIDIA): fp32 ones, and 128-row ones whose dot takes
+    """``_config``, on AMD GPUs (``arch``; None on NVIDIA) with the tiles before the transposed
+    form (which is for Hopper's wgmma) in its place, and those that pass the 64 KiB of LDS of
+    AMD GPUs other than gfx950 cut to 2 stages: fp32 ones, and 128-row ones whose dot takes
     ``q - z`` (its 16-bit copy of the decoded tile; 80 KiB on gfx1100). Chosen by compiling
     for gfx90a/gfx942/gfx1100 on the CPU (``scripts/amd_compile_sweep.py``); never run on an
     AMD GPU."""
     cfg = _config(m)
+    if arch is None:
+        return cfg
+    if cfg.swap_ab:
+        cfg = _TileConfig(min(cfg.block_m, 128), 128, 4 if cfg.block_m <= 64 else 8, 3,
+                          cfg.programs_per_sm, False, cfg.prefetch)
     large = dtype == torch.float32 or (cfg.block_m >= 128 and not cfg.bias)
-    if not large or arch is None or arch.startswith("gfx950"):
+    if not large or arch.startswith("gfx950"):
         return cfg
     return cfg._replace(num_stages=min(cfg.num_stages, 2))
 
