@@ -256,7 +256,7 @@ SCALED = ((False, True, True, True, False), (False, True, True, True, True))
 SCALED_PTX = ((False, True, True, True, True),)
 _LARGE = [(128, 128, 8, 3, ((False, False, False, False, False),
                             (False, False, False, False, True))),
-          (64, 128, 4, 3, SWAPPED), (64, 256, 8, 3, SCALED_PTX), (128, 128, 4, 3, SCALED),
+          (64, 128, 4, 3, SWAPPED), (64, 256, 8, 3, SCALED_PTX), (128, 128, 4, 3, SCALED_PTX),
           (128, 256, 8, 3, SCALED)]
 TILE_CANDIDATES = {
     16: [(16, 128, 4, 3, BIAS_PREFETCH), (16, 256, 4, 3, BIAS_PREFETCH)],
