@@ -688,7 +688,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, K_WORDS, group_size,
 # from which the weight is dequantized for cuBLAS (written with _TILE_CONFIGS); the tiles in
 # between.
 GEMV_MAX_M = 2
-DEQUANT_MIN_M = 128
+DEQUANT_MIN_M = 129
 PATHS = ("gemv", "tiles", "dequant")
 
 
@@ -710,13 +710,18 @@ class _TileConfig(NamedTuple):
 # range (`scripts/bench_w4a16.py --sweep-tiles`, which with --write-choice rewrites this
 # table). From the H200 sweep of 2026-12-01 (benchmarks/results/issue30/w4a16_variants_*):
 # q - z in 16 bits (bias False) and the scale row a tile ahead (prefetch) won at every M up to
-# 64: at M = 16, 92 us against 117 with neither; M = 32: 114 against 191; M = 64: 193 against
-# 243. From 128 rows dequantize + cuBLAS stays faster (327 against 377 us for the tiles).
+# 64 (M = 16: 92 us against 117 with neither; M = 32: 114 against 191). The large-M sweep
+# (w4a16_large_sweep_h200.*): from 64 rows the transposed tiles (swap_ab, the decoded weights
+# wgmma's register operand) with the PTX decode: 141 us at M = 64 against 190 for the tiles
+# before; 272 at M = 128 against 329 for dequantize + cuBLAS; at 256 dequantize + cuBLAS
+# (333 against 410). The sweep put the dequantize bound at 256 (its first losing M);
+# DEQUANT_MIN_M is 129 instead, so no M between the swept 128 and 256 takes unmeasured tiles.
 _TILE_CONFIGS = (
-    (16, _TileConfig(16, 128, 4, 3, 4, False, True)),
-    (32, _TileConfig(32, 128, 4, 3, 2, False, True)),
-    (64, _TileConfig(64, 128, 4, 3, 2, False, True)),
-    (None, _TileConfig(128, 128, 8, 3, 2, False, False)),
+    (16, _TileConfig(16, 128, 4, 3, 4, False, True, False, False, False)),
+    (32, _TileConfig(32, 128, 4, 3, 2, False, True, False, False, False)),
+    (64, _TileConfig(64, 128, 4, 3, 2, False, True, True, False, True)),
+    (128, _TileConfig(128, 128, 4, 3, 2, False, True, True, True, True)),
+    (None, _TileConfig(64, 128, 4, 3, 2, False, True, True, False, True)),
 )
 
 
