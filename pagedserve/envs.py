@@ -41,3 +41,9 @@ def allow_runtime_lora_updating() -> bool:
     """VLLM_ALLOW_RUNTIME_LORA_UPDATING (vLLM's name, so that its deployments work unchanged):
     1 or true turns on --enable-runtime-lora-updating."""
     return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+
+
+def cuda_home() -> str | None:
+    """CUDA_HOME (else CUDA_PATH): the CUDA toolkit whose ``bin/nvcc`` builds the CUDA C++
+    kernels; unset, ``nvcc`` on PATH, else /usr/local/cuda."""
+    return os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or None

@@ -9,7 +9,8 @@ Times are medians from ``triton.testing.do_bench_cudagraph`` (GPU time, as under
 The calls cycle through copies of the weight that together pass four times the L2 cache, so
 each call reads its weight from memory, as a decode step does. ``--sweep-gemv`` times the
 one- and two-row kernel's configurations (blocks, warps, split-K target, one word's pairs or
-two words'), ``--sweep-tiles`` the tiles' (block sizes, warps, stages, split-K target, biased
+two words'), ``--sweep-mma`` the CUDA C++ kernel's compiled variants and split targets,
+``--sweep-tiles`` the tiles' (block sizes, warps, stages, split-K target, biased
 codes or ``q - z``, the scale row a tile ahead or not) at each M and picks the fastest per
 range of M (``--write-choice`` writes both choices into the kernel's source, for the runs
 that follow and to commit). Each swept variant's output is checked against dequantize +
@@ -53,6 +54,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ms", type=int, nargs="+", default=list(MS))
     p.add_argument("--sweep-gemv", action="store_true")
     p.add_argument("--sweep-tiles", action="store_true")
+    p.add_argument("--sweep-mma", action="store_true",
+                   help="time the CUDA C++ mma kernel's compiled variants and split targets")
     p.add_argument("--write-choice", action="store_true",
                    help="with --sweep-tiles / --sweep-gemv: write their choices into the "
                    "kernel's source")
@@ -152,7 +155,8 @@ def time_all(module, x: torch.Tensor, out: torch.Tensor, packed: list,
     m = x.shape[0]
     paths = {path: _time(cycling(lambda w, path=path: module.matmul(x, w, out=out, path=path),
                                  packed))
-             for path in module.PATHS if path != "gemv" or m <= module.GEMV_MAX_M}
+             for path in module.PATHS
+             if m <= {"gemv": module.GEMV_MAX_M, "mma": module.w4a16_mma.MAX_M}.get(path, m)}
     ms_mm = _time(cycling(lambda w: torch.mm(x, w.T, out=out), dense))
     return _time(cycling(lambda w: module.matmul(x, w, out=out), packed)), ms_mm, paths
 
@@ -306,6 +310,46 @@ def sweep_tiles(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
     return rows
 
 
+class _MmaVariant:
+    """``matmul`` for ``_layers``: the mma kernel's compiled variant ``variant``."""
+
+    def __init__(self, variant: int):
+        self.variant = variant
+
+    def matmul(self, x, w, out=None, path=None):
+        from pagedserve.platforms.cuda.kernels import w4a16_mma
+
+        return w4a16_mma.matmul(x, w, out, None, self.variant)
+
+
+MMA_SPLIT_TARGETS = (1, 2, 4)
+
+
+def sweep_mma(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
+    """The mma kernel's variants (stages; built with ``W4A16_MMA_SWEEP``) by
+    split-K target (blocks per multiprocessor) at each M of ``--ms`` up to its ``MAX_M``."""
+    from pagedserve.platforms.cuda.kernels import w4a16, w4a16_mma
+
+    lib = w4a16_mma.library(torch.cuda.get_device_capability(), sweep=True)
+    if lib is None:
+        sys.exit("the mma kernel does not build here (see the log line above)")
+    weights = _sweep_weights(args)
+    total_bytes = sum(packed_bytes(w[0]) for w in weights.values())
+    original = w4a16_mma.PROGRAMS_PER_SM
+    rows = []
+    for m in [m for m in args.ms if m <= w4a16_mma.MAX_M]:
+        xs = _sweep_inputs(m, args)
+        refs = _references(w4a16, weights, xs)
+        for variant in range(lib.w4a16_mma_variants()):
+            for per_sm in MMA_SPLIT_TARGETS:
+                w4a16_mma.PROGRAMS_PER_SM = per_sm
+                layer_ms = _layers(_MmaVariant(variant), "mma", weights, xs, refs)
+                row = _sweep_row(m, f"mma v{variant}", None, layer_ms, total_bytes, copy_gbs)
+                rows.append({**row, "variant": variant, "programs_per_sm": per_sm})
+    w4a16_mma.PROGRAMS_PER_SM = original
+    return rows
+
+
 def _sweep_row(m: int, path: str, cfg, layer_ms: dict, total_bytes: int,
                copy_gbs: float) -> dict:
     total = sum(layer_ms.values())
@@ -444,6 +488,9 @@ def main() -> None:
                             "dequant_min_m": dequant_min}
         if args.write_choice:
             write_choice(table, dequant_min)
+        torch.cuda.empty_cache()
+    if args.sweep_mma:
+        result["mma_sweep"] = sweep_mma(args, copy_gbs)
         torch.cuda.empty_cache()
     rows = []
     for name, n, k in SHAPES:

@@ -5,7 +5,7 @@
 #                                        layer-tests llama llama-breakdown decode
 #                                        step-overhead mixed smollm2 fp8 serve
 #                                        w4a16 w4a16-tests w4a16-sweep w4a16-tiles-sweep
-#                                        w4a16-large-sweep decode-awq
+#                                        w4a16-large-sweep w4a16-mma decode-awq
 #                                        decode-bf16 awq bf16 fp8-tests fp8-w8a8
 #                                        fp8-w8a8-kv decode-fp8 fp8-linear serve-make tp1-vs-base
 #                                        bf16-vs-base fp8-vs-base fp8kv-vs-base tp2
@@ -456,6 +456,12 @@ for part in $parts; do
         --write-choice ${W4A16_BASE:+--base "$W4A16_BASE"} \
         --out "$OUT/w4a16_large_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_large_sweep_h200.log"
       cp pagedserve/platforms/cuda/kernels/w4a16.py "$OUT/w4a16_large_choice.py" ;;
+    # The CUDA C++ mma kernel (up to 16 rows): its tests, then its compiled variants by
+    # split-K target over the four 8B layers at M = 1 .. 16, then every path at those M.
+    w4a16-mma) python3 -m pytest -q -p no:cacheprovider tests/platforms/cuda/test_w4a16_mma.py \
+        2>&1 | tee "$OUT/gpu_w4a16_mma_tests.log"
+      python3 scripts/bench_w4a16.py --ms 1 2 4 8 16 --sweep-mma \
+        --out "$OUT/w4a16_mma_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_mma_sweep_h200.log" ;;
     decode-awq) bench decode --device cuda --shape llama3-8b --load-format dummy \
         --quantization awq --batch-sizes 1 2 32 128 --context-len 512 \
         --out "$OUT/decode_h200_llama3-8b_awq.json" ;;

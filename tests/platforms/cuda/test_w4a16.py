@@ -66,14 +66,15 @@ def reference(x: torch.Tensor, weight: GroupQuantWeight) -> torch.Tensor:
     return (x @ dense.T).cpu()
 
 
-def run_kernel(x: torch.Tensor, weight: GroupQuantWeight, split_k: int | None = None):
+def run_kernel(x: torch.Tensor, weight: GroupQuantWeight, split_k: int | None = None,
+               path: str | None = None):
     packed = w4a16.pack(weight.values, weight.scales, weight.offsets, weight.group_size,
                         x.device)
     out = torch.full((x.shape[0], weight.shape[0]), float("nan"), dtype=x.dtype,
                      device=x.device)
     for _ in range(2):  # the split-K counters must be back at zero for the second call
         out.fill_(float("nan"))
-        assert w4a16.matmul(x, packed, split_k, out) is out
+        assert w4a16.matmul(x, packed, split_k, out, path=path) is out
         assert not packed.counters.any()
     return out
 
@@ -155,6 +156,28 @@ def test_path_choice_by_rows_and_groups():
         w4a16.matmul(rows(3), packed(24), path="tiles")
     with pytest.raises(ValueError, match="rows"):
         w4a16.matmul(rows(2), g128, path="gemv")
+
+
+def test_path_falls_back_to_triton_without_nvcc(monkeypatch, tmp_path):
+    """Where the CUDA C++ kernel would take the rows but does not build (no nvcc), the Triton
+    paths do; where it builds, it is chosen (its shape rules: tests/.../test_w4a16_mma.py)."""
+    from pagedserve.platforms.cuda.kernels import w4a16_mma
+
+    weight = random_weight(64, 256, 128, seed=1)
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 128, torch.device("cpu"))
+    x = torch.ones(2, 256, device=DEVICE)
+    monkeypatch.setattr(w4a16_mma, "eligible", lambda x, w: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+    library = w4a16_mma.library
+    library.cache_clear()
+    try:
+        assert w4a16._choose_path(x, packed) == "tiles"
+    finally:
+        library.cache_clear()  # the missing build is not remembered past this test
+    monkeypatch.setattr(w4a16_mma, "library", lambda capability: object())
+    assert w4a16._choose_path(x, packed) == "mma"
 
 
 # Every group size the tiles take (16-column slices: per slice, 2 or 4 slices a group, a whole
@@ -464,7 +487,12 @@ def test_kernel_llama_sizes_cuda(shape, dtype_m):
     n, k = shape
     weight = _llama_weight(n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
-    assert_close(run_kernel(x, weight), reference(x, weight), dtype)
+    ref = reference(x, weight)
+    assert_close(run_kernel(x, weight), ref, dtype)
+    # Up to 16 rows, every path that takes them (the CUDA C++ kernel and the Triton ones).
+    for path in ("tiles", "gemv", "mma") if m <= 16 else ():
+        if path != "gemv" or m <= w4a16.GEMV_MAX_M:
+            assert_close(run_kernel(x, weight, path=path), ref, dtype)
 
 
 # The tiles the large-M sweep times (scripts/bench_w4a16.py), whichever it chooses: transposed
@@ -506,9 +534,10 @@ def test_large_tiles_llama_cuda(cfg, dtype_m, monkeypatch):
 
 @cuda
 @needs_cuda
+@pytest.mark.parametrize("style", ["gguf", "awq"])
 @pytest.mark.parametrize("group", [32, 64, 128, 4096])
-def test_group_sizes_cuda(group):
-    weight = random_weight(1024, 4096, group, seed=group, style="gguf", act_order=True)
+def test_group_sizes_cuda(group, style):
+    weight = random_weight(1024, 4096, group, seed=group, style=style, act_order=True)
     layer = nn.Module()
     method = quant_linear.W4A16LinearMethod()
     method.create_weights(layer, weight, torch.bfloat16, DEVICE)

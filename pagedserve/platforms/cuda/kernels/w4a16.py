@@ -62,6 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.platforms.cuda.kernels import w4a16_mma
 from pagedserve.platforms.cuda.kernels.device import gpu_arch, sm_count
 from pagedserve.platforms.cuda.kernels.split_k import finish, split_count
 
@@ -689,7 +690,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, K_WORDS, group_size,
 # between.
 GEMV_MAX_M = 2
 DEQUANT_MIN_M = 129
-PATHS = ("gemv", "tiles", "dequant")
+PATHS = ("mma", "gemv", "tiles", "dequant")
 
 
 class _TileConfig(NamedTuple):
@@ -779,8 +780,17 @@ def _group_slices(w: PackedW4) -> int | None:
     return w.group_size // SLICE_K if TILE_K % w.group_size == 0 else 1
 
 
+# The rows for which the CUDA C++ kernel (where it is built) beat the Triton paths on the
+# H200 (2026-12-01, the four 8B layers summed, scripts/bench_w4a16.py --sweep-mma): from 2
+# rows against the GEMV (66 against 75 us), up to 8 against the tiles (88 against 90 us; at
+# 16, 118 against 94). The kernel itself takes up to w4a16_mma.MAX_M rows.
+MMA_ROWS = range(2, 9)
+
+
 def _choose_path(x: torch.Tensor, w: PackedW4) -> str:
     m = x.shape[0]
+    if m in MMA_ROWS and w4a16_mma.usable(x, w):
+        return "mma"
     if m <= _gemv_max_rows(_gemv_decode(x)) and _gemv_block_k(w, _gemv_config().block_k):
         return "gemv"
     return "tiles" if m < DEQUANT_MIN_M and _group_slices(w) else "dequant"
@@ -804,6 +814,12 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
     path = path or _choose_path(x, w)
     if path == "dequant":
         return torch.mm(x, dequantize(w, x.dtype), out=out)
+    if path == "mma":
+        if not w4a16_mma.eligible(x, w):
+            raise ValueError("the mma kernel takes 16-bit x of up to "
+                             f"{w4a16_mma.MAX_M} rows on NVIDIA, zero points and groups of a "
+                             "power of two from 32")
+        return w4a16_mma.matmul(x, w, out, split_k)
     if path == "gemv":
         return _gemv(x, w, split_k, out)
     group_slices = _group_slices(w)

@@ -1,0 +1,121 @@
+"""W4A16 for up to ``MAX_M`` rows on NVIDIA's tensor cores: ``csrc/w4a16_mma.cu`` (its header
+describes the fragment order), built at first use by the machine's ``nvcc`` and called through
+ctypes on torch's current stream, so CUDA graphs capture it. It reads the layout
+``kernels.w4a16.pack`` writes, so the same packed weight serves it, the Triton tiles (from
+``MAX_M + 1`` rows, and wherever this kernel is not built: no ``nvcc``, ROCm, before sm_80)
+and the dequantize path. It takes integer zero points (AWQ, GPTQ) with float16 scales and
+groups of a power of two from 32 or one group, N a multiple of 32 and K of 8.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedserve.platforms.cuda import native_build
+from pagedserve.platforms.cuda.kernels.device import sm_count
+
+if TYPE_CHECKING:
+    from pagedserve.platforms.cuda.kernels.w4a16 import PackedW4
+
+SOURCE = native_build.CSRC / "w4a16_mma.cu"
+MAX_M = 16
+# The kernel's block: 128 output features (4 warps of 32) by the columns of one split of K,
+# whose rows of x (up to 8, or 16 from 9 rows) are staged in shared memory, a row of them
+# 32 elements longer than the split, beside the weights' cp.async stages. The staged x is kept
+# within X_BYTES, which bounds a split's tiles of 128 columns, so that several blocks fit in a
+# multiprocessor.
+BLOCK_N = 128
+_TILE_K = 128
+X_BYTES = 32 * 1024
+_ROW_PAD = 32
+# Splits of K aim at this many blocks per multiprocessor: enough weight loads in flight
+# (4 beat 1 and 2 at every M in the sweep of 2026-12-01, scripts/bench_w4a16.py --sweep-mma).
+PROGRAMS_PER_SM = 4
+
+
+class _Args(ctypes.Structure):
+    """``W4A16MmaArgs`` of the .cu file, field for field."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("x", "qweight", "scales", "zeros", "out", "partial", "counters")] + [
+                (name, ctypes.c_int) for name in
+                ("m", "n", "k", "x_stride", "out_stride", "group_shift", "scale_rows", "tiles",
+                 "tiles_per_split", "splits", "bf16", "variant", "device")]
+
+
+@functools.cache
+def library(capability: tuple[int, int], sweep: bool = False) -> ctypes.CDLL | None:
+    """The built kernels for GPUs of ``capability``, or None (no ``nvcc``, a failed build).
+    ``sweep`` also compiles the variants ``scripts/bench_w4a16.py`` times."""
+    lib = native_build.load_library(SOURCE, capability, ("W4A16_MMA_SWEEP",) if sweep else ())
+    if lib is not None:
+        lib.w4a16_mma.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p]
+        lib.w4a16_mma.restype = ctypes.c_int
+        lib.w4a16_mma_variants.argtypes = []
+        lib.w4a16_mma_variants.restype = ctypes.c_int
+    return lib
+
+
+def eligible(x: torch.Tensor, w: PackedW4) -> bool:
+    """Whether the kernel takes these operands on an NVIDIA GPU of sm_80 or later (the
+    library aside): 16-bit x of up to ``MAX_M`` aligned rows, zero points, float16 scales,
+    groups of a power of two from 32 (or one), N a multiple of 32, K of 8."""
+    m, k = x.shape
+    n = w.qweight.shape[1]
+    return (x.device.type == "cuda" and torch.version.hip is None
+            and x.dtype in (torch.bfloat16, torch.float16) and 1 <= m <= MAX_M
+            and w.zero_point and w.scales.dtype == torch.float16
+            and (w.scales.shape[0] == 1 or _power_of_two(w.group_size) and w.group_size >= 32)
+            and n % 32 == 0 and k % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+            and torch.cuda.get_device_capability(x.device) >= (8, 0))
+
+
+def _power_of_two(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def usable(x: torch.Tensor, w: PackedW4) -> bool:
+    """``eligible`` and the library built."""
+    return eligible(x, w) and library(torch.cuda.get_device_capability(x.device)) is not None
+
+
+def plan(m: int, n: int, tiles: int, sms: int, split_k: int | None = None) -> tuple[int, int]:
+    """(tiles per split, splits) of K's ``tiles``: ``split_k`` or enough splits for
+    ``PROGRAMS_PER_SM`` blocks per multiprocessor, each split's x within ``X_BYTES``."""
+    rows = min(m, 8 if m <= 8 else 16)
+    max_tiles = (X_BYTES // (2 * rows) - _ROW_PAD) // _TILE_K
+    columns = -(-n // BLOCK_N)
+    splits = min(max(split_k or -(-PROGRAMS_PER_SM * sms // columns), 1), tiles)
+    per_split = min(tiles // splits, max_tiles)  # rounded down: at least ``splits`` splits
+    return per_split, -(-tiles // per_split)
+
+
+def matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, split_k: int | None = None,
+           variant: int = 0) -> torch.Tensor:
+    """``out = x @ W^T`` for ``eligible`` operands (``out`` contiguous ``[M, N]``); ``variant``
+    picks a compiled number of stages of the sweep build."""
+    if out.stride(0) % 4 or out.stride(1) != 1 or out.data_ptr() % 8:
+        # The kernel stores four outputs at once.
+        return out.copy_(matmul(x, w, torch.empty_like(out, memory_format=torch.contiguous_format),
+                                split_k, variant))
+    m, k = x.shape
+    n = w.qweight.shape[1]
+    tiles = w.qweight.shape[0] // 16
+    per_split, splits = plan(m, n, tiles, sm_count(x.device), split_k)
+    partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
+                          device=x.device)
+    lib = library(torch.cuda.get_device_capability(x.device), variant != 0)
+    args = _Args(x.data_ptr(), w.qweight.data_ptr(), w.scales.data_ptr(), w.shifts.data_ptr(),
+                 out.data_ptr(), partial.data_ptr(), w.counters.data_ptr(),
+                 m, n, k, x.stride(0), out.stride(0),
+                 31 if w.scales.shape[0] == 1 else w.group_size.bit_length() - 1,
+                 w.scales.shape[0], tiles,
+                 per_split, splits, x.dtype == torch.bfloat16, variant, x.device.index or 0)
+    err = lib.w4a16_mma(ctypes.byref(args), torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"w4a16_mma launch failed: CUDA error {err}")
+    return out
