@@ -53,20 +53,22 @@ def pack_inputs_by_chunk(out: SchedulerOutput, block_size: int,
     context_np = np.asarray(context_lens, dtype=np.int64)
     seq_lens_np = context_np + query_lens_np
     starts = np.concatenate(([0], np.cumsum(query_lens_np)))
-    # position of each row = its sequence's context length + its offset inside the chunk
-    seq_of_row = np.repeat(np.arange(len(query_lens)), query_lens_np)
-    positions = np.arange(starts[-1]) - starts[seq_of_row] + context_np[seq_of_row]
-    # Padded rows sit at position 0, so they all write the pad block's first slot.
-    positions[row:] = 0
-
+    # Row by row: a chunk's rows sit at its context length onwards and write the slot its
+    # block table gives; padded rows sit at position 0 (the pad block's first slot).
+    positions, slots = [], []
+    for i, (n, context) in enumerate(zip(query_lens, context_lens, strict=True)):
+        for position in (range(context, context + n) if i < len(out.scheduled) else [0] * n):
+            positions.append(position)
+            slots.append(tables[i][position // block_size] * block_size
+                         + position % block_size)
     table_np = np.zeros((len(tables), max_blocks), dtype=np.int64)
     for i, t in enumerate(tables):
         table_np[i, :len(t)] = t
-    slots = table_np[seq_of_row, positions // block_size] * block_size + positions % block_size
     return HostInputs(
         input_ids=np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
-        positions=positions, query_start_loc=starts, seq_lens=seq_lens_np,
-        context_lens=context_np, block_tables=table_np, slot_mapping=slots,
+        positions=np.asarray(positions, dtype=np.int64), query_start_loc=starts,
+        seq_lens=seq_lens_np, context_lens=context_np, block_tables=table_np,
+        slot_mapping=np.asarray(slots, dtype=np.int64),
         query_lens=query_lens,
         max_seq_len=(int(seq_lens_np.max()) if buckets is None else max_blocks * block_size),
         block_size=block_size,
