@@ -55,7 +55,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep-gemv", action="store_true")
     p.add_argument("--sweep-tiles", action="store_true")
     p.add_argument("--sweep-mma", action="store_true",
-                   help="time the CUDA C++ mma kernel's compiled variants and split targets")
+                   help="time the CUDA C++ mma kernels' blocks, compiled variants and split "
+                        "targets")
+    p.add_argument("--mma-variants", type=int, nargs="+",
+                   help="the compiled variants --sweep-mma times (default: all)")
     p.add_argument("--write-choice", action="store_true",
                    help="with --sweep-tiles / --sweep-gemv: write their choices into the "
                    "kernel's source")
@@ -156,7 +159,7 @@ def time_all(module, x: torch.Tensor, out: torch.Tensor, packed: list,
     paths = {path: _time(cycling(lambda w, path=path: module.matmul(x, w, out=out, path=path),
                                  packed))
              for path in module.PATHS
-             if m <= {"gemv": module.GEMV_MAX_M, "mma": module.w4a16_mma.MAX_M}.get(path, m)}
+             if m <= {"gemv": module.GEMV_MAX_M}.get(path, m)}
     ms_mm = _time(cycling(lambda w: torch.mm(x, w.T, out=out), dense))
     return _time(cycling(lambda w: module.matmul(x, w, out=out), packed)), ms_mm, paths
 
@@ -311,23 +314,27 @@ def sweep_tiles(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
 
 
 class _MmaVariant:
-    """``matmul`` for ``_layers``: the mma kernel's compiled variant ``variant``."""
+    """``matmul`` for ``_layers``: the mma kernels' compiled variant ``variant`` with blocks of
+    ``rows`` rows (``w4a16_mma.Plan.block_rows``)."""
 
-    def __init__(self, variant: int):
-        self.variant = variant
+    def __init__(self, variant: int, rows: int):
+        self.variant, self.rows = variant, rows
 
     def matmul(self, x, w, out=None, path=None):
         from pagedserve.platforms.cuda.kernels import w4a16_mma
 
-        return w4a16_mma.matmul(x, w, out, None, self.variant)
+        return w4a16_mma.matmul(x, w, out, None, self.variant, self.rows)
 
 
 MMA_SPLIT_TARGETS = (1, 2, 4)
+MMA_BLOCK_ROWS = (0, 16, 32, 64)  # 0: the few-rows kernel (up to w4a16_mma.FEW_ROWS)
 
 
 def sweep_mma(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
-    """The mma kernel's variants (stages; built with ``W4A16_MMA_SWEEP``) by
-    split-K target (blocks per multiprocessor) at each M of ``--ms`` up to its ``MAX_M``."""
+    """The mma kernels (rows per block, ``MMA_BLOCK_ROWS``) and their variants (stages; built
+    with ``W4A16_MMA_SWEEP``; ``--mma-variants``) by split-K target (blocks per
+    multiprocessor) at each M of ``--ms``; the dequantize path and the engine's choice
+    alongside."""
     from pagedserve.platforms.cuda.kernels import w4a16, w4a16_mma
 
     lib = w4a16_mma.library(torch.cuda.get_device_capability(), sweep=True)
@@ -335,18 +342,29 @@ def sweep_mma(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
         sys.exit("the mma kernel does not build here (see the log line above)")
     weights = _sweep_weights(args)
     total_bytes = sum(packed_bytes(w[0]) for w in weights.values())
-    original = w4a16_mma.PROGRAMS_PER_SM
+    original = w4a16_mma.PROGRAMS_PER_SM, w4a16_mma.MANY_ROWS_PROGRAMS_PER_SM
+    variants = args.mma_variants or range(lib.w4a16_mma_variants())
     rows = []
-    for m in [m for m in args.ms if m <= w4a16_mma.MAX_M]:
+    for m in args.ms:
         xs = _sweep_inputs(m, args)
         refs = _references(w4a16, weights, xs)
-        for variant in range(lib.w4a16_mma_variants()):
-            for per_sm in MMA_SPLIT_TARGETS:
-                w4a16_mma.PROGRAMS_PER_SM = per_sm
-                layer_ms = _layers(_MmaVariant(variant), "mma", weights, xs, refs)
-                row = _sweep_row(m, f"mma v{variant}", None, layer_ms, total_bytes, copy_gbs)
-                rows.append({**row, "variant": variant, "programs_per_sm": per_sm})
-    w4a16_mma.PROGRAMS_PER_SM = original
+        for block_rows in MMA_BLOCK_ROWS:
+            # Too many rows for the few-rows kernel, or half a block's rows or more wasted.
+            if (block_rows == 0 and m > w4a16_mma.FEW_ROWS
+                    or block_rows > 16 and m <= block_rows // 2):
+                continue
+            for variant in variants:
+                for per_sm in MMA_SPLIT_TARGETS:
+                    w4a16_mma.PROGRAMS_PER_SM = w4a16_mma.MANY_ROWS_PROGRAMS_PER_SM = per_sm
+                    layer_ms = _layers(_MmaVariant(variant, block_rows), "mma", weights, xs, refs)
+                    row = _sweep_row(m, f"mma r{block_rows} v{variant}", None, layer_ms,
+                                     total_bytes, copy_gbs)
+                    rows.append({**row, "block_rows": block_rows, "variant": variant,
+                                 "programs_per_sm": per_sm})
+        w4a16_mma.PROGRAMS_PER_SM, w4a16_mma.MANY_ROWS_PROGRAMS_PER_SM = original
+        for path in ("dequant", None):
+            layer_ms = _layers(w4a16, path, weights, xs, refs)
+            rows.append(_sweep_row(m, path or "chosen", None, layer_ms, total_bytes, copy_gbs))
     return rows
 
 

@@ -1,7 +1,7 @@
 """Run the CUDA C++ W4A16 kernel on one 8B layer a few times, for ``ncu`` (no timing of its own;
 scripts/ncu_w4a16_mma.sh runs it under ncu).
 
-    ncu --clock-control none -k regex:w4a16_mma --launch-skip 3 --launch-count 1 \
+    ncu --clock-control none -k regex:rows_kernel --launch-skip 3 --launch-count 1 \
         --section SpeedOfLight python3 scripts/profile_w4a16_mma.py --m 1 --layer gate_up
 """
 
@@ -25,6 +25,7 @@ def main() -> None:
     p.add_argument("--m", type=int, default=1)
     p.add_argument("--layer", choices=SHAPES, default="gate_up")
     p.add_argument("--variant", type=int, default=0)
+    p.add_argument("--rows", type=int, help="rows per block (w4a16_mma.Plan.block_rows)")
     p.add_argument("--calls", type=int, default=5)
     args = p.parse_args()
     n, k = SHAPES[args.layer]
@@ -35,7 +36,7 @@ def main() -> None:
     x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(args.m, n, device="cuda", dtype=torch.bfloat16)
     for _ in range(args.calls):
-        w4a16_mma.matmul(x, packed, out, None, args.variant)
+        w4a16_mma.matmul(x, packed, out, None, args.variant, args.rows)
     torch.cuda.synchronize()
 
 

@@ -489,10 +489,10 @@ def test_kernel_llama_sizes_cuda(shape, dtype_m):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     ref = reference(x, weight)
     assert_close(run_kernel(x, weight), ref, dtype)
-    # Up to 16 rows, every path that takes them (the CUDA C++ kernel and the Triton ones).
-    for path in ("tiles", "gemv", "mma") if m <= 16 else ():
-        if path != "gemv" or m <= w4a16.GEMV_MAX_M:
-            assert_close(run_kernel(x, weight, path=path), ref, dtype)
+    # The CUDA C++ kernels at every M; up to 16 rows the Triton tiles and GEMV as well.
+    paths = ["mma"] + ["tiles"] * (m <= 16) + ["gemv"] * (m <= w4a16.GEMV_MAX_M)
+    for path in paths:
+        assert_close(run_kernel(x, weight, path=path), ref, dtype)
 
 
 # The tiles the large-M sweep times (scripts/bench_w4a16.py), whichever it chooses: transposed

@@ -1,12 +1,15 @@
-"""The CUDA C++ W4A16 kernel (``csrc/w4a16_mma.cu``): on the CPU, that its source builds with
-the machine's ``nvcc`` (where there is one) and how it splits K; on an NVIDIA GPU, against a
-float64 reference at every group size, odd M, N and K off the block sizes, both 16-bit types,
-with and without split K. Outputs are poisoned with NaN, so a missed write shows; the split-K
-counters must be back at zero after each call, or the next call's sums are wrong.
+"""The CUDA C++ W4A16 kernels (``csrc/w4a16_mma.cu``): on the CPU, that their source builds
+with the machine's ``nvcc`` (where there is one) and how they split K; on an NVIDIA GPU,
+against a float64 reference at every group size, odd M, N and K off the block sizes, both
+16-bit types, each kernel and block of rows, with and without split K. Outputs are poisoned
+with NaN, so a missed write shows; the split-K counters must be back at zero after each call,
+or the next call's sums are wrong.
 """
 
 from __future__ import annotations
 
+import ctypes
+import re
 import shutil
 
 import pytest
@@ -34,6 +37,21 @@ def test_source_builds_for_sm90(sweep, tmp_path, monkeypatch):
     assert [p.name.split("-")[0] for p in (tmp_path / "cuda_kernels").iterdir()] == ["w4a16_mma"]
 
 
+def test_ctypes_args_mirror_the_struct():
+    """``_Args`` must list ``W4A16MmaArgs``'s fields in its order and types, or the kernel
+    reads one field as another (a device index as the rows per block, say)."""
+    source = w4a16_mma.SOURCE.read_text()
+    body = re.search(r"struct W4A16MmaArgs \{(.*?)\n\};", source, re.S).group(1)
+    fields = []
+    for line in body.splitlines():
+        decl = line.split("//")[0].strip().rstrip(";")
+        if decl:
+            kind, names = re.match(r"((?:const )?\w+\*?)\s+(.*)", decl).groups()
+            fields += [(n.strip(), "*" in kind) for n in names.split(",")]
+    assert fields == [(name, ctype is ctypes.c_void_p)
+                      for name, ctype in w4a16_mma._Args._fields_]
+
+
 def test_missing_nvcc_gives_no_library(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
@@ -46,12 +64,27 @@ def test_missing_nvcc_gives_no_library(tmp_path, monkeypatch):
                                                (8, 28672, 32, None), (1, 576, 5, None),
                                                (9, 4096, 112, 1), (1, 4096, 3, 8)])
 def test_plan_covers_k_within_shared_memory(m, n, tiles, split_k):
-    per_split, splits = w4a16_mma.plan(m, n, tiles, 132, split_k)
+    """The few-rows kernel (forced from 9 rows, which the many-rows kernel takes)."""
+    _, per_split, splits = w4a16_mma.plan(m, n, tiles, 132, n // 64, split_k, rows=0)
     assert per_split * splits >= tiles > per_split * (splits - 1)  # no empty split
     assert min(m, 16) * (per_split * 128 + 32) * 2 <= w4a16_mma.X_BYTES  # the staged x fits
     if split_k is None:  # enough blocks, unless K runs out of tiles
         assert splits * -(-n // w4a16_mma.BLOCK_N) >= min(
             w4a16_mma.PROGRAMS_PER_SM * 132, tiles * -(-n // w4a16_mma.BLOCK_N))
+
+
+@pytest.mark.parametrize("m,n,tiles,rows,splits", [
+    # 32 blocks of the output aim at 132 (one per multiprocessor): 5 splits of 32 tiles, of
+    # 6 tiles each, are 6
+    (17, 4096, 32, 32, 6),
+    (64, 28672, 32, 32, 1),  # 2 x 224 blocks: more than a multiprocessor each
+    (100, 4096, 112, 64, 4),  # 2 blocks of rows by 32: 3 splits of 37 tiles are 4
+    (200, 4096, 112, 64, 1)])  # 4 x 32 blocks, more than the 64 counters: one split
+def test_plan_many_rows(m, n, tiles, rows, splits):
+    plan = w4a16_mma.plan(m, n, tiles, 132, n // 64)
+    assert plan.block_rows == rows
+    assert plan.tiles_per_split * plan.splits >= tiles > plan.tiles_per_split * (plan.splits - 1)
+    assert plan.splits == splits
 
 
 def _weight(n: int, k: int, group: int, seed: int):
@@ -64,8 +97,10 @@ def _weight(n: int, k: int, group: int, seed: int):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("group", [32, 64, 128, 256, None], ids=lambda g: f"g{g or 'all'}")
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
-def test_matches_reference_cuda(m, group, dtype):
+@pytest.mark.parametrize("m,rows", [(1, 0), (3, 0), (8, 0), (9, 0), (16, 0), (9, 16),
+                                    (16, 16), (17, 32), (33, 64), (64, 64), (100, 64),
+                                    (130, 64), (257, 64)])
+def test_matches_reference_cuda(m, rows, group, dtype):
     from pagedserve.platforms.cuda.kernels import w4a16
     from tests.platforms.cuda.test_w4a16 import assert_close, reference
 
@@ -79,7 +114,7 @@ def test_matches_reference_cuda(m, group, dtype):
     ref = reference(x, weight)
     for split_k in (1, 5, None):
         out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-        assert w4a16.matmul(x, packed, split_k, out, path="mma") is out
+        assert w4a16_mma.matmul(x, packed, out, split_k, rows=rows) is out
         assert not packed.counters.any()
         assert_close(out, ref, dtype)
 
@@ -118,7 +153,9 @@ def test_chosen_where_built_cuda():
               for w in (awq, gguf))
     for m, dtype, packed, path in [(2, torch.bfloat16, pa, "mma"), (8, torch.float16, pa, "mma"),
                                    (1, torch.bfloat16, pa, "gemv"),
-                                   (9, torch.bfloat16, pa, "tiles"),
+                                   (9, torch.bfloat16, pa, "mma"),
+                                   (16, torch.float16, pa, "mma"),
+                                   (17, torch.bfloat16, pa, "tiles"),
                                    (2, torch.float32, pa, "tiles"),
                                    (4, torch.bfloat16, pg, "tiles")]:
         x = torch.ones(m, 512, device="cuda", dtype=dtype)

@@ -1,5 +1,7 @@
-// y = x @ W^T for a 4-bit grouped weight and up to 16 rows of 16-bit x, on the tensor cores
-// (mma.sync m16n8k16, sm_80 and later), reading the layout that kernels/w4a16.py packs.
+// y = x @ W^T for a 4-bit grouped weight and 16-bit x, on the tensor cores (mma.sync
+// m16n8k16, sm_80 and later), reading the layout that kernels/w4a16.py packs. Two kernels:
+// few_rows_kernel (up to 16 rows) stages a split's x once; many_rows_kernel (blocks of 16 to
+// 64 rows, any M) streams x with the weights. Both are described below, the first here.
 //
 // The packed layout: qweight int32 [16 * tiles, N], N contiguous; word r of tile T (row
 // 16 T + r) holds W[n, 128 T + 16 t + r] for t = 0..7, slice t at bit 4 (t / 2) + 16 (t % 2).
@@ -21,8 +23,8 @@
 // x is staged in shared memory in that column order ([row][tile][word row][pair][half]), so
 // a thread's B fragments for a tile are four 128-bit loads per 8 rows of x.
 //
-// Work: a block is 4 warps across N (32 features each) over one split of K, whose x it
-// stages once; the weights stream through shared memory by cp.async, several tiles ahead.
+// Work (few_rows_kernel): a block is 4 warps across N (32 features each) over one split of
+// K, whose x it stages once; the weights stream through shared memory by cp.async, several tiles ahead.
 // Splits of K leave fp32 partial sums; the last block of a column to finish (counted in
 // `counters`, which are zero between calls and which it zeroes again) adds them in split
 // order, so the result does not depend on timing.
@@ -136,14 +138,15 @@ struct W4A16MmaArgs {
   const uint16_t* zeros;   // float16 [scale_rows, N]: integer zero points
   uint16_t* out;           // [M, N], rows `out_stride` apart
   float* partial;          // [splits, M, N] when splits > 1
-  int* counters;           // [ceil(N / (32 WN))] at least
+  int* counters;           // one per block of the output where splits > 1
   int m, n, k, x_stride, out_stride;
   int group_shift;  // log2 of the group size (a power of two from 32), 31 for one group
   int scale_rows;
   int tiles, tiles_per_split, splits;
   int bf16;     // x's type: bfloat16, else float16
-  int variant;  // index into the compiled STAGES list; 0 is the default
-  int device;   // the CUDA device of every pointer above
+  int variant;     // index into the compiled STAGES lists; 0 is the default
+  int device;      // the CUDA device of every pointer above
+  int block_rows;  // 0: few_rows_kernel; 16, 32 or 64: many_rows_kernel's rows per block
 };
 
 }  // extern "C"
@@ -158,11 +161,74 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* global) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(global));
 }
 
+// Zeros in place of x's columns past K (ok false), whose padded weights are not zero.
+__device__ __forceinline__ void cp_async16_or_zeros(uint32_t smem, const void* global, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(global),
+               "r"(ok ? 16 : 0));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+// The end of both kernels: thread (g, tig) holds rows m0 + 8 m + 2 tig (+1) of y at
+// features nc .. nc + 3 (sums(m, hh)); each_row calls fn(row, m, hh) for those below M.
+// With one split they are stored; else they go to `partial` at `split`, and the last block
+// of the output block `counter` to finish adds the splits in order and resets the counter.
+// Every thread of the block calls it (it holds barriers).
+template <bool BF16, int MT>
+__device__ __forceinline__ void write_out(const W4A16MmaArgs& a, const float (&acc)[2][MT][4],
+                                          int m0, int nc, bool active, int split, int counter,
+                                          int& is_last) {
+  const int tig = threadIdx.x & 3;
+  auto sums = [&](int m, int hh) {
+    return make_float4(acc[0][m][hh], acc[0][m][2 + hh], acc[1][m][hh], acc[1][m][2 + hh]);
+  };
+  auto each_row = [&](auto fn) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        if (m0 + 8 * m + 2 * tig + hh < a.m) fn(m0 + 8 * m + 2 * tig + hh, m, hh);
+  };
+  auto store = [&](int b, float4 v) {
+    const float four[4] = {v.x, v.y, v.z, v.w};
+    Dtype<BF16>::store4(a.out + (size_t)b * a.out_stride + nc, four);
+  };
+  if (a.splits == 1) {
+    if (active) each_row([&](int b, int m, int hh) { store(b, sums(m, hh)); });
+    return;
+  }
+  if (active)
+    each_row([&](int b, int m, int hh) {
+      *reinterpret_cast<float4*>(a.partial + ((size_t)split * a.m + b) * a.n + nc) = sums(m, hh);
+    });
+  __threadfence();  // the partial sums are visible before the count says so
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(a.counters + counter, 1) == a.splits - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  if (active)
+    each_row([&](int b, int, int) {
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int sp = 0; sp < a.splits; ++sp) {  // L2, not this multiprocessor's L1
+        const float4 p = __ldcg(
+            reinterpret_cast<const float4*>(a.partial + ((size_t)sp * a.m + b) * a.n + nc));
+        v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
+      }
+      store(b, v);
+    });
+  if (threadIdx.x == 0) a.counters[counter] = 0;
 }
 
 // GP: pairs per group, 1 (groups of 32), 2 (64) or 4 (128 and more, or one group). With one
@@ -173,7 +239,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // flight per block without holding registers: the loads' latency, not the arithmetic, is
 // what bounds a kernel that reads each byte once.
 template <bool BF16, int MT, int GP, int STAGES>
-__global__ void __launch_bounds__(128) w4a16_mma_kernel(W4A16MmaArgs a) {
+__global__ void __launch_bounds__(128) few_rows_kernel(W4A16MmaArgs a) {
   constexpr int NG = 4 / GP;  // groups per tile
   constexpr bool kBiased = GP == 4;
   constexpr int kStageBytes = kWordBytes + NG * 2 * kBlockN * 2;  // + scale and zero rows
@@ -338,88 +404,227 @@ __global__ void __launch_bounds__(128) w4a16_mma_kernel(W4A16MmaArgs a) {
     }
   }
 
-  // Thread (g, tig) holds rows 8 m + 2 tig (+1) of y at features nc .. nc + 3, the values
-  // of sums(m, hh); each_row calls fn(row, m, hh) for those of them below M.
-  auto sums = [&](int m, int hh) {
-    return make_float4(acc[0][m][hh], acc[0][m][2 + hh], acc[1][m][hh], acc[1][m][2 + hh]);
-  };
-  auto each_row = [&](auto fn) {
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-        if (8 * m + 2 * tig + hh < a.m) fn(8 * m + 2 * tig + hh, m, hh);
-  };
-  auto store = [&](int b, float4 v) {
-    const float four[4] = {v.x, v.y, v.z, v.w};
-    Dtype<BF16>::store4(a.out + (size_t)b * a.out_stride + nc, four);
-  };
-  if (a.splits == 1) {
-    if (active) each_row([&](int b, int m, int hh) { store(b, sums(m, hh)); });
-    return;
-  }
-  if (active)
-    each_row([&](int b, int m, int hh) {
-      *reinterpret_cast<float4*>(a.partial + ((size_t)blockIdx.y * a.m + b) * a.n + nc) =
-          sums(m, hh);
-    });
-  __threadfence();  // the partial sums are visible before the count says so
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(a.counters + blockIdx.x, 1) == a.splits - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  if (active)
-    each_row([&](int b, int, int) {
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int sp = 0; sp < a.splits; ++sp) {  // L2, not this multiprocessor's L1
-        const float4 p = __ldcg(
-            reinterpret_cast<const float4*>(a.partial + ((size_t)sp * a.m + b) * a.n + nc));
-        v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
-      }
-      store(b, v);
-    });
-  if (threadIdx.x == 0) a.counters[blockIdx.x] = 0;
+  write_out<BF16, MT>(a, acc, 0, nc, active, blockIdx.y, blockIdx.x, is_last);
 }
 
+// many_rows_kernel: a block takes 8 MT rows of x (MT = 2, 4 or 8) by 128 features over a split
+// of K and streams each tile's x through the cp.async stages with its weights; x is staged as
+// it is in memory, a row of 16 chunks of 16 bytes XOR-swizzled by the row, so that cp.async
+// copies it whole and ldmatrix reads the B fragments (8 rows of 16 columns without bank
+// conflicts). For that, mma step s of a tile takes its 16 adjacent columns 16 s .. 16 s + 15:
+// a byte permute of word rows r and r + 1 (r even) puts their codes of one slice side by side
+// (columns 16 t + r, + 1 of the tile; low halves: even slices, high halves: odd), so thread
+// (g, tig) takes word rows 2 tig, 2 tig + 1 (its A columns 2 tig, + 1) and 2 tig + 8, + 9
+// (2 tig + 8, + 9), and step s = 2 p + h is pair p of the low (h = 0) or high (h = 1) permuted
+// word. Features are as in few_rows_kernel. The dot takes q - z, and each group's scale
+// multiplies the fp32 sums of its steps (part) into acc, as there.
 template <bool BF16, int MT, int GP, int STAGES>
-cudaError_t launch(const W4A16MmaArgs& a, cudaStream_t stream) {
+__global__ void __launch_bounds__(128, 2) many_rows_kernel(W4A16MmaArgs a) {
   constexpr int NG = 4 / GP;
-  const int rows = a.m < 8 * MT ? a.m : 8 * MT;
-  const size_t bytes = (size_t)STAGES * (kWordBytes + NG * 2 * kBlockN * 2) +
-                       (size_t)rows * (a.tiles_per_split * kTileK + kRowPad) * 2 +
-                       (GP == 4 ? (size_t)rows * a.tiles_per_split * 4 : 0);  // x's sums
-  auto kernel = w4a16_mma_kernel<BF16, MT, GP, STAGES>;
-  // All of L1 that shared memory may take, so that blocks are limited by registers.
+  constexpr int kScaleBytes = NG * 2 * kBlockN * 2;
+  constexpr int kXRowBytes = kTileK * 2;
+  constexpr int kStageBytes = kWordBytes + kScaleBytes + 8 * MT * kXRowBytes;
+  extern __shared__ uint4 smem[];
+  char* stages = reinterpret_cast<char*>(smem);
+  const uint32_t stages_at = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
+  __shared__ int is_last;
+
+  const int lane = threadIdx.x & 31, wn = threadIdx.x >> 5;
+  const int g = lane >> 2, tig = lane & 3;
+  const int m0 = blockIdx.x * 8 * MT;
+  const int n_block = blockIdx.y * kBlockN;
+  const int nc = n_block + wn * 32 + 4 * g;
+  const bool active = nc < a.n;
+  const int t_lo = blockIdx.z * a.tiles_per_split;
+  const int block_tiles = min(a.tiles_per_split, a.tiles - t_lo);
+
+  // Word row wn + 4 c's 16-byte chunk `lane` goes to chunk lane ^ swizzle(row), so that the
+  // reads below (word rows 2 tig and the like, chunks of g) hit eight different bank groups
+  // a quarter-warp; each scale and zero row as in few_rows_kernel; then x's chunk `xc` of
+  // rows x_row + 8 i (rows past M repeat the last: their outputs are not stored).
+  auto swizzle = [](int row) { return ((row >> 1) & 3) << 1; };
+  const size_t four_rows = 4 * (size_t)a.n;
+  const uint32_t* w_src = a.qweight + (16 * (size_t)t_lo + wn) * a.n + n_block + 4 * lane;
+  const bool w_ok = n_block + 4 * lane < a.n;
+  const uint16_t* s_src = ((lane / 16) ? a.zeros : a.scales) + n_block + 8 * (lane % 16);
+  const int s_dst = kWordBytes + (2 * wn + lane / 16) * 256 + 16 * (lane % 16);
+  const bool s_ok = wn < NG && n_block + 8 * (lane % 16) < a.n;
+  const int x_row = threadIdx.x >> 4, xc = threadIdx.x & 15;
+  const int x_dst = kWordBytes + kScaleBytes + x_row * kXRowBytes + ((xc ^ (x_row & 7)) * 16);
+  int next = 0;
+  auto issue = [&]() {
+    if (next < block_tiles) {
+      char* st = stages + (next % STAGES) * kStageBytes;
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        if (w_ok)
+          cp_async16(st + (wn + 4 * c) * 512 + ((lane ^ swizzle(wn + 4 * c)) * 16),
+                     w_src + c * four_rows);
+      const int tile = t_lo + next;
+      if (s_ok) {
+        const int group = min((tile * kTileK + wn * 32 * GP) >> a.group_shift, a.scale_rows - 1);
+        cp_async16(st + s_dst, s_src + (size_t)group * a.n);
+      }
+      const int col = tile * kTileK + 8 * xc;
+      const uint32_t x_at = stages_at + (next % STAGES) * kStageBytes + x_dst;
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        const int row = min(m0 + x_row + 8 * i, a.m - 1);
+        cp_async16_or_zeros(x_at + 8 * i * kXRowBytes,
+                            a.x + (size_t)row * a.x_stride + (col < a.k ? col : 0), col < a.k);
+      }
+      w_src += 4 * four_rows;
+    }
+    ++next;
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue();
+
+  // ldmatrix.x4 of rows 8 j .. 8 j + 15 and columns 16 s .. + 15: lanes 0-7 address the
+  // first 8 rows' left halves (b0 of j), 8-15 their right halves (b1), 16-31 the next 8 rows'.
+  const uint32_t x_lane = (8 * (lane >> 4) + (lane & 7)) * kXRowBytes;
+  const int x_half = (lane >> 3) & 1, x_swizzle = lane & 7;
+  const int w_chunk = ((wn * 8 + g) ^ (tig << 1)) * 16;  // swizzle(2 tig + ...) = 2 tig
+  float acc[2][MT][4] = {};
+  for (int i = 0; i < block_tiles; ++i) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile i is in for every thread, and tile i - 1's stage is free
+    issue();  // tile i + STAGES - 1
+    if (!active) continue;
+    const char* st = stages + (i % STAGES) * kStageBytes;
+    const uint32_t xs = stages_at + (i % STAGES) * kStageBytes + kWordBytes + kScaleBytes + x_lane;
+    uint32_t lo[2][4], hi[2][4];  // [word rows 2 tig (+1), or 2 tig + 8 (+9)][feature c]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint4 v0 = *reinterpret_cast<const uint4*>(st + (2 * tig + 8 * r) * 512 + w_chunk);
+      const uint4 v1 = *reinterpret_cast<const uint4*>(st + (2 * tig + 8 * r + 1) * 512 + w_chunk);
+      const uint32_t w0[4] = {v0.x, v0.y, v0.z, v0.w}, w1[4] = {v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        lo[r][c] = __byte_perm(w0[c], w1[c], 0x5410);
+        hi[r][c] = __byte_perm(w0[c], w1[c], 0x7632);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < NG; ++q) {
+      const uint2 sv = *reinterpret_cast<const uint2*>(st + kWordBytes + 2 * q * 256 +
+                                                       (wn * 32 + 4 * g) * 2);
+      const uint2 zv = *reinterpret_cast<const uint2*>(st + kWordBytes + (2 * q + 1) * 256 +
+                                                       (wn * 32 + 4 * g) * 2);
+      const uint32_t sw[2] = {sv.x, sv.y}, zw[2] = {zv.x, zv.y};
+      float scale[4];
+      uint32_t neg_zero[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        scale[c] = half_to_float(sw[c / 2] >> (16 * (c % 2)));
+        neg_zero[c] = Dtype<BF16>::pair(
+            -(Dtype<BF16>::kBiasValue + half_to_float(zw[c / 2] >> (16 * (c % 2)))));
+      }
+      float part[2][MT][4] = {};
+#pragma unroll
+      for (int p = q * GP; p < (q + 1) * GP; ++p)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t(&w)[2][4] = h ? hi : lo;
+          uint32_t frag[2][4];
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            frag[t][0] = weights<BF16>(w[0][2 * t], p, neg_zero[2 * t]);
+            frag[t][1] = weights<BF16>(w[0][2 * t + 1], p, neg_zero[2 * t + 1]);
+            frag[t][2] = weights<BF16>(w[1][2 * t], p, neg_zero[2 * t]);
+            frag[t][3] = weights<BF16>(w[1][2 * t + 1], p, neg_zero[2 * t + 1]);
+          }
+#pragma unroll
+          for (int j = 0; j < MT; j += 2) {
+            uint32_t b[4];
+            ldmatrix_x4(b, xs + j * 8 * kXRowBytes + (((2 * (2 * p + h) + x_half) ^ x_swizzle) * 16));
+#pragma unroll
+            for (int t = 0; t < 2; ++t) {
+              mma<BF16>(part[t][j], frag[t], b[0], b[1]);
+              mma<BF16>(part[t][j + 1], frag[t], b[2], b[3]);
+            }
+          }
+        }
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[t][m][e] += scale[2 * t + e / 2] * part[t][m][e];
+    }
+  }
+  write_out<BF16, MT>(a, acc, m0, nc, active, blockIdx.z, blockIdx.y * gridDim.x + blockIdx.x,
+                      is_last);
+}
+
+// Each kernel's launch: all of L1 that shared memory may take, so that blocks are limited by
+// registers, and the dynamic shared memory the stages (and few_rows_kernel's x) take.
+template <typename Kernel>
+cudaError_t launch(Kernel kernel, dim3 grid, size_t bytes, const W4A16MmaArgs& a,
+                   cudaStream_t stream) {
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                        cudaSharedmemCarveoutMaxShared);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
   if (e != cudaSuccess) return e;
-  const dim3 grid((a.n + kBlockN - 1) / kBlockN, a.splits);
   kernel<<<grid, 128, bytes, stream>>>(a);
   return cudaGetLastError();
 }
 
-template <bool BF16, int MT, int GP>
+template <bool BF16, int MT, int GP, int STAGES>
+cudaError_t launch_few(const W4A16MmaArgs& a, cudaStream_t stream) {
+  constexpr int NG = 4 / GP;
+  const int rows = a.m < 8 * MT ? a.m : 8 * MT;
+  const size_t bytes = (size_t)STAGES * (kWordBytes + NG * 2 * kBlockN * 2) +
+                       (size_t)rows * (a.tiles_per_split * kTileK + kRowPad) * 2 +
+                       (GP == 4 ? (size_t)rows * a.tiles_per_split * 4 : 0);  // x's sums
+  return launch(few_rows_kernel<BF16, MT, GP, STAGES>,
+                dim3((a.n + kBlockN - 1) / kBlockN, a.splits), bytes, a, stream);
+}
+
+template <bool BF16, int MT, int GP, int STAGES>
+cudaError_t launch_many(const W4A16MmaArgs& a, cudaStream_t stream) {
+  constexpr int NG = 4 / GP;
+  const size_t bytes = (size_t)STAGES * (kWordBytes + NG * 2 * kBlockN * 2 + 8 * MT * kTileK * 2);
+  // Blocks of the same features are adjacent in launch order, so they read the weights
+  // from L2 about together.
+  const dim3 grid((a.m + 8 * MT - 1) / (8 * MT), (a.n + kBlockN - 1) / kBlockN, a.splits);
+  return launch(many_rows_kernel<BF16, MT, GP, STAGES>, grid, bytes, a, stream);
+}
+
+template <bool FEW, bool BF16, int MT, int GP, int STAGES>
+cudaError_t launch_one(const W4A16MmaArgs& a, cudaStream_t stream) {
+  if constexpr (FEW) return launch_few<BF16, MT, GP, STAGES>(a, stream);
+  else return launch_many<BF16, MT, GP, STAGES>(a, stream);
+}
+
+// The compiled stage counts: variant 0 is each kernel's choice (few_rows_kernel's from the
+// sweep of 2026-12-01).
+template <bool FEW, bool BF16, int MT, int GP>
 cudaError_t by_variant(const W4A16MmaArgs& a, cudaStream_t stream) {
   switch (a.variant) {
-    case 0: return launch<BF16, MT, GP, 3>(a, stream);  // the sweep's choice (2026-12-01)
+    case 0: return launch_one<FEW, BF16, MT, GP, 3>(a, stream);
 #ifdef W4A16_MMA_SWEEP
-    case 1: return launch<BF16, MT, GP, 4>(a, stream);
-    case 2: return launch<BF16, MT, GP, 6>(a, stream);
-    case 3: return launch<BF16, MT, GP, 8>(a, stream);
+    case 1: return launch_one<FEW, BF16, MT, GP, 4>(a, stream);
+    case 2: return launch_one<FEW, BF16, MT, GP, FEW ? 6 : 2>(a, stream);
+    case 3: return launch_one<FEW, BF16, MT, GP, FEW ? 8 : 5>(a, stream);
 #endif
     default: return cudaErrorInvalidValue;
   }
 }
 
-template <bool BF16, int MT>
-cudaError_t by_group(const W4A16MmaArgs& a, cudaStream_t stream) {
-  if (a.group_shift >= 7) return by_variant<BF16, MT, 4>(a, stream);
-  if (a.group_shift == 6) return by_variant<BF16, MT, 2>(a, stream);
-  if (a.group_shift == 5) return by_variant<BF16, MT, 1>(a, stream);
-  return cudaErrorInvalidValue;
+template <bool FEW, int MT>
+cudaError_t by_type(const W4A16MmaArgs& a, cudaStream_t stream) {
+  const int shift = a.group_shift;
+  if (shift < 5) return cudaErrorInvalidValue;
+  if (a.bf16)
+    return shift >= 7 ? by_variant<FEW, true, MT, 4>(a, stream)
+           : shift == 6 ? by_variant<FEW, true, MT, 2>(a, stream)
+                        : by_variant<FEW, true, MT, 1>(a, stream);
+  return shift >= 7 ? by_variant<FEW, false, MT, 4>(a, stream)
+         : shift == 6 ? by_variant<FEW, false, MT, 2>(a, stream)
+                      : by_variant<FEW, false, MT, 1>(a, stream);
 }
 
 }  // namespace
@@ -432,10 +637,14 @@ int w4a16_mma(const W4A16MmaArgs* a, void* stream) {
   cudaError_t e = cudaSetDevice(a->device);
   if (e != cudaSuccess) return e;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (a->m <= 8) e = a->bf16 ? by_group<true, 1>(*a, s) : by_group<false, 1>(*a, s);
-  else if (a->m <= 16) e = a->bf16 ? by_group<true, 2>(*a, s) : by_group<false, 2>(*a, s);
-  else e = cudaErrorInvalidValue;
-  return e;
+  switch (a->block_rows) {
+    case 0: return a->m <= 8 ? by_type<true, 1>(*a, s)
+                   : a->m <= 16 ? by_type<true, 2>(*a, s) : cudaErrorInvalidValue;
+    case 16: return by_type<false, 2>(*a, s);
+    case 32: return by_type<false, 4>(*a, s);
+    case 64: return by_type<false, 8>(*a, s);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 // Variants compiled in: 1 normally, 4 with W4A16_MMA_SWEEP (benchmarks).

@@ -780,11 +780,12 @@ def _group_slices(w: PackedW4) -> int | None:
     return w.group_size // SLICE_K if TILE_K % w.group_size == 0 else 1
 
 
-# The rows for which the CUDA C++ kernel (where it is built) beat the Triton paths on the
+# The rows for which the CUDA C++ kernels (where they are built) beat the Triton paths on the
 # H200 (2026-12-01, the four 8B layers summed, scripts/bench_w4a16.py --sweep-mma): from 2
-# rows against the GEMV (66 against 75 us), up to 8 against the tiles (88 against 90 us; at
-# 16, 118 against 94). The kernel itself takes up to w4a16_mma.MAX_M rows.
-MMA_ROWS = range(2, 9)
+# rows against the GEMV (66 against 75 us), up to 16 against the tiles (88 against 90 us at
+# 8, 86 against 93 at 16 with blocks of 16 rows; at 32, 121 against 115; at 64, 176 against
+# 141; at 128, 277 against 272). The kernels themselves take any M.
+MMA_ROWS = range(2, 17)
 
 
 def _choose_path(x: torch.Tensor, w: PackedW4) -> str:
@@ -816,9 +817,8 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         return torch.mm(x, dequantize(w, x.dtype), out=out)
     if path == "mma":
         if not w4a16_mma.eligible(x, w):
-            raise ValueError("the mma kernel takes 16-bit x of up to "
-                             f"{w4a16_mma.MAX_M} rows on NVIDIA, zero points and groups of a "
-                             "power of two from 32")
+            raise ValueError("the mma kernels take 16-bit x on NVIDIA, zero points and groups "
+                             "of a power of two from 32")
         return w4a16_mma.matmul(x, w, out, split_k)
     if path == "gemv":
         return _gemv(x, w, split_k, out)

@@ -1,17 +1,19 @@
-"""W4A16 for up to ``MAX_M`` rows on NVIDIA's tensor cores: ``csrc/w4a16_mma.cu`` (its header
-describes the fragment order), built at first use by the machine's ``nvcc`` and called through
-ctypes on torch's current stream, so CUDA graphs capture it. It reads the layout
-``kernels.w4a16.pack`` writes, so the same packed weight serves it, the Triton tiles (from
-``MAX_M + 1`` rows, and wherever this kernel is not built: no ``nvcc``, ROCm, before sm_80)
-and the dequantize path. It takes integer zero points (AWQ, GPTQ) with float16 scales and
-groups of a power of two from 32 or one group, N a multiple of 32 and K of 8.
+"""W4A16 on NVIDIA's tensor cores: ``csrc/w4a16_mma.cu`` (its comments describe the fragment
+orders), built at first use by the machine's ``nvcc`` and called through ctypes on torch's
+current stream, so CUDA graphs capture it. Two kernels: one for up to ``FEW_ROWS`` rows that
+stages a split's x once, and one for blocks of 16 to 64 rows (any M) that streams x with the
+weights; ``block_rows`` picks. It reads the layout ``kernels.w4a16.pack`` writes, so the same
+packed weight serves it, the Triton paths (wherever this kernel is not built: no ``nvcc``,
+ROCm, before sm_80) and the dequantize path. It takes integer zero points (AWQ, GPTQ) with
+float16 scales and groups of a power of two from 32 or one group, N a multiple of 32 and K
+of 8.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -22,12 +24,12 @@ if TYPE_CHECKING:
     from pagedserve.platforms.cuda.kernels.w4a16 import PackedW4
 
 SOURCE = native_build.CSRC / "w4a16_mma.cu"
-MAX_M = 16
-# The kernel's block: 128 output features (4 warps of 32) by the columns of one split of K,
-# whose rows of x (up to 8, or 16 from 9 rows) are staged in shared memory, a row of them
-# 32 elements longer than the split, beside the weights' cp.async stages. The staged x is kept
-# within X_BYTES, which bounds a split's tiles of 128 columns, so that several blocks fit in a
-# multiprocessor.
+FEW_ROWS = 16
+# Both kernels' blocks are 128 output features (4 warps of 32) by the columns of one split of K.
+# The few-rows kernel stages its rows of x (up to 8, or 16 from 9 rows) in shared memory, a
+# row of them 32 elements longer than the split, beside the weights' cp.async stages. The
+# staged x is kept within X_BYTES, which bounds a split's tiles of 128 columns, so that
+# several blocks fit in a multiprocessor.
 BLOCK_N = 128
 _TILE_K = 128
 X_BYTES = 32 * 1024
@@ -35,6 +37,16 @@ _ROW_PAD = 32
 # Splits of K aim at this many blocks per multiprocessor: enough weight loads in flight
 # (4 beat 1 and 2 at every M in the sweep of 2026-12-01, scripts/bench_w4a16.py --sweep-mma).
 PROGRAMS_PER_SM = 4
+# The many-rows kernel's: each split leaves M x N float32 partial sums to write and read back,
+# and one block per multiprocessor beat 2 and 4 at 16, 64 and 128 rows in the sweep of
+# 2026-12-01 (M = 16: 86 us for the four 8B layers against 92 and 106).
+MANY_ROWS_PROGRAMS_PER_SM = 1
+# The rows per block for M up to each bound (None: any M): 0 for the few-rows kernel, else
+# the many-rows kernel's 16, 32 or 64. The sweep of 2026-12-01 (scripts/bench_w4a16.py
+# --sweep-mma): the few-rows kernel to 8 rows (88 us at M = 8 against 107 for blocks of 16);
+# blocks of 16 at 16 rows (86 against 130 for the few-rows kernel); of 32 at 32 (121 against
+# 128 for 16); of 64 from 65 (M = 128: 277 against 282 for 32, M = 256: 439 against 494).
+BLOCK_ROWS = ((8, 0), (16, 16), (32, 32), (64, 32), (None, 64))
 
 
 class _Args(ctypes.Structure):
@@ -44,7 +56,7 @@ class _Args(ctypes.Structure):
                 ("x", "qweight", "scales", "zeros", "out", "partial", "counters")] + [
                 (name, ctypes.c_int) for name in
                 ("m", "n", "k", "x_stride", "out_stride", "group_shift", "scale_rows", "tiles",
-                 "tiles_per_split", "splits", "bf16", "variant", "device")]
+                 "tiles_per_split", "splits", "bf16", "variant", "device", "block_rows")]
 
 
 @functools.cache
@@ -67,7 +79,7 @@ def eligible(x: torch.Tensor, w: PackedW4) -> bool:
     m, k = x.shape
     n = w.qweight.shape[1]
     return (x.device.type == "cuda" and torch.version.hip is None
-            and x.dtype in (torch.bfloat16, torch.float16) and 1 <= m <= MAX_M
+            and x.dtype in (torch.bfloat16, torch.float16) and m >= 1
             and w.zero_point and w.scales.dtype == torch.float16
             and (w.scales.shape[0] == 1 or _power_of_two(w.group_size) and w.group_size >= 32)
             and n % 32 == 0 and k % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
@@ -83,29 +95,53 @@ def usable(x: torch.Tensor, w: PackedW4) -> bool:
     return eligible(x, w) and library(torch.cuda.get_device_capability(x.device)) is not None
 
 
-def plan(m: int, n: int, tiles: int, sms: int, split_k: int | None = None) -> tuple[int, int]:
-    """(tiles per split, splits) of K's ``tiles``: ``split_k`` or enough splits for
-    ``PROGRAMS_PER_SM`` blocks per multiprocessor, each split's x within ``X_BYTES``."""
-    rows = min(m, 8 if m <= 8 else 16)
-    max_tiles = (X_BYTES // (2 * rows) - _ROW_PAD) // _TILE_K
+class Plan(NamedTuple):
+    block_rows: int  # 0: the few-rows kernel; else the many-rows kernel's rows per block
+    tiles_per_split: int
+    splits: int
+
+
+def block_rows(m: int) -> int:
+    return next(rows for bound, rows in BLOCK_ROWS if bound is None or m <= bound)
+
+
+def plan(m: int, n: int, tiles: int, sms: int, counters: int, split_k: int | None = None,
+         rows: int | None = None) -> Plan:
+    """How to run M rows (``rows``: a block's rows, else ``block_rows(m)``) over K's
+    ``tiles``: ``split_k`` splits, or enough for the kernel's blocks per multiprocessor;
+    the few-rows kernel's x within ``X_BYTES`` a split, and the many-rows kernel split only
+    where its blocks of the output have ``counters``."""
+    rows = block_rows(m) if rows is None else rows
     columns = -(-n // BLOCK_N)
-    splits = min(max(split_k or -(-PROGRAMS_PER_SM * sms // columns), 1), tiles)
+    if rows == 0:
+        max_tiles = (X_BYTES // (2 * min(m, 8 if m <= 8 else 16)) - _ROW_PAD) // _TILE_K
+        blocks, per_sm = columns, PROGRAMS_PER_SM
+    else:
+        max_tiles = tiles
+        blocks, per_sm = columns * -(-m // rows), MANY_ROWS_PROGRAMS_PER_SM
+        if blocks > counters:
+            split_k = 1
+    splits = min(max(split_k or -(-per_sm * sms // blocks), 1), tiles)
     per_split = min(tiles // splits, max_tiles)  # rounded down: at least ``splits`` splits
-    return per_split, -(-tiles // per_split)
+    return Plan(rows, per_split, -(-tiles // per_split))
 
 
 def matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, split_k: int | None = None,
-           variant: int = 0) -> torch.Tensor:
+           variant: int = 0, rows: int | None = None) -> torch.Tensor:
     """``out = x @ W^T`` for ``eligible`` operands (``out`` contiguous ``[M, N]``); ``variant``
-    picks a compiled number of stages of the sweep build."""
+    picks a compiled number of stages of the sweep build, ``rows`` the kernel and its block
+    (``Plan.block_rows``; the few-rows kernel takes up to ``FEW_ROWS``)."""
     if out.stride(0) % 4 or out.stride(1) != 1 or out.data_ptr() % 8:
         # The kernel stores four outputs at once.
         return out.copy_(matmul(x, w, torch.empty_like(out, memory_format=torch.contiguous_format),
-                                split_k, variant))
+                                split_k, variant, rows))
     m, k = x.shape
     n = w.qweight.shape[1]
     tiles = w.qweight.shape[0] // 16
-    per_split, splits = plan(m, n, tiles, sm_count(x.device), split_k)
+    if rows == 0 and m > FEW_ROWS:
+        raise ValueError(f"the few-rows kernel takes up to {FEW_ROWS} rows, not {m}")
+    rows, per_split, splits = plan(m, n, tiles, sm_count(x.device), w.counters.numel(), split_k,
+                                   rows)
     partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
                           device=x.device)
     lib = library(torch.cuda.get_device_capability(x.device), variant != 0)
@@ -114,7 +150,8 @@ def matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, split_k: int | None 
                  m, n, k, x.stride(0), out.stride(0),
                  31 if w.scales.shape[0] == 1 else w.group_size.bit_length() - 1,
                  w.scales.shape[0], tiles,
-                 per_split, splits, x.dtype == torch.bfloat16, variant, x.device.index or 0)
+                 per_split, splits, x.dtype == torch.bfloat16, variant, x.device.index or 0,
+                 rows)
     err = lib.w4a16_mma(ctypes.byref(args), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_mma launch failed: CUDA error {err}")
