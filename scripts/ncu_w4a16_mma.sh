@@ -32,6 +32,6 @@ for cfg in "${configs[@]}"; do
   # --clock-control none: leave the clocks as they are (the device notes say why).
   timeout 120 ncu --clock-control none -k regex:rows_kernel --launch-skip 3 --launch-count 1 \
     --metrics "$metrics" python3 scripts/profile_w4a16_mma.py --m "$m" --layer "$layer" \
-    --variant "$variant" ${rows:+--rows "$rows"} 2>&1 | grep -E "^\s+(gpu__|dram__|sm__|smsp__|launch__)" \
+    --variant "$variant" ${rows:+--rows "$rows"} 2>&1 | grep -E "^\s+(gpu__|dram__|sm__|smsp__|launch__|lts__|l1tex__)" \
     | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//'
 done

@@ -161,7 +161,7 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* global) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(global));
 }
 
-// Zeros in place of x's columns past K (ok false), whose padded weights are not zero.
+// Zeros in place of x past its rows or past K (ok false; the padded weights are not zero).
 __device__ __forceinline__ void cp_async16_or_zeros(uint32_t smem, const void* global, bool ok) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(global),
                "r"(ok ? 16 : 0));
@@ -178,6 +178,85 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+// A block's weights into the cp.async stages, a tile per call in order: 16 word rows of 512
+// bytes, thread (wn, lane) copying 16-byte chunk `lane` (4 features) of rows wn + 4 c to
+// chunk lane ^ swizzle(row) (each kernel swizzles for the word rows it reads together, so
+// that a quarter-warp's reads hit eight different bank groups), then warp q < NG copies
+// group q's scale (lanes 0-15) and zero (16-31) rows after the words.
+template <int GP>
+struct WeightCopy {
+  const uint32_t* w_src;
+  const uint16_t* s_src;
+  size_t four_rows;
+  int wn, lane, s_dst;
+  bool w_ok, s_ok;
+
+  __device__ WeightCopy(const W4A16MmaArgs& a, int n_block, int t_lo)
+      : w_src(a.qweight + (16 * (size_t)t_lo + (threadIdx.x >> 5)) * a.n + n_block +
+              4 * (threadIdx.x & 31)),
+        s_src((((threadIdx.x & 31) / 16) ? a.zeros : a.scales) + n_block +
+              8 * (threadIdx.x & 15)),
+        four_rows(4 * (size_t)a.n),
+        wn(threadIdx.x >> 5),
+        lane(threadIdx.x & 31),
+        s_dst(kWordBytes + (2 * wn + lane / 16) * 256 + 16 * (lane % 16)),
+        w_ok(n_block + 4 * lane < a.n),
+        s_ok(wn < 4 / GP && n_block + 8 * (lane % 16) < a.n) {}
+
+  template <typename Swizzle>
+  __device__ __forceinline__ void tile(char* st, int tile, const W4A16MmaArgs& a,
+                                       Swizzle swizzle) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      if (w_ok)
+        cp_async16(st + (wn + 4 * c) * 512 + ((lane ^ swizzle(wn + 4 * c)) * 16),
+                   w_src + c * four_rows);
+    if (s_ok) {
+      const int group = min((tile * kTileK + wn * 32 * GP) >> a.group_shift, a.scale_rows - 1);
+      cp_async16(st + s_dst, s_src + (size_t)group * a.n);
+    }
+    w_src += 4 * four_rows;
+  }
+};
+
+// Group q's scales and bias + zero points of a thread's four features (`feature` .. + 3 of
+// the block), from a stage that WeightCopy filled.
+template <bool BF16>
+__device__ __forceinline__ void group_params(const char* st, int q, int feature,
+                                             float (&scale)[4], float (&bias)[4]) {
+  const uint2 sv = *reinterpret_cast<const uint2*>(st + kWordBytes + 2 * q * 256 + feature * 2);
+  const uint2 zv =
+      *reinterpret_cast<const uint2*>(st + kWordBytes + (2 * q + 1) * 256 + feature * 2);
+  const uint32_t sw[2] = {sv.x, sv.y}, zw[2] = {zv.x, zv.y};
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    scale[c] = half_to_float(sw[c / 2] >> (16 * (c % 2)));
+    bias[c] = Dtype<BF16>::kBiasValue + half_to_float(zw[c / 2] >> (16 * (c % 2)));
+  }
+}
+
+// acc += a group's fp32 sums, scaled: accumulator (t, m, e) is feature 2 t + e / 2 of the
+// thread's four.
+template <int MT>
+__device__ __forceinline__ void add_scaled(float (&acc)[2][MT][4], const float (&scale)[4],
+                                           const float (&part)[2][MT][4]) {
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[t][m][e] += scale[2 * t + e / 2] * part[t][m][e];
+}
+
+// The top of both main loops: tile i is in for every thread, and tile i - 1's stage is free,
+// so issue() may copy tile i + STAGES - 1 into it.
+template <int STAGES, typename Issue>
+__device__ __forceinline__ void next_tile(Issue& issue) {
+  cp_async_wait<STAGES - 2>();
+  __syncthreads();
+  issue();
 }
 
 // The end of both kernels: thread (g, tig) holds rows m0 + 8 m + 2 tig (+1) of y at
@@ -259,32 +338,14 @@ __global__ void __launch_bounds__(128) few_rows_kernel(W4A16MmaArgs a) {
   uint16_t* xs = reinterpret_cast<uint16_t*>(stages + STAGES * kStageBytes);
   float* x_sums = reinterpret_cast<float*>(xs + rows * row_stride);  // [row][tile] (biased)
 
-  // The slice's tiles into their stages in order, one per call: 16 word rows of 512 bytes
-  // (thread t copies 16-byte chunk `lane` of rows wn + 4 c), whose chunks are XOR-swizzled
-  // by word row so that a quarter-warp's reads below (four word rows, two chunks) hit eight
-  // different bank groups; then warp q < NG copies group q's scale and zero rows. Always one
-  // commit, so that the wait below counts tiles. Addresses advance by a tile per call.
-  const size_t four_rows = 4 * (size_t)a.n;
-  const uint32_t* w_src = a.qweight + (16 * (size_t)t_lo + wn) * a.n + n_block + 4 * lane;
-  const int w_dst = wn * 512 + ((lane ^ (wn << 1)) * 16);
-  const bool w_ok = n_block + 4 * lane < a.n;
-  const uint16_t* s_src = ((lane / 16) ? a.zeros : a.scales) + n_block + 8 * (lane % 16);
-  const int s_dst = kWordBytes + (2 * wn + lane / 16) * 256 + 16 * (lane % 16);
-  const bool s_ok = wn < NG && n_block + 8 * (lane % 16) < a.n;
+  // The slice's tiles into their stages in order, one per call and always one commit, so
+  // that the wait below counts tiles; the reads below take word rows tig + 4 j together.
+  WeightCopy<GP> weight_copy(a, n_block, t_lo);
   int next = 0;
   auto issue = [&]() {
-    if (next < block_tiles) {
-      char* st = stages + (next % STAGES) * kStageBytes;
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        if (w_ok) cp_async16(st + w_dst + c * 4 * 512, w_src + c * four_rows);
-      if (s_ok) {
-        const int group = min(((t_lo + next) * kTileK + wn * 32 * GP) >> a.group_shift,
-                              a.scale_rows - 1);
-        cp_async16(st + s_dst, s_src + (size_t)group * a.n);
-      }
-      w_src += 4 * four_rows;
-    }
+    if (next < block_tiles)
+      weight_copy.tile(stages + (next % STAGES) * kStageBytes, t_lo + next, a,
+                   [](int row) { return (row & 3) << 1; });
     ++next;
     cp_async_commit();
   };
@@ -321,9 +382,7 @@ __global__ void __launch_bounds__(128) few_rows_kernel(W4A16MmaArgs a) {
 
   float acc[2][MT][4] = {};
   for (int i = 0; i < block_tiles; ++i) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile i is in for every thread, and tile i - 1's stage is free
-    issue();  // tile i + STAGES - 1
+    next_tile<STAGES>(issue);
     if (!active) continue;
     const char* st = stages + (i % STAGES) * kStageBytes;
     uint32_t w[4][4];  // [word row j][feature c]
@@ -344,19 +403,13 @@ __global__ void __launch_bounds__(128) few_rows_kernel(W4A16MmaArgs a) {
       }
 #pragma unroll
     for (int q = 0; q < NG; ++q) {
-      const uint2 sv = *reinterpret_cast<const uint2*>(st + kWordBytes + 2 * q * 256 +
-                                                       (wn * 32 + 4 * g) * 2);
-      const uint2 zv = *reinterpret_cast<const uint2*>(st + kWordBytes + (2 * q + 1) * 256 +
-                                                       (wn * 32 + 4 * g) * 2);
-      const uint32_t sw[2] = {sv.x, sv.y}, zw[2] = {zv.x, zv.y};
-      float scale[4], bias_scaled[4];
+      float scale[4], bias[4], bias_scaled[4];
       uint32_t neg_zero[4];
+      group_params<BF16>(st, q, wn * 32 + 4 * g, scale, bias);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        scale[c] = half_to_float(sw[c / 2] >> (16 * (c % 2)));
-        const float bias = Dtype<BF16>::kBiasValue + half_to_float(zw[c / 2] >> (16 * (c % 2)));
-        if constexpr (kBiased) bias_scaled[c] = scale[c] * bias;
-        else neg_zero[c] = Dtype<BF16>::pair(-bias);
+        if constexpr (kBiased) bias_scaled[c] = scale[c] * bias[c];
+        else neg_zero[c] = Dtype<BF16>::pair(-bias[c]);
       }
       float part[2][MT][4] = {};
 #pragma unroll
@@ -394,12 +447,7 @@ __global__ void __launch_bounds__(128) few_rows_kernel(W4A16MmaArgs a) {
               acc[t][m][e] += scale[2 * t + e / 2] * part[t][m][e] - bias_scaled[2 * t + e / 2] * sums[e % 2];
         }
       } else {
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-          for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[t][m][e] += scale[2 * t + e / 2] * part[t][m][e];
+        add_scaled(acc, scale, part);
       }
     }
   }
@@ -438,42 +486,28 @@ __global__ void __launch_bounds__(128, 2) many_rows_kernel(W4A16MmaArgs a) {
   const int t_lo = blockIdx.z * a.tiles_per_split;
   const int block_tiles = min(a.tiles_per_split, a.tiles - t_lo);
 
-  // Word row wn + 4 c's 16-byte chunk `lane` goes to chunk lane ^ swizzle(row), so that the
-  // reads below (word rows 2 tig and the like, chunks of g) hit eight different bank groups
-  // a quarter-warp; each scale and zero row as in few_rows_kernel; then x's chunk `xc` of
-  // rows x_row + 8 i (rows past M repeat the last: their outputs are not stored).
-  auto swizzle = [](int row) { return ((row >> 1) & 3) << 1; };
-  const size_t four_rows = 4 * (size_t)a.n;
-  const uint32_t* w_src = a.qweight + (16 * (size_t)t_lo + wn) * a.n + n_block + 4 * lane;
-  const bool w_ok = n_block + 4 * lane < a.n;
-  const uint16_t* s_src = ((lane / 16) ? a.zeros : a.scales) + n_block + 8 * (lane % 16);
-  const int s_dst = kWordBytes + (2 * wn + lane / 16) * 256 + 16 * (lane % 16);
-  const bool s_ok = wn < NG && n_block + 8 * (lane % 16) < a.n;
+  // A tile per call (one commit each): its weights, swizzled for the reads below (word rows
+  // 2 tig and the like together), then x's chunk `xc` of rows x_row + 8 i, zeros past M:
+  // reading the last row in their place put every block's reads of it on the same addresses
+  // (the 8B gate/up at 9 rows: 52 us, with zeros 31).
+  WeightCopy<GP> weight_copy(a, n_block, t_lo);
   const int x_row = threadIdx.x >> 4, xc = threadIdx.x & 15;
   const int x_dst = kWordBytes + kScaleBytes + x_row * kXRowBytes + ((xc ^ (x_row & 7)) * 16);
   int next = 0;
   auto issue = [&]() {
     if (next < block_tiles) {
-      char* st = stages + (next % STAGES) * kStageBytes;
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        if (w_ok)
-          cp_async16(st + (wn + 4 * c) * 512 + ((lane ^ swizzle(wn + 4 * c)) * 16),
-                     w_src + c * four_rows);
       const int tile = t_lo + next;
-      if (s_ok) {
-        const int group = min((tile * kTileK + wn * 32 * GP) >> a.group_shift, a.scale_rows - 1);
-        cp_async16(st + s_dst, s_src + (size_t)group * a.n);
-      }
+      weight_copy.tile(stages + (next % STAGES) * kStageBytes, tile, a,
+                   [](int row) { return ((row >> 1) & 3) << 1; });
       const int col = tile * kTileK + 8 * xc;
       const uint32_t x_at = stages_at + (next % STAGES) * kStageBytes + x_dst;
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
-        const int row = min(m0 + x_row + 8 * i, a.m - 1);
+        const int row = m0 + x_row + 8 * i;
+        const bool ok = row < a.m && col < a.k;
         cp_async16_or_zeros(x_at + 8 * i * kXRowBytes,
-                            a.x + (size_t)row * a.x_stride + (col < a.k ? col : 0), col < a.k);
+                            a.x + (ok ? (size_t)row * a.x_stride + col : 0), ok);
       }
-      w_src += 4 * four_rows;
     }
     ++next;
     cp_async_commit();
@@ -488,9 +522,7 @@ __global__ void __launch_bounds__(128, 2) many_rows_kernel(W4A16MmaArgs a) {
   const int w_chunk = ((wn * 8 + g) ^ (tig << 1)) * 16;  // swizzle(2 tig + ...) = 2 tig
   float acc[2][MT][4] = {};
   for (int i = 0; i < block_tiles; ++i) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile i is in for every thread, and tile i - 1's stage is free
-    issue();  // tile i + STAGES - 1
+    next_tile<STAGES>(issue);
     if (!active) continue;
     const char* st = stages + (i % STAGES) * kStageBytes;
     const uint32_t xs = stages_at + (i % STAGES) * kStageBytes + kWordBytes + kScaleBytes + x_lane;
@@ -508,19 +540,11 @@ __global__ void __launch_bounds__(128, 2) many_rows_kernel(W4A16MmaArgs a) {
     }
 #pragma unroll
     for (int q = 0; q < NG; ++q) {
-      const uint2 sv = *reinterpret_cast<const uint2*>(st + kWordBytes + 2 * q * 256 +
-                                                       (wn * 32 + 4 * g) * 2);
-      const uint2 zv = *reinterpret_cast<const uint2*>(st + kWordBytes + (2 * q + 1) * 256 +
-                                                       (wn * 32 + 4 * g) * 2);
-      const uint32_t sw[2] = {sv.x, sv.y}, zw[2] = {zv.x, zv.y};
-      float scale[4];
+      float scale[4], bias[4];
       uint32_t neg_zero[4];
+      group_params<BF16>(st, q, wn * 32 + 4 * g, scale, bias);
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        scale[c] = half_to_float(sw[c / 2] >> (16 * (c % 2)));
-        neg_zero[c] = Dtype<BF16>::pair(
-            -(Dtype<BF16>::kBiasValue + half_to_float(zw[c / 2] >> (16 * (c % 2)))));
-      }
+      for (int c = 0; c < 4; ++c) neg_zero[c] = Dtype<BF16>::pair(-bias[c]);
       float part[2][MT][4] = {};
 #pragma unroll
       for (int p = q * GP; p < (q + 1) * GP; ++p)
@@ -546,12 +570,7 @@ __global__ void __launch_bounds__(128, 2) many_rows_kernel(W4A16MmaArgs a) {
             }
           }
         }
-#pragma unroll
-      for (int t = 0; t < 2; ++t)
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[t][m][e] += scale[2 * t + e / 2] * part[t][m][e];
+      add_scaled(acc, scale, part);
     }
   }
   write_out<BF16, MT>(a, acc, m0, nc, active, blockIdx.z, blockIdx.y * gridDim.x + blockIdx.x,
@@ -599,8 +618,8 @@ cudaError_t launch_one(const W4A16MmaArgs& a, cudaStream_t stream) {
   else return launch_many<BF16, MT, GP, STAGES>(a, stream);
 }
 
-// The compiled stage counts: variant 0 is each kernel's choice (few_rows_kernel's from the
-// sweep of 2026-12-01).
+// The compiled stage counts: variant 0 is each kernel's choice, 3 (the sweeps of 2026-12-01
+// and -02: for the many-rows kernel, 4 stages were within 2% at every M).
 template <bool FEW, bool BF16, int MT, int GP>
 cudaError_t by_variant(const W4A16MmaArgs& a, cudaStream_t stream) {
   switch (a.variant) {

@@ -781,10 +781,11 @@ def _group_slices(w: PackedW4) -> int | None:
 
 
 # The rows for which the CUDA C++ kernels (where they are built) beat the Triton paths on the
-# H200 (2026-12-01, the four 8B layers summed, scripts/bench_w4a16.py --sweep-mma): from 2
-# rows against the GEMV (66 against 75 us), up to 16 against the tiles (88 against 90 us at
-# 8, 86 against 93 at 16 with blocks of 16 rows; at 32, 121 against 115; at 64, 176 against
-# 141; at 128, 277 against 272). The kernels themselves take any M.
+# H200 (the four 8B layers summed, scripts/bench_w4a16.py --sweep-mma, 2026-12-01 and -02):
+# from 2 rows against the GEMV (66 against 75 us), up to 16 against the tiles (88 against 90
+# us at 8; with blocks of 16 rows 81 against 91 at 9, 89 against 94 at 16); at 32 the tiles
+# win (115 against 121), at 64 (141 against 176) and 128 (272 against 277) too. The kernels
+# themselves take any M.
 MMA_ROWS = range(2, 17)
 
 

@@ -39,10 +39,10 @@ _ROW_PAD = 32
 PROGRAMS_PER_SM = 4
 # The many-rows kernel's: each split leaves M x N float32 partial sums to write and read back,
 # and one block per multiprocessor beat 2 and 4 at 16, 64 and 128 rows in the sweep of
-# 2026-12-01 (M = 16: 86 us for the four 8B layers against 92 and 106).
+# 2026-12-02 (M = 16: 86 us for the four 8B layers against 92 and 106).
 MANY_ROWS_PROGRAMS_PER_SM = 1
 # The rows per block for M up to each bound (None: any M): 0 for the few-rows kernel, else
-# the many-rows kernel's 16, 32 or 64. The sweep of 2026-12-01 (scripts/bench_w4a16.py
+# the many-rows kernel's 16, 32 or 64. The sweep of 2026-12-02 (scripts/bench_w4a16.py
 # --sweep-mma): the few-rows kernel to 8 rows (88 us at M = 8 against 107 for blocks of 16);
 # blocks of 16 at 16 rows (86 against 130 for the few-rows kernel); of 32 at 32 (121 against
 # 128 for 16); of 64 from 65 (M = 128: 277 against 282 for 32, M = 256: 439 against 494).
