@@ -459,10 +459,10 @@ for part in $parts; do
     # The CUDA C++ mma kernel (up to 16 rows): its tests, then its compiled variants by
     # split-K target over the four 8B layers at M = 1 .. 16, then every path at those M.
     # The mma kernels' tests, then their blocks, stage variants (${MMA_VARIANTS:-all}) and
-    # split targets from 1 to 256 rows, with the dequantize path and the engine's choice.
+    # split targets at ${MMA_MS:-1 to 256 rows}, with the dequantize path and the engine's choice.
     w4a16-mma) python3 -m pytest -q -p no:cacheprovider tests/platforms/cuda/test_w4a16_mma.py \
         2>&1 | tee "$OUT/gpu_w4a16_mma_tests.log"
-      python3 scripts/bench_w4a16.py --ms 1 2 4 8 16 32 64 128 256 --sweep-mma \
+      python3 scripts/bench_w4a16.py --ms ${MMA_MS:-1 2 4 8 16 32 64 128 256} --sweep-mma \
         ${MMA_VARIANTS:+--mma-variants $MMA_VARIANTS} \
         --out "$OUT/w4a16_mma_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_mma_sweep_h200.log" ;;
     # Batches: DECODE_BATCHES, else 1 2 32 128 (AWQ) and 1 32 128 (bf16).

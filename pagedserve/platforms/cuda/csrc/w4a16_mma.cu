@@ -24,10 +24,10 @@
 // a thread's B fragments for a tile are four 128-bit loads per 8 rows of x.
 //
 // Work (few_rows_kernel): a block is 4 warps across N (32 features each) over one split of
-// K, whose x it stages once; the weights stream through shared memory by cp.async, several tiles ahead.
-// Splits of K leave fp32 partial sums; the last block of a column to finish (counted in
-// `counters`, which are zero between calls and which it zeroes again) adds them in split
-// order, so the result does not depend on timing.
+// K, whose x it stages once; the weights stream through shared memory by cp.async, several
+// tiles ahead. Splits of K leave fp32 partial sums; the last block of a column to finish
+// (counted in `counters`, which are zero between calls and which it zeroes again) adds them
+// in split order, so the result does not depend on timing.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -444,7 +444,8 @@ __global__ void __launch_bounds__(128) few_rows_kernel(W4A16MmaArgs a) {
           for (int t = 0; t < 2; ++t)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-              acc[t][m][e] += scale[2 * t + e / 2] * part[t][m][e] - bias_scaled[2 * t + e / 2] * sums[e % 2];
+              acc[t][m][e] += scale[2 * t + e / 2] * part[t][m][e] -
+                              bias_scaled[2 * t + e / 2] * sums[e % 2];
         }
       } else {
         add_scaled(acc, scale, part);
@@ -460,12 +461,13 @@ __global__ void __launch_bounds__(128) few_rows_kernel(W4A16MmaArgs a) {
 // it is in memory, a row of 16 chunks of 16 bytes XOR-swizzled by the row, so that cp.async
 // copies it whole and ldmatrix reads the B fragments (8 rows of 16 columns without bank
 // conflicts). For that, mma step s of a tile takes its 16 adjacent columns 16 s .. 16 s + 15:
-// a byte permute of word rows r and r + 1 (r even) puts their codes of one slice side by side
-// (columns 16 t + r, + 1 of the tile; low halves: even slices, high halves: odd), so thread
-// (g, tig) takes word rows 2 tig, 2 tig + 1 (its A columns 2 tig, + 1) and 2 tig + 8, + 9
-// (2 tig + 8, + 9), and step s = 2 p + h is pair p of the low (h = 0) or high (h = 1) permuted
-// word. Features are as in few_rows_kernel. The dot takes q - z, and each group's scale
-// multiplies the fp32 sums of its steps (part) into acc, as there.
+// byte permutes of word rows r and r + 1 (r even) give a word of their even slices (`lo`,
+// row r's in the low half and r + 1's in the high half) and one of their odd slices (`hi`),
+// so pair p of `lo` is columns 32 p + r and 32 p + r + 1, side by side. Thread (g, tig) takes
+// word rows 2 tig, 2 tig + 1 (its A columns 2 tig, + 1) and 2 tig + 8, + 9 (2 tig + 8, + 9),
+// and step s = 2 p + h is pair p of `lo` (h = 0) or `hi` (h = 1). Features are as in
+// few_rows_kernel. The dot takes q - z, and each group's scale multiplies the fp32 sums of
+// its steps (part) into acc, as there.
 template <bool BF16, int MT, int GP, int STAGES>
 __global__ void __launch_bounds__(128, 2) many_rows_kernel(W4A16MmaArgs a) {
   constexpr int NG = 4 / GP;
@@ -562,7 +564,8 @@ __global__ void __launch_bounds__(128, 2) many_rows_kernel(W4A16MmaArgs a) {
 #pragma unroll
           for (int j = 0; j < MT; j += 2) {
             uint32_t b[4];
-            ldmatrix_x4(b, xs + j * 8 * kXRowBytes + (((2 * (2 * p + h) + x_half) ^ x_swizzle) * 16));
+            const int chunk = (2 * (2 * p + h) + x_half) ^ x_swizzle;
+            ldmatrix_x4(b, xs + j * 8 * kXRowBytes + chunk * 16);
 #pragma unroll
             for (int t = 0; t < 2; ++t) {
               mma<BF16>(part[t][j], frag[t], b[0], b[1]);
