@@ -44,7 +44,7 @@ MANY_ROWS_PROGRAMS_PER_SM = 1
 # The rows per block for M up to each bound (None: any M): 0 for the few-rows kernel, else
 # the many-rows kernel's 16, 32 or 64. The sweep of 2026-12-02 (scripts/bench_w4a16.py
 # --sweep-mma): the few-rows kernel to 8 rows (88 us at M = 8 against 107 for blocks of 16);
-# blocks of 16 at 16 rows (86 against 130 for the few-rows kernel); of 32 at 32 (121 against
+# blocks of 16 at 16 rows (86 against 119 for the few-rows kernel); of 32 at 32 (121 against
 # 128 for 16); of 64 from 65 (M = 128: 277 against 282 for 32, M = 256: 439 against 494).
 BLOCK_ROWS = ((8, 0), (16, 16), (32, 32), (64, 32), (None, 64))
 
@@ -112,6 +112,8 @@ def plan(m: int, n: int, tiles: int, sms: int, counters: int, split_k: int | Non
     the few-rows kernel's x within ``X_BYTES`` a split, and the many-rows kernel split only
     where its blocks of the output have ``counters``."""
     rows = block_rows(m) if rows is None else rows
+    if rows == 0 and m > FEW_ROWS:
+        raise ValueError(f"the few-rows kernel takes up to {FEW_ROWS} rows, not {m}")
     columns = -(-n // BLOCK_N)
     if rows == 0:
         max_tiles = (X_BYTES // (2 * min(m, 8 if m <= 8 else 16)) - _ROW_PAD) // _TILE_K
@@ -138,8 +140,6 @@ def matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, split_k: int | None 
     m, k = x.shape
     n = w.qweight.shape[1]
     tiles = w.qweight.shape[0] // 16
-    if rows == 0 and m > FEW_ROWS:
-        raise ValueError(f"the few-rows kernel takes up to {FEW_ROWS} rows, not {m}")
     rows, per_split, splits = plan(m, n, tiles, sm_count(x.device), w.counters.numel(), split_k,
                                    rows)
     partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
