@@ -21,6 +21,7 @@ from pagedserve.distributed import check_divisible
 from pagedserve.errors import KV_CACHE_DTYPES, ConfigError
 from pagedserve.platforms import DEVICE_NAMES
 from pagedserve.quant.formats import QUANTIZATION_CHOICES
+from pagedserve.quant.linear_method import MatmulNumerics
 from pagedserve.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -108,6 +109,11 @@ class EngineConfig:
               "group (llama.cpp's Q8_1 numerics) where the platform's int8 kernel is faster: "
               "the CPU's, for 4- and 8-bit groups; off: activations stay floating point "
               "(docs/platforms.md)")
+    fp8_fast_accumulation: bool = option(
+        True, "W8A8 FP8 matmuls (cuda) accumulate in the tensor cores' own reduced-precision "
+              "accumulator over the whole K, as vLLM's and TensorRT-LLM's FP8 GEMMs do: "
+              "faster, less accurate where many products of one sign add up; off: partial "
+              "sums are promoted to float32 every few steps (docs/quantization.md)")
     kv_cache_dtype: str = option(
         "auto", "KV-cache element type (auto: the model's); fp8 halves a 16-bit cache (cuda); "
                 "bfloat16 halves a float32 cache (cpu; elsewhere only with a bfloat16 model)",
@@ -247,6 +253,9 @@ class EngineConfig:
             long_prefill_token_threshold=resolved.long_prefill_token_threshold,
             max_loras=self.max_loras if self.enable_lora else 0,
         )
+
+    def matmul_numerics(self) -> MatmulNumerics:
+        return MatmulNumerics(self.int8_activations, self.fp8_fast_accumulation)
 
     def _check_offloading(self) -> None:
         if self.kv_offloading_size < 0:

@@ -59,8 +59,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep-decode", action="store_true",
                    help="time the decode tile configurations (block_n, warps, stages) on "
                         "SWEEP_SHAPES and report each against the default")
+    p.add_argument("--sweep-shapes", nargs="+", type=_shape, default=list(SWEEP_SHAPES),
+                   metavar="BATCHxCONTEXT",
+                   help="the sweep's shapes (default: " + " ".join(
+                       f"{b}x{c}" for b, c in SWEEP_SHAPES) + "); 1024x128 1024x256 are "
+                   "the decode steps of the 1,000 x 128/128 throughput run")
     p.add_argument("--decode-only", action="store_true", help="skip the prefill cases")
     return p.parse_args()
+
+
+def _shape(text: str) -> tuple[int, int]:
+    batch, ctx = text.split("x")
+    return int(batch), int(ctx)
 
 
 class Setup:
@@ -152,12 +162,12 @@ def bench_decode(s: Setup, batch: int, ctx: int, base=None) -> dict:
     return row
 
 
-def sweep_decode(s: Setup) -> list[dict]:
-    """Each tile of SWEEP_TILES at SWEEP_SHAPES; ``None`` ms where it does not compile/fit."""
+def sweep_decode(s: Setup, shapes: list[tuple[int, int]]) -> list[dict]:
+    """Each tile of SWEEP_TILES at ``shapes``; ``None`` ms where it does not compile/fit."""
     from pagedserve.platforms.cuda.kernels.decode_attention import DecodeConfig
 
     rows = []
-    for batch, ctx in SWEEP_SHAPES:
+    for batch, ctx in shapes:
         default = time_decode(s, batch, ctx)[0]
         for tile in SWEEP_TILES:
             try:
@@ -171,15 +181,15 @@ def sweep_decode(s: Setup) -> list[dict]:
     return rows
 
 
-def print_sweep(rows: list[dict]) -> None:
+def print_sweep(rows: list[dict], shapes: list[tuple[int, int]]) -> None:
     print(f"\n{'tile (n, warps, stages)':>30} " + " ".join(
-        f"{b}x{c:>5}" for b, c in SWEEP_SHAPES) + "   (GB/s; default first)")
-    shapes = {(r["batch"], r["context"]): r for r in rows}
-    s0 = [shapes[sh]["default_ms"] for sh in SWEEP_SHAPES]
+        f"{b}x{c:>5}" for b, c in shapes) + "   (GB/s; default first)")
+    by_shape = {(r["batch"], r["context"]): r for r in rows}
+    s0 = [by_shape[sh]["default_ms"] for sh in shapes]
     print(f"{'default':>30} " + " ".join(f"{ms * 1000:>9.1f}" for ms in s0) + "   (µs)")
     for tile in SWEEP_TILES:
         cells = [next(r for r in rows if (r["batch"], r["context"]) == sh and r["tile"] == tile)
-                 for sh in SWEEP_SHAPES]
+                 for sh in shapes]
         print(f"{str(tile):>30} " + " ".join(
             f"{c['gbs']:>9.0f}" if c["ms"] else f"{'-':>9}" for c in cells))
 
@@ -270,8 +280,8 @@ def main() -> None:
     }
     print_tables(result)
     if args.sweep_decode:
-        result["decode_sweep"] = sweep_decode(s)
-        print_sweep(result["decode_sweep"])
+        result["decode_sweep"] = sweep_decode(s, args.sweep_shapes)
+        print_sweep(result["decode_sweep"], args.sweep_shapes)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

@@ -1,11 +1,13 @@
 """Time the FP8 linear layer (``Fp8LinearMethod``) on an NVIDIA GPU against bfloat16 cuBLAS.
 
 Llama-3-8B's linear shapes (fused qkv, o, fused gate/up, down) with per-row FP8 weight scales and
-dynamic per-token activation scales, M = 1 .. 1024 rows: the method as the engine calls it (the
+dynamic per-token activation scales, M = 1 .. 8,192 rows: the method as the engine calls it (the
 FP8 GEMV up to ``fp8_gemv.MAX_M`` rows, else activation quantization + ``torch._scaled_mm``),
-the ``_scaled_mm`` path forced, and ``torch.mm`` on a bfloat16 weight. Small M is reported as
+the ``_scaled_mm`` path forced (with the fast accumulation the method uses, and without it), and
+``torch.mm`` on a bfloat16 weight. Small M is reported as
 the weight's bytes per second next to the device-to-device copy rate, large M as TFLOP/s next
-to the dense FP8 peak (``_scaled_mm`` on 8192-cubed operands), both measured in the same run.
+to the dense FP8 peak (``_scaled_mm`` on 8192-cubed operands, fast accumulation), both measured
+in the same run.
 
     python scripts/bench_fp8.py --out benchmarks/results/fp8_linear_h200.json [--sweep-gemv]
 """
@@ -24,16 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedserve.bench.common import write_result  # noqa: E402
 from scripts.bench_w4a16 import SHAPES, _time, copies_past_l2, copy_bandwidth_gbs, cycling  # noqa: E402
 
-MS = (1, 2, 4, 16, 64, 256, 1024)
+MS = (1, 2, 4, 16, 64, 256, 1024, 8192)
 DEVICE = "cuda"
 
 
-def fp8_peak_tflops() -> float:
+def fp8_peak_tflops(fast_accum: bool = True) -> float:
     one = torch.ones((), device=DEVICE)
     a = torch.randn(8192, 8192, device=DEVICE).to(torch.float8_e4m3fn)
     b = torch.randn(8192, 8192, device=DEVICE).to(torch.float8_e4m3fn).t()
     ms = _time(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one,
-                                        out_dtype=torch.bfloat16))
+                                        out_dtype=torch.bfloat16, use_fast_accum=fast_accum))
     return 2 * 8192**3 / ms / 1e9
 
 
@@ -49,13 +51,15 @@ def layer(n: int, k: int):
     return module
 
 
-def forced_scaled_mm(module, x: torch.Tensor) -> torch.Tensor:
+def forced_scaled_mm(module, x: torch.Tensor, fast_accum: bool) -> torch.Tensor:
+    """Quantize ``x`` (bfloat16) and ``_scaled_mm`` with row-wise scales, as the method does
+    above the GEMV's rows, with or without fast accumulation."""
     from pagedserve.platforms.cuda.fp8_linear import scaled_mm
     from pagedserve.platforms.cuda.kernels.fp8_quant import quantize_per_token
 
     wq = module.fp8_weight
     xq, x_scale = quantize_per_token(x, wq.dtype, wq.shape[1])
-    return scaled_mm(xq, wq.t(), x_scale, module.fp8_weight_scale, x.dtype)
+    return scaled_mm(xq, wq.t(), x_scale, module.fp8_weight_scale, x.dtype, fast_accum)
 
 
 def bench(args: argparse.Namespace, copy_gbs: float, peak: float) -> list[dict]:
@@ -69,18 +73,21 @@ def bench(args: argparse.Namespace, copy_gbs: float, peak: float) -> list[dict]:
         for m in args.ms:
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
             ms = _time(lambda x=x, mod=module: method.apply(mod, x))
-            ms_scaled = _time(lambda x=x, mod=module: forced_scaled_mm(mod, x))
+            ms_scaled = _time(lambda x=x, mod=module: forced_scaled_mm(mod, x, True))
+            ms_slow = _time(lambda x=x, mod=module: forced_scaled_mm(mod, x, False))
             ms_mm = _time(lambda x=x, w=dense: torch.mm(x, w.T))
             flops = 2 * m * n * k
             rows.append({"layer": name, "n": n, "k": k, "m": m, "fp8_ms": ms,
-                         "scaled_mm_ms": ms_scaled, "bf16_mm_ms": ms_mm,
+                         "scaled_mm_ms": ms_scaled, "slow_accum_ms": ms_slow,
+                         "bf16_mm_ms": ms_mm,
                          "fp8_pct_copy": 100 * w_bytes / ms / 1e6 / copy_gbs,
                          "fp8_tflops": flops / ms / 1e9,
                          "fp8_pct_peak": 100 * flops / ms / 1e9 / peak,
                          "speedup_vs_bf16": ms_mm / ms})
             r = rows[-1]
             print(f"{name:>8} {n:>6} {k:>6} {m:>5} fp8 {ms * 1000:8.1f}us  scaled_mm "
-                  f"{ms_scaled * 1000:8.1f}us  bf16 {ms_mm * 1000:8.1f}us  "
+                  f"{ms_scaled * 1000:8.1f}us (slow accum {ms_slow * 1000:8.1f})  bf16 "
+                  f"{ms_mm * 1000:8.1f}us  "
                   f"{r['fp8_pct_copy']:5.1f}% copy  {r['fp8_tflops']:7.1f} TF/s "
                   f"({r['fp8_pct_peak']:4.1f}% peak)  x{r['speedup_vs_bf16']:.2f}", flush=True)
         torch.cuda.empty_cache()
@@ -125,11 +132,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_fp8.py needs an NVIDIA GPU: torch.cuda.is_available() is False")
     torch.manual_seed(0)
-    copy_gbs, peak = copy_bandwidth_gbs(), fp8_peak_tflops()
+    copy_gbs, peak, slow_peak = copy_bandwidth_gbs(), fp8_peak_tflops(), fp8_peak_tflops(False)
     print(f"{torch.cuda.get_device_name()}  copy {copy_gbs:.0f} GB/s  dense FP8 peak "
-          f"{peak:.0f} TFLOP/s")
+          f"{peak:.0f} TFLOP/s ({slow_peak:.0f} without fast accumulation)")
     result = {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs,
-              "fp8_peak_tflops": peak, "rows": bench(args, copy_gbs, peak)}
+              "fp8_peak_tflops": peak, "fp8_peak_slow_accum_tflops": slow_peak,
+              "rows": bench(args, copy_gbs, peak)}
     if args.sweep_gemv:
         result["gemv_sweep"] = sweep_gemv(copy_gbs)
     write_result("fp8_linear", result, args.out)

@@ -15,7 +15,8 @@
 #                                        spec-throughput spec-draft spec-tests lora
 #                                        lora-tests lora-profile lora-sweep copy-tests
 #                                        eagle3 eagle3-tests eagle3-profile attention
-#                                        attention-vs-base
+#                                        attention-vs-base attention-sweep-short fp8-accum
+#                                        fp8-profile
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -481,6 +482,22 @@ for part in $parts; do
         --output-len 128 128 --skip-hf --out "$OUT/throughput_h200_llama3-8b_bf16_128.json" ;;
     fp8-linear) python3 scripts/bench_fp8.py --sweep-gemv --out "$OUT/fp8_linear_h200.json" \
         2>&1 | tee "$OUT/fp8_linear_h200.log" ;;
+    # The method at M = 1 .. 8,192 with and without _scaled_mm's fast accumulation (no sweep),
+    # and the fused SwiGLU + FP8 quantize against the two kernels.
+    fp8-accum) python3 scripts/bench_fp8.py --out "$OUT/fp8_linear_accum_h200.json" \
+        2>&1 | tee "$OUT/fp8_linear_accum_h200.log"
+      python3 scripts/bench_swiglu_fp8.py --out "$OUT/swiglu_fp8_h200.json" ;;
+    # Where a step of the FP8 throughput run goes (FP8 weights and KV cache, graphs, batch 1,000).
+    fp8-profile) python3 scripts/profile_step.py --device cuda --shape llama3-8b --graphs \
+        --load-format dummy --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 1024 \
+        --max-num-batched-tokens 8192 --rows 30 2>&1 | grep -v "^INFO" \
+        | tee "$OUT/profile_step_h200_fp8kv_graphs.log" ;;
+    # The decode tiles at the throughput run's decode steps (1,024 sequences, 128-256 keys),
+    # for both cache types.
+    attention-sweep-short) for kv in auto fp8; do
+        python3 scripts/bench_attention.py --quick --decode-only --sweep-decode --kv-cache-dtype \
+          $kv --sweep-shapes 1024x128 1024x256 --out "$OUT/attention_h200_sweep_short_$kv.json" \
+          2>&1 | tee "$OUT/attention_h200_sweep_short_$kv.log"; done ;;
     tp1-vs-base) vs_base tp1 ;;
     # bf16 and FP8 W8A8 against TP_BASE (set it to the commit before the change measured).
     bf16-vs-base) vs_base bf16 ;;

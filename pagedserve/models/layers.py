@@ -36,7 +36,12 @@ class SiluAndMul(nn.Module):
         super().__init__()
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, into: Linear | None = None):
+        """``into``: the linear layer that takes the output, which it may then get already
+        quantized (``QuantizedActivation``)."""
+        quantizer = into.input_quantizer(x.shape[0]) if into is not None else None
+        if quantizer is not None:
+            return quantizer.silu_and_mul(x)
         return self.ops.silu_and_mul(x)
 
 

@@ -21,7 +21,12 @@ import torch
 from torch import nn
 
 from pagedserve.distributed import Part, TensorParallel
-from pagedserve.quant.linear_method import InputQuantizer, LinearMethod, QuantizedActivation
+from pagedserve.quant.linear_method import (
+    InputQuantizer,
+    LinearMethod,
+    MatmulNumerics,
+    QuantizedActivation,
+)
 from pagedserve.quant.weights import LoadedWeight, concat_shards, take_columns, take_rows
 
 if TYPE_CHECKING:
@@ -32,18 +37,19 @@ class LinearFactory:
     """What every ``Linear`` of one model shares: the platform (which picks each layer's
     method), the activation dtype, the device, and the quantizer that ``--quantization fp8``
     applies to dense weights at load (None: weights stay as the checkpoint has them), the
-    rank's place in tensor parallelism, and whether methods may quantize activations to int8
-    (``--int8-activations``)."""
+    rank's place in tensor parallelism, and where methods may trade accuracy for speed
+    (``MatmulNumerics``)."""
 
     def __init__(self, platform: type[Platform], dtype: torch.dtype, device: torch.device,
                  quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None,
-                 tp: TensorParallel = TensorParallel(), int8_activations: bool = True) -> None:
+                 tp: TensorParallel = TensorParallel(),
+                 numerics: MatmulNumerics = MatmulNumerics()) -> None:
         self.platform = platform
         self.dtype = dtype
         self.device = device
         self.quantizer = quantizer
         self.tp = tp
-        self.int8_activations = int8_activations
+        self.numerics = numerics
 
     def column(self, in_features: int, out_parts: list[Part], bias: bool = False,
                quantize_at_load: bool = True) -> Linear:
@@ -99,7 +105,7 @@ class Linear(nn.Module):
         f = self.factory
         if f.quantizer is not None and self.quantize_at_load and isinstance(weight, torch.Tensor):
             weight = f.quantizer(weight)
-        self.method = f.platform.linear_method(weight, f.int8_activations)
+        self.method = f.platform.linear_method(weight, f.numerics)
         self.method.create_weights(self, weight, f.dtype, f.device)
 
     def load_bias(self, shard: int, bias: torch.Tensor) -> None:

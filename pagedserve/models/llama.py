@@ -73,7 +73,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor | QuantizedActivation, ctx: ForwardContext) -> torch.Tensor:
         slots = ctx.lora_slots
-        return self.down_proj(self.act(self.gate_up_proj(x, slots)), slots)
+        return self.down_proj(self.act(self.gate_up_proj(x, slots), into=self.down_proj), slots)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from pagedserve.lora.ops import LoRAOps
     from pagedserve.models.forward_context import ForwardContext
     from pagedserve.models.layer_ops import LayerOps
-    from pagedserve.quant.linear_method import LinearMethod
+    from pagedserve.quant.linear_method import LinearMethod, MatmulNumerics
     from pagedserve.quant.weights import LoadedWeight
 
 
@@ -197,11 +197,12 @@ class Platform:
         return LayerOps
 
     @classmethod
-    def linear_method(cls, weight: LoadedWeight, int8_activations: bool = True) -> LinearMethod:
+    def linear_method(cls, weight: LoadedWeight,
+                      numerics: MatmulNumerics | None = None) -> LinearMethod:
         """How a linear layer with this loaded weight (dense or quantized) is held and
         multiplied here; by default dequantized at load into a dense weight, so every format
-        loads on every device. ``int8_activations``: the method may quantize activations to
-        int8 where that is faster (``--int8-activations``)."""
+        loads on every device. ``numerics``: where the method may trade accuracy for speed
+        (``--int8-activations``, ``--fp8-fast-accumulation``); None: the defaults."""
         from pagedserve.quant.linear_method import DenseLinearMethod
 
         return DenseLinearMethod()

@@ -8,8 +8,8 @@ fastest, once (``create_weights``), and multiplies activations by it on every st
 (``apply``). The layer adds its bias.
 
 A method that quantizes its activations before multiplying (FP8 W8A8) may offer that step to
-the op before the layer (``input_quantizer``): an RMSNorm that writes quantized activations
-directly saves a pass over them and a kernel launch.
+the op before the layer (``input_quantizer``): an RMSNorm or a SwiGLU that writes quantized
+activations directly saves a pass over them and a kernel launch.
 """
 
 from __future__ import annotations
@@ -35,6 +35,14 @@ class QuantizedActivation:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class MatmulNumerics:
+    """Where a platform's linear methods may trade accuracy for speed: the engine options of
+    the same names (``EngineConfig``)."""
+    int8_activations: bool = True
+    fp8_fast_accumulation: bool = True
+
+
 class InputQuantizer(ABC):
     """A linear method's input quantization, fused into the op that produces its input."""
 
@@ -43,6 +51,10 @@ class InputQuantizer(ABC):
                  residual: torch.Tensor | None = None):
         """``LayerOps.rms_norm`` with its output quantized: ``QuantizedActivation``, or
         ``(QuantizedActivation, residual)`` with ``residual``."""
+
+    @abstractmethod
+    def silu_and_mul(self, x: torch.Tensor) -> QuantizedActivation:
+        """``LayerOps.silu_and_mul`` of ``x [T, 2I]`` with its output quantized."""
 
 
 class LinearMethod(ABC):

@@ -32,6 +32,7 @@ from pagedserve.models.linear import LinearFactory
 from pagedserve.models.offload import LayerOffload
 from pagedserve.models.registry import model_class
 from pagedserve.platforms.interface import DeviceEvent, GraphRunner, Platform
+from pagedserve.quant.linear_method import MatmulNumerics
 from pagedserve.quant.weights import LoadedWeight
 from pagedserve.sample.logprobs import LogprobsTensors
 from pagedserve.sample.metadata import SamplingMetadata, to_device
@@ -110,7 +111,7 @@ class ModelRunner:
                  quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None,
                  buckets: ShapeBuckets | None = None,
                  tp: TensorParallel = TensorParallel(), cpu_offload_bytes: int = 0,
-                 int8_activations: bool = True) -> None:
+                 numerics: MatmulNumerics = MatmulNumerics()) -> None:
         self.platform = platform
         self.arch = arch
         self.dtype = dtype
@@ -123,7 +124,7 @@ class ModelRunner:
         backend_cls = platform.attention_backend()
         backend = backend_cls(heads.num_heads, arch.head_dim, heads.num_kv_heads,
                               arch.head_dim ** -0.5, kv_cache_dtype=kv_cache_dtype)
-        linears = LinearFactory(platform, dtype, self.device, quantizer, tp, int8_activations)
+        linears = LinearFactory(platform, dtype, self.device, quantizer, tp, numerics)
         with torch.device(self.device):
             model = model_class(arch.architecture)(arch, backend, max_model_len,
                                                     platform.layer_ops(), linears)

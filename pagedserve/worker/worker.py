@@ -77,7 +77,7 @@ class Worker:
                                   config.kv_cache_dtype,
                                   load_quantizer(arch.raw, config.quantization, dummy),
                                   _shape_buckets(config, resolved), self.tp,
-                                  int(config.cpu_offload_gb * 2**30), config.int8_activations)
+                                  int(config.cpu_offload_gb * 2**30), config.matmul_numerics())
         if dummy:
             self.runner.init_dummy_weights(config.seed)
         else:
@@ -150,7 +150,7 @@ def _draft_runner(config: EngineConfig, resolved: ResolvedConfig, arch: ModelArc
             f"tokens) differs from the target's ({arch.vocab_size})")
     runner = ModelRunner(platform, draft_arch, resolved.dtype, resolved.max_model_len,
                          config.kv_cache_dtype, load_quantizer(draft_arch.raw, "auto", dummy),
-                         int8_activations=config.int8_activations)
+                         numerics=config.matmul_numerics())
     if dummy:
         runner.init_dummy_weights(config.seed + 1)
     else:
@@ -185,7 +185,7 @@ def _eagle_drafter(config: EngineConfig, resolved: ResolvedConfig, arch: ModelAr
         heads.num_heads, cfg.arch.head_dim, heads.num_kv_heads, cfg.arch.head_dim ** -0.5,
         kv_cache_dtype=config.kv_cache_dtype)
     linears = LinearFactory(platform, resolved.dtype, device,
-                            int8_activations=config.int8_activations)
+                            numerics=config.matmul_numerics())
     with torch.device(device):
         head = Eagle3Head(cfg, backend, resolved.max_model_len, platform.layer_ops(), linears,
                           own_embedding)

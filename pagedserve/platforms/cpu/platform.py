@@ -13,7 +13,7 @@ from pagedserve.platforms.interface import MemoryInfo, Platform
 if TYPE_CHECKING:
     from pagedserve.attention.backend import AttentionBackend
     from pagedserve.models.layer_ops import LayerOps
-    from pagedserve.quant.linear_method import LinearMethod
+    from pagedserve.quant.linear_method import LinearMethod, MatmulNumerics
     from pagedserve.quant.weights import LoadedWeight
 
 
@@ -63,22 +63,24 @@ class CpuPlatform(Platform):
         return layer_ops.CpuLayerOps if layer_ops.available() else super().layer_ops()
 
     @classmethod
-    def linear_method(cls, weight: LoadedWeight, int8_activations: bool = True) -> LinearMethod:
+    def linear_method(cls, weight: LoadedWeight,
+                      numerics: MatmulNumerics | None = None) -> LinearMethod:
         """Grouped 4- and 8-bit weights stay quantized: in the native kernels (with int8
-        activations unless ``int8_activations`` is False), else in torch's int4 kernel where
-        its groups fit; FP8 and everything else are dequantized at load
-        (CPUs have no FP8 arithmetic)."""
+        activations unless ``numerics.int8_activations`` is False), else in torch's int4
+        kernel where its groups fit; FP8 and everything else are dequantized at load (CPUs
+        have no FP8 arithmetic)."""
         from pagedserve.platforms.cpu import native_quant
         from pagedserve.platforms.cpu.quant_linear import (
             Int4PackLinearMethod,
             NativeQuantLinearMethod,
             kernel_group,
         )
+        from pagedserve.quant.linear_method import MatmulNumerics
         from pagedserve.quant.weights import GroupQuantWeight
 
         if isinstance(weight, GroupQuantWeight):
             if native_quant.available():
-                return NativeQuantLinearMethod(int8_activations)
+                return NativeQuantLinearMethod((numerics or MatmulNumerics()).int8_activations)
             if kernel_group(weight.group_size):
                 return Int4PackLinearMethod()
         return super().linear_method(weight)

@@ -19,10 +19,10 @@ both scales after it. Up to ``fp8_gemv.MAX_M`` rows (decode at small batch) take
 kernel instead, which keeps the activations unquantized. ``apply`` never waits on the device,
 so it can be captured in a CUDA graph.
 
-Above those rows the layer's ``input_quantizer`` lets the RMSNorm before it write the FP8
-activations and their scales directly (``rms_norm_fp8``), the same values the standalone
-quantization would give: the norm has the row in registers anyway. The layers after attention
-and SwiGLU quantize their input themselves.
+Above those rows the layer's ``input_quantizer`` lets the RMSNorm or the SwiGLU before it write
+the FP8 activations and their scales directly (``rms_norm_fp8``, ``silu_and_mul_fp8``), the same
+values the standalone quantization would give. The layer after attention quantizes its input
+itself.
 """
 
 from __future__ import annotations
@@ -31,6 +31,11 @@ import torch
 from torch import nn
 
 from pagedserve.platforms.cuda.kernels import fp8_gemv
+from pagedserve.platforms.cuda.kernels.activation import (
+    MAX_FUSED_COLUMNS,
+    silu_and_mul,
+    silu_and_mul_fp8,
+)
 from pagedserve.platforms.cuda.kernels.fp8_quant import quantize_per_token, quantize_static
 from pagedserve.platforms.cuda.kernels.rms_norm import rms_norm_fp8
 from pagedserve.quant.linear_method import InputQuantizer, LinearMethod, QuantizedActivation
@@ -40,8 +45,12 @@ _ALIGN = 16
 
 
 class Fp8LinearMethod(LinearMethod):
-    def __init__(self, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> None:
+    """``fast_accumulation``: ``scaled_mm``'s, the engine's ``--fp8-fast-accumulation``."""
+
+    def __init__(self, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                 fast_accumulation: bool = True) -> None:
         self.fp8_dtype = fp8_dtype
+        self.fast_accumulation = fast_accumulation
 
     def create_weights(self, layer, weight: Fp8Weight, dtype, device) -> None:
         values, scales, input_scale = weight.values, weight.scales.float(), weight.input_scale
@@ -78,7 +87,8 @@ class Fp8LinearMethod(LinearMethod):
         x_scale = quantized.scales
         if x_scale.dim() == 0 and w_scale.dim() != 0:  # static activation scale, row-wise weight
             x_scale = x_scale.expand(quantized.values.shape[0], 1).contiguous()
-        out = scaled_mm(quantized.values, wq.t(), x_scale, w_scale, quantized.dtype)
+        out = scaled_mm(quantized.values, wq.t(), x_scale, w_scale, quantized.dtype,
+                        self.fast_accumulation)
         if out.shape[1] != layer.fp8_out_features:
             out = out[:, :layer.fp8_out_features]
         return out.reshape(*lead, out.shape[1])
@@ -109,15 +119,29 @@ class Fp8InputQuantizer(InputQuantizer):
         quantized = QuantizedActivation(q, scales, x.dtype)
         return quantized if residual is None else (quantized, residual)
 
+    def silu_and_mul(self, x):
+        if self.padded_k > MAX_FUSED_COLUMNS:  # too wide a row for one program's registers
+            return self.quantize(silu_and_mul(x))
+        q, scales = silu_and_mul_fp8(x, self.fp8_dtype, self.padded_k, self.static_scale)
+        return QuantizedActivation(q, scales, x.dtype)
+
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
+              out_dtype: torch.dtype, fast_accumulation: bool) -> torch.Tensor:
     """``(a * scale_a) @ (b * scale_b)`` in ``out_dtype``: ``a [M, K]`` row-major, ``b [K, N]``
-    column-major, scales 0-dim (per tensor) or ``[M, 1]`` and ``[1, N]`` (per row)."""
+    column-major, scales 0-dim (per tensor) or ``[M, 1]`` and ``[1, N]`` (per row).
+
+    ``fast_accumulation``: on Hopper the FP8 tensor cores' own accumulator (fewer mantissa bits
+    than float32) runs the whole K loop, with no promotion to float32 registers every few
+    k-steps, as in vLLM's FP8 CUTLASS kernels (their ``FP8FastAccum`` schedules). cuBLASLt
+    and torch's row-wise CUTLASS kernel take it as a flag (hipBLASLt takes the same
+    attribute; never run on an AMD GPU here). What it gains and costs: docs/quantization.md."""
     if scale_b.dim() == 0 or out_dtype == torch.bfloat16:
-        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                                use_fast_accum=fast_accumulation)
     one = torch.ones((), dtype=torch.float32, device=a.device)
-    out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32,
+                           use_fast_accum=fast_accumulation)
     return (out * scale_a * scale_b).to(out_dtype)
 
 

@@ -18,7 +18,7 @@ from pagedserve.platforms.interface import (
 )
 
 if TYPE_CHECKING:
-    from pagedserve.quant.linear_method import LinearMethod
+    from pagedserve.quant.linear_method import LinearMethod, MatmulNumerics
     from pagedserve.quant.weights import LoadedWeight
 
 
@@ -72,19 +72,22 @@ class CudaPlatform(Platform):
         return TritonLayerOps
 
     @classmethod
-    def linear_method(cls, weight: LoadedWeight, int8_activations: bool = True) -> LinearMethod:
+    def linear_method(cls, weight: LoadedWeight,
+                      numerics: MatmulNumerics | None = None) -> LinearMethod:
         """4-bit grouped weights stay packed (W4A16 Triton kernel); FP8 weights run W8A8 in the
         FP8 tensor cores where the GPU has them (compute capability 8.9+) and weight-only
         elsewhere; 8-bit and dense weights take the inherited path (dequantized at load)."""
         from pagedserve.platforms.cuda import quant_linear
+        from pagedserve.quant.linear_method import MatmulNumerics
         from pagedserve.quant.weights import Fp8Weight
 
+        numerics = numerics or MatmulNumerics()
         if quant_linear.supports(weight):
             return quant_linear.W4A16LinearMethod()
         if isinstance(weight, Fp8Weight) and cls.supports_fp8_matmul():
             from pagedserve.platforms.cuda.fp8_linear import Fp8LinearMethod
 
-            return Fp8LinearMethod(cls.fp8_dtype())
+            return Fp8LinearMethod(cls.fp8_dtype(), numerics.fp8_fast_accumulation)
         if isinstance(weight, Fp8Weight):
             from pagedserve.platforms.cuda.fp8_weight_only_linear import (
                 Fp8WeightOnlyLinearMethod,

@@ -19,12 +19,16 @@ pytest.importorskip("triton")
 from pagedserve.models.layer_ops import LayerOps  # noqa: E402
 from pagedserve.platforms.cuda.fp8_linear import Fp8LinearMethod, to_e4m3fnuz  # noqa: E402
 from pagedserve.platforms.cuda.kernels import fp8_gemv  # noqa: E402
+from pagedserve.platforms.cuda.kernels.activation import (  # noqa: E402
+    silu_and_mul,
+    silu_and_mul_fp8,
+)
 from pagedserve.platforms.cuda.kernels.fp8_quant import (  # noqa: E402
     quantize_per_token,
     quantize_static,
 )
 from pagedserve.platforms.cuda.kernels.rms_norm import rms_norm, rms_norm_fp8  # noqa: E402
-from pagedserve.quant.linear_method import QuantizedActivation  # noqa: E402
+from pagedserve.quant.linear_method import MatmulNumerics, QuantizedActivation  # noqa: E402
 from pagedserve.quant.weights import Fp8Weight  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_NVIDIA else "cpu")
@@ -42,6 +46,11 @@ OUT_RTOL = {torch.float32: 1e-5, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 
 # output shows (PyTorch checks its own float32 _scaled_mm outputs to 2e-3). On the CPU,
 # _scaled_mm accumulates in float32.
 SCALED_MM_FP32_RTOL = 2e-3 if HAS_NVIDIA else OUT_RTOL[torch.float32]
+# With fast accumulation (the default) the accumulator's own few mantissa bits run the whole K
+# loop; its rounding errors grow with the running sum, so they are bounded by a share of each
+# output's sum of |x_k * w_k|, for independent random x and W (where x's row equals W's row,
+# all products positive, the H200 lost 18% of an output at K = 14,336).
+FAST_ACCUM_BOUND = 2.0 ** -8
 
 
 def randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
@@ -156,6 +165,20 @@ def test_rms_norm_fp8_quantizes_the_norm(fp8, dtype, static, with_residual):
     check_fused_quantization(q, scales, reference, plain, fp8, scale)
 
 
+@pytest.mark.parametrize("fp8", FP8_TYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("static", [None, 0.004], ids=["dynamic", "static"])
+@pytest.mark.parametrize("inter, padded", [(200, 208), (1100, 1104)], ids=["narrow", "wide"])
+def test_silu_and_mul_fp8_quantizes_the_product(fp8, dtype, static, inter, padded):
+    """SwiGLU writing FP8 directly: the plain kernel's output (itself checked against float64
+    in test_layer_kernels) quantized by the standalone kernel; the plain kernel's rows are
+    blocks of 1,024 columns, the fused kernel's a whole row."""
+    x = randn(5, 2 * inter, dtype=dtype, seed=12, scale=2.0)
+    scale = None if static is None else torch.tensor(static, device=DEVICE)
+    q, scales = silu_and_mul_fp8(x, fp8, padded, scale)
+    check_fused_quantization(q, scales, LayerOps.silu_and_mul(x), silu_and_mul(x), fp8, scale)
+
+
 @pytest.mark.parametrize("static", [None, 0.02], ids=["dynamic", "static"])
 def test_fused_input_quantization_feeds_the_matmul(static):
     """What a norm hands the layer through its ``input_quantizer`` multiplies to the same
@@ -169,6 +192,29 @@ def test_fused_input_quantization_feeds_the_matmul(static):
     assert isinstance(quantized, QuantizedActivation) and quantized.values.shape == (6, 80)
     assert torch.equal(method.apply(layer, quantized),
                        method.apply(layer, rms_norm(x, weight, 1e-5)))
+    gate_up = randn(6, 144, dtype=torch.float16, seed=13)
+    quantized = method.input_quantizer(layer, 6).silu_and_mul(gate_up)
+    assert isinstance(quantized, QuantizedActivation) and quantized.values.shape == (6, 80)
+    plain = method.apply(layer, silu_and_mul(gate_up))
+    assert torch.equal(method.apply(layer, quantized), plain)
+
+
+def test_rows_too_wide_for_the_fused_swiglu_quantize_apart(monkeypatch):
+    """Past MAX_FUSED_COLUMNS the SwiGLU's rows are quantized by the standalone kernel (the
+    fused one refuses them), with the same result."""
+    from pagedserve.platforms.cuda import fp8_linear
+    from pagedserve.platforms.cuda.kernels import activation
+
+    layer, _ = fp8_layer(40, 72, torch.float16, None)
+    gate_up = randn(6, 144, dtype=torch.float16, seed=13)
+    fused = Fp8LinearMethod().input_quantizer(layer, 6).silu_and_mul(gate_up)
+    monkeypatch.setattr(fp8_linear, "MAX_FUSED_COLUMNS", 64)
+    monkeypatch.setattr(activation, "MAX_FUSED_COLUMNS", 64)
+    with pytest.raises(ValueError, match="columns"):
+        silu_and_mul_fp8(gate_up, FN, 80)
+    apart = Fp8LinearMethod().input_quantizer(layer, 6).silu_and_mul(gate_up)
+    same_fp8(apart.values, fused.values)
+    assert torch.equal(apart.scales, fused.scales)
 
 
 def fp8_layer(n: int, k: int, dtype: torch.dtype, static: float | None, fp8=FN,
@@ -185,11 +231,14 @@ def fp8_layer(n: int, k: int, dtype: torch.dtype, static: float | None, fp8=FN,
     return layer, weight
 
 
-def check_linear(layer: nn.Module, weight: Fp8Weight, x: torch.Tensor, fp8=FN) -> None:
+def check_linear(layer: nn.Module, weight: Fp8Weight, x: torch.Tensor, fp8=FN,
+                 fast_accumulation: bool = False) -> None:
     """The method's output against float64: its own quantized activations (checked above
     against float64; up to ``fp8_gemv.MAX_M`` rows the activations as they are) times the
-    dequantized weight, so only accumulation and the output's rounding remain."""
-    out = Fp8LinearMethod(fp8).apply(layer, x)
+    dequantized weight, so only accumulation and the output's rounding remain. With
+    ``fast_accumulation`` on a GPU, ``_scaled_mm``'s error is held to FAST_ACCUM_BOUND of each
+    output's sum of product magnitudes instead."""
+    out = Fp8LinearMethod(fp8, fast_accumulation).apply(layer, x)
     if x.shape[0] <= fp8_gemv.MAX_M:
         xd = x.double()
     elif weight.input_scale is None:
@@ -201,6 +250,13 @@ def check_linear(layer: nn.Module, weight: Fp8Weight, x: torch.Tensor, fp8=FN) -
     expected = xd @ weight.dequantize(torch.float64).to(DEVICE).t()
     assert out.dtype == x.dtype and out.shape == (x.shape[0], weight.shape[0])
     rtol = OUT_RTOL[x.dtype]
+    if fast_accumulation and HAS_NVIDIA and x.shape[0] > fp8_gemv.MAX_M:
+        magnitudes = xd.abs() @ weight.dequantize(torch.float64).to(DEVICE).abs().t()
+        error = (out.double() - expected).abs()
+        print(f"fast accumulation, K = {x.shape[1]}: worst error / magnitude sum "
+              f"{(error / magnitudes).max().item():.2e}")
+        assert (error <= FAST_ACCUM_BOUND * magnitudes + rtol * expected.abs()).all()
+        return
     if x.dtype == torch.float32 and x.shape[0] > fp8_gemv.MAX_M:
         rtol = SCALED_MM_FP32_RTOL
     torch.testing.assert_close(out.double(), expected, rtol=rtol,
@@ -239,6 +295,11 @@ def test_cuda_platform_picks_w8a8_only_with_fp8_matmuls(monkeypatch):
         monkeypatch.setattr(CudaPlatform, "supports_fp8_matmul",
                             classmethod(lambda c, s=supported: s))
         assert type(CudaPlatform.linear_method(weight)).__name__ == method
+    monkeypatch.setattr(CudaPlatform, "supports_fp8_matmul", classmethod(lambda c: True))
+    # --fp8-fast-accumulation (on by default) reaches the method.
+    assert CudaPlatform.linear_method(weight).fast_accumulation
+    assert not CudaPlatform.linear_method(
+        weight, MatmulNumerics(fp8_fast_accumulation=False)).fast_accumulation
     assert type(CudaPlatform.linear_method(torch.randn(16, 16))).__name__ == "DenseLinearMethod"
     for arch, dtype, supported in [("gfx942:sramecc+:xnack-", FNUZ, True),
                                    ("gfx950", FN, True), ("gfx90a", FN, False)]:
@@ -295,9 +356,13 @@ def test_weight_only_linear_matches_float64(dtype, tokens):
 @pytest.mark.parametrize("static", [None, 0.02], ids=["dynamic", "static"])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])  # qkv, down_proj of Llama-3-8B
 @pytest.mark.parametrize("tokens", [1, 7, 300])
-def test_fp8_linear_at_8b_shapes(dtype, static, n, k, tokens):
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast-accum"])
+def test_fp8_linear_at_8b_shapes(dtype, static, n, k, tokens, fast):
+    """Exact accumulation at float64's tolerances, also where x's rows equal W's (7 tokens:
+    the same seed); fast accumulation on independent x and W."""
     layer, weight = fp8_layer(n, k, dtype, static, seed=tokens)
-    check_linear(layer, weight, randn(tokens, k, dtype=dtype, seed=7), FN)
+    x = randn(tokens, k, dtype=dtype, seed=7 + 1000 * fast)
+    check_linear(layer, weight, x, FN, fast)
 
 
 @pytest.mark.cuda
@@ -413,11 +478,11 @@ def test_engine_w8a8_tracks_transformers(device, arch, static, tiny_model_folder
         engine = torch.tensor([step[t].logprob for step, t in zip(out.outputs[0].logprobs, ours)])
         deltas.append((engine.double() - logprobs.gather(1, chosen)[:, 0]).abs().max().item())
         gaps.append((logprobs.amax(1) - logprobs.gather(1, chosen)[:, 0]).max().item())
-    # Prompts (prefill rows > fp8_gemv.MAX_M) had their norms quantize for the layer after;
-    # o_proj and down_proj quantize their inputs themselves.
+    # Prompts (prefill rows > fp8_gemv.MAX_M) had their norms and SwiGLUs quantize for the
+    # layer after; o_proj quantizes its input itself.
     assert {name for name, m in model.named_modules() if m in fused_inputs} == {
         f"model.layers.{i}.{name}" for i in range(len(model.model.layers))
-        for name in ("self_attn.qkv_proj", "mlp.gate_up_proj")}
+        for name in ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj")}
     print(f"{device} {arch} {'static' if static else 'dynamic'}: per prompt, worst |logprob "
           f"delta| {[round(d, 4) for d in deltas]}, worst greedy gap {[round(g, 4) for g in gaps]}")
     assert max(deltas) <= LOGPROB_DELTA

@@ -42,11 +42,12 @@ PROGRAMS_PER_SM = 4
 # 2026-12-02 (M = 16: 86 us for the four 8B layers against 92 and 106).
 MANY_ROWS_PROGRAMS_PER_SM = 1
 # The rows per block for M up to each bound (None: any M): 0 for the few-rows kernel, else
-# the many-rows kernel's 16, 32 or 64. The sweep of 2026-12-02 (scripts/bench_w4a16.py
-# --sweep-mma): the few-rows kernel to 8 rows (88 us at M = 8 against 107 for blocks of 16);
-# blocks of 16 at 16 rows (86 against 119 for the few-rows kernel); of 32 at 32 (121 against
-# 128 for 16); of 64 from 65 (M = 128: 277 against 282 for 32, M = 256: 439 against 494).
-BLOCK_ROWS = ((8, 0), (16, 16), (32, 32), (64, 32), (None, 64))
+# the many-rows kernel's 16, 32 or 64. The sweeps of 2026-12-02 (scripts/bench_w4a16.py
+# --sweep-mma): the few-rows kernel to 7 rows; blocks of 16 from 8 rows (M = 8: 80 us for
+# the four 8B layers against 88 for the few-rows kernel, once rows past M were zero-filled
+# instead of read: 107 before), and at 16 (86 against 119); of 32 at 32 (121 against 128 for
+# 16); of 64 from 65 (M = 128: 277 against 282 for 32, M = 256: 439 against 494).
+BLOCK_ROWS = ((7, 0), (16, 16), (32, 32), (64, 32), (None, 64))
 
 
 class _Args(ctypes.Structure):
