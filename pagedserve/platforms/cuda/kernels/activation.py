@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.platforms.cuda.kernels.fp8_quant import fp8_kernel_args, row_scale, to_fp8_grid
+from pagedserve.platforms.cuda.kernels.fp8_quant import fp8_kernel_args, store_row_fp8
 
 _BLOCK = 1024
 # The widest padded row silu_and_mul_fp8 takes: 64 values a thread at 16 warps.
@@ -56,14 +56,9 @@ def _silu_and_mul_fp8_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     y = _silu_mul(x_ptr + row * stride_x, cols, inter).to(tl.float32)
-    if STATIC:
-        scale = tl.load(scale_ptr)
-    else:
-        scale = row_scale(tl.max(tl.abs(y), axis=0), fmax, min_scale)
-        tl.store(scale_ptr + row, scale)
     # Columns past ``inter`` (the matmul's padding) get zeros.
-    q = to_fp8_grid(y, scale, fmax, FNUZ, SOFTWARE_ROUNDING)
-    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < k_out)
+    store_row_fp8(y, q_ptr + row * stride_q + cols, scale_ptr, row, cols < k_out, fmax,
+                  min_scale, STATIC, FNUZ, SOFTWARE_ROUNDING)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Activations quantized to FP8 for a W8A8 matmul, one program per token.
 
-``row_scale`` and ``to_fp8_grid`` are the arithmetic, shared with ``rms_norm_fp8``, which
-quantizes its own output the same way.
+``row_scale`` and ``to_fp8_grid`` are the arithmetic, and ``store_row_fp8`` the whole step for
+a row held in registers, shared with ``rms_norm_fp8`` and ``silu_and_mul_fp8``, which quantize
+their own output the same way.
 
 ``x [M, K]`` (rows may be strided, columns contiguous) becomes ``q [M, K_out]`` in the output's
 FP8 type (e4m3fn, or e4m3fnuz on MI300) and float32 scales ``[M, 1]``, with
@@ -54,6 +55,21 @@ def to_fp8_grid(x, scale, fmax, FNUZ: tl.constexpr, SOFTWARE_ROUNDING: tl.conste
     elif SOFTWARE_ROUNDING:
         q = _round_to_e4m3(q)
     return q
+
+
+@triton.jit
+def store_row_fp8(y, q_ptrs, scale_ptr, row, store_mask, fmax, min_scale,
+                  STATIC: tl.constexpr, FNUZ: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
+    """Quantize one row ``y`` (float32, whole in registers) to ``q_ptrs``' FP8 type: with its
+    dynamic scale (written to ``scale_ptr + row``) or the static one at ``scale_ptr``. Padding
+    columns (zeros in ``y``) get zeros. For the ops that produce a row before a W8A8 matmul."""
+    if STATIC:
+        scale = tl.load(scale_ptr)
+    else:
+        scale = row_scale(tl.max(tl.abs(y), axis=0), fmax, min_scale)
+        tl.store(scale_ptr + row, scale)
+    q = to_fp8_grid(y, scale, fmax, FNUZ, SOFTWARE_ROUNDING)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit

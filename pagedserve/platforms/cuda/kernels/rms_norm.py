@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.platforms.cuda.kernels.fp8_quant import fp8_kernel_args, row_scale, to_fp8_grid
+from pagedserve.platforms.cuda.kernels.fp8_quant import fp8_kernel_args, store_row_fp8
 
 
 @triton.jit
@@ -39,17 +39,9 @@ def _rms_norm_kernel(
     h = h * tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out = (h.to(x.dtype).to(tl.float32) * w).to(x.dtype)
-    if FP8_OUT:
-        y = out.to(tl.float32)
-        if STATIC:
-            scale = tl.load(scale_ptr)
-        else:
-            scale = row_scale(tl.max(tl.abs(y), axis=0), fmax, min_scale)
-            tl.store(scale_ptr + row, scale)
-        # Columns past ``hidden`` (the matmul's padding) get zeros.
-        q = to_fp8_grid(y, scale, fmax, FNUZ, SOFTWARE_ROUNDING)
-        tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty),
-                 mask=cols < out_cols)
+    if FP8_OUT:  # columns past ``hidden`` (the matmul's padding) get zeros
+        store_row_fp8(out.to(tl.float32), out_ptr + row * stride_o + cols, scale_ptr, row,
+                      cols < out_cols, fmax, min_scale, STATIC, FNUZ, SOFTWARE_ROUNDING)
     else:
         tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
 
