@@ -145,6 +145,30 @@ PY
   kill -TERM -- -$server; wait $server
 }
 
+# `sampled LABEL CMD...`: CMD with the GPU's SM clock, power and use sampled every 100 ms
+# (nvidia-smi) into $OUT/gpu_samples_LABEL.csv, then their medians printed: kernels that are
+# faster alone may not shorten a run the GPU spends at its power limit.
+sampled() {
+  local label=$1 csv="$OUT/gpu_samples_$1.csv"
+  shift
+  if ! command -v nvidia-smi > /dev/null; then "$@"; return; fi
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,utilization.gpu \
+    --format=csv,noheader,nounits -lms 100 > "$csv" &
+  local sampler=$!
+  "$@"
+  kill $sampler; wait $sampler 2>/dev/null
+  python3 - "$csv" "$label" <<'PY'
+import statistics, sys
+rows = [line.split(", ") for line in open(sys.argv[1]) if line.count(",") == 3]
+busy = [(float(c), float(p)) for _, c, p, u in rows if float(u) >= 50]
+if busy:
+    print(f"{sys.argv[2]}: {len(busy)} samples with the GPU >= 50% busy: SM clock median "
+          f"{statistics.median(c for c, _ in busy):.0f} MHz (min {min(c for c, _ in busy):.0f}), "
+          f"power median {statistics.median(p for _, p in busy):.0f} W (max "
+          f"{max(p for _, p in busy):.0f})")
+PY
+}
+
 # The engine with its executor at one rank against the engine before tensor parallelism
 # (commit TP_BASE, default 919456f, the main branch the tp branch started from), 8B shape,
 # This tree against an earlier commit (TP_BASE, default 919456f: the engine before tensor
@@ -165,9 +189,10 @@ vs_base() {
   local args=(throughput "${common[@]}" --shape llama3-8b --input-len 128 128
               --output-len 128 128 --skip-hf "$@")
   for round in $(seq "${TP_ROUNDS:-2}"); do
-    PYTHONPATH=$base${PYTHONPATH:+:$PYTHONPATH} bench "${args[@]}" \
-      --out "$OUT/throughput_h200_llama3-8b_128_${label}_base_$round.json"
-    bench "${args[@]}" --out "$OUT/throughput_h200_llama3-8b_128_${label}_tree_$round.json"
+    PYTHONPATH=$base${PYTHONPATH:+:$PYTHONPATH} sampled "${label}_base_$round" bench \
+      "${args[@]}" --out "$OUT/throughput_h200_llama3-8b_128_${label}_base_$round.json"
+    sampled "${label}_tree_$round" bench "${args[@]}" \
+      --out "$OUT/throughput_h200_llama3-8b_128_${label}_tree_$round.json"
   done
   python3 - "$OUT" "$label" <<'PY'
 import json, sys
