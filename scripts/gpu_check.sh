@@ -16,7 +16,7 @@
 #                                        lora-tests lora-profile lora-sweep copy-tests
 #                                        eagle3 eagle3-tests eagle3-profile attention
 #                                        attention-vs-base attention-sweep-short fp8-accum
-#                                        fp8-profile
+#                                        fp8-profile fp8-timeline
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -517,6 +517,13 @@ for part in $parts; do
         --load-format dummy --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 1024 \
         --max-num-batched-tokens 8192 --rows 30 2>&1 | grep -v "^INFO" \
         | tee "$OUT/profile_step_h200_fp8kv_graphs.log" ;;
+    # The FP8 run with its device timeline: the workload again under torch.profiler, the
+    # device's busy and idle seconds over it (bench/device_timeline.py; its GPU test first).
+    fp8-timeline) python3 -m pytest -q -m cuda -p no:cacheprovider \
+        tests/bench/test_device_timeline.py 2>&1 | tail -1
+      sampled fp8_timeline bench throughput "${common[@]}" --shape llama3-8b --input-len 128 \
+        128 --output-len 128 128 --load-format dummy --quantization fp8 --skip-hf --breakdown \
+        --device-timeline --out "$OUT/throughput_h200_llama3-8b_fp8_timeline.json" ;;
     # The decode tiles at the throughput run's decode steps (1,024 sequences, 128-256 keys),
     # for both cache types.
     attention-sweep-short) for kv in auto fp8; do

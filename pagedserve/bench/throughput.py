@@ -37,6 +37,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="time scheduling, queueing the forward pass, waiting for the "
                              "device and output handling separately")
+    parser.add_argument("--device-timeline", action="store_true",
+                        help="run the workload again (other prompts of the same lengths) under "
+                             "torch.profiler and report the device's busy and idle time over "
+                             "it, and its top kernels (bench/device_timeline.py; cuda)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
 
 
@@ -158,6 +162,27 @@ def engine_from_args(args: argparse.Namespace, **changes):
     return LLM.from_config(bench_config(args, **changes))
 
 
+def _timeline(llm, args: argparse.Namespace, avoid: set[int]) -> dict:
+    """The workload's lengths with other prompts (the prefix cache holds the timed run's),
+    under the profiler: its wall seconds there and ``device_timeline``'s report, printed."""
+    from pagedserve.bench.device_timeline import device_timeline
+
+    if llm.engine.platform.name not in ("cuda", "rocm"):
+        raise SystemExit(f"--device-timeline reads a GPU's kernels; the engine runs on "
+                         f"{llm.engine.platform.name}")
+    work = random_workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len),
+                           llm.engine.arch.vocab_size, avoid, seed=args.seed + 1)
+    profiled = {}
+    report = device_timeline(lambda: profiled.update(run_engine(llm, work)))
+    report["profiled_seconds"] = profiled["seconds"]
+    print(f"\nunder the profiler: {report['profiled_seconds']:.3f} s, the device busy "
+          f"{report['device_busy_s']:.3f} s, idle {report['device_idle_s']:.3f} s "
+          f"({report['idle_in_long_gaps_s']:.3f} s in {report['long_gaps']} gaps of 1 ms or more)")
+    for k in report["top_kernels"]:
+        print(f"  {k['seconds']:8.3f} s {k['calls']:7d}  {k['name'][:90]}")
+    return report
+
+
 def main(args: argparse.Namespace) -> None:
     import gc
 
@@ -175,6 +200,8 @@ def main(args: argparse.Namespace) -> None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     else:
         ours = run_engine(llm, work, args.breakdown)
+    if args.device_timeline:
+        ours["timeline"] = _timeline(llm, args, avoid)
     setup = {
         "model": engine.model_name, "device": engine.platform.name,
         "dtype": str(engine.dtype), "num_prompts": len(work),
