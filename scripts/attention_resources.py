@@ -1,0 +1,90 @@
+"""Compile the decode-attention kernel's tiles for sm_90 on the CPU and report what each
+holds: registers and spilled stack bytes per thread (``cuobjdump -res-usage``), shared memory,
+and the programs a multiprocessor can then run at once (by registers and by shared memory).
+
+No GPU is needed (``triton.compile`` with a ``cuda`` target, as ``w4a16_sass.py``). The
+kernel is specialized as the Llama-3-8B launch would be (head 128, GQA 4, blocks of 16, one
+partition, pointers aligned). Register pressure depends on Triton's version; for the H200's
+(3.6), install it beside the project's: ``pip install --no-deps --target /tmp/t36
+triton==3.6.0`` and run with ``PYTHONPATH=/tmp/t36``.
+
+    python scripts/attention_resources.py [--out FILE.json]
+
+Run with ``TRITON_INTERPRET`` unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.bench_attention import SWEEP_TILES  # noqa: E402
+from scripts.w4a16_sass import resources  # noqa: E402
+
+POINTERS = {"q_ptr": "bf16", "k_cache_ptr": "CACHE", "v_cache_ptr": "CACHE", "out_ptr": "bf16",
+            "part_out_ptr": "fp32", "part_lse_ptr": "fp32", "block_tables_ptr": "i32",
+            "seq_lens_ptr": "i32", "k_scale_ptr": "fp32", "v_scale_ptr": "fp32"}
+# An H100/H200 multiprocessor: 64k 32-bit registers, 228 KB of shared memory.
+REGISTERS, SHARED = 65536, 228 * 1024
+
+
+def compile_tile(cache: str, block_n: int, warps: int, stages: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pagedserve.platforms.cuda.kernels import decode_attention
+
+    fn = decode_attention._decode_partition_kernel
+    consts = dict(GROUP=4, GROUP_PAD=16, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16,
+                  BLOCK_N=block_n, SINGLE_PARTITION=True, HAS_SCALES=cache == "fp8e4nv",
+                  DOT_PREC="tf32", PTX=True)
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in POINTERS:
+            signature[name] = "*" + POINTERS[name].replace("CACHE", cache)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32" if name == "sm_scale" else "i32"
+    return triton.compile(ASTSource(fn, signature, consts, attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def main() -> None:
+    import triton
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    rows = []
+    print(f"Triton {triton.__version__}, sm_90, decode attention (head 128, GQA 4)")
+    print(f"{'cache':>6} {'tile (n, warps, stages)':>24} {'regs':>5} {'spill B':>8} "
+          f"{'smem KB':>8} {'programs/SM by regs':>20} {'by smem':>8}")
+    for cache in ("bf16", "fp8e4nv"):
+        for tile in SWEEP_TILES:
+            try:
+                kernel = compile_tile(cache, *tile)
+            except Exception as exc:  # a tile that does not compile is a result here
+                print(f"{cache:>6} {str(tile):>24} {type(exc).__name__}")
+                continue
+            r = resources(kernel)
+            row = {"cache": cache, "tile": tile, **r, "shared": kernel.metadata.shared,
+                   "programs_by_registers": REGISTERS // (r["registers"] * 32 * tile[1]),
+                   "programs_by_shared": SHARED // max(kernel.metadata.shared, 1)}
+            rows.append(row)
+            print(f"{cache:>6} {str(tile):>24} {r['registers']:>5} {r['stack']:>8} "
+                  f"{row['shared'] / 1024:>8.1f} {row['programs_by_registers']:>20} "
+                  f"{row['programs_by_shared']:>8}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"triton": triton.__version__, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
