@@ -1,6 +1,7 @@
 """Compile the decode-attention kernel's tiles for sm_90 on the CPU and report what each
 holds: registers and spilled stack bytes per thread (``cuobjdump -res-usage``), shared memory,
-and the programs a multiprocessor can then run at once (by registers and by shared memory).
+the programs a multiprocessor can then run at once (by registers and by shared memory), and
+how many of its loads the pipeliner copies ahead (``async_copy_global_to_local`` in the TTGIR).
 
 No GPU is needed (``triton.compile`` with a ``cuda`` target, as ``w4a16_sass.py``). The
 kernel is specialized as the Llama-3-8B launch would be (head 128, GQA 4, blocks of 16, one
@@ -25,6 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.bench_attention import SWEEP_TILES  # noqa: E402
 from scripts.w4a16_sass import resources  # noqa: E402
 
+# The launch's integer arguments as Triton specializes them at the 8B shapes: the unit
+# strides become the constant 1, the others are divisible by 16 (which lets the loads be
+# vectorized and copied ahead); partition_size and the per-step strides are not specialized
+# (do_not_specialize).
+UNIT = {"stride_qd", "stride_od", "stride_cd", "stride_btn"}
+PLAIN = {"partition_size", "stride_bt", "stride_ps", "stride_ph", "stride_pp"}
 POINTERS = {"q_ptr": "bf16", "k_cache_ptr": "CACHE", "v_cache_ptr": "CACHE", "out_ptr": "bf16",
             "part_out_ptr": "fp32", "part_lse_ptr": "fp32", "block_tables_ptr": "i32",
             "seq_lens_ptr": "i32", "k_scale_ptr": "fp32", "v_scale_ptr": "fp32"}
@@ -42,7 +49,7 @@ def compile_tile(cache: str, block_n: int, warps: int, stages: int):
     fn = decode_attention._decode_partition_kernel
     consts = dict(GROUP=4, GROUP_PAD=16, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16,
                   BLOCK_N=block_n, SINGLE_PARTITION=True, HAS_SCALES=cache == "fp8e4nv",
-                  DOT_PREC="tf32", PTX=True)
+                  DOT_PREC="tf32", PTX=True, **{name: 1 for name in UNIT})
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -52,6 +59,8 @@ def compile_tile(cache: str, block_n: int, warps: int, stages: int):
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32" if name == "sm_scale" else "i32"
+            if name not in PLAIN and name != "sm_scale":
+                attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, signature, consts, attrs),
                           target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages})
@@ -66,7 +75,7 @@ def main() -> None:
     rows = []
     print(f"Triton {triton.__version__}, sm_90, decode attention (head 128, GQA 4)")
     print(f"{'cache':>6} {'tile (n, warps, stages)':>24} {'regs':>5} {'spill B':>8} "
-          f"{'smem KB':>8} {'programs/SM by regs':>20} {'by smem':>8}")
+          f"{'smem KB':>8} {'programs/SM by regs':>20} {'by smem':>8} {'async copies':>13}")
     for cache in ("bf16", "fp8e4nv"):
         for tile in SWEEP_TILES:
             try:
@@ -76,12 +85,13 @@ def main() -> None:
                 continue
             r = resources(kernel)
             row = {"cache": cache, "tile": tile, **r, "shared": kernel.metadata.shared,
+                   "async_copies": kernel.asm["ttgir"].count("async_copy_global_to_local"),
                    "programs_by_registers": REGISTERS // (r["registers"] * 32 * tile[1]),
                    "programs_by_shared": SHARED // max(kernel.metadata.shared, 1)}
             rows.append(row)
             print(f"{cache:>6} {str(tile):>24} {r['registers']:>5} {r['stack']:>8} "
                   f"{row['shared'] / 1024:>8.1f} {row['programs_by_registers']:>20} "
-                  f"{row['programs_by_shared']:>8}", flush=True)
+                  f"{row['programs_by_shared']:>8} {row['async_copies']:>13}", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"triton": triton.__version__, "rows": rows}, indent=1))
 

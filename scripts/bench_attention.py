@@ -32,9 +32,7 @@ DECODE_BATCHES = (1, 32, 128, 256)
 DECODE_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 # (batch, context) of the tile sweep: latency-bound, the issue-30 target (256 x 2,048), long.
 SWEEP_SHAPES = ((1, 4096), (32, 4096), (256, 2048), (256, 8192))
-# (block_n, warps, stages). Compiled for sm_90 with Triton 3.6 the stages change neither the
-# registers nor the shared memory of the decode kernel (scripts/attention_resources.py): its
-# loads are not pipelined, so differences between stage counts here are the run's noise.
+# (block_n, warps, stages); what each holds for sm_90: scripts/attention_resources.py.
 SWEEP_TILES = [(n, w, st) for n in (64, 128, 256) for w in (2, 4) for st in (2, 3, 4)]
 # (query lengths, context lengths): fresh prompts, then chunks after a cached prefix.
 PREFILL_CASES = (
