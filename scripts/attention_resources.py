@@ -10,6 +10,7 @@ partition, pointers aligned). Register pressure depends on Triton's version; for
 triton==3.6.0`` and run with ``PYTHONPATH=/tmp/t36``.
 
     python scripts/attention_resources.py [--out FILE.json]
+    python scripts/attention_resources.py --check   # the defaults only (the CPU test suite)
 
 Run with ``TRITON_INTERPRET`` unset.
 """
@@ -28,10 +29,8 @@ from scripts.w4a16_sass import resources  # noqa: E402
 
 # The launch's integer arguments as Triton specializes them at the 8B shapes: the unit
 # strides become the constant 1, the others are divisible by 16 (which lets the loads be
-# vectorized and copied ahead); partition_size and the per-step strides are not specialized
-# (do_not_specialize).
+# vectorized and copied ahead), but for the kernel's do_not_specialize.
 UNIT = {"stride_qd", "stride_od", "stride_cd", "stride_btn"}
-PLAIN = {"partition_size", "stride_bt", "stride_ps", "stride_ph", "stride_pp"}
 POINTERS = {"q_ptr": "bf16", "k_cache_ptr": "CACHE", "v_cache_ptr": "CACHE", "out_ptr": "bf16",
             "part_out_ptr": "fp32", "part_lse_ptr": "fp32", "block_tables_ptr": "i32",
             "seq_lens_ptr": "i32", "k_scale_ptr": "fp32", "v_scale_ptr": "fp32"}
@@ -47,6 +46,7 @@ def compile_tile(cache: str, block_n: int, warps: int, stages: int):
     from pagedserve.platforms.cuda.kernels import decode_attention
 
     fn = decode_attention._decode_partition_kernel
+    plain = {param.name for param in fn.params if param.do_not_specialize}
     consts = dict(GROUP=4, GROUP_PAD=16, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16,
                   BLOCK_N=block_n, SINGLE_PARTITION=True, HAS_SCALES=cache == "fp8e4nv",
                   DOT_PREC="tf32", PTX=True, **{name: 1 for name in UNIT})
@@ -59,11 +59,42 @@ def compile_tile(cache: str, block_n: int, warps: int, stages: int):
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32" if name == "sm_scale" else "i32"
-            if name not in PLAIN and name != "sm_scale":
+            if name not in plain and name != "sm_scale":
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, signature, consts, attrs),
                           target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages})
+
+
+def default_tiles() -> list[tuple[str, tuple[int, int, int]]]:
+    """The tiles ``decode_attention`` picks on an H200 (132 SMs) for each cache type, with many
+    programs (a large batch) and with few (batch 1, one partition's worth)."""
+    import torch
+
+    from pagedserve.platforms.cuda.kernels import decode_attention as da
+
+    tiles = []
+    for cache, dtype in (("bf16", torch.bfloat16), ("fp8e4nv", torch.float8_e4m3fn)):
+        block_n = da._default_block_n(128, torch.bfloat16, dtype)
+        for programs in (8 * 1024, 8):
+            tile = tuple(da._decode_config(block_n, torch.bfloat16, dtype, programs, 132))
+            if (cache, tile) not in tiles:
+                tiles.append((cache, tile))
+    return tiles
+
+
+def check() -> None:
+    """Exit non-zero unless every default tile compiles without spilling and with its loads
+    copied ahead: a launch that stopped specializing its strides loses both."""
+    for cache, tile in default_tiles():
+        kernel = compile_tile(cache, *tile)
+        r = resources(kernel)
+        copies = kernel.asm["ttgir"].count("async_copy_global_to_local")
+        print(f"{cache} {tile}: {r['registers']} registers, {r['stack']} bytes spilled, "
+              f"{copies} async copies")
+        if r["stack"] or not copies:
+            sys.exit(f"{cache} {tile} spills or copies nothing ahead")
+    print("compiled")
 
 
 def main() -> None:
@@ -71,7 +102,11 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path)
+    p.add_argument("--check", action="store_true", help="the default tiles only; fail if one "
+                   "spills or copies nothing ahead")
     args = p.parse_args()
+    if args.check:
+        return check()
     rows = []
     print(f"Triton {triton.__version__}, sm_90, decode attention (head 128, GQA 4)")
     print(f"{'cache':>6} {'tile (n, warps, stages)':>24} {'regs':>5} {'spill B':>8} "

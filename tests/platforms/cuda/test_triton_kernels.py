@@ -10,6 +10,9 @@ out-of-range read shows up as NaN.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -413,3 +416,18 @@ def test_backend_cuda(kv_cache_dtype):
                        cache_dtype, scales)
     assert_close(_backend_step(mixed, kv_cache_dtype, scales),
                  ref_attention(mixed, 128**-0.5), torch.bfloat16, cache_dtype is not None)
+
+
+# The decode attention kernel's default tiles built for sm_90 as the 8B launch specializes them,
+# no GPU needed (scripts/attention_resources.py --check): none spills, and the loop's loads
+# are copied ahead. A launch that stopped specializing its strides (do_not_specialize on the
+# cache's) would lose both: its loads could no longer be vectorized.
+@pytest.mark.slow
+def test_decode_attention_defaults_compile_pipelined_for_sm90():
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "../../../scripts/attention_resources.py")
+    done = subprocess.run([sys.executable, script, "--check"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stdout + done.stderr[-4000:]
+
