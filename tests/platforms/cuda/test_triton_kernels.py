@@ -10,15 +10,13 @@ out-of-range read shows up as NaN.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from tests.devices import HAS_NVIDIA, NVIDIA_REASON, choose_triton_interpreter, interpreter_guards
+from tests.sm90_check import run_check
 
 IMPORTED_TOO_LATE = choose_triton_interpreter()
 pytest.importorskip("triton")
@@ -424,10 +422,5 @@ def test_backend_cuda(kv_cache_dtype):
 # cache's) would lose both: its loads could no longer be vectorized.
 @pytest.mark.slow
 def test_decode_attention_defaults_compile_pipelined_for_sm90():
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = os.path.join(os.path.dirname(__file__), "../../../scripts/attention_resources.py")
-    done = subprocess.run([sys.executable, script, "--check"], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stdout + done.stderr[-4000:]
+    run_check("attention_resources.py")
 

@@ -8,16 +8,13 @@ Llama-3-8B sizes. Outputs are poisoned with NaN before each run, so a missed wri
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from tests.devices import HAS_NVIDIA, NVIDIA_REASON, choose_triton_interpreter, interpreter_guards
+from tests.sm90_check import run_check
 
 IMPORTED_TOO_LATE = choose_triton_interpreter()
 pytest.importorskip("triton")
@@ -593,9 +590,4 @@ def test_engine_matches_transformers(config, tiny_model_folder, tmp_path, monkey
 # its own process, away from the interpreter this module switches on.
 @pytest.mark.slow
 def test_compiles_for_sm90():
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = os.path.join(os.path.dirname(__file__), "../../../scripts/w4a16_sass.py")
-    done = subprocess.run([sys.executable, script, "--check"], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-4000:]
+    run_check("w4a16_sass.py")
