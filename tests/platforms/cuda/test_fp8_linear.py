@@ -444,8 +444,8 @@ def test_engine_w8a8_tracks_transformers(device, arch, static, tiny_model_folder
 
     if device == "cpu":
         monkeypatch.setattr(CpuPlatform, "linear_method", classmethod(
-            lambda cls, w, int8: Fp8LinearMethod() if isinstance(w, Fp8Weight)
-            else super(CpuPlatform, cls).linear_method(w, int8)))
+            lambda cls, w, numerics: Fp8LinearMethod() if isinstance(w, Fp8Weight)
+            else super(CpuPlatform, cls).linear_method(w, numerics)))
     fused_inputs: set[nn.Module] = set()  # layers handed activations quantized before them
     apply = Fp8LinearMethod.apply
 

@@ -575,7 +575,7 @@ def test_engine_matches_transformers(config, tiny_model_folder, tmp_path, monkey
     from tests.tiny_models import assert_greedy_matches, hf_model, random_prompts
 
     monkeypatch.setattr(CpuPlatform, "linear_method",
-                        classmethod(lambda cls, w, int8: CudaPlatform.linear_method(w, int8)))
+                        classmethod(lambda cls, w, nums: CudaPlatform.linear_method(w, nums)))
     quantized, reference_dir = tmp_path / "q", tmp_path / "float"
     write_quantized_pair(tiny_model_folder("llama3"), quantized, reference_dir, config)
     llm = LLM(model=str(quantized), device=DEVICE.type, dtype="float32",
