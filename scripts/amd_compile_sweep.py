@@ -71,7 +71,7 @@ def _attention_pointers(decode: bool) -> dict[str, str]:
     if decode:
         ptrs.update(part_out_ptr="fp32", part_lse_ptr="fp32")
     else:
-        ptrs["query_start_loc_ptr"] = "i32"
+        ptrs.update(query_start_loc_ptr="i32", seq_ids_ptr="i32")
     return ptrs
 
 
@@ -81,6 +81,7 @@ def _prefill(dtype: str, arch: str) -> Spec:
     block_m, block_n, warps, stages = pa._prefill_config(HEAD, _torch_dtype(dtype))
     consts = dict(GROUP=GROUP, GROUP_PAD=GROUP, HEAD_SIZE=HEAD, HEAD_PAD=HEAD,
                   BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=block_m, BLOCK_N=block_n, HAS_SCALES=False,
+                  HAS_SEQ_IDS=True,  # a mixed step's form: the decode rows go elsewhere
                   DOT_PREC=pa.dot_precision(_torch_dtype(dtype), arch))
     return Spec(pa._prefill_kernel, _attention_pointers(False), consts, warps, stages,
                 ("sm_scale",))
@@ -91,7 +92,7 @@ def _decode(dtype: str, arch: str) -> Spec:
 
     t = _torch_dtype(dtype)
     # The fp8 cache is NVIDIA's only (RocmPlatform refuses it): a 16-bit cache's tile.
-    block_n, warps, stages = da._decode_config(da._default_block_n(HEAD, t, t), t, t, 0, 1)
+    block_n, warps, stages = da._decode_config(HEAD, t, t, 0, 0, 1)
     consts = dict(GROUP=GROUP, GROUP_PAD=16, HEAD_SIZE=HEAD, HEAD_PAD=HEAD,
                   BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, SINGLE_PARTITION=False,
                   HAS_SCALES=False, DOT_PREC=da.dot_precision(t, arch), PTX=False)

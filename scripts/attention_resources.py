@@ -75,9 +75,9 @@ def default_tiles() -> list[tuple[str, tuple[int, int, int]]]:
 
     tiles = []
     for cache, dtype in (("bf16", torch.bfloat16), ("fp8e4nv", torch.float8_e4m3fn)):
-        block_n = da._default_block_n(128, torch.bfloat16, dtype)
-        for programs in (8 * 1024, 8):
-            tile = tuple(da._decode_config(block_n, torch.bfloat16, dtype, programs, 132))
+        # A large batch; one sequence over many partitions; one sequence, one partition.
+        for seq_heads, programs in ((8 * 1024, 8 * 1024), (8, 8 * 64), (8, 8)):
+            tile = tuple(da._decode_config(128, torch.bfloat16, dtype, seq_heads, programs, 132))
             if (cache, tile) not in tiles:
                 tiles.append((cache, tile))
     return tiles

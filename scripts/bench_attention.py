@@ -32,8 +32,10 @@ DECODE_BATCHES = (1, 32, 128, 256)
 DECODE_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 # (batch, context) of the tile sweep: latency-bound, the issue-30 target (256 x 2,048), long.
 SWEEP_SHAPES = ((1, 4096), (32, 4096), (256, 2048), (256, 8192))
-# (block_n, warps, stages); what each holds for sm_90: scripts/attention_resources.py.
-SWEEP_TILES = [(n, w, st) for n in (64, 128, 256) for w in (2, 4) for st in (2, 3, 4)]
+# (block_n, warps, stages); what each holds for sm_90: scripts/attention_resources.py. Four
+# stages never beat three by more than noise, and 256 keys led only over an fp8 cache at
+# 256 x 8,192, by 2%, so the sweep leaves them out.
+SWEEP_TILES = [(n, w, st) for n in (32, 64, 128) for w in (2, 4) for st in (2, 3)]
 # (query lengths, context lengths): fresh prompts, then chunks after a cached prefix.
 PREFILL_CASES = (
     ([512], [0]), ([2048], [0]), ([8192], [0]), ([2048] * 4, [0] * 4),
@@ -62,15 +64,35 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep-shapes", nargs="+", type=_shape, default=list(SWEEP_SHAPES),
                    metavar="BATCHxCONTEXT",
                    help="the sweep's shapes (default: " + " ".join(
-                       f"{b}x{c}" for b, c in SWEEP_SHAPES) + "); 1024x128 1024x256 are "
-                   "the decode steps of the 1,000 x 128/128 throughput run")
+                       f"{b}x{c}" for b, c in SWEEP_SHAPES) + "); BATCHxLO-HI draws each "
+                   "sequence's context uniformly from LO..HI: 1000x129-256 is a decode step of "
+                   "the 1,000 x 128/128 throughput run")
+    p.add_argument("--grid-len", type=int,
+                   help="max_seq_len given to the kernel (the grid's bound), as the engine's "
+                        "CUDA graphs give max_model_len; default: the shape's longest context")
     p.add_argument("--decode-only", action="store_true", help="skip the prefill cases")
     return p.parse_args()
 
 
-def _shape(text: str) -> tuple[int, int]:
+def _shape(text: str) -> tuple[int, int | tuple[int, int]]:
     batch, ctx = text.split("x")
+    if "-" in ctx:
+        lo, hi = ctx.split("-")
+        return int(batch), (int(lo), int(hi))
     return int(batch), int(ctx)
+
+
+def _shape_name(batch: int, ctx: int | tuple[int, int]) -> str:
+    return f"{batch}x{ctx[0]}-{ctx[1]}" if isinstance(ctx, tuple) else f"{batch}x{ctx}"
+
+
+def _context_lens(batch: int, ctx: int | tuple[int, int]) -> list[int]:
+    """Each sequence's context: ``ctx``, or drawn from ``ctx = (lo, hi)`` with a fixed seed, so
+    every tile of a sweep sees the same lengths."""
+    if not isinstance(ctx, tuple):
+        return [ctx] * batch
+    g = torch.Generator().manual_seed(batch * 65537 + ctx[1])
+    return torch.randint(ctx[0], ctx[1] + 1, (batch,), generator=g).tolist()
 
 
 class Setup:
@@ -125,21 +147,25 @@ def load_base(path: Path):
     return module.decode_attention
 
 
-def time_decode(s: Setup, batch: int, ctx: int, decode=None, **kwargs) -> tuple[float, float]:
-    """(graph ms, eager ms) of one decode call at ``batch`` x ``ctx``: this tree's kernel, or
-    ``decode``; ``kwargs`` go to the call (e.g. ``config``)."""
+def time_decode(s: Setup, batch: int, ctx: int | tuple[int, int], decode=None,
+                grid_len: int | None = None, **kwargs) -> tuple[float, float]:
+    """(graph ms, eager ms) of one decode call at ``batch`` x ``ctx`` (``_context_lens``): this
+    tree's kernel, or ``decode``; ``grid_len`` is the call's max_seq_len (default the longest
+    context); ``kwargs`` go to the call (e.g. ``config``)."""
     from triton.testing import do_bench, do_bench_cudagraph
 
     from pagedserve.platforms.cuda.kernels.decode_attention import decode_attention
 
     decode = decode or decode_attention
-    cache, tables, lens = s.paged([ctx] * batch)
+    seq_lens = _context_lens(batch, ctx)
+    cache, tables, lens = s.paged(seq_lens)
     q = torch.randn(batch, s.h, s.d, device="cuda", dtype=s.dtype)
     out = torch.empty_like(q)
+    max_seq_len = grid_len or max(seq_lens)
 
     def run() -> None:
-        decode(q, cache[0], cache[1], tables, lens, s.scale, ctx, s.k_scale, s.v_scale, out=out,
-               **kwargs)
+        decode(q, cache[0], cache[1], tables, lens, s.scale, max_seq_len, s.k_scale, s.v_scale,
+               out=out, **kwargs)
 
     ms = do_bench_cudagraph(run, return_mode="median")
     return ms, do_bench(run, return_mode="median")
@@ -162,36 +188,41 @@ def bench_decode(s: Setup, batch: int, ctx: int, base=None) -> dict:
     return row
 
 
-def sweep_decode(s: Setup, shapes: list[tuple[int, int]]) -> list[dict]:
+def sweep_decode(s: Setup, shapes: list[tuple[int, int | tuple[int, int]]],
+                 grid_len: int | None = None) -> list[dict]:
     """Each tile of SWEEP_TILES at ``shapes``; ``None`` ms where it does not compile/fit."""
     from pagedserve.platforms.cuda.kernels.decode_attention import DecodeConfig
 
     rows = []
     for batch, ctx in shapes:
-        default = time_decode(s, batch, ctx)[0]
+        nbytes = s.kv_bytes(sum(_context_lens(batch, ctx)))
+        default = time_decode(s, batch, ctx, grid_len=grid_len)[0]
         for tile in SWEEP_TILES:
             try:
-                ms = time_decode(s, batch, ctx, config=DecodeConfig(*tile))[0]
+                ms = time_decode(s, batch, ctx, grid_len=grid_len, config=DecodeConfig(*tile))[0]
             except Exception as exc:  # out of shared memory or registers: a result here
-                print(f"  tile {tile} at {batch} x {ctx}: {type(exc).__name__}")
+                print(f"  tile {tile} at {_shape_name(batch, ctx)}: {type(exc).__name__}")
                 ms = None
-            gbs = ms and s.kv_bytes(batch * ctx) / ms / 1e6
-            rows.append({"batch": batch, "context": ctx, "tile": tile, "ms": ms, "gbs": gbs,
-                         "default_ms": default})
+            gbs = ms and nbytes / ms / 1e6
+            rows.append({"shape": _shape_name(batch, ctx), "batch": batch, "context": ctx,
+                         "tile": tile, "ms": ms, "gbs": gbs, "default_ms": default,
+                         "default_gbs": nbytes / default / 1e6, "grid_len": grid_len})
     return rows
 
 
-def print_sweep(rows: list[dict], shapes: list[tuple[int, int]]) -> None:
-    print(f"\n{'tile (n, warps, stages)':>30} " + " ".join(
-        f"{b}x{c:>5}" for b, c in shapes) + "   (GB/s; default first)")
-    by_shape = {(r["batch"], r["context"]): r for r in rows}
-    s0 = [by_shape[sh]["default_ms"] for sh in shapes]
-    print(f"{'default':>30} " + " ".join(f"{ms * 1000:>9.1f}" for ms in s0) + "   (µs)")
+def print_sweep(rows: list[dict], shapes: list[tuple[int, int | tuple[int, int]]]) -> None:
+    names = [_shape_name(*sh) for sh in shapes]
+    print(f"\n{'tile (n, warps, stages)':>30} " + " ".join(f"{n:>12}" for n in names)
+          + "   (GB/s; default first)")
+    first = {r["shape"]: r for r in rows}
+    print(f"{'default µs':>30} " + " ".join(
+        f"{first[n]['default_ms'] * 1000:>12.1f}" for n in names))
+    print(f"{'default GB/s':>30} " + " ".join(
+        f"{first[n]['default_gbs']:>12.0f}" for n in names))
     for tile in SWEEP_TILES:
-        cells = [next(r for r in rows if (r["batch"], r["context"]) == sh and r["tile"] == tile)
-                 for sh in shapes]
+        cells = [next(r for r in rows if r["shape"] == n and r["tile"] == tile) for n in names]
         print(f"{str(tile):>30} " + " ".join(
-            f"{c['gbs']:>9.0f}" if c["ms"] else f"{'-':>9}" for c in cells))
+            f"{c['gbs']:>12.0f}" if c["ms"] else f"{'-':>12}" for c in cells))
 
 
 def bench_prefill(s: Setup, query_lens: list[int], context_lens: list[int]) -> dict:
@@ -280,7 +311,7 @@ def main() -> None:
     }
     print_tables(result)
     if args.sweep_decode:
-        result["decode_sweep"] = sweep_decode(s, args.sweep_shapes)
+        result["decode_sweep"] = sweep_decode(s, args.sweep_shapes, args.grid_len)
         print_sweep(result["decode_sweep"], args.sweep_shapes)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

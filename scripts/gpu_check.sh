@@ -188,10 +188,14 @@ vs_base() {
   fi
   local args=(throughput "${common[@]}" --shape llama3-8b --input-len 128 128
               --output-len 128 128 --skip-hf "$@")
+  # A Triton cache of each side's own: the first round of both compiles the same (a shared
+  # one would hand the tree what the base compiled), the second runs warm.
+  local cache_base=$(mktemp -d) cache_tree=$(mktemp -d)
   for round in $(seq "${TP_ROUNDS:-2}"); do
-    PYTHONPATH=$base${PYTHONPATH:+:$PYTHONPATH} sampled "${label}_base_$round" bench \
+    PYTHONPATH=$base${PYTHONPATH:+:$PYTHONPATH} TRITON_CACHE_DIR=$cache_base \
+      sampled "${label}_base_$round" bench \
       "${args[@]}" --out "$OUT/throughput_h200_llama3-8b_128_${label}_base_$round.json"
-    sampled "${label}_tree_$round" bench "${args[@]}" \
+    TRITON_CACHE_DIR=$cache_tree sampled "${label}_tree_$round" bench "${args[@]}" \
       --out "$OUT/throughput_h200_llama3-8b_128_${label}_tree_$round.json"
   done
   python3 - "$OUT" "$label" <<'PY'

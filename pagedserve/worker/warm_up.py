@@ -41,13 +41,20 @@ def profile_peak_memory(runner: ModelRunner, num_tokens: int, max_num_seqs: int,
                         block_size: int) -> int:
     """Peak device bytes of a forward over ``num_tokens`` prompt tokens plus sampling for
     ``max_num_seqs`` rows, with a throwaway KV pool just large enough. The tokens are split
-    into prompts of at most ``max_model_len``, as a real step's would be."""
-    lengths = _split_prompt(runner, num_tokens)
+    into prompts of at most ``max_model_len``, as a real step's would be, and the last one is
+    a sequence of its own, as a decode beside prompt chunks is.
+
+    A backend may attend a mixed step's one-row sequences apart (CUDA's decode kernel), so a
+    step of prompts alone runs other kernels: a two-token prompt alone runs too, so both forms
+    compile here instead of in the first steps that serve requests (on the H200, a second or
+    more each)."""
+    lengths = _split_prompt(runner, num_tokens - 1) + [1]
     tables, next_block = [], 0
-    for n in lengths:
+    for n in [*lengths, 2]:
         blocks = -(-n // block_size)
         tables.append(list(range(next_block, next_block + blocks)))
         next_block += blocks
+    *tables, alone = tables
     platform = runner.platform
     platform.reset_peak_memory()
     runner.allocate_kv_cache(KVCacheSpec(next_block, block_size, runner.kv_dtype))
@@ -59,6 +66,9 @@ def profile_peak_memory(runner: ModelRunner, num_tokens: int, max_num_seqs: int,
     logits = runner.model.compute_logits(hidden[-1:].expand(max_num_seqs, -1))
     if logits is not None:  # rank 0 alone samples (and gathers the logits)
         logits.float().softmax(-1)
+    runner.run_model(_inputs(runner, SchedulerOutput([ScheduledSequence(
+        Sequence([0] * 2, SamplingParams(), max_tokens=1), 0, 2, alone,
+        num_sample_positions=1)])))
     platform.synchronize()
     peak = platform.peak_memory_bytes()
     runner.kv_cache = None

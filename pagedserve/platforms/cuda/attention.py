@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from pagedserve.attention.backend import AttentionBackend
@@ -26,8 +27,10 @@ class TritonAttentionBackend(AttentionBackend):
     position: the prefill kernel's grid there is one program per sequence and kv head, which
     leaves most SMs idle and walks the whole context in each (a batch-1 verify step spent
     about 0.9 ms of 6.3 in it on the H200), while the decode kernel splits the context. Reading
-    the keys once per row costs little at such batch sizes. Any other batch, mixed or not, runs
-    the varlen prefill kernel for all rows, which handles query length 1 too.
+    the keys once per row costs little at such batch sizes. Any other batch runs the varlen
+    prefill kernel, except for its sequences of one query row (the decodes of a step that also
+    computes prompt chunks), which go to the decode kernel: the prefill kernel would give each a
+    tile of BLOCK_M rows to fill four of, and walk a long context in one program per kv head.
 
     With ``kv_cache_dtype="fp8"`` (or ``"fp8_e4m3"``) the cache is float8_e4m3fn and holds
     ``x / scale`` per tensor (one ``k_scale`` and one ``v_scale`` per layer, float32 on the
@@ -55,9 +58,10 @@ class TritonAttentionBackend(AttentionBackend):
         self.fp8 = kv_cache_dtype.startswith("fp8")  # every fp8 name means e4m3 here
         self.k_scale = torch.ones(1, dtype=torch.float32)
         self.v_scale = torch.ones(1, dtype=torch.float32)
-        # A verify step's per-row tables and lengths, for the metadata they were built from.
-        self._rows_meta: AttentionMetadata | None = None
-        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        # What the layers of one step share, derived once from its metadata (every layer gets
+        # the same object): by the function that derives it.
+        self._step_meta: AttentionMetadata | None = None
+        self._derived: dict = {}
 
     def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
         """Set the fp8 cache scales in place (keeps tensor addresses valid for CUDA graphs)."""
@@ -84,28 +88,31 @@ class TritonAttentionBackend(AttentionBackend):
                 q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
                 max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale)
         if meta.decode_or_verify and meta.num_seqs <= _ROW_BY_ROW_MAX_SEQS:
-            tables, row_lens = self._rows_of(meta)
+            tables, row_lens = self._per_step(meta, _rows_of)
             return decode_attention(
                 q, key_cache, value_cache, tables, row_lens, self.scale,
                 max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale)
+        split = self._per_step(meta, _one_row_split)
+        out = None
+        if split is not None:
+            rows, tables, lens, others = split
+            out = torch.empty_like(q)
+            out.index_copy_(0, rows, decode_attention(
+                q[rows], key_cache, value_cache, tables, lens, self.scale,
+                max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale))
         return prefill_attention(
             q, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            self.scale, max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale)
+            self.scale, max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale,
+            out=out, seq_ids=None if split is None else others)
 
-    def _rows_of(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each query row of a verify step as a sequence of its own: its block table and its
-        length. Row j of sequence s (rows qsl[s] .. qsl[s + 1] - 1) sees its context and the
-        rows up to itself: seq_lens[s] - (qsl[s + 1] - 1 - j) keys. Built on the device (no
-        host sync, so verify graphs capture it), once a step: one backend serves every layer,
-        and the step's metadata object is the same for all of them."""
-        if meta is not self._rows_meta:
-            rows = torch.arange(meta.num_tokens, device=meta.seq_lens.device,
-                                dtype=torch.int32)
-            ends = meta.query_start_loc[1:]
-            seq = torch.searchsorted(ends, rows, right=True)
-            self._rows_meta = meta
-            self._rows = (meta.block_tables[seq], meta.seq_lens[seq] - (ends[seq] - 1 - rows))
-        return self._rows
+    def _per_step(self, meta: AttentionMetadata, derive):
+        """``derive(meta)``, once a step: one backend serves every layer, and the step's
+        metadata object is the same for all of them."""
+        if meta is not self._step_meta:
+            self._step_meta, self._derived = meta, {}
+        if derive not in self._derived:
+            self._derived[derive] = derive(meta)
+        return self._derived[derive]
 
     def _check_cache_dtype(self, kv_cache: torch.Tensor) -> None:
         if (kv_cache.dtype == torch.float8_e4m3fn) != self.fp8:
@@ -118,3 +125,31 @@ class TritonAttentionBackend(AttentionBackend):
             self.k_scale = self.k_scale.to(device)
             self.v_scale = self.v_scale.to(device)
         return self.k_scale, self.v_scale
+
+
+def _rows_of(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row of a verify step as a sequence of its own: its block table and its
+    length. Row j of sequence s (rows qsl[s] .. qsl[s + 1] - 1) sees its context and the rows
+    up to itself: seq_lens[s] - (qsl[s + 1] - 1 - j) keys. Built on the device (no host sync,
+    so verify graphs capture it)."""
+    rows = torch.arange(meta.num_tokens, device=meta.seq_lens.device, dtype=torch.int32)
+    ends = meta.query_start_loc[1:]
+    seq = torch.searchsorted(ends, rows, right=True)
+    return meta.block_tables[seq], meta.seq_lens[seq] - (ends[seq] - 1 - rows)
+
+
+def _one_row_split(meta: AttentionMetadata
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """For a step mixing sequences of one query row with longer ones: the one-row sequences'
+    rows, block tables and lengths, and the other sequences' ids (int32), on the device.
+    None when either kind is missing. From the host's query lengths (eager steps only: graphs
+    capture decode-only and padded verify steps, which never split)."""
+    lens = np.asarray(meta.query_lens_cpu)
+    one = lens == 1
+    if one.all() or not one.any():
+        return None
+    device = meta.seq_lens.device
+    seqs = torch.from_numpy(np.flatnonzero(one)).to(device)
+    rows = torch.from_numpy(np.cumsum(lens)[one] - 1).to(device)
+    others = torch.from_numpy(np.flatnonzero(~one).astype(np.int32)).to(device)
+    return rows, meta.block_tables[seqs], meta.seq_lens[seqs], others

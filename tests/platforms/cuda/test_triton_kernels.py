@@ -261,6 +261,7 @@ DECODE_CPU_CASES = [
     (32, 2, 4, 64, torch.float32, 64, 32),
     (16, 1, 2, 128, torch.float16, 32, 32),
     (8, 1, 4, 96, torch.float16, None, None),  # heuristic: one partition, no merge pass
+    (8, 1, 4, 64, torch.float16, None, (64, 2, 3)),  # the large-batch tile
 ]
 
 
@@ -290,11 +291,33 @@ def test_decode(case):
     _run_decode(case, seq_lens=[1, 17, 70, 45])
 
 
-@pytest.mark.parametrize("warps", [2, 4])
-def test_decode_fp8_cache(warps):
-    # Partitions of two tiles and a ragged last one: the loop and the tail.
-    _run_decode((16, 2, 2, 32, torch.float16, 32, (16, warps, 2)), [50, 3, 32], FP8,
+@pytest.mark.parametrize("tile", [(16, 2, 2), (16, 4, 2), (32, 2, 3)], ids=str)
+def test_decode_fp8_cache(tile):
+    # Partitions of whole tiles and a ragged last one: the loop and the tail.
+    _run_decode((16, 2, 2, 32, torch.float16, 32, tile), [50, 3, 32, 61], FP8,
                 scales=(0.03, 0.4))
+
+
+def test_prefill_restricted_to_some_sequences():
+    """``seq_ids`` computes those sequences' rows and leaves every other row unwritten."""
+    block_size, kvh, group, head_size = 8, 2, 2, 32
+    query_lens, context_lens = [4, 1, 7, 1, 3], [5, 12, 0, 30, 9]
+    batch = make_batch(query_lens, context_lens, kvh * group, kvh, head_size, block_size,
+                       torch.float32)
+    write_new_tokens(batch)
+    out = torch.full_like(batch.q, NAN)
+    seq_ids = torch.tensor([0, 2, 4], dtype=torch.int32, device=DEVICE)
+    prefill_mod.prefill_attention(
+        batch.q, batch.kv_cache[0], batch.kv_cache[1], batch.meta.block_tables,
+        batch.meta.query_start_loc, batch.meta.seq_lens, head_size**-0.5,
+        batch.meta.max_query_len, out=out, block_m=16, block_n=16, seq_ids=seq_ids)
+    starts = batch.meta.query_start_loc.tolist()
+    computed = torch.zeros(batch.q.shape[0], dtype=torch.bool)
+    for i in seq_ids.tolist():
+        computed[starts[i]:starts[i + 1]] = True
+    ref = ref_attention(batch, head_size**-0.5)
+    assert_close(out.cpu()[computed], ref[computed], torch.float32, False)
+    assert out.cpu()[~computed].isnan().all()
 
 
 def test_partition_size_heuristic_fills_the_gpu():
@@ -328,6 +351,32 @@ def test_backend_mixed_then_decode(kv_cache_dtype):
     assert decode.meta.is_decode_only
     assert_close(_backend_step(decode, kv_cache_dtype, scales),
                  ref_attention(decode, 32**-0.5), torch.float16, cache_dtype is not None)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_backend_mixed_step_sends_one_row_sequences_to_the_decode_kernel(kv_cache_dtype,
+                                                                       monkeypatch):
+    """Decodes between prompt chunks: the decode kernel gets exactly the one-row sequences
+    (their rows, tables and lengths), the prefill kernel the rest, and every row matches the
+    float64 reference."""
+    import pagedserve.platforms.cuda.attention as backend_mod
+
+    cache_dtype = FP8 if kv_cache_dtype == "fp8" else None
+    scales = (0.05, 0.2) if cache_dtype else (1.0, 1.0)
+    query_lens, context_lens = [1, 6, 1, 1, 9, 1], [40, 10, 3, 0, 0, 21]
+    batch = make_batch(query_lens, context_lens, 4, 2, 32, 8, torch.float16, cache_dtype,
+                       scales, seed=5)
+    seen = []
+
+    def spy(q, key_cache, value_cache, tables, lens, *args, **kwargs):
+        seen.append(lens.tolist())
+        return decode_mod.decode_attention(q, key_cache, value_cache, tables, lens, *args,
+                                           **kwargs)
+
+    monkeypatch.setattr(backend_mod, "decode_attention", spy)
+    out = _backend_step(batch, kv_cache_dtype, scales)
+    assert seen == [[41, 4, 1, 22]]
+    assert_close(out, ref_attention(batch, 32**-0.5), torch.float16, cache_dtype is not None)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
@@ -410,8 +459,9 @@ def test_backend_verify_rows_cuda(query_lens, context_lens):
 def test_backend_cuda(kv_cache_dtype):
     cache_dtype = FP8 if kv_cache_dtype == "fp8" else None
     scales = (0.05, 0.2) if cache_dtype else (1.0, 1.0)
-    mixed = make_batch([200, 1, 1, 64], [0, 700, 3, 100], 32, 8, 128, 16, torch.bfloat16,
-                       cache_dtype, scales)
+    # Decodes among prompt chunks: the decode kernel takes them, 2 of the prefill kernel's 4.
+    mixed = make_batch([200, 1, 1, 64, 1], [0, 700, 3, 100, 5000], 32, 8, 128, 16,
+                       torch.bfloat16, cache_dtype, scales)
     assert_close(_backend_step(mixed, kv_cache_dtype, scales),
                  ref_attention(mixed, 128**-0.5), torch.bfloat16, cache_dtype is not None)
 

@@ -273,28 +273,32 @@ class DecodeConfig(NamedTuple):
     num_stages: int = 2
 
 
-def _default_block_n(head_pad: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
-    if dtype == torch.float32 or head_pad > 128:
-        return 32
-    return 128 if cache_dtype == torch.float8_e4m3fn else 64
+def _decode_config(head_pad: int, dtype: torch.dtype, cache_dtype: torch.dtype,
+                   seq_heads: int, programs: int, num_sms: int) -> DecodeConfig:
+    """The tile for H100/H200-class GPUs, for a stage 1 of ``seq_heads`` (sequence, kv head)
+    pairs over ``programs`` programs (times the partitions).
 
-
-def _decode_config(block_n: int, dtype: torch.dtype, cache_dtype: torch.dtype, programs: int,
-                   num_sms: int) -> DecodeConfig:
-    """The tile for H100/H200-class GPUs, for a stage 1 of ``programs`` programs.
-
-    From sweeps on an H200 (head 128, GQA 4; `scripts/bench_attention.py --sweep-decode`):
-    64 keys, 4 warps, 3 stages for 16-bit caches. An fp8 cache: 128 keys a tile, and where
-    there are programs enough to fill the GPU a few times over, 2 warps and 3 stages (3,840
-    GB/s at 256 x 2,048 against 3,484 with 4 warps, 3,537 against 2,808 at 32 x 4,096); fewer,
+    From sweeps on an H200 (head 128, GQA 4, grids sized for 8,192 keys as under CUDA graphs;
+    ``scripts/bench_attention.py --sweep-decode``, ``benchmarks/results/issue30/``). Where the
+    pairs alone fill the GPU three times over (a large batch), either cache: 64 keys, 2 warps,
+    3 stages. Such a batch's contexts are often a few hundred keys, where a long tile spends
+    itself on the masked end: at 1,000 x 129-256 keys (the throughput run's decodes) 3,712 GB/s
+    against 3,340 for 4 warps over a 16-bit cache and 2,853 against 2,201 for 128 keys over an
+    fp8 one; within 5% of the best tile at 256 x 2,048 and 256 x 8,192 too (over fp8, 3,838
+    and 4,062 against 4,020 and 4,146 for 128 keys). 32 keys led the short contexts by 4% but
+    lost 15% at 64 x 4,096. Otherwise, 16-bit caches: 64 keys, 4 warps, 3 stages. An fp8 cache:
+    128 keys a tile, and where there are programs enough to fill the GPU a few times over, 2
+    warps and 3 stages (3,537 against 2,808 GB/s with 4 warps at 32 x 4,096); fewer,
     longer-running programs (batch 1) keep 4 warps and 2 stages (961 against 893 GB/s at
     1 x 4,096).
     """
-    if dtype == torch.float32 or block_n < 64:
-        return DecodeConfig(block_n, 4, 2)
+    if dtype == torch.float32 or head_pad > 128:
+        return DecodeConfig(32, 4, 2)
+    if seq_heads >= 3 * num_sms:
+        return DecodeConfig(64, 2, 3)
     if cache_dtype == torch.float8_e4m3fn:
-        return DecodeConfig(block_n, *((2, 3) if programs >= 3 * num_sms else (4, 2)))
-    return DecodeConfig(block_n, 4, 3)
+        return DecodeConfig(128, *((2, 3) if programs >= 3 * num_sms else (4, 2)))
+    return DecodeConfig(64, 4, 3)
 
 
 def decode_attention(
@@ -341,20 +345,20 @@ def decode_attention(
         raise ValueError("an fp8 cache is read in pairs of elements: it needs an even head "
                          f"size and contiguous heads, not {head_size} and stride "
                          f"{key_cache.stride(3)}")
-    block_n = max(config.block_n if config else
-                  _default_block_n(head_pad, q.dtype, key_cache.dtype), 16)
     num_sms = sm_count(q.device)
     if partition_size is None:
+        # The default tiles (at most 128 keys) never raise the heuristic's floor of 128.
         partition_size = pick_partition_size(num_seqs, num_kv_heads, max_seq_len, num_sms,
-                                             block_n)
+                                             config.block_n if config else 16)
     if partition_size < 16 or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
-    block_n = min(block_n, partition_size)
+    num_parts = triton.cdiv(max(max_seq_len, 1), partition_size)
+    config = config or _decode_config(head_pad, q.dtype, key_cache.dtype,
+                                      num_seqs * num_kv_heads,
+                                      num_seqs * num_kv_heads * num_parts, num_sms)
+    block_n = min(max(config.block_n, 16), partition_size)
     if partition_size % block_n:
         raise ValueError(f"partition_size {partition_size} must be a multiple of {block_n}")
-    num_parts = triton.cdiv(max(max_seq_len, 1), partition_size)
-    config = config or _decode_config(block_n, q.dtype, key_cache.dtype,
-                                      num_seqs * num_kv_heads * num_parts, num_sms)
     single = num_parts == 1
 
     if single:  # stage 1 writes `out`; the buffers are never read

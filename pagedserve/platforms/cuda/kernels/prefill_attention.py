@@ -121,7 +121,7 @@ def fp8_compute_dtype(q):
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, seq_ids_ptr,
     k_scale_ptr, v_scale_ptr,
     sm_scale,
     stride_qt, stride_qh, stride_qd,
@@ -131,10 +131,12 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SCALES: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SCALES: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
+    if HAS_SEQ_IDS:
+        seq = tl.load(seq_ids_ptr + seq)
     kv_head = tl.program_id(2)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
 
@@ -237,11 +239,15 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    seq_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` over the paged cache; layouts in the module docstring.
 
     ``k_scale``/``v_scale`` are one-element float32 tensors, required for an fp8 cache.
     ``block_m``/``block_n`` override the tile shape (tests use them to cover tile edges).
+    ``seq_ids`` (int32, on the device) restricts the call to those sequences: only their rows
+    of ``out`` are written (the backend sends a mixed step's one-token rows to the decode
+    kernel instead).
     """
     num_tokens, num_heads, head_size = q.shape
     num_kv_heads = key_cache.shape[2]
@@ -257,19 +263,19 @@ def prefill_attention(
     cfg_m, cfg_n, num_warps, num_stages = _prefill_config(head_pad, q.dtype)
     block_m = max(block_m or cfg_m, 16, group_pad)  # tl.dot wants M >= 16
     block_n = max(block_n or cfg_n, 16)
-    num_seqs = seq_lens.shape[0]
+    num_seqs = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
     if max_query_len == 0 or num_seqs == 0:
         return out
     grid = (triton.cdiv(max_query_len, block_m // group_pad), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, key_cache, value_cache, out,
-        block_tables, query_start_loc, seq_lens,
+        block_tables, query_start_loc, seq_lens, seq_lens if seq_ids is None else seq_ids,
         k_scale if has_scales else seq_lens, v_scale if has_scales else seq_lens,
         scale,
         *q.stride(), *out.stride(), *key_cache.stride(), *block_tables.stride(),
         GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_SCALES=has_scales, DOT_PREC=dot_precision(q.dtype, gpu_arch(q.device)),
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_SEQ_IDS=seq_ids is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return out
