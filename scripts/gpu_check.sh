@@ -528,14 +528,13 @@ for part in $parts; do
       sampled fp8_timeline bench throughput "${common[@]}" --shape llama3-8b --input-len 128 \
         128 --output-len 128 128 --load-format dummy --quantization fp8 --skip-hf --breakdown \
         --device-timeline --out "$OUT/throughput_h200_llama3-8b_fp8_timeline.json" ;;
-    # The decode tiles at the throughput run's decode steps (1,024 sequences, 128-256 keys),
-    # for both cache types; bf16 also at the longer shapes its default was chosen on, so a
-    # tile that wins the short ones can be checked there in the same run.
+    # The decode tiles at the throughput run's decode steps (1,000 sequences of 129-256 keys)
+    # and at the longer shapes the defaults were chosen on, so a tile that wins the short ones
+    # is checked there in the same run; grids sized for 8,192 keys, as under CUDA graphs.
     attention-sweep-short) for kv in auto fp8; do
-        shapes="1024x128 1024x256"
-        [ $kv = auto ] && shapes="$shapes 32x4096 256x2048 256x8192"
         python3 scripts/bench_attention.py --quick --decode-only --sweep-decode --kv-cache-dtype \
-          $kv --sweep-shapes $shapes --out "$OUT/attention_h200_sweep_short_$kv.json" \
+          $kv --grid-len 8192 --sweep-shapes 1000x129-256 64x4096 256x2048 256x8192 \
+          --out "$OUT/attention_h200_sweep_short_$kv.json" \
           2>&1 | tee "$OUT/attention_h200_sweep_short_$kv.log"; done ;;
     tp1-vs-base) vs_base tp1 ;;
     # bf16 and FP8 W8A8 against TP_BASE (set it to the commit before the change measured).
