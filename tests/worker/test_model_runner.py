@@ -25,3 +25,20 @@ def test_decode_weight_bytes_leave_out_an_untied_embedding_table(tiny_model_fold
         table = runner.model.get_input_embeddings().weight
         skipped = 0 if tied else table.numel() * table.element_size()
         assert runner.weight_bytes_read_per_token_step() == runner.weight_bytes() - skipped > 0
+
+
+def test_memory_profile_runs_a_mixed_step_and_a_prompt_step(llama3_folder, monkeypatch):
+    """Both forms a step's attention can take (one-row sequences beside prompt chunks, and
+    prompts alone) run at start-up, so their kernels compile there and not in a served step."""
+    runner = make_llm(llama3_folder, kv_cache_memory_bytes=1 << 20,
+                      max_model_len=64).engine.executor.runner
+    forms = []
+    run_model = runner.run_model
+
+    def spy(inputs):
+        forms.append(inputs.ctx.attn.query_lens_cpu)
+        return run_model(inputs)
+
+    monkeypatch.setattr(runner, "run_model", spy)
+    profile_peak_memory(runner, num_tokens=100, max_num_seqs=4, block_size=16)
+    assert forms == [[64, 35, 1], [2]]
