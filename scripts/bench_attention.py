@@ -33,8 +33,8 @@ DECODE_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 # (batch, context) of the tile sweep: latency-bound, the issue-30 target (256 x 2,048), long.
 SWEEP_SHAPES = ((1, 4096), (32, 4096), (256, 2048), (256, 8192))
 # (block_n, warps, stages); what each holds for sm_90: scripts/attention_resources.py. Four
-# stages never beat three by more than noise, and 256 keys led only over an fp8 cache at
-# 256 x 8,192, by 2%, so the sweep leaves them out.
+# stages never beat three by more than noise, and 256 keys led only in an earlier fp8 kernel's
+# sweep at 256 x 8,192, by 3%, so the sweep leaves them out.
 SWEEP_TILES = [(n, w, st) for n in (32, 64, 128) for w in (2, 4) for st in (2, 3)]
 # (query lengths, context lengths): fresh prompts, then chunks after a cached prefix.
 PREFILL_CASES = (
