@@ -87,17 +87,20 @@ def _prefill(dtype: str, arch: str) -> Spec:
                 ("sm_scale",))
 
 
-def _decode(large_batch: bool):
+def _decode(fills: int):
     def spec(dtype: str, arch: str) -> Spec:
         from pagedserve.platforms.cuda.kernels import decode_attention as da
 
         t = _torch_dtype(dtype)
         # The fp8 cache is NVIDIA's only (RocmPlatform refuses it): a 16-bit cache's tiles, for
-        # a batch whose (sequence, kv head) pairs fill a 304-CU MI300X three times, or one.
-        pairs = 3 * 304 if large_batch else 1
-        block_n, warps, stages = da._decode_config(HEAD, t, t, pairs, pairs, 304)
-        consts = dict(GROUP=GROUP, GROUP_PAD=16, HEAD_SIZE=HEAD, HEAD_PAD=HEAD,
-                      BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, SINGLE_PARTITION=False,
+        # a batch whose (sequence, kv head) pairs fill a 304-CU MI300X ``fills`` times (12: the
+        # tile of four kv heads a program), or one pair.
+        pairs = fills * 304 or 1
+        block_n, warps, stages, heads = da._decode_config(HEAD, t, t, GROUP, 8, pairs, pairs,
+                                                          304)
+        consts = dict(GROUP=GROUP, GROUP_PAD=max(16, GROUP * heads), HEAD_SIZE=HEAD,
+                      HEAD_PAD=HEAD, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, HEADS=heads,
+                      SINGLE_PARTITION=False,
                       HAS_SCALES=False, DOT_PREC=da.dot_precision(t, arch), PTX=False)
         return Spec(da._decode_partition_kernel, _attention_pointers(True), consts, warps,
                     stages, ("sm_scale",))
@@ -231,8 +234,8 @@ def _fp8_quant(dtype: str, arch: str) -> Spec:
 
 
 KERNELS = {
-    "prefill_attention": _prefill, "decode_attention": _decode(False),
-    "decode_attention_large_batch": _decode(True),
+    "prefill_attention": _prefill, "decode_attention": _decode(0),
+    "decode_attention_large_batch": _decode(3), "decode_attention_packed_heads": _decode(12),
     "decode_reduce": _decode_reduce, "reshape_and_cache": _reshape_and_cache,
     "rms_norm": _rms_norm(False), "rotary": _rotary, "silu_and_mul": _activation,
     "w4a16_gemv": _w4a16_gemv, "w4a16_m16": _w4a16(16), "w4a16_m64": _w4a16(64),

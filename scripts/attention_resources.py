@@ -38,7 +38,7 @@ POINTERS = {"q_ptr": "bf16", "k_cache_ptr": "CACHE", "v_cache_ptr": "CACHE", "ou
 REGISTERS, SHARED = 65536, 228 * 1024
 
 
-def compile_tile(cache: str, block_n: int, warps: int, stages: int):
+def compile_tile(cache: str, block_n: int, warps: int, stages: int, heads: int = 1):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -47,8 +47,9 @@ def compile_tile(cache: str, block_n: int, warps: int, stages: int):
 
     fn = decode_attention._decode_partition_kernel
     plain = {param.name for param in fn.params if param.do_not_specialize}
-    consts = dict(GROUP=4, GROUP_PAD=16, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16,
-                  BLOCK_N=block_n, SINGLE_PARTITION=True, HAS_SCALES=cache == "fp8e4nv",
+    consts = dict(GROUP=4, GROUP_PAD=max(16, 4 * heads), HEAD_SIZE=128, HEAD_PAD=128,
+                  BLOCK_SIZE=16, BLOCK_N=block_n, HEADS=heads, SINGLE_PARTITION=True,
+                  HAS_SCALES=cache == "fp8e4nv",
                   DOT_PREC="tf32", PTX=True, **{name: 1 for name in UNIT})
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -66,7 +67,7 @@ def compile_tile(cache: str, block_n: int, warps: int, stages: int):
                           options={"num_warps": warps, "num_stages": stages})
 
 
-def default_tiles() -> list[tuple[str, tuple[int, int, int]]]:
+def default_tiles() -> list[tuple[str, tuple[int, int, int, int]]]:
     """The tiles ``decode_attention`` picks on an H200 (132 SMs) for each cache type, with many
     programs (a large batch) and with few (batch 1, one partition's worth)."""
     import torch
@@ -75,9 +76,11 @@ def default_tiles() -> list[tuple[str, tuple[int, int, int]]]:
 
     tiles = []
     for cache, dtype in (("bf16", torch.bfloat16), ("fp8e4nv", torch.float8_e4m3fn)):
-        # A large batch; one sequence over many partitions; one sequence, one partition.
-        for seq_heads, programs in ((8 * 1024, 8 * 1024), (8, 8 * 64), (8, 8)):
-            tile = tuple(da._decode_config(128, torch.bfloat16, dtype, seq_heads, programs, 132))
+        # A large batch (four kv heads a program), a medium one; one sequence over many
+        # partitions; one sequence, one partition.
+        for seq_heads, programs in ((8 * 1024, 8 * 1024), (8 * 64, 8 * 64), (8, 8 * 64), (8, 8)):
+            tile = tuple(da._decode_config(128, torch.bfloat16, dtype, 4, 8, seq_heads, programs,
+                                           132))
             if (cache, tile) not in tiles:
                 tiles.append((cache, tile))
     return tiles

@@ -32,9 +32,9 @@ DECODE_BATCHES = (1, 32, 128, 256)
 DECODE_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 # (batch, context) of the tile sweep: latency-bound, the issue-30 target (256 x 2,048), long.
 SWEEP_SHAPES = ((1, 4096), (32, 4096), (256, 2048), (256, 8192))
-# (block_n, warps, stages); what each holds for sm_90: scripts/attention_resources.py. Four
-# stages never beat three by more than noise, and 256 keys led only in an earlier fp8 kernel's
-# sweep at 256 x 8,192, by 3%, so the sweep leaves them out.
+# (block_n, warps, stages[, kv heads a program]); what each holds for sm_90:
+# scripts/attention_resources.py. Four stages never beat three by more than noise, and 256 keys
+# led only in an earlier fp8 kernel's sweep at 256 x 8,192, by 3%, so the sweep leaves them out.
 SWEEP_TILES = [(n, w, st) for n in (32, 64, 128) for w in (2, 4) for st in (2, 3)]
 # (query lengths, context lengths): fresh prompts, then chunks after a cached prefix.
 PREFILL_CASES = (
@@ -67,11 +67,18 @@ def parse_args() -> argparse.Namespace:
                        f"{b}x{c}" for b, c in SWEEP_SHAPES) + "); BATCHxLO-HI draws each "
                    "sequence's context uniformly from LO..HI: 1000x129-256 is a decode step of "
                    "the 1,000 x 128/128 throughput run")
+    p.add_argument("--sweep-tiles", nargs="+", type=_tile, default=list(SWEEP_TILES),
+                   metavar="N,WARPS,STAGES[,HEADS]",
+                   help="the sweep's tiles (default: SWEEP_TILES); HEADS kv heads a program")
     p.add_argument("--grid-len", type=int,
                    help="max_seq_len given to the kernel (the grid's bound), as the engine's "
                         "CUDA graphs give max_model_len; default: the shape's longest context")
     p.add_argument("--decode-only", action="store_true", help="skip the prefill cases")
     return p.parse_args()
+
+
+def _tile(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
 
 
 def _shape(text: str) -> tuple[int, int | tuple[int, int]]:
@@ -189,15 +196,15 @@ def bench_decode(s: Setup, batch: int, ctx: int, base=None) -> dict:
 
 
 def sweep_decode(s: Setup, shapes: list[tuple[int, int | tuple[int, int]]],
-                 grid_len: int | None = None) -> list[dict]:
-    """Each tile of SWEEP_TILES at ``shapes``; ``None`` ms where it does not compile/fit."""
+                 grid_len: int | None = None, tiles=SWEEP_TILES) -> list[dict]:
+    """Each of ``tiles`` at ``shapes``; ``None`` ms where it does not compile/fit."""
     from pagedserve.platforms.cuda.kernels.decode_attention import DecodeConfig
 
     rows = []
     for batch, ctx in shapes:
         nbytes = s.kv_bytes(sum(_context_lens(batch, ctx)))
         default = time_decode(s, batch, ctx, grid_len=grid_len)[0]
-        for tile in SWEEP_TILES:
+        for tile in tiles:
             try:
                 ms = time_decode(s, batch, ctx, grid_len=grid_len, config=DecodeConfig(*tile))[0]
             except Exception as exc:  # out of shared memory or registers: a result here
@@ -210,7 +217,8 @@ def sweep_decode(s: Setup, shapes: list[tuple[int, int | tuple[int, int]]],
     return rows
 
 
-def print_sweep(rows: list[dict], shapes: list[tuple[int, int | tuple[int, int]]]) -> None:
+def print_sweep(rows: list[dict], shapes: list[tuple[int, int | tuple[int, int]]],
+                tiles=SWEEP_TILES) -> None:
     names = [_shape_name(*sh) for sh in shapes]
     print(f"\n{'tile (n, warps, stages)':>30} " + " ".join(f"{n:>12}" for n in names)
           + "   (GB/s; default first)")
@@ -219,7 +227,7 @@ def print_sweep(rows: list[dict], shapes: list[tuple[int, int | tuple[int, int]]
         f"{first[n]['default_ms'] * 1000:>12.1f}" for n in names))
     print(f"{'default GB/s':>30} " + " ".join(
         f"{first[n]['default_gbs']:>12.0f}" for n in names))
-    for tile in SWEEP_TILES:
+    for tile in tiles:
         cells = [next(r for r in rows if r["shape"] == n and r["tile"] == tile) for n in names]
         print(f"{str(tile):>30} " + " ".join(
             f"{c['gbs']:>12.0f}" if c["ms"] else f"{'-':>12}" for c in cells))
@@ -311,8 +319,9 @@ def main() -> None:
     }
     print_tables(result)
     if args.sweep_decode:
-        result["decode_sweep"] = sweep_decode(s, args.sweep_shapes, args.grid_len)
-        print_sweep(result["decode_sweep"], args.sweep_shapes)
+        result["decode_sweep"] = sweep_decode(s, args.sweep_shapes, args.grid_len,
+                                              args.sweep_tiles)
+        print_sweep(result["decode_sweep"], args.sweep_shapes, args.sweep_tiles)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

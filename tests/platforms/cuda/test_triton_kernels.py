@@ -262,6 +262,9 @@ DECODE_CPU_CASES = [
     (16, 1, 2, 128, torch.float16, 32, 32),
     (8, 1, 4, 96, torch.float16, None, None),  # heuristic: one partition, no merge pass
     (8, 1, 4, 64, torch.float16, None, (64, 2, 3)),  # the large-batch tile
+    # Several kv heads a program (packed_columns): 4 heads of 16 keys, 2 of 8 over partitions.
+    (16, 4, 4, 64, torch.float16, None, (64, 2, 3, 4)),
+    (8, 4, 2, 32, torch.float32, 16, (16, 4, 2, 2)),
 ]
 
 
@@ -291,10 +294,13 @@ def test_decode(case):
     _run_decode(case, seq_lens=[1, 17, 70, 45])
 
 
-@pytest.mark.parametrize("tile", [(16, 2, 2), (16, 4, 2), (32, 2, 3)], ids=str)
+@pytest.mark.parametrize("tile", [(16, 2, 2), (16, 4, 2), (32, 2, 3), (64, 2, 3, 4)],
+                         ids=str)
 def test_decode_fp8_cache(tile):
-    # Partitions of whole tiles and a ragged last one: the loop and the tail.
-    _run_decode((16, 2, 2, 32, torch.float16, 32, tile), [50, 3, 32, 61], FP8,
+    # Partitions of whole tiles and a ragged last one: the loop and the tail; with 4 kv heads a
+    # program, 4 x 16 keys a step.
+    kvh = tile[3] if len(tile) > 3 else 2
+    _run_decode((16, kvh, 2, 32, torch.float16, 32, tile), [50, 3, 32, 61], FP8,
                 scales=(0.03, 0.4))
 
 
@@ -424,6 +430,20 @@ def test_prefill_sweep_cuda(block_size, group, head_size, dtype, cache_dtype):
     case = (block_size, 2, group, head_size, dtype, None, None)
     scales = (0.05, 0.3) if cache_dtype else (1.0, 1.0)
     _run_prefill(case, [300, 1, 77, 129, 5], [0, 1000, 513, 37, 2], cache_dtype, scales)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("cache_dtype", [None, FP8], ids=["auto", "fp8"])
+@pytest.mark.parametrize("tile", [(64, 2, 3, 4), (128, 2, 3, 4), (64, 2, 3, 2), (128, 4, 3, 4)],
+                         ids=str)
+def test_decode_packed_heads_cuda(tile, cache_dtype):
+    # The 8B shape's GQA (8 kv heads, 4 query heads each) with several kv heads a program, at
+    # contexts around a large batch's and past them, one and several partitions.
+    scales = (0.05, 0.3) if cache_dtype else (1.0, 1.0)
+    for partition_size in (None, 128):
+        _run_decode((16, 8, 4, 128, torch.bfloat16, partition_size, tile),
+                    [129, 256, 1, 17, 200, 4097, 160], cache_dtype, scales)
 
 
 @cuda

@@ -35,6 +35,7 @@ from pagedserve.platforms.cuda.kernels.prefill_attention import (
     check_cache_pair,
     dot_precision,
     fp8_compute_dtype,
+    packed_columns,
     slots_of,
     softmax_step,
     tile_block_ids,
@@ -47,15 +48,18 @@ MIN_PARTITION_SIZE = 128
 @triton.jit
 def _attend_tile_e4m3(
     acc_even, acc_odd, m_i, l_i, q_even, q_odd, n0, kv_end,
-    k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs, qk_scale, offs_w, w_mask,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PTX: tl.constexpr,
+    k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs, stride_ch, qk_scale, offs_w,
+    w_mask, row_head, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    PTX: tl.constexpr, HEADS: tl.constexpr,
 ):
     """``attend_tile`` for an fp8 cache read as int16 words (``e4m3_pairs``): element pairs
     split into even and odd halves, two dots per matmul, one accumulator per half."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_n, col_head = packed_columns(n0, BLOCK_N, HEADS)
     block_ids, n_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n, kv_end, BLOCK_SIZE,
                                         MASKED)
     slots = slots_of(block_ids, offs_n, stride_cb, stride_cs, BLOCK_SIZE)
+    if HEADS > 1:
+        slots += col_head * stride_ch
     k_ptrs = (k_ptr + slots[None, :]).to(tl.pointer_type(tl.int16)) + offs_w[:, None]
     v_ptrs = (v_ptr + slots[:, None]).to(tl.pointer_type(tl.int16)) + offs_w[None, :]
     if MASKED:
@@ -64,7 +68,10 @@ def _attend_tile_e4m3(
         k_words = tl.load(k_ptrs, mask=w_mask[:, None], other=0)
     k_even, k_odd = split_e4m3_pairs(k_words, PTX)
     s = (tl.dot(q_even, k_even) + tl.dot(q_odd, k_odd)) * qk_scale
-    if MASKED:
+    if HEADS > 1:
+        mine = col_head[None, :] == row_head[:, None]
+        s = tl.where(mine & n_valid[None, :] if MASKED else mine, s, float("-inf"))
+    elif MASKED:
         s = tl.where(n_valid[None, :], s, float("-inf"))
     p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
 
@@ -82,34 +89,36 @@ def _attend_tile_e4m3(
 @triton.jit
 def _attend_partition(
     q, q_pos, start, end, k_ptr, v_ptr, bt_row_ptr, stride_btn,
-    stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
+    stride_cb, stride_cs, stride_ch, stride_cd, qk_scale, offs_d, d_mask, row_head,
     GROUP_PAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, HEADS: tl.constexpr,
 ):
     """Unnormalized output, running max and sum over keys ``start .. end`` of a 16- or 32-bit
-    cache."""
+    cache; ``BLOCK_N // HEADS`` keys a step."""
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], dtype=tl.float32)
     m_i = tl.full([GROUP_PAD], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N
-    for n0 in range(start, full_end, BLOCK_N):
+    keys: tl.constexpr = BLOCK_N // HEADS
+    full_end = start + (end - start) // keys * keys
+    for n0 in range(start, full_end, keys):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, n0, end, k_ptr, v_ptr, bt_row_ptr, stride_btn,
             stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, False, DOT_PREC)
+            BLOCK_SIZE, BLOCK_N, False, DOT_PREC, HEADS, stride_ch, row_head)
     if full_end < end:  # the ragged last tile of the sequence
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, full_end, end, k_ptr, v_ptr, bt_row_ptr, stride_btn,
             stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, True, DOT_PREC)
+            BLOCK_SIZE, BLOCK_N, True, DOT_PREC, HEADS, stride_ch, row_head)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _attend_partition_e4m3(
-    q, start, end, k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs, qk_scale,
-    GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr,
+    q, start, end, k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs, stride_ch,
+    qk_scale, row_head, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr,
+    HEADS: tl.constexpr,
 ):
     """``_attend_partition`` over an fp8 cache; the output's even and odd columns are
     accumulated apart and interleaved at the end."""
@@ -120,17 +129,18 @@ def _attend_partition_e4m3(
     acc_odd = tl.zeros([GROUP_PAD, HEAD_PAD // 2], dtype=tl.float32)
     m_i = tl.full([GROUP_PAD], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N
-    for n0 in range(start, full_end, BLOCK_N):
+    keys: tl.constexpr = BLOCK_N // HEADS
+    full_end = start + (end - start) // keys * keys
+    for n0 in range(start, full_end, keys):
         acc_even, acc_odd, m_i, l_i = _attend_tile_e4m3(
             acc_even, acc_odd, m_i, l_i, q_even, q_odd, n0, end, k_ptr, v_ptr, bt_row_ptr,
-            stride_btn, stride_cb, stride_cs, qk_scale, offs_w, w_mask,
-            BLOCK_SIZE, BLOCK_N, False, PTX)
+            stride_btn, stride_cb, stride_cs, stride_ch, qk_scale, offs_w, w_mask, row_head,
+            BLOCK_SIZE, BLOCK_N, False, PTX, HEADS)
     if full_end < end:  # the ragged last tile of the sequence
         acc_even, acc_odd, m_i, l_i = _attend_tile_e4m3(
             acc_even, acc_odd, m_i, l_i, q_even, q_odd, full_end, end, k_ptr, v_ptr,
-            bt_row_ptr, stride_btn, stride_cb, stride_cs, qk_scale, offs_w, w_mask,
-            BLOCK_SIZE, BLOCK_N, True, PTX)
+            bt_row_ptr, stride_btn, stride_cb, stride_cs, stride_ch, qk_scale, offs_w, w_mask,
+            row_head, BLOCK_SIZE, BLOCK_N, True, PTX, HEADS)
     acc = tl.reshape(tl.join(acc_even, acc_odd), (GROUP_PAD, HEAD_PAD))
     return acc, m_i, l_i
 
@@ -151,21 +161,22 @@ def _decode_partition_kernel(
     stride_ps, stride_ph, stride_pp,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PREC: tl.constexpr,
     PTX: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) * HEADS  # the first of the program's HEADS kv heads
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = part * partition_size
 
     rows = tl.arange(0, GROUP_PAD)
+    row_head = rows // GROUP  # which of the program's kv heads a query row attends with
     head = kv_head * GROUP + rows
     offs_d = tl.arange(0, HEAD_PAD)
     d_mask = offs_d < HEAD_SIZE
-    io_mask = (rows < GROUP)[:, None] & d_mask[None, :]
+    io_mask = (rows < GROUP * HEADS)[:, None] & d_mask[None, :]
     o_ptrs = (out_ptr + seq.to(tl.int64) * stride_os + head[:, None] * stride_oh
               + offs_d[None, :] * stride_od)
     if start >= seq_len:
@@ -192,13 +203,14 @@ def _decode_partition_kernel(
     end = tl.minimum(start + partition_size, seq_len)
     if HAS_SCALES:
         acc, m_i, l_i = _attend_partition_e4m3(
-            q, start, end, k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs, qk_scale,
-            GROUP_PAD, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PTX)
+            q, start, end, k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs,
+            stride_ch, qk_scale, row_head, GROUP_PAD, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N,
+            PTX, HEADS)
     else:
         acc, m_i, l_i = _attend_partition(
             q, q_pos, start, end, k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs,
-            stride_cd, qk_scale, offs_d, d_mask, GROUP_PAD, HEAD_PAD, BLOCK_SIZE, BLOCK_N,
-            DOT_PREC)
+            stride_ch, stride_cd, qk_scale, offs_d, d_mask, row_head, GROUP_PAD, HEAD_PAD,
+            BLOCK_SIZE, BLOCK_N, DOT_PREC, HEADS)
 
     out = acc / l_i[:, None]
     if SINGLE_PARTITION:
@@ -209,7 +221,7 @@ def _decode_partition_kernel(
         # v_scale is applied once, after the merge.
         p_off = seq.to(tl.int64) * stride_ps + head * stride_ph + part * stride_pp
         tl.store(part_out_ptr + p_off[:, None] * HEAD_PAD + offs_d[None, :], out, mask=io_mask)
-        tl.store(part_lse_ptr + p_off, m_i + tl.log2(l_i), mask=rows < GROUP)
+        tl.store(part_lse_ptr + p_off, m_i + tl.log2(l_i), mask=rows < GROUP * HEADS)
 
 
 @triton.jit(do_not_specialize=["partition_size", "stride_ps", "stride_ph"])
@@ -266,37 +278,48 @@ def pick_partition_size(
 
 
 class DecodeConfig(NamedTuple):
-    """Stage 1's tile: keys per step of the loop, and the launch's warps and pipeline stages."""
+    """Stage 1's tile: its columns (``block_n``, ``heads`` kv heads of ``block_n // heads`` keys
+    each: ``packed_columns``), and the launch's warps and pipeline stages."""
 
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    heads: int = 1
 
 
-def _decode_config(head_pad: int, dtype: torch.dtype, cache_dtype: torch.dtype,
-                   seq_heads: int, programs: int, num_sms: int) -> DecodeConfig:
+def _decode_config(head_pad: int, dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
+                   num_kv_heads: int, seq_heads: int, programs: int,
+                   num_sms: int) -> DecodeConfig:
     """The tile for H100/H200-class GPUs, for a stage 1 of ``seq_heads`` (sequence, kv head)
     pairs over ``programs`` programs (times the partitions).
 
     From sweeps on an H200 (head 128, GQA 4, grids sized for 8,192 keys as under CUDA graphs;
-    ``scripts/bench_attention.py --sweep-decode``, ``benchmarks/results/issue30/``). Where the
-    pairs alone fill the GPU three times over (a large batch), either cache: 64 keys, 2 warps,
-    3 stages. Such a batch's contexts are often a few hundred keys, where a long tile spends
-    itself on the masked end: at 1,000 x 129-256 keys (the throughput run's decodes) 3,712 GB/s
-    against 3,340 for 4 warps over a 16-bit cache and 2,853 against 2,201 for 128 keys over an
-    fp8 one; within 5% of the best tile at 256 x 2,048 and 256 x 8,192 too (over fp8, 3,838
-    and 4,062 against 4,020 and 4,146 for 128 keys). 32 keys led the short contexts by 4% but
-    lost 15% at 64 x 4,096. Otherwise, 16-bit caches: 64 keys, 4 warps, 3 stages. An fp8 cache:
-    128 keys a tile, and where there are programs enough to fill the GPU a few times over, 2
-    warps and 3 stages (3,537 against 2,808 GB/s with 4 warps at 32 x 4,096); fewer,
-    longer-running programs (batch 1) keep 4 warps and 2 stages (961 against 893 GB/s at
-    1 x 4,096).
+    ``scripts/bench_attention.py --sweep-decode``, ``benchmarks/results/issue30/``).
+
+    - Where even a program per four kv heads fills the GPU three times over (a large batch;
+      GQA of 4 or less, so the four heads' query rows fit one 16-row dot), four kv heads a
+      program: a step covers 16 (16-bit cache) or 32 (fp8) keys of each, so a ragged end wastes
+      a quarter of what one head's 64 or 128 keys did, while each step moves as many bytes. At
+      1,000 x 129-256 keys (the throughput run's decodes): 3,914 against 3,649 GB/s over a
+      16-bit cache, 3,224 against 2,346 over fp8 (128 columns); at 256 x 2,048 fp8 4,052
+      against 3,526, and at 256 x 8,192 4,168 against 3,617; 16-bit equal there. With fewer
+      programs it loses (at 64 x 4,096, 128 programs: 2,415 against 4,231).
+    - Otherwise, where the pairs alone fill the GPU three times over, either cache: 64 keys, 2
+      warps, 3 stages (at 1,000 x 129-256, 3,712 against 3,340 GB/s for 4 warps over a 16-bit
+      cache, 2,853 against 2,201 for 128 keys over fp8; 32 keys lost 15% at 64 x 4,096).
+    - Otherwise, 16-bit caches: 64 keys, 4 warps, 3 stages. An fp8 cache: 128 keys a tile, and
+      where there are programs enough to fill the GPU a few times over, 2 warps and 3 stages
+      (3,537 against 2,808 GB/s with 4 warps at 32 x 4,096); fewer, longer-running programs
+      (batch 1) keep 4 warps and 2 stages (961 against 893 GB/s at 1 x 4,096).
     """
+    fp8 = cache_dtype == torch.float8_e4m3fn
     if dtype == torch.float32 or head_pad > 128:
         return DecodeConfig(32, 4, 2)
+    if group <= 4 and num_kv_heads % 4 == 0 and seq_heads >= 4 * 3 * num_sms:
+        return DecodeConfig(128 if fp8 else 64, 2, 3, heads=4)
     if seq_heads >= 3 * num_sms:
         return DecodeConfig(64, 2, 3)
-    if cache_dtype == torch.float8_e4m3fn:
+    if fp8:
         return DecodeConfig(128, *((2, 3) if programs >= 3 * num_sms else (4, 2)))
     return DecodeConfig(64, 4, 3)
 
@@ -337,7 +360,6 @@ def decode_attention(
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    group_pad = max(16, triton.next_power_of_2(group))  # tl.dot wants M >= 16
     # An fp8 cache is read in 16-bit pairs of elements (e4m3_pairs): each half is still a
     # dot's K of at least 16.
     head_pad = max(32 if has_scales else 16, triton.next_power_of_2(head_size))
@@ -353,12 +375,17 @@ def decode_attention(
     if partition_size < 16 or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     num_parts = triton.cdiv(max(max_seq_len, 1), partition_size)
-    config = config or _decode_config(head_pad, q.dtype, key_cache.dtype,
+    config = config or _decode_config(head_pad, q.dtype, key_cache.dtype, group, num_kv_heads,
                                       num_seqs * num_kv_heads,
                                       num_seqs * num_kv_heads * num_parts, num_sms)
-    block_n = min(max(config.block_n, 16), partition_size)
-    if partition_size % block_n:
-        raise ValueError(f"partition_size {partition_size} must be a multiple of {block_n}")
+    heads = config.heads
+    if num_kv_heads % heads:
+        raise ValueError(f"{heads} kv heads a program must divide the {num_kv_heads} kv heads")
+    block_n = min(max(config.block_n, 16), partition_size * heads)
+    if partition_size % (block_n // heads):
+        raise ValueError(f"partition_size {partition_size} must be a multiple of the "
+                         f"{block_n // heads} keys a step")
+    group_pad = max(16, triton.next_power_of_2(group * heads))  # tl.dot wants M >= 16
     single = num_parts == 1
 
     if single:  # stage 1 writes `out`; the buffers are never read
@@ -371,14 +398,14 @@ def decode_attention(
                                device=q.device)
         part_strides = part_lse.stride()
     scales = (k_scale, v_scale) if has_scales else (seq_lens, seq_lens)
-    _decode_partition_kernel[(num_seqs, num_kv_heads, num_parts)](
+    _decode_partition_kernel[(num_seqs, num_kv_heads // heads, num_parts)](
         q, key_cache, value_cache, out, part_out, part_lse,
         block_tables, seq_lens, *scales,
         scale, partition_size,
         *q.stride(), *out.stride(), *key_cache.stride(), *block_tables.stride(),
         *part_strides,
         GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
-        BLOCK_SIZE=key_cache.shape[1], BLOCK_N=block_n,
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_N=block_n, HEADS=heads,
         SINGLE_PARTITION=single, HAS_SCALES=has_scales,
         DOT_PREC=dot_precision(q.dtype, gpu_arch(q.device)),
         PTX=q.device.type == "cuda" and gpu_arch(q.device) is None,

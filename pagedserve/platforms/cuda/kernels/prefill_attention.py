@@ -53,6 +53,17 @@ def slots_of(block_ids, offs_n, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
+def packed_columns(n0, BLOCK_N: tl.constexpr, HEADS: tl.constexpr):
+    """A tile's columns as (key, kv head): ``HEADS`` heads side by side, each over keys
+    ``n0 .. n0 + BLOCK_N // HEADS``. Decode packs a GQA group's few query rows with other kv
+    heads' rows this way, so one ``tl.dot`` (at least 16 rows) does the work of ``HEADS``."""
+    cols = tl.arange(0, BLOCK_N)
+    if HEADS == 1:
+        return n0 + cols, cols * 0
+    return n0 + cols % (BLOCK_N // HEADS), cols // (BLOCK_N // HEADS)
+
+
+@triton.jit
 def softmax_step(s, m_i, l_i):
     """One online-softmax update over a tile of log2-domain scores ``s``: the tile's
     unnormalized probabilities, the factor that rescales what came before, the new running
@@ -72,7 +83,7 @@ def attend_tile(
     qk_scale,
     offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, HEADS: tl.constexpr = 1, stride_ch=0, row_head=0,
 ):
     """One online-softmax step over keys ``n0 .. n0 + BLOCK_N`` of one sequence and kv head.
 
@@ -80,11 +91,17 @@ def attend_tile(
     table row. Scores are in the log2 domain (``qk_scale`` includes log2(e)). With ``MASKED``
     keys at or past ``kv_end`` and keys after a row's ``q_pos`` are dropped; without it every
     key in the tile must be valid and visible to every row.
+
+    ``HEADS > 1`` (decode): the tile's columns are ``HEADS`` kv heads (``stride_ch`` apart) of
+    ``BLOCK_N // HEADS`` keys each, ``n0 ..``; row ``r`` attends only to kv head
+    ``row_head[r]``'s columns (``packed_columns``).
     """
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_n, col_head = packed_columns(n0, BLOCK_N, HEADS)
     block_ids, n_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n, kv_end, BLOCK_SIZE,
                                         MASKED)
     slots = slots_of(block_ids, offs_n, stride_cb, stride_cs, BLOCK_SIZE)
+    if HEADS > 1:
+        slots += col_head * stride_ch
     k_ptrs = k_ptr + slots[None, :] + offs_d[:, None] * stride_cd
     v_ptrs = v_ptr + slots[:, None] + offs_d[None, :] * stride_cd
     if MASKED:
@@ -95,7 +112,11 @@ def attend_tile(
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * qk_scale
     if MASKED:
         visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if HEADS > 1:
+            visible &= col_head[None, :] == row_head[:, None]
         s = tl.where(visible, s, float("-inf"))
+    elif HEADS > 1:
+        s = tl.where(col_head[None, :] == row_head[:, None], s, float("-inf"))
     p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
 
     if MASKED:
