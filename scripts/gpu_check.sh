@@ -37,6 +37,7 @@ python3 -c "import gguf" 2>/dev/null \
 export TRITON_CACHE_DIR=$(mktemp -d)
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: vs_base runs the base from its own folder
 parts=${*:-llama engine-tests layer-tests smollm2 decode step-overhead fp8 mixed kernel-tests attention}
 bench() { python3 -m pagedserve.cli bench "$@" 2>&1 | grep -v "^INFO.*tqdm"; }
 common=(--device cuda --num-prompts 1000 --max-num-batched-tokens 8192 --max-num-seqs 1024)
@@ -191,10 +192,17 @@ vs_base() {
   # A Triton cache of each side's own: the first round of both compiles the same (a shared
   # one would hand the tree what the base compiled), the second runs warm.
   local cache_base=$(mktemp -d) cache_tree=$(mktemp -d)
+  # The base runs from its own folder: `python3 -m` puts the working directory first on
+  # sys.path, so from the repository root the tree's package would shadow PYTHONPATH's base
+  # (as it did in every *-vs-base run from 2026-11-30 to 2026-12-04: tree against tree).
+  local from_base=(env -C $base PYTHONPATH=$base${PYTHONPATH:+:$PYTHONPATH})
+  "${from_base[@]}" python3 -c "import pagedserve, sys; sys.exit(0 if pagedserve.__file__ \
+.startswith('$base/') else 'vs-base: the base run would import ' + pagedserve.__file__)" \
+    || return
   for round in $(seq "${TP_ROUNDS:-2}"); do
-    PYTHONPATH=$base${PYTHONPATH:+:$PYTHONPATH} TRITON_CACHE_DIR=$cache_base \
-      sampled "${label}_base_$round" bench \
-      "${args[@]}" --out "$OUT/throughput_h200_llama3-8b_128_${label}_base_$round.json"
+    TRITON_CACHE_DIR=$cache_base sampled "${label}_base_$round" "${from_base[@]}" \
+      python3 -m pagedserve.cli bench "${args[@]}" \
+      --out "$OUT/throughput_h200_llama3-8b_128_${label}_base_$round.json"
     TRITON_CACHE_DIR=$cache_tree sampled "${label}_tree_$round" bench "${args[@]}" \
       --out "$OUT/throughput_h200_llama3-8b_128_${label}_tree_$round.json"
   done
