@@ -10,9 +10,10 @@ Inputs (``S`` sequences, ``H`` query heads, ``KVH`` kv heads, ``D`` head size):
   including the new token, which the backend has already written to the cache. A sequence with
   ``seq_len == 0`` (padding) gets a zero output.
 
-Stage 1, grid ``(S, KVH, num_partitions)``: each program attends one kv head's GQA group of
-query heads (rows of one ``tl.dot``, padded to 16) over one partition of ``partition_size``
-keys, so a batch of one with a 32k context still spreads over every SM. It writes the
+Stage 1, grid ``(S, KVH / heads, num_partitions)``: each program attends ``heads`` kv heads'
+GQA groups of query heads (rows of one ``tl.dot``, padded to 16; more than one head at large
+batches, ``packed_columns``) over one partition of ``partition_size`` keys, so a batch of one
+with a 32k context still spreads over every SM. It writes the
 partition's normalized output and its log2-sum-exp. Stage 2, grid ``(S, H)``, merges the
 partitions of each head with those weights. When the whole context fits one partition, stage 1
 writes the final output and stage 2 is skipped.
