@@ -7,10 +7,18 @@ set -uo pipefail
 label=$1 dirs=$2 rounds=$3
 shift 3
 OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+# Each tree runs from its own folder: `python3 -m` puts the working directory first on
+# sys.path, so from this repository's root every DIR would import this tree's package.
+in_tree() { local abs=$(cd "$1" && pwd); shift; env -C "$abs" PYTHONPATH="$abs${PYTHONPATH:+:$PYTHONPATH}" "$@"; }
+for dir in ${dirs//,/ }; do
+  in_tree "$dir" python3 -c "import os, pagedserve, sys; sys.exit(0 if pagedserve.__file__ \
+.startswith(os.getcwd() + '/') else 'bench_vs: $dir imports ' + pagedserve.__file__)" || exit 1
+done
 for round in $(seq "$rounds"); do
   for dir in ${dirs//,/ }; do
     name=$(basename "$(cd "$dir" && pwd)")
-    PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} python3 -m pagedserve.cli bench throughput "$@" \
+    in_tree "$dir" python3 -m pagedserve.cli bench throughput "$@" \
       --out "$OUT/vs_${label}_${name}_$round.json" 2>&1 \
       | grep -E "^pagedserve|_s "
   done
