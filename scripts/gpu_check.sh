@@ -16,7 +16,7 @@
 #                                        lora-tests lora-profile lora-sweep copy-tests
 #                                        eagle3 eagle3-tests eagle3-profile attention
 #                                        attention-vs-base attention-sweep-short fp8-accum
-#                                        fp8-profile fp8-timeline fp8kv-timeline
+#                                        fp8-profile fp8-timeline fp8kv-timeline awq-timeline
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -334,13 +334,13 @@ kv_tier() {
 'targets', 'meets_targets', 'active_blocks', 'tier_blocks', 'device_blocks')})" "$out"
 }
 
-# `fp8_timeline LABEL ARGS...`: the FP8 throughput run under the device timeline, ARGS added.
-fp8_timeline() {
+# `timeline LABEL ARGS...`: the 8B 1,000 x 128/128 run under the device timeline, ARGS added.
+timeline() {
   local label=$1
   shift
   sampled "${label}_timeline" bench throughput "${common[@]}" --shape llama3-8b --input-len 128 \
-    128 --output-len 128 128 --load-format dummy --quantization fp8 --skip-hf --breakdown \
-    --device-timeline "$@" --out "$OUT/throughput_h200_llama3-8b_${label}_timeline.json"
+    128 --output-len 128 128 --load-format dummy --skip-hf --breakdown --device-timeline "$@" \
+    --out "$OUT/throughput_h200_llama3-8b_${label}_timeline.json"
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -542,9 +542,10 @@ for part in $parts; do
     # device's busy and idle seconds over it (bench/device_timeline.py; its GPU test first).
     fp8-timeline) python3 -m pytest -q -m cuda -p no:cacheprovider \
         tests/bench/test_device_timeline.py 2>&1 | tail -1
-      fp8_timeline fp8 ;;
-    # The same with the FP8 KV cache.
-    fp8kv-timeline) fp8_timeline fp8kv --kv-cache-dtype fp8 ;;
+      timeline fp8 --quantization fp8 ;;
+    # The same with the FP8 KV cache; AWQ weights (where the dequantize of large batches goes).
+    fp8kv-timeline) timeline fp8kv --quantization fp8 --kv-cache-dtype fp8 ;;
+    awq-timeline) timeline awq --quantization awq ;;
     # The decode tiles at the throughput run's decode steps (1,000 sequences of 129-256 keys)
     # and at the longer shapes the defaults were chosen on, so a tile that wins the short ones
     # is checked there in the same run; grids sized for 8,192 keys, as under CUDA graphs.
