@@ -262,7 +262,7 @@ DECODE_CPU_CASES = [
     (16, 1, 2, 128, torch.float16, 32, 32),
     (8, 1, 4, 96, torch.float16, None, None),  # heuristic: one partition, no merge pass
     (8, 1, 4, 64, torch.float16, None, (64, 2, 3)),  # the large-batch tile
-    # Several kv heads a program (packed_columns): 4 heads of 16 keys, 2 of 8 over partitions.
+    # Several kv heads a program (tile_columns): 4 heads of 16 keys, 2 of 8 over partitions.
     (16, 4, 4, 64, torch.float16, None, (64, 2, 3, 4)),
     (8, 4, 2, 32, torch.float32, 16, (16, 4, 2, 2)),
 ]

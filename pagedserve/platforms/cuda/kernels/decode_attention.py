@@ -12,7 +12,7 @@ Inputs (``S`` sequences, ``H`` query heads, ``KVH`` kv heads, ``D`` head size):
 
 Stage 1, grid ``(S, KVH / heads, num_partitions)``: each program attends ``heads`` kv heads'
 GQA groups of query heads (rows of one ``tl.dot``, padded to 16; more than one head at large
-batches, ``packed_columns``) over one partition of ``partition_size`` keys, so a batch of one
+batches, ``tile_columns``) over one partition of ``partition_size`` keys, so a batch of one
 with a 32k context still spreads over every SM. It writes the
 partition's normalized output and its log2-sum-exp. Stage 2, grid ``(S, H)``, merges the
 partitions of each head with those weights. When the whole context fits one partition, stage 1
@@ -36,10 +36,8 @@ from pagedserve.platforms.cuda.kernels.prefill_attention import (
     check_cache_pair,
     dot_precision,
     fp8_compute_dtype,
-    packed_columns,
-    slots_of,
     softmax_step,
-    tile_block_ids,
+    tile_columns,
 )
 
 # Shortest partition the heuristic picks: shorter ones spend more on the merge than they save.
@@ -55,12 +53,9 @@ def _attend_tile_e4m3(
 ):
     """``attend_tile`` for an fp8 cache read as int16 words (``e4m3_pairs``): element pairs
     split into even and odd halves, two dots per matmul, one accumulator per half."""
-    offs_n, col_head = packed_columns(n0, BLOCK_N, HEADS)
-    block_ids, n_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n, kv_end, BLOCK_SIZE,
-                                        MASKED)
-    slots = slots_of(block_ids, offs_n, stride_cb, stride_cs, BLOCK_SIZE)
-    if HEADS > 1:
-        slots += col_head * stride_ch
+    _, n_valid, slots, col_head = tile_columns(
+        n0, kv_end, bt_row_ptr, stride_btn, stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
+        BLOCK_N, MASKED, HEADS)
     k_ptrs = (k_ptr + slots[None, :]).to(tl.pointer_type(tl.int16)) + offs_w[:, None]
     v_ptrs = (v_ptr + slots[:, None]).to(tl.pointer_type(tl.int16)) + offs_w[None, :]
     if MASKED:
@@ -280,7 +275,7 @@ def pick_partition_size(
 
 class DecodeConfig(NamedTuple):
     """Stage 1's tile: its columns (``block_n``, ``heads`` kv heads of ``block_n // heads`` keys
-    each: ``packed_columns``), and the launch's warps and pipeline stages."""
+    each: ``tile_columns``), and the launch's warps and pipeline stages."""
 
     block_n: int
     num_warps: int = 4

@@ -35,32 +35,33 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def tile_block_ids(bt_row_ptr, stride_btn, offs_n, kv_end, BLOCK_SIZE: tl.constexpr,
-                   MASKED: tl.constexpr):
-    """The cache blocks of keys ``offs_n`` of one sequence (its block table row at
-    ``bt_row_ptr``), and which keys lie before ``kv_end`` (only read with ``MASKED``)."""
+def tile_columns(n0, kv_end, bt_row_ptr, stride_btn, stride_cb, stride_cs, stride_ch,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 HEADS: tl.constexpr):
+    """A tile's columns in one sequence's paged cache: ``(keys, valid, slots, col_head)``.
+
+    The columns are ``HEADS`` kv heads side by side, each over keys ``n0 .. n0 + BLOCK_N //
+    HEADS`` (one head: keys ``n0 .. n0 + BLOCK_N``). Decode packs a GQA group's few query rows
+    with other kv heads' rows this way, so one ``tl.dot`` (at least 16 rows) does the work of
+    ``HEADS``. ``slots`` are element offsets from the first head's cache (``stride_ch`` apart
+    per head), the block table row is at ``bt_row_ptr``, and ``valid`` says which keys lie
+    before ``kv_end`` (only read with ``MASKED``)."""
+    cols = tl.arange(0, BLOCK_N)
+    if HEADS == 1:
+        offs_n, col_head = n0 + cols, cols * 0
+    else:
+        offs_n, col_head = n0 + cols % (BLOCK_N // HEADS), cols // (BLOCK_N // HEADS)
     bt_ptrs = bt_row_ptr + (offs_n // BLOCK_SIZE) * stride_btn
     n_valid = offs_n < kv_end
     if MASKED:
-        return tl.load(bt_ptrs, mask=n_valid, other=0), n_valid
-    return tl.load(bt_ptrs), n_valid
-
-
-@triton.jit
-def slots_of(block_ids, offs_n, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr):
+        block_ids = tl.load(bt_ptrs, mask=n_valid, other=0)
+    else:
+        block_ids = tl.load(bt_ptrs)
     # int64 before scaling: one layer's cache can pass 2**31 elements.
-    return block_ids.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs
-
-
-@triton.jit
-def packed_columns(n0, BLOCK_N: tl.constexpr, HEADS: tl.constexpr):
-    """A tile's columns as (key, kv head): ``HEADS`` heads side by side, each over keys
-    ``n0 .. n0 + BLOCK_N // HEADS``. Decode packs a GQA group's few query rows with other kv
-    heads' rows this way, so one ``tl.dot`` (at least 16 rows) does the work of ``HEADS``."""
-    cols = tl.arange(0, BLOCK_N)
-    if HEADS == 1:
-        return n0 + cols, cols * 0
-    return n0 + cols % (BLOCK_N // HEADS), cols // (BLOCK_N // HEADS)
+    slots = block_ids.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs
+    if HEADS > 1:
+        slots += col_head * stride_ch
+    return offs_n, n_valid, slots, col_head
 
 
 @triton.jit
@@ -94,14 +95,11 @@ def attend_tile(
 
     ``HEADS > 1`` (decode): the tile's columns are ``HEADS`` kv heads (``stride_ch`` apart) of
     ``BLOCK_N // HEADS`` keys each, ``n0 ..``; row ``r`` attends only to kv head
-    ``row_head[r]``'s columns (``packed_columns``).
+    ``row_head[r]``'s columns (``tile_columns``).
     """
-    offs_n, col_head = packed_columns(n0, BLOCK_N, HEADS)
-    block_ids, n_valid = tile_block_ids(bt_row_ptr, stride_btn, offs_n, kv_end, BLOCK_SIZE,
-                                        MASKED)
-    slots = slots_of(block_ids, offs_n, stride_cb, stride_cs, BLOCK_SIZE)
-    if HEADS > 1:
-        slots += col_head * stride_ch
+    offs_n, n_valid, slots, col_head = tile_columns(
+        n0, kv_end, bt_row_ptr, stride_btn, stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
+        BLOCK_N, MASKED, HEADS)
     k_ptrs = k_ptr + slots[None, :] + offs_d[:, None] * stride_cd
     v_ptrs = v_ptr + slots[:, None] + offs_d[None, :] * stride_cd
     if MASKED:
