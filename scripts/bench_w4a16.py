@@ -10,6 +10,7 @@ The calls cycle through copies of the weight that together pass four times the L
 each call reads its weight from memory, as a decode step does. ``--sweep-gemv`` times the
 one- and two-row kernel's configurations (blocks, warps, split-K target, one word's pairs or
 two words'), ``--sweep-mma`` the CUDA C++ kernel's compiled variants and split targets,
+``--sweep-wgmma`` the Hopper kernel's blocks of rows and stages against cuBLAS,
 ``--sweep-tiles`` the tiles' (block sizes, warps, stages, split-K target, biased
 codes or ``q - z``, the scale row a tile ahead or not) at each M and picks the fastest per
 range of M (``--write-choice`` writes both choices into the kernel's source, for the runs
@@ -57,6 +58,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep-mma", action="store_true",
                    help="time the CUDA C++ mma kernels' blocks, compiled variants and split "
                         "targets")
+    p.add_argument("--sweep-wgmma", action="store_true",
+                   help="time the Hopper wgmma kernel's blocks of rows and compiled variants "
+                        "against cuBLAS, dequantize + cuBLAS and the tiles")
     p.add_argument("--mma-variants", type=int, nargs="+",
                    help="the compiled variants --sweep-mma times (default: all)")
     p.add_argument("--write-choice", action="store_true",
@@ -368,6 +372,58 @@ def sweep_mma(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
     return rows
 
 
+class _WgmmaVariant:
+    """``matmul`` for ``_layers``: the wgmma kernel's compiled variant ``variant`` with blocks
+    of ``rows`` rows of x."""
+
+    def __init__(self, variant: int, rows: int):
+        self.variant, self.rows = variant, rows
+
+    def matmul(self, x, w, out=None, path=None):
+        from pagedserve.platforms.cuda.kernels import w4a16_wgmma
+
+        return w4a16_wgmma.matmul(x, w, out, self.rows, self.variant)
+
+
+def sweep_wgmma(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
+    """The wgmma kernel by rows per block (``w4a16_wgmma.BLOCK_ROWS``) and compiled variant
+    (stages; built with ``W4A16_WGMMA_SWEEP``) at each M of ``--ms``, with cuBLAS on the bf16
+    weight, the dequantize path, the tiles and the engine's choice alongside."""
+    from pagedserve.platforms.cuda.kernels import w4a16, w4a16_wgmma
+
+    lib = w4a16_wgmma.library(sweep=True)
+    if lib is None:
+        sys.exit("the wgmma kernel does not build here (see the log line above)")
+    weights = _sweep_weights(args)
+    total_bytes = sum(packed_bytes(w[0]) for w in weights.values())
+    dense = {name: copies_past_l2(lambda n=n, k=k: torch.randn(n, k, device=DEVICE,
+                                                                dtype=DTYPES[args.dtype]),
+                                  2 * n * k) for name, n, k in SHAPES}
+    rows = []
+    for m in args.ms:
+        xs = _sweep_inputs(m, args)
+        refs = _references(w4a16, weights, xs)
+        for block_rows in w4a16_wgmma.BLOCK_ROWS:
+            if block_rows > 64 and m <= block_rows // 2:  # half a block or more wasted
+                continue
+            for variant in range(lib.w4a16_wgmma_variants()):
+                layer_ms = _layers(_WgmmaVariant(variant, block_rows), "wgmma", weights, xs,
+                                   refs)
+                row = _sweep_row(m, f"wgmma r{block_rows} v{variant}", None, layer_ms,
+                                 total_bytes, copy_gbs)
+                rows.append({**row, "block_rows": block_rows, "variant": variant})
+        for path in ("tiles", "dequant", None):
+            if path == "tiles" and m >= w4a16.DEQUANT_MIN_M:
+                continue
+            layer_ms = _layers(w4a16, path, weights, xs, refs)
+            rows.append(_sweep_row(m, path or "chosen", None, layer_ms, total_bytes, copy_gbs))
+        layer_ms = {name: _time(cycling(lambda w, x=xs[name][0], out=xs[name][1]:
+                                        torch.mm(x, w.T, out=out), dense[name]))
+                    for name, _n, _k in SHAPES}
+        rows.append(_sweep_row(m, "cublas", None, layer_ms, total_bytes, copy_gbs))
+    return rows
+
+
 def _sweep_row(m: int, path: str, cfg, layer_ms: dict, total_bytes: int,
                copy_gbs: float) -> dict:
     total = sum(layer_ms.values())
@@ -509,6 +565,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.sweep_mma:
         result["mma_sweep"] = sweep_mma(args, copy_gbs)
+        torch.cuda.empty_cache()
+    if args.sweep_wgmma:
+        result["wgmma_sweep"] = sweep_wgmma(args, copy_gbs)
         torch.cuda.empty_cache()
     rows = []
     for name, n, k in SHAPES:

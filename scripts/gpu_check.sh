@@ -17,6 +17,7 @@
 #                                        eagle3 eagle3-tests eagle3-profile attention
 #                                        attention-vs-base attention-sweep-short fp8-accum
 #                                        fp8-profile fp8-timeline fp8kv-timeline awq-timeline
+#                                        w4a16-wgmma
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -512,6 +513,13 @@ for part in $parts; do
       python3 scripts/bench_w4a16.py --ms ${MMA_MS:-1 2 4 8 16 32 64 128 256} --sweep-mma \
         ${MMA_VARIANTS:+--mma-variants $MMA_VARIANTS} \
         --out "$OUT/w4a16_mma_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_mma_sweep_h200.log" ;;
+    # The Hopper wgmma kernel's tests, then its blocks of rows and stage variants at
+    # ${WGMMA_MS:-64 to 8,192 rows} against cuBLAS, dequantize + cuBLAS, the tiles and the
+    # engine's choice.
+    w4a16-wgmma) python3 -m pytest -q -p no:cacheprovider tests/platforms/cuda/test_w4a16_wgmma.py \
+        2>&1 | tee "$OUT/gpu_w4a16_wgmma_tests.log"
+      python3 scripts/bench_w4a16.py --ms ${WGMMA_MS:-64 128 256 512 1024 8192} --sweep-wgmma \
+        --out "$OUT/w4a16_wgmma_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_wgmma_sweep_h200.log" ;;
     # Batches: DECODE_BATCHES, else 1 2 32 128 (AWQ) and 1 32 128 (bf16).
     decode-awq) bench decode --device cuda --shape llama3-8b --load-format dummy \
         --quantization awq --batch-sizes ${DECODE_BATCHES:-1 2 32 128} --context-len 512 \

@@ -29,11 +29,15 @@ def nvcc() -> str:
     return shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
 
 
-def load_library(source: Path, capability: tuple[int, int],
-                 defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+def load_library(source: Path, capability: tuple[int, int], defines: tuple[str, ...] = (),
+                 arch_specific: bool = False) -> ctypes.CDLL | None:
     """The library built from ``source`` for GPUs of ``capability`` (built first if it is not
-    cached), or None. ``defines`` (``NAME`` or ``NAME=VALUE``) select compiled variants."""
+    cached), or None. ``defines`` (``NAME`` or ``NAME=VALUE``) select compiled variants.
+    ``arch_specific``: for that architecture's own instructions (``sm_90a``: Hopper's wgmma),
+    machine code for it alone, with no PTX that a later GPU could compile without them."""
     arch = f"sm_{capability[0]}{capability[1]}"
-    flags = (*FLAGS, f"-arch={arch}", *(f"-D{d}" for d in defines))
+    target = (f"-gencode=arch=compute_{arch[3:]}a,code={arch}a" if arch_specific
+              else f"-arch={arch}")
+    flags = (*FLAGS, target, *(f"-D{d}" for d in defines))
     tc = native_build.Toolchain(nvcc(), flags, arch, "cuda_kernels", "using the Triton kernels")
     return native_build.load_library(tc, source)

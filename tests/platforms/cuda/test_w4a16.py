@@ -486,8 +486,10 @@ def test_kernel_llama_sizes_cuda(shape, dtype_m):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     ref = reference(x, weight)
     assert_close(run_kernel(x, weight), ref, dtype)
-    # The CUDA C++ kernels at every M; up to 16 rows the Triton tiles and GEMV as well.
-    paths = ["mma"] + ["tiles"] * (m <= 16) + ["gemv"] * (m <= w4a16.GEMV_MAX_M)
+    # The CUDA C++ kernels at every M (wgmma on sm_90); up to 16 rows the Triton tiles and
+    # GEMV as well.
+    paths = (["mma"] + ["wgmma"] * (torch.cuda.get_device_capability() == (9, 0))
+             + ["tiles"] * (m <= 16) + ["gemv"] * (m <= w4a16.GEMV_MAX_M))
     for path in paths:
         assert_close(run_kernel(x, weight, path=path), ref, dtype)
 

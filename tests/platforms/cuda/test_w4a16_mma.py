@@ -37,19 +37,21 @@ def test_source_builds_for_sm90(sweep, tmp_path, monkeypatch):
     assert [p.name.split("-")[0] for p in (tmp_path / "cuda_kernels").iterdir()] == ["w4a16_mma"]
 
 
-def test_ctypes_args_mirror_the_struct():
-    """``_Args`` must list ``W4A16MmaArgs``'s fields in its order and types, or the kernel
-    reads one field as another (a device index as the rows per block, say)."""
-    source = w4a16_mma.SOURCE.read_text()
-    body = re.search(r"struct W4A16MmaArgs \{(.*?)\n\};", source, re.S).group(1)
+def assert_mirrors(args: type[ctypes.Structure], source: str, struct: str) -> None:
+    """``args`` must list the C ``struct``'s fields in its order and types (pointer or int),
+    or the kernel reads one field as another (a device index as the rows per block, say)."""
+    body = re.search(rf"struct {struct} \{{(.*?)\n\}};", source, re.S).group(1)
     fields = []
     for line in body.splitlines():
         decl = line.split("//")[0].strip().rstrip(";")
         if decl:
             kind, names = re.match(r"((?:const )?\w+\*?)\s+(.*)", decl).groups()
             fields += [(n.strip(), "*" in kind) for n in names.split(",")]
-    assert fields == [(name, ctype is ctypes.c_void_p)
-                      for name, ctype in w4a16_mma._Args._fields_]
+    assert fields == [(name, ctype is ctypes.c_void_p) for name, ctype in args._fields_]
+
+
+def test_ctypes_args_mirror_the_struct():
+    assert_mirrors(w4a16_mma._Args, w4a16_mma.SOURCE.read_text(), "W4A16MmaArgs")
 
 
 def test_missing_nvcc_gives_no_library(tmp_path, monkeypatch):
@@ -119,23 +121,27 @@ def test_matches_reference_cuda(m, rows, group, dtype):
         assert_close(out, ref, dtype)
 
 
-@cuda
-@needs_cuda
-def test_strided_rows_and_output_cuda():
-    """x rows a padded stride apart, and an output view whose rows the kernel cannot store
-    four at a time (it goes through a copy)."""
+def check_strided_rows_and_output(path: str, m: int) -> None:
+    """x rows a padded stride apart, and an output view at an odd column, whose rows the CUDA
+    C++ kernels cannot store two or four at a time (it goes through a copy)."""
     from pagedserve.platforms.cuda.kernels import w4a16
     from tests.platforms.cuda.test_w4a16 import assert_close, reference
 
     weight = _weight(256, 512, 128, seed=3)
     packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 128, torch.device("cuda"))
-    wide = torch.randn(5, 520, device="cuda", dtype=torch.bfloat16)
+    wide = torch.randn(m, 520, device="cuda", dtype=torch.bfloat16)
     x = wide[:, :512]
-    big = torch.full((5, 258), float("nan"), device="cuda", dtype=torch.bfloat16)
+    big = torch.full((m, 258), float("nan"), device="cuda", dtype=torch.bfloat16)
     out = big[:, 1:257]
-    w4a16.matmul(x, packed, out=out, path="mma")
+    w4a16.matmul(x, packed, out=out, path=path)
     assert_close(out, reference(x, weight), torch.bfloat16)
     assert big[:, 0].isnan().all() and big[:, 257].isnan().all()
+
+
+@cuda
+@needs_cuda
+def test_strided_rows_and_output_cuda():
+    check_strided_rows_and_output("mma", 5)
 
 
 @cuda

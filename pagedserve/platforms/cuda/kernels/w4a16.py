@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.platforms.cuda.kernels import w4a16_mma
+from pagedserve.platforms.cuda.kernels import w4a16_mma, w4a16_wgmma
 from pagedserve.platforms.cuda.kernels.device import gpu_arch, sm_count
 from pagedserve.platforms.cuda.kernels.split_k import finish, split_count
 
@@ -690,7 +690,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, K_WORDS, group_size,
 # between.
 GEMV_MAX_M = 2
 DEQUANT_MIN_M = 129
-PATHS = ("mma", "gemv", "tiles", "dequant")
+PATHS = ("mma", "gemv", "tiles", "wgmma", "dequant")
 
 
 class _TileConfig(NamedTuple):
@@ -789,10 +789,19 @@ def _group_slices(w: PackedW4) -> int | None:
 MMA_ROWS = range(2, 17)
 
 
+# The rows from which the Hopper kernel (where it is built) takes over from the tiles and the
+# dequantize path; None: not chosen. It has not run on an H200 yet (the device machine was
+# lost on its first call, 2026-12-04): its tests and ``scripts/gpu_check.sh w4a16-wgmma``'s
+# sweep against cuBLAS set this, or leave it None.
+WGMMA_MIN_M: int | None = None
+
+
 def _choose_path(x: torch.Tensor, w: PackedW4) -> str:
     m = x.shape[0]
     if m in MMA_ROWS and w4a16_mma.usable(x, w):
         return "mma"
+    if WGMMA_MIN_M is not None and m >= WGMMA_MIN_M and w4a16_wgmma.usable(x, w):
+        return "wgmma"
     if m <= _gemv_max_rows(_gemv_decode(x)) and _gemv_block_k(w, _gemv_config().block_k):
         return "gemv"
     return "tiles" if m < DEQUANT_MIN_M and _group_slices(w) else "dequant"
@@ -821,6 +830,11 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
             raise ValueError("the mma kernels take 16-bit x on NVIDIA, zero points and groups "
                              "of a power of two from 32")
         return w4a16_mma.matmul(x, w, out, split_k)
+    if path == "wgmma":
+        if not w4a16_wgmma.eligible(x, w):
+            raise ValueError("the wgmma kernel takes 16-bit x on an sm_90 GPU, zero points and "
+                             "groups of a power of two from 32")
+        return w4a16_wgmma.matmul(x, w, out)
     if path == "gemv":
         return _gemv(x, w, split_k, out)
     group_slices = _group_slices(w)

@@ -1,0 +1,92 @@
+"""W4A16 on Hopper's warpgroup MMA: ``csrc/w4a16_wgmma.cu`` (its comments describe the operand
+orders), built at first use by the machine's ``nvcc`` for ``sm_90a`` and called through ctypes
+on torch's current stream, so CUDA graphs capture it. It is the path for many rows (large
+decode batches and prefill), where the other kernels either decode each weight too often per
+row (the Triton tiles) or write and read a dense copy of the weight (dequantize + cuBLAS). It
+reads the layout ``kernels.w4a16.pack`` writes and takes what ``w4a16_mma.eligible`` takes, on
+sm_90 only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedserve.platforms.cuda import native_build
+from pagedserve.platforms.cuda.kernels import w4a16_mma
+
+if TYPE_CHECKING:
+    from pagedserve.platforms.cuda.kernels.w4a16 import PackedW4
+
+SOURCE = native_build.CSRC / "w4a16_wgmma.cu"
+CAPABILITY = (9, 0)
+BLOCK_ROWS = (64, 128, 256)
+
+
+class _Args(ctypes.Structure):
+    """``W4A16WgmmaArgs`` of the .cu file, field for field."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("x", "qweight", "scales", "zeros", "out")] + [
+                (name, ctypes.c_int) for name in
+                ("m", "n", "k", "x_stride", "out_stride", "group_shift", "scale_rows", "tiles",
+                 "bf16", "block_rows", "variant", "device")]
+
+
+@functools.cache
+def library(sweep: bool = False) -> ctypes.CDLL | None:
+    """The built kernel, or None (no ``nvcc``, a failed build). ``sweep`` also compiles the
+    variants ``scripts/bench_w4a16.py`` times."""
+    lib = native_build.load_library(SOURCE, CAPABILITY, ("W4A16_WGMMA_SWEEP",) if sweep else (),
+                                    arch_specific=True)
+    if lib is not None:
+        lib.w4a16_wgmma.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p]
+        lib.w4a16_wgmma.restype = ctypes.c_int
+        lib.w4a16_wgmma_variants.argtypes = []
+        lib.w4a16_wgmma_variants.restype = ctypes.c_int
+    return lib
+
+
+def eligible(x: torch.Tensor, w: PackedW4) -> bool:
+    """``w4a16_mma.eligible`` on an sm_90 GPU (the library aside)."""
+    return (w4a16_mma.eligible(x, w)
+            and torch.cuda.get_device_capability(x.device) == CAPABILITY)
+
+
+def usable(x: torch.Tensor, w: PackedW4) -> bool:
+    """``eligible`` and the library built."""
+    return eligible(x, w) and library() is not None
+
+
+def block_rows(m: int) -> int:
+    """Rows of x per block for M rows: 128 (two warpgroups of m64n128), 64 where half of a
+    block of 128 would be padding."""
+    return 64 if m <= 64 else 128
+
+
+def matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, rows: int | None = None,
+           variant: int = 0) -> torch.Tensor:
+    """``out = x @ W^T`` for ``eligible`` operands; ``rows`` (one of ``BLOCK_ROWS``) overrides
+    ``block_rows(M)``, ``variant`` picks a compiled number of stages of the sweep build."""
+    if out.stride(1) != 1 or out.stride(0) % 2 or out.data_ptr() % 4:
+        # The kernel stores two outputs at once.
+        return out.copy_(matmul(x, w, torch.empty_like(out, memory_format=torch.contiguous_format),
+                                rows, variant))
+    m, k = x.shape
+    n = w.qweight.shape[1]
+    rows = rows or block_rows(m)
+    if rows not in BLOCK_ROWS:
+        raise ValueError(f"rows per block: one of {BLOCK_ROWS}, not {rows}")
+    lib = library(variant != 0)
+    args = _Args(x.data_ptr(), w.qweight.data_ptr(), w.scales.data_ptr(), w.shifts.data_ptr(),
+                 out.data_ptr(), m, n, k, x.stride(0), out.stride(0),
+                 31 if w.scales.shape[0] == 1 else w.group_size.bit_length() - 1,
+                 w.scales.shape[0], w.qweight.shape[0] // 16, x.dtype == torch.bfloat16, rows,
+                 variant, x.device.index or 0)
+    err = lib.w4a16_wgmma(ctypes.byref(args), torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"w4a16_wgmma launch failed: CUDA error {err}")
+    return out

@@ -1,0 +1,198 @@
+"""The Hopper W4A16 kernel (``csrc/w4a16_wgmma.cu``): on the CPU, that its source builds for
+sm_90a with the machine's ``nvcc`` (where there is one), that the ctypes struct mirrors the C
+one and how the path is chosen; on an H200 (sm_90), against a float64 reference at every group
+size, both 16-bit types, each block of rows, odd M, N and K off the block sizes, and against
+the dequantized weight it should equal bit for bit (a wrongly rounded scale fails there).
+Outputs are poisoned with NaN, so a missed write shows.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from pagedserve.platforms.cuda import native_build
+from pagedserve.platforms.cuda.kernels import w4a16_mma, w4a16_wgmma
+from tests.devices import HAS_NVIDIA, NVIDIA_REASON
+
+cuda = pytest.mark.cuda
+needs_sm90 = pytest.mark.skipif(
+    not HAS_NVIDIA or torch.cuda.get_device_capability() != w4a16_wgmma.CAPABILITY,
+    reason=NVIDIA_REASON if not HAS_NVIDIA else "the wgmma kernel is for sm_90 (H100, H200)")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which(native_build.nvcc()) is None, reason="no nvcc here")
+@pytest.mark.parametrize("sweep", [False, True])
+def test_source_builds_for_sm90a(sweep, tmp_path, monkeypatch):
+    """What only nvcc and ptxas reject (wgmma operands, descriptors, templates) fails here, not
+    on the GPU machine; the library loads without a GPU."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    w4a16_wgmma.library.cache_clear()
+    try:
+        lib = w4a16_wgmma.library(sweep)
+        assert lib is not None
+        assert lib.w4a16_wgmma_variants() == (2 if sweep else 1)
+    finally:
+        w4a16_wgmma.library.cache_clear()
+    assert [p.name.split("-")[0] for p in (tmp_path / "cuda_kernels").iterdir()] == ["w4a16_wgmma"]
+
+
+def test_ctypes_args_mirror_the_struct():
+    from tests.platforms.cuda.test_w4a16_mma import assert_mirrors
+
+    assert_mirrors(w4a16_wgmma._Args, w4a16_wgmma.SOURCE.read_text(), "W4A16WgmmaArgs")
+
+
+def test_arch_specific_build_names_only_sm90a(monkeypatch):
+    """wgmma exists on sm_90a alone: the build must not also emit PTX for plain compute_90,
+    which ptxas rejects (and which a later GPU would compile without the instruction)."""
+    seen = {}
+
+    def fake_load(tc, source):
+        seen["flags"] = tc.flags
+        return None
+
+    monkeypatch.setattr(native_build.native_build, "load_library", fake_load)
+    native_build.load_library(w4a16_wgmma.SOURCE, (9, 0), arch_specific=True)
+    assert "-gencode=arch=compute_90a,code=sm_90a" in seen["flags"]
+    assert not any(f.startswith("-arch") for f in seen["flags"])
+
+
+def test_path_chosen_where_built(monkeypatch, tmp_path):
+    """From ``WGMMA_MIN_M`` rows, an sm_90 GPU takes this kernel where it builds, and the
+    dequantize path where it does not (no nvcc); fewer rows keep the other paths, and so does
+    every M while the bound is None (before the kernel has been measured)."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+    from tests.platforms.cuda.test_w4a16 import random_weight
+
+    weight = random_weight(64, 256, 128, seed=1)
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 128, torch.device("cpu"))
+    monkeypatch.setattr(w4a16, "WGMMA_MIN_M", 129)
+    many = torch.ones(129, 256)
+    monkeypatch.setattr(w4a16_mma, "eligible", lambda x, w: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+    w4a16_wgmma.library.cache_clear()
+    try:
+        assert w4a16._choose_path(many, packed) == "dequant"
+    finally:
+        w4a16_wgmma.library.cache_clear()  # the missing build is not remembered past this test
+    monkeypatch.setattr(w4a16_wgmma, "library", lambda sweep=False: object())
+    assert w4a16._choose_path(many, packed) == "wgmma"
+    assert w4a16._choose_path(torch.ones(128, 256), packed) != "wgmma"
+    monkeypatch.setattr(w4a16, "WGMMA_MIN_M", None)
+    assert w4a16._choose_path(many, packed) == "dequant"
+    monkeypatch.setattr(w4a16, "WGMMA_MIN_M", 129)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert w4a16._choose_path(many, packed) == "dequant"
+
+
+def _packed(n: int, k: int, group: int, seed: int):
+    from pagedserve.platforms.cuda.kernels import w4a16
+    from tests.platforms.cuda.test_w4a16 import random_weight
+
+    weight = random_weight(n, k, group, seed=seed, style="awq")
+    return weight, w4a16.pack(weight.values, weight.scales, weight.offsets, weight.group_size,
+                              torch.device("cuda"))
+
+
+@cuda
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("group", [32, 64, 128, 256, None], ids=lambda g: f"g{g or 'all'}")
+@pytest.mark.parametrize("m,rows", [(1, 64), (63, 64), (65, 64), (129, 128), (200, 128),
+                                    (257, 256), (300, 128), (1000, 128)])
+def test_matches_reference_cuda(m, rows, group, dtype):
+    """Against float64 from the fields, and against the dequantize path's weight (the same
+    bf16/fp16 values, so only the order of the fp32 sums differs: within one rounding of the
+    output)."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+    from tests.platforms.cuda.test_w4a16 import assert_close, reference
+
+    # N: 37 blocks of 128 and one of 32 features; K: 32 tiles and half of one more.
+    n, k = 4768, 4160
+    weight, packed = _packed(n, k, group or k, seed=m + (group or 0))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to("cuda", dtype)
+    assert w4a16_wgmma.eligible(x, packed)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    assert w4a16_wgmma.matmul(x, packed, out, rows) is out
+    assert_close(out, reference(x, weight), dtype)
+    same_weight = x.double() @ w4a16.dequantize(packed, dtype).double()
+    ulp = 2.0 ** -(8 if dtype == torch.bfloat16 else 11)
+    err = (out.double() - same_weight).abs()
+    assert (err <= ulp * same_weight.abs() + 1e-3 * ulp * same_weight.abs().max()).all()
+
+
+@cuda
+@needs_sm90
+def test_strided_rows_and_output_cuda():
+    from tests.platforms.cuda.test_w4a16_mma import check_strided_rows_and_output
+
+    check_strided_rows_and_output("wgmma", 300)
+
+
+@cuda
+@needs_sm90
+def test_graph_capture_cuda():
+    """Captured in a CUDA graph (the engine's decode steps) and replayed on new inputs."""
+    from tests.platforms.cuda.test_w4a16 import assert_close, reference
+
+    weight, packed = _packed(1024, 1024, 128, seed=5)
+    x = torch.randn(200, 1024, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(200, 1024, device="cuda", dtype=torch.bfloat16)
+    w4a16_wgmma.matmul(x, packed, out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w4a16_wgmma.matmul(x, packed, out)
+    x.copy_(torch.randn_like(x))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, reference(x, weight), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("group", [32, 64, 128, 256, None], ids=lambda g: f"g{g or 'all'}")
+@pytest.mark.parametrize("bm,m", [(64, 70), (128, 150), (256, 40)])
+def test_emulated_layout_gives_the_dequantized_product(bm, m, group, dtype):
+    """The kernel's copies, reads, decode, descriptors and stores, emulated on the CPU
+    (``w4a16_wgmma_emulator``), over every block of N = 160 (a partial block of 32 features)
+    and K = 296 (three tiles, the last partial): each output equals x times the weight rounded
+    to x's type once, summed in float64, so a misplaced column, feature or row, or a scale
+    rounded twice, fails."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+    from tests.platforms.cuda.test_w4a16 import random_weight
+    from tests.platforms.cuda.w4a16_wgmma_emulator import run_block
+
+    n, k = 160, 296
+    weight = random_weight(n, k, group or k, seed=bm + m + (group or 0), style="awq")
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, weight.group_size,
+                        torch.device("cpu"))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    bits = torch.int16
+    args = {"x": x.view(bits).numpy().view("uint16"),
+            "qweight": packed.qweight.numpy(),
+            "scales": packed.scales.view(bits).numpy().view("uint16"),
+            "zeros": packed.shifts.view(bits).numpy().view("uint16"),
+            "m": m, "n": n, "k": k, "bf16": dtype == torch.bfloat16,
+            "group_shift": (31 if packed.scales.shape[0] == 1
+                            else weight.group_size.bit_length() - 1),
+            "scale_rows": packed.scales.shape[0], "tiles": packed.qweight.shape[0] // 16}
+    assert packed.scales.dtype == torch.float16 and packed.zero_point
+    gp = 4 if group is None or group >= 128 else group // 32
+    got = {}
+    for m0 in range(0, m, bm):
+        for n_block in range(0, n, 128):
+            got.update(run_block(args, bm, gp, m0, n_block))
+    assert len(got) == m * n
+    groups = torch.arange(k) // weight.group_size
+    zeros = (-weight.offsets / weight.scales).round()
+    dense = ((weight.values.double() - zeros.double()[:, groups])
+             * weight.scales.double()[:, groups]).to(dtype).double()
+    want = x.double() @ dense.T
+    out = torch.tensor([[got[r, c] for c in range(n)] for r in range(m)], dtype=torch.float64)
+    assert torch.allclose(out, want, rtol=1e-12, atol=1e-12 * want.abs().max().item())
