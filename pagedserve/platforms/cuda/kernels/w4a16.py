@@ -34,7 +34,9 @@ Three paths, chosen by the number of rows M:
 - **Dequantize** (M from ``DEQUANT_MIN_M``, prefill and large decode batches): the weight is
   expanded to a dense ``[K, N]`` copy in the activation dtype and multiplied by ``torch.mm``.
   There the matmul is compute-bound and the tiles reach a fifth to a third of cuBLAS, while
-  the extra pass over the weight costs about what reading it in bfloat16 would.
+  the extra pass over the weight costs about what reading it in bfloat16 would. On sm_90 the
+  CUDA C++ wgmma kernel (``kernels/w4a16_wgmma.py``) takes these rows from ``WGMMA_MIN_M``,
+  which stays None until an H200 has measured it.
 
 Measured on the H200 on 2026-12-01 (``scripts/gpu_check.sh w4a16-tiles-sweep`` with
 ``W4A16_BASE`` the kernel before this layout, ``benchmarks/results/issue30/``; the four
