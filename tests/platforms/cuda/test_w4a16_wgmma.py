@@ -25,16 +25,16 @@ needs_sm90 = pytest.mark.skipif(
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which(native_build.nvcc()) is None, reason="no nvcc here")
-@pytest.mark.parametrize("sweep", [False, True])
-def test_source_builds_for_sm90a(sweep, tmp_path, monkeypatch):
+def test_source_builds_for_sm90a(tmp_path, monkeypatch):
     """What only nvcc and ptxas reject (wgmma operands, descriptors, templates) fails here, not
-    on the GPU machine; the library loads without a GPU."""
+    on the GPU machine; the library loads without a GPU. The sweep build, which compiles the
+    default variants and the others (about 35 s on the CPU machine)."""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     w4a16_wgmma.library.cache_clear()
     try:
-        lib = w4a16_wgmma.library(sweep)
+        lib = w4a16_wgmma.library(sweep=True)
         assert lib is not None
-        assert lib.w4a16_wgmma_variants() == (2 if sweep else 1)
+        assert lib.w4a16_wgmma_variants() == 2
     finally:
         w4a16_wgmma.library.cache_clear()
     assert [p.name.split("-")[0] for p in (tmp_path / "cuda_kernels").iterdir()] == ["w4a16_wgmma"]
@@ -91,6 +91,19 @@ def test_path_chosen_where_built(monkeypatch, tmp_path):
     assert w4a16._choose_path(many, packed) == "dequant"
 
 
+@pytest.mark.parametrize("m,n,tiles,rows,splits", [
+    (128, 4096, 32, 128, 4),  # 32 blocks of the output: 4 splits of 8 tiles fill 128 SMs
+    (128, 6144, 32, 128, 2),  # 48 blocks: 2 splits (3 would start a second wave)
+    (1000, 4096, 32, 128, 1),  # 256 blocks fill the GPU
+    (200, 4096, 112, 64, 1),  # 4 x 32 blocks, more than the 64 counters: one split
+    (64, 4096, 3, 64, 3),  # no more splits than tiles
+    (100, 4096, 112, 128, 4)])  # 4 splits of 28 tiles
+def test_plan_fills_the_gpu_once(m, n, tiles, rows, splits):
+    plan = w4a16_wgmma.plan(m, n, tiles, rows, 132, n // 64)
+    assert plan.tiles_per_split * plan.splits >= tiles > plan.tiles_per_split * (plan.splits - 1)
+    assert plan.splits == splits
+
+
 def _packed(n: int, k: int, group: int, seed: int):
     from pagedserve.platforms.cuda.kernels import w4a16
     from tests.platforms.cuda.test_w4a16 import random_weight
@@ -118,13 +131,16 @@ def test_matches_reference_cuda(m, rows, group, dtype):
     weight, packed = _packed(n, k, group or k, seed=m + (group or 0))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to("cuda", dtype)
     assert w4a16_wgmma.eligible(x, packed)
-    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-    assert w4a16_wgmma.matmul(x, packed, out, rows) is out
-    assert_close(out, reference(x, weight), dtype)
-    same_weight = x.double() @ w4a16.dequantize(packed, dtype).double()
+    ref = reference(x, weight)
+    same_weight = (x.double() @ w4a16.dequantize(packed, dtype).double()).cpu()
     ulp = 2.0 ** -(8 if dtype == torch.bfloat16 else 11)
-    err = (out.double() - same_weight).abs()
-    assert (err <= ulp * same_weight.abs() + 1e-3 * ulp * same_weight.abs().max()).all()
+    for split_k in (1, 3, None):
+        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        assert w4a16_wgmma.matmul(x, packed, out, rows, split_k=split_k) is out
+        assert not packed.counters.any()
+        assert_close(out, ref, dtype)
+        err = (out.double().cpu() - same_weight).abs()
+        assert (err <= ulp * same_weight.abs() + 1e-3 * ulp * same_weight.abs().max()).all()
 
 
 @cuda
@@ -157,13 +173,14 @@ def test_graph_capture_cuda():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("group", [32, 64, 128, 256, None], ids=lambda g: f"g{g or 'all'}")
-@pytest.mark.parametrize("bm,m", [(64, 70), (128, 150), (256, 40)])
-def test_emulated_layout_gives_the_dequantized_product(bm, m, group, dtype):
+@pytest.mark.parametrize("bm,m,split_k", [(64, 70, 1), (128, 150, 1), (256, 40, 1),
+                                          (64, 70, 2), (128, 100, 3)])
+def test_emulated_layout_gives_the_dequantized_product(bm, m, split_k, group, dtype):
     """The kernel's copies, reads, decode, descriptors and stores, emulated on the CPU
-    (``w4a16_wgmma_emulator``), over every block of N = 160 (a partial block of 32 features)
-    and K = 296 (three tiles, the last partial): each output equals x times the weight rounded
-    to x's type once, summed in float64, so a misplaced column, feature or row, or a scale
-    rounded twice, fails."""
+    (``w4a16_wgmma_emulator``), over every block and split of K of N = 160 (a partial block of
+    32 features) and K = 296 (three tiles, the last partial): each output equals x times the
+    weight rounded to x's type once, summed in float64, so a misplaced column, feature, row or
+    tile, or a scale rounded twice, fails."""
     from pagedserve.platforms.cuda.kernels import w4a16
     from tests.platforms.cuda.test_w4a16 import random_weight
     from tests.platforms.cuda.w4a16_wgmma_emulator import run_block
@@ -182,12 +199,17 @@ def test_emulated_layout_gives_the_dequantized_product(bm, m, group, dtype):
             "group_shift": (31 if packed.scales.shape[0] == 1
                             else weight.group_size.bit_length() - 1),
             "scale_rows": packed.scales.shape[0], "tiles": packed.qweight.shape[0] // 16}
+    args["tiles_per_split"], splits = w4a16_wgmma.plan(m, n, args["tiles"], bm, 132, 1000,
+                                                       split_k)
+    assert splits == split_k
     assert packed.scales.dtype == torch.float16 and packed.zero_point
     gp = 4 if group is None or group >= 128 else group // 32
     got = {}
     for m0 in range(0, m, bm):
         for n_block in range(0, n, 128):
-            got.update(run_block(args, bm, gp, m0, n_block))
+            for split in range(splits):
+                for key, v in run_block(args, bm, gp, m0, n_block, split).items():
+                    got[key] = got.get(key, 0.0) + v
     assert len(got) == m * n
     groups = torch.arange(k) // weight.group_size
     zeros = (-weight.offsets / weight.scales).round()

@@ -132,9 +132,11 @@ def _b_operand(stage, start, bm, bf16):
     return _value(bits, bf16)
 
 
-def run_block(a: dict, bm: int, gp: int, m0: int, n_block: int, stages: int = 4) -> dict:
-    """One block's outputs, ``{(row, feature): float64 value}``, as the kernel computes them
-    (before the output's rounding). ``a`` holds the kernel's arguments as numpy arrays and
+def run_block(a: dict, bm: int, gp: int, m0: int, n_block: int, split: int = 0,
+              stages: int = 4) -> dict:
+    """One block's outputs over split ``split`` of K (of ``a["tiles_per_split"]`` tiles),
+    ``{(row, feature): float64 value}``, as the kernel computes them (before the output's
+    rounding or the splits' sum). ``a`` holds the kernel's arguments as numpy arrays and
     ints."""
     bf16 = a["bf16"]
     x_half, words, scales, nbytes = _layout(bm, gp)
@@ -145,8 +147,10 @@ def run_block(a: dict, bm: int, gp: int, m0: int, n_block: int, stages: int = 4)
     w_swizzle = (((f_local >> 2) ^ (2 * tig)) << 4) | ((f_local & 2) * 4)
     buffers = np.full((stages, nbytes), 0xFF, dtype=np.uint8)  # poison: NaN as x
     acc = np.zeros((2, 64, bm))  # per warpgroup: A rows (features) by B columns (rows of x)
-    for t in range(a["tiles"]):
-        stage = buffers[t % stages]
+    t_lo = split * a["tiles_per_split"]
+    for j in range(min(a["tiles_per_split"], a["tiles"] - t_lo)):
+        t = t_lo + j
+        stage = buffers[j % stages]
         stage[:] = 0xFF
         _fill_stage(stage, t, a, bm, gp, m0, n_block)
         lo, hi = {}, {}

@@ -23,6 +23,11 @@
 // exact, and (q - z) * s_lo is exact too, so fma(q - z, s_hi, (q - z) * s_lo) rounds the
 // product once. So the dot is cuBLAS's on the dequantized weight, summed in another order.
 //
+// Where the blocks of the output are too few to fill the GPU (up to a few hundred rows), K is
+// split over blockIdx.z: each split leaves fp32 partial sums, and the last block of an output
+// block to finish (counted in `counters`, zero between calls, which it zeroes again) adds
+// them in split order, so the result does not depend on timing.
+//
 // Pipeline: the tiles stream through STAGES shared-memory buffers, STAGES - 2 ahead; each
 // warpgroup decodes step s + 1 while the wgmma of step s runs (wait_group 1 keeps one in
 // flight), and a stage is refilled only two tiles after it was read, when every wgmma that
@@ -40,10 +45,12 @@ struct W4A16WgmmaArgs {
   const uint16_t* scales;   // float16 [scale_rows, N]
   const uint16_t* zeros;    // float16 [scale_rows, N]: integer zero points
   uint16_t* out;            // [M, N], rows `out_stride` apart
+  float* partial;           // [splits, M, N] when splits > 1
+  int* counters;            // one per block of the output where splits > 1
   int m, n, k, x_stride, out_stride;
   int group_shift;  // log2 of the group size (a power of two from 32), 31 for one group
   int scale_rows;
-  int tiles;
+  int tiles, tiles_per_split, splits;
   int bf16;        // x's type: bfloat16, else float16
   int block_rows;  // rows of x per block: 64, 128 or 256
   int variant;     // index into the compiled stage counts; 0 is the default
@@ -259,13 +266,14 @@ struct StageLayout {
   static constexpr int kBytes = (kScales + (4 / GP) * 2 * kBlockN * 2 + 1023) / 1024 * 1024;
 };
 
-// A block of BM rows of x by 128 features over all of K. GP: pairs of slices per group, 1
-// (groups of 32), 2 (64) or 4 (128 and more, or one group).
+// A block of BM rows of x by 128 features over one split of K. GP: pairs of slices per group,
+// 1 (groups of 32), 2 (64) or 4 (128 and more, or one group).
 template <bool BF16, int BM, int GP, int STAGES>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16WgmmaArgs a) {
   using L = StageLayout<BM, GP>;
   constexpr int NG = 4 / GP;
   extern __shared__ uint8_t smem_raw[];
+  __shared__ int is_last;
   // The swizzle atoms must be 1,024-byte aligned.
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t base = (raw + 1023) & ~1023u;
@@ -276,6 +284,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16WgmmaArgs
   const int f_local = (warp >> 2) * 64 + (warp & 3) * 16 + 2 * g;  // A rows g, g + 8
   const int m0 = blockIdx.x * BM;
   const int n_block = blockIdx.y * kBlockN;
+  const int t_lo = blockIdx.z * a.tiles_per_split;
+  const int tiles = min(a.tiles_per_split, a.tiles - t_lo);
 
   // What a thread copies of each tile, fixed but for the tile's offset: x's chunk c16 (8
   // values) of rows row0 + 16 i, each 16-byte chunk c of a 64-column half at c ^ (row % 8);
@@ -307,11 +317,12 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16WgmmaArgs
   const uint16_t* s_src = ((tid >> 4) & 1 ? a.zeros : a.scales) + (s_ok ? n_block + 8 * sc : 0);
   const uint32_t s_dst = L::kScales + (tid >> 4) * 256 + 16 * sc;  // (2 q + which) * 256
 
-  // Tile t into stage t % STAGES, one commit per call (none copied past the last tile), so
-  // that the wait below counts tiles.
-  auto issue = [&](int t) {
-    if (t < a.tiles) {
-      const uint32_t st = base + (t % STAGES) * L::kBytes;
+  // The split's tile j (tile t_lo + j) into stage j % STAGES, one commit per call (none
+  // copied past the split's last tile), so that the wait below counts tiles.
+  auto issue = [&](int j) {
+    if (j < tiles) {
+      const int t = t_lo + j;
+      const uint32_t st = base + (j % STAGES) * L::kBytes;
       const int col = t * kTileK + 8 * c16;
       const bool col_ok = col < a.k;
 #pragma unroll
@@ -330,14 +341,14 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16WgmmaArgs
     cp_async_commit();
   };
 #pragma unroll
-  for (int t = 0; t < STAGES - 2; ++t) issue(t);
+  for (int j = 0; j < STAGES - 2; ++j) issue(j);
 
   float acc[BM / 2];
 #pragma unroll
   for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
   uint32_t frag[2][4];
   const int w_swizzle = ((f_local >> 2) ^ (2 * tig)) << 4 | (f_local & 2) * 4;
-  for (int i = 0; i < a.tiles; ++i) {
+  for (int i = 0; i < tiles; ++i) {
     cp_async_wait<STAGES - 3>();
     // cp.async writes through the generic proxy, wgmma reads through the async one: each
     // thread's copies of tile i are made visible to it before the barrier publishes them.
@@ -388,19 +399,47 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16WgmmaArgs
   wgmma_wait<0>();
   fence_registers(acc);
 
-  // acc[4 j + e]: row g (e < 2) or g + 8 of A, column 8 j + 2 tig + e % 2 of B: feature
-  // f_local + e / 2, row 8 j + 2 tig + e % 2 of x.
+  // acc[4 j + e] and acc[4 j + 2 + e]: column 8 j + 2 tig + e of B (row m0 + 8 j + 2 tig + e
+  // of x), rows g and g + 8 of A (features f_local and f_local + 1). each_pair calls fn(row,
+  // j, e) for those in the output.
   const int feature = n_block + f_local;
-  if (feature >= a.n) return;
+  auto each_pair = [&](auto fn) {
+    if (feature >= a.n) return;
 #pragma unroll
-  for (int j = 0; j < BM / 8; ++j)
+    for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int row = m0 + 8 * j + 2 * tig + e;
-      if (row < a.m)
-        store_pair(BF16, a.out + size_t(row) * a.out_stride + feature, acc[4 * j + e],
-                   acc[4 * j + 2 + e]);
+      for (int e = 0; e < 2; ++e)
+        if (m0 + 8 * j + 2 * tig + e < a.m) fn(m0 + 8 * j + 2 * tig + e, j, e);
+  };
+  auto store = [&](int row, float lo, float hi) {
+    store_pair(BF16, a.out + size_t(row) * a.out_stride + feature, lo, hi);
+  };
+  if (a.splits == 1) {
+    each_pair([&](int row, int j, int e) { store(row, acc[4 * j + e], acc[4 * j + 2 + e]); });
+    return;
+  }
+  float* part = a.partial + size_t(blockIdx.z) * a.m * a.n;
+  each_pair([&](int row, int j, int e) {
+    *reinterpret_cast<float2*>(part + size_t(row) * a.n + feature) =
+        make_float2(acc[4 * j + e], acc[4 * j + 2 + e]);
+  });
+  __threadfence();  // the partial sums are visible before the count says so
+  __syncthreads();
+  const int counter = blockIdx.y * gridDim.x + blockIdx.x;
+  if (tid == 0) is_last = atomicAdd(a.counters + counter, 1) == a.splits - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  each_pair([&](int row, int, int) {
+    float2 sum = make_float2(0.f, 0.f);
+    for (int sp = 0; sp < a.splits; ++sp) {  // L2, not this multiprocessor's L1
+      const float2 v = __ldcg(reinterpret_cast<const float2*>(
+          a.partial + (size_t(sp) * a.m + row) * a.n + feature));
+      sum.x += v.x, sum.y += v.y;
     }
+    store(row, sum.x, sum.y);
+  });
+  if (tid == 0) a.counters[counter] = 0;
 }
 
 template <bool BF16, int BM, int GP, int STAGES>
@@ -412,7 +451,7 @@ cudaError_t launch(const W4A16WgmmaArgs& a, cudaStream_t stream) {
   if (e != cudaSuccess) return e;
   // Blocks of the same features are adjacent in launch order, so they read the weights from
   // L2 about together.
-  const dim3 grid((a.m + BM - 1) / BM, (a.n + kBlockN - 1) / kBlockN);
+  const dim3 grid((a.m + BM - 1) / BM, (a.n + kBlockN - 1) / kBlockN, a.splits);
   kernel<<<grid, kThreads, bytes, stream>>>(a);
   return cudaGetLastError();
 }

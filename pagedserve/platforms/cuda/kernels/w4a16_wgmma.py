@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from pagedserve.platforms.cuda import native_build
 from pagedserve.platforms.cuda.kernels import w4a16_mma
+from pagedserve.platforms.cuda.kernels.device import sm_count
 
 if TYPE_CHECKING:
     from pagedserve.platforms.cuda.kernels.w4a16 import PackedW4
@@ -24,16 +25,17 @@ if TYPE_CHECKING:
 SOURCE = native_build.CSRC / "w4a16_wgmma.cu"
 CAPABILITY = (9, 0)
 BLOCK_ROWS = (64, 128, 256)
+BLOCK_N = 128  # output features per block: two warpgroups of 64
 
 
 class _Args(ctypes.Structure):
     """``W4A16WgmmaArgs`` of the .cu file, field for field."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in
-                ("x", "qweight", "scales", "zeros", "out")] + [
+                ("x", "qweight", "scales", "zeros", "out", "partial", "counters")] + [
                 (name, ctypes.c_int) for name in
                 ("m", "n", "k", "x_stride", "out_stride", "group_shift", "scale_rows", "tiles",
-                 "bf16", "block_rows", "variant", "device")]
+                 "tiles_per_split", "splits", "bf16", "block_rows", "variant", "device")]
 
 
 @functools.cache
@@ -67,24 +69,49 @@ def block_rows(m: int) -> int:
     return 64 if m <= 64 else 128
 
 
+class Plan(NamedTuple):
+    tiles_per_split: int
+    splits: int
+
+
+def plan(m: int, n: int, tiles: int, rows: int, sms: int, counters: int,
+         split_k: int | None = None) -> Plan:
+    """K's ``tiles`` in ``split_k`` splits, or by default in as many as fill the GPU's ``sms``
+    once (a block holds a multiprocessor: its stages take most of the shared memory) where the
+    blocks of the output are fewer; only where they have ``counters``. No split is empty."""
+    blocks = -(-m // rows) * -(-n // BLOCK_N)
+    if split_k is None:
+        split_k = max(sms // blocks, 1)
+    if blocks > counters:
+        split_k = 1
+    per_split = -(-tiles // min(max(split_k, 1), tiles))
+    return Plan(per_split, -(-tiles // per_split))
+
+
 def matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, rows: int | None = None,
-           variant: int = 0) -> torch.Tensor:
+           variant: int = 0, split_k: int | None = None) -> torch.Tensor:
     """``out = x @ W^T`` for ``eligible`` operands; ``rows`` (one of ``BLOCK_ROWS``) overrides
-    ``block_rows(M)``, ``variant`` picks a compiled number of stages of the sweep build."""
+    ``block_rows(M)``, ``variant`` picks a compiled number of stages of the sweep build and
+    ``split_k`` the splits of K (``plan``)."""
     if out.stride(1) != 1 or out.stride(0) % 2 or out.data_ptr() % 4:
         # The kernel stores two outputs at once.
         return out.copy_(matmul(x, w, torch.empty_like(out, memory_format=torch.contiguous_format),
-                                rows, variant))
+                                rows, variant, split_k))
     m, k = x.shape
     n = w.qweight.shape[1]
     rows = rows or block_rows(m)
     if rows not in BLOCK_ROWS:
         raise ValueError(f"rows per block: one of {BLOCK_ROWS}, not {rows}")
+    tiles = w.qweight.shape[0] // 16
+    per_split, splits = plan(m, n, tiles, rows, sm_count(x.device), w.counters.numel(), split_k)
+    partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
+                          device=x.device)
     lib = library(variant != 0)
     args = _Args(x.data_ptr(), w.qweight.data_ptr(), w.scales.data_ptr(), w.shifts.data_ptr(),
-                 out.data_ptr(), m, n, k, x.stride(0), out.stride(0),
+                 out.data_ptr(), partial.data_ptr(), w.counters.data_ptr(),
+                 m, n, k, x.stride(0), out.stride(0),
                  31 if w.scales.shape[0] == 1 else w.group_size.bit_length() - 1,
-                 w.scales.shape[0], w.qweight.shape[0] // 16, x.dtype == torch.bfloat16, rows,
+                 w.scales.shape[0], tiles, per_split, splits, x.dtype == torch.bfloat16, rows,
                  variant, x.device.index or 0)
     err = lib.w4a16_wgmma(ctypes.byref(args), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
