@@ -104,6 +104,23 @@ def test_plan_fills_the_gpu_once(m, n, tiles, rows, splits):
     assert plan.splits == splits
 
 
+@pytest.mark.parametrize("m_blocks,n_blocks", [(1, 32), (8, 224), (9, 3), (64, 224), (21, 1)])
+def test_launch_order_covers_each_block_once(m_blocks, n_blocks):
+    """The kernel's ``block_of`` (mirrored by the emulator's): every block of the output once,
+    and a group of up to 8 blocks of rows through every block of features before the next
+    group starts, so that the group's rows of x stay in L2."""
+    from tests.platforms.cuda.w4a16_wgmma_emulator import GROUP_M, block_of
+
+    source = w4a16_wgmma.SOURCE.read_text()
+    assert f"constexpr int kGroupM = {GROUP_M};" in source
+    order = [block_of(i, m_blocks, n_blocks) for i in range(m_blocks * n_blocks)]
+    assert sorted(order) == [(mb, nb) for mb in range(m_blocks) for nb in range(n_blocks)]
+    groups = [mb // GROUP_M for mb, _ in order]
+    assert groups == sorted(groups)
+    assert all(order[i][1] <= order[i + 1][1] for i in range(len(order) - 1)
+               if groups[i] == groups[i + 1])
+
+
 def _packed(n: int, k: int, group: int, seed: int):
     from pagedserve.platforms.cuda.kernels import w4a16
     from tests.platforms.cuda.test_w4a16 import random_weight
@@ -118,7 +135,7 @@ def _packed(n: int, k: int, group: int, seed: int):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("group", [32, 64, 128, 256, None], ids=lambda g: f"g{g or 'all'}")
 @pytest.mark.parametrize("m,rows", [(1, 64), (63, 64), (65, 64), (129, 128), (200, 128),
-                                    (257, 256), (300, 128), (1000, 128)])
+                                    (257, 256), (300, 128), (1000, 128), (1100, 64)])
 def test_matches_reference_cuda(m, rows, group, dtype):
     """Against float64 from the fields, and against the dequantize path's weight (the same
     bf16/fp16 values, so only the order of the fp32 sums differs: within one rounding of the
@@ -183,7 +200,7 @@ def test_emulated_layout_gives_the_dequantized_product(bm, m, split_k, group, dt
     tile, or a scale rounded twice, fails."""
     from pagedserve.platforms.cuda.kernels import w4a16
     from tests.platforms.cuda.test_w4a16 import random_weight
-    from tests.platforms.cuda.w4a16_wgmma_emulator import run_block
+    from tests.platforms.cuda.w4a16_wgmma_emulator import block_of, run_block
 
     n, k = 160, 296
     weight = random_weight(n, k, group or k, seed=bm + m + (group or 0), style="awq")
@@ -205,11 +222,12 @@ def test_emulated_layout_gives_the_dequantized_product(bm, m, split_k, group, dt
     assert packed.scales.dtype == torch.float16 and packed.zero_point
     gp = 4 if group is None or group >= 128 else group // 32
     got = {}
-    for m0 in range(0, m, bm):
-        for n_block in range(0, n, 128):
-            for split in range(splits):
-                for key, v in run_block(args, bm, gp, m0, n_block, split).items():
-                    got[key] = got.get(key, 0.0) + v
+    m_blocks, n_blocks = -(-m // bm), -(-n // 128)
+    for block_id in range(m_blocks * n_blocks):
+        mb, nb = block_of(block_id, m_blocks, n_blocks)
+        for split in range(splits):
+            for key, v in run_block(args, bm, gp, mb * bm, nb * 128, split).items():
+                got[key] = got.get(key, 0.0) + v
     assert len(got) == m * n
     groups = torch.arange(k) // weight.group_size
     zeros = (-weight.offsets / weight.scales).round()

@@ -23,6 +23,19 @@ WORD_BYTES = 16 * BLOCK_N * 4
 _TID = np.arange(THREADS)
 
 
+GROUP_M = 8
+
+
+def block_of(block_id: int, m_blocks: int, n_blocks: int) -> tuple[int, int]:
+    """The kernel's ``block_of``: (block of rows, block of features) of launch index
+    ``block_id``."""
+    per_group = GROUP_M * n_blocks
+    first_m = block_id // per_group * GROUP_M
+    rows = min(m_blocks - first_m, GROUP_M)
+    in_group = block_id % per_group
+    return first_m + in_group % rows, in_group // rows
+
+
 def _layout(bm: int, gp: int) -> tuple[int, int, int, int]:
     x_half = bm * 128
     words = 2 * x_half

@@ -65,6 +65,8 @@ constexpr int kTileK = 128;  // columns of K per packed tile: 16 word rows
 constexpr int kBlockN = 128;  // output features per block: two warpgroups of 64
 constexpr int kThreads = 256;
 constexpr int kWordBytes = 16 * kBlockN * 4;  // a tile's words for the block: 8 KB
+// Blocks of rows that run through the features together (see block_of).
+constexpr int kGroupM = 8;
 
 
 // The wgmma m64nNk16 instructions with A from registers (four 32-bit fragments per thread)
@@ -266,6 +268,19 @@ struct StageLayout {
   static constexpr int kBytes = (kScales + (4 / GP) * 2 * kBlockN * 2 + 1023) / 1024 * 1024;
 };
 
+// Block blockIdx.x's rows and features. In launch order, kGroupM blocks of rows take a block
+// of features together (they read its weights from L2 about together), then the next block
+// of features: so while a group of rows runs through all the features, its rows of x (8 MB
+// for 1,024 rows of the 8B's 4,096 columns) stay in L2, rather than every block of features
+// reading all of x again, as it would at 8,192 rows of a prefill.
+__device__ __forceinline__ int2 block_of(int id, int m_blocks, int n_blocks) {
+  const int per_group = kGroupM * n_blocks;
+  const int first_m = id / per_group * kGroupM;
+  const int rows = min(m_blocks - first_m, kGroupM);
+  const int in_group = id % per_group;
+  return make_int2(first_m + in_group % rows, in_group / rows);
+}
+
 // A block of BM rows of x by 128 features over one split of K. GP: pairs of slices per group,
 // 1 (groups of 32), 2 (64) or 4 (128 and more, or one group).
 template <bool BF16, int BM, int GP, int STAGES>
@@ -282,8 +297,10 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16WgmmaArgs
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tig = lane & 3;
   const int f_local = (warp >> 2) * 64 + (warp & 3) * 16 + 2 * g;  // A rows g, g + 8
-  const int m0 = blockIdx.x * BM;
-  const int n_block = blockIdx.y * kBlockN;
+  const int m_blocks = (a.m + BM - 1) / BM;
+  const int2 block = block_of(blockIdx.x, m_blocks, (a.n + kBlockN - 1) / kBlockN);
+  const int m0 = block.x * BM;
+  const int n_block = block.y * kBlockN;
   const int t_lo = blockIdx.z * a.tiles_per_split;
   const int tiles = min(a.tiles_per_split, a.tiles - t_lo);
 
@@ -425,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16WgmmaArgs
   });
   __threadfence();  // the partial sums are visible before the count says so
   __syncthreads();
-  const int counter = blockIdx.y * gridDim.x + blockIdx.x;
+  const int counter = blockIdx.x;
   if (tid == 0) is_last = atomicAdd(a.counters + counter, 1) == a.splits - 1;
   __syncthreads();
   if (!is_last) return;
@@ -449,9 +466,8 @@ cudaError_t launch(const W4A16WgmmaArgs& a, cudaStream_t stream) {
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        bytes);
   if (e != cudaSuccess) return e;
-  // Blocks of the same features are adjacent in launch order, so they read the weights from
-  // L2 about together.
-  const dim3 grid((a.m + BM - 1) / BM, (a.n + kBlockN - 1) / kBlockN, a.splits);
+  // The blocks of the output in block_of's order, by the splits of K.
+  const dim3 grid(((a.m + BM - 1) / BM) * ((a.n + kBlockN - 1) / kBlockN), 1, a.splits);
   kernel<<<grid, kThreads, bytes, stream>>>(a);
   return cudaGetLastError();
 }
