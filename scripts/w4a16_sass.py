@@ -14,6 +14,14 @@ a cycle), to set against the ~32 4-bit weights per SM cycle that the H200's copy
 
     python scripts/w4a16_sass.py [--out FILE.json]   # every variant, a table
     python scripts/w4a16_sass.py --check             # compile only (the CPU test suite)
+    python scripts/w4a16_sass.py --wgmma [--out FILE.json]  # csrc/w4a16_wgmma.cu (nvcc)
+
+``--wgmma`` builds the CUDA C++ Hopper kernel for sm_90a with the machine's ``nvcc`` (as the
+engine would) and reads each instantiation's loop over the packed tiles the same way: one
+iteration is a tile of 128 columns for the block's 128 features and all of its rows of x,
+so ``weights_per_sm_cycle`` is not comparable with the Triton rows; ``mma_cycles`` is the
+tensor-core time of the iteration's wgmmas at the dense bf16 rate (1,024 multiply-adds of
+x's type per SM cycle, each m64nNk16 taking N / 2 cycles), to set against ``issue_cycles``.
 
 Run with ``TRITON_INTERPRET`` unset.
 """
@@ -252,9 +260,57 @@ def summarize(v: Variant, kernel) -> dict:
             **resources(kernel), **{k: counts[k] for k in COUNTED}}
 
 
+_WGMMA_KERNEL = re.compile(r"wgmma_kernelILb([01])ELi(\d+)ELi(\d)ELi(\d)E")
+
+
+def wgmma_rows() -> list[dict]:
+    """Each instantiation of ``csrc/w4a16_wgmma.cu`` (sweep build): its tile loop's counts,
+    registers and stack, from the library's cubin."""
+    import os
+
+    import triton
+
+    from pagedserve.platforms.cuda.kernels import w4a16_wgmma
+
+    tools = Path(triton.__file__).parent / "backends/nvidia/bin"
+    run = lambda *cmd, **kw: subprocess.run(cmd, capture_output=True, text=True, check=True,
+                                            **kw).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["PAGEDSERVE_CACHE_DIR"] = tmp
+        lib = w4a16_wgmma.library(sweep=True)
+        if lib is None:
+            sys.exit("csrc/w4a16_wgmma.cu does not build here (no nvcc?)")
+        found = re.findall(r"Function (\S+):\s+REG:(\d+) STACK:(\d+)",
+                           run(str(tools / "cuobjdump"), "-res-usage", lib._name))
+        usage = {f: (int(r), int(st)) for f, r, st in found}
+        run(str(tools / "cuobjdump"), "-xelf", "all", lib._name, cwd=tmp)
+        text = "".join(run(str(tools / "nvdisasm"), "-c", str(c))
+                       for c in sorted(Path(tmp).glob("*.cubin")))
+    rows = []
+    for name, body in re.findall(r"\n\.text\.(\S+):\n(.*?)(?=\n\s*\.section|\Z)", text, re.S):
+        m = _WGMMA_KERNEL.search(name)
+        if not m:
+            continue
+        bf16, rows_x, gp, stages = (int(g) for g in m.groups())
+        loop = main_loop(body)
+        counts = Counter(op.split(".")[0] for op, _ in loop)
+        registers, stack = usage[name]
+        rows.append({"name": f"wgmma {'bf16' if bf16 else 'fp16'} {rows_x} rows, "
+                             f"{4 // gp} groups/tile, {stages} stages",
+                     "instructions_per_iteration": len(loop), "num_warps": 8,
+                     "issue_cycles": len(loop) * 8 / 4, "mma_cycles": 2 * 8 * rows_x / 2,
+                     "registers": registers, "stack": stack,
+                     **{k: counts[k] for k in COUNTED if k != "HGMMA_A_REGS"},
+                     "HGMMA_A_REGS": sum(1 for op, args in loop if op.startswith("HGMMA")
+                                         and re.match(r"\S*\s+R\d+, R\d+,", args))})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="compile every variant, count nothing")
+    p.add_argument("--wgmma", action="store_true",
+                   help="read csrc/w4a16_wgmma.cu's instantiations instead (built by nvcc)")
     p.add_argument("--out", help="JSON of the table")
     p.add_argument("--base", help="an earlier kernels/w4a16.py (2cbeaf3's) to read beside")
     args = p.parse_args()
@@ -262,6 +318,17 @@ def main() -> None:
         for v in variants() + check_variants():
             compile_variant(v)
         print("compiled")
+        return
+    if args.wgmma:
+        rows = wgmma_rows()
+        print(f"{'instantiation':<46} {'instr':>6} {'issue':>6} {'mma':>6} {'regs':>5} "
+              f"{'stack':>5} " + " ".join(f"{k[:6]:>6}" for k in COUNTED))
+        for r in rows:
+            print(f"{r['name']:<46} {r['instructions_per_iteration']:>6} "
+                  f"{r['issue_cycles']:>6.0f} {r['mma_cycles']:>6.0f} {r['registers']:>5} "
+                  f"{r['stack']:>5} " + " ".join(f"{r[k]:>6}" for k in COUNTED))
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
         return
     rows = []
     print(f"{'variant':<44} {'instr':>6} {'w/cyc':>6} {'regs':>5} {'stack':>5} "
