@@ -273,8 +273,10 @@ def wgmma_rows() -> list[dict]:
     from pagedserve.platforms.cuda.kernels import w4a16_wgmma
 
     tools = Path(triton.__file__).parent / "backends/nvidia/bin"
-    run = lambda *cmd, **kw: subprocess.run(cmd, capture_output=True, text=True, check=True,
-                                            **kw).stdout
+
+    def run(*cmd: str, cwd: str | None = None) -> str:
+        return subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=cwd).stdout
+
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["PAGEDSERVE_CACHE_DIR"] = tmp
         lib = w4a16_wgmma.library(sweep=True)
