@@ -178,10 +178,16 @@ __device__ __forceinline__ void fence_registers(float (&d)[R]) {
 
 // A wgmma shared-memory descriptor: a K-major operand in the 128-byte swizzle, whose 8-row
 // atoms (8 rows of 64 16-bit values) lie 1,024 bytes apart; `addr` is the step's first row's
-// 16 columns (the atom itself 1,024-byte aligned, so the swizzle's phase is 0).
-__device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) |
-         (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+// 16 columns (the atom itself 1,024-byte aligned, so the swizzle's phase is 0). The low word
+// holds the address / 16 (14 bits: shared memory is below 256 KB) and the leading-byte offset
+// (16 bytes, unused in this layout), the high word the stride (1,024 bytes) and the swizzle,
+// so a step's descriptor is a tile's low word plus the step's offset / 16.
+constexpr uint32_t kDescriptorHigh = (1024 >> 4) | (1u << 30);
+__device__ __forceinline__ uint32_t descriptor_low(uint32_t addr) {
+  return (addr >> 4) | ((16 >> 4) << 16);
+}
+__device__ __forceinline__ uint64_t descriptor(uint32_t low) {
+  return (uint64_t(kDescriptorHigh) << 32) | low;
 }
 
 __device__ __forceinline__ void cp_async16(uint32_t smem, const void* global, bool ok) {
@@ -376,6 +382,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16WgmmaArgs
     issue(i + STAGES - 2);
     const uint32_t st = base + (i % STAGES) * L::kBytes;
     const uint8_t* st_ptr = base_ptr + (i % STAGES) * L::kBytes;
+    const uint32_t x_descriptor = descriptor_low(st);
     // [rows 2 tig, + 1 or 2 tig + 8, + 9][feature f_local + e]: even slices (lo), odd (hi).
     uint32_t lo[2][2], hi[2][2];
 #pragma unroll
@@ -407,7 +414,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16WgmmaArgs
           f[2] = decode<BF16>(codes[1][0], p, gp[0]);  // row g: columns 2 tig + 8, + 9
           f[3] = decode<BF16>(codes[1][1], p, gp[1]);
           wgmma_fence();
-          wgmma<BM, BF16>(acc, f, smem_descriptor(st + (s >> 2) * L::kXHalf + (s & 3) * 32));
+          wgmma<BM, BF16>(acc, f, descriptor(x_descriptor +
+                                             (((s >> 2) * L::kXHalf + (s & 3) * 32) >> 4)));
           wgmma_commit();
           wgmma_wait<1>();
         }
