@@ -1,5 +1,6 @@
-"""Run the CUDA C++ W4A16 kernel on one 8B layer a few times, for ``ncu`` (no timing of its own;
-scripts/ncu_w4a16_mma.sh runs it under ncu).
+"""Run a CUDA C++ W4A16 kernel (the mma kernels, or with ``--kernel wgmma`` the Hopper one) on
+one 8B layer a few times, for ``ncu`` (no timing of its own; scripts/ncu_w4a16_mma.sh runs it
+under ncu).
 
     ncu --clock-control none -k regex:rows_kernel --launch-skip 3 --launch-count 1 \
         --section SpeedOfLight python3 scripts/profile_w4a16_mma.py --m 1 --layer gate_up
@@ -19,13 +20,15 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 
 def main() -> None:
-    from pagedserve.platforms.cuda.kernels import w4a16, w4a16_mma
+    from pagedserve.platforms.cuda.kernels import w4a16, w4a16_mma, w4a16_wgmma
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", type=int, default=1)
     p.add_argument("--layer", choices=SHAPES, default="gate_up")
     p.add_argument("--variant", type=int, default=0)
-    p.add_argument("--rows", type=int, help="rows per block (w4a16_mma.Plan.block_rows)")
+    p.add_argument("--rows", type=int, help="rows per block (w4a16_mma.Plan.block_rows, or "
+                   "w4a16_wgmma.block_rows)")
+    p.add_argument("--kernel", choices=("mma", "wgmma"), default="mma")
     p.add_argument("--calls", type=int, default=5)
     args = p.parse_args()
     n, k = SHAPES[args.layer]
@@ -36,7 +39,10 @@ def main() -> None:
     x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(args.m, n, device="cuda", dtype=torch.bfloat16)
     for _ in range(args.calls):
-        w4a16_mma.matmul(x, packed, out, None, args.variant, args.rows)
+        if args.kernel == "wgmma":
+            w4a16_wgmma.matmul(x, packed, out, args.rows, args.variant)
+        else:
+            w4a16_mma.matmul(x, packed, out, None, args.variant, args.rows)
     torch.cuda.synchronize()
 
 
