@@ -15,6 +15,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -36,11 +37,27 @@ class Toolchain:
 
 
 def library_path(tc: Toolchain, source: Path, text: bytes | None = None) -> Path:
-    """Where the library built from ``source`` (or from ``text`` in its place) is cached."""
-    digest = hashlib.sha256(source.read_bytes() if text is None else text)
+    """Where the library built from ``source`` (or from ``text`` in its place) is cached. The
+    headers it includes by quoted name from its own folder count as part of it."""
+    text = source.read_bytes() if text is None else text
+    digest = hashlib.sha256(text)
+    for header in _local_headers(source.parent, text):
+        digest.update(b"\0" + header.read_bytes())
     for part in (" ".join(tc.flags), _compiler_version(tc.compiler), tc.target):
         digest.update(b"\0" + part.encode())
     return envs.cache_dir() / tc.subdir / f"{source.stem}-{digest.hexdigest()[:20]}.so"
+
+
+def _local_headers(folder: Path, text: bytes) -> list[Path]:
+    """The files that ``text`` includes as ``#include "name"`` from ``folder``, and theirs."""
+    found, unread = [], [text]
+    while unread:
+        for name in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', unread.pop(), re.M):
+            path = folder / name.decode()
+            if path.is_file() and path not in found:
+                found.append(path)
+                unread.append(path.read_bytes())
+    return found
 
 
 def load_library(tc: Toolchain, source: Path) -> ctypes.CDLL | None:

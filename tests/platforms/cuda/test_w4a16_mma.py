@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedserve.platforms.cuda import native_build
-from pagedserve.platforms.cuda.kernels import w4a16_mma
+from pagedserve.platforms.cuda.kernels import w4a16_mma, w4a16_wgmma
 from tests.devices import HAS_NVIDIA, NVIDIA_REASON
 
 cuda = pytest.mark.cuda
@@ -37,21 +37,40 @@ def test_source_builds_for_sm90(sweep, tmp_path, monkeypatch):
     assert [p.name.split("-")[0] for p in (tmp_path / "cuda_kernels").iterdir()] == ["w4a16_mma"]
 
 
-def assert_mirrors(args: type[ctypes.Structure], source: str, struct: str) -> None:
-    """``args`` must list the C ``struct``'s fields in its order and types (pointer or int),
-    or the kernel reads one field as another (a device index as the rows per block, say)."""
-    body = re.search(rf"struct {struct} \{{(.*?)\n\}};", source, re.S).group(1)
+def test_ctypes_args_mirror_the_struct():
+    """``Args`` must list ``W4A16MmaArgs``'s fields (``csrc/w4a16_args.h``, both libraries')
+    in its order and types, or a kernel reads one field as another (a device index as the
+    rows per block, say)."""
+    source = w4a16_mma.ARGS_HEADER.read_text()
+    body = re.search(r"struct W4A16MmaArgs \{(.*?)\n\};", source, re.S).group(1)
     fields = []
     for line in body.splitlines():
         decl = line.split("//")[0].strip().rstrip(";")
         if decl:
             kind, names = re.match(r"((?:const )?\w+\*?)\s+(.*)", decl).groups()
             fields += [(n.strip(), "*" in kind) for n in names.split(",")]
-    assert fields == [(name, ctype is ctypes.c_void_p) for name, ctype in args._fields_]
+    assert fields == [(name, ctype is ctypes.c_void_p)
+                      for name, ctype in w4a16_mma.Args._fields_]
+    for source in (w4a16_mma.SOURCE, w4a16_wgmma.SOURCE):
+        assert '#include "w4a16_args.h"' in source.read_text()
 
 
-def test_ctypes_args_mirror_the_struct():
-    assert_mirrors(w4a16_mma._Args, w4a16_mma.SOURCE.read_text(), "W4A16MmaArgs")
+def test_library_path_covers_the_included_header(tmp_path, monkeypatch):
+    """A change to the shared header must give both libraries a new build, not a cached one
+    compiled against the old struct."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    from pagedserve.platforms import native_build as shared
+
+    folder = tmp_path / "src"
+    folder.mkdir()
+    for name in ("w4a16_args.h", "w4a16_mma.cu"):
+        (folder / name).write_bytes((native_build.CSRC / name).read_bytes())
+    tc = shared.Toolchain("nvcc", ("-O3",), "sm_90", "cuda_kernels", "")
+    before = shared.library_path(tc, folder / "w4a16_mma.cu")
+    assert shared.library_path(tc, folder / "w4a16_mma.cu") == before
+    header = folder / "w4a16_args.h"
+    header.write_text(header.read_text().replace("int device;", "int device, spare;"))
+    assert shared.library_path(tc, folder / "w4a16_mma.cu") != before
 
 
 def test_missing_nvcc_gives_no_library(tmp_path, monkeypatch):

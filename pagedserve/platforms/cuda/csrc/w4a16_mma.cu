@@ -32,6 +32,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "w4a16_args.h"
+
 namespace {
 
 constexpr int kTileK = 128;  // columns of K per packed tile: 16 word rows
@@ -127,29 +129,6 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
 
 
 }  // namespace
-
-extern "C" {
-
-// Mirrored by kernels/w4a16_mma.py's _Args (ctypes): keep the two in step.
-struct W4A16MmaArgs {
-  const uint16_t* x;      // [M, K] bfloat16 or float16, rows `x_stride` apart
-  const uint32_t* qweight;
-  const uint16_t* scales;  // float16 [scale_rows, N]
-  const uint16_t* zeros;   // float16 [scale_rows, N]: integer zero points
-  uint16_t* out;           // [M, N], rows `out_stride` apart
-  float* partial;          // [splits, M, N] when splits > 1
-  int* counters;           // one per block of the output where splits > 1
-  int m, n, k, x_stride, out_stride;
-  int group_shift;  // log2 of the group size (a power of two from 32), 31 for one group
-  int scale_rows;
-  int tiles, tiles_per_split, splits;
-  int bf16;     // x's type: bfloat16, else float16
-  int variant;     // index into the compiled STAGES lists; 0 is the default
-  int device;      // the CUDA device of every pointer above
-  int block_rows;  // 0: few_rows_kernel; 16, 32 or 64: many_rows_kernel's rows per block
-};
-
-}  // extern "C"
 
 namespace {
 

@@ -36,28 +36,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-extern "C" {
-
-// Mirrored by kernels/w4a16_wgmma.py's _Args (ctypes): keep the two in step.
-struct W4A16WgmmaArgs {
-  const uint16_t* x;        // [M, K] bfloat16 or float16, rows `x_stride` apart
-  const uint32_t* qweight;  // the packed weight: [16 * tiles, N]
-  const uint16_t* scales;   // float16 [scale_rows, N]
-  const uint16_t* zeros;    // float16 [scale_rows, N]: integer zero points
-  uint16_t* out;            // [M, N], rows `out_stride` apart
-  float* partial;           // [splits, M, N] when splits > 1
-  int* counters;            // one per block of the output where splits > 1
-  int m, n, k, x_stride, out_stride;
-  int group_shift;  // log2 of the group size (a power of two from 32), 31 for one group
-  int scale_rows;
-  int tiles, tiles_per_split, splits;
-  int bf16;        // x's type: bfloat16, else float16
-  int block_rows;  // rows of x per block: 64, 128 or 256
-  int variant;     // index into the compiled stage counts; 0 is the default
-  int device;      // the CUDA device of every pointer above
-};
-
-}  // extern "C"
+#include "w4a16_args.h"
 
 namespace {
 
@@ -290,7 +269,7 @@ __device__ __forceinline__ int2 block_of(int id, int m_blocks, int n_blocks) {
 // A block of BM rows of x by 128 features over one split of K. GP: pairs of slices per group,
 // 1 (groups of 32), 2 (64) or 4 (128 and more, or one group).
 template <bool BF16, int BM, int GP, int STAGES>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16WgmmaArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16MmaArgs a) {
   using L = StageLayout<BM, GP>;
   constexpr int NG = 4 / GP;
   extern __shared__ uint8_t smem_raw[];
@@ -468,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16WgmmaArgs
 }
 
 template <bool BF16, int BM, int GP, int STAGES>
-cudaError_t launch(const W4A16WgmmaArgs& a, cudaStream_t stream) {
+cudaError_t launch(const W4A16MmaArgs& a, cudaStream_t stream) {
   const auto kernel = wgmma_kernel<BF16, BM, GP, STAGES>;
   const int bytes = STAGES * StageLayout<BM, GP>::kBytes + 1024;  // + the alignment
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -482,7 +461,7 @@ cudaError_t launch(const W4A16WgmmaArgs& a, cudaStream_t stream) {
 
 // The compiled stage counts: variant 0 is the default for each block of rows.
 template <bool BF16, int BM, int GP>
-cudaError_t by_variant(const W4A16WgmmaArgs& a, cudaStream_t stream) {
+cudaError_t by_variant(const W4A16MmaArgs& a, cudaStream_t stream) {
   constexpr int kMostStages = BM == 256 ? 3 : 4;  // what fits in 227 KB
   switch (a.variant) {
     case 0: return launch<BF16, BM, GP, kMostStages>(a, stream);
@@ -494,7 +473,7 @@ cudaError_t by_variant(const W4A16WgmmaArgs& a, cudaStream_t stream) {
 }
 
 template <bool BF16, int BM>
-cudaError_t by_group(const W4A16WgmmaArgs& a, cudaStream_t stream) {
+cudaError_t by_group(const W4A16MmaArgs& a, cudaStream_t stream) {
   const int shift = a.group_shift;
   if (shift < 5) return cudaErrorInvalidValue;
   return shift >= 7 ? by_variant<BF16, BM, 4>(a, stream)
@@ -503,7 +482,7 @@ cudaError_t by_group(const W4A16WgmmaArgs& a, cudaStream_t stream) {
 }
 
 template <bool BF16>
-cudaError_t by_rows(const W4A16WgmmaArgs& a, cudaStream_t stream) {
+cudaError_t by_rows(const W4A16MmaArgs& a, cudaStream_t stream) {
   switch (a.block_rows) {
     case 64: return by_group<BF16, 64>(a, stream);
     case 128: return by_group<BF16, 128>(a, stream);
@@ -517,7 +496,7 @@ cudaError_t by_rows(const W4A16WgmmaArgs& a, cudaStream_t stream) {
 extern "C" {
 
 // 0, or the CUDA error code of the launch. The caller checks the shapes (kernels/w4a16_wgmma.py).
-int w4a16_wgmma(const W4A16WgmmaArgs* a, void* stream) {
+int w4a16_wgmma(const W4A16MmaArgs* a, void* stream) {
   // This library links its own CUDA runtime, whose current device is not torch's.
   cudaError_t e = cudaSetDevice(a->device);
   if (e != cudaSuccess) return e;

@@ -50,8 +50,12 @@ MANY_ROWS_PROGRAMS_PER_SM = 1
 BLOCK_ROWS = ((7, 0), (16, 16), (32, 32), (64, 32), (None, 64))
 
 
-class _Args(ctypes.Structure):
-    """``W4A16MmaArgs`` of the .cu file, field for field."""
+ARGS_HEADER = native_build.CSRC / "w4a16_args.h"
+
+
+class Args(ctypes.Structure):
+    """``W4A16MmaArgs`` of ``csrc/w4a16_args.h`` (this library's and the wgmma kernel's), field
+    for field."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("x", "qweight", "scales", "zeros", "out", "partial", "counters")] + [
@@ -66,7 +70,7 @@ def library(capability: tuple[int, int], sweep: bool = False) -> ctypes.CDLL | N
     ``sweep`` also compiles the variants ``scripts/bench_w4a16.py`` times."""
     lib = native_build.load_library(SOURCE, capability, ("W4A16_MMA_SWEEP",) if sweep else ())
     if lib is not None:
-        lib.w4a16_mma.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p]
+        lib.w4a16_mma.argtypes = [ctypes.POINTER(Args), ctypes.c_void_p]
         lib.w4a16_mma.restype = ctypes.c_int
         lib.w4a16_mma_variants.argtypes = []
         lib.w4a16_mma_variants.restype = ctypes.c_int
@@ -85,6 +89,11 @@ def eligible(x: torch.Tensor, w: PackedW4) -> bool:
             and (w.scales.shape[0] == 1 or _power_of_two(w.group_size) and w.group_size >= 32)
             and n % 32 == 0 and k % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
             and torch.cuda.get_device_capability(x.device) >= (8, 0))
+
+
+def group_shift(w: PackedW4) -> int:
+    """The kernels' ``group_shift``: log2 of the group size, 31 for one group."""
+    return 31 if w.scales.shape[0] == 1 else w.group_size.bit_length() - 1
 
 
 def _power_of_two(v: int) -> bool:
@@ -146,13 +155,11 @@ def matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, split_k: int | None 
     partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
                           device=x.device)
     lib = library(torch.cuda.get_device_capability(x.device), variant != 0)
-    args = _Args(x.data_ptr(), w.qweight.data_ptr(), w.scales.data_ptr(), w.shifts.data_ptr(),
-                 out.data_ptr(), partial.data_ptr(), w.counters.data_ptr(),
-                 m, n, k, x.stride(0), out.stride(0),
-                 31 if w.scales.shape[0] == 1 else w.group_size.bit_length() - 1,
-                 w.scales.shape[0], tiles,
-                 per_split, splits, x.dtype == torch.bfloat16, variant, x.device.index or 0,
-                 rows)
+    args = Args(x.data_ptr(), w.qweight.data_ptr(), w.scales.data_ptr(), w.shifts.data_ptr(),
+                out.data_ptr(), partial.data_ptr(), w.counters.data_ptr(),
+                m, n, k, x.stride(0), out.stride(0), group_shift(w), w.scales.shape[0], tiles,
+                per_split, splits, x.dtype == torch.bfloat16, variant, x.device.index or 0,
+                rows)
     err = lib.w4a16_mma(ctypes.byref(args), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_mma launch failed: CUDA error {err}")

@@ -28,16 +28,6 @@ BLOCK_ROWS = (64, 128, 256)
 BLOCK_N = 128  # output features per block: two warpgroups of 64
 
 
-class _Args(ctypes.Structure):
-    """``W4A16WgmmaArgs`` of the .cu file, field for field."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("x", "qweight", "scales", "zeros", "out", "partial", "counters")] + [
-                (name, ctypes.c_int) for name in
-                ("m", "n", "k", "x_stride", "out_stride", "group_shift", "scale_rows", "tiles",
-                 "tiles_per_split", "splits", "bf16", "block_rows", "variant", "device")]
-
-
 @functools.cache
 def library(sweep: bool = False) -> ctypes.CDLL | None:
     """The built kernel, or None (no ``nvcc``, a failed build). ``sweep`` also compiles the
@@ -45,7 +35,7 @@ def library(sweep: bool = False) -> ctypes.CDLL | None:
     lib = native_build.load_library(SOURCE, CAPABILITY, ("W4A16_WGMMA_SWEEP",) if sweep else (),
                                     arch_specific=True)
     if lib is not None:
-        lib.w4a16_wgmma.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p]
+        lib.w4a16_wgmma.argtypes = [ctypes.POINTER(w4a16_mma.Args), ctypes.c_void_p]
         lib.w4a16_wgmma.restype = ctypes.c_int
         lib.w4a16_wgmma_variants.argtypes = []
         lib.w4a16_wgmma_variants.restype = ctypes.c_int
@@ -107,12 +97,11 @@ def matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, rows: int | None = N
     partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
                           device=x.device)
     lib = library(variant != 0)
-    args = _Args(x.data_ptr(), w.qweight.data_ptr(), w.scales.data_ptr(), w.shifts.data_ptr(),
-                 out.data_ptr(), partial.data_ptr(), w.counters.data_ptr(),
-                 m, n, k, x.stride(0), out.stride(0),
-                 31 if w.scales.shape[0] == 1 else w.group_size.bit_length() - 1,
-                 w.scales.shape[0], tiles, per_split, splits, x.dtype == torch.bfloat16, rows,
-                 variant, x.device.index or 0)
+    args = w4a16_mma.Args(x.data_ptr(), w.qweight.data_ptr(), w.scales.data_ptr(),
+                          w.shifts.data_ptr(), out.data_ptr(), partial.data_ptr(),
+                          w.counters.data_ptr(), m, n, k, x.stride(0), out.stride(0),
+                          w4a16_mma.group_shift(w), w.scales.shape[0], tiles, per_split, splits,
+                          x.dtype == torch.bfloat16, variant, x.device.index or 0, rows)
     err = lib.w4a16_wgmma(ctypes.byref(args), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_wgmma launch failed: CUDA error {err}")
