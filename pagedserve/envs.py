@@ -47,3 +47,9 @@ def cuda_home() -> str | None:
     """CUDA_HOME (else CUDA_PATH): the CUDA toolkit whose ``bin/nvcc`` builds the CUDA C++
     kernels; unset, ``nvcc`` on PATH, else /usr/local/cuda."""
     return os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or None
+
+
+def pdl() -> bool:
+    """PAGEDSERVE_PDL: 0 launches a step's Triton kernels on Hopper and later GPUs without
+    programmatic dependent launch (on by default; ``platforms/cuda/kernels/pdl.py``)."""
+    return os.environ.get("PAGEDSERVE_PDL", "1").strip() != "0"

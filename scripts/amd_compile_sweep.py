@@ -167,6 +167,17 @@ def _activation(dtype: str, arch: str) -> Spec:
                 dict(BLOCK=activation._BLOCK), 4)
 
 
+def _activation_fp8(dtype: str, arch: str) -> Spec:
+    from pagedserve.platforms.cuda.kernels import activation
+
+    fp8, consts = _fp8_out(arch)
+    ptrs = {"x_ptr": "ACT", "q_ptr": fp8, "scale_ptr": "fp32"}
+    # Llama-3-8B's 14,336 columns, a row held in registers, as silu_and_mul_fp8 launches it.
+    block = 16384
+    return Spec(activation._silu_and_mul_fp8_kernel, ptrs, dict(BLOCK=block, **consts),
+                min(16, max(4, block // 512)), floats=("fmax", "min_scale"))
+
+
 def _w4a16(m: int):
     def spec(dtype: str, arch: str) -> Spec:
         from pagedserve.platforms.cuda.kernels import w4a16
@@ -238,6 +249,7 @@ KERNELS = {
     "decode_attention_large_batch": _decode(3), "decode_attention_packed_heads": _decode(12),
     "decode_reduce": _decode_reduce, "reshape_and_cache": _reshape_and_cache,
     "rms_norm": _rms_norm(False), "rotary": _rotary, "silu_and_mul": _activation,
+    "silu_and_mul_fp8": _activation_fp8,
     "w4a16_gemv": _w4a16_gemv, "w4a16_m16": _w4a16(16), "w4a16_m64": _w4a16(64),
     "w4a16_m256": _w4a16(256), "w4a16_m1024": _w4a16(1024), "w4a16_dequant": _w4a16_dequant,
     "fp8_quant": _fp8_quant, "rms_norm_fp8": _rms_norm(True), "fp8_gemv": _fp8_gemv,
@@ -247,35 +259,43 @@ KERNELS = {
 NOT_IN_SUBSET = ("w4a16_m64", "w4a16_m256")
 # RocmPlatform runs W8A8 FP8 matmuls (and so quantizes activations to FP8) only on
 # gfx94x/gfx95x; FP8 weights run weight-only (the fp8_gemv and fp8_dequant kernels) elsewhere.
-ONLY_ON = dict.fromkeys(("fp8_quant", "rms_norm_fp8"), ("gfx94", "gfx95"))
+ONLY_ON = dict.fromkeys(("fp8_quant", "rms_norm_fp8", "silu_and_mul_fp8"), ("gfx94", "gfx95"))
 
 
 def applies(case: Case) -> bool:
     return case.target.startswith(ONLY_ON.get(case.kernel, ("gfx",)))
 
 
-def compile_case(case: Case) -> Result:
+def compile_spec(spec: Spec, dtype: str, target, pdl: bool = False):
+    """``spec``'s kernel compiled for ``target`` (a Triton ``GPUTarget``) with ``dtype``
+    activations; ``pdl``: its programmatic-dependent-launch constant (``kernels/pdl.py``,
+    NVIDIA's only)."""
     import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    fn = spec.fn
+    constexprs = {**spec.constexprs, "PDL": pdl}
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in spec.pointers:
+            sig[name] = "*" + spec.pointers[name].replace("ACT", dtype)
+        else:
+            sig[name] = "fp32" if name in spec.floats else "i32"
+    consts = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
+    return triton.compile(ASTSource(fn, sig, consts), target=target,
+                          options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+
+
+def compile_case(case: Case) -> Result:
+    from triton.backends.compiler import GPUTarget
 
     start = time.perf_counter()
     warp_size, lds = TARGETS[case.target]
     try:
         spec = KERNELS[case.kernel](case.dtype, case.target)
-        fn = spec.fn
-        sig = {}
-        for name in fn.arg_names:
-            if name in spec.constexprs:
-                sig[name] = "constexpr"
-            elif name in spec.pointers:
-                sig[name] = "*" + spec.pointers[name].replace("ACT", case.dtype)
-            else:
-                sig[name] = "fp32" if name in spec.floats else "i32"
-        consts = {(fn.arg_names.index(k),): v for k, v in spec.constexprs.items()}
-        kernel = triton.compile(
-            ASTSource(fn, sig, consts), target=GPUTarget("hip", case.target, warp_size),
-            options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+        kernel = compile_spec(spec, case.dtype, GPUTarget("hip", case.target, warp_size))
         shared = kernel.metadata.shared
         error = None if shared <= lds else f"{shared} bytes of LDS, the target has {lds}"
     except Exception as exc:  # a compile error is a result here, not a crash

@@ -50,7 +50,7 @@ def compile_tile(cache: str, block_n: int, warps: int, stages: int, heads: int =
     consts = dict(GROUP=4, GROUP_PAD=max(16, 4 * heads), HEAD_SIZE=128, HEAD_PAD=128,
                   BLOCK_SIZE=16, BLOCK_N=block_n, HEADS=heads, SINGLE_PARTITION=True,
                   HAS_SCALES=cache == "fp8e4nv",
-                  DOT_PREC="tf32", PTX=True, **{name: 1 for name in UNIT})
+                  DOT_PREC="tf32", PTX=True, PDL=True, **{name: 1 for name in UNIT})
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:

@@ -17,7 +17,7 @@
 #                                        eagle3 eagle3-tests eagle3-profile attention
 #                                        attention-vs-base attention-sweep-short fp8-accum
 #                                        fp8-profile fp8-timeline fp8kv-timeline awq-timeline
-#                                        w4a16-wgmma
+#                                        w4a16-wgmma pdl pdl-fp8
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -521,6 +521,27 @@ for part in $parts; do
       timeout 420 python3 scripts/bench_w4a16.py --ms ${WGMMA_MS:-32 64 128 256 512 1024 8192} \
         --sweep-wgmma \
         --out "$OUT/w4a16_wgmma_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_wgmma_sweep_h200.log" ;;
+    # Programmatic dependent launch (kernels/pdl.py) against none, in the same call: its GPU
+    # test, then decode steps with PAGEDSERVE_PDL=0 and 1 side by side, AWQ, FP8 and bf16
+    # weights at ${DECODE_BATCHES:-1 8 32 128}.
+    pdl) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/platforms/cuda/test_pdl.py \
+        2>&1 | tee "$OUT/gpu_pdl_tests.log"
+      for weights in awq fp8 bf16; do
+        quant=(); [ "$weights" = bf16 ] || quant=(--quantization "$weights")
+        for on in 0 1; do
+          PAGEDSERVE_PDL=$on bench decode --device cuda --shape llama3-8b --load-format dummy \
+            "${quant[@]}" --batch-sizes ${DECODE_BATCHES:-1 8 32 128} --context-len 512 \
+            --out "$OUT/decode_h200_llama3-8b_${weights}_pdl$on.json"
+        done
+      done ;;
+    # FP8 throughput, 1,000 x 128/128, with PAGEDSERVE_PDL=0 and 1 alternating, two rounds.
+    pdl-fp8) for round in 1 2; do
+        for on in 0 1; do
+          PAGEDSERVE_PDL=$on bench throughput "${common[@]}" --shape llama3-8b \
+            --load-format dummy --quantization fp8 --input-len 128 128 --output-len 128 128 \
+            --skip-hf --out "$OUT/throughput_h200_llama3-8b_fp8_pdl${on}_$round.json"
+        done
+      done ;;
     # Batches: DECODE_BATCHES, else 1 2 32 128 (AWQ) and 1 32 128 (bf16).
     decode-awq) bench decode --device cuda --shape llama3-8b --load-format dummy \
         --quantization awq --batch-sizes ${DECODE_BATCHES:-1 2 32 128} --context-len 512 \

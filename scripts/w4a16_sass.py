@@ -168,10 +168,12 @@ def compile_variant(v: Variant, base=None):
 
     module = base if v.base else w4a16
     fn = module._w4a16_kernel if v.kernel == "tiles" else module._w4a16_gemv_kernel
+    # As the H200 launches them (kernels/pdl.py); a --base kernel may predate the constant.
+    consts = {**v.consts, "PDL": True} if "PDL" in fn.arg_names else v.consts
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         kind = POINTERS.get(name)
-        if name in v.consts:
+        if name in consts:
             signature[name] = "constexpr"
         elif kind is not None:
             signature[name] = "*" + kind.replace("ACT", v.act).replace("SCALE", v.scale)
@@ -180,7 +182,7 @@ def compile_variant(v: Variant, base=None):
             signature[name] = "i32"
             if name in DIVISIBLE:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, signature, v.consts, attrs)
+    src = ASTSource(fn, signature, consts, attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": v.num_warps, "num_stages": v.num_stages})
     if kernel.metadata.shared > SMEM_LIMIT:

@@ -23,6 +23,7 @@ struct W4A16MmaArgs {
   int device;      // the CUDA device of every pointer above
   int block_rows;  // rows of x per block: 0 (few_rows_kernel), 16, 32 or 64 (many_rows_kernel);
                    // 64, 128 or 256 (the wgmma kernel)
+  int pdl;         // launch with programmatic dependent launch (csrc/pdl.h)
 };
 
 }  // extern "C"

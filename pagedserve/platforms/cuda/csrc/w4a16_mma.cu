@@ -32,6 +32,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "pdl.h"
 #include "w4a16_args.h"
 
 namespace {
@@ -330,6 +331,9 @@ __global__ void __launch_bounds__(128) few_rows_kernel(W4A16MmaArgs a) {
   };
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue();
+  // The first tiles of weights are on their way (no kernel writes them) while the kernel
+  // before this one finishes; x may be its output.
+  pdl_gate();
 
   // Stage x while the weights are in flight: 16 lanes per tile of a row, 8 columns each,
   // scattered into the mma's column order; for the biased codes the tile's sum, added across
@@ -449,6 +453,7 @@ __global__ void __launch_bounds__(128) few_rows_kernel(W4A16MmaArgs a) {
 // its steps (part) into acc, as there.
 template <bool BF16, int MT, int GP, int STAGES>
 __global__ void __launch_bounds__(128, 2) many_rows_kernel(W4A16MmaArgs a) {
+  pdl_gate();  // x goes through the stages with the weights
   constexpr int NG = 4 / GP;
   constexpr int kScaleBytes = NG * 2 * kBlockN * 2;
   constexpr int kXRowBytes = kTileK * 2;
@@ -569,8 +574,7 @@ cudaError_t launch(Kernel kernel, dim3 grid, size_t bytes, const W4A16MmaArgs& a
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
   if (e != cudaSuccess) return e;
-  kernel<<<grid, 128, bytes, stream>>>(a);
-  return cudaGetLastError();
+  return launch_kernel(kernel, grid, dim3(128), bytes, stream, a.pdl != 0, a);
 }
 
 template <bool BF16, int MT, int GP, int STAGES>

@@ -36,6 +36,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "pdl.h"
 #include "w4a16_args.h"
 
 namespace {
@@ -272,6 +273,7 @@ template <bool BF16, int BM, int GP, int STAGES>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16MmaArgs a) {
   using L = StageLayout<BM, GP>;
   constexpr int NG = 4 / GP;
+  pdl_gate();  // x goes through the stages with the weights
   extern __shared__ uint8_t smem_raw[];
   __shared__ int is_last;
   // The swizzle atoms must be 1,024-byte aligned.
@@ -455,8 +457,7 @@ cudaError_t launch(const W4A16MmaArgs& a, cudaStream_t stream) {
   if (e != cudaSuccess) return e;
   // The blocks of the output in block_of's order, by the splits of K.
   const dim3 grid(((a.m + BM - 1) / BM) * ((a.n + kBlockN - 1) / kBlockN), 1, a.splits);
-  kernel<<<grid, kThreads, bytes, stream>>>(a);
-  return cudaGetLastError();
+  return launch_kernel(kernel, grid, dim3(kThreads), bytes, stream, a.pdl != 0, a);
 }
 
 // The compiled stage counts: variant 0 is the default for each block of rows.

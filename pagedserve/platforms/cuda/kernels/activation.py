@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.platforms.cuda.kernels.fp8_quant import fp8_kernel_args, store_row_fp8
+from pagedserve.platforms.cuda.kernels.pdl import gate, launch_options
 
 _BLOCK = 1024
 # The widest padded row silu_and_mul_fp8 takes: 64 values a thread at 16 warps.
@@ -40,7 +41,9 @@ def _silu_mul(row_ptr, cols, inter):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    gate(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     tl.store(out_ptr + row * stride_o + cols, _silu_mul(x_ptr + row * stride_x, cols, inter),
@@ -51,8 +54,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.co
 def _silu_and_mul_fp8_kernel(
     x_ptr, q_ptr, scale_ptr, stride_x, stride_q, inter, k_out, fmax, min_scale,
     STATIC: tl.constexpr, FNUZ: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    gate(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     y = _silu_mul(x_ptr + row * stride_x, cols, inter).to(tl.float32)
@@ -68,7 +72,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(_BLOCK, triton.next_power_of_2(inter))
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4,
+            **launch_options(x2.device))
     return out.view(*x.shape[:-1], inter)
 
 
@@ -94,6 +99,7 @@ def silu_and_mul_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, out_cols: int,
             x2, q, scales, x2.stride(0), q.stride(0), inter, out_cols,
             STATIC=static_scale is not None, BLOCK=block,
             num_warps=min(16, max(4, block // 512)), **fp8_kernel_args(fp8_dtype),
+            **launch_options(x2.device),
         )
     return q, scales
 

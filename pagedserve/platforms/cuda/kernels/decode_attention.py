@@ -29,6 +29,7 @@ import triton.language as tl
 
 from pagedserve.platforms.cuda.kernels.device import gpu_arch, sm_count
 from pagedserve.platforms.cuda.kernels.e4m3_pairs import split_e4m3_pairs
+from pagedserve.platforms.cuda.kernels.pdl import gate, launch_options
 from pagedserve.platforms.cuda.kernels.prefill_attention import (
     LOG2E,
     NEG_BIG,
@@ -159,8 +160,9 @@ def _decode_partition_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PREC: tl.constexpr,
-    PTX: tl.constexpr,
+    PTX: tl.constexpr, PDL: tl.constexpr,
 ):
+    gate(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1) * HEADS  # the first of the program's HEADS kv heads
     part = tl.program_id(2)
@@ -227,8 +229,9 @@ def _decode_reduce_kernel(
     stride_os, stride_oh, stride_od,
     stride_ps, stride_ph, stride_pp,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
+    HAS_SCALES: tl.constexpr, PDL: tl.constexpr,
 ):
+    gate(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -405,7 +408,7 @@ def decode_attention(
         SINGLE_PARTITION=single, HAS_SCALES=has_scales,
         DOT_PREC=dot_precision(q.dtype, gpu_arch(q.device)),
         PTX=q.device.type == "cuda" and gpu_arch(q.device) is None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(q.device),
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -415,6 +418,6 @@ def decode_attention(
             HEAD_SIZE=head_size, HEAD_PAD=head_pad,
             BLOCK_P=min(32, triton.next_power_of_2(num_parts)),
             HAS_SCALES=has_scales,
-            num_warps=4,
+            num_warps=4, **launch_options(q.device),
         )
     return out

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.platforms.cuda.kernels.pdl import gate, launch_options
+
 # The most rows of x this kernel takes; above, ``_scaled_mm``.
 MAX_M = 2
 
@@ -59,7 +61,8 @@ def _as_float(w):
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                      stride_om, PER_TENSOR: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    gate(PDL)
     pid_m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -99,13 +102,14 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     _fp8_gemv_kernel[(m, triton.cdiv(out_features, cfg.block_n))](
         x, weight, scale, out, m, out_features, k, x.stride(0), weight.stride(0), out.stride(0),
         PER_TENSOR=scale.dim() == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device))
     return out
 
 
 @triton.jit
 def _fp8_dequant_kernel(w_ptr, scale_ptr, out_ptr, N, K, stride_wn, PER_TENSOR: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    gate(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
@@ -126,5 +130,6 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, out_features: int, in_
     block_n, block_k = 16, 256
     _fp8_dequant_kernel[(triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k))](
         weight, scale, out, out_features, in_features, weight.stride(0),
-        PER_TENSOR=scale.dim() == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        PER_TENSOR=scale.dim() == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        **launch_options(out.device))
     return out

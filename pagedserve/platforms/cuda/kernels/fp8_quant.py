@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.platforms.cuda.kernels.pdl import gate, launch_options
 from pagedserve.platforms.cuda.kernels.reshape_and_cache import _round_to_e4m3
 
 _BLOCK = 1024
@@ -76,8 +77,9 @@ def store_row_fp8(y, q_ptrs, scale_ptr, row, store_mask, fmax, min_scale,
 def _fp8_quant_kernel(
     x_ptr, q_ptr, scale_ptr, stride_x, stride_q, K, K_OUT, fmax, min_scale,
     STATIC: tl.constexpr, FNUZ: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    gate(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     if STATIC:
@@ -132,6 +134,6 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, padded_k: int | None,
         _fp8_quant_kernel[(m,)](
             x, q, scales, x.stride(0), q.stride(0), k, k_out, STATIC=static,
             BLOCK=min(_BLOCK, triton.next_power_of_2(k_out)), num_warps=4,
-            **fp8_kernel_args(fp8_dtype),
+            **fp8_kernel_args(fp8_dtype), **launch_options(x.device),
         )
     return q

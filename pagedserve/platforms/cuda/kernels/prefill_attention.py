@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.platforms.cuda.kernels.device import gpu_arch
+from pagedserve.platforms.cuda.kernels.pdl import gate, launch_options
 
 # Finite stand-in for -inf as the running max: exp2(-inf - -inf) would give NaN on rows whose
 # first tile is fully masked.
@@ -151,7 +152,9 @@ def _prefill_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SCALES: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    gate(PDL)
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
     if HAS_SEQ_IDS:
@@ -296,5 +299,6 @@ def prefill_attention(
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_SCALES=has_scales, DOT_PREC=dot_precision(q.dtype, gpu_arch(q.device)),
         HAS_SEQ_IDS=seq_ids is not None, num_warps=num_warps, num_stages=num_stages,
+        **launch_options(q.device),
     )
     return out

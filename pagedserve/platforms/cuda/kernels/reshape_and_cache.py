@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.platforms.cuda.kernels.pdl import gate, launch_options
+
 FP8_E4M3_MAX = tl.constexpr(448.0)
 # Elements one program copies per tensor: a whole token for common shapes.
 _MAX_TILE = 4096
@@ -65,8 +67,9 @@ def _reshape_and_cache_kernel(
     stride_cb, stride_cs, stride_ch, stride_cd,
     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
+    HAS_SCALES: tl.constexpr, PDL: tl.constexpr,
 ):
+    gate(PDL)
     tok = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot < 0:
@@ -112,5 +115,5 @@ def reshape_and_cache(
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
         BLOCK_H=block_h, HEAD_PAD=head_pad, BLOCK_SIZE=key_cache.shape[1],
         HAS_SCALES=has_scales,
-        num_warps=4,
+        num_warps=4, **launch_options(key.device),
     )

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.platforms.cuda.kernels.fp8_quant import fp8_kernel_args, store_row_fp8
+from pagedserve.platforms.cuda.kernels.pdl import gate, launch_options
 
 
 @triton.jit
@@ -25,7 +26,9 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, hidden, out_cols, eps, fmax, min_scale,
     HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr, STATIC: tl.constexpr,
     FNUZ: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    gate(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -91,6 +94,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             out.shape[1], eps, HAS_RESIDUAL=residual is not None,
             FP8_OUT=fp8_dtype is not None, STATIC=static, BLOCK=block,
             num_warps=min(16, max(1, block // 512)), **fp8_kernel_args(fp8_dtype),
+            **launch_options(x2.device),
         )
 
 

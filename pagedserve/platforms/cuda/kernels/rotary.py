@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.platforms.cuda.kernels.pdl import gate, launch_options
+
 
 @triton.jit
 def _rotate_heads(base_ptr, stride_h, cos, sin, offs_d, d_mask,
@@ -30,8 +32,9 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_table,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
     Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    gate(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
@@ -60,6 +63,6 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
             K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
             HALF=half, HALF_PAD=triton.next_power_of_2(half),
-            num_warps=4,
+            num_warps=4, **launch_options(q.device),
         )
     return q, k

@@ -66,6 +66,7 @@ import triton.language as tl
 
 from pagedserve.platforms.cuda.kernels import w4a16_mma, w4a16_wgmma
 from pagedserve.platforms.cuda.kernels.device import gpu_arch, sm_count
+from pagedserve.platforms.cuda.kernels.pdl import gate, launch_options
 from pagedserve.platforms.cuda.kernels.split_k import finish, split_count
 
 # The narrowest BLOCK_N of the configurations whose rows fit one block (split K): the split
@@ -249,7 +250,7 @@ def _w4a16_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SLICES: tl.constexpr,
     ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BIAS: tl.constexpr,
     PREFETCH: tl.constexpr, SWAP_AB: tl.constexpr, SCALE_A: tl.constexpr,
-    PTX_DECODE: tl.constexpr,
+    PTX_DECODE: tl.constexpr, PDL: tl.constexpr,
 ):
     """A ``BLOCK_M x BLOCK_N`` tile of ``y`` over one slice of K (``k_per_split``, whole tiles
     of ``TILE_K``). Slice t of a tile's words is the ``[SLICE_K, BLOCK_N]`` block of weight
@@ -283,6 +284,7 @@ def _w4a16_kernel(
     ``(q - z) * s`` or ``q * s + m`` (a packed multiply more per two weights, and the scale
     rounded to bfloat16), so that one accumulator takes the dot instead of two (the group's
     sum and the total): the transposed tiles of 128 rows of x then fit in registers."""
+    gate(PDL)
     SLICE: tl.constexpr = _TILE_K // 8
     BIAS_VALUE: tl.constexpr = 128.0 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024.0
     pid_m = tl.program_id(0)
@@ -531,7 +533,7 @@ def _w4a16_gemv_kernel(
     M, N, K, K_PAD, group_size, k_per_split, num_splits, stride_xm, stride_om,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ZERO_POINT: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, DECODE: tl.constexpr,
-    PAIR_WORDS: tl.constexpr,
+    PAIR_WORDS: tl.constexpr, PDL: tl.constexpr,
 ):
     """One or two rows (``ROWS``) of ``x`` by CUDA cores (two only with ``"pairs"``, which
     decodes a word's codes once for both). Each block of K lies in one group, so its scale
@@ -555,6 +557,7 @@ def _w4a16_gemv_kernel(
     single int32 loads (``_x_word_pairs``) instead of two 16-bit loads merged, which the
     K-strided layout otherwise costs the GEMV (it took 17-45% longer than the earlier layout,
     where a word's pairs were adjacent columns)."""
+    gate(PDL)
     BLOCK_KW: tl.constexpr = BLOCK_K // 8
     # With PAIR_WORDS each accumulator row takes two word rows.
     ACC_ROWS: tl.constexpr = BLOCK_KW // 2 if PAIR_WORDS else BLOCK_KW
@@ -667,8 +670,10 @@ def _w4a16_gemv_kernel(
 
 @triton.jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, K_WORDS, group_size,
-                    BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr):
+                    BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr,
+                    PDL: tl.constexpr):
     """The dense ``[K, N]`` weight, ``8 * BLOCK_KW`` rows by ``BLOCK_N`` columns a program."""
+    gate(PDL)
     rows = tl.program_id(0) * BLOCK_KW + tl.arange(0, BLOCK_KW)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -862,7 +867,7 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
         ZERO_POINT=w.zero_point, SPLIT=splits > 1, EVEN_K=k % TILE_K == 0,
         BIAS=cfg.bias and x.dtype != torch.float32, PREFETCH=cfg.prefetch and group_slices == 8,
         SWAP_AB=cfg.swap_ab, SCALE_A=cfg.scale_a, PTX_DECODE=cfg.ptx_decode and _tile_ptx(x),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device))
     return out
 
 
@@ -917,7 +922,7 @@ def _gemv(x: torch.Tensor, w: PackedW4, split_k: int | None, out: torch.Tensor) 
         # No masks where every block is whole: they cost as much as the arithmetic.
         EVEN=n % cfg.block_n == 0 and k % TILE_K == 0, DECODE=decode,
         PAIR_WORDS=cfg.pair_words and decode == "pairs",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device))
     return out
 
 
@@ -928,5 +933,6 @@ def dequantize(w: PackedW4, dtype: torch.dtype) -> torch.Tensor:
     block_kw, block_n = 8, 128
     _dequant_kernel[(triton.cdiv(w.qweight.shape[0], block_kw), triton.cdiv(n, block_n))](
         w.qweight, w.scales, w.shifts, dense, n, k, w.qweight.shape[0], w.group_size,
-        BLOCK_KW=block_kw, BLOCK_N=block_n, ZERO_POINT=w.zero_point, num_warps=4)
+        BLOCK_KW=block_kw, BLOCK_N=block_n, ZERO_POINT=w.zero_point, num_warps=4,
+        **launch_options(dense.device))
     return dense

@@ -19,6 +19,7 @@ import torch
 
 from pagedserve.platforms.cuda import native_build
 from pagedserve.platforms.cuda.kernels.device import sm_count
+from pagedserve.platforms.cuda.kernels.pdl import launch_options
 
 if TYPE_CHECKING:
     from pagedserve.platforms.cuda.kernels.w4a16 import PackedW4
@@ -61,7 +62,8 @@ class Args(ctypes.Structure):
                 ("x", "qweight", "scales", "zeros", "out", "partial", "counters")] + [
                 (name, ctypes.c_int) for name in
                 ("m", "n", "k", "x_stride", "out_stride", "group_shift", "scale_rows", "tiles",
-                 "tiles_per_split", "splits", "bf16", "variant", "device", "block_rows")]
+                 "tiles_per_split", "splits", "bf16", "variant", "device", "block_rows",
+                 "pdl")]
 
 
 @functools.cache
@@ -138,6 +140,18 @@ def plan(m: int, n: int, tiles: int, sms: int, counters: int, split_k: int | Non
     return Plan(rows, per_split, -(-tiles // per_split))
 
 
+def launch_args(x: torch.Tensor, w: PackedW4, out: torch.Tensor, partial: torch.Tensor,
+                per_split: int, splits: int, variant: int, rows: int) -> Args:
+    """Both libraries' arguments for ``out = x @ W^T`` in ``splits`` splits of ``per_split``
+    tiles (``partial``: their sums where ``splits > 1``)."""
+    (m, k), n = x.shape, w.qweight.shape[1]
+    return Args(x.data_ptr(), w.qweight.data_ptr(), w.scales.data_ptr(), w.shifts.data_ptr(),
+                out.data_ptr(), partial.data_ptr(), w.counters.data_ptr(),
+                m, n, k, x.stride(0), out.stride(0), group_shift(w), w.scales.shape[0],
+                w.qweight.shape[0] // 16, per_split, splits, x.dtype == torch.bfloat16, variant,
+                x.device.index or 0, rows, launch_options(x.device)["PDL"])
+
+
 def matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, split_k: int | None = None,
            variant: int = 0, rows: int | None = None) -> torch.Tensor:
     """``out = x @ W^T`` for ``eligible`` operands (``out`` contiguous ``[M, N]``); ``variant``
@@ -147,7 +161,7 @@ def matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, split_k: int | None 
         # The kernel stores four outputs at once.
         return out.copy_(matmul(x, w, torch.empty_like(out, memory_format=torch.contiguous_format),
                                 split_k, variant, rows))
-    m, k = x.shape
+    m = x.shape[0]
     n = w.qweight.shape[1]
     tiles = w.qweight.shape[0] // 16
     rows, per_split, splits = plan(m, n, tiles, sm_count(x.device), w.counters.numel(), split_k,
@@ -155,11 +169,7 @@ def matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, split_k: int | None 
     partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
                           device=x.device)
     lib = library(torch.cuda.get_device_capability(x.device), variant != 0)
-    args = Args(x.data_ptr(), w.qweight.data_ptr(), w.scales.data_ptr(), w.shifts.data_ptr(),
-                out.data_ptr(), partial.data_ptr(), w.counters.data_ptr(),
-                m, n, k, x.stride(0), out.stride(0), group_shift(w), w.scales.shape[0], tiles,
-                per_split, splits, x.dtype == torch.bfloat16, variant, x.device.index or 0,
-                rows)
+    args = launch_args(x, w, out, partial, per_split, splits, variant, rows)
     err = lib.w4a16_mma(ctypes.byref(args), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_mma launch failed: CUDA error {err}")

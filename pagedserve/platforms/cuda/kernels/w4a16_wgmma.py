@@ -87,7 +87,7 @@ def matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, rows: int | None = N
         # The kernel stores two outputs at once.
         return out.copy_(matmul(x, w, torch.empty_like(out, memory_format=torch.contiguous_format),
                                 rows, variant, split_k))
-    m, k = x.shape
+    m = x.shape[0]
     n = w.qweight.shape[1]
     rows = rows or block_rows(m)
     if rows not in BLOCK_ROWS:
@@ -97,11 +97,7 @@ def matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, rows: int | None = N
     partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
                           device=x.device)
     lib = library(variant != 0)
-    args = w4a16_mma.Args(x.data_ptr(), w.qweight.data_ptr(), w.scales.data_ptr(),
-                          w.shifts.data_ptr(), out.data_ptr(), partial.data_ptr(),
-                          w.counters.data_ptr(), m, n, k, x.stride(0), out.stride(0),
-                          w4a16_mma.group_shift(w), w.scales.shape[0], tiles, per_split, splits,
-                          x.dtype == torch.bfloat16, variant, x.device.index or 0, rows)
+    args = w4a16_mma.launch_args(x, w, out, partial, per_split, splits, variant, rows)
     err = lib.w4a16_wgmma(ctypes.byref(args), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"w4a16_wgmma launch failed: CUDA error {err}")
