@@ -50,6 +50,7 @@ def cuda_home() -> str | None:
 
 
 def pdl() -> bool:
-    """PAGEDSERVE_PDL: 0 launches a step's Triton kernels on Hopper and later GPUs without
-    programmatic dependent launch (on by default; ``platforms/cuda/kernels/pdl.py``)."""
-    return os.environ.get("PAGEDSERVE_PDL", "1").strip() != "0"
+    """PAGEDSERVE_PDL: 1 launches a step's GPU kernels on Hopper and later with programmatic
+    dependent launch (``platforms/cuda/kernels/pdl.py``). Off by default until an H200 has
+    run and timed it."""
+    return os.environ.get("PAGEDSERVE_PDL", "0").strip() == "1"

@@ -17,7 +17,7 @@
 #                                        eagle3 eagle3-tests eagle3-profile attention
 #                                        attention-vs-base attention-sweep-short fp8-accum
 #                                        fp8-profile fp8-timeline fp8kv-timeline awq-timeline
-#                                        w4a16-wgmma pdl pdl-fp8
+#                                        w4a16-wgmma pdl-tests pdl pdl-fp8
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -521,12 +521,15 @@ for part in $parts; do
       timeout 420 python3 scripts/bench_w4a16.py --ms ${WGMMA_MS:-32 64 128 256 512 1024 8192} \
         --sweep-wgmma \
         --out "$OUT/w4a16_wgmma_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_wgmma_sweep_h200.log" ;;
-    # Programmatic dependent launch (kernels/pdl.py) against none, in the same call: its GPU
-    # test, then decode steps with PAGEDSERVE_PDL=0 and 1 side by side, AWQ, FP8 and bf16
-    # weights at ${DECODE_BATCHES:-1 8 32 128}.
-    pdl) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/platforms/cuda/test_pdl.py \
-        2>&1 | tee "$OUT/gpu_pdl_tests.log"
-      for weights in awq fp8 bf16; do
+    # Programmatic dependent launch (kernels/pdl.py): its GPU test, and the kernels' and
+    # graphs' tests with it on.
+    pdl-tests) PAGEDSERVE_PDL=1 timeout 420 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/platforms/cuda/test_pdl.py tests/platforms/cuda/test_layer_kernels.py \
+        tests/platforms/cuda/test_triton_backend_engine.py tests/platforms/cuda/test_w4a16_mma.py \
+        2>&1 | tee "$OUT/gpu_pdl_tests.log" ;;
+    # Decode steps with PAGEDSERVE_PDL=0 and 1 side by side, AWQ, FP8 and bf16 weights at
+    # ${DECODE_BATCHES:-1 8 32 128}.
+    pdl) for weights in awq fp8 bf16; do
         quant=(); [ "$weights" = bf16 ] || quant=(--quantization "$weights")
         for on in 0 1; do
           PAGEDSERVE_PDL=$on bench decode --device cuda --shape llama3-8b --load-format dummy \

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (``platforms/cuda/kernels/pdl.py``).
 
-On the CPU: when it is on (an NVIDIA GPU of compute capability 9.0 or later, compiled kernels,
-``PAGEDSERVE_PDL`` not 0), and that every kernel that takes it waits for the kernel before it
+On the CPU: when it is on (``PAGEDSERVE_PDL=1``, an NVIDIA GPU of compute capability 9.0 or
+later, compiled kernels), and that every kernel that takes it waits for the kernel before it
 before touching global memory, read from its sm_90 PTX (``scripts/pdl_check.py``, whose
 checker must also refuse a kernel that loads before its gate). The interpreter runs every
 kernel with ``PDL=False`` in the other kernel tests. On a Hopper GPU: a CUDA graph of
@@ -33,13 +33,14 @@ def test_off_on_the_cpu(fresh_options):
     assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
 
 
-def test_on_where_supported_unless_turned_off(monkeypatch, fresh_options):
+def test_on_where_supported_and_asked_for(monkeypatch, fresh_options):
     monkeypatch.setattr(pdl, "_supported", lambda device: True)
     device = torch.device("cuda", 0)
-    assert pdl.launch_options(device) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.delenv("PAGEDSERVE_PDL", raising=False)
+    assert pdl.launch_options(device) == {"PDL": False}  # off by default
     pdl.launch_options.cache_clear()
-    monkeypatch.setenv("PAGEDSERVE_PDL", "0")
-    assert pdl.launch_options(device) == {"PDL": False}
+    monkeypatch.setenv("PAGEDSERVE_PDL", "1")
+    assert pdl.launch_options(device) == {"PDL": True, "launch_pdl": True}
 
 
 def test_not_supported_on_rocm_or_under_the_interpreter(monkeypatch):

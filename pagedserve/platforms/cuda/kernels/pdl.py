@@ -14,7 +14,8 @@ completed, and that kernel, having passed its own wait, completed after the one 
 every read and write keeps the order of a serialized launch. ``gate`` then lets the next
 kernel launch (``launch_dependents``) once all of this kernel's programs have started.
 
-``PAGEDSERVE_PDL=0`` launches without it (``envs.pdl``), for A/B timings.
+``PAGEDSERVE_PDL=1`` turns it on (``envs.pdl``): off by default until an H200 has run it
+(``scripts/gpu_check.sh pdl-tests pdl``: its tests, then both timed in one call).
 """
 
 from __future__ import annotations
