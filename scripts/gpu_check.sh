@@ -17,7 +17,7 @@
 #                                        eagle3 eagle3-tests eagle3-profile attention
 #                                        attention-vs-base attention-sweep-short fp8-accum
 #                                        fp8-profile fp8-timeline fp8kv-timeline awq-timeline
-#                                        w4a16-wgmma pdl-tests pdl pdl-fp8
+#                                        w4a16-wgmma pdl-tests pdl pdl-w4a16 pdl-fp8
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -536,6 +536,12 @@ for part in $parts; do
             "${quant[@]}" --batch-sizes ${DECODE_BATCHES:-1 8 32 128} --context-len 512 \
             --out "$OUT/decode_h200_llama3-8b_${weights}_pdl$on.json"
         done
+      done ;;
+    # Every W4A16 path at 1 to 16 rows (medians under CUDA graphs, where consecutive calls may
+    # overlap with PDL) with PAGEDSERVE_PDL=0 and 1.
+    pdl-w4a16) for on in 0 1; do
+        PAGEDSERVE_PDL=$on python3 scripts/bench_w4a16.py --ms 1 2 4 8 16 \
+          --out "$OUT/w4a16_h200_pdl$on.json" 2>&1 | tee "$OUT/w4a16_h200_pdl$on.log"
       done ;;
     # FP8 throughput, 1,000 x 128/128, with PAGEDSERVE_PDL=0 and 1 alternating, two rounds.
     pdl-fp8) for round in 1 2; do
