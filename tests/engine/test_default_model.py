@@ -88,3 +88,33 @@ def test_native_q4_1_matches_transformers_on_the_dequantized_weights(default_mod
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]
     assert assert_greedy_matches(llm, default_hf_model, prompts, NEW, rel_tol) >= matched
+
+
+def test_a_greedy_stream_does_not_change_when_prompts_join_its_steps(default_model_folder):
+    """The default engine (Q4_1 layers, int8 activations, which turn a last-place difference
+    in a layer's input into a quantization step): a greedy stream's tokens and logprobs are
+    the same run alone as when three prompts arrive at its first, second or third decode
+    step, whose rows are then computed beside their prompt chunks."""
+    from pagedserve import LLM
+
+    engine = LLM(model=str(default_model_folder), device="cpu",
+                 kv_cache_memory_bytes=32 << 20).engine
+    others = ["Something completely different here and longer", "x y z",
+              "A much longer prompt that has quite a lot more tokens than the others in it"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+
+    def stream(join_at: int | None) -> list[tuple[int, float]]:
+        request_id, finished, step = engine.add_request("The weather today is", params), {}, 0
+        while engine.has_unfinished_requests():
+            if step == join_at:
+                for prompt in others:
+                    engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0))
+            finished.update((out.request_id, out) for out in engine.step() if out.finished)
+            step += 1
+        out = finished[request_id].outputs[0]
+        return [(t, lp[t].logprob) for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+
+    alone = stream(None)
+    for join_at in (1, 2, 3):
+        assert stream(join_at) == alone, join_at
+    assert_pools_full(engine.kv)

@@ -78,4 +78,7 @@ def pack_inputs_by_chunk(out: SchedulerOutput, block_size: int,
         fill_sources=np.asarray(fill_sources, dtype=np.int64),
         lora_requests=loras if any(loras) else None,
         decode_or_verify=all(item.num_new_tokens - len(item.draft_token_ids) == 1
-                             for item in out.scheduled))
+                             and item.num_computed_tokens >= item.seq.num_prompt_tokens
+                             for item in out.scheduled),
+        prompt=[item.num_computed_tokens < item.seq.num_prompt_tokens for item in out.scheduled]
+        + [False] * (len(query_lens) - len(out.scheduled)))

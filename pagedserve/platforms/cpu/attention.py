@@ -1,8 +1,11 @@
-"""The CPU attention backend: every float32 step in one C call that writes the step's keys
-and values and reads the paged cache (float32 or bfloat16) through the block tables, so no
-context is gathered; other dtypes and layouts in the portable torch ops."""
+"""The CPU attention backend: every float32 step in C calls (one, or two where one-row
+queries share the step with prompt chunks) that write the step's keys and values and read the
+paged cache (float32 or bfloat16) through the block tables, so no context is gathered; other
+dtypes and layouts in the portable torch ops."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -17,92 +20,122 @@ KV_DTYPES = (F32, torch.bfloat16)  # the cache element types the kernels read
 class CpuPagedAttention(TorchPagedAttention):
     """Two kernels of ``csrc/layer_ops.c``, both with an online softmax in float32:
 
-    ``lo_paged_decode`` takes decode-only steps and speculative verify steps, attending per
-    (sequence, head) query row. A verify step (k + 1 rows a sequence, with or without decode
-    rows; not a prompt chunk, however short) runs it one query row as one sequence: row j of
-    a sequence with c cached tokens attends over the first c + j + 1 slots of its block
-    table, which is causal attention within the chunk, since the kernel writes every row's
-    key and value before it attends. Each verified position thus gets the attention a decode
-    step there would.
+    ``lo_paged_decode`` takes every one-row query (a decode step's, and those among a step's
+    prompt chunks) and speculative verify steps, attending per (sequence, head) query row. A
+    verify step (k + 1 rows a sequence, with or without decode rows; not a prompt chunk,
+    however short) runs it one query row as one sequence: row j of a sequence with c cached
+    tokens attends over the first c + j + 1 slots of its block table, which is causal
+    attention within the chunk, since the kernel writes every row's key and value before it
+    attends. Each verified position thus gets the attention a decode step there would.
 
-    ``lo_paged_prefill`` takes every other step (prompt chunks after any cached prefix, and
-    the decode rows batched with them): blocked, a tile of query rows of one kv head's query
-    heads at a time over tiles of keys. A row's result does not depend on its tile, so a
-    prompt's numbers do not depend on how it was chunked or whether its prefix was cached.
+    ``lo_paged_prefill`` takes the other sequences of every other step (prompt chunks after
+    any cached prefix): blocked, a tile of query rows of one kv head's query heads at a time
+    over tiles of keys. A row's result does not depend on its tile, so a prompt's numbers do
+    not depend on how it was chunked or whether its prefix was cached.
+
+    So a sequence's decode row is computed the same whatever else its step holds: with the
+    int8 activations of the quantized layers, which turn a last-place difference into a
+    quantization step, a greedy stream's tokens would otherwise change when a prompt joined
+    its step.
 
     One backend serves every layer, so the step's metadata is checked and turned into
-    kernel arguments once, on the first layer that sees it: a step builds a new
+    kernel calls once, on the first layer that sees it: a step builds a new
     ``AttentionMetadata`` and never mutates it. The backend holds the last one, so a later
     step's object cannot reuse its identity."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._meta: AttentionMetadata | None = None
-        self._kernel: tuple[str, tuple] | None = None  # (function, its metadata arguments)
-        self._row_meta: tuple[torch.Tensor, torch.Tensor] | None = None  # kept alive: pointers
+        self._plan: _Plan | None = None
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         if meta is not self._meta:
-            self._meta, self._row_meta = meta, _per_row(meta)
-            decode = _meta_args(meta, self._row_meta)
-            self._kernel = (("lo_paged_decode", decode) if decode is not None
-                            else _prefill_kernel(meta))
-        if self._kernel is None or not _native_layout(q, k, v, kv_cache):
+            self._meta, self._plan = meta, _plan(meta)
+        if self._plan is None or not _native_layout(q, k, v, kv_cache):
             return super().forward(q, k, v, kv_cache, meta)
-        name, meta_args = self._kernel
         out = torch.empty(q.shape, dtype=F32)
         num_blocks, block_size = kv_cache.shape[1:3]
-        getattr(layer_ops.library(), name)(
-            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
-            v.data_ptr(), v.stride(0), v.stride(1), kv_cache.data_ptr(),
-            kv_cache.dtype == torch.bfloat16, num_blocks,
-            *meta_args, self.num_heads, self.num_kv_heads, self.head_size, block_size,
-            self.scale, out.data_ptr(), torch.get_num_threads())
+        lib = layer_ops.library()
+        for name, meta_args in self._plan.calls:  # disjoint rows of out
+            getattr(lib, name)(
+                q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+                v.data_ptr(), v.stride(0), v.stride(1), kv_cache.data_ptr(),
+                kv_cache.dtype == torch.bfloat16, num_blocks,
+                *meta_args, self.num_heads, self.num_kv_heads, self.head_size, block_size,
+                self.scale, out.data_ptr(), torch.get_num_threads())
         return out
 
 
-def _per_row(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """For a verify step of short queries: each query row's block table (its sequence's)
-    and the keys it sees (its position plus one), int32; else None."""
-    if meta.is_decode_only or not meta.decode_or_verify or meta.max_query_len > SHORT_QUERY \
-            or meta.block_tables.dtype != torch.int32:
+class _Plan(NamedTuple):
+    """A step's kernel calls: (function, its metadata arguments), and the tensors whose
+    pointers those arguments hold (kept alive with the plan)."""
+
+    calls: tuple[tuple[str, tuple], ...]
+    tensors: tuple[torch.Tensor, ...]
+
+
+def _plan(meta: AttentionMetadata) -> _Plan | None:
+    """The kernel calls for ``meta``, or None where its tensors have another layout."""
+    if not _layout_ok(meta):
         return None
+    if meta.decode_or_verify and not meta.is_decode_only and meta.max_query_len <= SHORT_QUERY:
+        return _verify_plan(meta)
+    if sum(meta.query_lens_cpu) != meta.num_tokens:
+        return None  # query rows that belong to no sequence: the kernels would leave them
+    prompt = meta.prompt_cpu or [False] * meta.num_seqs
+    decode = [i for i, (n, p) in enumerate(zip(meta.query_lens_cpu, prompt)) if n == 1 and not p]
+    if len(decode) == meta.num_seqs:
+        return _Plan((("lo_paged_decode", _decode_args(meta.slot_mapping, meta.block_tables,
+                                                        meta.seq_lens, None, meta.num_seqs)),),
+                     ())
+    if not decode:
+        return _Plan((("lo_paged_prefill", _prefill_args(meta, None, meta.num_seqs)),), ())
+    others = torch.tensor(sorted(set(range(meta.num_seqs)) - set(decode)), dtype=torch.int32)
+    picked = torch.tensor(decode)
+    rows = meta.query_start_loc[picked].long()
+    tables = meta.block_tables[picked].contiguous()
+    seq_lens = meta.seq_lens[picked].contiguous()
+    return _Plan((("lo_paged_prefill", _prefill_args(meta, others, len(others))),
+                  ("lo_paged_decode", _decode_args(meta.slot_mapping, tables, seq_lens, rows,
+                                                   len(decode)))),
+                 (others, rows, tables, seq_lens))
+
+
+def _verify_plan(meta: AttentionMetadata) -> _Plan:
+    """A verify step of short queries: each query row one sequence of ``lo_paged_decode``,
+    with its sequence's block table and the keys it sees (its position plus one)."""
     lens = torch.tensor(meta.query_lens_cpu)
     seq_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs), lens)
     offset = torch.arange(meta.num_tokens) - meta.query_start_loc[seq_of_row].long()
     seen = (meta.context_lens[seq_of_row].long() + offset + 1).to(torch.int32)
-    return meta.block_tables[seq_of_row].contiguous(), seen
+    tables = meta.block_tables[seq_of_row].contiguous()
+    return _Plan((("lo_paged_decode", _decode_args(meta.slot_mapping, tables, seen, None,
+                                                    meta.num_tokens)),), (tables, seen))
 
 
-def _meta_args(meta: AttentionMetadata, per_row: tuple[torch.Tensor, torch.Tensor] | None
-               ) -> tuple | None:
-    """(slot_mapping, block_tables, its row stride, seq_lens, rows) for lo_paged_decode, one
-    row per query token, or None where the step's queries are not all short or the metadata
-    has another layout."""
-    slots = meta.slot_mapping
-    tables, seq_lens = per_row if per_row is not None else (meta.block_tables, meta.seq_lens)
-    if not ((meta.is_decode_only or per_row is not None) and slots.dtype == torch.int64
-            and slots.is_contiguous() and tables.dtype == torch.int32 and tables.stride(1) == 1
-            and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()):
-        return None
+def _decode_args(slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
+                 rows: torch.Tensor | None, seqs: int) -> tuple:
+    """lo_paged_decode's (slot_mapping, block_tables, its row stride, seq_lens, rows, seqs)."""
     return (slots.data_ptr(), tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
-            meta.num_tokens)
+            None if rows is None else rows.data_ptr(), seqs)
 
 
-def _prefill_kernel(meta: AttentionMetadata) -> tuple[str, tuple] | None:
-    """``lo_paged_prefill`` and its (slot_mapping, block_tables, its row stride,
-    query_start_loc, seq_lens, sequences), or None where the metadata has another layout or
-    has query rows that belong to no sequence (the kernel would leave them unwritten)."""
-    slots, tables, starts, seq_lens = (meta.slot_mapping, meta.block_tables,
-                                       meta.query_start_loc, meta.seq_lens)
-    if not (slots.dtype == torch.int64 and slots.is_contiguous()
-            and tables.dtype == torch.int32 and tables.stride(1) == 1
-            and starts.dtype == torch.int32 and starts.is_contiguous()
-            and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
-            and sum(meta.query_lens_cpu) == meta.num_tokens):
-        return None
-    return "lo_paged_prefill", (slots.data_ptr(), tables.data_ptr(), tables.stride(0),
-                                starts.data_ptr(), seq_lens.data_ptr(), meta.num_seqs)
+def _prefill_args(meta: AttentionMetadata, seq_ids: torch.Tensor | None, count: int) -> tuple:
+    """lo_paged_prefill's (slot_mapping, block_tables, its row stride, query_start_loc,
+    seq_lens, sequences, seq_ids, count)."""
+    tables = meta.block_tables
+    return (meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
+            meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(), meta.num_seqs,
+            None if seq_ids is None else seq_ids.data_ptr(), count)
+
+
+def _layout_ok(meta: AttentionMetadata) -> bool:
+    """The dtypes and strides the kernels read the metadata in."""
+    return (meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.is_contiguous()
+            and meta.block_tables.dtype == torch.int32 and meta.block_tables.stride(1) == 1
+            and meta.query_start_loc.dtype == torch.int32
+            and meta.query_start_loc.is_contiguous()
+            and meta.seq_lens.dtype == torch.int32 and meta.seq_lens.is_contiguous())
 
 
 def _native_layout(q, k, v, kv_cache) -> bool:

@@ -127,18 +127,18 @@ def test_decode_attention_with_large_scores(kv_dtype):
     close(out, dense_reference(q, keys, values, 1.0, heads // kv_heads, kv_dtype))
 
 
-@pytest.mark.parametrize("query_len,verify", [(2, False), (SHORT_QUERY + 1, True)])
-def test_prompt_chunks_and_long_queries_take_the_prefill_kernel(monkeypatch, query_len, verify):
-    """A prompt chunk, however short (its numbers must not depend on whether its prefix was
-    cached), and a verify chunk longer than the decode kernel takes: ``lo_paged_prefill``
-    (its numerics are in test_prefill_attention.py), never the torch ops."""
-    cache, keys, values, meta = decode_case(4, 2, 1, 16, [5, 9], seed=1)
-    meta.max_query_len, meta.decode_or_verify = query_len, verify
+@pytest.mark.parametrize("query_len,prompt", [(1, True), (2, True), (SHORT_QUERY + 1, False)])
+def test_prompt_chunks_and_long_queries_take_the_prefill_kernel(monkeypatch, query_len, prompt):
+    """A prompt chunk, however short (a one-row chunk too: its numbers must not depend on
+    whether its prefix was cached), and a verify chunk longer than the decode kernel takes:
+    ``lo_paged_prefill`` (its numerics are in test_prefill_attention.py), never the torch
+    ops."""
+    cache, q, k, v, meta, _, _ = prefill_case(4, 2, 1, 16, [5, 9], [query_len] * 2, seed=1)
+    meta.prompt_cpu, meta.decode_or_verify = [prompt] * 2, not prompt
     monkeypatch.setattr(TorchPagedAttention, "forward", None)
-    q = torch.randn(2, 2, 16)
     attention = CpuPagedAttention(2, 16, 1, 0.25)
-    attention.forward(q, q[:, :1], q[:, :1], cache, meta)
-    assert attention._kernel[0] == "lo_paged_prefill"
+    attention.forward(q, k, v, cache, meta)
+    assert [name for name, _ in attention._plan.calls] == ["lo_paged_prefill"]
 
 
 def test_platform_picks_native_ops_when_they_build(monkeypatch):

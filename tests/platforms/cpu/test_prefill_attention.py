@@ -10,9 +10,12 @@ accumulate in float32 with the same exp approximation (a few ulps)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
+from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.torch_paged import TorchPagedAttention
 from pagedserve.platforms.cpu import layer_ops
 from pagedserve.platforms.cpu.attention import CpuPagedAttention
@@ -42,7 +45,7 @@ def attend(heads, kv_heads, dim, contexts, news, kv_dtype, block_size=16, seed=0
                                                       contexts, news, seed, kv_dtype)
     attention = CpuPagedAttention(heads, dim, kv_heads, dim ** -0.5)
     out = attention.forward(q, k, v, cache, meta)
-    assert attention._kernel[0] == "lo_paged_prefill"
+    assert [name for name, _ in attention._plan.calls] == ["lo_paged_prefill"]
     expected = causal_reference(q, keys, values, contexts, dim ** -0.5, heads // kv_heads,
                                 kv_dtype)
     written = cache.view(2, -1, kv_heads, dim)[:, meta.slot_mapping]
@@ -151,4 +154,56 @@ def test_rows_of_no_sequence_take_the_torch_path():
     meta.slot_mapping = torch.cat([meta.slot_mapping, meta.slot_mapping[-1:]])
     attention = CpuPagedAttention(2, 16, 1, 0.25)
     out = attention.forward(q, k, v, cache, meta)
-    assert attention._kernel is None and torch.isfinite(out[:5]).all()
+    assert attention._plan is None and torch.isfinite(out[:5]).all()
+
+
+def _alone(meta: AttentionMetadata, seqs: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+    """``meta`` cut down to sequences ``seqs`` (a step of them alone) and their rows."""
+    starts = meta.query_start_loc.tolist()
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
+    lens = [meta.query_lens_cpu[i] for i in seqs]
+    picked = torch.tensor(seqs)
+    sub = AttentionMetadata(
+        num_seqs=len(seqs), num_tokens=len(rows), max_query_len=max(lens),
+        max_seq_len=meta.max_seq_len, block_size=meta.block_size,
+        query_start_loc=torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32),
+        seq_lens=meta.seq_lens[picked], context_lens=meta.context_lens[picked],
+        block_tables=meta.block_tables[picked], slot_mapping=meta.slot_mapping[rows],
+        query_lens_cpu=lens, seq_lens_cpu=[meta.seq_lens_cpu[i] for i in seqs],
+        prompt_cpu=[meta.prompt_cpu[i] for i in seqs])
+    return sub, rows
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_decode_rows_among_prompt_chunks_match_their_own_steps(kv_dtype, poisoned, native_only):
+    """A step of decode rows and prompt chunks (one of them a single row after a cached
+    prefix): the decode rows take ``lo_paged_decode`` and come out bit for bit as in a step of
+    decode rows alone, the chunks take ``lo_paged_prefill`` and come out as in a step of
+    chunks alone, all within TOL of float64. So a stream's decode tokens do not depend on what
+    shares its step (int8 activations would turn a last-place difference into a different
+    token). Run through the prefill kernel as before, the decode rows differ."""
+    heads, kv_heads, dim = 6, 2, 64
+    contexts, news = [40, 0, 17, 300, 33], [1, 23, 1, 5, 1]
+    prompt = [False, True, False, True, True]
+    cache, q, k, v, meta, keys, values = prefill_case(16, heads, kv_heads, dim, contexts, news,
+                                                      7, kv_dtype)
+    meta.prompt_cpu = prompt
+
+    def attend(step_meta, rows):
+        attention = CpuPagedAttention(heads, dim, kv_heads, dim ** -0.5)
+        out = attention.forward(q[rows], k[rows], v[rows], cache.clone(), step_meta)
+        return out, [name for name, _ in attention._plan.calls]
+
+    everything = torch.arange(sum(news))
+    mixed, kernels = attend(meta, everything)
+    assert kernels == ["lo_paged_prefill", "lo_paged_decode"]
+    close(mixed, causal_reference(q, keys, values, contexts, dim ** -0.5, heads // kv_heads,
+                                  kv_dtype))
+    for seqs, kernel in (([0, 2], "lo_paged_decode"), ([1, 3, 4], "lo_paged_prefill")):
+        alone, kernels = attend(*_alone(meta, seqs))
+        assert kernels == [kernel]
+        assert torch.equal(alone, mixed[_alone(meta, seqs)[1]])
+    meta.prompt_cpu = [True] * len(news)  # every row through the prefill kernel
+    through_prefill, _ = attend(meta, everything)
+    decode_rows = _alone(meta, [0, 2])[1]
+    assert not torch.equal(through_prefill[decode_rows], mixed[decode_rows])

@@ -67,5 +67,8 @@ def test_without_the_native_kernel_groups_int4pack_cannot_split_are_dequantized(
     assert isinstance(method, DenseLinearMethod)
     layer = nn.Module()
     method.create_weights(layer, w, torch.float32, torch.device("cpu"))
-    x = torch.randn(2, 48)
-    torch.testing.assert_close(method.apply(layer, x).double(), reference(x, w))
+    x = torch.randn(2, 48, generator=torch.Generator().manual_seed(2))
+    expected = reference(x, w)
+    # float32 rounding, as in test_matches_float64 (a fixed 1e-7 absolute bound failed on a
+    # 1.1e-7 difference, depending on which x the global generator had left).
+    assert (method.apply(layer, x).double() - expected).abs().max() / expected.abs().max() < 2e-5

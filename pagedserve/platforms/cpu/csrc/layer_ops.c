@@ -325,21 +325,25 @@ static void attend_heads_any(const float *q, long q_s1, int nh, const void *key_
    is one layer's [2, num_blocks, block_size, kv_heads, dim], float32, or bfloat16 if
    kv_bf16 (k and v rounded to it on the way in). Writes each row's key and value to
    slot_mapping[i], then out [seqs, heads, dim] (contiguous) is attention of q over the
-   sequence's seq_lens[i] cached tokens. Query head h reads kv head h / (heads / kv_heads). */
+   sequence's seq_lens[i] cached tokens. Query head h reads kv head h / (heads / kv_heads).
+   With `rows` (else NULL), sequence i's row of q, k, v, slot_mapping and out is rows[i]
+   instead of i: the one-row sequences of a step whose other rows lo_paged_prefill takes. A
+   row's arithmetic depends on its sequence alone, never on the others of the call. */
 void lo_paged_decode(const float *q, long q_s0, long q_s1, const float *k, long k_s0,
                      long k_s1, const float *v, long v_s0, long v_s1, void *kv_cache,
                      int kv_bf16, long num_blocks, const int64_t *slot_mapping,
                      const int32_t *block_tables, long bt_stride, const int32_t *seq_lens,
-                     int seqs, int heads, int kv_heads, int dim, int block_size, float scale,
-                     float *out, int threads) {
+                     const int64_t *rows, int seqs, int heads, int kv_heads, int dim,
+                     int block_size, float scale, float *out, int threads) {
     void *key_cache = kv_cache;
     void *value_cache = (char *)kv_cache
                         + num_blocks * block_size * kv_heads * dim * (kv_bf16 ? 2 : 4);
     for (int i = 0; i < seqs; i++) {
+        long r = rows ? rows[i] : i;
         for (int h = 0; h < kv_heads; h++) {
-            long row = (slot_mapping[i] * kv_heads + h) * dim;
-            store_row(key_cache, row, k + i * k_s0 + h * k_s1, dim, kv_bf16);
-            store_row(value_cache, row, v + i * v_s0 + h * v_s1, dim, kv_bf16);
+            long row = (slot_mapping[r] * kv_heads + h) * dim;
+            store_row(key_cache, row, k + r * k_s0 + h * k_s1, dim, kv_bf16);
+            store_row(value_cache, row, v + r * v_s0 + h * v_s1, dim, kv_bf16);
         }
     }
     /* Work items are (sequence, kv head, slice of its query heads): whole groups share
@@ -355,9 +359,10 @@ void lo_paged_decode(const float *q, long q_s0, long q_s1, const float *k, long 
     for (int w = 0; w < items * splits; w++) {
         int i = w / (kv_heads * splits), g = w / splits % kv_heads, part = w % splits;
         int h0 = g * group + part * per, nh = group - part * per < per ? group - part * per : per;
-        attend_heads_any(q + i * q_s0 + h0 * q_s1, q_s1, nh, key_cache, value_cache,
+        long r = rows ? rows[i] : i;
+        attend_heads_any(q + r * q_s0 + h0 * q_s1, q_s1, nh, key_cache, value_cache,
                          block_tables + i * bt_stride, seq_lens[i], block_size, kv_heads, g,
-                         dim, kv_bf16, scale, out + ((long)i * heads + h0) * dim);
+                         dim, kv_bf16, scale, out + (r * heads + h0) * dim);
     }
 }
 
@@ -587,50 +592,66 @@ static void prefill_tile_any(const float *q, long q_s0, long q_s1, int tokens, i
 #undef TILE
 }
 
+/* The last c in [0, count) with starts[c] <= n (starts ascending, starts[0] <= n). */
+static int last_at_most(const int *starts, int count, int n) {
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (starts[mid] <= n) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Any step: sequence i owns query rows query_start_loc[i] .. query_start_loc[i + 1] - 1, the
    last of its seq_lens[i] tokens (those before them are cached). q/k/v [rows, heads or
    kv_heads, dim], kv_cache and block tables as in lo_paged_decode. Writes every row's key and
    value to slot_mapping[row], then out [rows, heads, dim] (contiguous) is causal attention:
-   a row at position p sees the sequence's keys 0 .. p. */
+   a row at position p sees the sequence's keys 0 .. p. With `seq_ids` (else NULL), only
+   sequences seq_ids[0 .. count - 1] are written and attended (their rows of out alone). */
 void lo_paged_prefill(const float *q, long q_s0, long q_s1, const float *k, long k_s0,
                       long k_s1, const float *v, long v_s0, long v_s1, void *kv_cache,
                       int kv_bf16, long num_blocks, const int64_t *slot_mapping,
                       const int32_t *block_tables, long bt_stride,
                       const int32_t *query_start_loc, const int32_t *seq_lens, int seqs,
-                      int heads, int kv_heads, int dim, int block_size, float scale,
-                      float *out, int threads) {
+                      const int32_t *seq_ids, int count, int heads, int kv_heads, int dim,
+                      int block_size, float scale, float *out, int threads) {
     void *key_cache = kv_cache;
     void *value_cache = (char *)kv_cache
                         + num_blocks * block_size * kv_heads * dim * (kv_bf16 ? 2 : 4);
-    int rows = query_start_loc[seqs];
+    if (!seq_ids) count = seqs;
+    /* first_row[c]: the step's rows of the first c chosen sequences (contiguous when all are
+       chosen); first[c]: their work items, which go kv head fastest, then a sequence's tiles
+       last to first, so the dynamic schedule starts the longest (latest) tiles first. */
+    int group = heads / kv_heads, tile = PREFILL_ROWS / group > 1 ? PREFILL_ROWS / group : 1;
+    int first[count + 1], first_row[count + 1];
+    first[0] = first_row[0] = 0;
+    for (int c = 0; c < count; c++) {
+        int i = seq_ids ? seq_ids[c] : c, len = query_start_loc[i + 1] - query_start_loc[i];
+        first[c + 1] = first[c] + (len + tile - 1) / tile * kv_heads;
+        first_row[c + 1] = first_row[c] + len;
+    }
+    int rows = first_row[count];
 #pragma omp parallel for num_threads(threads) if ((long)rows * kv_heads * dim >= PARALLEL_MIN)
-    for (int t = 0; t < rows; t++) {
+    for (int n = 0; n < rows; n++) {
+        long t = n;
+        if (seq_ids) {  /* in the chosen sequence that holds the n-th chosen row */
+            int c = last_at_most(first_row, count, n);
+            t = query_start_loc[seq_ids[c]] + n - first_row[c];
+        }
         for (int h = 0; h < kv_heads; h++) {
             long row = (slot_mapping[t] * kv_heads + h) * dim;
             store_row(key_cache, row, k + t * k_s0 + h * k_s1, dim, kv_bf16);
             store_row(value_cache, row, v + t * v_s0 + h * v_s1, dim, kv_bf16);
         }
     }
-    int group = heads / kv_heads, tile = PREFILL_ROWS / group > 1 ? PREFILL_ROWS / group : 1;
-    /* first[i]: sequence i's first work item; items go kv head fastest, then a sequence's
-       tiles last to first, so the dynamic schedule starts the longest (latest) tiles first. */
-    int first[seqs + 1];
-    first[0] = 0;
-    for (int i = 0; i < seqs; i++) {
-        int len = query_start_loc[i + 1] - query_start_loc[i];
-        first[i + 1] = first[i] + (len + tile - 1) / tile * kv_heads;
-    }
 #pragma omp parallel for num_threads(threads) schedule(dynamic)
-    for (int w = 0; w < first[seqs]; w++) {
-        int lo = 0, hi = seqs - 1;  /* the sequence: the last i with first[i] <= w */
-        while (lo < hi) {
-            int mid = (lo + hi + 1) / 2;
-            if (first[mid] <= w) lo = mid;
-            else hi = mid - 1;
-        }
-        int i = lo, start = query_start_loc[i], len = query_start_loc[i + 1] - start;
-        int tiles = (len + tile - 1) / tile, g = (w - first[i]) % kv_heads;
-        int t0 = (tiles - 1 - (w - first[i]) / kv_heads) * tile;
+    for (int w = 0; w < first[count]; w++) {
+        int c = last_at_most(first, count, w);  /* the chosen sequence */
+        int i = seq_ids ? seq_ids[c] : c, start = query_start_loc[i];
+        int len = query_start_loc[i + 1] - start;
+        int tiles = (len + tile - 1) / tile, g = (w - first[c]) % kv_heads;
+        int t0 = (tiles - 1 - (w - first[c]) / kv_heads) * tile;
         int tokens = len - t0 < tile ? len - t0 : tile;
         long r0 = start + t0;
         prefill_tile_any(q + r0 * q_s0 + (long)g * group * q_s1, q_s0, q_s1, tokens, group,
