@@ -12,7 +12,9 @@ Two hold-backs keep every emitted delta final:
   ``DecodeStream``, primed with the same prompt tokens: some six times cheaper than two Python
   decodes, which matters at hundreds of sequences per step.
 * Stop strings: the last ``len(longest stop) - 1`` characters are not emitted until more text
-  shows they do not begin a stop string, so text past a stop never reaches a client.
+  shows they do not begin a stop string, so text past a stop never reaches a client. As in
+  vLLM, a stop string counts only once ``min_tokens`` tokens are out, and only where it ends
+  in the text of a token from then on: text the client asked to have is never cut.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class IncrementalDetokenizer:
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._stop_lookback = max((len(s) for s in params.stop), default=1) - 1
+        self._min_tokens = params.min_tokens
+        self._num_output = 0
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         if self._decode(self._ids).endswith(_REPLACEMENT):
             # The prompt ends mid-character; output bytes would merge into it and the diff
@@ -66,6 +70,7 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None:
             return ""
         self._ids.append(token_id)
+        self._num_output += 1
         if self._stream is None:
             return self._consume(self._decode_new(), final=False)
         piece = self._stream.step(self._tokenizer._tokenizer, token_id)
@@ -108,7 +113,7 @@ class IncrementalDetokenizer:
         """Append decoded text, cut at a stop string if one completes, return the delta."""
         start = len(self._decoded)
         self._decoded += new_text
-        cut = self._find_stop(start)
+        cut = self._find_stop(start) if self._num_output >= self._min_tokens else None
         if cut is not None:
             self._decoded = self._decoded[:cut]
             releasable = cut

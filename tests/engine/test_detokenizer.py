@@ -122,6 +122,23 @@ def test_stop_string_spanning_tokens():
     assert detok.text == "Hello wo"
 
 
+def test_stop_strings_count_only_from_min_tokens_on():
+    """A stop string ending in the text of the first min_tokens - 1 tokens is not searched
+    again later: the text the client required stays, and the first stop after it cuts (vLLM's
+    rule). One that ends in the min_tokens-th token's text counts."""
+    ids = encode(" 5, 6, 7,")
+    tok = byte_level_tokenizer()
+    # Tokens it takes to reach the first, second and third comma.
+    reach = [next(n for n in range(1, len(ids) + 1) if tok.decode(ids[:n]).count(",") == c)
+             for c in (1, 2, 3)]
+    detok, _ = run(ids, stop=[","], min_tokens=reach[0])
+    assert (detok.text, detok.stop_reason) == (" 5", ",")
+    detok, _ = run(ids, stop=[","], min_tokens=reach[0] + 1)
+    assert (detok.text, detok.stop_reason) == (" 5, 6", ",")
+    detok, deltas = run(ids, stop=[","], min_tokens=reach[2])
+    assert detok.text == " 5, 6, 7" and "".join(deltas) == detok.text
+
+
 def test_earliest_stop_wins_whatever_the_list_order():
     ids = encode("Hello world")
     for stops in (["o w", " w"], [" w", "o w"]):
