@@ -75,7 +75,8 @@ class EngineConfig:
         None, "tokens computed in one step, at most (default: 2048; without chunked prefill "
               "at least --max-model-len)")
     max_model_len: int | None = option(
-        None, "context length (default: the model's, or its sliding window if smaller)")
+        None, "context length (default: the model's, or its sliding window if smaller, "
+              "lowered to what the KV cache holds)")
     kv_cache_memory_bytes: int | None = option(
         None, "bytes for the KV cache (default: sized from --gpu-memory-utilization)",
         exclusive="kv_cache_size")
@@ -240,6 +241,22 @@ class EngineConfig:
             shape_bucketing=(platform.buckets_shapes if self.shape_bucketing is None
                              else self.shape_bucketing),
         )
+
+    def fit_kv_cache(self, resolved: ResolvedConfig, capacity: int) -> ResolvedConfig:
+        """``resolved`` with a context length the KV cache holds (``capacity`` tokens): a
+        request of the model's whole length could never run, and the requests that leave
+        max_tokens unset (the OpenAI SDK's chat default) would all be refused. The model's own
+        limit is lowered to the cache; a --max-model-len that does not fit is an error."""
+        if resolved.max_model_len <= capacity:
+            return resolved
+        if self.max_model_len is not None:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} does not fit in the KV cache, which "
+                f"holds {capacity} tokens; lower it, or give the cache more memory "
+                "(--kv-cache-memory-bytes, --gpu-memory-utilization)")
+        return dataclasses.replace(
+            resolved, max_model_len=capacity,
+            long_prefill_token_threshold=self._long_prefill_token_threshold(capacity))
 
     def scheduler_config(self, resolved: ResolvedConfig) -> SchedulerConfig:
         return SchedulerConfig(

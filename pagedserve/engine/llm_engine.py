@@ -83,6 +83,13 @@ class LLMEngine:
         self.max_model_len = self.resolved.max_model_len
         self.executor = Executor(config)
         sizes = self.executor.kv_sizes
+        fitted = config.fit_kv_cache(self.resolved, sizes.num_blocks * self.resolved.block_size)
+        if fitted.max_model_len < self.max_model_len:
+            logger.warning("the KV cache holds %d tokens, fewer than the model's context length "
+                           "(%d): max_model_len lowered to %d (give the cache more memory to "
+                           "keep it)", fitted.max_model_len, self.max_model_len,
+                           fitted.max_model_len)
+        self.resolved, self.max_model_len = fitted, fitted.max_model_len
         self.kv_bytes_per_block = sizes.bytes_per_block
         self.kv = KVCacheManager(sizes.num_blocks, self.resolved.block_size,
                                  config.enable_prefix_caching, sizes.num_host_blocks,

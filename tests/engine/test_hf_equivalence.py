@@ -70,10 +70,25 @@ def test_preemption_under_tiny_pool_matches_large_pool(tiny_model):
 
 
 def test_request_that_can_never_fit_is_rejected(tiny_model):
+    """A pool of 16 tokens: the context length is lowered to it (requests that leave
+    max_tokens unset still run), a longer prompt is refused by it, and so is a request whose
+    best_of copies could not all fit."""
     llm = make_llm(tiny_model, num_blocks=4, block_size=4)
-    with pytest.raises(ValueError, match="pool holds 16"):
+    assert llm.engine.max_model_len == 16
+    with pytest.raises(ValueError, match="context length is 16"):
         llm.generate([list(range(3, 40))], SamplingParams(max_tokens=8), use_tqdm=False)
+    with pytest.raises(ValueError, match="pool holds 16"):
+        llm.generate([list(range(3, 11))], SamplingParams(max_tokens=4, n=3), use_tqdm=False)
+    out = llm.generate([list(range(3, 11))], SamplingParams(max_tokens=None, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8  # to the lowered context length
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_context_length_the_cache_cannot_hold_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="--max-model-len 64 does not fit in the KV cache, "
+                                         "which holds 16 tokens"):
+        make_llm(tiny_model, num_blocks=4, block_size=4, max_model_len=64)
 
 
 def test_greedy_matches_transformers_with_shape_bucketing(tiny_model_folder):
