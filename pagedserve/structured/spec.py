@@ -12,11 +12,15 @@ from pagedserve.sampling_params import InvalidSamplingParam, StructuredOutputsPa
 
 # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:line: ".
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# OpenAI's json_object promises an object; xgrammar's builtin JSON grammar also allows a
+# top-level array or scalar. Compiled as this schema instead, as vLLM does.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 
 class GrammarSpec(NamedTuple):
     """``kind`` is json | regex | grammar | json_object; ``text`` the schema as JSON text
-    (keys in the caller's order: properties are generated in that order), pattern or EBNF."""
+    (keys in the caller's order: properties are generated in that order; json_object's is
+    ``JSON_OBJECT_SCHEMA``), pattern or EBNF."""
 
     kind: str
     text: str
@@ -34,7 +38,7 @@ def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
         return GrammarSpec("grammar", f"root ::= {alternatives}")
     if params.grammar is not None:
         return GrammarSpec("grammar", params.grammar)
-    return GrammarSpec("json_object", "")
+    return GrammarSpec("json_object", JSON_OBJECT_SCHEMA)
 
 
 def to_grammar(spec: GrammarSpec):
@@ -43,14 +47,12 @@ def to_grammar(spec: GrammarSpec):
     import xgrammar as xgr
 
     try:
-        if spec.kind == "json":
+        if spec.kind in ("json", "json_object"):
             # No free whitespace between tokens: a small model would otherwise pad forever.
             return xgr.Grammar.from_json_schema(spec.text, any_whitespace=False)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.text)
-        if spec.kind == "grammar":
-            return xgr.Grammar.from_ebnf(spec.text)
-        return xgr.Grammar.builtin_json_grammar()
+        return xgr.Grammar.from_ebnf(spec.text)
     except (RuntimeError, ValueError, TypeError) as exc:
         message = _LOCATION.sub("", str(exc).strip())
         raise InvalidSamplingParam(

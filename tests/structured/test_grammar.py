@@ -98,6 +98,22 @@ def test_choice_grammar_accepts_exactly_the_choices(tokenizer):
         assert accepted == (text in choices), text
 
 
+def test_json_object_grammar_accepts_only_an_object(tokenizer):
+    """OpenAI's json_object promises an object: a top-level array or scalar is refused (the
+    builtin JSON grammar took ``[0.999]``), with the json_schema path's fixed whitespace."""
+    from pagedserve.structured.compiler import GrammarCompilerPool
+
+    pool = GrammarCompilerPool(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, num_workers=1,
+                               timeout_s=60)
+    compiled = pool.get(grammar_spec(StructuredOutputsParams(json_object=True))).result()
+    objects = ['{"a": [1, true], "b": {"c": null}}', "{}"]
+    others = ["[0.999]", "[true]", "3", '"s"', "null", '{"a":1}', '{ "a": 1}']
+    for text in objects + others:
+        matcher = xgr.GrammarMatcher(compiled)
+        accepted = matcher.accept_string(text) and matcher.is_completed()
+        assert accepted == (text in objects), text
+
+
 def _mask_of(matcher, vocab_size: int) -> torch.Tensor:
     bitmask = xgr.allocate_token_bitmask(1, vocab_size)
     matcher.fill_next_token_bitmask(bitmask)
