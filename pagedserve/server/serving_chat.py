@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import StreamingResponse
 
-from pagedserve.outputs import CompletionOutput, TokenLogprobs
+from pagedserve.outputs import CompletionOutput, Logprob, TokenLogprobs
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.server.errors import bad_request, stream_error
 from pagedserve.server.protocol import (
@@ -42,6 +42,7 @@ from pagedserve.server.serving_models import (
     ServingModels,
     TimedStream,
 )
+from pagedserve.server.token_bytes import TokenBytes
 from pagedserve.server.tool_choice import ToolCallStream, ToolPlan, call_id
 from pagedserve.server.tool_parsers import ToolParser
 
@@ -65,6 +66,7 @@ class ChatServing:
                                param=request.max_tokens_field)
         params = _with_tool_constraint(request.to_sampling_params(), plan)
         model.check_params(params)
+        token_bytes = await model.token_bytes() if request.logprobs else None
         request_id = random_id("chatcmpl")
 
         def field_name(param: str) -> str:  # a bad tool schema is the tools' fault
@@ -76,39 +78,32 @@ class ChatServing:
                                      route.lora)
         if request.stream:
             return StreamingResponse(
-                self._stream(route.name, request, plan, request_id, len(token_ids), stream),
+                self._stream(route.name, request, plan, request_id, len(token_ids), stream,
+                             token_bytes),
                 media_type="text/event-stream")
         try:
             final = await stream.final()
         finally:
             stream.close()
-        choices = [self._choice(request, plan, o) for o in final.outputs]
+        choices = [self._choice(request, plan, o, token_bytes) for o in final.outputs]
         completion_tokens = final.metrics.num_generated_tokens
         return ChatCompletionResponse(id=request_id, model=route.name, choices=choices,
                                       usage=UsageInfo.of(len(token_ids), completion_tokens))
 
-    def _choice(self, request: ChatCompletionRequest, plan: ToolPlan,
-                out: CompletionOutput) -> ChatChoice:
+    def _choice(self, request: ChatCompletionRequest, plan: ToolPlan, out: CompletionOutput,
+                token_bytes: TokenBytes | None) -> ChatChoice:
         parsed = plan.parse(out.text)
         calls = [ToolCall(id=call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                  for c in parsed.calls]
         message = AssistantMessage(content=parsed.content, tool_calls=calls)
         return ChatChoice(index=out.index, message=message,
-                          logprobs=self._logprobs(request, out.token_ids, out.logprobs),
+                          logprobs=_logprobs(request, out.token_ids, out.logprobs, token_bytes),
                           finish_reason=_finish_reason(out.finish_reason, bool(calls)),
                           stop_reason=out.stop_reason)
 
-    def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
-                  entries: list[TokenLogprobs] | None) -> ChatLogprobs | None:
-        if not request.logprobs:
-            return None
-        k = request.top_logprobs or 0
-        return ChatLogprobs(content=[_token_logprob(t, e, k)
-                                     for t, e in zip(token_ids, entries or [], strict=False)])
-
     async def _stream(self, name: str, request: ChatCompletionRequest, plan: ToolPlan,
-                      request_id: str, num_prompt_tokens: int,
-                      stream: TimedStream) -> AsyncIterator[str]:
+                      request_id: str, num_prompt_tokens: int, stream: TimedStream,
+                      token_bytes: TokenBytes | None) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices: list[dict], usage: UsageInfo | None = None) -> bytes:
@@ -123,8 +118,10 @@ class ChatServing:
                          for i in range(n)])
             async for output in stream:
                 for out in output.outputs:
-                    choice = self._delta(request, out, sent[out.index]) if tools is None \
-                        else _tool_delta(out, sent[out.index], tools[out.index])
+                    if tools is None:
+                        choice = _delta(request, out, sent[out.index], token_bytes)
+                    else:
+                        choice = _tool_delta(out, sent[out.index], tools[out.index])
                     if choice is not None:
                         yield chunk([choice])
                 if output.finished:
@@ -137,20 +134,32 @@ class ChatServing:
             stream.close()
         yield SSE_DONE
 
-    def _delta(self, request: ChatCompletionRequest, out: CompletionOutput,
-               sent: ChoiceProgress) -> dict | None:
-        if sent.done:
-            return None
-        text = out.text[sent.num_chars:]
-        token_ids = out.token_ids[sent.num_tokens:]
-        if not text and not out.finished and not (token_ids and request.logprobs):
-            return None
-        # The engine may have appended entries past this snapshot's tokens already.
-        entries = (out.logprobs or [])[sent.num_tokens:len(out.token_ids)]
-        sent.advance(out)
-        return choice_dict(out.index, out.finish_reason, out.stop_reason,
-                           self._logprobs(request, token_ids, entries),
-                           delta={"content": text} if text else {})
+
+def _delta(request: ChatCompletionRequest, out: CompletionOutput, sent: ChoiceProgress,
+           token_bytes: TokenBytes | None) -> dict | None:
+    if sent.done:
+        return None
+    text = out.text[sent.num_chars:]
+    token_ids = out.token_ids[sent.num_tokens:]
+    if not text and not out.finished and not (token_ids and request.logprobs):
+        return None
+    # The engine may have appended entries past this snapshot's tokens already.
+    entries = (out.logprobs or [])[sent.num_tokens:len(out.token_ids)]
+    sent.advance(out)
+    return choice_dict(out.index, out.finish_reason, out.stop_reason,
+                       _logprobs(request, token_ids, entries, token_bytes),
+                       delta={"content": text} if text else {})
+
+
+def _logprobs(request: ChatCompletionRequest, token_ids: list[int],
+              entries: list[TokenLogprobs] | None,
+              token_bytes: TokenBytes | None) -> ChatLogprobs | None:
+    """``token_bytes`` is set whenever the request asks for logprobs."""
+    if not request.logprobs:
+        return None
+    k = request.top_logprobs or 0
+    return ChatLogprobs(content=[_token_logprob(t, e, k, token_bytes)
+                                 for t, e in zip(token_ids, entries or [], strict=False)])
 
 
 def render_chat(model: ServedModel, messages: list[ChatMessage],
@@ -204,13 +213,17 @@ def _with_tool_constraint(params: SamplingParams, plan: ToolPlan) -> SamplingPar
     return dataclasses.replace(params, structured_outputs=constraint)
 
 
-def _token_logprob(token: int, entry: TokenLogprobs, k: int) -> ChatTokenLogprob:
-    top = sorted((lp for lp in entry.values() if lp.rank <= k), key=lambda lp: lp.rank)[:k]
-    sampled = entry[token]
-    return ChatTokenLogprob(**_top(sampled).model_dump(), top_logprobs=[_top(lp) for lp in top])
+def _token_logprob(token: int, entry: TokenLogprobs, k: int,
+                   token_bytes: TokenBytes) -> ChatTokenLogprob:
+    top = sorted((item for item in entry.items() if item[1].rank <= k),
+                 key=lambda item: item[1].rank)[:k]
+    return ChatTokenLogprob(**_top(token, entry[token], token_bytes).model_dump(),
+                            top_logprobs=[_top(t, lp, token_bytes) for t, lp in top])
 
 
-def _top(lp) -> TopLogprob:
+def _top(token: int, lp: Logprob, token_bytes: TokenBytes) -> TopLogprob:
+    """``bytes`` are the token's own, not the UTF-8 of its text: a token that holds part
+    of a character decodes to U+FFFD."""
     text = lp.decoded_token or ""
     return TopLogprob(token=text, logprob=max(lp.logprob, MIN_LOGPROB),
-                      bytes=list(text.encode("utf-8")))
+                      bytes=token_bytes.of(token, text))

@@ -28,6 +28,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import SERVER_ERROR, APIError, bad_request
 from pagedserve.server.metrics import ModelMetrics, RequestTimer, ServerMetrics
 from pagedserve.server.protocol import ModelCard, ModelList
+from pagedserve.server.token_bytes import TokenBytes
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 # Sequences one API request may start (prompts x best_of): a 4 MB body of one-token prompts
@@ -47,6 +48,7 @@ class ServedModel:
     lora: LoRAFacts | None = None  # what its adapters must fit; None: LoRA is off
     card: ModelCard = field(init=False)
     _tokenizer_thread: ThreadPoolExecutor = field(init=False, repr=False)
+    _token_bytes: TokenBytes | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.card = ModelCard(id=self.name, max_model_len=self.max_model_len)
@@ -59,6 +61,13 @@ class ServedModel:
         tokenizer is not safe to share between threads (tokenizers' "Already borrowed")."""
         return await asyncio.get_running_loop().run_in_executor(
             self._tokenizer_thread, partial(work, *args))
+
+    async def token_bytes(self) -> TokenBytes:
+        """The vocabulary's raw bytes (chat logprobs), built by the first request that asks,
+        on the tokenizer's thread."""
+        if self._token_bytes is None:
+            self._token_bytes = await self.off_loop(TokenBytes, self.tokenizer)
+        return self._token_bytes
 
     @classmethod
     def of(cls, engine: EngineCoreClient, metrics: ServerMetrics) -> ServedModel:

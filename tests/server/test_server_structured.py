@@ -169,6 +169,24 @@ def test_json_object_regex_choice_and_grammar(smol):
         assert re.fullmatch(r"[1-9][0-9]?([+-][1-9][0-9]?)*", text), text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprob_bytes_of_split_characters_join_to_the_content(smol, stream):
+    """Each emoji is several byte-level tokens whose texts are U+FFFD; their ``bytes`` are
+    their own, so the content tokens' bytes join to the content's UTF-8."""
+    emoji = "🚀✨🎉"
+    response = smol.client().chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=20, temperature=0, logprobs=True,
+        top_logprobs=2, stream=stream, extra_body={"structured_outputs": {"choice": [emoji]}})
+    chunks = response if stream else [response]
+    content = [t for c in chunks for choice in c.choices if choice.logprobs
+               for t in choice.logprobs.content]
+    assert content[-1].token == "<|im_end|>"  # the end-of-sequence token has its logprob too
+    assert "\ufffd" in [t.token for t in content]
+    assert b"".join(bytes(t.bytes) for t in content[:-1]) == emoji.encode()
+    for t in content:  # the sampled token among the top ones carries the same bytes
+        assert all(top.bytes == t.bytes for top in t.top_logprobs if top.logprob == t.logprob)
+
+
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": _object({"city": _string(16), "unit": {"enum": ["C", "F"]}})}}
