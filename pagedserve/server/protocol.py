@@ -266,7 +266,8 @@ class ToolCall(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant", "tool"]
+    # "developer" is OpenAI's newer name for "system"; chat templates know only "system".
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | list[TextPart] | None, AfterValidator(_unicode_text)] = None
     name: Annotated[str | None, AfterValidator(_unicode_text)] = None
     tool_calls: list[ToolCall] | None = None  # assistant messages only
@@ -288,7 +289,8 @@ class ChatMessage(StrictModel):
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it (HF's convention: a tool call's arguments
         as a dict, which templates render with ``tojson``)."""
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:

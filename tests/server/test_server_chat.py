@@ -99,3 +99,17 @@ def test_max_completion_tokens_and_stop(server, offline):
                                                   max_tokens=30, temperature=0, stop=stop)
     assert got.choices[0].finish_reason == "stop"
     assert got.choices[0].message.content == expected.text
+
+
+def test_developer_role_is_read_as_system(server):
+    """Newer OpenAI clients send OpenAI's ``developer`` role where older ones sent
+    ``system``; chat templates know only ``system``."""
+    developer = [{**MESSAGES[0], "role": "developer"}, *MESSAGES[1:]]
+    tokens = [server.post("/tokenize", json={"messages": m}).json()["tokens"]
+              for m in (developer, MESSAGES)]
+    assert tokens[0] == tokens[1]
+    client = server.client()
+    a, b = (client.chat.completions.create(model="model", messages=m, max_tokens=6,
+                                           temperature=0) for m in (developer, MESSAGES))
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage == b.usage
