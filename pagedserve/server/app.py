@@ -124,6 +124,10 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     async def list_models() -> dict:
         return models.models().model_dump()
 
+    @app.get("/v1/models/{model_id:path}")  # a hub id holds a "/"
+    async def retrieve_model(model_id: str) -> dict:
+        return models.card(model_id).model_dump()
+
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return _to_response(await _unless_disconnected(raw, completions.create(body)))

@@ -109,15 +109,17 @@ class ServedAdapter:
 
     request: LoRARequest
     base: ServedModel
+    # Made once, so that every listing and retrieval shows the same ``created``.
+    card: ModelCard = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        card = ModelCard(id=self.name, max_model_len=self.base.max_model_len,
+                         root=self.request.lora_path, parent=self.base.name)
+        object.__setattr__(self, "card", card)  # frozen
 
     @property
     def name(self) -> str:
         return self.request.lora_name
-
-    @property
-    def card(self) -> ModelCard:
-        return ModelCard(id=self.name, max_model_len=self.base.max_model_len,
-                         root=self.request.lora_path, parent=self.base.name)
 
 
 class Route(NamedTuple):
@@ -168,6 +170,11 @@ class ServingModels:
 
     def models(self) -> ModelList:
         return ModelList(data=[m.card for m in self] + [a.card for a in self.adapters()])
+
+    def card(self, name: str) -> ModelCard:
+        """The card ``models`` lists for the model or adapter ``name``; 404 if none."""
+        adapter = self._adapters.get(name)
+        return adapter.card if adapter is not None else self.base(name).card
 
     def adapters(self) -> list[ServedAdapter]:
         return list(self._adapters.values())

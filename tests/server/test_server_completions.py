@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import SamplingParams
+from tests.server.conftest import MAX_MODEL_LEN
 
 PROMPT = "the quick brown fox"
 
@@ -136,6 +137,22 @@ def test_models_health_version(server):
 
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_retrieve_a_model_as_listed_and_an_unknown_one_is_a_404(server):
+    import openai
+
+    client = server.client()
+    listed = client.models.list().data[0]
+    assert client.models.retrieve("model") == listed
+    assert listed.model_dump()["max_model_len"] == MAX_MODEL_LEN
+    for name in ("nope", "org/nope"):  # a hub id's "/" stays in the name
+        with pytest.raises(openai.NotFoundError) as exc:
+            client.models.retrieve(name)
+        assert exc.value.body["code"] == "model_not_found"
+        assert exc.value.body["param"] == "model"
+        assert exc.value.body["type"] == "invalid_request_error"
+        assert f"the model {name!r} does not exist" in exc.value.body["message"]
 
 
 def test_seed_uses_all_its_bits_and_each_choice_its_own_stream(server):

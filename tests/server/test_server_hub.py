@@ -27,6 +27,7 @@ def test_serve_a_hub_id_from_the_cache(chat_model, offline, tmp_path):
     with launch_server("org/chat", tmp_path, env=env) as server:
         client = server.client()
         assert [m.id for m in client.models.list().data] == ["org/chat"]
+        assert client.models.retrieve("org/chat").id == "org/chat"
         got = client.chat.completions.create(model="org/chat", messages=messages,
                                              max_tokens=10, temperature=0)
     assert got.choices[0].message.content == expected

@@ -119,6 +119,8 @@ def test_models_lists_the_adapters_with_their_parent(lora_server, adapters):
     assert cards[BASE].parent is None
     for name in ("attn", "mlp"):
         assert (cards[name].parent, cards[name].root) == (BASE, str(adapters[name]))
+    client = lora_server.client()
+    assert [client.models.retrieve(name) for name in cards] == list(cards.values())
 
 
 def test_an_unknown_model_is_a_404(lora_server):
