@@ -13,6 +13,7 @@ A few fields that change nothing in the output are accepted and ignored: ``user`
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -32,6 +33,9 @@ MIN_LOGPROB = -9999.0
 # Messages in one conversation: far past real ones; the count is checked before any message
 # is validated, so a body of 100k fails in milliseconds instead of seconds on the event loop.
 MAX_MESSAGES = 8192
+# A logit_bias key: at most 20 digits, as many as a 64-bit id has (int() raises past 4300;
+# the engine checks the vocabulary's range).
+_TOKEN_ID = re.compile(r"[0-9]{1,20}")
 
 
 class StrictModel(BaseModel):
@@ -416,10 +420,16 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """JSON object keys are strings; OpenAI's are token ids written as strings."""
     if not bias:
         return None
-    try:
-        return {int(token): value for token, value in bias.items()}
-    except ValueError:
-        raise InvalidSamplingParam("logit_bias", "logit_bias keys must be token ids") from None
+    return {_token_id(key): value for key, value in bias.items()}
+
+
+def _token_id(key: str) -> int:
+    """A logit_bias key as a token id: ASCII digits only, where ``int`` alone would also read
+    " 5", "+5", "1_0" and "٥"."""
+    if not _TOKEN_ID.fullmatch(key):
+        raise InvalidSamplingParam(
+            "logit_bias", f"logit_bias key {key!r} is not a token id (decimal digits 0-9)")
+    return int(key)
 
 
 # ---- responses --------------------------------------------------------------------------

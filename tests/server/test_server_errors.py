@@ -32,6 +32,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {**GOOD, "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {**GOOD, "logit_bias": {"100000": 1}}, 400, "logit_bias"),
     ("/v1/completions", {**GOOD, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {**GOOD, "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias"),
     ("/v1/completions", {**GOOD, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
@@ -161,6 +162,18 @@ def test_lone_surrogate_is_a_400_and_the_connection_stays_usable(server, path, b
         served = read_response(stream)
         assert served is not None and served.status == 200, served
         assert json.loads(served.body)["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("key", [" 5", "5 ", "+5", "-5", "٥", "1_0", "0x5", "5.0", ""])
+def test_logit_bias_key_of_anything_but_digits_is_a_400_naming_it(server, key):
+    """``int`` reads " 5", "+5", "1_0" and the Arabic-Indic "٥" as token ids; OpenAI's keys
+    are decimal digits."""
+    for path, body in (("/v1/completions", GOOD), ("/v1/chat/completions", CHAT)):
+        response = server.post(path, json={**body, "logit_bias": {"7": 1, key: 1}})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", "logit_bias")
+        assert f"logit_bias key {key!r} is not a token id" in error["message"]
 
 
 def test_unsupported_field_is_named_in_the_message(server):
