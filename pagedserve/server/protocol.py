@@ -171,7 +171,7 @@ class SamplingRequest(StrictModel):
             presence_penalty=_default(self.presence_penalty, 0.0),
             frequency_penalty=_default(self.frequency_penalty, 0.0),
             repetition_penalty=_default(self.repetition_penalty, 1.0),
-            logit_bias=_logit_bias(self.logit_bias), stop=self.stop or [],
+            logit_bias=_logit_bias(self.logit_bias), stop=_default(self.stop, []),
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,

@@ -176,6 +176,17 @@ def test_logit_bias_key_of_anything_but_digits_is_a_400_naming_it(server, key):
         assert f"logit_bias key {key!r} is not a token id" in error["message"]
 
 
+@pytest.mark.parametrize("stop", ["", [""], ["", ""], ["x", ""]])
+def test_an_empty_stop_string_is_a_400_alone_or_in_a_list(server, stop):
+    """``stop: ""`` was dropped as if absent while ``[""]`` was refused."""
+    for path, body in (("/v1/completions", GOOD), ("/v1/chat/completions", CHAT)):
+        response = server.post(path, json={**body, "stop": stop})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", "stop")
+        assert error["message"] == "stop strings must be non-empty"
+
+
 def test_unsupported_field_is_named_in_the_message(server):
     error = _assert_error(server.post("/v1/chat/completions",
                                       json={**CHAT, "functions": [], "suffix": "x"}), 400)
