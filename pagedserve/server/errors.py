@@ -42,9 +42,13 @@ def from_value_error(exc: ValueError) -> APIError:
 
 
 def stream_error(exc: Exception) -> ErrorResponse:
-    """The event that ends a stream that failed after its 200 went out."""
+    """The event that ends a stream that failed after its 200 went out: a request the engine
+    refused once it ran (a grammar that did not compile in time, or accepts nothing) is the
+    client's error, as it would have been a 400 before the stream began."""
     if isinstance(exc, APIError):
         return ErrorResponse(error=exc.info)
+    if isinstance(exc, InvalidSamplingParam):
+        return ErrorResponse(error=from_value_error(exc).info)
     return ErrorResponse(error=ErrorInfo(message=str(exc), type=SERVER_ERROR))
 
 

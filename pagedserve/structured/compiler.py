@@ -165,7 +165,14 @@ class GrammarCompilerPool:
             return True
         import xgrammar as xgr
 
-        self._settle(job, result=xgr.CompiledGrammar.deserialize_json(payload, self._info))
+        compiled = xgr.CompiledGrammar.deserialize_json(payload, self._info)
+        if _accepts_nothing(compiled):
+            self._settle(job, exc=InvalidSamplingParam(
+                "structured_outputs", f"the {job.spec.kind} grammar accepts no output: no "
+                "text satisfies it (for example a schema whose $ref only refers to itself, or "
+                "a regex that matches nothing)"))
+        else:
+            self._settle(job, result=compiled)
         return True
 
     def _settle(self, job: _Job, result=None, exc: BaseException | None = None) -> None:
@@ -180,6 +187,17 @@ class GrammarCompilerPool:
 
 
 _TIMED_OUT = object()
+
+
+def _accepts_nothing(compiled) -> bool:
+    """Whether no first token, not even a stop token, is allowed: the grammar's language is
+    empty, and a request would sample from a mask of nothing."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return not bool(bitmask.any()) and not matcher.is_terminated()
 
 
 class _Worker:

@@ -164,6 +164,28 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_alone(default_llm, mo
     assert_pools_full(default_llm.engine.kv)
 
 
+@pytest.mark.parametrize("structured", [
+    StructuredOutputsParams(regex="[^\\s\\S]"),
+    StructuredOutputsParams(json={"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}),
+], ids=["regex-of-nothing", "self-referring-schema"])
+def test_a_grammar_that_accepts_nothing_is_refused(default_llm, structured):
+    """No first token, not even a stop, satisfies it: the request is refused (the server's
+    400) instead of sampling from an empty mask."""
+    engine = default_llm.engine
+    request_id = engine.add_request("x", SamplingParams(max_tokens=8,
+                                                        structured_outputs=structured))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        if request_id in engine.refused:
+            break
+    refusal = engine.refused[request_id]
+    assert refusal.param == "structured_outputs" and "accepts no output" in str(refusal)
+    assert [o.outputs[0].finish_reason for o in outputs] == ["error"]
+    assert not engine.has_unfinished_requests()
+    assert_pools_full(engine.kv)
+
+
 def test_grammar_ends_the_output_without_eos(default_llm):
     """With ignore_eos the grammar still ends the stream once it is complete."""
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,

@@ -24,7 +24,8 @@ PROMPT = ("Copy this code without changes:\ndef add(a, b):\n    return a + b\n\n
 
 def _spec_server(folder, log_dir, spec: dict):
     return launch_server(folder, log_dir, "--speculative-config", json.dumps(spec),
-                         "--kv-cache-memory-bytes", str(KV_BYTES), "--no-int8-activations")
+                         "--kv-cache-memory-bytes", str(KV_BYTES), "--no-int8-activations",
+                         "--max-model-len", "1024")  # what the cache holds: about 1,400
 
 
 @pytest.fixture(scope="module")

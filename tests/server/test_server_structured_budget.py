@@ -20,6 +20,7 @@ BUDGET_S = 10
 @pytest.fixture(scope="module")
 def server(default_model_folder, tmp_path_factory):
     with launch_server(default_model_folder, tmp_path_factory.mktemp("logs"),
+                       "--max-model-len", "64",  # the default model's KV in the small cache
                        "--max-grammar-compile-seconds", str(BUDGET_S),
                        "--grammar-compile-workers", "2") as server:
         yield server
@@ -59,3 +60,21 @@ def test_another_schema_is_answered_while_a_slow_one_compiles(server):
             assert b"--max-grammar-compile-seconds" in await slow_body
 
     asyncio.run(run())
+
+
+def test_a_schema_that_accepts_nothing_gets_a_400(server):
+    """Not a 200 whose choice ends with an invented finish reason; streamed, whose 200 went
+    out before the grammar compiled, the stream ends with the same error."""
+    schema = json.dumps({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}})
+    url = f"{server.url}/v1/chat/completions"
+    response = httpx.post(url, json=_body(schema), timeout=HTTP_TIMEOUT_S)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "structured_outputs" and "accepts no output" in error["message"]
+    streamed = httpx.post(url, json={**_body(schema), "stream": True}, timeout=HTTP_TIMEOUT_S)
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    last = events[-1]["error"]
+    assert (last["type"], last["param"], last["message"]) == (
+        "invalid_request_error", "structured_outputs", error["message"])
+    assert "finish_reason" not in streamed.text
