@@ -201,7 +201,9 @@ class GuardedH11Protocol(H11Protocol):
         self._app, self.app = self.app, self._capped_app
 
     async def _capped_app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if len(self.connections) > self.max_connections:
+        # /health is answered over the cap: a liveness probe must not restart a server that is
+        # only busy, and its answer costs nothing.
+        if len(self.connections) > self.max_connections and scope.get("path") != "/health":
             error = APIError(HTTPStatus.SERVICE_UNAVAILABLE,
                              f"the server is at its limit of {self.max_connections} connections;"
                              " retry later", type=SERVER_ERROR, code=TOO_MANY_CONNECTIONS)

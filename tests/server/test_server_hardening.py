@@ -224,15 +224,17 @@ def test_openapi_schema_is_off_with_the_docs(server):
 
 # ---- the connection cap ---------------------------------------------------------------------
 def test_connections_over_the_cap_get_a_json_503(widened):
+    """But /health, which a liveness probe reads: a busy server is alive."""
     held = [widened.connect() for _ in range(MAX_CONNECTIONS)]
     try:
         for sock in held:  # each is served once, then keeps a head half sent
             sock.sendall(raw_request("GET", "/health", b"") + b"GET /health HTTP/1.1\r\nHo")
             assert read_response(sock.makefile("rb")).status == 200
-        response = httpx.get(f"{widened.url}/health", timeout=HTTP_TIMEOUT_S)
+        response = httpx.get(f"{widened.url}/v1/models", timeout=HTTP_TIMEOUT_S)
         error = _error(response, 503)
         assert error["type"] == "server_error" and error["code"] == "too_many_connections"
         assert response.headers["connection"] == "close"
+        assert httpx.get(f"{widened.url}/health", timeout=HTTP_TIMEOUT_S).status_code == 200
     finally:
         for sock in held:
             sock.close()

@@ -15,6 +15,7 @@ from tests.server.conftest import HTTP_TIMEOUT_S, engine_kwargs, launch_server
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 KV_BYTES = 64 << 20  # the default model's KV takes more room than the tiny models'
+MAX_MODEL_LEN = 1024  # what that cache holds: about 1,400 tokens
 # Float activations: with int8 ones (the CPU's default on this GGUF) the default model answers
 # this prompt with other code, so n-gram drafts from it are never accepted and the counters
 # this test reads stay at zero.
@@ -25,7 +26,7 @@ PROMPT = ("Copy this code without changes:\ndef add(a, b):\n    return a + b\n\n
 def _spec_server(folder, log_dir, spec: dict):
     return launch_server(folder, log_dir, "--speculative-config", json.dumps(spec),
                          "--kv-cache-memory-bytes", str(KV_BYTES), "--no-int8-activations",
-                         "--max-model-len", "1024")  # what the cache holds: about 1,400
+                         "--max-model-len", str(MAX_MODEL_LEN))
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def spec_server(default_model_folder, tmp_path_factory):
 def _plain_text(folder, messages, max_tokens: int) -> str:
     """The offline engine's greedy answer without speculation."""
     plain = LLM(model=str(folder), **{**engine_kwargs(), "kv_cache_memory_bytes": KV_BYTES,
-                                     "int8_activations": False})
+                                     "max_model_len": MAX_MODEL_LEN, "int8_activations": False})
     text = plain.chat([messages], SamplingParams(max_tokens=max_tokens, temperature=0.0),
                       use_tqdm=False)[0].outputs[0].text
     plain.shutdown()
