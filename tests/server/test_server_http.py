@@ -126,12 +126,16 @@ def test_connections_over_the_cap_are_refused_until_slow_ones_time_out(guarded_s
                 held[-1].sendall(b"GET /health HTTP/1.1\r\nHost: te")  # never finished
             # No wait: the server accepts connections in the order they came, so the held
             # ones are counted before this request is read.
-            response = httpx.get(f"{url}/health", timeout=HTTP_TIMEOUT_S)
+            response = httpx.get(f"{url}/v1/models", timeout=HTTP_TIMEOUT_S,
+                                 headers=guarded_server.headers)
             assert response.status_code == expected
+        # /health, which a liveness probe reads, is answered over the cap.
+        assert httpx.get(f"{url}/health", timeout=HTTP_TIMEOUT_S).status_code == 200
         # The read timeout closes the held connections; then the server serves again.
         for sock in held:
             _closed_by_server(sock)
-        assert httpx.get(f"{url}/health", timeout=HTTP_TIMEOUT_S).status_code == 200
+        assert httpx.get(f"{url}/v1/models", timeout=HTTP_TIMEOUT_S,
+                         headers=guarded_server.headers).status_code == 200
     finally:
         for sock in held:
             sock.close()
