@@ -38,10 +38,11 @@ class AttentionMetadata:
     # verify chunk), no prompt chunk: a backend may then attend row by row as decode steps
     # do, and a prompt's numbers never depend on whether its prefix was cached.
     decode_or_verify: bool = False
-    # Per sequence, whether its query is a chunk of its prompt (None: not known, as in a
-    # captured graph's metadata); a backend that attends prompt chunks and decode rows by
-    # different kernels picks each sequence's by this, not by the rest of its step.
-    prompt_cpu: list[bool] | None = None
+    # Per sequence, whether its query is one known token after its prompt and its drafts (a
+    # decode or a verify chunk; ``decode_or_verify`` is all of them); None: not known, as in
+    # a captured graph's metadata. A backend that attends these row by row and prompt chunks
+    # otherwise picks each sequence's kernel by this, never by the rest of its step.
+    decode_cpu: list[bool] | None = None
 
     @property
     def is_decode_only(self) -> bool:

@@ -63,7 +63,7 @@ class HostInputs:
     # when no sequence of the step has one.
     lora_requests: list[LoRARequest | None] | None = None
     decode_or_verify: bool = False  # AttentionMetadata.decode_or_verify
-    prompt: list[bool] | None = None  # AttentionMetadata.prompt_cpu
+    decode: list[bool] | None = None  # AttentionMetadata.decode_cpu
 
     def to_device(self, device: torch.device,
                   in_flight_tokens: torch.Tensor | None = None) -> ModelInputs:
@@ -84,7 +84,7 @@ class HostInputs:
             query_lens_cpu=self.query_lens,
             seq_lens_cpu=self.seq_lens.tolist(),
             decode_or_verify=self.decode_or_verify,
-            prompt_cpu=self.prompt,
+            decode_cpu=self.decode,
         )
         input_ids = to_dev(self.input_ids, torch.int64)
         if len(self.fill_rows):
@@ -113,8 +113,8 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
     sequences whose keys and values go to block ``pad_block`` (shape_buckets.py states the
     invariants). ``tests/worker/reference_inputs.py`` builds the same arrays chunk by chunk."""
     ids, query_lens, context_lens, tables, sample_ends, sample_counts = [], [], [], [], [], []
-    fill_rows, fill_sources, loras, prompt = [], [], [], []
-    row, decode_or_verify = 0, True
+    fill_rows, fill_sources, loras, decode = [], [], [], []
+    row = 0
     for item in out.scheduled:
         seq, start, n, drafts = (item.seq, item.num_computed_tokens, item.num_new_tokens,
                                  item.draft_token_ids)
@@ -127,9 +127,7 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
             fill_sources.append(in_flight_rows[seq])
             ids.append(0)
         ids += drafts
-        in_prompt = start < seq.num_prompt_tokens
-        prompt.append(in_prompt)
-        decode_or_verify = decode_or_verify and num_known == 1 and not in_prompt
+        decode.append(num_known == 1 and start >= seq.num_prompt_tokens)
         query_lens.append(n)
         context_lens.append(start)
         tables.append(item.block_ids)
@@ -147,7 +145,7 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
             context_lens.append(0)
             tables.append([pad_block] * max_blocks)
             loras.append(None)
-            prompt.append(False)
+            decode.append(False)
     query_lens_np = np.asarray(query_lens, dtype=np.int64)
     context_np = np.asarray(context_lens, dtype=np.int64)
     seq_lens_np = context_np + query_lens_np
@@ -172,7 +170,7 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
         fill_rows=np.asarray(fill_rows, dtype=np.int64),
         fill_sources=np.asarray(fill_sources, dtype=np.int64),
         lora_requests=loras if any(loras) else None,
-        decode_or_verify=decode_or_verify, prompt=prompt)
+        decode_or_verify=all(decode[:len(out.scheduled)]), decode=decode)
 
 
 def _block_table(tables: list[list[int]], width: int) -> np.ndarray:

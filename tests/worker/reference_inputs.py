@@ -77,8 +77,11 @@ def pack_inputs_by_chunk(out: SchedulerOutput, block_size: int,
         fill_rows=np.asarray(fill_rows, dtype=np.int64),
         fill_sources=np.asarray(fill_sources, dtype=np.int64),
         lora_requests=loras if any(loras) else None,
-        decode_or_verify=all(item.num_new_tokens - len(item.draft_token_ids) == 1
-                             and item.num_computed_tokens >= item.seq.num_prompt_tokens
-                             for item in out.scheduled),
-        prompt=[item.num_computed_tokens < item.seq.num_prompt_tokens for item in out.scheduled]
-        + [False] * (len(query_lens) - len(out.scheduled)))
+        decode_or_verify=all(_decodes(out)),
+        decode=_decodes(out) + [False] * (len(query_lens) - len(out.scheduled)))
+
+
+def _decodes(out: SchedulerOutput) -> list[bool]:
+    """Per scheduled sequence: one known token after its prompt, and its drafts."""
+    return [item.num_new_tokens - len(item.draft_token_ids) == 1
+            and item.num_computed_tokens >= item.seq.num_prompt_tokens for item in out.scheduled]

@@ -20,22 +20,23 @@ KV_DTYPES = (F32, torch.bfloat16)  # the cache element types the kernels read
 class CpuPagedAttention(TorchPagedAttention):
     """Two kernels of ``csrc/layer_ops.c``, both with an online softmax in float32:
 
-    ``lo_paged_decode`` takes every one-row query (a decode step's, and those among a step's
-    prompt chunks) and speculative verify steps, attending per (sequence, head) query row. A
-    verify step (k + 1 rows a sequence, with or without decode rows; not a prompt chunk,
-    however short) runs it one query row as one sequence: row j of a sequence with c cached
-    tokens attends over the first c + j + 1 slots of its block table, which is causal
+    ``lo_paged_decode`` takes every decode row and speculative verify chunk (one known token
+    and its drafts, up to ``SHORT_QUERY`` rows), attending per (query row, head), whatever
+    else the step holds. A verify chunk's row j, after c cached tokens, runs as a sequence of
+    its own that attends over the first c + j + 1 slots of its block table, which is causal
     attention within the chunk, since the kernel writes every row's key and value before it
-    attends. Each verified position thus gets the attention a decode step there would.
+    attends: each verified position gets the attention a decode step there would.
 
-    ``lo_paged_prefill`` takes the other sequences of every other step (prompt chunks after
-    any cached prefix): blocked, a tile of query rows of one kv head's query heads at a time
+    ``lo_paged_prefill`` takes the prompt chunks (one row or many, after any cached prefix)
+    and longer chunks: blocked, a tile of query rows of one kv head's query heads at a time
     over tiles of keys. A row's result does not depend on its tile, so a prompt's numbers do
     not depend on how it was chunked or whether its prefix was cached.
 
-    So a sequence's decode row is computed the same whatever else its step holds: with the
-    int8 activations of the quantized layers, which turn a last-place difference into a
-    quantization step, a greedy stream's tokens would otherwise change when a prompt joined
+    A step holding both kinds makes both calls, each on its own sequences
+    (``AttentionMetadata.decode_cpu`` says which are which). So a sequence's rows are
+    computed the same whatever shares its step: with the int8 activations of the quantized
+    layers, which turn a last-place difference into a quantization step, a greedy stream's
+    tokens (or a speculative stream's verdicts) would otherwise change when a prompt joined
     its step.
 
     One backend serves every layer, so the step's metadata is checked and turned into
@@ -75,42 +76,52 @@ class _Plan(NamedTuple):
 
 
 def _plan(meta: AttentionMetadata) -> _Plan | None:
-    """The kernel calls for ``meta``, or None where its tensors have another layout."""
-    if not _layout_ok(meta):
+    """The kernel calls for ``meta``, or None where its tensors have another layout or rows
+    belong to no sequence (the kernels would leave them unwritten)."""
+    if not _layout_ok(meta) or sum(meta.query_lens_cpu) != meta.num_tokens:
         return None
-    if meta.decode_or_verify and not meta.is_decode_only and meta.max_query_len <= SHORT_QUERY:
-        return _verify_plan(meta)
-    if sum(meta.query_lens_cpu) != meta.num_tokens:
-        return None  # query rows that belong to no sequence: the kernels would leave them
-    prompt = meta.prompt_cpu or [False] * meta.num_seqs
-    decode = [i for i, (n, p) in enumerate(zip(meta.query_lens_cpu, prompt)) if n == 1 and not p]
-    if len(decode) == meta.num_seqs:
+    by_rows = _row_by_row(meta)
+    if meta.is_decode_only and all(by_rows):  # the common step: no gathering
         return _Plan((("lo_paged_decode", _decode_args(meta.slot_mapping, meta.block_tables,
                                                         meta.seq_lens, None, meta.num_seqs)),),
                      ())
-    if not decode:
-        return _Plan((("lo_paged_prefill", _prefill_args(meta, None, meta.num_seqs)),), ())
-    others = torch.tensor(sorted(set(range(meta.num_seqs)) - set(decode)), dtype=torch.int32)
-    picked = torch.tensor(decode)
-    rows = meta.query_start_loc[picked].long()
-    tables = meta.block_tables[picked].contiguous()
-    seq_lens = meta.seq_lens[picked].contiguous()
-    return _Plan((("lo_paged_prefill", _prefill_args(meta, others, len(others))),
-                  ("lo_paged_decode", _decode_args(meta.slot_mapping, tables, seq_lens, rows,
-                                                   len(decode)))),
-                 (others, rows, tables, seq_lens))
+    chunks = [i for i, rows in enumerate(by_rows) if not rows]
+    calls, kept = [], []
+    if chunks:
+        seq_ids = None if len(chunks) == meta.num_seqs else torch.tensor(chunks,
+                                                                         dtype=torch.int32)
+        calls.append(("lo_paged_prefill", _prefill_args(meta, seq_ids, len(chunks))))
+        kept.append(seq_ids)
+    if len(chunks) < meta.num_seqs:
+        rows, tables, seen = _rows_of(meta, [i for i, rows in enumerate(by_rows) if rows])
+        calls.append(("lo_paged_decode", _decode_args(
+            meta.slot_mapping, tables, seen, rows if chunks else None, len(rows))))
+        kept += [rows, tables, seen]
+    return _Plan(tuple(calls), tuple(t for t in kept if t is not None))
 
 
-def _verify_plan(meta: AttentionMetadata) -> _Plan:
-    """A verify step of short queries: each query row one sequence of ``lo_paged_decode``,
-    with its sequence's block table and the keys it sees (its position plus one)."""
-    lens = torch.tensor(meta.query_lens_cpu)
-    seq_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs), lens)
-    offset = torch.arange(meta.num_tokens) - meta.query_start_loc[seq_of_row].long()
+def _row_by_row(meta: AttentionMetadata) -> list[bool]:
+    """Per sequence, whether ``lo_paged_decode`` takes its rows: a decode or a verify chunk
+    of at most ``SHORT_QUERY`` rows (without ``decode_cpu``: a step's one-row queries, or all
+    of a ``decode_or_verify`` step's)."""
+    lens = meta.query_lens_cpu
+    decode = meta.decode_cpu or [meta.decode_or_verify or n == 1 for n in lens]
+    return [d and n <= SHORT_QUERY for d, n in zip(decode, lens)]
+
+
+def _rows_of(meta: AttentionMetadata, seqs: list[int]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The query rows of sequences ``seqs``, each as a sequence of ``lo_paged_decode``: its
+    row index, its sequence's block table and the keys it sees (its position plus one, which
+    is causal attention within a verify chunk, since the kernel writes every row's key and
+    value before it attends)."""
+    starts = meta.query_start_loc.tolist()
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
+    lens = torch.tensor([meta.query_lens_cpu[i] for i in seqs])
+    seq_of_row = torch.repeat_interleave(torch.tensor(seqs), lens)
+    offset = rows - meta.query_start_loc[seq_of_row].long()
     seen = (meta.context_lens[seq_of_row].long() + offset + 1).to(torch.int32)
-    tables = meta.block_tables[seq_of_row].contiguous()
-    return _Plan((("lo_paged_decode", _decode_args(meta.slot_mapping, tables, seen, None,
-                                                    meta.num_tokens)),), (tables, seen))
+    return rows, meta.block_tables[seq_of_row].contiguous(), seen
 
 
 def _decode_args(slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,

@@ -91,7 +91,7 @@ def prefill_case(block_size: int, heads: int, kv_heads: int, dim: int, contexts:
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         context_lens=torch.tensor(contexts, dtype=torch.int32), block_tables=table_t,
         slot_mapping=torch.tensor(slots), query_lens_cpu=list(news), seq_lens_cpu=seq_lens,
-        prompt_cpu=[True] * len(news))
+        decode_cpu=[False] * len(news))
     # q/k/v are strided views of a fused projection, as in the model.
     rows = sum(news)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen) * 2

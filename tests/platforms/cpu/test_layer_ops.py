@@ -127,14 +127,14 @@ def test_decode_attention_with_large_scores(kv_dtype):
     close(out, dense_reference(q, keys, values, 1.0, heads // kv_heads, kv_dtype))
 
 
-@pytest.mark.parametrize("query_len,prompt", [(1, True), (2, True), (SHORT_QUERY + 1, False)])
-def test_prompt_chunks_and_long_queries_take_the_prefill_kernel(monkeypatch, query_len, prompt):
+@pytest.mark.parametrize("query_len,decode", [(1, False), (2, False), (SHORT_QUERY + 1, True)])
+def test_prompt_chunks_and_long_queries_take_the_prefill_kernel(monkeypatch, query_len, decode):
     """A prompt chunk, however short (a one-row chunk too: its numbers must not depend on
     whether its prefix was cached), and a verify chunk longer than the decode kernel takes:
     ``lo_paged_prefill`` (its numerics are in test_prefill_attention.py), never the torch
     ops."""
     cache, q, k, v, meta, _, _ = prefill_case(4, 2, 1, 16, [5, 9], [query_len] * 2, seed=1)
-    meta.prompt_cpu, meta.decode_or_verify = [prompt] * 2, not prompt
+    meta.decode_cpu, meta.decode_or_verify = [decode] * 2, decode
     monkeypatch.setattr(TorchPagedAttention, "forward", None)
     attention = CpuPagedAttention(2, 16, 1, 0.25)
     attention.forward(q, k, v, cache, meta)

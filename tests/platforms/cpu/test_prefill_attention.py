@@ -170,24 +170,26 @@ def _alone(meta: AttentionMetadata, seqs: list[int]) -> tuple[AttentionMetadata,
         seq_lens=meta.seq_lens[picked], context_lens=meta.context_lens[picked],
         block_tables=meta.block_tables[picked], slot_mapping=meta.slot_mapping[rows],
         query_lens_cpu=lens, seq_lens_cpu=[meta.seq_lens_cpu[i] for i in seqs],
-        prompt_cpu=[meta.prompt_cpu[i] for i in seqs])
+        decode_cpu=[meta.decode_cpu[i] for i in seqs],
+        decode_or_verify=all(meta.decode_cpu[i] for i in seqs))
     return sub, rows
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_decode_rows_among_prompt_chunks_match_their_own_steps(kv_dtype, poisoned, native_only):
-    """A step of decode rows and prompt chunks (one of them a single row after a cached
-    prefix): the decode rows take ``lo_paged_decode`` and come out bit for bit as in a step of
-    decode rows alone, the chunks take ``lo_paged_prefill`` and come out as in a step of
-    chunks alone, all within TOL of float64. So a stream's decode tokens do not depend on what
-    shares its step (int8 activations would turn a last-place difference into a different
-    token). Run through the prefill kernel as before, the decode rows differ."""
+    """A step of decode rows, a verify chunk (a known token and two drafts) and prompt chunks
+    (one of them a single row after a cached prefix): the decode and verify rows take
+    ``lo_paged_decode`` and come out bit for bit as in a step of them alone, the prompt
+    chunks take ``lo_paged_prefill`` and come out as in a step of prompt chunks alone, all
+    within TOL of float64. So a stream's rows do not depend on what shares its step (int8
+    activations would turn a last-place difference into a different token). Run through the
+    prefill kernel, as decode rows among prompt chunks were, they differ."""
     heads, kv_heads, dim = 6, 2, 64
-    contexts, news = [40, 0, 17, 300, 33], [1, 23, 1, 5, 1]
-    prompt = [False, True, False, True, True]
+    contexts, news = [40, 0, 17, 300, 33, 25], [1, 23, 1, 5, 1, 3]
+    decode = [True, False, True, False, False, True]
     cache, q, k, v, meta, keys, values = prefill_case(16, heads, kv_heads, dim, contexts, news,
                                                       7, kv_dtype)
-    meta.prompt_cpu = prompt
+    meta.decode_cpu = decode
 
     def attend(step_meta, rows):
         attention = CpuPagedAttention(heads, dim, kv_heads, dim ** -0.5)
@@ -199,11 +201,11 @@ def test_decode_rows_among_prompt_chunks_match_their_own_steps(kv_dtype, poisone
     assert kernels == ["lo_paged_prefill", "lo_paged_decode"]
     close(mixed, causal_reference(q, keys, values, contexts, dim ** -0.5, heads // kv_heads,
                                   kv_dtype))
-    for seqs, kernel in (([0, 2], "lo_paged_decode"), ([1, 3, 4], "lo_paged_prefill")):
+    for seqs, kernel in (([0, 2, 5], "lo_paged_decode"), ([1, 3, 4], "lo_paged_prefill")):
         alone, kernels = attend(*_alone(meta, seqs))
         assert kernels == [kernel]
         assert torch.equal(alone, mixed[_alone(meta, seqs)[1]])
-    meta.prompt_cpu = [True] * len(news)  # every row through the prefill kernel
+    meta.decode_cpu = [False] * len(news)  # every row through the prefill kernel
     through_prefill, _ = attend(meta, everything)
-    decode_rows = _alone(meta, [0, 2])[1]
+    decode_rows = _alone(meta, [0, 2, 5])[1]
     assert not torch.equal(through_prefill[decode_rows], mixed[decode_rows])
