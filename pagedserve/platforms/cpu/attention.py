@@ -115,11 +115,10 @@ def _rows_of(meta: AttentionMetadata, seqs: list[int]
     row index, its sequence's block table and the keys it sees (its position plus one, which
     is causal attention within a verify chunk, since the kernel writes every row's key and
     value before it attends)."""
-    starts = meta.query_start_loc.tolist()
-    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
     lens = torch.tensor([meta.query_lens_cpu[i] for i in seqs])
     seq_of_row = torch.repeat_interleave(torch.tensor(seqs), lens)
-    offset = rows - meta.query_start_loc[seq_of_row].long()
+    offset = torch.arange(len(seq_of_row)) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    rows = meta.query_start_loc[seq_of_row].long() + offset
     seen = (meta.context_lens[seq_of_row].long() + offset + 1).to(torch.int32)
     return rows, meta.block_tables[seq_of_row].contiguous(), seen
 
