@@ -22,6 +22,7 @@ in flight here (finished, failed or aborted), so requests already running on it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -189,7 +190,8 @@ class EngineCoreClient:
         asyncio.get_running_loop().remove_reader(self._process.sentinel)
         self._mark_dead("the server is shutting down")
         if self._process.is_alive():
-            self._send(msg.Shutdown())
+            with contextlib.suppress(EngineDeadError):  # then it is exiting already
+                self._send(msg.Shutdown())
             await asyncio.to_thread(self._process.join, _SHUTDOWN_TIMEOUT_S)
         if self._process.is_alive():
             self._process.kill()
@@ -239,7 +241,8 @@ class EngineCoreClient:
         if request_id not in self._pending:
             return
         if self.is_running:  # first: the core must abort it before it removes its adapter
-            self._send(msg.AbortRequests([request_id]))
+            with contextlib.suppress(EngineDeadError):  # a core that is gone aborts nothing
+                self._send(msg.AbortRequests([request_id]))
         self._forget(request_id)
 
     def remove_lora(self, lora_int_id: int) -> None:
@@ -267,10 +270,19 @@ class EngineCoreClient:
             del self._lora_in_flight[lora_int_id]
             self._removing.discard(lora_int_id)
             if self.is_running:
-                self._send(msg.RemoveLoRA(lora_int_id))
+                with contextlib.suppress(EngineDeadError):  # a core that is gone holds none
+                    self._send(msg.RemoveLoRA(lora_int_id))
 
     def _send(self, command: msg.Command) -> None:
-        self._commands.send(msg.encode(command))
+        """Queue ``command`` without blocking the event loop. With no high-water mark a send
+        waits only while no core is connected: one that is exiting (its socket closed, its
+        process not yet reaped) would otherwise hang the server for good."""
+        import zmq
+
+        try:
+            self._commands.send(msg.encode(command), zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineDeadError(self._dead or "the engine core is not taking commands") from None
 
     # ---- outputs ------------------------------------------------------------------------
     async def _receive(self) -> None:

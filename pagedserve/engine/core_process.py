@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -47,6 +48,12 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, ready: Conne
     """Entry point of the core process: start the engine, report on ``ready`` that it is up
     (or why not, in one line), then loop."""
     import zmq
+
+    # Ctrl-C in a terminal reaches the whole process group. The API server stops the core
+    # (a Shutdown command, or its own exit, which the loop notices); a core killed by the
+    # same signal midway could no longer be told, and the server's shutdown waited on it.
+    # The processes it starts (tensor-parallel ranks, grammar compilers) inherit this.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     try:
         engine = LLMEngine(config)

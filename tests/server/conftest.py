@@ -180,9 +180,11 @@ def _free_port() -> int:
 
 @contextmanager
 def launch_server(model: Path | str | None, log_dir: Path, *extra: str,
-                  api_key: str | None = None,
-                  env: dict[str, str] | None = None) -> Iterator[Server]:
-    """``model`` None: ``extra`` names the models (``--model`` repeated, ``--models-config``)."""
+                  api_key: str | None = None, env: dict[str, str] | None = None,
+                  own_group: bool = False) -> Iterator[Server]:
+    """``model`` None: ``extra`` names the models (``--model`` repeated, ``--models-config``).
+    ``own_group``: the server leads a process group of its own, as in a terminal, where
+    Ctrl-C reaches every process of the group."""
     port = _free_port()
     log = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "pagedserve.cli", "serve", *([str(model)] if model else []),
@@ -192,7 +194,7 @@ def launch_server(model: Path | str | None, log_dir: Path, *extra: str,
         cmd += ["--api-key", api_key]
     with log.open("w") as out:
         process = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT,
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=own_group,
             env={**os.environ, "PAGEDSERVE_LOG_LEVEL": "WARNING", **(env or {})})
     server = Server(f"http://127.0.0.1:{port}", process, log, api_key)
     try:

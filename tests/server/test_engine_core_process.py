@@ -79,6 +79,19 @@ def test_shutdown_stops_the_core(chat_model, tmp_path):
         assert _wait_gone(core, 10.0)
 
 
+def test_ctrl_c_stops_the_server_and_its_core(chat_model, tmp_path):
+    """SIGINT to the whole process group, as a terminal sends it: the core ignores it and the
+    server stops it. (The core died of it too, and the server's shutdown then waited for good
+    on a send to it.)"""
+    with launch_server(chat_model, tmp_path, own_group=True) as served:
+        core = served.core_pid()
+        assert httpx.post(f"{served.url}/v1/completions", timeout=HTTP_TIMEOUT_S,
+                          json={"prompt": [5, 6, 7], "max_tokens": 2}).status_code == 200
+        os.killpg(served.process.pid, signal.SIGINT)
+        served.process.wait(timeout=30)
+        assert _wait_gone(core, 10.0)
+
+
 def test_a_killed_server_does_not_leave_the_core_running(chat_model, tmp_path):
     with launch_server(chat_model, tmp_path) as served:
         core = served.core_pid()
