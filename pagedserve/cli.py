@@ -93,12 +93,17 @@ def main(argv: list[str] | None = None) -> None:
     from pagedserve.models.loader import ModelLoadError
     from pagedserve.platforms.interface import PlatformUnavailable
     from pagedserve.quant.formats import QuantConfigError
+    from pagedserve.sampling_params import InvalidSamplingParam
 
     try:
         args.func(args)
     except (ConfigError, UnsupportedModel, ModelLoadError, PlatformUnavailable,
             QuantConfigError) as exc:
         print(f"pagedserve: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except InvalidSamplingParam as exc:  # generate's prompt or sampling flags
+        flag = "the prompt" if exc.param == "prompt" else "--" + exc.param.replace("_", "-")
+        print(f"pagedserve: error: {flag}: {exc}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

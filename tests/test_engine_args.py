@@ -108,3 +108,30 @@ def test_serve_refuses_the_model_twice(argv, capsys):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == ("pagedserve: error: serve: the model was given twice (org/a and --model "
                     "org/b); pass it once, either way")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "hi", "--max-tokens", "-1"], "--max-tokens: max_tokens must be"),
+    (["generate", "hi", "--temperature", "-1"], "--temperature: temperature must be"),
+    (["generate", ""], "the prompt: the prompt is empty"),
+])
+def test_generate_reports_a_bad_value_in_one_line(argv, message, monkeypatch, capsys):
+    """Exit 2 and a line naming the flag, as for every other user mistake, not a
+    traceback. (The engine is a stand-in that refuses an empty prompt as the real one does.)"""
+    from pagedserve.entrypoints.llm import LLM
+    from pagedserve.sampling_params import InvalidSamplingParam
+
+    class Engine:
+        def generate(self, prompt, params, use_tqdm):
+            if not prompt:
+                raise InvalidSamplingParam("prompt", "the prompt is empty")
+            return []
+
+    from pagedserve.cli import main
+
+    monkeypatch.setattr(LLM, "from_config", classmethod(lambda cls, config: Engine()))
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pagedserve: error: {message}") and "Traceback" not in err

@@ -12,8 +12,11 @@ from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# A prompt: text, token ids, or vLLM's dict forms ({"prompt": text}, {"prompt_token_ids": ids}).
+Prompt = str | list[int] | dict[str, Any]
 ChatMessages = list[dict[str, Any]]
+_PROMPT_FORMS = ("a str, a list of token ids, {'prompt': str} or "
+                 "{'prompt_token_ids': list[int]}")
 
 
 class LLM:
@@ -61,7 +64,7 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
-            params_list = list(sampling_params)
+            params_list = _list_of(sampling_params, SamplingParams, "sampling_params")
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(prompt_list)} prompts but {len(params_list)} "
                                  "sampling params")
@@ -81,6 +84,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Beam search as in HF transformers; each output lists all ``beam_width`` finished
         beams, best first."""
+        if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
+            raise ValueError(f"beam_width must be an integer of at least 1, got {beam_width!r}")
         params = SamplingParams(
             n=beam_width, best_of=beam_width, use_beam_search=True, temperature=0.0,
             max_tokens=max_tokens, length_penalty=length_penalty,
@@ -101,9 +106,14 @@ class LLM:
         describes them to the model as its family expects; messages may hold ``role: tool``
         results and assistant ``tool_calls``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(conversations, list) or not all(isinstance(c, list)
+                                                          for c in conversations):
+            raise TypeError("messages must be a list of message dicts, or a list of such "
+                            f"lists; got {messages!r:.80}")
         prompts = [
             self.engine.tokenizer.apply_chat_template(
-                conv, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+                _template_messages(conv), tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
             for conv in conversations
         ]
         # The template already holds any BOS token; tokenize without adding another.
@@ -139,19 +149,67 @@ def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
                 num_prompts: int) -> list[LoRARequest | None]:
     if lora_request is None or isinstance(lora_request, LoRARequest):
         return [lora_request] * num_prompts
-    loras = list(lora_request)
+    loras = _list_of(lora_request, (LoRARequest, type(None)), "lora_request")
     if len(loras) != num_prompts:
         raise ValueError(f"got {num_prompts} prompts but {len(loras)} LoRA requests")
     return loras
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
+def _list_of(values: Any, kind: type | tuple[type, ...], name: str) -> list:
+    """``values`` (a list or tuple) as a list, each of ``kind``; else a TypeError naming
+    ``name``."""
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, kind) for v in values):
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        raise TypeError(f"{name} must be one or a list of "
+                        f"{' or '.join(k.__name__ for k in kinds)}, got {values!r:.80}")
+    return list(values)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    """One prompt or a list of them, each as text or token ids."""
+    if isinstance(prompts, (str, dict)):
+        return [_prompt(prompts)]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be {_PROMPT_FORMS}, or a list of them; got "
+                        f"{prompts!r:.80}")
     if prompts and isinstance(prompts[0], int):
-        return [prompts]  # one prompt given as token ids
-    return prompts
+        return [_prompt(list(prompts))]  # one prompt given as token ids
+    return [_prompt(p) for p in prompts]
+
+
+def _prompt(prompt: Any) -> str | list[int]:
+    if isinstance(prompt, dict) and set(prompt) == {"prompt"}:
+        prompt = prompt["prompt"]
+    elif isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}:
+        prompt = prompt["prompt_token_ids"]
+    if isinstance(prompt, str):
+        return prompt
+    if (isinstance(prompt, (list, tuple)) and
+            all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        return list(prompt)
+    raise TypeError(f"a prompt must be {_PROMPT_FORMS}; got {prompt!r:.80}")
+
+
+def _template_messages(messages: ChatMessages) -> ChatMessages:
+    """``messages`` for the chat template: OpenAI's content parts joined into text (as the
+    server joins them), and a clear error for a message the template could not read."""
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a 'role', got {message!r:.80}")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise ValueError(f"messages[{i}]: content parts must be "
+                                 "{'type': 'text', 'text': str}")
+            message = {**message, "content": "\n".join(p["text"] for p in content)}
+        elif content is None and not message.get("tool_calls"):
+            raise ValueError(f"messages[{i}] has no content")
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}]: content must be a str or a list of text parts")
+        out.append(message)
+    return out
 
 
 def _progress_bar(total: int):

@@ -29,6 +29,15 @@ class AdapterKeys:
         """The adapter's content hash; ``ValueError`` (one line) for an adapter the engine
         cannot serve."""
         if request not in self._keys:
+            # The ranks keep loaded adapters by id: another folder under a known id would run
+            # the adapter they hold.
+            held = next((r for r in self._keys if r.lora_int_id == request.lora_int_id
+                         and r.lora_path != request.lora_path), None)
+            if held is not None:
+                raise ValueError(
+                    f"lora_int_id {request.lora_int_id} is in use by adapter "
+                    f"{held.lora_name!r} ({held.lora_path}); give {request.lora_name!r} "
+                    "another id, or remove the first (engine.remove_lora) before reusing it")
             adapter = load_adapter(request.lora_path)
             check_fits(request.lora_name, adapter, self.max_rank, self.num_layers, self.shapes)
             self._keys[request] = adapter.content_hash

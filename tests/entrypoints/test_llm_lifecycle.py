@@ -132,3 +132,48 @@ def test_dropping_a_tensor_parallel_llm_shuts_it_down(llama3_folder):
     del llm
     gc.collect()
     _assert_left_nothing(before)
+
+
+# ---- the forms a prompt, its parameters and a conversation may take ------------------------
+def test_vllm_dict_prompts_are_read(llm, expected):
+    dicts = [{"prompt_token_ids": p} for p in PROMPTS]
+    assert _tokens(llm, dicts, GREEDY) == expected
+    text = llm.get_tokenizer().decode(PROMPTS[0])
+    assert _tokens(llm, {"prompt": text}, GREEDY) == _tokens(llm, text, GREEDY)
+    _assert_idle(llm.engine)
+
+
+@pytest.mark.parametrize("call,error", [
+    (lambda llm: llm.generate([b"hi"], GREEDY, use_tqdm=False), "a prompt must be"),
+    (lambda llm: llm.generate(5, GREEDY, use_tqdm=False), "prompts must be"),
+    (lambda llm: llm.generate([{"prompt_ids": [1]}], GREEDY, use_tqdm=False), "a prompt must"),
+    (lambda llm: llm.generate(["a"], {"max_tokens": 3}, use_tqdm=False), "sampling_params"),
+    (lambda llm: llm.chat("hello", GREEDY, use_tqdm=False), "messages must be"),
+], ids=["bytes", "int", "unknown-dict", "params-dict", "chat-str"])
+def test_a_prompt_or_argument_of_the_wrong_type_is_a_type_error(llm, call, error):
+    with pytest.raises(TypeError, match=error):
+        call(llm)
+    _assert_idle(llm.engine)
+
+
+@pytest.mark.parametrize("width", [0, 2.5, True])
+def test_beam_width_is_checked_by_its_own_name(llm, width):
+    with pytest.raises(ValueError, match="beam_width must be an integer of at least 1"):
+        llm.beam_search([PROMPTS[0]], beam_width=width, max_tokens=2)
+
+
+def test_chat_content_parts_are_joined_and_bad_messages_named():
+    from pagedserve.entrypoints.llm import _template_messages
+
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert _template_messages([{"role": "user", "content": parts}]) == [
+        {"role": "user", "content": "a\nb"}]
+    calls = {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}
+    assert _template_messages([calls]) == [calls]
+    for bad, error in (({"role": "user"}, r"messages\[0\] has no content"),
+                       ("hi", r"messages\[0\] must be a dict"),
+                       ({"role": "user", "content": [{"type": "image_url"}]},
+                        "content parts must be"),
+                       ({"role": "user", "content": 3}, "must be a str")):
+        with pytest.raises(ValueError, match=error):
+            _template_messages([bad])

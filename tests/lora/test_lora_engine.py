@@ -96,6 +96,24 @@ def test_lora_errors(llama3_folder, adapters):
         small.generate(["a", "b"], GREEDY, use_tqdm=False, lora_request=[attn])
     with pytest.raises(ConfigError, match="--max-cpu-loras"):
         make_llm(llama3_folder, enable_lora=True, max_loras=3, max_cpu_loras=2)
+    with pytest.raises(TypeError, match="lora_request must be"):
+        small.generate(["a"], GREEDY, use_tqdm=False, lora_request="attn")
+
+
+def test_an_id_in_use_for_another_folder_is_refused(llama3_folder, adapters):
+    """The ranks keep adapters by id: the second folder under the first's id would run the
+    first adapter. After remove_lora the id may name another folder."""
+    first, second = _requests(adapters)[:2]
+    llm = make_llm(llama3_folder, enable_lora=True, max_loras=2, max_lora_rank=8)
+    prompt = random_prompts("lora-reuse", [9])
+    llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=first)
+    reused = LoRARequest(second.lora_name, first.lora_int_id, second.lora_path)
+    with pytest.raises(ValueError, match=f"lora_int_id {first.lora_int_id} is in use"):
+        llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=reused)
+    llm.engine.remove_lora(first.lora_int_id)
+    out = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=reused)
+    assert out[0].outputs[0].token_ids == hf_greedy(
+        peft_model(llama3_folder, adapters[second.lora_name]), prompt[0], NEW_TOKENS)
 
 
 def test_an_adapter_of_another_model_is_refused_before_it_runs(llama3_folder, tiny_model_folder,
