@@ -38,8 +38,16 @@ def _bench(args: argparse.Namespace) -> None:
     importlib.import_module(f"pagedserve.bench.{args.bench_name.replace('-', '_')}").main(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, but a mistake is one line, as the module docstring promises:
+    argparse prints the command's whole usage (some fifty lines for serve) before it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve")
+    parser = _Parser(prog="pagedserve")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete one prompt and print the text")

@@ -195,6 +195,11 @@ def run_server(args: argparse.Namespace) -> None:
         sys.exit(2)
     parser = tool_parser(args.tool_call_parser) if args.enable_auto_tool_choice else None
     specs = serve_configs(args)
+    if args.lora_modules and not any(config.enable_lora for config, _ in specs):
+        # Before any model loads, not after.
+        print(f"pagedserve: error: --lora-modules {args.lora_modules[0].name}: LoRA is off; "
+              "start the server with --enable-lora", file=sys.stderr)
+        sys.exit(2)
     # The environment keeps the key out of the process list, where --api-key shows it.
     api_key = args.api_key or envs.api_key()
     loopback = args.host in ("127.0.0.1", "localhost", "::1")

@@ -132,3 +132,13 @@ def test_a_module_that_cannot_be_read_fails_the_start_in_one_line(chat_model, tm
     last = log.read_text().strip().splitlines()[-1]
     assert last == (f"pagedserve: error: --lora-modules gone: LoRA adapter "
                     f"{tmp_path / 'absent'}: no such folder")
+
+
+def test_modules_without_enable_lora_fail_before_any_model_loads(tmp_path: Path, capsys):
+    from pagedserve.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", str(tmp_path / "no-model-here"), "--lora-modules", f"a={tmp_path}"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "pagedserve: error: --lora-modules a: LoRA is off; start the server with --enable-lora")
