@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.field_types import plain_fields, wrong_type
+
 _GREEDY_EPS = 1e-5
 _MIN_REPETITION_PENALTY = 0.01
 # The engine core's wire (msgpack) and the sampler's tensors carry integers of 64 bits.
@@ -99,6 +101,11 @@ class SamplingParams:
             self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
 
     def _validate(self) -> None:
+        # Types first: the range checks below would fail on a string with a TypeError that
+        # names no parameter, or pass a float count on to the sampler's integer tensors.
+        wrong = wrong_type(self, _PLAIN_FIELDS)
+        if wrong is not None:
+            raise InvalidSamplingParam(wrong[0], f"{wrong[0]} {wrong[1]}")
         checks = [
             *[(_fits_int64(getattr(self, name)), name,
                f"{name} must be in [-2**63, 2**63), got {getattr(self, name)}")
@@ -173,6 +180,9 @@ class SamplingParams:
     def num_sequences(self) -> int:
         """Sequences the engine runs for this request (best_of >= n)."""
         return self.best_of  # type: ignore[return-value]
+
+
+_PLAIN_FIELDS = plain_fields(SamplingParams)
 
 
 def _fits_int64(value: int | None) -> bool:
