@@ -19,6 +19,7 @@ import torch
 from pagedserve.core.scheduler import SchedulerConfig
 from pagedserve.distributed import check_divisible
 from pagedserve.errors import KV_CACHE_DTYPES, ConfigError
+from pagedserve.field_types import plain_fields, wrong_type
 from pagedserve.platforms import DEVICE_NAMES
 from pagedserve.quant.formats import QUANTIZATION_CHOICES
 from pagedserve.quant.linear_method import MatmulNumerics
@@ -186,11 +187,7 @@ class EngineConfig:
               "dropped first (default: --max-loras; at least --max-loras)")
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            allowed, value = f.metadata["choices"], getattr(self, f.name)
-            if allowed is not None and value not in allowed:
-                raise ConfigError(f"{flag_name(f.name)} must be one of "
-                                  f"{', '.join(allowed)}, got {value!r}")
+        self._check_types_and_choices()
         if self.block_size is not None and self.block_size not in BLOCK_SIZES:
             raise ConfigError(
                 f"--block-size must be a power of two up to 128, got {self.block_size}")
@@ -274,6 +271,18 @@ class EngineConfig:
     def matmul_numerics(self) -> MatmulNumerics:
         return MatmulNumerics(self.int8_activations, self.fp8_fast_accumulation)
 
+    def _check_types_and_choices(self) -> None:
+        # The command line parses its flags' types; ``LLM(model, **options)`` passes values as
+        # they come, and a string would fail the range checks below with a TypeError.
+        wrong = wrong_type(self, _PLAIN_FIELDS)
+        if wrong is not None:
+            raise ConfigError(f"{flag_name(wrong[0])} {wrong[1]}")
+        for f in dataclasses.fields(self):
+            allowed, value = f.metadata["choices"], getattr(self, f.name)
+            if allowed is not None and value not in allowed:
+                raise ConfigError(f"{flag_name(f.name)} must be one of "
+                                  f"{', '.join(allowed)}, got {value!r}")
+
     def _check_offloading(self) -> None:
         if self.kv_offloading_size < 0:
             raise ConfigError("--kv-offloading-size must be non-negative")
@@ -349,6 +358,7 @@ class EngineConfig:
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(EngineConfig))
+_PLAIN_FIELDS = plain_fields(EngineConfig)
 
 
 @dataclass(frozen=True)

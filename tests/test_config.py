@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,6 +68,36 @@ def test_bad_choice_names_the_flag_and_the_choices(field, flag):
 def test_bad_value_names_the_flag(kwargs, flag):
     with pytest.raises(ConfigError, match=f"^{flag} "):
         EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_num_seqs": "4"}, "--max-num-seqs must be an integer, got '4' (str)"),
+    ({"seed": "x"}, "--seed must be an integer, got 'x' (str)"),
+    ({"max_model_len": 4096.0}, "--max-model-len must be an integer, got 4096.0 (float)"),
+    ({"tensor_parallel_size": True}, "--tensor-parallel-size must be an integer, got True "
+                                     "(bool)"),
+    ({"max_num_seqs": None}, "--max-num-seqs must be an integer, got None (NoneType)"),
+    ({"gpu_memory_utilization": "0.5"}, "--gpu-memory-utilization must be a number, got '0.5' "
+                                        "(str)"),
+    ({"enforce_eager": "false"}, "--enforce-eager must be a boolean, got 'false' (str)"),
+    ({"async_scheduling": 1}, "--async-scheduling must be a boolean, got 1 (int)"),
+    ({"dtype": 16}, "--dtype must be a string, got 16 (int)"),
+    ({"served_model_name": 1}, "--served-model-name must be a string, got 1 (int)"),
+])
+def test_a_value_of_the_wrong_type_names_the_flag_and_the_type(kwargs, message):
+    """The Python API passes values as they come (the command line has parsed its own)."""
+    with pytest.raises(ConfigError) as err:
+        EngineConfig(**kwargs)
+    assert str(err.value) == message
+
+
+def test_values_of_their_type_in_other_forms_are_accepted():
+    """An int where a float goes, numpy's scalars, None where the option allows it, and a
+    pathlib path for the model (the loader takes one)."""
+    config = EngineConfig(model=Path("/models/x"), gpu_memory_utilization=1,
+                          max_num_seqs=np.int64(4), swap_space=np.float32(1.5),
+                          max_model_len=None, async_scheduling=None)
+    assert config.max_num_seqs == 4
 
 
 def test_every_option_has_help():
