@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve.arg_types import positive
 from pagedserve.bench.common import (
     WorkItem,
     print_table,
@@ -53,22 +54,22 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="random weights of a real shape (dummy load format), e.g. "
                              "llama3-8b")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--adapter-counts", type=int, nargs="+", default=[1, 8, 32],
+    parser.add_argument("--num-prompts", type=positive(int), default=1000)
+    parser.add_argument("--input-len", type=positive(int), default=128)
+    parser.add_argument("--output-len", type=positive(int), default=128)
+    parser.add_argument("--adapter-counts", type=positive(int), nargs="+", default=[1, 8, 32],
                         help="--workloads adapters: adapters the requests are spread over")
-    parser.add_argument("--cycle-adapters", type=int, default=128,
+    parser.add_argument("--cycle-adapters", type=positive(int), default=128,
                         help="--workloads cycling: adapters, more than --max-loras")
-    parser.add_argument("--decode-steps", type=int, default=64,
+    parser.add_argument("--decode-steps", type=positive(int), default=64,
                         help="--workloads decode: timed steps")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=positive(int), default=1,
                         help="--workloads adapters: timed runs of each row, taking turns; the "
                              "median counts (for a busy host)")
     parser.add_argument("--side-by-side", action="store_true",
                         help="build both engines at once, the base engine's runs taking turns "
                              "with the adapter rows (memory for two engines: CPU runs)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=positive(int), default=None,
                         help="CPU threads (default: the platform's)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
 

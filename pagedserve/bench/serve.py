@@ -23,7 +23,9 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from pagedserve.arg_types import positive
 from pagedserve.bench.common import WorkItem, print_table, random_workload, write_result
+from pagedserve.errors import ConfigError
 
 PERCENTILES = (50, 90, 99)
 
@@ -34,11 +36,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)  # --model picks the tokenizer; the rest is for --compare-offline
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, nargs=2, default=(32, 256))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 64))
-    parser.add_argument("--num-clients", type=int, default=1,
+    parser.add_argument("--concurrency", type=positive(int), default=8)
+    parser.add_argument("--num-prompts", type=positive(int), default=64)
+    parser.add_argument("--input-len", type=positive(int), nargs=2, default=(32, 256))
+    parser.add_argument("--output-len", type=positive(int), nargs=2, default=(16, 64))
+    parser.add_argument("--num-clients", type=positive(int), default=1,
                         help="client processes sharing --concurrency (one process parsing "
                              "tens of thousands of events a second is a bottleneck itself)")
     parser.add_argument("--no-stream", dest="stream", action="store_false",
@@ -46,7 +48,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "inter-token latencies are then not measured)")
     parser.add_argument("--compare-offline", action="store_true",
                         help="also run the same requests through the offline engine here")
-    parser.add_argument("--repeat", type=int, default=1,
+    parser.add_argument("--repeat", type=positive(int), default=1,
                         help="rounds (new prompts each; HTTP and offline alternate); the best "
                              "round of each counts")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
@@ -155,8 +157,14 @@ async def _prepare(base_url: str, api_key: str | None, work: list[WorkItem],
                    stream: bool) -> tuple[str, tuple[float, float]]:
     """The served model's name, after one short request (so nothing one-off lands in the
     timings), and the server's CPU seconds so far."""
+    import httpx
+
     async with _http_client(api_key, 4) as client:
-        models = (await client.get(f"{base_url}/v1/models")).raise_for_status().json()
+        try:
+            models = (await client.get(f"{base_url}/v1/models")).raise_for_status().json()
+        except httpx.HTTPError as exc:  # no server there, or not one that lets us in
+            raise ConfigError(f"--base-url {base_url}: cannot list the served models "
+                              f"({type(exc).__name__}: {exc})") from None
         model = models["data"][0]["id"]
         await _one(client, f"{base_url}/v1/completions", model, _warm_up_item(work), stream)
         return model, await _server_cpu(client, base_url)
@@ -290,6 +298,9 @@ def _workload(args: argparse.Namespace, seed: int) -> list[WorkItem]:
 
 
 def main(args: argparse.Namespace) -> None:
+    if args.num_clients > args.concurrency:  # a client of no connections would drop its work
+        raise ConfigError(f"--num-clients ({args.num_clients}) must not exceed --concurrency "
+                          f"({args.concurrency})")
     http_runs, offline_runs, llm, model = [], [], None, ""
     for i in range(args.repeat):
         # A new seed each round, so no round gets prefix-cache hits from the one before.

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import NamedTuple
 
+from pagedserve.arg_types import positive
 from pagedserve.server.tool_parsers import TOOL_PARSERS
 
 
@@ -45,10 +46,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "another --host, the check is on when this flag is given")
     g.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
                    help="reject request bodies larger than this with 413")
-    g.add_argument("--request-read-timeout", type=_positive(float), default=30.0,
+    g.add_argument("--request-read-timeout", type=positive(float), default=30.0,
                    help="seconds a client has to send a whole request (head and body) from "
                         "its first byte; then 408 and the connection is closed")
-    g.add_argument("--max-concurrent-connections", type=_positive(int), default=1024,
+    g.add_argument("--max-concurrent-connections", type=positive(int), default=1024,
                    help="connections served at once; requests on any further ones get 503")
     g.add_argument("--enable-docs", action="store_true",
                    help="serve /docs and /redoc (their pages load scripts from a public CDN)")
@@ -99,14 +100,3 @@ def _lora_module(text: str) -> LoRAModule:
 
 def _names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
-
-
-def _positive(kind: type):
-    def parse(text: str):
-        value = kind(text)
-        if not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its errors
-    return parse
