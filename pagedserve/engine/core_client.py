@@ -46,6 +46,8 @@ from pagedserve.sampling_params import InvalidSamplingParam
 logger = get_logger(__name__)
 
 _SHUTDOWN_TIMEOUT_S = 10.0
+# The longest a command waits for the core's socket: a connected core takes it at once.
+_SEND_TIMEOUT_MS = 2000
 
 
 class EngineStartError(RuntimeError):
@@ -145,7 +147,8 @@ class EngineCoreClient:
                                   f"ipc://{self._ipc_dir}/outputs")
         self._zmq = zmq.asyncio.Context()
         self._commands = zmq.Context.shadow(self._zmq).socket(zmq.PUSH)
-        self._commands.setsockopt(zmq.SNDHWM, 0)  # a send never blocks the event loop
+        self._commands.setsockopt(zmq.SNDHWM, 0)  # no queue limit: see _send
+        self._commands.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         self._commands.bind(addresses.commands)
         self._outputs = self._zmq.socket(zmq.PULL)
         self._outputs.bind(addresses.outputs)
@@ -274,13 +277,14 @@ class EngineCoreClient:
                     self._send(msg.RemoveLoRA(lora_int_id))
 
     def _send(self, command: msg.Command) -> None:
-        """Queue ``command`` without blocking the event loop. With no high-water mark a send
-        waits only while no core is connected: one that is exiting (its socket closed, its
-        process not yet reaped) would otherwise hang the server for good."""
+        """Queue ``command``. With no high-water mark a send waits only while no core is
+        connected: for the moment a starting core's connection takes, and never more than
+        ``_SEND_TIMEOUT_MS``, so a core that is exiting (its socket closed, its process not
+        yet reaped) cannot hang the server's event loop for good."""
         import zmq
 
         try:
-            self._commands.send(msg.encode(command), zmq.NOBLOCK)
+            self._commands.send(msg.encode(command))
         except zmq.Again:
             raise EngineDeadError(self._dead or "the engine core is not taking commands") from None
 

@@ -66,13 +66,14 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, ready: Conne
     gc.collect()
     gc.freeze()
     facts = msg.EngineFacts(engine.model_name, engine.limits, _lora_facts(engine))
-    ready.send_bytes(msg.encode(msg.CoreReady(facts)))
-    ready.close()
+    # Connected before it says it is ready, so that the server's first command finds it.
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
     commands.connect(addresses.commands)
     outputs = context.socket(zmq.PUSH)
     outputs.connect(addresses.outputs)
+    ready.send_bytes(msg.encode(msg.CoreReady(facts)))
+    ready.close()
     try:
         EngineCore(engine, commands, outputs).run()
     finally:
