@@ -341,11 +341,13 @@ def main() -> int:
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
-    # A fresh cache, so every case really compiles and the times mean something.
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="amd-sweep-")
-    start = time.perf_counter()
-    results = [compile_case(c) for c in cases(args.subset)]
-    total = time.perf_counter() - start
+    # A fresh cache, so every case really compiles and the times mean something; removed
+    # after, as each `make test` runs the subset.
+    with tempfile.TemporaryDirectory(prefix="amd-sweep-") as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        start = time.perf_counter()
+        results = [compile_case(c) for c in cases(args.subset)]
+        total = time.perf_counter() - start
     print_table(results)
     failed = sum(not r.ok for r in results)
     print(f"{len(results) - failed} compiled, {failed} failed, {total:.1f} s")

@@ -6,7 +6,10 @@ every id of any vocabulary decodable without shipping a real tokenizer.
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 # What the members of a family share; each shape adds its sizes.
@@ -46,6 +49,14 @@ SHAPES: dict[str, dict] = {
                      num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                      tie_word_embeddings=False),
 }
+
+
+def scratch_folder() -> Path:
+    """A new temporary folder for a benchmark's dummy checkpoint, removed when the process
+    exits (the engine reads it while it runs)."""
+    folder = Path(tempfile.mkdtemp(prefix="pagedserve-dummy-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def write_dummy_folder(shape: str, folder: Path) -> Path:

@@ -328,20 +328,22 @@ def _verify_main(args: argparse.Namespace) -> None:
     import gc
     import json
     import random
-    import tempfile
-    from pathlib import Path
 
-    from pagedserve.bench.dummy_model import write_dummy_eagle3_folder, write_dummy_folder
+    from pagedserve.bench.dummy_model import (
+        scratch_folder,
+        write_dummy_eagle3_folder,
+        write_dummy_folder,
+    )
     from pagedserve.bench.throughput import engine_from_args
 
     drafted = args.draft_shape is not None or args.eagle3
     if args.draft_shape is not None:
         spec = json.loads(args.speculative_config)
-        spec["model"] = str(write_dummy_folder(args.draft_shape, Path(tempfile.mkdtemp())))
+        spec["model"] = str(write_dummy_folder(args.draft_shape, scratch_folder()))
         args.speculative_config = json.dumps({**spec, "method": "draft_model"})
     elif args.eagle3:
         spec = json.loads(args.speculative_config)
-        spec["model"] = str(write_dummy_eagle3_folder(args.shape, Path(tempfile.mkdtemp())))
+        spec["model"] = str(write_dummy_eagle3_folder(args.shape, scratch_folder()))
         args.speculative_config = json.dumps({**spec, "method": "eagle3"})
     rng = random.Random(0)
     base_ms, base_s = {}, None

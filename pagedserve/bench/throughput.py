@@ -141,16 +141,14 @@ def bench_config(args: argparse.Namespace, **changes):
     """The ``EngineConfig`` the flags describe, with ``changes``; ``--shape`` swaps in random
     weights of a real shape (a checkpoint folder with no weights, written once per call)."""
     import dataclasses
-    import tempfile
-    from pathlib import Path
 
     from pagedserve.engine_args import config_from_args
 
     config = dataclasses.replace(config_from_args(args), **changes)
     if args.shape:
-        from pagedserve.bench.dummy_model import write_dummy_folder
+        from pagedserve.bench.dummy_model import scratch_folder, write_dummy_folder
 
-        folder = write_dummy_folder(args.shape, Path(tempfile.mkdtemp()) / args.shape)
+        folder = write_dummy_folder(args.shape, scratch_folder() / args.shape)
         config = dataclasses.replace(config, model=str(folder), load_format="dummy",
                                      served_model_name=args.shape)
     return config

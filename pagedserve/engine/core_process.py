@@ -74,14 +74,29 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, ready: Conne
     outputs.connect(addresses.outputs)
     ready.send_bytes(msg.encode(msg.CoreReady(facts)))
     ready.close()
+    core = EngineCore(engine, commands, outputs)
     try:
-        EngineCore(engine, commands, outputs).run()
+        core.run()
     finally:
         context.destroy(linger=0)
         engine.shutdown()
+    if core.orphaned:
+        # The server that made the sockets' folder (and removes it on its own shutdown) was
+        # killed: nobody else will.
+        _remove_socket_folder(addresses)
     if engine.dead_reason() is not None:
         logger.error("the engine core stops: %s", engine.dead_reason())
         raise SystemExit(1)
+
+
+def _remove_socket_folder(addresses: CoreAddresses) -> None:
+    import shutil
+    from pathlib import Path
+
+    folders = {Path(a.removeprefix("ipc://")).parent
+               for a in (addresses.commands, addresses.outputs) if a.startswith("ipc://")}
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _lora_facts(engine: LLMEngine) -> msg.LoRAFacts | None:
@@ -98,6 +113,7 @@ class EngineCore:
         self._commands = commands  # zmq PULL socket
         self._outputs = outputs  # zmq PUSH socket
         self._parent = os.getppid()
+        self.orphaned = False  # set when the loop stopped because the API server is gone
         self._failures: list[msg.RequestFailure] = []
 
     def run(self) -> None:
@@ -127,6 +143,7 @@ class EngineCore:
         while block and not self._commands.poll(_IDLE_POLL_MS):
             if os.getppid() != self._parent:
                 logger.warning("the API server process is gone; the engine core stops")
+                self.orphaned = True
                 return None
             if self.engine.dead_reason() is not None:
                 return None

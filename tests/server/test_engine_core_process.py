@@ -93,12 +93,18 @@ def test_ctrl_c_stops_the_server_and_its_core(chat_model, tmp_path):
 
 
 def test_a_killed_server_does_not_leave_the_core_running(chat_model, tmp_path):
-    with launch_server(chat_model, tmp_path) as served:
+    # The server makes its sockets' folder under TMPDIR: a folder of this test's own.
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    with launch_server(chat_model, tmp_path, env={"TMPDIR": str(tmpdir)}) as served:
         core = served.core_pid()
+        assert [p.name[:11] for p in tmpdir.iterdir()] == ["pagedserve-"]
         served.process.kill()
         served.process.wait(timeout=30)
-        # The orphaned core notices its parent is gone while idle and exits by itself.
+        # The orphaned core notices its parent is gone while idle, exits by itself and
+        # removes the sockets' folder the killed server could not.
         assert _wait_gone(core, 10.0)
+    assert list(tmpdir.iterdir()) == []
 
 
 def _tp_worker_pid(core_pid: int) -> int:
