@@ -15,6 +15,8 @@ import statistics
 import time
 from typing import NamedTuple
 
+from pagedserve.arg_types import positive
+
 REQUANTIZED = ("int8", "fp8")
 
 
@@ -23,9 +25,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
     add_engine_args(parser)
     parser.add_argument("--shape", default=None, help="random weights of a real shape")
-    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 32, 128, 256])
-    parser.add_argument("--context-len", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--batch-sizes", type=positive(int), nargs="+", default=[1, 32, 128, 256])
+    parser.add_argument("--context-len", type=positive(int), default=512)
+    parser.add_argument("--steps", type=positive(int), default=32)
     parser.add_argument("--requantize", choices=REQUANTIZED, default=None,
                         help="requantize every linear layer of a --quantization none model: "
                              "int8: 8 bits in groups of 32, symmetric, as GGUF's Q8_0; fp8: "

@@ -25,6 +25,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
+from pagedserve.arg_types import positive
 from pagedserve.bench.common import print_table, write_result
 
 if TYPE_CHECKING:
@@ -74,9 +75,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default=None,
                         help="a real model shape's KV blocks (no weights are made), e.g. "
                              "llama3-8b: 2 MiB blocks in bf16")
-    parser.add_argument("--batch-blocks", type=int, nargs="+", default=[1, 8, 64, 512],
+    parser.add_argument("--batch-blocks", type=positive(int), nargs="+", default=[1, 8, 64, 512],
                         help="blocks moved by one batch (one step's loads or offloads)")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=positive(int), default=20)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
 
 

@@ -40,6 +40,7 @@ import random
 import statistics
 from collections import deque
 
+from pagedserve.arg_types import fraction, non_negative, positive
 from pagedserve.bench.common import print_table, write_result
 
 # Issue 29's targets: the tier's speed-up over no tier (later-turn TTFT, output tok/s).
@@ -54,22 +55,22 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default=None,
                         help="random weights of a real shape (dummy load format), e.g. "
                              "llama3-8b")
-    parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--prefix-len", type=int, default=384)
-    parser.add_argument("--message-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=8)
-    parser.add_argument("--active-conversations", type=int, default=None,
+    parser.add_argument("--conversations", type=positive(int), default=8)
+    parser.add_argument("--turns", type=positive(int), default=3)
+    parser.add_argument("--prefix-len", type=positive(int), default=384)
+    parser.add_argument("--message-len", type=non_negative(int), default=32)
+    parser.add_argument("--output-len", type=positive(int), default=8)
+    parser.add_argument("--active-conversations", type=positive(int), default=None,
                         help="conversations under way at once (default: all)")
-    parser.add_argument("--concurrency", type=int, default=1,
+    parser.add_argument("--concurrency", type=positive(int), default=1,
                         help="requests in the engine at once, at most")
     parser.add_argument("--unique-prefixes", action="store_true",
                         help="every turn a fresh prefix: all misses, what the tier costs")
-    parser.add_argument("--device-share", type=float, default=0.25,
+    parser.add_argument("--device-share", type=fraction, default=0.25,
                         help="share of all the conversations' prefixes the device pool holds")
-    parser.add_argument("--tier-gib", type=float, default=1.0,
+    parser.add_argument("--tier-gib", type=positive(float), default=1.0,
                         help="--kv-offloading-size of the run with the tier")
-    parser.add_argument("--warm-up-conversations", type=int, default=None,
+    parser.add_argument("--warm-up-conversations", type=non_negative(int), default=None,
                         help="two-turn conversations each engine runs before it is timed "
                              "(default: enough to overflow the device pool)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
@@ -222,12 +223,7 @@ def _vocab(config) -> list[int]:
 def main(args: argparse.Namespace) -> None:
     from pagedserve.bench.kv_copy_rate import kv_layout
     from pagedserve.bench.throughput import bench_config
-    from pagedserve.errors import ConfigError
 
-    for flag in ("concurrency", "active_conversations", "conversations", "turns"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     config = bench_config(args)
     layout = kv_layout(config)
     block_size, per_block = layout.block_size, layout.bytes_per_block

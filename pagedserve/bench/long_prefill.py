@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import random
 
+from pagedserve.arg_types import positive
 from pagedserve.bench.common import print_table, random_workload, write_result
 
 
@@ -20,10 +21,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     from pagedserve.engine_args import add_engine_args
 
     add_engine_args(parser)
-    parser.add_argument("--long-prompt-len", type=int, default=4000)
-    parser.add_argument("--short-prompt-len", type=int, default=16)
-    parser.add_argument("--short-output-len", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--long-prompt-len", type=positive(int), default=4000)
+    parser.add_argument("--short-prompt-len", type=positive(int), default=16)
+    parser.add_argument("--short-output-len", type=positive(int), default=4)
+    parser.add_argument("--threads", type=positive(int), default=None,
                         help="CPU threads (default: the platform's); 1 keeps the timings "
                              "steady on a host whose cores other work shares")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")

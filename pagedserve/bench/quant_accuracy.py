@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from pagedserve.arg_types import positive
+
 PROMPTS = [
     "The capital of France is", "def fibonacci(n):", "Water boils at a temperature of",
     "Once upon a time, in a small village,", "The three primary colors are",
@@ -40,8 +42,8 @@ FORMATS = {
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--formats", nargs="*", default=list(FORMATS), choices=list(FORMATS))
-    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--new-tokens", type=positive(int), default=16)
     parser.add_argument("--out", default=None)
 
 

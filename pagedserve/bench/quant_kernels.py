@@ -14,21 +14,35 @@ import statistics
 import time
 from collections.abc import Callable
 
+from pagedserve.arg_types import non_negative, positive
+
 # (n, k) of SmolLM2-135M: q/k/v-o projections, attention out, MLP up/gate, MLP down, lm_head.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 MAX_FLOAT_BYTES = 256 << 20
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shapes", nargs="*", default=[f"{n}x{k}" for n, k in SHAPES],
-                        help="N x K of the weights")
-    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4, 16, 64, 256])
-    parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--weights", type=int, default=30, help="distinct weights per shape")
-    parser.add_argument("--threads", type=int, default=None, help="default: torch's count")
-    parser.add_argument("--min-time", type=float, default=0.2,
+    parser.add_argument("--shapes", type=_shape, nargs="+", default=SHAPES,
+                        help="N x K of the weights, as 960x576")
+    parser.add_argument("--batch-sizes", type=positive(int), nargs="+",
+                        default=[1, 4, 16, 64, 256])
+    parser.add_argument("--group-size", type=positive(int), default=64)
+    parser.add_argument("--weights", type=positive(int), default=30,
+                        help="distinct weights per shape")
+    parser.add_argument("--threads", type=positive(int), default=None,
+                        help="default: torch's count")
+    parser.add_argument("--min-time", type=non_negative(float), default=0.2,
                         help="seconds of calls per measurement")
     parser.add_argument("--out", default=None)
+
+
+def _shape(text: str) -> tuple[int, int]:
+    """``NxK`` as (n, k), both positive."""
+    dims = text.lower().split("x")
+    if len(dims) != 2 or not all(d.strip().isdigit() and int(d) > 0 for d in dims):
+        raise argparse.ArgumentTypeError(f"must be N x K of positive integers, as 960x576, "
+                                         f"got {text}")
+    return int(dims[0]), int(dims[1])
 
 
 def copy_bandwidth(nbytes: int = 1 << 29) -> float:
@@ -127,8 +141,7 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit("the native quant kernels did not build (see the log)")
     bandwidth = copy_bandwidth()
     rows = []
-    for shape in args.shapes:
-        n, k = (int(v) for v in shape.lower().split("x"))
+    for n, k in args.shapes:
         rows += bench_shape(n, k, args)
     names = ["ours_int4", "ours_int8", "torch_int4pack_bf16", "torch_int8pack_bf16",
              "linear_fp32", "linear_bf16"]

@@ -23,7 +23,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.arg_types import positive
+from pagedserve.arg_types import MinMax, positive
 from pagedserve.bench.common import WorkItem, print_table, random_workload, write_result
 from pagedserve.errors import ConfigError
 
@@ -38,8 +38,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--concurrency", type=positive(int), default=8)
     parser.add_argument("--num-prompts", type=positive(int), default=64)
-    parser.add_argument("--input-len", type=positive(int), nargs=2, default=(32, 256))
-    parser.add_argument("--output-len", type=positive(int), nargs=2, default=(16, 64))
+    parser.add_argument("--input-len", type=positive(int), action=MinMax, default=(32, 256))
+    parser.add_argument("--output-len", type=positive(int), action=MinMax, default=(16, 64))
     parser.add_argument("--num-clients", type=positive(int), default=1,
                         help="client processes sharing --concurrency (one process parsing "
                              "tens of thousands of events a second is a bottleneck itself)")

@@ -17,6 +17,7 @@ import random
 import statistics
 import time
 
+from pagedserve.arg_types import positive
 from pagedserve.bench.common import print_table, random_workload, write_result
 
 PARTS = ("blocks", "ttft", "itl")
@@ -27,15 +28,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
     add_engine_args(parser)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--width", type=int, default=4, help="n and beam width")
-    parser.add_argument("--num-requests", type=int, default=2)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--system-prompt-len", type=int, default=2000)
-    parser.add_argument("--num-ttft-requests", type=int, default=3)
-    parser.add_argument("--long-prompt-len", type=int, default=4000)
-    parser.add_argument("--num-decodes", type=int, default=4)
-    parser.add_argument("--chunk-budget", type=int, default=512,
+    parser.add_argument("--width", type=positive(int), default=4, help="n and beam width")
+    parser.add_argument("--num-requests", type=positive(int), default=2)
+    parser.add_argument("--prompt-len", type=positive(int), default=256)
+    parser.add_argument("--output-len", type=positive(int), default=64)
+    parser.add_argument("--system-prompt-len", type=positive(int), default=2000)
+    parser.add_argument("--num-ttft-requests", type=positive(int), default=3)
+    parser.add_argument("--long-prompt-len", type=positive(int), default=4000)
+    parser.add_argument("--num-decodes", type=positive(int), default=4)
+    parser.add_argument("--chunk-budget", type=positive(int), default=512,
                         help="--max-num-batched-tokens when chunked prefill is on")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
 

@@ -25,6 +25,7 @@ import dataclasses
 import statistics
 import time
 
+from pagedserve.arg_types import positive
 from pagedserve.bench.common import print_table, random_workload, seconds_per_step, write_result
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
@@ -77,15 +78,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "--shape as the speculative config's model; the table then also "
                              "times steps whose drafts it draws, and the forced-acceptance "
                              "curve pays for its passes")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256],
+    parser.add_argument("--batch-sizes", type=positive(int), nargs="+", default=[1, 32, 256],
                         help="--workload verify")
-    parser.add_argument("--draft-lens", type=int, nargs="+", default=[1, 2, 4, 8],
+    parser.add_argument("--draft-lens", type=positive(int), nargs="+", default=[1, 2, 4, 8],
                         help="--workload verify: drafts per sequence per step")
-    parser.add_argument("--steps", type=int, default=20, help="--workload verify: timed steps")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=160,
+    parser.add_argument("--steps", type=positive(int), default=20,
+                        help="--workload verify: timed steps")
+    parser.add_argument("--rounds", type=positive(int), default=3)
+    parser.add_argument("--max-tokens", type=positive(int), default=160,
                         help="per copy prompt (the throughput workload draws its own)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=positive(int), default=None,
                         help="CPU threads (default: the platform's)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
 

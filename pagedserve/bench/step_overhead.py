@@ -10,14 +10,16 @@ from __future__ import annotations
 import argparse
 import time
 
+from pagedserve.arg_types import positive
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     from pagedserve.engine_args import add_engine_args
 
     add_engine_args(parser)
     parser.add_argument("--shape", default="tiny-llama")
-    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[256, 1024])
-    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--batch-sizes", type=positive(int), nargs="+", default=[256, 1024])
+    parser.add_argument("--steps", type=positive(int), default=64)
     parser.add_argument("--out", default=None)
     parser.add_argument("--breakdown", action="store_true",
                         help="split each row's time into scheduling, packing the inputs, the "

@@ -22,6 +22,7 @@ import os
 import statistics
 import time
 
+from pagedserve.arg_types import at_least, positive
 from pagedserve.bench.common import print_table, write_result
 
 # Long enough that no request finishes before --output-len tokens. No maxLength on the
@@ -39,9 +40,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     from pagedserve.engine_args import add_engine_args
 
     add_engine_args(parser)
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--num-requests", type=positive(int), default=32)
+    parser.add_argument("--output-len", type=at_least(2), default=64,
+                        help="tokens per request (TPOT needs two: it spans first to last)")
+    parser.add_argument("--repeats", type=positive(int), default=2)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.arg_types import positive
+from pagedserve.arg_types import MinMax, positive
 from pagedserve.bench.common import Timer, print_table, random_workload, write_result
 
 
@@ -20,9 +20,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
     add_engine_args(parser)
     parser.add_argument("--num-prompts", type=positive(int), default=64)
-    parser.add_argument("--input-len", type=positive(int), nargs=2, default=(32, 512))
-    parser.add_argument("--output-len", type=positive(int), nargs=2, default=(16, 256))
-    parser.add_argument("--hf-batch-sizes", type=positive(int), nargs="*", default=[16, 32],
+    parser.add_argument("--input-len", type=positive(int), action=MinMax, default=(32, 512))
+    parser.add_argument("--output-len", type=positive(int), action=MinMax, default=(16, 256))
+    parser.add_argument("--hf-batch-sizes", type=positive(int), nargs="+", default=[16, 32],
                         help="static batch sizes to try for HF; the best counts")
     parser.add_argument("--hf-max-prompts", type=positive(int), default=None,
                         help="time HF on the first N prompts only (its rate is what counts)")
