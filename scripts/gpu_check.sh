@@ -528,8 +528,8 @@ for part in $parts; do
         tests/platforms/cuda/test_triton_backend_engine.py tests/platforms/cuda/test_w4a16_mma.py \
         2>&1 | tee "$OUT/gpu_pdl_tests.log" ;;
     # Decode steps with PAGEDSERVE_PDL=0 and 1 side by side, AWQ, FP8 and bf16 weights at
-    # ${DECODE_BATCHES:-1 8 32 128}.
-    pdl) for weights in awq fp8 bf16; do
+    # ${DECODE_BATCHES:-1 8 32 128} (weights: ${PDL_WEIGHTS:-awq fp8 bf16}).
+    pdl) for weights in ${PDL_WEIGHTS:-awq fp8 bf16}; do
         quant=(); [ "$weights" = bf16 ] || quant=(--quantization "$weights")
         for on in 0 1; do
           PAGEDSERVE_PDL=$on bench decode --device cuda --shape llama3-8b --load-format dummy \
