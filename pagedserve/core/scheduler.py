@@ -170,7 +170,7 @@ class Scheduler:
         (no drafts, not past max_tokens) and lands in a block it alone holds without filling
         it (nothing to look up, allocate, copy or hash). ``_schedule_group`` would schedule it
         the same way; False, scheduling nothing, for anything else, which it handles."""
-        if group.pending_forks or len(group.seqs) != 1 or self._prefill_cap < 1:
+        if group.pending_forks or len(group.seqs) != 1:
             return False
         seq = group.seqs[0]
         computed = seq.num_computed_tokens
@@ -253,7 +253,10 @@ class Scheduler:
                 decodes += len(group.seqs)
         if not self.swapped:  # waiting requests start only once nothing is swapped out
             demands += self._waiting_demands()
-        self._prefill_cap = _fair_level(demands, self.config.max_num_batched_tokens - decodes)
+        # At least a token: with more decodes or prefills than the budget has tokens, the fair
+        # share is 0, and a cap of 0 let no stream run, step after step.
+        self._prefill_cap = max(1, _fair_level(demands,
+                                               self.config.max_num_batched_tokens - decodes))
 
     def _waiting_demands(self) -> list[int]:
         """Tokens left of the waiting prompts that may start this step, at most
@@ -567,9 +570,12 @@ def _add_lora(loras: set[int], group: SequenceGroup) -> None:
 
 def _fair_level(demands: list[int], supply: int) -> int:
     """The max-min fair cap: the largest ``c`` with ``sum(min(d, c) for d in demands)`` at
-    most ``supply`` (all of ``supply`` when the demands fit in it)."""
+    most ``supply`` (all of ``supply`` when the demands fit in it); 0 when the decodes took
+    the whole budget, or more (``supply`` is negative)."""
+    if supply <= 0:
+        return 0
     if sum(demands) <= supply:
-        return max(supply, 0)
+        return supply
     for i, demand in enumerate(sorted(demands)):
         share = supply // (len(demands) - i)
         if demand > share:

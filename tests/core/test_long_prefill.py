@@ -120,6 +120,28 @@ def test_one_partial_prefill_is_strict_order():
     assert [s[long].num_new_tokens for s in steps] == [BUDGET, BUDGET, 200 - 3 * BUDGET]
 
 
+@pytest.mark.parametrize("budget, num_requests, width", [
+    (1, 1, 1), (4, 4, 1), (4, 8, 1), (2, 1, 4)])
+def test_every_step_runs_a_stream_when_streams_outnumber_the_budget(budget, num_requests,
+                                                                     width):
+    """With as many decodes or prefills as the budget has tokens, the fair share of a
+    prefill is 0 tokens: that cap held back every stream, decodes too, and the engine stepped
+    forever without running any (`LLM(max_num_batched_tokens=4)`, 4 requests). With more
+    decodes than that (n=4 under a budget of 2), sharing the budget failed the step."""
+    sched = _scheduler(budget=budget)
+    seqs = []
+    for i in range(num_requests):
+        streams = [Sequence([1, 2, 3], SamplingParams(), max_tokens=4) for _ in range(width)]
+        sched.add_group(SequenceGroup(f"request-{i}", streams[:1], width=width,
+                                      pending_forks=streams[1:]))
+        seqs += streams
+    for _ in range(100):
+        if not sched.has_unfinished:
+            break
+        _step(sched)
+    assert [s.num_output_tokens for s in seqs] == [4] * len(seqs)
+
+
 # ---- the options ------------------------------------------------------------------------
 _ARCH = SimpleNamespace(max_position_embeddings=8192, sliding_window=None)
 
