@@ -11,6 +11,7 @@ naming the flag to change.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,8 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 LOAD_FORMATS = ("auto", "dummy")
 EXECUTOR_BACKENDS = ("mp", "ray")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+# torch's generators take 64-bit seeds.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
@@ -203,13 +206,12 @@ class EngineConfig:
             raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ConfigError("--kv-cache-memory-bytes must be positive")
-        if self.swap_space < 0:
-            raise ConfigError("--swap-space must be non-negative")
-        if not self.cpu_offload_gb >= 0:
-            raise ConfigError(f"--cpu-offload-gb must be non-negative, got {self.cpu_offload_gb}")
+        self._check_gib_sizes()
         self._check_offloading()
         if self.tensor_parallel_size < 1:
             raise ConfigError("--tensor-parallel-size must be at least 1")
+        if not _INT64_MIN <= self.seed <= _INT64_MAX - 1:  # a draft model seeds with seed + 1
+            raise ConfigError(f"--seed must be in [-2**63, 2**63 - 1), got {self.seed}")
         if self.grammar_compile_workers < 1:
             raise ConfigError("--grammar-compile-workers must be at least 1")
         if not self.max_grammar_compile_seconds > 0:
@@ -283,13 +285,19 @@ class EngineConfig:
                 raise ConfigError(f"{flag_name(f.name)} must be one of "
                                   f"{', '.join(allowed)}, got {value!r}")
 
+    def _check_gib_sizes(self) -> None:
+        # NaN passes a "< 0" check and infinity a ">= 0" one; both failed deep in the cache
+        # sizing, turning GiB into bytes.
+        for name in ("swap_space", "cpu_offload_gb", "kv_offloading_size",
+                     "kv_offloading_disk_size"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{flag_name(name)} must be a non-negative number of GiB, "
+                                  f"got {value}")
+
     def _check_offloading(self) -> None:
-        if self.kv_offloading_size < 0:
-            raise ConfigError("--kv-offloading-size must be non-negative")
         if self.kv_offloading_size and not self.enable_prefix_caching:
             raise ConfigError("--kv-offloading-size needs --enable-prefix-caching")
-        if self.kv_offloading_disk_size < 0:
-            raise ConfigError("--kv-offloading-disk-size must be non-negative")
         if self.kv_offloading_disk is None:
             return
         if not self.kv_offloading_size or not self.kv_offloading_disk_size:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.config import ConfigError, EngineConfig
+from pagedserve.config import ConfigError, EngineConfig, flag_name
 from pagedserve.platforms.interface import Platform
 
 
@@ -64,6 +64,14 @@ def test_bad_choice_names_the_flag_and_the_choices(field, flag):
     ({"max_loras": 0}, "--max-loras"),
     ({"max_lora_rank": 0}, "--max-lora-rank"),
     ({"max_loras": 4, "max_cpu_loras": 3}, "--max-cpu-loras"),
+    # NaN and infinity failed deep in the cache sizing, with no flag named.
+    *[({name: value}, flag_name(name)) for name in ("swap_space", "cpu_offload_gb",
+                                                    "kv_offloading_size",
+                                                    "kv_offloading_disk_size")
+      for value in (float("nan"), float("inf"))],
+    # torch's generators take 64 bits; a larger seed failed in torch.manual_seed.
+    ({"seed": 2**63}, "--seed"),
+    ({"seed": -(2**63) - 1}, "--seed"),
 ])
 def test_bad_value_names_the_flag(kwargs, flag):
     with pytest.raises(ConfigError, match=f"^{flag} "):
