@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.errors import ConfigError
+from pagedserve.field_types import plain_fields, wrong_type
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle3")
 # The methods whose drafts rank 0 draws on the device, inside the verify step.
@@ -48,7 +49,7 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ConfigError(f"{_FLAG} must be a JSON object, got {type(value).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
+        unknown = sorted(map(str, set(value) - known))
         if unknown:
             raise ConfigError(f"{_FLAG}: unknown field(s) {', '.join(unknown)}; known: "
                               f"{', '.join(sorted(known))}")
@@ -60,10 +61,15 @@ class SpeculativeConfig:
         return cls(**fields)
 
     def __post_init__(self) -> None:
+        # The JSON's values come as they are: a string where a count goes failed a comparison
+        # with a TypeError, a float bound reached the n-gram matcher.
+        wrong = wrong_type(self, _PLAIN_FIELDS)
+        if wrong is not None:
+            raise ConfigError(f"{_FLAG}: {wrong[0]} {wrong[1]}")
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"{_FLAG}: method must be one of {', '.join(SPEC_METHODS)}, "
                               f"got {self.method!r}")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+        if self.num_speculative_tokens < 1:
             raise ConfigError(f"{_FLAG}: num_speculative_tokens must be an integer of at least "
                               f"1, got {self.num_speculative_tokens!r}")
         if self.method == "ngram":
@@ -90,11 +96,16 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_max", high)
 
 
+_PLAIN_FIELDS = plain_fields(SpeculativeConfig)
+
+
 def _inferred_method(model: str | None) -> str:
     if model is None:
         raise ConfigError(f"{_FLAG}: give method ({', '.join(SPEC_METHODS)}) or model")
     if model in ("ngram", "[ngram]"):
         return "ngram"
+    if not isinstance(model, str):
+        return "draft_model"  # whose check says what model must be
     from pagedserve.models.eagle3 import is_eagle3_folder
 
     return "eagle3" if is_eagle3_folder(Path(model).expanduser()) else "draft_model"

@@ -57,6 +57,19 @@ def test_ngram_lookup_bounds_default_and_fill_each_other():
     ({"num_speculative_tokens": 2}, "give method"),
     ({"model": "org/draft", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
      "draft_tensor_parallel_size 2 is not built"),
+    # Values of the wrong type: TypeErrors naming nothing, or accepted (a float bound, a
+    # number as the draft's path).
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": "2"}',
+     "prompt_lookup_min must be an integer, got '2'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2.5},
+     "prompt_lookup_max must be an integer, got 2.5"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be an "
+                                                          "integer, got True"),
+    ({"model": 5, "num_speculative_tokens": 2}, "model must be a string, got 5"),
+    ({"method": "draft_model", "model": 5, "num_speculative_tokens": 2},
+     "model must be a string, got 5"),
+    ({"method": 1, "num_speculative_tokens": 2}, "method must be a string, got 1"),
+    ({1: 2, "method": "ngram", "num_speculative_tokens": 2}, "unknown field"),
 ])
 def test_bad_settings_are_one_line_errors_naming_the_field(value, message):
     with pytest.raises(ConfigError, match=message) as error:
