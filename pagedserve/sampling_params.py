@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,7 @@ class StructuredOutputsParams:
     json_object: bool = False
 
     def __post_init__(self) -> None:
+        self._check_types()
         given = [name for name in ("json", "regex", "choice", "grammar")
                  if getattr(self, name) is not None] + (["json_object"] if self.json_object
                                                         else [])
@@ -42,6 +45,27 @@ class StructuredOutputsParams:
                 f"choice, grammar, json_object; got {', '.join(given) or 'none'}")
         if self.choice is not None and not self.choice:
             raise InvalidSamplingParam("structured_outputs", "choice must not be empty")
+
+    def _check_types(self) -> None:
+        # A number as a regex failed in the grammar compiler with an AttributeError, and a
+        # string as choice was read as a list of its characters.
+        wrong = [
+            name for name, ok in (
+                ("json", self.json is None or isinstance(self.json, (str, dict))),
+                ("regex", self.regex is None or isinstance(self.regex, str)),
+                ("choice", self.choice is None or (isinstance(self.choice, (list, tuple))
+                                                   and all(isinstance(c, str)
+                                                           for c in self.choice))),
+                ("grammar", self.grammar is None or isinstance(self.grammar, str)),
+                ("json_object", isinstance(self.json_object, bool)))
+            if not ok]
+        if wrong:
+            kinds = {"json": "a JSON schema (a dict or its text)", "choice": "a list of strings",
+                     "json_object": "a boolean"}
+            name = wrong[0]
+            raise InvalidSamplingParam(
+                "structured_outputs", f"structured_outputs {name} must be "
+                f"{kinds.get(name, 'a string')}, got {getattr(self, name)!r:.80}")
 
 
 @dataclass
@@ -84,17 +108,16 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # The lists and dicts, each in the one form the engine reads; a value of another type
+        # or with an element of another type is refused by name here, where it used to fail
+        # with a TypeError naming nothing (now or in the detokenizer) or pass (a float id).
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _token_ids(self.stop_token_ids)
         if self.logit_bias:
-            # JSON object keys arrive as strings; the sampler indexes tensors with them.
-            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            self.logit_bias = _logit_bias(self.logit_bias)
         if self.best_of is None:
             self.best_of = self.n
-        if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
         self._validate()
         if self.is_greedy:
             # Greedy ignores the truncation knobs; normalising them lets the sampler skip them.
@@ -187,6 +210,65 @@ _PLAIN_FIELDS = plain_fields(SamplingParams)
 
 def _fits_int64(value: int | None) -> bool:
     return value is None or _INT64_MIN <= value <= _INT64_MAX
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _stop_strings(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise InvalidSamplingParam("stop", f"stop must be a string or a list of strings, got "
+                                       f"{stop!r:.80}")
+
+
+def _token_ids(ids: Any) -> list[int]:
+    if ids is None:
+        return []
+    if isinstance(ids, (list, tuple)) and all(_is_int(t) for t in ids):
+        return [int(t) for t in ids]
+    raise InvalidSamplingParam("stop_token_ids", f"stop_token_ids must be a list of integers, "
+                                                 f"got {ids!r:.80}")
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    """Token id -> bias; an id may be written as a string of digits (JSON's keys are)."""
+    if not isinstance(bias, dict):
+        raise InvalidSamplingParam("logit_bias", f"logit_bias must be a dict of token ids to "
+                                                 f"numbers, got {bias!r:.80}")
+    out = {}
+    for token, value in bias.items():
+        if isinstance(token, str) and token.isascii() and token.isdigit() and len(token) < 100:
+            token = int(token)  # (int() refuses past 4,300 digits)
+        if not _is_int(token):
+            raise InvalidSamplingParam("logit_bias", f"logit_bias key {token!r:.40} is not a "
+                                                     "token id (an integer)")
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise InvalidSamplingParam("logit_bias", f"logit_bias value {value!r:.40} of token "
+                                                     f"{token} is not a number")
+        out[int(token)] = float(value)
+    return out
+
+
+def _structured_outputs(value: Any) -> StructuredOutputsParams | None:
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        names = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+        unknown = sorted(map(str, set(value) - names))
+        if not unknown:
+            return StructuredOutputsParams(**value)
+        raise InvalidSamplingParam("structured_outputs", f"structured_outputs has no field "
+                                                         f"{unknown[0]}; its fields: "
+                                                         f"{', '.join(sorted(names))}")
+    raise InvalidSamplingParam("structured_outputs", "structured_outputs must be "
+                                                     "StructuredOutputsParams or a dict of its "
+                                                     f"fields, got {value!r:.80}")
 
 
 class InvalidSamplingParam(ValueError):

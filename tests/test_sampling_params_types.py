@@ -33,3 +33,50 @@ def test_numbers_of_any_kind_of_their_type_are_accepted():
     params = SamplingParams(temperature=1, top_p=np.float32(0.5), max_tokens=np.int64(5),
                             top_k=np.int32(3), seed=None, logprobs=None)
     assert params.max_tokens == 5 and params.top_k == 3
+
+
+@pytest.mark.parametrize(("kwargs", "param", "message"), [
+    ({"stop": 123}, "stop", "stop must be a string or a list of strings, got 123"),
+    ({"stop": [1]}, "stop", "stop must be a string or a list of strings, got [1]"),
+    ({"stop": [b"x"]}, "stop", "stop must be a string or a list of strings, got [b'x']"),
+    ({"stop_token_ids": 5}, "stop_token_ids", "stop_token_ids must be a list of integers, got 5"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids", "stop_token_ids must be a list of integers"),
+    ({"stop_token_ids": [1.5]}, "stop_token_ids", "stop_token_ids must be a list of integers"),
+    ({"logit_bias": [1]}, "logit_bias", "logit_bias must be a dict of token ids to numbers"),
+    ({"logit_bias": {"a": 1}}, "logit_bias", "logit_bias key 'a' is not a token id"),
+    ({"logit_bias": {1.7: 1}}, "logit_bias", "logit_bias key 1.7 is not a token id"),
+    ({"logit_bias": {"1" * 5000: 1}}, "logit_bias", "logit_bias key '1111"),
+    ({"logit_bias": {True: 1}}, "logit_bias", "logit_bias key True is not a token id"),
+    ({"logit_bias": {1: "x"}}, "logit_bias", "logit_bias value 'x' of token 1 is not a number"),
+    ({"structured_outputs": 5}, "structured_outputs", "structured_outputs must be "
+                                                      "StructuredOutputsParams or a dict"),
+    ({"structured_outputs": {"foo": 1}}, "structured_outputs",
+     "structured_outputs has no field foo"),
+    ({"structured_outputs": {"regex": 5}}, "structured_outputs",
+     "structured_outputs regex must be a string, got 5"),
+    ({"structured_outputs": {"choice": "ab"}}, "structured_outputs",
+     "structured_outputs choice must be a list of strings, got 'ab'"),
+    ({"structured_outputs": {"choice": [1, 2]}}, "structured_outputs",
+     "structured_outputs choice must be a list of strings"),
+    ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs",
+     "structured_outputs json_object must be a boolean"),
+])
+def test_lists_and_dicts_of_the_wrong_form_are_refused_by_name(kwargs, param, message):
+    """Each failed with a TypeError, ValueError or AttributeError that named nothing (some
+    only once the request reached the detokenizer or the grammar compiler), or was read as
+    something else: a float stop token id, 1.7 as token 1, a string as a list of choices."""
+    with pytest.raises(InvalidSamplingParam) as err:
+        SamplingParams(**kwargs)
+    assert err.value.param == param
+    assert str(err.value).startswith(message)
+
+
+def test_lists_and_dicts_in_their_other_forms_are_accepted():
+    params = SamplingParams(stop=("a", "b"), stop_token_ids=(np.int64(3),),
+                            logit_bias={"5": 1, np.int32(6): np.float32(-2)},
+                            structured_outputs={"choice": ("yes", "no")})
+    assert params.stop == ["a", "b"] and params.stop_token_ids == [3]
+    assert params.logit_bias == {5: 1.0, 6: -2.0}
+    assert params.structured_outputs.choice == ("yes", "no")
+    assert SamplingParams(stop="x", stop_token_ids=None).stop == ["x"]
+
