@@ -177,6 +177,13 @@ class SamplingParams:
              "beam search does not support stop strings; use stop_token_ids"),
             (not (self.use_beam_search and self.structured_outputs), "structured_outputs",
              "beam search does not support structured outputs"),
+            # Beams keep no per-token logprobs (each has its cumulative_logprob), and scoring
+            # the prompt of a beam request failed the engine step of every request with it.
+            (not (self.use_beam_search and self.logprobs is not None), "logprobs",
+             "beam search does not return per-token logprobs (each beam has its "
+             "cumulative_logprob)"),
+            (not (self.use_beam_search and self.prompt_logprobs is not None), "prompt_logprobs",
+             "beam search does not support prompt_logprobs"),
             # The grammar decides where the output may end; min_tokens could forbid that end.
             (not (self.min_tokens and self.structured_outputs), "min_tokens",
              "min_tokens cannot be combined with structured outputs"),

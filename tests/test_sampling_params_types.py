@@ -80,3 +80,11 @@ def test_lists_and_dicts_in_their_other_forms_are_accepted():
     assert params.structured_outputs.choice == ("yes", "no")
     assert SamplingParams(stop="x", stop_token_ids=None).stop == ["x"]
 
+
+@pytest.mark.parametrize("param", ["logprobs", "prompt_logprobs"])
+def test_beam_search_refuses_logprobs(param):
+    """Beams kept no per-token logprobs (logprobs came back None), and prompt_logprobs failed
+    the engine step of the whole batch with an AttributeError."""
+    with pytest.raises(InvalidSamplingParam, match="beam search") as err:
+        SamplingParams(use_beam_search=True, n=2, best_of=2, temperature=0, **{param: 1})
+    assert err.value.param == param
