@@ -134,7 +134,36 @@ def _read_config(folder: Path) -> dict:
     if unsupported:
         raise LoRAAdapterError(f"LoRA adapter {folder}: {unsupported[0]}="
                                f"{config[unsupported[0]]!r} is not supported")
+    _check_scaling_fields(folder, config)
     return config
+
+
+def _check_scaling_fields(folder: Path, config: dict) -> None:
+    """What ``_scaling`` reads, checked here: a string alpha, a bad pattern or a list of
+    patterns failed in the arithmetic or in ``re`` with errors that named no adapter."""
+    alpha = config.get("lora_alpha", 8)
+    if not _is_number(alpha):
+        raise LoRAAdapterError(f"LoRA adapter {folder}: lora_alpha must be a number, got "
+                               f"{alpha!r:.40}")
+    patterns = config.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict) or not all(
+            isinstance(k, str) and _is_number(v) for k, v in patterns.items()):
+        raise LoRAAdapterError(f"LoRA adapter {folder}: alpha_pattern must map module names "
+                               f"to numbers, got {patterns!r:.80}")
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise LoRAAdapterError(f"LoRA adapter {folder}: alpha_pattern key {pattern!r:.40} "
+                                   f"is no regular expression: {exc}") from None
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise LoRAAdapterError(f"LoRA adapter {folder}: use_rslora must be true or false, got "
+                               f"{config['use_rslora']!r:.40}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value)
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -177,6 +206,8 @@ def _fold(folder: Path, config: dict, tensors: dict[str, torch.Tensor]
         if a.shape[0] != b.shape[1]:
             raise LoRAAdapterError(f"LoRA adapter {folder}: layer {layer} {module}: A has "
                                    f"rank {a.shape[0]}, B {b.shape[1]}")
+        if a.shape[0] == 0:  # its scaling divides by the rank
+            raise LoRAAdapterError(f"LoRA adapter {folder}: layer {layer} {module} has rank 0")
         key = f"model.layers.{layer}.{parent_module(module)}.{module}"
         scale = _scaling(config, key, a.shape[0])
         projection, shard = PROJECTIONS[module]

@@ -85,6 +85,36 @@ def test_unreadable_files_are_one_line_errors(llama3_folder, tmp_path, file, con
         load_adapter(folder)
 
 
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("lora_alpha", "16", "lora_alpha must be a number, got '16'"),
+    ("lora_alpha", None, "lora_alpha must be a number, got None"),
+    ("alpha_pattern", ["q_proj"], "alpha_pattern must map module names to numbers"),
+    ("alpha_pattern", {"q_proj": "2"}, "alpha_pattern must map module names to numbers"),
+    ("alpha_pattern", {"(": 2}, "alpha_pattern key '\\(' is no regular expression"),
+    ("use_rslora", "yes", "use_rslora must be true or false"),
+])
+def test_bad_scaling_fields_are_one_line_errors(llama3_folder, tmp_path, field, value, says):
+    """Each failed with a TypeError, AttributeError or re.error naming no adapter (at the
+    server's start with --lora-modules, a traceback), or (use_rslora) was read as true."""
+    folder = write_adapter(llama3_folder, tmp_path / "a", ADAPTER_SPECS["attn"], seed=1)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(LoRAAdapterError, match=says):
+        load_adapter(folder)
+
+
+def test_a_rank_0_adapter_is_refused(llama3_folder, tmp_path):
+    """Its scaling divided by the rank: a ZeroDivisionError."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_adapter(llama3_folder, tmp_path / "a", ADAPTER_SPECS["attn"], seed=1)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    save_file({k: (v[:0] if "lora_A" in k else v[:, :0]).contiguous()
+               for k, v in tensors.items()}, folder / "adapter_model.safetensors")
+    with pytest.raises(LoRAAdapterError, match="has rank 0"):
+        load_adapter(folder)
+
+
 def test_a_tensor_that_is_no_matrix_is_refused(llama3_folder, tmp_path):
     from safetensors.torch import load_file, save_file
 
