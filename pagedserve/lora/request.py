@@ -3,6 +3,7 @@ rank (no torch here, so the core may hold it)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -15,6 +16,16 @@ class LoRARequest:
     lora_path: str
 
     def __post_init__(self) -> None:
+        # A string id failed the comparison below with a TypeError naming nothing; a float
+        # or True passed as an id.
+        for name, ok, kind in (
+                ("lora_name", isinstance(self.lora_name, str), "a string"),
+                ("lora_int_id", isinstance(self.lora_int_id, int)
+                 and not isinstance(self.lora_int_id, bool), "an integer"),
+                ("lora_path", isinstance(self.lora_path, (str, os.PathLike)), "a string")):
+            if not ok:
+                raise TypeError(f"LoRARequest: {name} must be {kind}, got "
+                                f"{getattr(self, name)!r:.80}")
         if self.lora_int_id < 1:
             raise ValueError(f"LoRARequest {self.lora_name!r}: lora_int_id must be at least 1, "
                              f"got {self.lora_int_id}")
