@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 from pathlib import Path
+
+from pagedserve.errors import ConfigError
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def cache_dir() -> Path:
@@ -16,13 +22,22 @@ def cache_dir() -> Path:
 
 
 def log_level() -> str:
-    """PAGEDSERVE_LOG_LEVEL: DEBUG, INFO (default), WARNING or ERROR."""
-    return os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO").upper()
+    """PAGEDSERVE_LOG_LEVEL: DEBUG, INFO (default), WARNING, ERROR or CRITICAL. Read when the
+    first module imports the logger, before any error can be reported as one line: another
+    value is named on stderr, and INFO is used."""
+    level = os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO").strip().upper()
+    if level in _LOG_LEVELS:
+        return level
+    print(f"pagedserve: warning: PAGEDSERVE_LOG_LEVEL={level!r} is none of "
+          f"{', '.join(_LOG_LEVELS)}; logging at INFO", file=sys.stderr)
+    return "INFO"
 
 
 def cpu_kv_cache_fraction() -> float:
-    """PAGEDSERVE_CPU_KV_FRACTION: share of available RAM the CPU KV pool may take (0.25)."""
-    return float(os.environ.get("PAGEDSERVE_CPU_KV_FRACTION", "0.25"))
+    """PAGEDSERVE_CPU_KV_FRACTION: share of available RAM the CPU KV pool may take (0.25),
+    in (0, 1]."""
+    return _number("PAGEDSERVE_CPU_KV_FRACTION", "0.25", "a share in (0, 1]",
+                   lambda value: 0 < value <= 1)
 
 
 def api_key() -> str | None:
@@ -33,8 +48,22 @@ def api_key() -> str | None:
 
 def dist_timeout_s() -> float:
     """PAGEDSERVE_DIST_TIMEOUT_S: how long a tensor-parallel rank waits in a collective (or
-    for its peers to start) before it gives up (300)."""
-    return float(os.environ.get("PAGEDSERVE_DIST_TIMEOUT_S", "300"))
+    for its peers to start) before it gives up (300), in seconds above 0."""
+    return _number("PAGEDSERVE_DIST_TIMEOUT_S", "300", "a number of seconds above 0",
+                   lambda value: value > 0)
+
+
+def _number(name: str, default: str, what: str, ok) -> float:
+    """The variable's finite value where ``ok`` holds; else a ``ConfigError`` naming it (a
+    float() of 'abc' or a NaN failed deep in the engine's start-up)."""
+    text = os.environ.get(name, default)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and ok(value)):
+        raise ConfigError(f"{name} must be {what}, got {text!r}")
+    return value
 
 
 def allow_runtime_lora_updating() -> bool:

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Protocol
 
-from pagedserve import distributed
+from pagedserve import distributed, envs
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import SchedulerOutput
@@ -165,6 +165,7 @@ class Executor:
             self.driver = Worker(WorkerSpec(config, 0, "", 0, 1))
             self.step = LocalStep(self.driver.runner)
             return
+        envs.dist_timeout_s()  # a bad value fails here, not in every rank
         backend = _backend(config.distributed_executor_backend)
         host = backend.driver_ip()
         address = f"{host}:{_free_port(host)}"

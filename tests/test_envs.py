@@ -1,0 +1,47 @@
+"""Environment variables with bad values: one line naming the variable, never a traceback
+from deep in the engine's start-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import envs
+from pagedserve.config import EngineConfig
+from pagedserve.errors import ConfigError
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "0", "-1", "1.5"])
+def test_a_bad_cpu_kv_fraction_names_the_variable(monkeypatch, value):
+    """'abc' and 'nan' failed in the CPU platform's cache sizing (ValueError tracebacks); a
+    share above 1 would size a pool past the free memory."""
+    monkeypatch.setenv("PAGEDSERVE_CPU_KV_FRACTION", value)
+    with pytest.raises(ConfigError, match=f"^PAGEDSERVE_CPU_KV_FRACTION must be a share in "
+                                          f"\\(0, 1\\], got '{value}'$"):
+        envs.cpu_kv_cache_fraction()
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan"])
+def test_a_bad_dist_timeout_fails_before_any_rank_starts(monkeypatch, value):
+    """'abc' failed in each rank; -5 made every rank's connection time out at once."""
+    from pagedserve.executor.executor import Executor
+
+    monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", value)
+    with pytest.raises(ConfigError, match="^PAGEDSERVE_DIST_TIMEOUT_S must be a number of "
+                                          "seconds above 0"):
+        Executor(EngineConfig(device="cpu", tensor_parallel_size=2))
+
+
+def test_good_values_and_defaults(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_CPU_KV_FRACTION", raising=False)
+    monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", "2.5")
+    assert (envs.cpu_kv_cache_fraction(), envs.dist_timeout_s()) == (0.25, 2.5)
+    monkeypatch.setenv("PAGEDSERVE_LOG_LEVEL", "debug")
+    assert envs.log_level() == "DEBUG"
+
+
+def test_an_unknown_log_level_is_named_and_info_is_used(monkeypatch, capsys):
+    """The logger reads it when the first module is imported: logging's ValueError was a
+    traceback before the command line could report anything."""
+    monkeypatch.setenv("PAGEDSERVE_LOG_LEVEL", "loud")
+    assert envs.log_level() == "INFO"
+    assert "PAGEDSERVE_LOG_LEVEL='LOUD' is none of DEBUG, INFO" in capsys.readouterr().err
