@@ -41,6 +41,9 @@ def at_least(minimum: int) -> Callable[[str], int | float]:
 
 
 fraction = _checked(float, lambda value: 0 < value <= 1, "a fraction in (0, 1]")
+port = _checked(int, lambda value: 0 <= value <= 65535, "a port number in [0, 65535]")
+# An empty secret or name would mean none.
+non_empty = _checked(str, bool, "a non-empty string")
 
 
 class MinMax(argparse.Action):

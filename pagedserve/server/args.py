@@ -6,8 +6,11 @@ import argparse
 import json
 from typing import NamedTuple
 
-from pagedserve.arg_types import positive
+from pagedserve.arg_types import non_empty, port, positive
 from pagedserve.server.tool_parsers import TOOL_PARSERS
+
+# uvicorn's levels: another failed in uvicorn with a KeyError once the models had loaded.
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 class LoRAModule(NamedTuple):
@@ -23,7 +26,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default loopback only; 0.0.0.0 exposes the server)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=port, default=8000)
     g.add_argument("--models-config", default=None, metavar="FILE",
                    help="a YAML or JSON file of the models to serve, one engine core each: "
                         "'models:', a list of entries of engine options by their names with "
@@ -33,7 +36,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "engine flags given on the command line are every entry's defaults. "
                         "Not with --model, which serves several models too when repeated, all "
                         "with the same flags")
-    g.add_argument("--api-key", default=None,
+    g.add_argument("--api-key", type=non_empty, default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health and "
                         "/metrics (default: $PAGEDSERVE_API_KEY, which the process list does "
                         "not show)")
@@ -44,7 +47,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "a loopback --host answers only those names, so that a web page cannot "
                         "reach it through a domain resolving to 127.0.0.1 (DNS rebinding); on "
                         "another --host, the check is on when this flag is given")
-    g.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
+    g.add_argument("--max-request-bytes", type=positive(int), default=4 * 1024 * 1024,
                    help="reject request bodies larger than this with 413")
     g.add_argument("--request-read-timeout", type=positive(float), default=30.0,
                    help="seconds a client has to send a whole request (head and body) from "
@@ -56,7 +59,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-log-requests", action="store_true",
                    help="log a line per HTTP request (uvicorn's access log; off by default, "
                         "it costs the API server time under load)")
-    g.add_argument("--log-level", default="info")
+    g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto": the model\'s output is parsed for tool calls '
                         "by --tool-call-parser")

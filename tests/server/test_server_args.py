@@ -1,0 +1,38 @@
+"""``pagedserve serve``'s own flags: a bad value is argparse's one-line error (exit 2) before
+any model loads, not a traceback from uvicorn once the engine cores are up."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    # uvicorn's bind raised OverflowError after the models had loaded.
+    ("--port", "70000", "must be a port number in [0, 65535], got 70000"),
+    ("--port", "-1", "must be a port number in [0, 65535], got -1"),
+    # Every request was refused with 413, or none could be read.
+    ("--max-request-bytes", "0", "must be a positive integer, got 0"),
+    ("--max-request-bytes", "-5", "must be a positive integer, got -5"),
+    # uvicorn's KeyError once the models had loaded.
+    ("--log-level", "loud", "invalid choice: 'loud'"),
+    # An empty key was no key: the server answered everyone.
+    ("--api-key", "", "must be a non-empty string, got "),
+])
+def test_a_bad_server_flag_is_one_line_before_anything_loads(flag, value, says, capsys):
+    from pagedserve.cli import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["serve", f"{flag}={value}"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pagedserve serve: error: argument {flag}: ") and says in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_good_server_flags_parse():
+    from pagedserve.cli import parse_args
+
+    args = parse_args(["serve", "--port", "0", "--max-request-bytes", "1",
+                       "--log-level", "debug", "--api-key", "k"])
+    assert (args.port, args.max_request_bytes, args.log_level, args.api_key) == (
+        0, 1, "debug", "k")
