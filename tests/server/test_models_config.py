@@ -70,6 +70,12 @@ def test_entries_override_the_flags(tmp_path: Path, suffix):
     ("models: [{env: {A: [1]}}]", "entry 1: env must map variable names to strings"),
     ("models: [{gpu_memory_utilization: 0.5, kv_cache_memory_bytes: 8}]",
      "entry 1: gpu_memory_utilization and kv_cache_memory_bytes exclude each other"),
+    ("models: [{speculative_config: 4}]", "entry 1: speculative_config must be a mapping or "
+                                          "null, got 4"),
+    ("models: [{speculative_config: {method: ngram}}]",
+     "entry 1: --speculative-config: num_speculative_tokens is required"),
+    ("models: [{speculative_config: '{bad'}]",
+     "entry 1: --speculative-config is not valid JSON"),
 ])
 def test_a_bad_entry_is_one_line_naming_it(tmp_path: Path, text, message):
     path = tmp_path / "models.yaml"
@@ -78,6 +84,22 @@ def test_a_bad_entry_is_one_line_naming_it(tmp_path: Path, text, message):
         _configs("--models-config", str(path))
     assert message in str(exc.value) and "\n" not in str(exc.value)
     assert str(exc.value).startswith(f"--models-config {path}")
+
+
+def test_an_entry_may_decode_speculatively(tmp_path: Path):
+    """speculative_config, as a mapping or as the flag's JSON text: each was refused
+    ("must be SpeculativeConfig or null"), so no model of a file could speculate."""
+    path = tmp_path / "models.yaml"
+    path.write_text("models:\n"
+                    "  - {model: a, speculative_config: {method: ngram, "
+                    "num_speculative_tokens: 3}}\n"
+                    "  - {model: b, speculative_config: '{\"method\": \"ngram\", "
+                    "\"num_speculative_tokens\": 2}'}\n"
+                    "  - {model: c, speculative_config: null}\n")
+    configs = _configs("--models-config", str(path), "--speculative-config",
+                       '{"method": "ngram", "num_speculative_tokens": 5}')
+    assert [c.speculative_config and c.speculative_config.num_speculative_tokens
+            for c in configs] == [3, 2, None]
 
 
 def test_an_entry_may_add_to_its_core_environment(tmp_path: Path):
