@@ -14,12 +14,16 @@ from pagedserve.engine_args import add_engine_args, config_from_args
 
 def _generate(args: argparse.Namespace) -> None:
     from pagedserve.entrypoints.llm import LLM
+    from pagedserve.errors import ConfigError
     from pagedserve.sampling_params import SamplingParams
 
     llm = LLM.from_config(config_from_args(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.sampling_seed)
     if args.chat:
+        if llm.get_tokenizer().chat_template is None:
+            raise ConfigError(f"--chat: the model {llm.engine.model_name} has no chat template; "
+                              "leave --chat out to complete the prompt as text")
         outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
     else:
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
@@ -94,6 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# The sampling parameters generate names otherwise than as --PARAM (--seed is the engine's).
+_GENERATE_FLAGS = {"prompt": "the prompt", "seed": "--sampling-seed"}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from pagedserve.errors import ConfigError
@@ -110,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         sys.exit(2)
     except InvalidSamplingParam as exc:  # generate's prompt or sampling flags
-        flag = "the prompt" if exc.param == "prompt" else "--" + exc.param.replace("_", "-")
+        flag = _GENERATE_FLAGS.get(exc.param) or "--" + exc.param.replace("_", "-")
         print(f"pagedserve: error: {flag}: {exc}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
@@ -114,6 +115,9 @@ def test_serve_refuses_the_model_twice(argv, capsys):
     (["generate", "hi", "--max-tokens", "-1"], "--max-tokens: max_tokens must be"),
     (["generate", "hi", "--temperature", "-1"], "--temperature: temperature must be"),
     (["generate", ""], "the prompt: the prompt is empty"),
+    # The flag is --sampling-seed; --seed, which the error named, is the engine's.
+    (["generate", "hi", "--sampling-seed", str(2**70)], "--sampling-seed: seed must be in"),
+    (["generate", "hi", "--chat"], "--chat: the model tiny has no chat template"),
 ])
 def test_generate_reports_a_bad_value_in_one_line(argv, message, monkeypatch, capsys):
     """Exit 2 and a line naming the flag, as for every other user mistake, not a
@@ -122,10 +126,15 @@ def test_generate_reports_a_bad_value_in_one_line(argv, message, monkeypatch, ca
     from pagedserve.sampling_params import InvalidSamplingParam
 
     class Engine:
+        engine = SimpleNamespace(model_name="tiny")
+
         def generate(self, prompt, params, use_tqdm):
             if not prompt:
                 raise InvalidSamplingParam("prompt", "the prompt is empty")
             return []
+
+        def get_tokenizer(self):  # a model without a chat template: --chat was a traceback
+            return SimpleNamespace(chat_template=None)
 
     from pagedserve.cli import main
 

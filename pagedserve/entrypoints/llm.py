@@ -110,6 +110,9 @@ class LLM:
                                                           for c in conversations):
             raise TypeError("messages must be a list of message dicts, or a list of such "
                             f"lists; got {messages!r:.80}")
+        if self.engine.tokenizer.chat_template is None:
+            raise ValueError(f"LLM.chat: the model {self.engine.model_name} has no chat "
+                             "template; use LLM.generate with the prompt text")
         prompts = [
             self.engine.tokenizer.apply_chat_template(
                 _template_messages(conv), tools=tools, tokenize=False,

@@ -156,6 +156,15 @@ def test_a_prompt_or_argument_of_the_wrong_type_is_a_type_error(llm, call, error
     _assert_idle(llm.engine)
 
 
+def test_chat_on_a_model_without_a_chat_template_says_so(llm):
+    """transformers' own error spoke of tokenizer.chat_template and a template argument that
+    LLM.chat does not take."""
+    with pytest.raises(ValueError, match="^LLM.chat: the model .* has no chat template; use "
+                                         "LLM.generate"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
+    _assert_idle(llm.engine)
+
+
 @pytest.mark.parametrize("width", [0, 2.5, True])
 def test_beam_width_is_checked_by_its_own_name(llm, width):
     with pytest.raises(ValueError, match="beam_width must be an integer of at least 1"):
