@@ -161,6 +161,9 @@ class OutputProcessor:
             state.grammar.accept(token)  # a stop the grammar may not allow; the stream ends
         if status is not None:
             self._finish(seq, status)
+            # The text is final: what the stop-string and UTF-8 hold-backs kept goes out with
+            # the output that finishes this stream, not when the request's last one ends.
+            state.detokenizer.flush()
 
     def _beam_step(self, request: RequestState) -> bool:
         """Whether the search finished this step (beams that continue stay silent)."""

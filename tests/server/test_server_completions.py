@@ -223,3 +223,22 @@ def test_usage_counts_every_generated_token_with_best_of(server):
     assert got.usage.completion_tokens == 4 * 5
     got = client.completions.create(**kwargs, prompt=[PROMPT, "hello"], best_of=3)
     assert len(got.choices) == 4 and got.usage.completion_tokens == 2 * 3 * 5
+
+
+def test_streamed_choices_that_end_first_send_their_held_back_text(server):
+    """With a stop string, a choice holds back its last characters until they cannot begin
+    one. n > 1: a choice that ends (here at a stop token) while the others run on sends them
+    with its finish, as the whole response has them; they were never streamed."""
+    client = server.client()
+    stop_tokens = list(range(3, 384, 9))
+    kwargs = dict(model="model", prompt=PROMPT, n=4, max_tokens=40, temperature=1.0, seed=3,
+                  stop=["NOT-IN-ANY-TEXT"], extra_body={"stop_token_ids": stop_tokens})
+    full = client.completions.create(**kwargs).choices
+    lengths = {len(c.text) for c in full}
+    assert len(lengths) > 1 and min(lengths) > 0  # they end at different steps
+    streamed = {c.index: "" for c in full}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert [streamed[c.index] for c in full] == [c.text for c in full]
+
