@@ -72,7 +72,10 @@ class BeamDriver:
         if state.params.detokenize:
             detokenizer = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids,
                                                  state.params)
-            for token in hypothesis.token_ids:
+            tokens = hypothesis.token_ids
+            if hypothesis.stopped and not state.params.include_stop_str_in_output:
+                tokens = tokens[:-1]  # a stop token's text is left out, as when sampling
+            for token in tokens:
                 detokenizer.append(token)
             detokenizer.flush()
             text = detokenizer.text

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pagedserve.core.sequence import Sequence, SequenceStatus
 from pagedserve.engine.beam_driver import BeamDriver
 from pagedserve.engine.request_state import RequestState, SequenceState, token_logprobs
-from pagedserve.engine.stop_conditions import stop_status
+from pagedserve.engine.stop_conditions import stop_status, stops_on_token
 from pagedserve.logger import get_logger
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.structured.grammar_state import GrammarState
@@ -152,7 +152,9 @@ class OutputProcessor:
         state.request.metrics.num_generated_tokens += 1
         seq.append_output(token)
         self.num_generation_tokens += 1
-        if seq.params.detokenize:
+        params = seq.params
+        if params.detokenize and (params.include_stop_str_in_output
+                                  or not stops_on_token(seq, token)):
             state.detokenizer.append(token)
         status = stop_status(seq, token, state.detokenizer.stop_reason)
         if state.grammar is not None and status is None:

@@ -24,3 +24,13 @@ def stop_status(seq: Sequence, token: int, stop_string: str | None) -> SequenceS
     if num_output >= seq.max_tokens:
         return SequenceStatus.FINISHED_LENGTH
     return None
+
+
+def stops_on_token(seq: Sequence, token: int) -> bool:
+    """Whether ``token`` (just appended) ends the stream as an EOS or stop token: then, as in
+    vLLM, its text is not part of the output unless ``include_stop_str_in_output``."""
+    params = seq.params
+    if len(seq.output_token_ids) < params.min_tokens:
+        return False
+    return (not params.ignore_eos and token in seq.eos_token_ids) \
+        or token in params.stop_token_ids

@@ -242,3 +242,25 @@ def test_streamed_choices_that_end_first_send_their_held_back_text(server):
             streamed[c.index] += c.text
     assert [streamed[c.index] for c in full] == [c.text for c in full]
 
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(server, offline, include):
+    """As in vLLM: the token that stops the stream (stop_token_ids, or EOS) is among the
+    output's tokens, but its text is not in the output's text unless
+    include_stop_str_in_output; the text held back for a stop string comes out whole."""
+    free = _offline(offline, PROMPT, max_tokens=30).outputs[0].token_ids
+    k = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+    before = _offline(offline, PROMPT, max_tokens=k).outputs[0].text
+    through = _offline(offline, PROMPT, max_tokens=k + 1).outputs[0].text
+    assert through != before  # the stop token has text of its own
+    extra = {"stop_token_ids": [free[k]], "include_stop_str_in_output": include}
+    client = server.client()
+    kwargs = dict(model="model", prompt=PROMPT, max_tokens=30, temperature=0, logprobs=0,
+                  stop=["NOT-IN-ANY-TEXT"], extra_body=extra)
+    got = client.completions.create(**kwargs).choices[0]
+    assert (got.finish_reason, got.stop_reason) == ("stop", free[k])
+    assert got.text == (through if include else before)
+    assert len(got.logprobs.tokens) == k + 1  # the stop token is an output token all the same
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs,
+                                                                             stream=True))
+    assert streamed == got.text
