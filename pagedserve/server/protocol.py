@@ -127,7 +127,7 @@ class SamplingRequest(StrictModel):
     n: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stream: bool = False
+    stream: bool | None = False  # OpenAI allows null (as false) here and for echo, logprobs
     stream_options: StreamOptions | None = None
     stop: Annotated[str | list[str] | None, AfterValidator(_unicode_text)] = None
     # OpenAI's range, which every torch generator accepts.
@@ -220,7 +220,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(default=16, ge=0)
     best_of: int | None = None
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
 
     def to_sampling_params(self) -> SamplingParams:
         self.check_stream_options()
@@ -319,7 +319,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None

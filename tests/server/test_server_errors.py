@@ -205,6 +205,19 @@ def test_harmless_openai_fields_are_accepted(server):
     assert server.post("/v1/chat/completions", json=chat).status_code == 200
 
 
+def test_fields_openai_allows_null_read_null_as_their_default(server):
+    """OpenAI's schema makes stream, echo and chat's logprobs nullable, and clients that
+    send every field send them as null."""
+    for path, body in (("/v1/completions", {**GOOD, "stream": None, "echo": None}),
+                       ("/v1/chat/completions", {**CHAT, "stream": None, "logprobs": None})):
+        response = server.post(path, json=body)
+        assert response.status_code == 200, response.text
+        assert response.headers["content-type"] == "application/json"  # not a stream
+        choice = response.json()["choices"][0]
+        assert choice["logprobs"] is None
+        assert not choice.get("text", "").startswith(GOOD["prompt"])  # not echoed
+
+
 def test_every_bad_request_left_the_server_healthy(server):
     for path, body, status, param in BAD_REQUESTS:
         if isinstance(body, dict) and param not in ("stream", "stream_options"):
