@@ -142,9 +142,8 @@ class EngineCoreClient:
         core_config = dataclasses.replace(
             self.config, model=str(source.path), revision=None, gguf_file=None,
             served_model_name=self.config.served_model_name or source.name)
-        self._ipc_dir = Path(tempfile.mkdtemp(prefix="pagedserve-"))
-        addresses = CoreAddresses(f"ipc://{self._ipc_dir}/commands",
-                                  f"ipc://{self._ipc_dir}/outputs")
+        self._ipc_dir = _socket_folder(getattr(zmq, "IPC_PATH_MAX_LEN", 103))
+        addresses = CoreAddresses(*(f"ipc://{self._ipc_dir}/{name}" for name in _SOCKET_NAMES))
         self._zmq = zmq.asyncio.Context()
         self._commands = zmq.Context.shadow(self._zmq).socket(zmq.PUSH)
         self._commands.setsockopt(zmq.SNDHWM, 0)  # no queue limit: see _send
@@ -324,6 +323,26 @@ class EngineCoreClient:
         self._removing.clear()
         for p in pending.values():
             p.queue.put_nowait(EngineDeadError(self._dead))
+
+
+# Temporary folders to try, in order, for the sockets' folder (None: TMPDIR's, Python's
+# default); those of multiprocessing, which falls back the same way.
+_SOCKET_BASES = (None, "/tmp", "/var/tmp", "/usr/tmp")
+_SOCKET_NAMES = ("commands", "outputs")
+
+
+def _socket_folder(max_path: int) -> Path:
+    """A new private folder for the core's Unix sockets, under the first temporary folder
+    that leaves their paths within ``max_path`` bytes (the OS's ``sun_path``, 107 on Linux):
+    a long TMPDIR (a test's tmp_path, macOS's /var/folders/...) made the bind fail."""
+    longest = len("/pagedserve-12345678/") + max(map(len, _SOCKET_NAMES))
+    for base in _SOCKET_BASES:
+        folder = tempfile.gettempdir() if base is None else base
+        if len(os.fsencode(folder)) + longest <= max_path and os.access(folder, os.W_OK):
+            return Path(tempfile.mkdtemp(prefix="pagedserve-", dir=folder))
+    raise EngineStartError(
+        f"no temporary folder leaves room for the engine's Unix sockets ({max_path} bytes); "
+        f"TMPDIR {tempfile.gettempdir()!r} is too long: set a shorter one")
 
 
 @contextmanager

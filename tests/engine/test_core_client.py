@@ -5,12 +5,19 @@ frees the request's blocks in the core, and a stopped core refuses work."""
 from __future__ import annotations
 
 import asyncio
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from pagedserve import LLM
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
+from pagedserve.engine.core_client import (
+    EngineCoreClient,
+    EngineDeadError,
+    EngineStartError,
+    _socket_folder,
+)
 from pagedserve.engine.core_messages import NewRequest
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from tests.tiny_models import write_tiny_model
@@ -121,6 +128,33 @@ def test_after_shutdown_requests_are_refused(tiny_model, loop):
     assert not client.is_running and not client._process.is_alive()
     with pytest.raises(EngineDeadError):
         client.add_requests([NewRequest("a", [5, 6, 7], _delta())])
+
+
+def test_a_tmpdir_too_long_for_a_socket_path_still_serves(tiny_model, loop, tmp_path,
+                                                          monkeypatch):
+    """A Unix socket's path holds 107 bytes: under a TMPDIR this long the core's sockets
+    could not be bound (ZMQError, a traceback at start-up); their folder goes in /tmp then,
+    as multiprocessing's does, and is removed at shutdown."""
+    long_tmpdir = tmp_path / ("t" * 90)
+    long_tmpdir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmpdir))
+    client = EngineCoreClient(EngineConfig(model=str(tiny_model), **ENGINE))
+    client.start()
+    folder = client._ipc_dir
+    try:
+        client.run_in(loop)
+        final = loop.run_until_complete(_final(client.add_requests(
+            [NewRequest("a", [5, 6, 7], _delta(max_tokens=2))])[0]))
+        assert final.outputs[0].finish_reason == "length"
+    finally:
+        loop.run_until_complete(client.shutdown())
+    assert folder.parent == Path("/tmp") and not folder.exists()
+    assert list(long_tmpdir.iterdir()) == []
+
+
+def test_no_folder_short_enough_for_the_sockets_is_a_one_line_start_error():
+    with pytest.raises(EngineStartError, match="set a shorter one"):
+        _socket_folder(20)
 
 
 def test_a_request_that_cannot_be_sent_leaves_nothing_behind(client, loop):

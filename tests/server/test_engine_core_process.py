@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,18 +94,18 @@ def test_ctrl_c_stops_the_server_and_its_core(chat_model, tmp_path):
 
 
 def test_a_killed_server_does_not_leave_the_core_running(chat_model, tmp_path):
-    # The server makes its sockets' folder under TMPDIR: a folder of this test's own.
-    tmpdir = tmp_path / "tmpdir"
-    tmpdir.mkdir()
-    with launch_server(chat_model, tmp_path, env={"TMPDIR": str(tmpdir)}) as served:
-        core = served.core_pid()
-        assert [p.name[:11] for p in tmpdir.iterdir()] == ["pagedserve-"]
-        served.process.kill()
-        served.process.wait(timeout=30)
-        # The orphaned core notices its parent is gone while idle, exits by itself and
-        # removes the sockets' folder the killed server could not.
-        assert _wait_gone(core, 10.0)
-    assert list(tmpdir.iterdir()) == []
+    # The server makes its sockets' folder under TMPDIR: a folder of this test's own, short
+    # enough to hold socket paths (a longer one, as tmp_path can be, sends it to /tmp).
+    with tempfile.TemporaryDirectory(prefix="ps-", dir="/tmp") as tmpdir:
+        with launch_server(chat_model, tmp_path, env={"TMPDIR": tmpdir}) as served:
+            core = served.core_pid()
+            assert [p.name[:11] for p in Path(tmpdir).iterdir()] == ["pagedserve-"]
+            served.process.kill()
+            served.process.wait(timeout=30)
+            # The orphaned core notices its parent is gone while idle, exits by itself and
+            # removes the sockets' folder the killed server could not.
+            assert _wait_gone(core, 10.0)
+        assert list(Path(tmpdir).iterdir()) == []
 
 
 def _tp_worker_pid(core_pid: int) -> int:
