@@ -8,6 +8,7 @@ from typing import NamedTuple
 from pagedserve.config import EngineConfig, ResolvedConfig
 from pagedserve.errors import ConfigError
 from pagedserve.logger import get_logger
+from pagedserve.platforms import host_memory
 from pagedserve.platforms.interface import Platform
 from pagedserve.worker.disk_tier import HEADER_BYTES
 from pagedserve.worker.model_runner import ModelRunner
@@ -41,9 +42,24 @@ def size_kv_cache(config: EngineConfig, resolved: ResolvedConfig, platform: type
             f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
             "raise --kv-cache-memory-bytes or --gpu-memory-utilization")
     num_host_blocks = min(int(config.swap_space * 2**30) // per_block, useful_blocks)
-    return CacheSizes(int(num_blocks), num_host_blocks, per_block,
-                      int(config.kv_offloading_size * 2**30) // per_block,
+    num_offload_blocks = int(config.kv_offloading_size * 2**30) // per_block
+    _check_host_pools(config, (num_host_blocks + num_offload_blocks) * per_block)
+    return CacheSizes(int(num_blocks), num_host_blocks, per_block, num_offload_blocks,
                       int(config.kv_offloading_disk_size * 2**30) // (per_block + HEADER_BYTES))
+
+
+def _check_host_pools(config: EngineConfig, rank_bytes: int) -> None:
+    """Refuse host pools (swap's, the offloading tier's) that every rank on this host cannot
+    have at once: pinned ones fail to allocate, and pageable ones would be filled until the
+    kernel's out-of-memory killer stopped the process mid-serving."""
+    needed = rank_bytes * config.tensor_parallel_size
+    available = host_memory.available_bytes()
+    if needed > available:
+        raise ConfigError(
+            f"the host pools need {needed / 2**30:.1f} GiB of host memory "
+            f"(--swap-space {config.swap_space} and --kv-offloading-size "
+            f"{config.kv_offloading_size} GiB per rank, {config.tensor_parallel_size} "
+            f"rank(s)), but {available / 2**30:.1f} GiB is available: lower them")
 
 
 def _peak_memory_bytes(config: EngineConfig, resolved: ResolvedConfig,

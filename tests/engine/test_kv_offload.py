@@ -47,6 +47,16 @@ def references(llama3_folder):
     return {name: _conversations(llm, p) for name, p in (("greedy", GREEDY), ("seeded", SEEDED))}
 
 
+def test_a_tier_larger_than_the_host_is_refused_at_start(llama3_folder):
+    """A PiB of host tier: one line naming the flag, not an allocation failure (pinned) or the
+    out-of-memory killer once the tier fills (pageable)."""
+    from pagedserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--kv-offloading-size 1048576(\.0)? GiB per rank.* is "
+                                          r"available: lower them"):
+        make_llm(llama3_folder, kv_offloading_size=2**20)
+
+
 @pytest.mark.parametrize("name, params", [("greedy", GREEDY), ("seeded", SEEDED)])
 def test_prefixes_that_left_the_device_come_back_from_the_host(llama3_folder, references,
                                                                name, params):

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from pagedserve.platforms import host_memory
 from pagedserve.platforms.interface import MemoryInfo, Platform
 
 if TYPE_CHECKING:
@@ -15,17 +16,6 @@ if TYPE_CHECKING:
     from pagedserve.models.layer_ops import LayerOps
     from pagedserve.quant.linear_method import LinearMethod, MatmulNumerics
     from pagedserve.quant.weights import LoadedWeight
-
-
-def _meminfo_bytes(key: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 class CpuPlatform(Platform):
@@ -100,11 +90,8 @@ class CpuPlatform(Platform):
 
     @classmethod
     def memory_info(cls) -> MemoryInfo:
-        total = _meminfo_bytes("MemTotal")
-        if total is None:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        free = _meminfo_bytes("MemAvailable") or total
-        return MemoryInfo(free_bytes=free, total_bytes=total)
+        return MemoryInfo(free_bytes=host_memory.available_bytes(),
+                          total_bytes=host_memory.total_bytes())
 
     @classmethod
     def kv_cache_budget_bytes(cls, utilization: float, peak_used_bytes: int) -> int:
