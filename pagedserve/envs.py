@@ -78,8 +78,12 @@ def cuda_home() -> str | None:
     return os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or None
 
 
-def pdl() -> bool:
-    """PAGEDSERVE_PDL: 1 launches a step's GPU kernels on Hopper and later with programmatic
-    dependent launch (``platforms/cuda/kernels/pdl.py``). Off by default until an H200 has
-    run and timed it."""
-    return os.environ.get("PAGEDSERVE_PDL", "0").strip() == "1"
+def pdl() -> str:
+    """PAGEDSERVE_PDL: where a step's GPU kernels on Hopper and later launch with programmatic
+    dependent launch (``platforms/cuda/kernels/pdl.py``): ``auto`` (the default) in the CUDA
+    graphs of small decode batches, where the H200 measured it faster; ``1`` everywhere;
+    ``0`` nowhere."""
+    value = os.environ.get("PAGEDSERVE_PDL", "auto").strip().lower() or "auto"
+    if value not in ("auto", "0", "1"):
+        raise ConfigError(f"PAGEDSERVE_PDL must be auto, 0 or 1, got {value!r}")
+    return value

@@ -527,11 +527,11 @@ for part in $parts; do
         tests/platforms/cuda/test_pdl.py tests/platforms/cuda/test_layer_kernels.py \
         tests/platforms/cuda/test_triton_backend_engine.py tests/platforms/cuda/test_w4a16_mma.py \
         2>&1 | tee "$OUT/gpu_pdl_tests.log" ;;
-    # Decode steps with PAGEDSERVE_PDL=0 and 1 side by side, AWQ, FP8 and bf16 weights at
-    # ${DECODE_BATCHES:-1 8 32 128} (weights: ${PDL_WEIGHTS:-awq fp8 bf16}).
+    # Decode steps with PAGEDSERVE_PDL=${PDL_MODES:-0 auto 1} side by side, AWQ, FP8 and bf16
+    # weights at ${DECODE_BATCHES:-1 8 32 128} (weights: ${PDL_WEIGHTS:-awq fp8 bf16}).
     pdl) for weights in ${PDL_WEIGHTS:-awq fp8 bf16}; do
         quant=(); [ "$weights" = bf16 ] || quant=(--quantization "$weights")
-        for on in 0 1; do
+        for on in ${PDL_MODES:-0 auto 1}; do
           PAGEDSERVE_PDL=$on bench decode --device cuda --shape llama3-8b --load-format dummy \
             "${quant[@]}" --batch-sizes ${DECODE_BATCHES:-1 8 32 128} --context-len 512 \
             --out "$OUT/decode_h200_llama3-8b_${weights}_pdl$on.json"

@@ -45,3 +45,22 @@ def test_an_unknown_log_level_is_named_and_info_is_used(monkeypatch, capsys):
     monkeypatch.setenv("PAGEDSERVE_LOG_LEVEL", "loud")
     assert envs.log_level() == "INFO"
     assert "PAGEDSERVE_LOG_LEVEL='LOUD' is none of DEBUG, INFO" in capsys.readouterr().err
+
+
+def test_pdl_modes_and_a_bad_one_at_the_cuda_platforms_start(monkeypatch):
+    """A bad PAGEDSERVE_PDL is named when the CUDA platform is chosen, not at the first
+    kernel launch inside the engine's warm-up."""
+    from pagedserve.platforms.cuda.platform import CudaPlatform
+
+    monkeypatch.delenv("PAGEDSERVE_PDL", raising=False)
+    assert envs.pdl() == "auto"
+    for value, mode in (("1", "1"), (" 0 ", "0"), ("AUTO", "auto"), ("", "auto")):
+        monkeypatch.setenv("PAGEDSERVE_PDL", value)
+        assert envs.pdl() == mode
+    pytest.importorskip("triton")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.version.hip", None)
+    CudaPlatform.check_available()
+    monkeypatch.setenv("PAGEDSERVE_PDL", "yes")
+    with pytest.raises(ConfigError, match="^PAGEDSERVE_PDL must be auto, 0 or 1, got 'yes'$"):
+        CudaPlatform.check_available()

@@ -89,17 +89,20 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        from pagedserve.platforms.cuda.kernels.pdl import graph_scope  # needs triton
+
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         # Largest first, so smaller graphs reuse its memory pool.
         for q in reversed(self.query_lens):
             self.seq_lens.fill_(q)  # a context of none: the warm-up reads no stale block
             for bs in reversed(self.sizes):
-                self._forward(bs, q)  # warm-up: Triton compiles outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._forward(bs, q)
+                with graph_scope(bs * q):  # small steps' kernels launch with PDL
+                    self._forward(bs, q)  # warm-up: Triton compiles outside the capture
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = self._forward(bs, q)
                 self.graphs[bs, q] = (graph, out)
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs (batch sizes %d..%d, query lengths %s) in %.1fs",

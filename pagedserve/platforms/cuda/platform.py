@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from pagedserve import envs
 from pagedserve.platforms.interface import (
     BlockCopier,
     ChainGraphRunner,
@@ -38,6 +39,7 @@ class CudaPlatform(Platform):
                 "no CUDA device: torch.cuda.is_available() is False in this torch build "
                 f"({torch.__version__})")
         cls._require_triton("pip install triton")
+        envs.pdl()  # a bad value fails at start, not at the first kernel launch
 
     @classmethod
     def _require_triton(cls, how_to_install: str) -> None:

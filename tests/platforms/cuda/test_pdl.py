@@ -1,7 +1,8 @@
 """Programmatic dependent launch (``platforms/cuda/kernels/pdl.py``).
 
-On the CPU: when it is on (``PAGEDSERVE_PDL=1``, an NVIDIA GPU of compute capability 9.0 or
-later, compiled kernels), and that every kernel that takes it waits for the kernel before it
+On the CPU: when it is on (an NVIDIA GPU of compute capability 9.0 or later, compiled kernels;
+by default in the CUDA graphs of steps of up to 8 tokens, everywhere with ``PAGEDSERVE_PDL=1``,
+nowhere with ``0``), and that every kernel that takes it waits for the kernel before it
 before touching global memory, read from its sm_90 PTX (``scripts/pdl_check.py``, whose
 checker must also refuse a kernel that loads before its gate). The interpreter runs every
 kernel with ``PDL=False`` in the other kernel tests. On a Hopper GPU: a CUDA graph of
@@ -10,6 +11,8 @@ same bits with PDL as without.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -24,31 +27,90 @@ from pagedserve.platforms.cuda.kernels import pdl  # noqa: E402
 
 @pytest.fixture
 def fresh_options():
-    pdl.launch_options.cache_clear()
+    pdl._mode.cache_clear()  # PAGEDSERVE_PDL is read once
     yield
-    pdl.launch_options.cache_clear()
+    pdl._mode.cache_clear()
 
 
-def test_off_on_the_cpu(fresh_options):
+def test_off_on_the_cpu(fresh_options, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_PDL", "1")
     assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
 
 
-def test_on_where_supported_and_asked_for(monkeypatch, fresh_options):
+ON, OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}
+
+
+@pytest.mark.parametrize("mode,eager,graph_of_1,graph_of_8,graph_of_9", [
+    (None, OFF, ON, ON, OFF),  # auto: small steps' graphs only
+    ("auto", OFF, ON, ON, OFF),
+    ("1", ON, ON, ON, ON),
+    ("0", OFF, OFF, OFF, OFF),
+])
+def test_where_each_mode_launches_with_pdl(monkeypatch, fresh_options, mode, eager,
+                                           graph_of_1, graph_of_8, graph_of_9):
     monkeypatch.setattr(pdl, "_supported", lambda device: True)
+    if mode is None:
+        monkeypatch.delenv("PAGEDSERVE_PDL", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDSERVE_PDL", mode)
     device = torch.device("cuda", 0)
+    assert pdl.launch_options(device) == eager
+    with pdl.graph_scope(1):
+        assert pdl.launch_options(device) == graph_of_1
+        with pdl.graph_scope(9):
+            assert pdl.launch_options(device) == graph_of_9
+        assert pdl.launch_options(device) == graph_of_1  # the outer scope's again
+    with pdl.graph_scope(8):
+        assert pdl.launch_options(device) == graph_of_8
+    assert pdl.launch_options(device) == eager
+
+
+def test_a_bad_mode_is_refused_by_name(monkeypatch, fresh_options):
+    from pagedserve.errors import ConfigError
+
+    monkeypatch.setenv("PAGEDSERVE_PDL", "yes")
+    with pytest.raises(ConfigError, match="PAGEDSERVE_PDL must be auto, 0 or 1"):
+        pdl.launch_options(torch.device("cuda", 0))
+
+
+class _FakeGraph:
+    def replay(self) -> None:
+        pass
+
+
+def test_the_graph_runner_captures_only_small_steps_with_pdl(monkeypatch, fresh_options):
+    """Each graph's warm-up and capture see the choice for its own step size: decode graphs
+    of 1 to 8 sequences and a verify graph of 2 x 3 tokens with PDL, the larger without."""
+    from pagedserve.platforms.cuda.graphs import CudaGraphRunner
+
+    monkeypatch.setattr(pdl, "_supported", lambda device: True)
     monkeypatch.delenv("PAGEDSERVE_PDL", raising=False)
-    assert pdl.launch_options(device) == {"PDL": False}  # off by default
-    pdl.launch_options.cache_clear()
-    monkeypatch.setenv("PAGEDSERVE_PDL", "1")
-    assert pdl.launch_options(device) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    seen: dict[int, list[bool]] = {}
+
+    def model(input_ids, positions, kv_caches, ctx):
+        seen.setdefault(len(input_ids), []).append(
+            pdl.launch_options(torch.device("cuda", 0))["PDL"])
+        return torch.zeros(len(input_ids), 4)
+
+    runner = CudaGraphRunner(model, [torch.zeros(1)], max_num_seqs=16, max_model_len=64,
+                             block_size=16, verify_len=3)
+    runner.capture()
+    # Rows: decode 1, 2, 4, 8, 16; verify 3, 6, 12, 24, 48 (sizes x 3).
+    assert seen == {rows: [rows <= 8] * 2 for rows in (1, 2, 4, 8, 16, 3, 6, 12, 24, 48)}
+    assert pdl.launch_options(torch.device("cuda", 0)) == OFF  # eager again after capture
 
 
 def test_not_supported_on_rocm_or_under_the_interpreter(monkeypatch):
+    """The checks themselves (uncached: the launch caches their answer per device)."""
     monkeypatch.setattr(torch.version, "hip", "6.4", raising=False)
-    assert not pdl._supported(torch.device("cuda", 0))
+    assert not pdl._supported.__wrapped__(torch.device("cuda", 0))
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not pdl._supported(torch.device("cuda", 0))
+    assert not pdl._supported.__wrapped__(torch.device("cuda", 0))
 
 
 @pytest.mark.slow
@@ -86,7 +148,7 @@ def test_graph_of_dependent_kernels_is_exact_with_pdl(monkeypatch, fresh_options
 
     def replay(enabled: bool) -> torch.Tensor:
         monkeypatch.setenv("PAGEDSERVE_PDL", "1" if enabled else "0")
-        pdl.launch_options.cache_clear()
+        pdl._mode.cache_clear()
         assert pdl.launch_options(inputs[0].device)["PDL"] is enabled
         x, residual = inputs[0].clone(), inputs[1].clone()
         _chain(1, x.clone(), residual.clone(), weight, positions, cos, sin)  # compile first
