@@ -57,15 +57,14 @@ def test_arch_specific_build_names_only_sm90a(monkeypatch):
 
 
 def test_path_chosen_where_built(monkeypatch, tmp_path):
-    """From ``WGMMA_MIN_M`` rows, an sm_90 GPU takes this kernel where it builds, and the
-    dequantize path where it does not (no nvcc); fewer rows keep the other paths, and so does
-    every M while the bound is None (before the kernel has been measured)."""
+    """For ``WGMMA_ROWS`` rows (64 only for weights of ``WGMMA_MIN_CODES_AT_64`` codes and
+    more), an sm_90 GPU takes this kernel where it builds, and the dequantize path where it
+    does not (no nvcc); other rows and other GPUs keep the other paths."""
     from pagedserve.platforms.cuda.kernels import w4a16
     from tests.platforms.cuda.test_w4a16 import random_weight
 
     weight = random_weight(64, 256, 128, seed=1)
     packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 128, torch.device("cpu"))
-    monkeypatch.setattr(w4a16, "WGMMA_MIN_M", 129)
     many = torch.ones(129, 256)
     monkeypatch.setattr(w4a16_mma, "eligible", lambda x, w: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -77,13 +76,23 @@ def test_path_chosen_where_built(monkeypatch, tmp_path):
     finally:
         w4a16_wgmma.library.cache_clear()  # the missing build is not remembered past this test
     monkeypatch.setattr(w4a16_wgmma, "library", lambda sweep=False: object())
-    assert w4a16._choose_path(many, packed) == "wgmma"
-    assert w4a16._choose_path(torch.ones(128, 256), packed) != "wgmma"
-    monkeypatch.setattr(w4a16, "WGMMA_MIN_M", None)
-    assert w4a16._choose_path(many, packed) == "dequant"
-    monkeypatch.setattr(w4a16, "WGMMA_MIN_M", 129)
+    chosen = {m: w4a16._choose_path(torch.ones(m, 256), packed) for m in (63, 64, 65, 511, 512)}
+    assert chosen == {63: "tiles", 64: "tiles", 65: "wgmma", 511: "wgmma", 512: "dequant"}
+    monkeypatch.setattr(w4a16, "WGMMA_MIN_CODES_AT_64", 64 * 256)  # this weight's codes
+    assert w4a16._choose_path(torch.ones(64, 256), packed) == "wgmma"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert w4a16._choose_path(many, packed) == "dequant"
+
+
+@pytest.mark.parametrize("m,n,rows", [
+    (64, 28672, 64), (1, 4096, 64),  # up to 64 rows: 64
+    (128, 6144, 64), (100, 4096, 64),  # 48 / 32 blocks of features: 64 up to 128 rows
+    (128, 28672, 128), (65, 28672, 128),  # 224 blocks of 128 rows fill 132 SMs
+    (256, 28672, 256), (512, 28672, 256),  # so do 224 (448) of 256 rows
+    (256, 6144, 128), (1000, 4096, 128),  # 48 / 128 blocks of 256 rows: not
+    (1100, 4096, 256)])  # 160: they do
+def test_block_rows_by_rows_and_features(m, n, rows):
+    assert w4a16_wgmma.block_rows(m, n, 132) == rows
 
 
 @pytest.mark.parametrize("m,n,tiles,rows,splits", [
@@ -133,8 +142,12 @@ def _packed(n: int, k: int, group: int, seed: int):
                                     (257, 256), (300, 128), (1000, 128), (1100, 64)])
 def test_matches_reference_cuda(m, rows, group, dtype):
     """Against float64 from the fields, and against the dequantize path's weight (the same
-    bf16/fp16 values, so only the order of the fp32 sums differs: within one rounding of the
-    output)."""
+    bf16/fp16 values): within one rounding of the output plus what float32 sums of K
+    products may lose (the first H200 run, 2026-12-05, failed float16 at one row with one
+    rounding and a margin of a thousandth of an ulp of the largest output: the tensor cores'
+    float32 sums differ from float64's by more). One weight a column off by one code step
+    still fails it in 77% of the columns in float16 and 28% in bfloat16 (computed on the
+    CPU for this shape)."""
     from pagedserve.platforms.cuda.kernels import w4a16
     from tests.platforms.cuda.test_w4a16 import assert_close, reference
 
@@ -144,7 +157,9 @@ def test_matches_reference_cuda(m, rows, group, dtype):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to("cuda", dtype)
     assert w4a16_wgmma.eligible(x, packed)
     ref = reference(x, weight)
-    same_weight = (x.double() @ w4a16.dequantize(packed, dtype).double()).cpu()
+    dense = w4a16.dequantize(packed, dtype).double()
+    same_weight = (x.double() @ dense).cpu()
+    sums_of_magnitudes = (x.double().abs() @ dense.abs()).cpu()
     ulp = 2.0 ** -(8 if dtype == torch.bfloat16 else 11)
     for split_k in (1, 3, None):
         out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
@@ -152,7 +167,8 @@ def test_matches_reference_cuda(m, rows, group, dtype):
         assert not packed.counters.any()
         assert_close(out, ref, dtype)
         err = (out.double().cpu() - same_weight).abs()
-        assert (err <= ulp * same_weight.abs() + 1e-3 * ulp * same_weight.abs().max()).all()
+        excess = err - (ulp * same_weight.abs() + 2.0 ** -19 * sums_of_magnitudes)
+        assert excess.max() <= 0, (split_k, excess.max().item(), excess.argmax().item())
 
 
 @cuda

@@ -34,9 +34,9 @@ Three paths, chosen by the number of rows M:
 - **Dequantize** (M from ``DEQUANT_MIN_M``, prefill and large decode batches): the weight is
   expanded to a dense ``[K, N]`` copy in the activation dtype and multiplied by ``torch.mm``.
   There the matmul is compute-bound and the tiles reach a fifth to a third of cuBLAS, while
-  the extra pass over the weight costs about what reading it in bfloat16 would. On sm_90 the
-  CUDA C++ wgmma kernel (``kernels/w4a16_wgmma.py``) takes these rows from ``WGMMA_MIN_M``,
-  which stays None until an H200 has measured it.
+  the extra pass over the weight costs about what reading it in bfloat16 would.
+- **wgmma** (sm_90, ``WGMMA_ROWS``: 64 to 511 rows, where the H200 measured it faster): the
+  CUDA C++ kernel of ``kernels/w4a16_wgmma.py`` in place of the tiles and dequantize.
 
 Measured on the H200 on 2026-12-01 (``scripts/gpu_check.sh w4a16-tiles-sweep`` with
 ``W4A16_BASE`` the kernel before this layout, ``benchmarks/results/issue30/``; the four
@@ -796,18 +796,29 @@ def _group_slices(w: PackedW4) -> int | None:
 MMA_ROWS = range(2, 17)
 
 
-# The rows from which the Hopper kernel (where it is built) takes over from the tiles and the
-# dequantize path; None: not chosen. It has not run on an H200 yet (the device machine was
-# lost on its first call, 2026-12-04): its tests and ``scripts/gpu_check.sh w4a16-wgmma``'s
-# sweep against cuBLAS set this, or leave it None.
-WGMMA_MIN_M: int | None = None
+# The rows for which the Hopper kernel (where it is built) takes over from the tiles and the
+# dequantize path. Its first H200 sweep (2026-12-05, ``scripts/gpu_check.sh w4a16-wgmma``;
+# benchmarks/results/issue30/w4a16_wgmma_sweep_h200.*), the four 8B layers summed: 129 against
+# 140 us for the tiles at 64 rows, 202 against 273 at 128, 306 against 339 for dequantize +
+# cuBLAS at 256, and even at 512 (497 against 487), which dequantize + cuBLAS keeps. At 64 rows
+# the tiles still win on the two smaller layers (qkv 20 against 26 us, o 17 against 20; the
+# larger: gate_up 66 against 47, down 39 against 36), so weights of fewer than
+# ``WGMMA_MIN_CODES_AT_64`` codes keep them there.
+WGMMA_ROWS = range(64, 512)
+WGMMA_MIN_CODES_AT_64 = 32 * 2**20
+
+
+def _wgmma_rows(m: int, w: PackedW4) -> bool:
+    if m not in WGMMA_ROWS:
+        return False
+    return m > 64 or w.qweight.shape[1] * w.in_features >= WGMMA_MIN_CODES_AT_64
 
 
 def _choose_path(x: torch.Tensor, w: PackedW4) -> str:
     m = x.shape[0]
     if m in MMA_ROWS and w4a16_mma.usable(x, w):
         return "mma"
-    if WGMMA_MIN_M is not None and m >= WGMMA_MIN_M and w4a16_wgmma.usable(x, w):
+    if _wgmma_rows(m, w) and w4a16_wgmma.usable(x, w):
         return "wgmma"
     if m <= _gemv_max_rows(_gemv_decode(x)) and _gemv_block_k(w, _gemv_config().block_k):
         return "gemv"

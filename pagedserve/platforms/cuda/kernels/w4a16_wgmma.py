@@ -53,10 +53,18 @@ def usable(x: torch.Tensor, w: PackedW4) -> bool:
     return eligible(x, w) and library() is not None
 
 
-def block_rows(m: int) -> int:
-    """Rows of x per block for M rows: 128 (two warpgroups of m64n128), 64 where half of a
-    block of 128 would be padding."""
-    return 64 if m <= 64 else 128
+def block_rows(m: int, n: int, sms: int) -> int:
+    """Rows of x per block for M rows and N features on ``sms`` multiprocessors. From the H200
+    sweep (2026-12-05, the 8B layers at 64-512 rows): 64 up to 64 rows, and up to 128 where
+    blocks of 128 would not fill the GPU (qkv at 128 rows: 28 against 41 us, down 58 against
+    67); 256 from 256 rows where its blocks do (gate_up at 256: 125 against 144 us; where they
+    do not, 256 was the slowest: qkv 79 against 36); else 128."""
+    features = -(-n // BLOCK_N)
+    if m <= 64 or (m <= 128 and features < sms):
+        return 64
+    if m >= 256 and -(-m // 256) * features >= sms:
+        return 256
+    return 128
 
 
 class Plan(NamedTuple):
@@ -81,7 +89,7 @@ def plan(m: int, n: int, tiles: int, rows: int, sms: int, counters: int,
 def matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, rows: int | None = None,
            variant: int = 0, split_k: int | None = None) -> torch.Tensor:
     """``out = x @ W^T`` for ``eligible`` operands; ``rows`` (one of ``BLOCK_ROWS``) overrides
-    ``block_rows(M)``, ``variant`` picks a compiled number of stages of the sweep build and
+    ``block_rows``, ``variant`` picks a compiled number of stages of the sweep build and
     ``split_k`` the splits of K (``plan``)."""
     if out.stride(1) != 1 or out.stride(0) % 2 or out.data_ptr() % 4:
         # The kernel stores two outputs at once.
@@ -89,11 +97,12 @@ def matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, rows: int | None = N
                                 rows, variant, split_k))
     m = x.shape[0]
     n = w.qweight.shape[1]
-    rows = rows or block_rows(m)
+    sms = sm_count(x.device)
+    rows = rows or block_rows(m, n, sms)
     if rows not in BLOCK_ROWS:
         raise ValueError(f"rows per block: one of {BLOCK_ROWS}, not {rows}")
     tiles = w.qweight.shape[0] // 16
-    per_split, splits = plan(m, n, tiles, rows, sm_count(x.device), w.counters.numel(), split_k)
+    per_split, splits = plan(m, n, tiles, rows, sms, w.counters.numel(), split_k)
     partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
                           device=x.device)
     lib = library(variant != 0)
