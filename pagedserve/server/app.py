@@ -58,6 +58,9 @@ logger = get_logger(__name__)
 CLIENT_CLOSED = 499
 # What --api-key leaves open: load balancers and Prometheus probe these without a key.
 PUBLIC_PATHS = ("/health", "/metrics")
+# The read routes answer HEAD as GET does, without the body; FastAPI's get() alone answers
+# HEAD with 405, and probes and link checkers send it.
+READ_METHODS = ["GET", "HEAD"]
 
 
 def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
@@ -102,7 +105,7 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     if allowed_hosts is not None:
         app.add_middleware(AllowedHosts, hosts=allowed_hosts)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/health", methods=READ_METHODS)
     async def health(model: str | None = None) -> Response:
         """200 while every model's engine core runs (``?model=NAME``: that model's); 503
         naming the ones that do not."""
@@ -111,20 +114,20 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, why, type="server_error")
         return Response(status_code=HTTPStatus.OK)
 
-    @app.get("/version")
+    @app.api_route("/version", methods=READ_METHODS)
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=READ_METHODS)
     async def prometheus_metrics() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=READ_METHODS)
     async def list_models() -> dict:
         return models.models().model_dump()
 
-    @app.get("/v1/models/{model_id:path}")  # a hub id holds a "/"
+    @app.api_route("/v1/models/{model_id:path}", methods=READ_METHODS)  # a hub id holds a "/"
     async def retrieve_model(model_id: str) -> dict:
         return models.card(model_id).model_dump()
 

@@ -19,9 +19,15 @@ MAX_CONNECTIONS = 3
 ENV_KEY = "key-from-the-environment"
 
 
-def test_head_health(server):
-    response = httpx.head(f"{server.url}/health", timeout=HTTP_TIMEOUT_S)
-    assert response.status_code == 200 and response.content == b""
+@pytest.mark.parametrize("path", ["/health", "/version", "/metrics", "/v1/models", "MODEL"])
+def test_head_answers_as_get_without_a_body(server, path):
+    """HEAD on a read route was a 405 but on /health."""
+    if path == "MODEL":  # the served model's id holds its folder's "/"s
+        path = "/v1/models/" + server.client().models.list().data[0].id
+    get = httpx.get(server.url + path, timeout=HTTP_TIMEOUT_S)
+    head = httpx.head(server.url + path, timeout=HTTP_TIMEOUT_S)
+    assert get.status_code == head.status_code == 200 and head.content == b""
+    assert head.headers.get("content-type") == get.headers.get("content-type")
 
 
 def test_docs_pages_are_off_by_default(server):
