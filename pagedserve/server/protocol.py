@@ -237,11 +237,31 @@ class CompletionRequest(SamplingRequest):
         return params
 
 
+# What a JSON value is called, by the Python type json.loads gives it.
+_JSON_KINDS = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+
+
 class FunctionDefinition(StrictModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
     strict: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parameters_describe_an_object(cls, data: Any) -> Any:
+        """A call's arguments are a JSON object, so OpenAI refuses a schema of anything else
+        (a string's was accepted, and a named or required call then wrote a string). One
+        without "type" (``{}``) is left alone. Checked before the fields are, so that a list
+        or a string names the tool too."""
+        parameters = data.get("parameters") if isinstance(data, dict) else None
+        if parameters is None or isinstance(parameters, dict) \
+                and parameters.get("type", "object") == "object":
+            return data
+        got = (f'"type": {json.dumps(parameters["type"])}' if isinstance(parameters, dict)
+               else f"a JSON {_JSON_KINDS.get(type(parameters), 'value')}")
+        raise ValueError(f"tool {data.get('name')!r}: parameters must be a JSON schema of "
+                         f'"type": "object", got {got}')
 
 
 class ChatTool(StrictModel):

@@ -193,6 +193,23 @@ def test_unsupported_field_is_named_in_the_message(server):
     assert "functions" in error["message"] and "not supported" in error["message"]
 
 
+@pytest.mark.parametrize("parameters", [[{"type": "string"}], "object", {"type": "string"}])
+def test_tool_parameters_other_than_an_object_schema_are_a_400_naming_the_tool(
+        server, parameters):
+    """A function's arguments are a JSON object; any other schema was accepted."""
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": parameters}}
+    error = _assert_error(server.post("/v1/chat/completions", json={
+        **CHAT, "tools": [tool], "tool_choice": "none"}), 400)
+    assert error["param"] == "tools"
+    assert "'lookup'" in error["message"] and "parameters" in error["message"]
+    # Without parameters, or with an object's, the tool is fine.
+    for function in ({"name": "lookup"}, {"name": "lookup", "parameters": {"type": "object"}}):
+        response = server.post("/v1/chat/completions", json={
+            **CHAT, "tools": [{"type": "function", "function": function}],
+            "tool_choice": "none"})
+        assert response.status_code == 200, response.text
+
+
 def test_harmless_openai_fields_are_accepted(server):
     """Fields that change nothing in the output: who asks, and OpenAI's storage and routing
     hints. Accepted and ignored, as clients send them routinely."""
