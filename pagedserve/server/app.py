@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import sys
 from collections.abc import Awaitable, Sequence
 from contextlib import asynccontextmanager
@@ -203,6 +204,7 @@ def run_server(args: argparse.Namespace) -> None:
         print(f"pagedserve: error: --lora-modules {args.lora_modules[0].name}: LoRA is off; "
               "start the server with --enable-lora", file=sys.stderr)
         sys.exit(2)
+    _check_listen_address(args.host, args.port)
     # The environment keeps the key out of the process list, where --api-key shows it.
     api_key = args.api_key or envs.api_key()
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
@@ -231,6 +233,22 @@ def run_server(args: argparse.Namespace) -> None:
                 timeout_graceful_shutdown=5,
                 http=partial(GuardedH11Protocol, read_timeout=args.request_read_timeout,
                              max_connections=args.max_concurrent_connections))
+
+
+def _check_listen_address(host: str, port: int) -> None:
+    """Exit in one line unless the server can listen at ``host:port``: uvicorn's bind fails
+    only once every model has loaded. Each address is bound as asyncio's ``create_server``
+    binds it for uvicorn, and let go at once."""
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
+    except OSError as exc:  # socket.gaierror for a name that does not resolve
+        print(f"pagedserve: error: cannot listen at --host {host} --port {port}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _start_engines(specs: Sequence[ModelSpec], started: list[EngineCoreClient]) -> None:

@@ -3,6 +3,10 @@ any model loads, not a traceback from uvicorn once the engine cores are up."""
 
 from __future__ import annotations
 
+import errno
+import os
+import socket
+
 import pytest
 
 
@@ -36,3 +40,33 @@ def test_good_server_flags_parse():
                        "--log-level", "debug", "--api-key", "k"])
     assert (args.port, args.max_request_bytes, args.log_level, args.api_key) == (
         0, 1, "debug", "k")
+
+
+@pytest.mark.parametrize("host", [
+    "999.1.1.1",  # not an address, nor a name that resolves
+    "192.0.2.1",  # TEST-NET-1: an address, but of no interface here
+])
+def test_a_host_the_server_cannot_listen_at_fails_before_any_model_loads(host, tmp_path, capsys):
+    """uvicorn's bind failed only once the models had loaded."""
+    from pagedserve.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", str(tmp_path / "no-model-here"), "--host", host, "--port", "8123"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    prefix = f"pagedserve: error: cannot listen at --host {host} --port 8123: "
+    assert err.startswith(prefix) and len(err) > len(prefix) + 1 and err.count("\n") == 1
+
+
+def test_a_port_in_use_fails_before_any_model_loads(tmp_path, capsys):
+    from pagedserve.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", str(tmp_path / "no-model-here"), "--port", str(port)])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (f"pagedserve: error: cannot listen at --host 127.0.0.1 "
+                                       f"--port {port}: {os.strerror(errno.EADDRINUSE)}\n")
