@@ -62,11 +62,15 @@ class HermesParser:
                      for body in self._BLOCK.findall(text, start)]
         except ValueError:  # json.JSONDecodeError is one
             return ParsedOutput(text, [])
-        return ParsedOutput(text[:start].strip() or None, calls)
+        return ParsedOutput(text[:start].rstrip() or None, calls)
 
     def content_length(self, text: str) -> int:
         start = text.find(self.START)
-        return start if start >= 0 else len(text) - _held_back(text, self.START)
+        end = start if start >= 0 else len(text) - _held_back(text, self.START)
+        # The whitespace before a call is not content (``parse`` drops it), so a stream holds
+        # it back until more text follows; leading whitespace is content either way, as a
+        # stream cannot know yet whether a call will come.
+        return len(text[:end].rstrip())
 
 
 class Llama3JsonParser:
