@@ -121,7 +121,8 @@ class ChatServing:
                     if tools is None:
                         choice = _delta(request, out, sent[out.index], token_bytes)
                     else:
-                        choice = _tool_delta(out, sent[out.index], tools[out.index])
+                        choice = _tool_delta(request, out, sent[out.index], tools[out.index],
+                                             token_bytes)
                     if choice is not None:
                         yield chunk([choice])
                 if output.finished:
@@ -140,15 +141,23 @@ def _delta(request: ChatCompletionRequest, out: CompletionOutput, sent: ChoicePr
     if sent.done:
         return None
     text = out.text[sent.num_chars:]
-    token_ids = out.token_ids[sent.num_tokens:]
-    if not text and not out.finished and not (token_ids and request.logprobs):
+    new_tokens = len(out.token_ids) > sent.num_tokens
+    if not text and not out.finished and not (new_tokens and request.logprobs):
         return None
+    return choice_dict(out.index, out.finish_reason, out.stop_reason,
+                       _logprobs_since(request, out, sent, token_bytes),
+                       delta={"content": text} if text else {})
+
+
+def _logprobs_since(request: ChatCompletionRequest, out: CompletionOutput,
+                    sent: ChoiceProgress, token_bytes: TokenBytes | None) -> ChatLogprobs | None:
+    """The logprobs of the tokens past ``sent``'s mark, which then moves to the end of
+    ``out``."""
+    token_ids = out.token_ids[sent.num_tokens:]
     # The engine may have appended entries past this snapshot's tokens already.
     entries = (out.logprobs or [])[sent.num_tokens:len(out.token_ids)]
     sent.advance(out)
-    return choice_dict(out.index, out.finish_reason, out.stop_reason,
-                       _logprobs(request, token_ids, entries, token_bytes),
-                       delta={"content": text} if text else {})
+    return _logprobs(request, token_ids, entries, token_bytes)
 
 
 def _logprobs(request: ChatCompletionRequest, token_ids: list[int],
@@ -185,17 +194,19 @@ def _render(model: ServedModel, request: ChatCompletionRequest, plan: ToolPlan) 
     return model.encode(text, add_special_tokens=False)
 
 
-def _tool_delta(out: CompletionOutput, sent: ChoiceProgress,
-                stream: ToolCallStream) -> dict | None:
-    """A streamed choice of a request with tools (no logprobs: the text is regrouped)."""
+def _tool_delta(request: ChatCompletionRequest, out: CompletionOutput, sent: ChoiceProgress,
+                stream: ToolCallStream, token_bytes: TokenBytes | None) -> dict | None:
+    """A streamed choice of a request with tools. The text is regrouped (what may start a call
+    is held back, calls may come whole at the end), so a chunk's logprobs are those of every
+    token since the choice's last chunk; all the chunks' add up to a whole response's."""
     if sent.done:
         return None
     delta = stream.delta(out.text, out.finished)
-    sent.advance(out)
     if not delta and not out.finished:
         return None
     return choice_dict(out.index, _finish_reason(out.finish_reason, stream.called),
-                       out.stop_reason, None, delta=delta)
+                       out.stop_reason, _logprobs_since(request, out, sent, token_bytes),
+                       delta=delta)
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:

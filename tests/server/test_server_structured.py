@@ -280,6 +280,28 @@ def test_auto_tool_choice_parses_hermes_calls(smol):
     assert free.choices[0].message.content and not free.choices[0].message.tool_calls
 
 
+def test_auto_tool_choice_streams_the_logprobs_a_whole_response_has(smol):
+    """Streamed through the tool parser, no chunk carried logprobs; now their chunks' add up
+    to the whole response's, those of the held-back call on the last chunk."""
+    client = smol.client()
+    request = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=150,
+                   temperature=0, logprobs=True, top_logprobs=2,
+                   extra_body={"structured_outputs": {"regex": FORCED_CALL}})
+    whole = client.chat.completions.create(**request).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    chunks = [c.choices[0] for c in client.chat.completions.create(**request, stream=True)
+              if c.choices]
+    streamed = [t for c in chunks if c.logprobs for t in c.logprobs.content]
+    assert [(t.token, t.bytes) for t in streamed] == \
+        [(t.token, t.bytes) for t in whole.logprobs.content]
+    for got, expected in zip(streamed, whole.logprobs.content, strict=True):
+        assert got.logprob == pytest.approx(expected.logprob, abs=1e-4)
+        assert len(got.top_logprobs) == len(expected.top_logprobs) == 2
+    # The content's tokens came with the content, before the call's.
+    first = next(c for c in chunks if c.delta.content)
+    assert first.logprobs and first.logprobs.content
+
+
 def test_conversation_with_tool_results_continues(smol):
     client = smol.client()
     first = client.chat.completions.create(
