@@ -17,7 +17,8 @@
 #                                        eagle3 eagle3-tests eagle3-profile attention
 #                                        attention-vs-base attention-sweep-short fp8-accum
 #                                        fp8-profile fp8-timeline fp8kv-timeline awq-timeline
-#                                        w4a16-wgmma pdl-tests pdl pdl-w4a16 pdl-fp8
+#                                        w4a16-wgmma w4a16-wgmma-tests pdl-tests pdl
+#                                        pdl-w4a16 pdl-fp8
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -521,6 +522,11 @@ for part in $parts; do
       timeout 420 python3 scripts/bench_w4a16.py --ms ${WGMMA_MS:-32 64 128 256 512 1024 8192} \
         --sweep-wgmma \
         --out "$OUT/w4a16_wgmma_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_wgmma_sweep_h200.log" ;;
+    # The wgmma kernel's CUDA tests (all, not stopping at the first failure) and the 8B layer
+    # sizes through every path, the engine's choice included.
+    w4a16-wgmma-tests) timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider \
+        tests/platforms/cuda/test_w4a16_wgmma.py tests/platforms/cuda/test_w4a16.py \
+        -k "wgmma or llama_sizes" 2>&1 | tail -60 | tee "$OUT/gpu_w4a16_wgmma_tests.log" ;;
     # Programmatic dependent launch (kernels/pdl.py): its GPU test, and the kernels' and
     # graphs' tests with it on.
     pdl-tests) PAGEDSERVE_PDL=1 timeout 420 python3 -m pytest -q -x -p no:cacheprovider \
