@@ -522,11 +522,20 @@ for part in $parts; do
       timeout 420 python3 scripts/bench_w4a16.py --ms ${WGMMA_MS:-32 64 128 256 512 1024 8192} \
         --sweep-wgmma \
         --out "$OUT/w4a16_wgmma_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_wgmma_sweep_h200.log" ;;
-    # The wgmma kernel's CUDA tests (all, not stopping at the first failure) and the 8B layer
-    # sizes through every path, the engine's choice included.
-    w4a16-wgmma-tests) timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider \
-        tests/platforms/cuda/test_w4a16_wgmma.py tests/platforms/cuda/test_w4a16.py \
-        -k "wgmma or llama_sizes" 2>&1 | tail -60 | tee "$OUT/gpu_w4a16_wgmma_tests.log" ;;
+    # With the engine choosing the wgmma kernel (PAGEDSERVE_W4A16_WGMMA=1): its CUDA tests
+    # (all, not stopping at the first failure), the 8B layer sizes through every path and the
+    # engine's AWQ/GPTQ checkpoints against the dequantized model; then AWQ decode steps with
+    # it off and on at ${DECODE_BATCHES:-32 64 128 256}.
+    w4a16-wgmma-tests) PAGEDSERVE_W4A16_WGMMA=1 timeout 300 python3 -m pytest -q -m cuda \
+        -p no:cacheprovider tests/platforms/cuda/test_w4a16_wgmma.py \
+        tests/platforms/cuda/test_w4a16.py tests/quant/test_quant_cuda.py \
+        -k "wgmma or llama_sizes or quant_cuda" 2>&1 | tail -60 \
+        | tee "$OUT/gpu_w4a16_wgmma_tests.log"
+      for on in 0 1; do
+        PAGEDSERVE_W4A16_WGMMA=$on bench decode --device cuda --shape llama3-8b \
+          --load-format dummy --quantization awq --batch-sizes ${DECODE_BATCHES:-32 64 128 256} \
+          --context-len 512 --out "$OUT/decode_h200_llama3-8b_awq_wgmma$on.json"
+      done ;;
     # Programmatic dependent launch (kernels/pdl.py): its GPU test, and the kernels' and
     # graphs' tests with it on.
     pdl-tests) PAGEDSERVE_PDL=1 timeout 420 python3 -m pytest -q -x -p no:cacheprovider \

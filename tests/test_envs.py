@@ -47,9 +47,9 @@ def test_an_unknown_log_level_is_named_and_info_is_used(monkeypatch, capsys):
     assert "PAGEDSERVE_LOG_LEVEL='LOUD' is none of DEBUG, INFO" in capsys.readouterr().err
 
 
-def test_pdl_modes_and_a_bad_one_at_the_cuda_platforms_start(monkeypatch):
-    """A bad PAGEDSERVE_PDL is named when the CUDA platform is chosen, not at the first
-    kernel launch inside the engine's warm-up."""
+def test_pdl_modes_and_bad_gpu_switches_at_the_cuda_platforms_start(monkeypatch):
+    """A bad PAGEDSERVE_PDL or PAGEDSERVE_W4A16_WGMMA is named when the CUDA platform is
+    chosen, not at the first kernel launch inside the engine's warm-up."""
     from pagedserve.platforms.cuda.platform import CudaPlatform
 
     monkeypatch.delenv("PAGEDSERVE_PDL", raising=False)
@@ -63,4 +63,8 @@ def test_pdl_modes_and_a_bad_one_at_the_cuda_platforms_start(monkeypatch):
     CudaPlatform.check_available()
     monkeypatch.setenv("PAGEDSERVE_PDL", "yes")
     with pytest.raises(ConfigError, match="^PAGEDSERVE_PDL must be auto, 0 or 1, got 'yes'$"):
+        CudaPlatform.check_available()
+    monkeypatch.setenv("PAGEDSERVE_PDL", "auto")
+    monkeypatch.setenv("PAGEDSERVE_W4A16_WGMMA", "on")
+    with pytest.raises(ConfigError, match="^PAGEDSERVE_W4A16_WGMMA must be 0 or 1, got 'on'$"):
         CudaPlatform.check_available()

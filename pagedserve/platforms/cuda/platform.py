@@ -39,7 +39,8 @@ class CudaPlatform(Platform):
                 "no CUDA device: torch.cuda.is_available() is False in this torch build "
                 f"({torch.__version__})")
         cls._require_triton("pip install triton")
-        envs.pdl()  # a bad value fails at start, not at the first kernel launch
+        envs.pdl()  # bad values fail at start, not at the first kernel launch
+        envs.w4a16_wgmma()
 
     @classmethod
     def _require_triton(cls, how_to_install: str) -> None:

@@ -56,16 +56,31 @@ def test_arch_specific_build_names_only_sm90a(monkeypatch):
     assert not any(f.startswith("-arch") for f in seen["flags"])
 
 
-def test_path_chosen_where_built(monkeypatch, tmp_path):
-    """For ``WGMMA_ROWS`` rows (64 only for weights of ``WGMMA_MIN_CODES_AT_64`` codes and
-    more), an sm_90 GPU takes this kernel where it builds, and the dequantize path where it
-    does not (no nvcc); other rows and other GPUs keep the other paths."""
+@pytest.fixture
+def wgmma_switch(monkeypatch):
+    """PAGEDSERVE_W4A16_WGMMA, set by the test (read once per process otherwise)."""
+    from pagedserve.platforms.cuda.kernels import w4a16
+
+    def switch(on: bool) -> None:
+        monkeypatch.setenv("PAGEDSERVE_W4A16_WGMMA", "1" if on else "0")
+        w4a16._wgmma_on.cache_clear()
+
+    yield switch
+    w4a16._wgmma_on.cache_clear()
+
+
+def test_path_chosen_where_built(monkeypatch, tmp_path, wgmma_switch):
+    """With PAGEDSERVE_W4A16_WGMMA=1, for ``WGMMA_ROWS`` rows (64 only for weights of
+    ``WGMMA_MIN_CODES_AT_64`` codes and more), an sm_90 GPU takes this kernel where it builds,
+    and the dequantize path where it does not (no nvcc); other rows, other GPUs and the
+    default (0) keep the other paths."""
     from pagedserve.platforms.cuda.kernels import w4a16
     from tests.platforms.cuda.test_w4a16 import random_weight
 
     weight = random_weight(64, 256, 128, seed=1)
     packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 128, torch.device("cpu"))
     many = torch.ones(129, 256)
+    wgmma_switch(True)
     monkeypatch.setattr(w4a16_mma, "eligible", lambda x, w: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
@@ -80,6 +95,9 @@ def test_path_chosen_where_built(monkeypatch, tmp_path):
     assert chosen == {63: "tiles", 64: "tiles", 65: "wgmma", 511: "wgmma", 512: "dequant"}
     monkeypatch.setattr(w4a16, "WGMMA_MIN_CODES_AT_64", 64 * 256)  # this weight's codes
     assert w4a16._choose_path(torch.ones(64, 256), packed) == "wgmma"
+    wgmma_switch(False)
+    assert w4a16._choose_path(many, packed) == "dequant"
+    wgmma_switch(True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert w4a16._choose_path(many, packed) == "dequant"
 

@@ -35,8 +35,9 @@ Three paths, chosen by the number of rows M:
   expanded to a dense ``[K, N]`` copy in the activation dtype and multiplied by ``torch.mm``.
   There the matmul is compute-bound and the tiles reach a fifth to a third of cuBLAS, while
   the extra pass over the weight costs about what reading it in bfloat16 would.
-- **wgmma** (sm_90, ``WGMMA_ROWS``: 64 to 511 rows, where the H200 measured it faster): the
-  CUDA C++ kernel of ``kernels/w4a16_wgmma.py`` in place of the tiles and dequantize.
+- **wgmma** (sm_90, ``WGMMA_ROWS``: 64 to 511 rows, where the H200 measured it faster; with
+  ``PAGEDSERVE_W4A16_WGMMA=1`` until its H200 tests have all passed): the CUDA C++ kernel of
+  ``kernels/w4a16_wgmma.py`` in place of the tiles and dequantize.
 
 Measured on the H200 on 2026-12-01 (``scripts/gpu_check.sh w4a16-tiles-sweep`` with
 ``W4A16_BASE`` the kernel before this layout, ``benchmarks/results/issue30/``; the four
@@ -58,12 +59,14 @@ dense copy, so CUDA graphs capture it.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from pagedserve import envs
 from pagedserve.platforms.cuda.kernels import w4a16_mma, w4a16_wgmma
 from pagedserve.platforms.cuda.kernels.device import gpu_arch, sm_count
 from pagedserve.platforms.cuda.kernels.pdl import gate, launch_options
@@ -803,13 +806,23 @@ MMA_ROWS = range(2, 17)
 # cuBLAS at 256, and even at 512 (497 against 487), which dequantize + cuBLAS keeps. At 64 rows
 # the tiles still win on the two smaller layers (qkv 20 against 26 us, o 17 against 20; the
 # larger: gate_up 66 against 47, down 39 against 36), so weights of fewer than
-# ``WGMMA_MIN_CODES_AT_64`` codes keep them there.
+# ``WGMMA_MIN_CODES_AT_64`` codes keep them there. Chosen only with PAGEDSERVE_W4A16_WGMMA=1
+# until the kernel's whole H200 test file has passed (``scripts/gpu_check.sh
+# w4a16-wgmma-tests``): its first run passed bf16 at one row and stopped at a float16 bound
+# that left no room for the tensor cores' float32 sums, so its other rows, blocks of 128 and
+# 256 rows, and the engine with it, have not been checked on a GPU.
 WGMMA_ROWS = range(64, 512)
 WGMMA_MIN_CODES_AT_64 = 32 * 2**20
 
 
+@functools.lru_cache(maxsize=1)
+def _wgmma_on() -> bool:
+    """PAGEDSERVE_W4A16_WGMMA, read once (every 4-bit layer of every step asks)."""
+    return envs.w4a16_wgmma()
+
+
 def _wgmma_rows(m: int, w: PackedW4) -> bool:
-    if m not in WGMMA_ROWS:
+    if m not in WGMMA_ROWS or not _wgmma_on():
         return False
     return m > 64 or w.qweight.shape[1] * w.in_features >= WGMMA_MIN_CODES_AT_64
 
