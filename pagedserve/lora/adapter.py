@@ -210,8 +210,14 @@ def _fold(folder: Path, config: dict, tensors: dict[str, torch.Tensor]
             raise LoRAAdapterError(f"LoRA adapter {folder}: layer {layer} {module} has rank 0")
         key = f"model.layers.{layer}.{parent_module(module)}.{module}"
         scale = _scaling(config, key, a.shape[0])
+        b = b * scale
+        # A NaN or infinite weight (or one the folded scaling overflows) makes every logit NaN:
+        # the adapter's requests would sample garbage and their logprobs cannot be sent as JSON.
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoRAAdapterError(f"LoRA adapter {folder}: layer {layer} {module} has "
+                                   "weights that are not finite (NaN or infinity)")
         projection, shard = PROJECTIONS[module]
-        shards[(layer, projection, shard)] = LoRAWeights(a.contiguous(), (b * scale).contiguous())
+        shards[(layer, projection, shard)] = LoRAWeights(a.contiguous(), b.contiguous())
     if not shards:
         raise LoRAAdapterError(f"LoRA adapter {folder}: no LoRA weights")
     return shards

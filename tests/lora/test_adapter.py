@@ -127,6 +127,22 @@ def test_a_tensor_that_is_no_matrix_is_refused(llama3_folder, tmp_path):
         load_adapter(folder)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 3e38])
+def test_weights_that_are_not_finite_are_refused(llama3_folder, tmp_path, value):
+    """NaN or infinite weights (3e38 becomes infinite once the scaling is folded in) made every
+    logit NaN: requests on the adapter sampled garbage, and with logprobs the server failed
+    to encode the response (a 500)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_adapter(llama3_folder, tmp_path / "a", ADAPTER_SPECS["attn"], seed=1)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    key = next(k for k in tensors if "lora_B" in k)
+    tensors[key] = torch.full_like(tensors[key], value)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    with pytest.raises(LoRAAdapterError, match="weights that are not finite"):
+        load_adapter(folder)
+
+
 def test_a_hugging_face_id_reads_the_cached_snapshot(llama3_folder, tmp_path, monkeypatch):
     hub_cache = offline_cache(tmp_path, monkeypatch)
     folder = write_adapter(llama3_folder, tmp_path / "a", ADAPTER_SPECS["attn"], seed=1)
