@@ -559,8 +559,10 @@ _json = msgspec.json.Encoder()
 
 
 def sse(event: BaseModel) -> str:
-    """One stream event. Unset fields are left out, as OpenAI does in chunks."""
-    return f"data: {event.model_dump_json(exclude_none=True)}\n\n"
+    """One stream event, every field written: an error event (chunks go through
+    ``sse_chunk``) is the object a non-streamed error is, ``param`` and ``code`` null
+    included; leaving out None dropped them."""
+    return f"data: {event.model_dump_json()}\n\n"
 
 
 def sse_chunk(kind: str, request_id: str, model: str, created: int, choices: list[dict],
@@ -579,7 +581,7 @@ def sse_chunk(kind: str, request_id: str, model: str, created: int, choices: lis
 
 def choice_dict(index: int, finish_reason: str | None, stop_reason: int | str | None,
                 logprobs: BaseModel | None, **fields) -> dict:
-    """One streamed choice without its unset fields (``exclude_none``, as ``sse`` does)."""
+    """One streamed choice without its unset fields, as OpenAI leaves them out of chunks."""
     choice = {"index": index, **fields}
     if logprobs is not None:
         choice["logprobs"] = logprobs.model_dump(exclude_none=True)

@@ -313,3 +313,22 @@ def test_api_key_is_enforced(keyed_server):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     got = keyed_server.client().completions.create(model="model", prompt="hi", max_tokens=2)
     assert got.usage.completion_tokens == 2
+
+
+def test_a_streamed_error_event_has_every_field_of_an_error_object():
+    """The event that ends a failed stream (a core that died, a grammar the engine refused) is
+    the same object a non-streamed error is: param and code were left out when null."""
+    from pagedserve.sampling_params import InvalidSamplingParam
+    from pagedserve.server.errors import stream_error
+    from pagedserve.server.protocol import sse
+
+    for exc, expected in [
+            (RuntimeError("the core exited"), {"message": "the core exited",
+                                               "type": "server_error"}),
+            (InvalidSamplingParam("structured_outputs", "no grammar"),
+             {"type": "invalid_request_error", "param": "structured_outputs"})]:
+        event = sse(stream_error(exc))
+        assert event.startswith("data: ") and event.endswith("\n\n")
+        error = json.loads(event.removeprefix("data: "))["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert expected.items() <= error.items()
