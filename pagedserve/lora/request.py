@@ -6,6 +6,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+# The largest id: the messages to the engine core carry ids as 64-bit integers (msgspec), so a
+# larger one failed every request on its adapter with an OverflowError.
+MAX_LORA_INT_ID = 2**63 - 1
+
 
 @dataclass(frozen=True, slots=True)
 class LoRARequest:
@@ -29,3 +33,6 @@ class LoRARequest:
         if self.lora_int_id < 1:
             raise ValueError(f"LoRARequest {self.lora_name!r}: lora_int_id must be at least 1, "
                              f"got {self.lora_int_id}")
+        if self.lora_int_id > MAX_LORA_INT_ID:
+            raise ValueError(f"LoRARequest {self.lora_name!r}: lora_int_id must be at most "
+                             f"2**63 - 1, got {self.lora_int_id}")

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from pagedserve.lora.request import MAX_LORA_INT_ID
 from pagedserve.sampling_params import (
     InvalidSamplingParam,
     SamplingParams,
@@ -408,7 +409,7 @@ class LoadLoRAAdapterRequest(StrictModel):
 
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
-    lora_int_id: int | None = Field(default=None, ge=1)
+    lora_int_id: int | None = Field(default=None, ge=1, le=MAX_LORA_INT_ID)
     base_model_name: str | None = None
 
 

@@ -27,3 +27,11 @@ def test_a_path_object_is_a_path():
     assert LoRARequest("sql", 1, Path("/a")).lora_int_id == 1
     with pytest.raises(ValueError, match="lora_int_id must be at least 1"):
         LoRARequest("sql", 0, "/a")
+
+
+def test_an_id_past_int64_is_refused():
+    """The core's messages carry ids as 64-bit integers: 2**64 was taken, then every request
+    on the adapter (and its unload) failed to reach the core with an OverflowError."""
+    assert LoRARequest("sql", 2**63 - 1, "/a").lora_int_id == 2**63 - 1
+    with pytest.raises(ValueError, match=r"lora_int_id must be at most 2\*\*63 - 1"):
+        LoRARequest("sql", 2**64, "/a")

@@ -97,6 +97,20 @@ def test_ids_are_per_core_and_skip_those_in_use():
         loras._request(model, "b", "/b", 2)
 
 
+def test_a_load_with_an_id_past_int64_is_refused_by_its_field():
+    """2**64 was loaded; every request on it, and its unload, was then a 500 (OverflowError
+    sending the id to the core). The field's bound makes it a 400 naming lora_int_id."""
+    from pydantic import ValidationError
+
+    from pagedserve.server.protocol import LoadLoRAAdapterRequest
+
+    body = {"lora_name": "a", "lora_path": "/a"}
+    assert LoadLoRAAdapterRequest(**body, lora_int_id=2**63 - 1).lora_int_id == 2**63 - 1
+    with pytest.raises(ValidationError) as exc:
+        LoadLoRAAdapterRequest(**body, lora_int_id=2**64)
+    assert exc.value.errors()[0]["loc"] == ("lora_int_id",)
+
+
 def _parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(exit_on_error=False)
     add_server_args(parser)
