@@ -39,6 +39,13 @@ MAX_MESSAGES = 8192
 _TOKEN_ID = re.compile(r"[0-9]{1,20}")
 
 
+def json_logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf (a token the sampler ruled out) and NaN (non-finite
+    logits, from a broken checkpoint) become ``MIN_LOGPROB``; a NaN reached the encoder and
+    failed the whole response with a 500."""
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # False for NaN
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 

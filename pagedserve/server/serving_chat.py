@@ -18,7 +18,6 @@ from pagedserve.outputs import CompletionOutput, Logprob, TokenLogprobs
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.server.errors import bad_request, stream_error
 from pagedserve.server.protocol import (
-    MIN_LOGPROB,
     SSE_DONE,
     AssistantMessage,
     ChatChoice,
@@ -32,6 +31,7 @@ from pagedserve.server.protocol import (
     TopLogprob,
     UsageInfo,
     choice_dict,
+    json_logprob,
     random_id,
     sse,
     sse_chunk,
@@ -236,5 +236,5 @@ def _top(token: int, lp: Logprob, token_bytes: TokenBytes) -> TopLogprob:
     """``bytes`` are the token's own, not the UTF-8 of its text: a token that holds part
     of a character decodes to U+FFFD."""
     text = lp.decoded_token or ""
-    return TopLogprob(token=text, logprob=max(lp.logprob, MIN_LOGPROB),
+    return TopLogprob(token=text, logprob=json_logprob(lp.logprob),
                       bytes=token_bytes.of(token, text))

@@ -17,7 +17,6 @@ from fastapi.responses import StreamingResponse
 from pagedserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedserve.server.errors import bad_request, stream_error
 from pagedserve.server.protocol import (
-    MIN_LOGPROB,
     SSE_DONE,
     CompletionChoice,
     CompletionLogprobs,
@@ -26,6 +25,7 @@ from pagedserve.server.protocol import (
     PromptInput,
     UsageInfo,
     choice_dict,
+    json_logprob,
     random_id,
     sse,
     sse_chunk,
@@ -217,8 +217,8 @@ class _LogprobsBuilder:
 
     def add_entry(self, token: int, entry: TokenLogprobs) -> None:
         """The sampled token and its top alternatives (the entry holds both)."""
-        top = {lp.decoded_token or "": max(lp.logprob, MIN_LOGPROB) for lp in entry.values()}
-        self.add(entry[token].decoded_token or "", max(entry[token].logprob, MIN_LOGPROB), top)
+        top = {lp.decoded_token or "": json_logprob(lp.logprob) for lp in entry.values()}
+        self.add(entry[token].decoded_token or "", json_logprob(entry[token].logprob), top)
 
     def add_prompt(self, token_ids: list[int], entries: list[TokenLogprobs | None] | None,
                    decode) -> None:

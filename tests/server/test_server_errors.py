@@ -332,3 +332,31 @@ def test_a_streamed_error_event_has_every_field_of_an_error_object():
         error = json.loads(event.removeprefix("data: "))["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert expected.items() <= error.items()
+
+
+def test_logprobs_that_json_cannot_carry_are_sent_as_the_minimum():
+    """A NaN logprob (non-finite logits from a broken checkpoint) failed the whole response
+    with a 500 when encoded; -inf was already sent as OpenAI's -9999. Both response builders,
+    chat's and the legacy completions', through the JSON encoder."""
+    import math
+
+    from pagedserve.outputs import Logprob
+    from pagedserve.server.protocol import MIN_LOGPROB, ChatLogprobs
+    from pagedserve.server.serving_chat import _token_logprob
+    from pagedserve.server.serving_completion import _LogprobsBuilder
+
+    class Bytes:
+        def of(self, token: int, text: str) -> list[int]:
+            return list(text.encode())
+
+    entry = {7: Logprob(math.nan, 1, "a"), 9: Logprob(-math.inf, 2, "b"),
+             3: Logprob(-0.5, 3, "c")}
+    chat = ChatLogprobs(content=[_token_logprob(7, entry, 3, Bytes())])
+    sent = json.loads(chat.model_dump_json())["content"][0]
+    assert sent["logprob"] == MIN_LOGPROB
+    assert [top["logprob"] for top in sent["top_logprobs"]] == [MIN_LOGPROB, MIN_LOGPROB, -0.5]
+    legacy = _LogprobsBuilder()
+    legacy.add_entry(7, entry)
+    sent = json.loads(legacy.logprobs.model_dump_json())
+    assert sent["token_logprobs"] == [MIN_LOGPROB]
+    assert sent["top_logprobs"] == [{"a": MIN_LOGPROB, "b": MIN_LOGPROB, "c": -0.5}]
