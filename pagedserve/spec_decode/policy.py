@@ -17,7 +17,8 @@ At batch 1 on a memory-bound device ``per_token`` is small next to ``fixed`` and
 draft is kept; in a large batch on a compute-bound step each token costs its share and drafts
 are dropped down to none, which is plain decoding: speculation never makes a step worse than
 the model says plain decoding would be. Acceptance is tracked per sequence (its own verified
-drafts, with the batch's rate as the prior for a new one).
+drafts, with the rate of its model's sequences, the base model's or its LoRA adapter's, as the
+prior for a new one).
 """
 
 from __future__ import annotations
@@ -62,26 +63,33 @@ class StepTimeModel:
 
 @dataclass
 class Acceptance:
-    """Drafts proposed and accepted, batch-wide and per sequence."""
+    """Drafts proposed and accepted, per sequence and over all the sequences of each model the
+    target runs: the base model and each LoRA adapter. The drafter has no adapter, so an
+    adapter's sequences may reject what the base model's accept; a sequence starts from the
+    rate of its own model's."""
 
-    proposed: float = 0.0
-    accepted: float = 0.0
+    by_model: dict = field(default_factory=dict)  # lora_int_id (None: base) -> [proposed, accepted]
     by_seq: dict = field(default_factory=dict)  # seq -> [proposed, accepted]
 
     def record(self, seq, num_proposed: int, num_accepted: int) -> None:
-        self.proposed += num_proposed
-        self.accepted += num_accepted
-        counts = self.by_seq.setdefault(seq, [0, 0])
-        counts[0] += num_proposed
-        counts[1] += num_accepted
+        for counts in (self.by_model.setdefault(_model_of(seq), [0, 0]),
+                       self.by_seq.setdefault(seq, [0, 0])):
+            counts[0] += num_proposed
+            counts[1] += num_accepted
 
     def rate(self, seq) -> float:
-        prior = (self.accepted + 1.0) / (self.proposed + 2.0)
+        proposed, accepted = self.by_model.get(_model_of(seq), (0, 0))
+        prior = (accepted + 1.0) / (proposed + 2.0)
         proposed, accepted = self.by_seq.get(seq, (0, 0))
         return (accepted + _PRIOR_DRAFTS * prior) / (proposed + _PRIOR_DRAFTS)
 
     def forget(self, seq) -> None:
         self.by_seq.pop(seq, None)
+
+
+def _model_of(seq) -> int | None:
+    lora = getattr(seq, "lora_request", None)
+    return None if lora is None else lora.lora_int_id
 
 
 def choose_num_drafts(rates: np.ndarray, available: np.ndarray, base_tokens: int,

@@ -128,6 +128,37 @@ def test_an_adapter_of_another_model_is_refused_before_it_runs(llama3_folder, ti
     assert not llm.engine.scheduler.has_unfinished
 
 
+class _CostlyDrafts:
+    """A step-time model in which a draft of a sequence decoding alone pays only at an
+    acceptance rate above 1/3 (each token costs half a step's fixed time)."""
+
+    def record(self, num_tokens: int, verifies: bool, seconds: float) -> None:
+        pass
+
+    def coefficients(self) -> tuple[float, float, float]:
+        return 1.0, 0.5, 0.0
+
+
+def test_an_adapter_rejecting_drafts_leaves_the_base_model_drafting(llama3_folder, adapters):
+    """The draft model runs without adapters: an adapter's requests reject its drafts, which
+    must not stop the base model's requests, whose drafts the target accepts, from drafting."""
+    llm = make_llm(llama3_folder, enable_lora=True, max_lora_rank=8,
+                   speculative_config={"model": str(llama3_folder), "num_speculative_tokens": 3})
+    speculation = llm.engine.speculation
+    speculation.step_times = _CostlyDrafts()
+    prompts = random_prompts("lora-spec", [9, 12, 7, 10])
+    for prompt in prompts:
+        llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=_requests(adapters)[0])
+    counters = speculation.counters
+    drafted, accepted = counters.num_draft_tokens, counters.num_accepted_tokens
+    base = base_model(llama3_folder)
+    for prompt in prompts:
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_greedy(base, prompt, NEW_TOKENS)
+    assert counters.num_draft_tokens - drafted > 0
+    assert counters.num_accepted_tokens - accepted == counters.num_draft_tokens - drafted
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_NVIDIA, reason=NVIDIA_REASON)
 def test_cuda_with_graphs_equals_peft(llama3_folder, adapters):

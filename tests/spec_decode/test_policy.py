@@ -1,15 +1,17 @@
 """The drafts' policy: the greedy choice of drafts equals the best allocation found by brute
 force under the same cost model, the fit recovers a step's fixed and per-token time, and the
 choice goes from every draft at batch 1 on a memory-bound step to none in a compute-bound
-batch."""
+batch; each LoRA adapter's acceptance is its own prior."""
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.spec_decode.policy import Acceptance, StepTimeModel, choose_num_drafts
 
 
@@ -68,3 +70,19 @@ def test_acceptance_starts_from_the_batch_rate_and_learns_each_sequence():
     assert 0.8 < acceptance.rate(b) < acceptance.rate(a)  # the batch's rate, shrunk
     acceptance.forget(a)
     assert acceptance.rate(a) == acceptance.rate(b)
+
+
+@dataclass(eq=False)
+class _Seq:
+    lora_request: LoRARequest | None = None
+
+
+def test_each_lora_adapter_has_its_own_prior():
+    """The drafter has no adapter: an adapter's rejections leave the base model's prior."""
+    acceptance = Acceptance()
+    base, adapter = _Seq(), _Seq(LoRARequest("a", 1, "/a"))
+    for _ in range(20):
+        acceptance.record(base, 4, 4)
+        acceptance.record(adapter, 4, 0)
+    assert acceptance.rate(_Seq()) > 0.8
+    assert acceptance.rate(_Seq(LoRARequest("a", 1, "/a"))) < 0.2
