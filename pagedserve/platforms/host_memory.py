@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 
-def meminfo_bytes(key: str) -> int | None:
+def _meminfo_bytes(key: str) -> int | None:
     """A ``/proc/meminfo`` field in bytes; None where there is no such file or field."""
     try:
         with open("/proc/meminfo") as f:
@@ -19,11 +19,11 @@ def meminfo_bytes(key: str) -> int | None:
 
 
 def total_bytes() -> int:
-    total = meminfo_bytes("MemTotal")
+    total = _meminfo_bytes("MemTotal")
     return total if total is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def available_bytes() -> int:
     """What can be allocated without swapping (the kernel's estimate); the total where the
     kernel gives none."""
-    return meminfo_bytes("MemAvailable") or total_bytes()
+    return _meminfo_bytes("MemAvailable") or total_bytes()

@@ -88,8 +88,7 @@ class Acceptance:
 
 
 def _model_of(seq) -> int | None:
-    lora = getattr(seq, "lora_request", None)
-    return None if lora is None else lora.lora_int_id
+    return None if seq.lora_request is None else seq.lora_request.lora_int_id
 
 
 def choose_num_drafts(rates: np.ndarray, available: np.ndarray, base_tokens: int,

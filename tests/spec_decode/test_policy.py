@@ -61,20 +61,20 @@ def test_the_step_time_fit_recovers_fixed_per_token_and_verify_time():
     assert fixed + 8 * per_token == pytest.approx(0.01) and verify == 0.0
 
 
+@dataclass(eq=False)
+class _Seq:
+    lora_request: LoRARequest | None = None
+
+
 def test_acceptance_starts_from_the_batch_rate_and_learns_each_sequence():
     acceptance = Acceptance()
-    a, b = object(), object()
+    a, b = _Seq(), _Seq()
     for _ in range(20):
         acceptance.record(a, 4, 4)
     assert acceptance.rate(a) > 0.9
     assert 0.8 < acceptance.rate(b) < acceptance.rate(a)  # the batch's rate, shrunk
     acceptance.forget(a)
     assert acceptance.rate(a) == acceptance.rate(b)
-
-
-@dataclass(eq=False)
-class _Seq:
-    lora_request: LoRARequest | None = None
 
 
 def test_each_lora_adapter_has_its_own_prior():

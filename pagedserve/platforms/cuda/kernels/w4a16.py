@@ -16,7 +16,8 @@ Layout the kernel reads (built once at load by ``pack``):
   ``q * d + m``). Float16 where that form is exact in it (checkpoints store float16 scales),
   else float32, so packing never rounds the weight.
 
-Three paths, chosen by the number of rows M:
+Paths, chosen by the number of rows M (the CUDA C++ mma kernels of ``w4a16_mma.py`` take
+``MMA_ROWS`` where they are built):
 
 - **GEMV** (one row, or two bfloat16 rows on NVIDIA: decode at batch 1-2; groups holding whole
   tiles, a multiple of 128 or one group): CUDA cores, with codes decoded by bit tricks rather
@@ -824,7 +825,7 @@ def _wgmma_on() -> bool:
 def _wgmma_rows(m: int, w: PackedW4) -> bool:
     if m not in WGMMA_ROWS or not _wgmma_on():
         return False
-    return m > 64 or w.qweight.shape[1] * w.in_features >= WGMMA_MIN_CODES_AT_64
+    return m > WGMMA_ROWS.start or w.qweight.shape[1] * w.in_features >= WGMMA_MIN_CODES_AT_64
 
 
 def _choose_path(x: torch.Tensor, w: PackedW4) -> str:
