@@ -24,9 +24,13 @@ they cost more than they save), speculation pauses: the engine schedules ahead a
 (async scheduling, where the platform runs ahead) for 1 step, then 2, 4, ... up to
 ``_MAX_PAUSE`` while that goes on, and at once when the batch shrinks below half the size it
 paused at, or, in a batch of at most ``_SMALL_BATCH``, when a new sequence starts decoding
-(an interactive request must not inherit the pause of the one before it). So a large batch
-pays one step at a time in ``_MAX_PAUSE`` for speculation it does not use, and a batch-1
-stream whose text starts repeating finds it within a few steps.
+(an interactive request must not inherit the pause of the one before it). The pauses start
+again from 1 step only once a verify step accepts a draft: the policy's acceptance evidence
+fades with the steps, so after a long pause a sequence it had stopped drafting is tried
+again, and a try that is rejected must not bring the short pauses back. So a large batch
+pays one step at a time in ``_MAX_PAUSE`` for speculation it does not use, a batch-1 stream
+whose drafts are rejected one verify step in about ``_MAX_PAUSE``, and a batch-1 stream whose
+text starts repeating finds it within a few steps.
 """
 
 from __future__ import annotations
@@ -107,6 +111,7 @@ class Speculation:
     def proposes(self, running: list[SequenceGroup]) -> bool:
         """Whether the next step proposes drafts (and so runs one at a time); called once a
         step."""
+        self.acceptance.tick()
         if self._new_in_small_batch(running):
             self._pause_left, self._next_pause = 0, 1  # a new request starts afresh
             return True
@@ -148,9 +153,7 @@ class Speculation:
                                    *self.step_times.coefficients())
         for seq, draft, k in zip(seqs, drafts, chosen.tolist(), strict=True):
             seq.draft_token_ids = draft[:k].tolist()
-        if chosen.any():
-            self._next_pause = 1
-        else:
+        if not chosen.any():
             self._paused_at, self._pause_left = len(seqs), self._next_pause
             self._next_pause = min(2 * self._next_pause, _MAX_PAUSE)
 
@@ -178,6 +181,8 @@ class Speculation:
             c.num_accepted_tokens += accepted
             for j in range(accepted):
                 c.accepted_per_position[j] += 1
+            if accepted:
+                self._next_pause = 1
         for seq in result.sampled:
             if seq.status.finished:
                 self.acceptance.forget(seq)

@@ -18,7 +18,10 @@ draft is kept; in a large batch on a compute-bound step each token costs its sha
 are dropped down to none, which is plain decoding: speculation never makes a step worse than
 the model says plain decoding would be. Acceptance is tracked per sequence (its own verified
 drafts, with the rate of its model's sequences, the base model's or its LoRA adapter's, as the
-prior for a new one).
+prior for a new one), recency-weighted by steps: text changes (a stream starts quoting its
+prompt, or stops), and a rate measured long ago must not keep a sequence from ever being
+drafted again. Evidence fades to the uninformed prior of 1/2 in a few tens of steps, so a
+sequence whose drafts were dropped is tried again after the engine's longest pause.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ import numpy as np
 _FORGET = 0.98
 # Weight of the batch-wide rate in a sequence's acceptance estimate (in drafts).
 _PRIOR_DRAFTS = 4.0
+# Acceptance evidence keeps this share of its weight per step: about the last 20 steps count,
+# and after speculation's longest pause (64 steps) under 4% of what was seen before it.
+_ACCEPTANCE_FORGET = 0.95
 
 
 @dataclass
@@ -62,25 +68,48 @@ class StepTimeModel:
 
 
 @dataclass
+class _Counts:
+    """Drafts proposed and accepted, as of step ``step``; they fade by ``_ACCEPTANCE_FORGET``
+    per step after it (applied when next read or added to)."""
+
+    proposed: float = 0.0
+    accepted: float = 0.0
+    step: int = 0
+
+    def at(self, step: int) -> tuple[float, float]:
+        fade = _ACCEPTANCE_FORGET ** (step - self.step)
+        return self.proposed * fade, self.accepted * fade
+
+    def add(self, step: int, num_proposed: int, num_accepted: int) -> None:
+        proposed, accepted = self.at(step)
+        self.proposed, self.accepted = proposed + num_proposed, accepted + num_accepted
+        self.step = step
+
+
+@dataclass
 class Acceptance:
     """Drafts proposed and accepted, per sequence and over all the sequences of each model the
     target runs: the base model and each LoRA adapter. The drafter has no adapter, so an
     adapter's sequences may reject what the base model's accept; a sequence starts from the
-    rate of its own model's."""
+    rate of its own model's. Both fade with the steps (``tick``)."""
 
-    by_model: dict = field(default_factory=dict)  # lora_int_id (None: base) -> [proposed, accepted]
-    by_seq: dict = field(default_factory=dict)  # seq -> [proposed, accepted]
+    by_model: dict = field(default_factory=dict)  # lora_int_id (None: base) -> _Counts
+    by_seq: dict = field(default_factory=dict)  # seq -> _Counts
+    step: int = 0
+
+    def tick(self) -> None:
+        """One engine step has passed."""
+        self.step += 1
 
     def record(self, seq, num_proposed: int, num_accepted: int) -> None:
-        for counts in (self.by_model.setdefault(_model_of(seq), [0, 0]),
-                       self.by_seq.setdefault(seq, [0, 0])):
-            counts[0] += num_proposed
-            counts[1] += num_accepted
+        for counts in (self.by_model.setdefault(_model_of(seq), _Counts()),
+                       self.by_seq.setdefault(seq, _Counts())):
+            counts.add(self.step, num_proposed, num_accepted)
 
     def rate(self, seq) -> float:
-        proposed, accepted = self.by_model.get(_model_of(seq), (0, 0))
+        proposed, accepted = self.by_model.get(_model_of(seq), _Counts()).at(self.step)
         prior = (accepted + 1.0) / (proposed + 2.0)
-        proposed, accepted = self.by_seq.get(seq, (0, 0))
+        proposed, accepted = self.by_seq.get(seq, _Counts()).at(self.step)
         return (accepted + _PRIOR_DRAFTS * prior) / (proposed + _PRIOR_DRAFTS)
 
     def forget(self, seq) -> None:

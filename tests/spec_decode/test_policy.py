@@ -1,7 +1,8 @@
 """The drafts' policy: the greedy choice of drafts equals the best allocation found by brute
 force under the same cost model, the fit recovers a step's fixed and per-token time, and the
 choice goes from every draft at batch 1 on a memory-bound step to none in a compute-bound
-batch; each LoRA adapter's acceptance is its own prior."""
+batch; each LoRA adapter's acceptance is its own prior; a sequence whose drafts were dropped
+is tried again."""
 
 from __future__ import annotations
 
@@ -11,8 +12,13 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from pagedserve.core.sequence import Sequence, SequenceGroup
+from pagedserve.engine.speculation import Speculation
 from pagedserve.lora.request import LoRARequest
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.policy import Acceptance, StepTimeModel, choose_num_drafts
+from pagedserve.worker.step import HostSamples, StepResult
 
 
 def _rate(rates, ks, base_tokens, fixed, per_token, verify):
@@ -86,3 +92,40 @@ def test_each_lora_adapter_has_its_own_prior():
         acceptance.record(adapter, 4, 0)
     assert acceptance.rate(_Seq()) > 0.8
     assert acceptance.rate(_Seq(LoRARequest("a", 1, "/a"))) < 0.2
+
+
+class _CostlyTokens:
+    """A step-time model in which a draft costs a fifth of a step: drafts pay only at
+    acceptance rates above about 0.2."""
+
+    def record(self, num_tokens: int, verifies: bool, seconds: float) -> None:
+        pass
+
+    def coefficients(self) -> tuple[float, float, float]:
+        return 1.0, 0.2, 0.0
+
+
+def test_a_sequence_whose_drafts_were_dropped_is_tried_again():
+    """A batch-1 stream whose n-gram drafts are all rejected stops being drafted; its text may
+    start repeating later, so the old evidence fades and drafts are tried again: a few verify
+    steps in a few hundred (each try costs one), and once they are accepted, every step."""
+    speculation = Speculation(SpeculativeConfig("ngram", 4, prompt_lookup_max=2,
+                                                prompt_lookup_min=2))
+    speculation.step_times = _CostlyTokens()
+    seq = Sequence([1, 2, 3] * 4, SamplingParams(), max_tokens=10_000)
+    seq.num_computed_tokens = seq.num_tokens - 1  # decoding; "3 1 2" always has a match
+    running = [SequenceGroup("a", [seq])]
+    verified_at = []
+    for step in range(500):
+        if speculation.proposes(running) and (
+                speculation.propose(running, 64, lambda _: None) or seq.draft_token_ids):
+            verified_at.append(step)
+            num_drafts = len(seq.draft_token_ids)
+            result = StepResult(step, [seq], [num_drafts + 1])
+            accepted = num_drafts if step >= 400 else 0  # the text turns repetitive at 400
+            speculation.record(result, HostSamples([], None, None, None, None, [accepted + 1]))
+            seq.draft_token_ids = []
+    rejected = [s for s in verified_at if 100 <= s < 400]
+    assert 2 <= len(rejected) <= 12, verified_at
+    first = min(s for s in verified_at if s >= 400)
+    assert first < 470 and set(range(first, 500)) <= set(verified_at), verified_at
