@@ -175,11 +175,24 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
             return load_file(folder / _SAFETENSORS)
         if (folder / _BIN).is_file():
-            return torch.load(folder / _BIN, map_location="cpu", weights_only=True)
+            tensors = torch.load(folder / _BIN, map_location="cpu", weights_only=True)
+            return _checked_state_dict(folder, tensors)
+    except LoRAAdapterError:
+        raise
     except Exception as exc:
         raise LoRAAdapterError(f"LoRA adapter {folder}: cannot read its weights: "
                                f"{type(exc).__name__}: {exc}") from exc
     raise LoRAAdapterError(f"LoRA adapter {folder}: no {_SAFETENSORS} or {_BIN}")
+
+
+def _checked_state_dict(folder: Path, tensors: object) -> dict[str, torch.Tensor]:
+    """A ``.bin`` holds whatever was pickled (a list, a tensor, numbers): anything but names
+    to tensors failed later with an AttributeError or TypeError naming no adapter."""
+    if not isinstance(tensors, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
+        raise LoRAAdapterError(f"LoRA adapter {folder}: {_BIN} holds no mapping of tensor "
+                               f"names to tensors (a {type(tensors).__name__})")
+    return tensors
 
 
 def _fold(folder: Path, config: dict, tensors: dict[str, torch.Tensor]

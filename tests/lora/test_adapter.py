@@ -85,6 +85,22 @@ def test_unreadable_files_are_one_line_errors(llama3_folder, tmp_path, file, con
         load_adapter(folder)
 
 
+@pytest.mark.parametrize("content", [
+    [1, 2], torch.zeros(3), {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": 3},
+    {1: torch.zeros(2, 2)},
+], ids=["list", "tensor", "non-tensor value", "non-string key"])
+def test_a_bin_that_is_no_mapping_of_names_to_tensors_is_refused(llama3_folder, tmp_path,
+                                                                  content):
+    """torch.load returns whatever the file pickled: these failed in ``_fold`` with an
+    AttributeError or TypeError (a 500 at /v1/load_lora_adapter, a traceback at the start)."""
+    folder = write_adapter(llama3_folder, tmp_path / "a", ADAPTER_SPECS["attn"], seed=1)
+    (folder / "adapter_model.safetensors").unlink()
+    torch.save(content, folder / "adapter_model.bin")
+    with pytest.raises(LoRAAdapterError, match="adapter_model.bin holds no mapping of tensor "
+                                               "names to tensors"):
+        load_adapter(folder)
+
+
 @pytest.mark.parametrize(("field", "value", "says"), [
     ("lora_alpha", "16", "lora_alpha must be a number, got '16'"),
     ("lora_alpha", None, "lora_alpha must be a number, got None"),
