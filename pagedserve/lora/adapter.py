@@ -206,7 +206,11 @@ def _fold(folder: Path, config: dict, tensors: dict[str, torch.Tensor]
         if match is None or match[2] not in PROJECTIONS:
             raise LoRAAdapterError(f"LoRA adapter {folder}: tensor {name} adapts no "
                                    "q/k/v/o/gate/up/down projection")
-        pairs.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor
+        ab = pairs.setdefault((int(match[1]), match[2]), {})
+        if match[3] in ab:  # two prefixes of one weight: which one is meant?
+            raise LoRAAdapterError(f"LoRA adapter {folder}: layer {match[1]} {match[2]} "
+                                   f"lora_{match[3]} is given twice (the second as {name})")
+        ab[match[3]] = tensor
     shards = {}
     for (layer, module), ab in sorted(pairs.items()):
         if ab.keys() != {"A", "B"}:

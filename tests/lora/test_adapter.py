@@ -101,6 +101,20 @@ def test_a_bin_that_is_no_mapping_of_names_to_tensors_is_refused(llama3_folder, 
         load_adapter(folder)
 
 
+def test_a_weight_given_twice_under_two_names_is_refused(llama3_folder, tmp_path):
+    """``base_model.model.model.layers.0...`` and ``model.layers.0...`` are the same weight
+    to the key pattern: the one read last was kept without a word."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_adapter(llama3_folder, tmp_path / "a", ADAPTER_SPECS["attn"], seed=1)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    key = next(k for k in tensors if "layers.0.self_attn.q_proj.lora_A" in k)
+    tensors[key.removeprefix("base_model.model.")] = tensors[key] * 2
+    save_file(tensors, folder / "adapter_model.safetensors")
+    with pytest.raises(LoRAAdapterError, match="layer 0 q_proj lora_A is given twice"):
+        load_adapter(folder)
+
+
 @pytest.mark.parametrize(("field", "value", "says"), [
     ("lora_alpha", "16", "lora_alpha must be a number, got '16'"),
     ("lora_alpha", None, "lora_alpha must be a number, got None"),
