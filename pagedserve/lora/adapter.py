@@ -101,7 +101,10 @@ def load_adapter(path: str | Path) -> LoRAAdapter:
 
 
 def _resolve(path: str) -> Path:
-    folder = Path(path).expanduser()
+    try:
+        folder = Path(path).expanduser()
+    except RuntimeError:  # "~user/..." of a user this host does not have
+        folder = Path(path)
     if folder.is_dir():
         return folder
     from pagedserve.models import hub

@@ -61,6 +61,10 @@ def test_embedding_and_lm_head_targets_are_refused(llama3_folder, tmp_path, targ
 def test_missing_folder_and_dora_are_one_line_errors(llama3_folder, tmp_path):
     with pytest.raises(LoRAAdapterError, match="no such folder"):
         load_adapter(tmp_path / "nope")
+    # Path.expanduser raised RuntimeError for a user that does not exist: a 500 at
+    # /v1/load_lora_adapter.
+    with pytest.raises(LoRAAdapterError, match="~no-such-user-here/a: no such folder"):
+        load_adapter("~no-such-user-here/a")
     folder = write_adapter(llama3_folder, tmp_path / "d",
                            dict(r=2, target_modules=["q_proj"], use_dora=True), seed=1)
     with pytest.raises(LoRAAdapterError, match="use_dora"):
