@@ -11,6 +11,8 @@ deltas the base layer's all-reduce then sums.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -34,6 +36,21 @@ class StepRows:
         return self._rows
 
 
+def slot_shapes(base: Linear, num_slots: int, max_rank: int
+                ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The shapes of a ``LoRALinear``'s stacked A and B over ``num_slots`` slots: A holds each
+    output shard's rows (rank padded to ``max_rank``), B every shard's columns."""
+    sizes = base.out_sizes
+    return ((num_slots, len(sizes) * max_rank, base.in_features),
+            (num_slots, max_rank, sum(sizes)))
+
+
+def slot_bytes(base: Linear, num_slots: int, max_rank: int) -> int:
+    """Device bytes a ``LoRALinear`` of these slots takes around ``base``."""
+    return base.factory.dtype.itemsize * sum(
+        math.prod(shape) for shape in slot_shapes(base, num_slots, max_rank))
+
+
 class LoRALinear(nn.Module):
     def __init__(self, base: Linear, num_slots: int, max_rank: int, ops: type[LoRAOps],
                  rows: StepRows) -> None:
@@ -45,10 +62,9 @@ class LoRALinear(nn.Module):
         sizes = base.out_sizes
         self.shards = tuple((sum(sizes[:i]), n) for i, n in enumerate(sizes))
         f = base.factory
-        self.register_buffer("lora_a", torch.zeros(
-            num_slots, len(sizes) * max_rank, base.in_features, dtype=f.dtype, device=f.device))
-        self.register_buffer("lora_b", torch.zeros(
-            num_slots, max_rank, sum(sizes), dtype=f.dtype, device=f.device))
+        a_shape, b_shape = slot_shapes(base, num_slots, max_rank)
+        self.register_buffer("lora_a", torch.zeros(a_shape, dtype=f.dtype, device=f.device))
+        self.register_buffer("lora_b", torch.zeros(b_shape, dtype=f.dtype, device=f.device))
 
     @property
     def out_sizes(self) -> list[int]:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedserve.errors import ConfigError
 from pagedserve.lora.adapter import (
     LoRAAdapter,
     LoRAWeights,
@@ -27,7 +28,7 @@ from pagedserve.lora.adapter import (
     check_fits,
     load_adapter,
 )
-from pagedserve.lora.layers import LoRALinear, StepRows
+from pagedserve.lora.layers import LoRALinear, StepRows, slot_bytes
 from pagedserve.lora.ops import LoRAOps
 from pagedserve.lora.request import LoRARequest
 
@@ -119,17 +120,25 @@ class LoRASlots:
 
 
 def add_lora_layers(model: nn.Module, ops: type[LoRAOps], max_loras: int, max_rank: int,
-                    max_cpu_loras: int, pin: bool = False) -> LoRASlots:
+                    max_cpu_loras: int, free_bytes: int, pin: bool = False) -> LoRASlots:
     """Wrap every q/k/v, o, gate/up and down projection of a loaded model in a ``LoRALinear``
-    with ``max_loras`` empty slots; ``pin``: keep host adapters in page-locked memory."""
+    with ``max_loras`` empty slots; ``pin``: keep host adapters in page-locked memory. Slots
+    that would not fit the device's ``free_bytes`` are refused before any is allocated."""
+    bases = [(i, projection, getattr(decoder, owner_name))
+             for i, decoder in enumerate(model.model.layers)
+             for projection, owner_name in _PROJECTIONS.items()]
+    needed = sum(slot_bytes(getattr(owner, projection), max_loras, max_rank)
+                 for _, projection, owner in bases)
+    if needed > free_bytes:
+        raise ConfigError(f"--max-loras {max_loras} slots of --max-lora-rank {max_rank} take "
+                          f"{needed / 2**30:.1f} GiB of device memory; "
+                          f"{free_bytes / 2**30:.1f} GiB is free")
     rows = StepRows(max_loras)
     layers = {}
-    for i, decoder in enumerate(model.model.layers):
-        for projection, owner_name in _PROJECTIONS.items():
-            owner = getattr(decoder, owner_name)
-            wrapped = LoRALinear(getattr(owner, projection), max_loras, max_rank, ops, rows)
-            setattr(owner, projection, wrapped)
-            layers[(i, projection)] = wrapped
+    for i, projection, owner in bases:
+        wrapped = LoRALinear(getattr(owner, projection), max_loras, max_rank, ops, rows)
+        setattr(owner, projection, wrapped)
+        layers[(i, projection)] = wrapped
     return LoRASlots(layers, max_loras, max_rank, max_cpu_loras,
                      loader=_pinned_loader if pin else load_adapter)
 

@@ -186,7 +186,8 @@ class ModelRunner:
     def add_lora(self, max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
         """Wrap the loaded model's projections in LoRA layers of ``max_loras`` slots."""
         self.lora = add_lora_layers(self.model, self.platform.lora_ops(), max_loras, max_rank,
-                                    max_cpu_loras, pin=self.platform.pin_swap_memory)
+                                    max_cpu_loras, self.platform.memory_info().free_bytes,
+                                    pin=self.platform.pin_swap_memory)
 
     def add_drafter(self, drafter: Drafter | EagleDrafter) -> None:
         """Verify drafts of a draft model (``worker/drafter.py``) or an EAGLE-3 head

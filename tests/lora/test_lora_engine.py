@@ -96,6 +96,9 @@ def test_lora_errors(llama3_folder, adapters):
         small.generate(["a", "b"], GREEDY, use_tqdm=False, lora_request=[attn])
     with pytest.raises(ConfigError, match="--max-cpu-loras"):
         make_llm(llama3_folder, enable_lora=True, max_loras=3, max_cpu_loras=2)
+    # Slots past the device's memory: named before allocating (it was the allocator's error).
+    with pytest.raises(ConfigError, match="--max-lora-rank 10000000000000 take"):
+        make_llm(llama3_folder, enable_lora=True, max_lora_rank=10**13)
     with pytest.raises(TypeError, match="lora_request must be"):
         small.generate(["a"], GREEDY, use_tqdm=False, lora_request="attn")
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from pagedserve import SamplingParams
+from pagedserve.errors import ConfigError
+from pagedserve.lora.layers import LoRALinear
 from pagedserve.lora.ops import LoRAOps
 from pagedserve.lora.request import LoRARequest
 from pagedserve.lora.slots import add_lora_layers
@@ -42,7 +44,8 @@ def test_mixed_batch_equals_peft_per_adapter(tiny_model_folder, tmp_path, monkey
                for i, n in enumerate(ADAPTERS)}
     llm = make_llm(base)
     runner = llm.engine.executor.runner
-    slots = add_lora_layers(runner.model, ops, max_loras=4, max_rank=8, max_cpu_loras=4)
+    slots = add_lora_layers(runner.model, ops, max_loras=4, max_rank=8, max_cpu_loras=4,
+                            free_bytes=1 << 30)
     requests = [LoRARequest(n, i + 1, str(folders[n])) for i, n in enumerate(ADAPTERS)]
     slot_of = slots.slots_for(requests[::-1])  # slots in another order than the requests
     # Rows: base, then each adapter, then the first adapter again after a base row.
@@ -63,3 +66,20 @@ def test_mixed_batch_equals_peft_per_adapter(tiny_model_folder, tmp_path, monkey
         if request is not None:  # the adapter changed the output
             assert (expected - base_model(base)(torch.tensor([prompt])).logits[0]).abs().max() > 0.1
         start += len(prompt)
+
+
+def test_slots_past_free_memory_are_refused_before_allocating(tiny_model_folder):
+    """The slots' bytes are counted before any is allocated: with exactly the bytes the
+    wrapped layers then hold free, they fit; with a byte less, nothing is wrapped."""
+    folder = tiny_model_folder("llama3")
+    model = make_llm(folder).engine.executor.runner.model
+    slots = add_lora_layers(model, LoRAOps, max_loras=3, max_rank=5, max_cpu_loras=3,
+                            free_bytes=1 << 40)
+    held = sum(b.numel() * b.element_size() for layer in slots.layers.values()
+               for b in (layer.lora_a, layer.lora_b))
+    fresh = make_llm(folder).engine.executor.runner.model
+    with pytest.raises(ConfigError, match="--max-loras 3 slots of --max-lora-rank 5"):
+        add_lora_layers(fresh, LoRAOps, max_loras=3, max_rank=5, max_cpu_loras=3,
+                        free_bytes=held - 1)
+    assert not any(isinstance(m, LoRALinear) for m in fresh.modules())
+    add_lora_layers(fresh, LoRAOps, max_loras=3, max_rank=5, max_cpu_loras=3, free_bytes=held)
