@@ -23,7 +23,8 @@ def _generate(args: argparse.Namespace) -> None:
     if args.chat:
         if llm.get_tokenizer().chat_template is None:
             raise ConfigError(f"--chat: the model {llm.engine.model_name} has no chat template; "
-                              "leave --chat out to complete the prompt as text")
+                              "give one with --chat-template, or leave --chat out to complete the "
+                              "prompt as text")
         outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
     else:
         outputs = llm.generate(args.prompt, params, use_tqdm=False)

@@ -21,6 +21,7 @@ from pagedserve.core.scheduler import SchedulerConfig
 from pagedserve.distributed import check_divisible
 from pagedserve.errors import KV_CACHE_DTYPES, ConfigError
 from pagedserve.field_types import plain_fields, wrong_type
+from pagedserve.models.chat_template import read_chat_template
 from pagedserve.platforms import DEVICE_NAMES
 from pagedserve.quant.formats import QUANTIZATION_CHOICES
 from pagedserve.quant.linear_method import MatmulNumerics
@@ -159,6 +160,9 @@ class EngineConfig:
     seed: int = option(0, "random seed for sampling and dummy weights")
     served_model_name: str | None = option(
         None, "the model's name in the API (default: the model folder's or file's name)")
+    chat_template: str | None = option(
+        None, "a Jinja chat template, or the path of a file holding one, used instead of the "
+              "model's own (for a model without one, or to change it)")
     load_format: str = option(
         "auto", "auto reads the checkpoint; dummy fills random weights of its shapes, for "
                 "benchmarks", choices=LOAD_FORMATS)
@@ -218,6 +222,8 @@ class EngineConfig:
             raise ConfigError("--max-grammar-compile-seconds must be positive")
         if self.max_grammar_bytes < 1:
             raise ConfigError("--max-grammar-bytes must be at least 1")
+        if self.chat_template is not None:  # the text from here on, not the file's path
+            object.__setattr__(self, "chat_template", read_chat_template(self.chat_template))
         if self.speculative_config is not None:
             # The Python API passes vLLM's dict, the command line its JSON text.
             object.__setattr__(self, "speculative_config",

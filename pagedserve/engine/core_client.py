@@ -161,7 +161,7 @@ class EngineCoreClient:
             self._process.start()
         ready_writer.close()
         with ThreadPoolExecutor(1) as pool:
-            tokenizer = pool.submit(loader.load_tokenizer, source)
+            tokenizer = pool.submit(loader.load_tokenizer, source, self.config.chat_template)
             self.facts = self._wait_ready(ready_reader)
             self.tokenizer = tokenizer.result()
 

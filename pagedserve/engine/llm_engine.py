@@ -75,7 +75,7 @@ class LLMEngine:
                                       revision=config.revision, gguf_file=config.gguf_file)
         self.model_name = config.served_model_name or source.name
         self.arch = loader.load_arch_config(source)
-        self.tokenizer = loader.load_tokenizer(source)
+        self.tokenizer = loader.load_tokenizer(source, config.chat_template)
         if config.speculative_config is not None:
             check_draft_tokenizer(config.speculative_config, self.tokenizer, config.load_format)
         self.resolved = config.resolve(self.arch, self.platform)

@@ -165,8 +165,9 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_tokenizer(source: ModelSource) -> Any:
-    """The folder's tokenizer, chat template included, from local files only."""
+def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> Any:
+    """The folder's tokenizer, chat template included, from local files only;
+    ``chat_template`` (``--chat-template``'s text) replaces the folder's."""
     from transformers import AutoTokenizer
 
     try:
@@ -177,8 +178,11 @@ def load_tokenizer(source: ModelSource) -> Any:
             f"cannot load the tokenizer in {source.path} (are its tokenizer files there?): "
             f"{first_line}"
         ) from exc
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     if tokenizer.chat_template is None:
-        logger.warning("%s has no chat template; chat requests will fail", source.name)
+        logger.warning("%s has no chat template; chat requests will fail "
+                       "(--chat-template gives one)", source.name)
     return tokenizer
 
 

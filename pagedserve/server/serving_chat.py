@@ -176,7 +176,8 @@ def render_chat(model: ServedModel, messages: list[ChatMessage],
     """The conversation as the model's chat template writes it (``tools`` in OpenAI's form)."""
     tokenizer = model.tokenizer
     if not getattr(tokenizer, "chat_template", None):
-        raise bad_request("this model has no chat template; use /v1/completions",
+        raise bad_request("this model has no chat template (the server takes one with "
+                          "--chat-template); use /v1/completions",
                           param="messages")
     try:
         return tokenizer.apply_chat_template(

@@ -12,11 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jinja2
 import openai
 import pytest
 
 from pagedserve import SamplingParams
 from tests.server.conftest import (
+    CHAT_TEMPLATE,
     HTTP_TIMEOUT_S,
     KV_BYTES,
     LONG_TOKENS,
@@ -29,6 +31,9 @@ from tests.server.conftest import (
 pytestmark = pytest.mark.slow
 
 PROMPT = "the quick brown fox"
+# The second model's chat template, from the models config (replacing the folder's own).
+QWEN_TEMPLATE = ("{% for m in messages %}## {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}## assistant:{% endif %}")
 QWEN_LEN = 2048  # the second model's own max_model_len, from the models config
 CORE_ENV = "PAGEDSERVE_TEST_CORE_ENV"  # set for the second model's core alone
 
@@ -37,6 +42,7 @@ CORE_ENV = "PAGEDSERVE_TEST_CORE_ENV"  # set for the second model's core alone
 def pair(chat_model, qwen_model, tmp_path_factory) -> Iterator[Server]:
     """"llama" (the default: listed first) and "qwen", each with options of its own."""
     folder = tmp_path_factory.mktemp("multi")
+    (folder / "qwen.jinja").write_text(QWEN_TEMPLATE, encoding="utf-8")
     config = folder / "models.yaml"
     config.write_text(f"models:\n"
                       f"  - model: {chat_model}\n"
@@ -44,6 +50,7 @@ def pair(chat_model, qwen_model, tmp_path_factory) -> Iterator[Server]:
                       f"  - model: {qwen_model}\n"
                       f"    served_model_name: qwen\n"
                       f"    max_model_len: {QWEN_LEN}\n"
+                      f"    chat_template: {folder / 'qwen.jinja'}\n"
                       f"    kv_cache_memory_bytes: {KV_BYTES // 2}\n"
                       f"    env: {{{CORE_ENV}: qwen-only}}\n")
     with launch_server(None, folder, "--models-config", str(config)) as server:
@@ -55,7 +62,7 @@ def offline_qwen(qwen_model):
     from pagedserve import LLM
 
     return LLM(model=str(qwen_model), device="cpu", max_model_len=QWEN_LEN,
-               kv_cache_memory_bytes=KV_BYTES // 2)
+               kv_cache_memory_bytes=KV_BYTES // 2, chat_template=QWEN_TEMPLATE)
 
 
 def _greedy(llm, prompt, max_tokens: int = 12):
@@ -109,6 +116,17 @@ def test_chat_stream_and_tokenize_are_routed(pair, offline_qwen):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
     counted = pair.post("/tokenize", json={"model": "qwen", "prompt": PROMPT}).json()
     assert counted["max_model_len"] == QWEN_LEN
+
+
+def test_each_model_renders_chat_with_its_own_template(pair):
+    """"qwen" with the models config's chat_template file, "llama" with its folder's."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    for name, template in (("qwen", QWEN_TEMPLATE), ("llama", CHAT_TEMPLATE)):
+        text = jinja2.Template(template).render(messages=messages, add_generation_prompt=True)
+        rendered = pair.post("/tokenize", json={"model": name, "messages": messages}).json()
+        plain = pair.post("/tokenize", json={"model": name, "prompt": text,
+                                             "add_special_tokens": False}).json()
+        assert rendered["tokens"] == plain["tokens"], name
 
 
 def test_an_unknown_model_is_a_404_naming_the_served_ones(pair):

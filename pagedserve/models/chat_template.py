@@ -1,0 +1,57 @@
+"""``--chat-template``: a Jinja chat template used instead of the model's own, given inline or
+as the path of a file holding one (as vLLM takes it). A base model, a GGUF file without
+``tokenizer.chat_template`` or a template with a defect can then still serve chat requests.
+
+Read once, when the config is built, so that a missing file or a syntax error fails in one
+line before any model loads, and every process of the engine gets the same text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pagedserve.errors import ConfigError
+
+# What marks a value as a template rather than a path: Jinja's statement and expression tags.
+_JINJA_TAGS = ("{%", "{{")
+
+
+def read_chat_template(value: str) -> str:
+    """The template's text: the file's, where ``value`` names one, else ``value`` itself if
+    it holds Jinja tags; checked for Jinja syntax."""
+    try:
+        path = Path(value).expanduser()
+        is_file = path.is_file()
+    except (OSError, RuntimeError, ValueError):  # too long a name, ~unknown-user, a NUL
+        is_file = False
+    if is_file:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--chat-template: cannot read {value}: {exc}") from exc
+    elif _has_tags(value):
+        text = value
+    else:
+        raise ConfigError(f"--chat-template: {value!r:.200} is neither a file nor a Jinja "
+                          "template")
+    if not _has_tags(text):  # it would render no message; and its text must read as inline
+        raise ConfigError(f"--chat-template: {value} holds no Jinja tag "
+                          f"({' or '.join(_JINJA_TAGS)})")
+    _check_syntax(text, value if is_file else "the inline template")
+    return text
+
+
+def _has_tags(text: str) -> bool:
+    return any(tag in text for tag in _JINJA_TAGS)
+
+
+def _check_syntax(text: str, where: str) -> None:
+    import jinja2
+
+    # transformers renders with the loop-control extension ({% break %}, {% continue %}).
+    environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        environment.parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"--chat-template: {where} is not a valid Jinja template "
+                          f"(line {exc.lineno}: {exc.message})") from exc
