@@ -22,6 +22,7 @@ from pagedserve.distributed import check_divisible
 from pagedserve.errors import KV_CACHE_DTYPES, ConfigError
 from pagedserve.field_types import plain_fields, wrong_type
 from pagedserve.models.chat_template import read_chat_template
+from pagedserve.models.generation_defaults import check_setting as check_generation_setting
 from pagedserve.platforms import DEVICE_NAMES
 from pagedserve.quant.formats import QUANTIZATION_CHOICES
 from pagedserve.quant.linear_method import MatmulNumerics
@@ -160,6 +161,11 @@ class EngineConfig:
     seed: int = option(0, "random seed for sampling and dummy weights")
     served_model_name: str | None = option(
         None, "the model's name in the API (default: the model folder's or file's name)")
+    generation_config: str = option(
+        "auto", "defaults for the sampling fields a request leaves unset (temperature, top_p, "
+                "top_k, min_p, repetition_penalty, max_tokens from max_new_tokens): auto, "
+                "the model's generation_config.json; vllm, the API's own (temperature 1, no "
+                "truncation); or a folder holding a generation_config.json")
     chat_template: str | None = option(
         None, "a Jinja chat template, or the path of a file holding one, used instead of the "
               "model's own (for a model without one, or to change it)")
@@ -222,6 +228,7 @@ class EngineConfig:
             raise ConfigError("--max-grammar-compile-seconds must be positive")
         if self.max_grammar_bytes < 1:
             raise ConfigError("--max-grammar-bytes must be at least 1")
+        check_generation_setting(self.generation_config)
         if self.chat_template is not None:  # the text from here on, not the file's path
             object.__setattr__(self, "chat_template", read_chat_template(self.chat_template))
         if self.speculative_config is not None:

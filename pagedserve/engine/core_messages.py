@@ -71,6 +71,8 @@ class EngineFacts(msgspec.Struct):
     model_name: str
     limits: InputLimits
     lora: LoRAFacts | None = None  # None: LoRA is off
+    # --generation-config's defaults for the sampling fields a request leaves unset.
+    sampling_defaults: dict[str, float | int] = msgspec.field(default_factory=dict)
 
 
 class CoreReady(msgspec.Struct, tag=True, array_like=True):

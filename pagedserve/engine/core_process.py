@@ -65,7 +65,8 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, ready: Conne
     # out of the collector's sight, a full collection no longer walks it mid-step.
     gc.collect()
     gc.freeze()
-    facts = msg.EngineFacts(engine.model_name, engine.limits, _lora_facts(engine))
+    facts = msg.EngineFacts(engine.model_name, engine.limits, _lora_facts(engine),
+                            engine.sampling_defaults)
     # Connected before it says it is ready, so that the server's first command finds it.
     context = zmq.Context()
     commands = context.socket(zmq.PULL)

@@ -52,6 +52,7 @@ from pagedserve.lora.keys import AdapterKeys
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models import loader
 from pagedserve.models.config import ModelArchConfig
+from pagedserve.models.generation_defaults import sampling_defaults
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import resolve_platform
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
@@ -76,6 +77,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or source.name
         self.arch = loader.load_arch_config(source)
         self.tokenizer = loader.load_tokenizer(source, config.chat_template)
+        self.sampling_defaults = sampling_defaults(config.generation_config, source.path)
         if config.speculative_config is not None:
             check_draft_tokenizer(config.speculative_config, self.tokenizer, config.load_format)
         self.resolved = config.resolve(self.arch, self.platform)

@@ -50,6 +50,12 @@ class LLM:
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` sample with when given no ``sampling_params``: the
+        model's generation_config.json defaults under ``generation_config="auto"`` (vLLM's
+        name and rule), else SamplingParams' own."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -62,7 +68,8 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         loras = _per_prompt(lora_request, len(prompt_list))
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params or self.get_default_sampling_params()] * \
+                len(prompt_list)
         else:
             params_list = _list_of(sampling_params, SamplingParams, "sampling_params")
             if len(params_list) != len(prompt_list):

@@ -171,14 +171,19 @@ class SamplingRequest(StrictModel):
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling_fields(self) -> dict:
+    def _sampling_fields(self, defaults: dict[str, float | int]) -> dict:
+        """The engine's sampling fields; ``defaults`` (the model's, ``--generation-config``)
+        stand in for the API's own where the request leaves a field unset."""
         return dict(
-            n=_default(self.n, 1), temperature=_default(self.temperature, 1.0),
-            top_p=_default(self.top_p, 1.0), top_k=_default(self.top_k, -1),
-            min_p=_default(self.min_p, 0.0), seed=self.seed,
+            n=_default(self.n, 1), temperature=_default(self.temperature,
+                                                        defaults.get("temperature", 1.0)),
+            top_p=_default(self.top_p, defaults.get("top_p", 1.0)),
+            top_k=_default(self.top_k, defaults.get("top_k", -1)),
+            min_p=_default(self.min_p, defaults.get("min_p", 0.0)), seed=self.seed,
             presence_penalty=_default(self.presence_penalty, 0.0),
             frequency_penalty=_default(self.frequency_penalty, 0.0),
-            repetition_penalty=_default(self.repetition_penalty, 1.0),
+            repetition_penalty=_default(self.repetition_penalty,
+                                        defaults.get("repetition_penalty", 1.0)),
             logit_bias=_logit_bias(self.logit_bias), stop=_default(self.stop, []),
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
@@ -230,13 +235,14 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     echo: bool | None = False
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, float | int]) -> SamplingParams:
         self.check_stream_options()
         if self.max_tokens == 0 and not self.echo:
             raise InvalidSamplingParam("max_tokens", "max_tokens 0 is only allowed with echo "
                                        "(the prompt comes back and nothing is generated)")
         params = SamplingParams(
-            **self._sampling_fields(), best_of=self.best_of, max_tokens=self.max_tokens,
+            **self._sampling_fields(defaults), best_of=self.best_of,
+            max_tokens=_default(self.max_tokens, defaults.get("max_tokens")),
             logprobs=self.logprobs,
             # Echoed prompts carry logprobs too; they need the prompt's own.
             prompt_logprobs=self.logprobs if self.echo else None)
@@ -369,13 +375,14 @@ class ChatCompletionRequest(SamplingRequest):
         return {"prompt": "messages", "max_tokens": self.max_tokens_field}.get(
             param, super().field_name(param))
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, float | int]) -> SamplingParams:
         self.check_stream_options()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidSamplingParam("top_logprobs", "top_logprobs requires logprobs: true")
         logprobs = _default(self.top_logprobs, 0) if self.logprobs else None
-        return SamplingParams(**self._sampling_fields(), max_tokens=self.requested_max_tokens,
-                              logprobs=logprobs)
+        return SamplingParams(
+            **self._sampling_fields(defaults), logprobs=logprobs,
+            max_tokens=_default(self.requested_max_tokens, defaults.get("max_tokens")))
 
 
 class TokenizeCompletionRequest(StrictModel):

@@ -58,7 +58,7 @@ class CompletionServing:
         route = self.models.resolve(request.model)
         model = route.model
         prompts = await model.off_loop(_prompts, model, request.prompt)
-        params = request.to_sampling_params()
+        params = request.to_sampling_params(model.sampling_defaults)
         for prompt in prompts:
             model.check_max_tokens(len(prompt.token_ids), request.max_tokens)
         model.check_params(params, num_prompts=len(prompts))

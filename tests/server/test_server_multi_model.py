@@ -31,6 +31,8 @@ from tests.server.conftest import (
 pytestmark = pytest.mark.slow
 
 PROMPT = "the quick brown fox"
+# The second model's sampling defaults, from a generation_config.json the models config names.
+QWEN_DEFAULTS = {"temperature": 0.0, "max_new_tokens": 6}
 # The second model's chat template, from the models config (replacing the folder's own).
 QWEN_TEMPLATE = ("{% for m in messages %}## {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}## assistant:{% endif %}")
@@ -43,6 +45,7 @@ def pair(chat_model, qwen_model, tmp_path_factory) -> Iterator[Server]:
     """"llama" (the default: listed first) and "qwen", each with options of its own."""
     folder = tmp_path_factory.mktemp("multi")
     (folder / "qwen.jinja").write_text(QWEN_TEMPLATE, encoding="utf-8")
+    (folder / "generation_config.json").write_text(json.dumps(QWEN_DEFAULTS))
     config = folder / "models.yaml"
     config.write_text(f"models:\n"
                       f"  - model: {chat_model}\n"
@@ -51,6 +54,7 @@ def pair(chat_model, qwen_model, tmp_path_factory) -> Iterator[Server]:
                       f"    served_model_name: qwen\n"
                       f"    max_model_len: {QWEN_LEN}\n"
                       f"    chat_template: {folder / 'qwen.jinja'}\n"
+                      f"    generation_config: {folder}\n"
                       f"    kv_cache_memory_bytes: {KV_BYTES // 2}\n"
                       f"    env: {{{CORE_ENV}: qwen-only}}\n")
     with launch_server(None, folder, "--models-config", str(config)) as server:
@@ -127,6 +131,26 @@ def test_each_model_renders_chat_with_its_own_template(pair):
         plain = pair.post("/tokenize", json={"model": name, "prompt": text,
                                              "add_special_tokens": False}).json()
         assert rendered["tokens"] == plain["tokens"], name
+
+
+def test_unset_sampling_fields_take_the_models_defaults(pair, offline_qwen):
+    """"qwen"'s generation config makes a request that sets nothing greedy and 6 tokens long;
+    what a request sets wins."""
+    messages = [{"role": "user", "content": "tell me more"}]
+    client = pair.client()
+    expected = offline_qwen.chat(messages, SamplingParams(max_tokens=6, temperature=0.0),
+                                 use_tqdm=False)[0].outputs[0]
+    got = client.chat.completions.create(model="qwen", messages=messages)
+    assert got.choices[0].message.content == expected.text
+    assert got.usage.completion_tokens == len(expected.token_ids) == 6
+    shorter = client.chat.completions.create(model="qwen", messages=messages, max_tokens=3)
+    assert shorter.usage.completion_tokens == 3
+    completion = client.completions.create(model="qwen", prompt=PROMPT)  # OpenAI's 16 wins
+    assert completion.usage.completion_tokens == 16
+    # "llama"'s folder ships no sampling defaults: a request that sets none samples at 1.0.
+    texts = {client.completions.create(model="llama", prompt=PROMPT, max_tokens=8,
+                                       seed=seed).choices[0].text for seed in range(4)}
+    assert len(texts) > 1
 
 
 def test_an_unknown_model_is_a_404_naming_the_served_ones(pair):

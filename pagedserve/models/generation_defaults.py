@@ -1,0 +1,83 @@
+"""``--generation-config``: the sampling defaults a model's authors ship in its
+``generation_config.json`` (Llama-3.1-Instruct: temperature 0.6, top_p 0.9), used for what a
+request leaves unset, as vLLM does by default. Without them a request that names no
+temperature samples at 1.0, and the same model reads worse here than under vLLM.
+
+``auto`` reads the model's folder, ``vllm`` keeps the API's own defaults (temperature 1, no
+truncation), any other value names a folder holding a ``generation_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from pagedserve.errors import ConfigError
+from pagedserve.logger import get_logger
+from pagedserve.sampling_params import SamplingParams
+
+logger = get_logger(__name__)
+
+FILE_NAME = "generation_config.json"
+# generation_config.json's key -> the SamplingParams field it sets, the keys vLLM reads.
+_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+_INTEGER_FIELDS = ("top_k", "max_tokens")
+
+
+def check_setting(setting: str) -> None:
+    """Raise ``ConfigError`` unless ``setting`` is auto, vllm or a folder with the file."""
+    if setting in ("auto", "vllm"):
+        return
+    if not (Path(setting).expanduser() / FILE_NAME).is_file():
+        raise ConfigError(f"--generation-config: {setting} is neither auto, vllm nor a folder "
+                          f"holding a {FILE_NAME}")
+
+
+def sampling_defaults(setting: str, model_folder: Path) -> dict[str, float | int]:
+    """The SamplingParams fields that ``setting`` (``check_setting``'d) gives defaults, for a
+    model in ``model_folder``. A value of the wrong kind or out of range is left out with a
+    warning: a model's file must not stop it from serving."""
+    if setting == "vllm":
+        return {}
+    path = (model_folder if setting == "auto" else Path(setting).expanduser()) / FILE_NAME
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        logger.warning("%s unread (%s); sampling defaults are the API's", path, exc)
+        return {}
+    defaults = {}
+    for key, name in _FIELDS.items():
+        value = raw.get(key) if isinstance(raw, dict) else None
+        if value is None:
+            continue
+        value = _usable(name, value)
+        if value is None:
+            logger.warning("%s: %s %r is not a usable default; left out", path, key, raw[key])
+        else:
+            defaults[name] = value
+    if defaults:
+        logger.info("sampling defaults from %s for requests that leave them unset: %s "
+                    "(--generation-config vllm turns them off)", path, defaults)
+    return defaults
+
+
+def _usable(name: str, value: object) -> float | int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    if name in _INTEGER_FIELDS:
+        if value != int(value):
+            return None
+        value = int(value)
+        if name == "top_k" and value == 0:  # transformers' "no top-k"
+            value = -1
+        if name == "max_tokens" and value < 1:  # 0 would generate nothing
+            return None
+    try:
+        SamplingParams(**{name: value})
+    except (ValueError, TypeError):
+        return None
+    return value
