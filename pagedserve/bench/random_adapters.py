@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.lora.adapter import CONFIG_FILE, PROJECTIONS, parent_module
-from pagedserve.lora.keys import shard_shapes
+from pagedserve.lora.host_adapters import shard_shapes
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models.config import ModelArchConfig
 

@@ -101,7 +101,7 @@ def _remove_socket_folder(addresses: CoreAddresses) -> None:
 
 
 def _lora_facts(engine: LLMEngine) -> msg.LoRAFacts | None:
-    keys = engine.inputs.lora_keys
+    keys = engine.adapters
     if keys is None:
         return None
     return msg.LoRAFacts(keys.max_rank, keys.num_layers,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,6 @@ from pagedserve.structured.spec import check as check_grammar
 from pagedserve.structured.spec import grammar_spec
 
 if TYPE_CHECKING:
-    from pagedserve.lora.keys import AdapterKeys
     from pagedserve.lora.request import LoRARequest
 
 
@@ -92,18 +92,20 @@ class InputLimits:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, limits: InputLimits,
-                 lora_keys: AdapterKeys | None = None) -> None:
+                 admit_adapter: Callable[[LoRARequest], str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
-        self.lora_keys = lora_keys  # None: LoRA is off
+        # The adapter's content hash once every rank holds it (``ValueError`` if it cannot be
+        # served); None: LoRA is off.
+        self.admit_adapter = admit_adapter
 
     def _lora_key(self, lora_request: LoRARequest | None) -> str | None:
         if lora_request is None:
             return None
-        if self.lora_keys is None:
+        if self.admit_adapter is None:
             raise ValueError(f"LoRA adapter {lora_request.lora_name}: LoRA is off; start the "
                              "engine with --enable-lora")
-        return self.lora_keys.key(lora_request)
+        return self.admit_adapter(lora_request)
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 lora_request: LoRARequest | None = None) -> RequestState:

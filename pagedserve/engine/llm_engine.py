@@ -48,10 +48,9 @@ from pagedserve.engine.speculation import Speculation, check_draft_tokenizer
 from pagedserve.engine.stats import EngineStats
 from pagedserve.executor.executor import Executor
 from pagedserve.logger import get_logger
-from pagedserve.lora.keys import AdapterKeys
+from pagedserve.lora.host_adapters import HostAdapters
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models import loader
-from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.generation_defaults import sampling_defaults
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import resolve_platform
@@ -103,7 +102,10 @@ class LLMEngine:
                                   self.eos_token_ids, sizes.num_blocks, self.resolved.block_size,
                                   config.max_grammar_bytes,
                                   speculative=config.speculative_config is not None)
-        self.inputs = InputProcessor(self.tokenizer, self.limits, _adapter_keys(config, self.arch))
+        self.adapters = (HostAdapters(config.max_lora_rank, self.arch, config.cpu_loras)
+                         if config.enable_lora else None)
+        self.inputs = InputProcessor(self.tokenizer, self.limits,
+                                     self._admit_adapter if config.enable_lora else None)
         self.outputs = OutputProcessor(self.scheduler.finish, self.scheduler.take_back,
                                        BeamDriver(self.scheduler, self.tokenizer))
         self.speculation = (Speculation(config.speculative_config)
@@ -189,13 +191,34 @@ class LLMEngine:
             weakref.finalize(self, self._grammars.close)
         return self._grammars
 
+    def _admit_adapter(self, lora_request: LoRARequest) -> str:
+        """The adapter's content hash, once every rank holds it in host memory: read from its
+        folder now unless they do, so no step reads a folder (``lora/host_adapters.py``)."""
+        try:
+            admitted = self.adapters.admit(lora_request)
+        except ValueError as exc:  # the request's fault, named by its argument (a 400)
+            raise InvalidSamplingParam("lora_request", str(exc)) from exc
+        if admitted.adapter is not None:
+            self.executor.add_lora(lora_request.lora_int_id, admitted.adapter)
+        return admitted.key
+
+    def _drop_idle_adapters(self) -> None:
+        """Past --max-cpu-loras adapters held, the ranks drop the idle ones from host memory
+        (here, between steps: every admitted request is counted as in use)."""
+        if self.adapters is None or not self.adapters.over_budget:
+            return
+        in_use = {seq.seq.lora_request.lora_int_id for state in self.outputs.requests.values()
+                  for seq in state.seqs if seq.seq.lora_request is not None}
+        for lora_int_id in self.adapters.trim(in_use):
+            self.executor.remove_lora(lora_int_id)
+
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget an adapter no request runs with any more: its content hash here, its host
         copy and device slot on every rank (a later request of that id reads its folder
         again). The slot's weights stay where they are until another adapter is written
         there, so a step already queued on the device still reads them."""
-        if self.inputs.lora_keys is not None:
-            self.inputs.lora_keys.forget(lora_int_id)
+        if self.adapters is not None:
+            self.adapters.forget(lora_int_id)
             self.executor.remove_lora(lora_int_id)
 
     def abort_request(self, request_id: str) -> None:
@@ -233,6 +256,7 @@ class LLMEngine:
         Under async scheduling the outputs processed are the previous step's, while this one
         computes."""
         self.refused = {}
+        self._drop_idle_adapters()
         failed = self._admit_compiled() if self._awaiting_grammar else []
         return failed + self._step()
 
@@ -448,10 +472,6 @@ def _freeze_startup_heap() -> None:
         # frozen cycles (extension modules such as triton's report what it never frees).
         atexit.register(gc.unfreeze)
     gc.freeze()
-
-
-def _adapter_keys(config: EngineConfig, arch: ModelArchConfig) -> AdapterKeys | None:
-    return AdapterKeys(config.max_lora_rank, arch) if config.enable_lora else None
 
 
 def _samples_with_grammar(out: SchedulerOutput) -> bool:

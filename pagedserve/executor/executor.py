@@ -27,6 +27,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.errors import ConfigError
+from pagedserve.lora.adapter import LoRAAdapter
 from pagedserve.worker.cache_sizing import CacheSizes
 from pagedserve.worker.model_runner import ModelRunner, PromptSpan, StepInput
 from pagedserve.worker.step import Forward, SamplingInputs, StepOutput, StepResult
@@ -125,6 +126,12 @@ class TensorParallelStep(StepAPI):
             self.group.remote.send(StepInput(ops, None, []))
             self.runner.kv_cache.apply_block_ops(ops)
 
+    def add_lora(self, lora_int_id: int, adapter: LoRAAdapter) -> None:
+        with self._watching():
+            self.group.remote.send(StepInput(BlockOps(), None, [],
+                                             added_loras={lora_int_id: adapter}))
+            self.runner.lora.add(lora_int_id, adapter)
+
     def remove_lora(self, lora_int_id: int) -> None:
         with self._watching():
             self.group.remote.send(StepInput(BlockOps(), None, [], [lora_int_id]))
@@ -214,6 +221,11 @@ class Executor:
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Block moves of a step that computes nothing, on every rank."""
         self.step.move_blocks(ops)
+
+    def add_lora(self, lora_int_id: int, adapter: LoRAAdapter) -> None:
+        """Every rank holds the adapter in host memory (its weights sent to the other ranks,
+        which never read its folder)."""
+        self.step.add_lora(lora_int_id, adapter)
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Every rank forgets the adapter: its host copy and its device slot."""

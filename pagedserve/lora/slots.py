@@ -1,8 +1,9 @@
 """Adapters on the device and in host memory.
 
 ``max_loras`` adapters sit in device slots (every LoRA layer's stacked A and B, rank padded to
-``max_lora_rank``); up to ``max_cpu_loras`` adapters are kept read in host memory, least
-recently used dropped first (it is read from its folder again when next needed).
+``max_lora_rank``). Host memory holds the adapters the engine hands over (``add``) until it
+says to drop them (``remove``); the engine reads and checks each one before any step may use
+it (``host_adapters``), so nothing here reads a folder and a step finds every adapter it needs.
 
 ``slots_for`` is called once per step with the step's adapters (at most ``max_loras``: the
 scheduler never schedules more) before the forward pass: each missing one is written into a
@@ -14,20 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
 from pagedserve.errors import ConfigError
-from pagedserve.lora.adapter import (
-    LoRAAdapter,
-    LoRAWeights,
-    ShardShapes,
-    check_fits,
-    load_adapter,
-)
+from pagedserve.lora.adapter import LoRAAdapter, LoRAWeights
 from pagedserve.lora.layers import LoRALinear, StepRows, slot_bytes
 from pagedserve.lora.ops import LoRAOps
 from pagedserve.lora.request import LoRARequest
@@ -38,14 +32,11 @@ _PROJECTIONS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": 
 
 class LoRASlots:
     def __init__(self, layers: dict[tuple[int, str], LoRALinear], max_loras: int,
-                 max_rank: int, max_cpu_loras: int,
-                 loader: Callable[[str], LoRAAdapter] = load_adapter) -> None:
+                 pin: bool = False) -> None:
         self.layers = layers
         self.max_loras = max_loras
-        self.max_rank = max_rank
-        self.max_cpu_loras = max_cpu_loras
-        self.loader = loader
-        self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self.pin = pin  # keep host adapters in page-locked memory
+        self.host: dict[int, LoRAAdapter] = {}
         # lora_int_id -> slot, least recently used first
         self.resident: OrderedDict[int, int] = OrderedDict()
         self.loads = 0  # adapters written into a slot so far
@@ -77,17 +68,9 @@ class LoRASlots:
         rows = torch.from_numpy(np.repeat(per_seq, query_lens))
         return rows.to(device, non_blocking=True)
 
-    def adapter(self, request: LoRARequest) -> LoRAAdapter:
-        """The adapter, read from host memory or from its folder (checked against the model)."""
-        adapter = self.host.pop(request.lora_int_id, None)
-        if adapter is None:
-            adapter = self.loader(request.lora_path)
-            num_layers = 1 + max(layer for layer, _ in self.layers)
-            check_fits(request.lora_name, adapter, self.max_rank, num_layers, self._shapes())
-        self.host[request.lora_int_id] = adapter
-        while len(self.host) > self.max_cpu_loras:
-            self.host.popitem(last=False)
-        return adapter
+    def add(self, lora_int_id: int, adapter: LoRAAdapter) -> None:
+        """Hold an adapter in host memory until it is removed."""
+        self.host[lora_int_id] = _pinned(adapter) if self.pin else adapter
 
     def remove(self, lora_ids: list[int]) -> None:
         """Forget these adapters: their host copies and their slots, which the next adapter
@@ -105,22 +88,19 @@ class LoRASlots:
         return self.resident.pop(victim)
 
     def _load(self, request: LoRARequest, slot: int) -> None:
-        adapter = self.adapter(request)
+        adapter = self.host.get(request.lora_int_id)
+        if adapter is None:
+            raise RuntimeError(f"LoRA adapter {request.lora_name} is not in host memory: the "
+                               "engine hands every adapter over before a step uses it")
         for (layer, projection), module in self.layers.items():
             module.set_slot(slot, {shard: w for (i, p, shard), w in adapter.shards.items()
                                    if (i, p) == (layer, projection)})
         self.resident[request.lora_int_id] = slot
         self.loads += 1
 
-    def _shapes(self) -> ShardShapes:
-        """The whole (unsplit) shape of each shard of the first layer's projections."""
-        return {(p, shard): (part.full, m.base.in_part.full)
-                for (layer, p), m in self.layers.items() if layer == 0
-                for shard, part in enumerate(m.base.out_parts)}
-
 
 def add_lora_layers(model: nn.Module, ops: type[LoRAOps], max_loras: int, max_rank: int,
-                    max_cpu_loras: int, free_bytes: int, pin: bool = False) -> LoRASlots:
+                    free_bytes: int, pin: bool = False) -> LoRASlots:
     """Wrap every q/k/v, o, gate/up and down projection of a loaded model in a ``LoRALinear``
     with ``max_loras`` empty slots; ``pin``: keep host adapters in page-locked memory. Slots
     that would not fit the device's ``free_bytes`` are refused before any is allocated."""
@@ -139,16 +119,14 @@ def add_lora_layers(model: nn.Module, ops: type[LoRAOps], max_loras: int, max_ra
         wrapped = LoRALinear(getattr(owner, projection), max_loras, max_rank, ops, rows)
         setattr(owner, projection, wrapped)
         layers[(i, projection)] = wrapped
-    return LoRASlots(layers, max_loras, max_rank, max_cpu_loras,
-                     loader=_pinned_loader if pin else load_adapter)
+    return LoRASlots(layers, max_loras, pin)
 
 
-def _pinned_loader(path: str) -> LoRAAdapter:
+def _pinned(adapter: LoRAAdapter) -> LoRAAdapter:
     """The adapter with its weights in one page-locked buffer: a slot load's copies from
     pageable memory each went through a staging buffer, synchronously (the LoRA engine's
     prefill profile on the H200: 3,152 pageable copies, 30 ms of a 267 ms step), and one
     buffer costs one page-locked allocation per adapter instead of one per tensor."""
-    adapter = load_adapter(path)
     tensors = [t for w in adapter.shards.values() for t in (w.a, w.b)]
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
                        pin_memory=True)

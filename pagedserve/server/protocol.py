@@ -224,6 +224,8 @@ class SamplingRequest(StrictModel):
         """The field of this request that an engine parameter came from."""
         if param == "structured_outputs":
             return next(iter(self._structured_fields()), param)
+        if param == "lora_request":  # the adapter is the model the request named
+            return "model"
         return param
 
 

@@ -24,7 +24,7 @@ from pagedserve.engine.input_processor import PromptTooLong
 from pagedserve.errors import ConfigError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.server.errors import SERVER_ERROR, APIError, bad_request
 from pagedserve.server.metrics import ModelMetrics, RequestTimer, ServerMetrics
 from pagedserve.server.protocol import ModelCard, ModelList
@@ -252,7 +252,8 @@ class EngineClient:
             code = CONTEXT_LENGTH_EXCEEDED if isinstance(exc, PromptTooLong) else None
             raise bad_request(str(exc), param=field_name(param) if param else None,
                               code=code) from exc
-        return [TimedStream(s, RequestTimer(self.metrics, start=arrival)) for s in streams]
+        return [TimedStream(s, RequestTimer(self.metrics, start=arrival), field_name)
+                for s in streams]
 
 
 def _from_core(params: SamplingParams) -> SamplingParams:
@@ -268,6 +269,7 @@ class TimedStream:
 
     stream: RequestStream
     timer: RequestTimer
+    field_name: Callable[[str], str]  # as ``_submit``'s, for a refusal that comes later
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
@@ -277,6 +279,9 @@ class TimedStream:
                     reasons = [o.finish_reason for o in output.outputs if o.finish_reason]
                     self.timer.finish(reasons[0] if reasons else "stop")
                 yield output
+        except InvalidSamplingParam as exc:  # the core refused it (its adapter, its grammar)
+            self.timer.finish("error")
+            raise InvalidSamplingParam(self.field_name(exc.param), str(exc)) from exc
         except EngineStepError as exc:
             self.timer.finish("error")
             raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), type=SERVER_ERROR) from exc

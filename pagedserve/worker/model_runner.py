@@ -26,6 +26,7 @@ from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedserve.core.sequence import Sequence
 from pagedserve.distributed import TensorParallel, split_heads
 from pagedserve.logger import get_logger
+from pagedserve.lora.adapter import LoRAAdapter
 from pagedserve.lora.slots import LoRASlots, add_lora_layers
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.linear import LinearFactory
@@ -103,6 +104,8 @@ class StepInput:
     prompt_rows: list[tuple[int, int]]  # (row, count) of each PromptSpan, in order
     # Adapters (lora_int_id) to forget before the step: no request runs with them any more.
     removed_loras: list[int] = field(default_factory=list)
+    # Adapters to hold in host memory from now on, read and checked by the engine.
+    added_loras: dict[int, LoRAAdapter] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -183,10 +186,10 @@ class ModelRunner:
 
         self.load_weights(tensors())
 
-    def add_lora(self, max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
+    def add_lora(self, max_loras: int, max_rank: int) -> None:
         """Wrap the loaded model's projections in LoRA layers of ``max_loras`` slots."""
         self.lora = add_lora_layers(self.model, self.platform.lora_ops(), max_loras, max_rank,
-                                    max_cpu_loras, self.platform.memory_info().free_bytes,
+                                    self.platform.memory_info().free_bytes,
                                     pin=self.platform.pin_swap_memory)
 
     def add_drafter(self, drafter: Drafter | EagleDrafter) -> None:
@@ -367,6 +370,8 @@ class ModelRunner:
             self.drafter.copy_blocks(step.block_ops.copies)
         if step.removed_loras:
             self.lora.remove(step.removed_loras)
+        for lora_int_id, adapter in step.added_loras.items():
+            self.lora.add(lora_int_id, adapter)
         if step.inputs is None:
             return None, {}, None, None
         inputs = step.inputs.to_device(self.device, in_flight_tokens)

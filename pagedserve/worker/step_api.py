@@ -6,7 +6,8 @@ compute the logits of the sampling rows and the prompt spans' logprobs), then ``
 (sample those rows, copy the tokens to the host in the background), then ``fetch`` (wait for
 that copy). ``execute`` is the first two at once; the engine splits them only where it builds
 grammar masks while the device computes. ``move_blocks`` is a step that computes nothing but
-the swaps and copies of preempted blocks. What crosses back to the engine is host data
+the swaps and copies of preempted blocks; ``add_lora`` and ``remove_lora`` change which
+adapters the ranks hold in host memory, between steps. What crosses back to the engine is host data
 (``step``'s types); a step's device tensors stay in rank 0's runner.
 
 ``LocalStep`` is rank 0 alone. The tensor-parallel implementation (``executor``) is the same
@@ -21,6 +22,7 @@ from abc import ABC, abstractmethod
 
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.lora.adapter import LoRAAdapter
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.step import Forward, SamplingInputs, StepOutput, StepResult
 
@@ -42,6 +44,10 @@ class StepAPI(ABC):
     @abstractmethod
     def move_blocks(self, ops: BlockOps) -> None:
         """Block moves of a step that computes nothing."""
+
+    @abstractmethod
+    def add_lora(self, lora_int_id: int, adapter: LoRAAdapter) -> None:
+        """Every rank holds the adapter in host memory (``LoRASlots.add``)."""
 
     @abstractmethod
     def remove_lora(self, lora_int_id: int) -> None:
@@ -71,6 +77,9 @@ class LocalStep(StepAPI):
 
     def move_blocks(self, ops: BlockOps) -> None:
         self.runner.kv_cache.apply_block_ops(ops)
+
+    def add_lora(self, lora_int_id: int, adapter: LoRAAdapter) -> None:
+        self.runner.lora.add(lora_int_id, adapter)
 
     def remove_lora(self, lora_int_id: int) -> None:
         self.runner.lora.remove([lora_int_id])

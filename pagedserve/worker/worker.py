@@ -83,7 +83,7 @@ class Worker:
         else:
             self.runner.load_weights(fmt.read(loader.iter_weights(source)))
         if config.enable_lora:
-            self.runner.add_lora(config.max_loras, config.max_lora_rank, config.cpu_loras)
+            self.runner.add_lora(config.max_loras, config.max_lora_rank)
         drafts = config.speculative_config
         # An EAGLE-3 head on rank 0 reads the target's embedding table: under tensor
         # parallelism a gathered copy (the target's own lookup is a collective).

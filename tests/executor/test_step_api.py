@@ -49,6 +49,9 @@ class RecordingStep(StepAPI):
     def move_blocks(self, ops):
         self.log.append(("move_blocks", (ops,)))
 
+    def add_lora(self, lora_int_id, adapter):
+        self.log.append(("add_lora", (lora_int_id, adapter)))
+
     def remove_lora(self, lora_int_id):
         self.log.append(("remove_lora", (lora_int_id,)))
 
@@ -67,8 +70,8 @@ class FakeRemote:
 def test_both_implementations_are_the_one_interface():
     for cls in (LocalStep, TensorParallelStep):
         assert issubclass(cls, StepAPI) and not inspect.isabstract(cls)
-    assert sorted(StepAPI.__abstractmethods__) == ["forward", "move_blocks", "remove_lora",
-                                                   "sample"]
+    assert sorted(StepAPI.__abstractmethods__) == ["add_lora", "forward", "move_blocks",
+                                                   "remove_lora", "sample"]
 
 
 def test_the_executor_forwards_each_call_to_its_step_once():
@@ -78,9 +81,11 @@ def test_the_executor_forwards_each_call_to_its_step_once():
     assert executor.forward("out") == "forward result"
     assert executor.sample("fwd", "meta") == "sample result"
     executor.apply_block_ops("ops")
+    executor.add_lora(3, "adapter")
     executor.remove_lora(3)
     assert log == [("forward", ("out",)), ("sample", ("fwd", "meta")),
-                   ("move_blocks", ("ops",)), ("remove_lora", (3,))]
+                   ("move_blocks", ("ops",)), ("add_lora", (3, "adapter")),
+                   ("remove_lora", (3,))]
     log.clear()
     assert executor.execute("out", "meta") == "sample result"
     assert log == [("forward", ("out",)), ("sample", ("forward result", "meta"))]
@@ -125,8 +130,12 @@ def test_tensor_parallel_step_sends_the_plan_before_rank_0_runs_it():
     log.clear()
     runner = step.runner
     runner.lora = Recorder(log, "lora")
+    step.add_lora(3, "adapter")
     step.remove_lora(3)
-    assert log == [("remote.send", (StepInput(BlockOps(), None, [], [3]),)),
+    assert log == [("remote.send", (StepInput(BlockOps(), None, [],
+                                              added_loras={3: "adapter"}),)),
+                   ("lora.add", (3, "adapter")),
+                   ("remote.send", (StepInput(BlockOps(), None, [], [3]),)),
                    ("lora.remove", ([3],))]
 
 

@@ -9,6 +9,7 @@ import torch
 
 from pagedserve import SamplingParams
 from pagedserve.errors import ConfigError
+from pagedserve.lora.adapter import load_adapter
 from pagedserve.lora.layers import LoRALinear
 from pagedserve.lora.ops import LoRAOps
 from pagedserve.lora.request import LoRARequest
@@ -44,9 +45,10 @@ def test_mixed_batch_equals_peft_per_adapter(tiny_model_folder, tmp_path, monkey
                for i, n in enumerate(ADAPTERS)}
     llm = make_llm(base)
     runner = llm.engine.executor.runner
-    slots = add_lora_layers(runner.model, ops, max_loras=4, max_rank=8, max_cpu_loras=4,
-                            free_bytes=1 << 30)
+    slots = add_lora_layers(runner.model, ops, max_loras=4, max_rank=8, free_bytes=1 << 30)
     requests = [LoRARequest(n, i + 1, str(folders[n])) for i, n in enumerate(ADAPTERS)]
+    for request in requests:
+        slots.add(request.lora_int_id, load_adapter(request.lora_path))
     slot_of = slots.slots_for(requests[::-1])  # slots in another order than the requests
     # Rows: base, then each adapter, then the first adapter again after a base row.
     order = [None, *requests, None, requests[0]]
@@ -73,13 +75,11 @@ def test_slots_past_free_memory_are_refused_before_allocating(tiny_model_folder)
     wrapped layers then hold free, they fit; with a byte less, nothing is wrapped."""
     folder = tiny_model_folder("llama3")
     model = make_llm(folder).engine.executor.runner.model
-    slots = add_lora_layers(model, LoRAOps, max_loras=3, max_rank=5, max_cpu_loras=3,
-                            free_bytes=1 << 40)
+    slots = add_lora_layers(model, LoRAOps, max_loras=3, max_rank=5, free_bytes=1 << 40)
     held = sum(b.numel() * b.element_size() for layer in slots.layers.values()
                for b in (layer.lora_a, layer.lora_b))
     fresh = make_llm(folder).engine.executor.runner.model
     with pytest.raises(ConfigError, match="--max-loras 3 slots of --max-lora-rank 5"):
-        add_lora_layers(fresh, LoRAOps, max_loras=3, max_rank=5, max_cpu_loras=3,
-                        free_bytes=held - 1)
+        add_lora_layers(fresh, LoRAOps, max_loras=3, max_rank=5, free_bytes=held - 1)
     assert not any(isinstance(m, LoRALinear) for m in fresh.modules())
-    add_lora_layers(fresh, LoRAOps, max_loras=3, max_rank=5, max_cpu_loras=3, free_bytes=held)
+    add_lora_layers(fresh, LoRAOps, max_loras=3, max_rank=5, free_bytes=held)

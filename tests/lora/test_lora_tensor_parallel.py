@@ -1,8 +1,11 @@
 """LoRA with two tensor-parallel CPU ranks over gloo: A and B cut with their base layers
 (column-parallel B of q/k/v and gate/up, row-parallel A of o and down, whose partial deltas the
-all-reduce sums) give PEFT's greedy tokens, adapters swapped through one slot mid-run."""
+all-reduce sums) give PEFT's greedy tokens, adapters swapped through one slot mid-run; the
+other rank runs the weights the engine read at admission, never reading the folder itself."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
@@ -57,3 +60,25 @@ def test_a_removed_adapter_is_forgotten_on_every_rank(tiny_model_folder, tmp_pat
     finally:
         llm.engine.shutdown()
     assert out[0].outputs[0].token_ids == hf_greedy(peft_model(base, second), prompt, NEW_TOKENS)
+
+
+@pytest.mark.slow
+def test_the_other_rank_runs_the_weights_read_at_admission(tiny_model_folder, tmp_path):
+    """The folder is gone before the first step: a rank that read it in the step would fail
+    (and end the engine)."""
+    base = tiny_model_folder("llama3")
+    folder = write_adapter(base, tmp_path / "all", ADAPTER_SPECS["all"], seed=40)
+    prompt = random_prompts("lora-tp-vanished", [9])[0]
+    expected = hf_greedy(peft_model(base, folder), prompt, NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    llm = make_llm(base, tensor_parallel_size=2, enable_lora=True, max_loras=1,
+                   max_lora_rank=8)
+    try:
+        llm.engine.add_request(prompt, params, "r", LoRARequest("all", 1, str(folder)))
+        shutil.rmtree(folder)
+        tokens = None
+        while llm.engine.has_unfinished_requests():
+            tokens = [o.outputs[0].token_ids for o in llm.engine.step() if o.finished] or tokens
+    finally:
+        llm.engine.shutdown()
+    assert tokens == [expected]

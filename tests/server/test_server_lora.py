@@ -6,6 +6,7 @@ flight on an adapter being unloaded finishes with its whole output."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -199,6 +200,33 @@ def test_a_request_in_flight_finishes_through_an_unload(lora_server, chat_model,
     assert _load(lora_server, lora_name="next", lora_path=str(adapters["all"]),
                  lora_int_id=9).status_code == 200
     assert _complete(lora_server, "next") == _reference(chat_model, adapters["all"])
+
+
+def test_an_adapter_whose_folder_vanished_fails_alone(lora_server, chat_model, adapters,
+                                                      tmp_path):
+    """The audit's case: an adapter out of host memory (three others since, --max-cpu-loras
+    3) whose folder is gone is a 400 of its own; the streams in flight finish whole."""
+    gone = tmp_path / "gone"
+    shutil.copytree(adapters["all"], gone)
+    for name, path in (("gone", gone), ("third", adapters["mixed"])):
+        assert _load(lora_server, lora_name=name, lora_path=str(path)).status_code == 200
+    for name in ("gone", "attn", "mlp", "third"):
+        assert _complete(lora_server, name, max_tokens=2)
+    shutil.rmtree(gone)
+    long = 128
+    streams = {name: iter(lora_server.client().completions.create(
+        model=name, prompt=PROMPT, max_tokens=long, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})) for name in (BASE, "attn")}
+    texts = {name: next(stream).choices[0].text for name, stream in streams.items()}
+    with pytest.raises(openai.BadRequestError, match="no such folder") as refused:
+        _complete(lora_server, "gone")
+    assert refused.value.body["param"] == "model"
+    for name, stream in streams.items():
+        texts[name] += "".join(chunk.choices[0].text for chunk in stream)
+    assert texts == {BASE: _reference(chat_model, None, long),
+                     "attn": _reference(chat_model, adapters["attn"], long)}
+    for name in ("gone", "third"):
+        assert _unload(lora_server, lora_name=name).status_code == 200
 
 
 def test_without_runtime_updating_the_routes_are_404s(server):
