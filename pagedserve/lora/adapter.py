@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.user_paths import expand_user
+
 CONFIG_FILE = "adapter_config.json"
 _SAFETENSORS = "adapter_model.safetensors"
 _BIN = "adapter_model.bin"
@@ -101,10 +103,7 @@ def load_adapter(path: str | Path) -> LoRAAdapter:
 
 
 def _resolve(path: str) -> Path:
-    try:
-        folder = Path(path).expanduser()
-    except RuntimeError:  # "~user/..." of a user this host does not have
-        folder = Path(path)
+    folder = expand_user(path)
     if folder.is_dir():
         return folder
     from pagedserve.models import hub

@@ -24,6 +24,7 @@ from pagedserve import envs
 from pagedserve.logger import get_logger
 from pagedserve.models import gguf_convert, hub
 from pagedserve.models.config import ModelArchConfig
+from pagedserve.user_paths import expand_user
 
 logger = get_logger(__name__)
 
@@ -68,13 +69,13 @@ def resolve_model(
     snapshot in the hub cache, downloaded there first when the hub is reachable (``hub``).
     ``require_weights=False`` accepts a folder with no weights (``--load-format dummy``)."""
     start = time.perf_counter()
-    if model is not None and not Path(model).expanduser().exists():
+    if model is not None and not expand_user(model).exists():
         source = _hub_source(str(model), revision, gguf_file, require_weights)
     elif revision is not None or gguf_file is not None:
         raise ModelLoadError(f"--revision and --gguf-file apply to Hugging Face model ids, not "
                              f"to the local path {model}")
     else:
-        path = default_model_path() if model is None else Path(model).expanduser()
+        path = default_model_path() if model is None else expand_user(model)
         source = _local_source(path, require_weights)
     logger.info("model %s from %s (%s) in %.2f s", source.name, source.path, source.origin,
                 time.perf_counter() - start)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pagedserve.errors import ConfigError
 from pagedserve.field_types import plain_fields, wrong_type
+from pagedserve.user_paths import expand_user
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle3")
 # The methods whose drafts rank 0 draws on the device, inside the verify step.
@@ -108,4 +108,4 @@ def _inferred_method(model: str | None) -> str:
         return "draft_model"  # whose check says what model must be
     from pagedserve.models.eagle3 import is_eagle3_folder
 
-    return "eagle3" if is_eagle3_folder(Path(model).expanduser()) else "draft_model"
+    return "eagle3" if is_eagle3_folder(expand_user(model)) else "draft_model"

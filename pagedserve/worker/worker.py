@@ -32,6 +32,7 @@ from pagedserve.platforms import resolve_platform
 from pagedserve.platforms.interface import Platform
 from pagedserve.quant.formats import checkpoint_format, load_quantizer
 from pagedserve.spec_decode.config import DEVICE_METHODS
+from pagedserve.user_paths import expand_user
 from pagedserve.worker.cache_sizing import CacheSizes, size_kv_cache
 from pagedserve.worker.disk_tier import DiskTier, model_identity
 from pagedserve.worker.drafter import Drafter
@@ -168,7 +169,7 @@ def _eagle_drafter(config: EngineConfig, resolved: ResolvedConfig, arch: ModelAr
     ``table`` (the target's, gathered) as its own."""
     dummy = config.load_format == "dummy"
     model = config.speculative_config.model
-    local = Path(model).expanduser().is_dir()
+    local = expand_user(model).is_dir()
     source = loader.resolve_model(model, not dummy and not local)
     cfg = Eagle3Config.from_folder(source.path, arch)
     weights = {} if dummy else dict(iter_head_weights(source.path))

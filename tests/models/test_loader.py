@@ -102,8 +102,10 @@ def test_missing_default_package_says_how_to_install(monkeypatch: pytest.MonkeyP
     assert_one_line(exc)
 
 
-# Shaped like no Hugging Face id (those are looked up in the hub cache: tests/models/test_hub.py).
-@pytest.mark.parametrize("model", ["does/not/exist", "./missing", "a/b/c.safetensors"])
+# Shaped like no Hugging Face id (those are looked up in the hub cache: tests/models/test_hub.py);
+# "~user/..." of a user this host lacks was Path.expanduser's RuntimeError, a traceback.
+@pytest.mark.parametrize("model", ["does/not/exist", "./missing", "a/b/c.safetensors",
+                                   "~nosuchuser-ps/x"])
 def test_missing_path(model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelLoadError, match="does not exist") as exc:

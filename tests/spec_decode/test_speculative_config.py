@@ -29,8 +29,10 @@ def test_the_dict_and_the_json_give_one_config():
     assert from_dict.speculative_config == from_cli.speculative_config == expected
 
 
+# "~user/..." of a user this host lacks: Path.expanduser's RuntimeError was a traceback.
 @pytest.mark.parametrize("fields, method", [({"model": "[ngram]"}, "ngram"),
-                                            ({"model": "org/draft-1b"}, "draft_model")])
+                                            ({"model": "org/draft-1b"}, "draft_model"),
+                                            ({"model": "~nosuchuser-ps/d"}, "draft_model")])
 def test_the_method_is_inferred_from_the_model_as_vllm_does(fields, method):
     config = SpeculativeConfig.parse({**fields, "num_speculative_tokens": 2})
     assert config.method == method
