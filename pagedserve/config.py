@@ -196,8 +196,9 @@ class EngineConfig:
     max_lora_rank: int = option(
         16, "with --enable-lora, the largest adapter rank; every device slot is padded to it")
     max_cpu_loras: int | None = option(
-        None, "with --enable-lora, adapters kept read in host memory, least recently used "
-              "dropped first (default: --max-loras; at least --max-loras)")
+        None, "with --enable-lora, idle adapters kept read in host memory, least recently "
+              "used dropped first; an adapter with unfinished requests is always kept "
+              "(default: --max-loras; at least --max-loras)")
 
     def __post_init__(self) -> None:
         self._check_types_and_choices()
