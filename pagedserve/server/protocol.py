@@ -7,7 +7,9 @@ Requests are read as strictly as OpenAI reads them: ``"4"``, ``true`` or ``4.0``
 integer, infinities and NaN are not numbers, and a field this server does not know is refused
 with its name (a field it does not implement, such as ``suffix``, must not be silently ignored).
 A few fields that change nothing in the output are accepted and ignored: ``user``, ``store``,
-``metadata``, ``service_tier``, ``safety_identifier`` and ``prompt_cache_key``.
+``metadata``, ``service_tier``, ``safety_identifier`` and ``prompt_cache_key``. OpenAI fields the
+server does not implement are accepted as ``null``, their default (the openai SDK sends
+``"suffix": null`` for ``suffix=None``), and refused with any other value.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import re
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -131,6 +133,9 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
 class SamplingRequest(StrictModel):
     """Fields shared by completions and chat completions."""
 
+    # OpenAI's fields that this server does not implement: refused unless null.
+    unimplemented: ClassVar[frozenset[str]] = frozenset()
+
     model: str | None = None
     n: int | None = None
     temperature: float | None = None
@@ -166,6 +171,14 @@ class SamplingRequest(StrictModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_null_unimplemented(cls, data: Any) -> Any:
+        """A null asks for nothing; a value is left for ``extra="forbid"`` to refuse."""
+        if not isinstance(data, dict) or not cls.unimplemented.intersection(data):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in cls.unimplemented}
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -230,6 +243,8 @@ class SamplingRequest(StrictModel):
 
 
 class CompletionRequest(SamplingRequest):
+    unimplemented = frozenset({"suffix"})
+
     prompt: PromptInput
     # 0 with echo scores the prompt: its tokens and logprobs come back, nothing is generated.
     max_tokens: int | None = Field(default=16, ge=0)
@@ -352,6 +367,9 @@ def _json_or_text(text: str) -> Any:
 
 
 class ChatCompletionRequest(SamplingRequest):
+    unimplemented = frozenset({"functions", "function_call", "audio", "modalities", "prediction",
+                               "reasoning_effort", "web_search_options", "verbosity"})
+
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)

@@ -193,6 +193,19 @@ def test_unsupported_field_is_named_in_the_message(server):
     assert "functions" in error["message"] and "not supported" in error["message"]
 
 
+def test_unimplemented_openai_fields_sent_as_null_are_accepted(server):
+    """The openai SDK sends ``"suffix": null`` for ``suffix=None``: null is these fields'
+    default and asks for nothing, so only a value is refused (as vLLM does); null was a 400."""
+    client = server.client()
+    got = client.completions.create(model="model", prompt="hello", max_tokens=2, suffix=None)
+    assert got.usage.completion_tokens == 2
+    got = client.chat.completions.create(
+        model="model", messages=CHAT["messages"], max_tokens=2, functions=None,
+        function_call=None, audio=None, modalities=None, prediction=None,
+        reasoning_effort=None, web_search_options=None, verbosity=None)
+    assert got.usage.completion_tokens == 2
+
+
 @pytest.mark.parametrize("parameters", [[{"type": "string"}], "object", {"type": "string"}])
 def test_tool_parameters_other_than_an_object_schema_are_a_400_naming_the_tool(
         server, parameters):
