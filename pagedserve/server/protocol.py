@@ -273,7 +273,7 @@ _JSON_KINDS = {list: "array", str: "string", bool: "boolean", int: "number", flo
 
 
 class FunctionDefinition(StrictModel):
-    name: str
+    name: str = Field(min_length=1)  # "" made tool calls no client can dispatch
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
     strict: bool | None = None

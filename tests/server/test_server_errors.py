@@ -116,6 +116,9 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {**CHAT, "tools": [
         {"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    # A function without a name: "required" made a call named "".
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": ""}}],
+                              "tool_choice": "required"}, 400, "tools"),
 ]
 
 
