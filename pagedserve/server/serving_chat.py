@@ -107,7 +107,8 @@ class ChatServing:
         created = int(time.time())
 
         def chunk(choices: list[dict], usage: UsageInfo | None = None) -> bytes:
-            return sse_chunk(_CHUNK, request_id, name, created, choices, usage)
+            return sse_chunk(_CHUNK, request_id, name, created, choices,
+                             request.include_usage_in_stream, usage)
 
         n = request.n or 1
         sent = [ChoiceProgress() for _ in range(n)]

@@ -111,6 +111,7 @@ class CompletionServing:
         progress: dict[int, ChoiceProgress] = {}
         completion_tokens = 0
         created = int(time.time())
+        with_usage = request.include_usage_in_stream
         try:
             async for p, output in _merge(streams):
                 for out in output.outputs:
@@ -118,12 +119,13 @@ class CompletionServing:
                     chunk = self._delta(route.model, request, p * n + out.index, prompts[p],
                                         output, out, state)
                     if chunk is not None:
-                        yield sse_chunk(_CHUNK, request_id, route.name, created, [chunk])
+                        yield sse_chunk(_CHUNK, request_id, route.name, created, [chunk],
+                                        with_usage)
                 if output.finished:
                     completion_tokens += output.metrics.num_generated_tokens
-            if request.include_usage_in_stream:
+            if with_usage:
                 prompt_tokens = sum(len(p.token_ids) for p in prompts)
-                yield sse_chunk(_CHUNK, request_id, route.name, created, [],
+                yield sse_chunk(_CHUNK, request_id, route.name, created, [], with_usage,
                                 UsageInfo.of(prompt_tokens, completion_tokens))
         except Exception as exc:
             yield sse(stream_error(exc))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import pytest
 
 from pagedserve import SamplingParams
-from tests.server.conftest import MAX_MODEL_LEN
+from tests.server.conftest import HTTP_TIMEOUT_S, MAX_MODEL_LEN
 
 PROMPT = "the quick brown fox"
 
@@ -264,3 +267,19 @@ def test_a_stop_tokens_text_is_left_out_unless_asked_for(server, offline, includ
     streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs,
                                                                              stream=True))
     assert streamed == got.text
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": ["hello", PROMPT], "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}),
+])
+def test_stream_with_usage_has_a_null_usage_in_every_chunk_but_the_last(server, path, body):
+    """OpenAI: with include_usage, "all other chunks will also include a usage field, but
+    with a null value"; they had none."""
+    body = {**body, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + path, json=body, timeout=HTTP_TIMEOUT_S) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert events.pop() == "[DONE]"
+    chunks = [json.loads(event) for event in events]
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
