@@ -22,7 +22,14 @@ from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_validator,
+)
 
 from pagedserve.lora.request import MAX_LORA_INT_ID
 from pagedserve.sampling_params import (
@@ -320,10 +327,22 @@ class ToolCall(StrictModel):
     function: FunctionCall
 
 
+def _text_parts_only(content: Any) -> Any:
+    """Content parts other than text (images, audio, files) are named here; left to the
+    union, they got "content.str: Input should be a valid string (and 3 more errors)"."""
+    for i, part in enumerate(content if isinstance(content, list) else ()):
+        kind = part.get("type", "text") if isinstance(part, dict) else "text"
+        if kind != "text":
+            raise ValueError(f"content part {i} is of type {kind!r}; this server reads text "
+                             "parts only")
+    return content
+
+
 class ChatMessage(StrictModel):
     # "developer" is OpenAI's newer name for "system"; chat templates know only "system".
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | list[TextPart] | None, AfterValidator(_unicode_text)] = None
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts_only),
+                       AfterValidator(_unicode_text)] = None
     name: Annotated[str | None, AfterValidator(_unicode_text)] = None
     tool_calls: list[ToolCall] | None = None  # assistant messages only
     tool_call_id: str | None = None  # tool messages only

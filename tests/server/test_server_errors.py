@@ -196,6 +196,22 @@ def test_unsupported_field_is_named_in_the_message(server):
     assert "functions" in error["message"] and "not supported" in error["message"]
 
 
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "x"}},
+                                  {"type": "input_audio", "input_audio": {"data": ""}},
+                                  {"type": "file", "file": {"file_id": "f"}}])
+def test_a_content_part_other_than_text_is_a_400_naming_its_type(server, part):
+    """An image sent to this text-only server got pydantic's union report ("content.str:
+    Input should be a valid string (and 3 more errors)"), which names neither the part nor
+    what is wrong with it."""
+    content = [{"type": "text", "text": "what is this?"}, part]
+    error = _assert_error(server.post("/v1/chat/completions", json={
+        **CHAT, "messages": [{"role": "user", "content": content}]}), 400)
+    assert error["param"] == "messages"
+    assert error["message"].startswith("messages.0.content: ")
+    assert error["message"].endswith(f"content part 1 is of type {part['type']!r}; this server "
+                                     "reads text parts only")
+
+
 def test_unimplemented_openai_fields_sent_as_null_are_accepted(server):
     """The openai SDK sends ``"suffix": null`` for ``suffix=None``: null is these fields'
     default and asks for nothing, so only a value is refused (as vLLM does); null was a 400."""
