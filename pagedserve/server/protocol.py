@@ -636,12 +636,9 @@ def sse_chunk(kind: str, request_id: str, model: str, created: int, choices: lis
 
 def choice_dict(index: int, finish_reason: str | None, stop_reason: int | str | None,
                 logprobs: BaseModel | None, **fields) -> dict:
-    """One streamed choice without its unset fields, as OpenAI leaves them out of chunks."""
-    choice = {"index": index, **fields}
-    if logprobs is not None:
-        choice["logprobs"] = logprobs.model_dump(exclude_none=True)
-    if finish_reason is not None:
-        choice["finish_reason"] = finish_reason
-    if stop_reason is not None:
-        choice["stop_reason"] = stop_reason
-    return choice
+    """One streamed choice. ``logprobs`` and ``finish_reason`` are null until set, as in
+    OpenAI's chunks (and ``stop_reason``, as in vLLM's): a client that reads
+    ``finish_reason !== null`` as "done" stopped at the first chunk when they were left out."""
+    return {"index": index, **fields,
+            "logprobs": None if logprobs is None else logprobs.model_dump(exclude_none=True),
+            "finish_reason": finish_reason, "stop_reason": stop_reason}

@@ -115,7 +115,8 @@ class ChatServing:
         tools = [ToolCallStream(plan) for _ in range(n)] if plan.mode != "none" else None
         completion_tokens = 0
         try:
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}}
+            yield chunk([choice_dict(i, None, None, None,
+                                     delta={"role": "assistant", "content": ""})
                          for i in range(n)])
             async for output in stream:
                 for out in output.outputs:

@@ -269,17 +269,34 @@ def test_a_stop_tokens_text_is_left_out_unless_asked_for(server, offline, includ
     assert streamed == got.text
 
 
-@pytest.mark.parametrize(("path", "body"), [
-    ("/v1/completions", {"prompt": ["hello", PROMPT], "n": 2}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}),
-])
-def test_stream_with_usage_has_a_null_usage_in_every_chunk_but_the_last(server, path, body):
-    """OpenAI: with include_usage, "all other chunks will also include a usage field, but
-    with a null value"; they had none."""
-    body = {**body, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+STREAMS = [("/v1/completions", {"prompt": ["hello", PROMPT], "n": 2}),
+           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2})]
+
+
+def _stream_chunks(server, path: str, body: dict) -> list[dict]:
+    """The JSON of a stream's chunks, [DONE] checked and left out."""
+    body = {**body, "max_tokens": 4, "stream": True}
     with httpx.stream("POST", server.url + path, json=body, timeout=HTTP_TIMEOUT_S) as response:
         events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
     assert events.pop() == "[DONE]"
-    chunks = [json.loads(event) for event in events]
+    return [json.loads(event) for event in events]
+
+
+@pytest.mark.parametrize(("path", "body"), STREAMS)
+def test_stream_with_usage_has_a_null_usage_in_every_chunk_but_the_last(server, path, body):
+    """OpenAI: with include_usage, "all other chunks will also include a usage field, but
+    with a null value"; they had none."""
+    chunks = _stream_chunks(server, path, {**body, "stream_options": {"include_usage": True}})
     assert all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+@pytest.mark.parametrize(("path", "body"), STREAMS)
+def test_streamed_choices_carry_null_finish_reason_and_logprobs_until_set(server, path, body):
+    """As OpenAI's and vLLM's chunks do: a client that reads ``finish_reason !== null`` as
+    "this choice is done" stopped at its first chunk, where the key was left out."""
+    choices = [c for chunk in _stream_chunks(server, path, body) for c in chunk["choices"]]
+    assert all("finish_reason" in c and c["logprobs"] is None for c in choices), choices
+    for index in range(4 if path == "/v1/completions" else 2):
+        finishes = [c["finish_reason"] for c in choices if c["index"] == index]
+        assert finishes[-1] == "length" and set(finishes[:-1]) <= {None}, choices
