@@ -64,6 +64,7 @@ class ChatServing:
         token_ids = await model.off_loop(_render, model, request, plan)
         model.check_max_tokens(len(token_ids), request.requested_max_tokens,
                                param=request.max_tokens_field)
+        model.check_min_tokens(len(token_ids), request.min_tokens)
         params = _with_tool_constraint(request.to_sampling_params(model.sampling_defaults), plan)
         model.check_params(params)
         token_bytes = await model.token_bytes() if request.logprobs else None

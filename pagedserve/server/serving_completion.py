@@ -61,6 +61,7 @@ class CompletionServing:
         params = request.to_sampling_params(model.sampling_defaults)
         for prompt in prompts:
             model.check_max_tokens(len(prompt.token_ids), request.max_tokens)
+            model.check_min_tokens(len(prompt.token_ids), request.min_tokens)
         model.check_params(params, num_prompts=len(prompts))
         request_id = random_id("cmpl")
         streams = model.client.submit_all(

@@ -92,6 +92,18 @@ class ServedModel:
                 f"{num_prompt_tokens + max_tokens}; lower {param} or shorten the prompt",
                 param=param, code=CONTEXT_LENGTH_EXCEEDED)
 
+    def check_min_tokens(self, num_prompt_tokens: int, min_tokens: int) -> None:
+        """min_tokens past the room the prompt leaves in the context is refused, as vLLM
+        refuses it against the max_tokens it defaults to that room; with max_tokens unset, the
+        choice ran to the context's end and came back short of min_tokens."""
+        room = self.max_model_len - num_prompt_tokens
+        if min_tokens > room > 0:
+            raise bad_request(
+                f"min_tokens={min_tokens} is more than the {room} tokens this model's maximum "
+                f"context length of {self.max_model_len} leaves after {num_prompt_tokens} "
+                "prompt tokens; lower min_tokens or shorten the prompt",
+                param="min_tokens", code=CONTEXT_LENGTH_EXCEEDED)
+
     def check_params(self, params: SamplingParams, num_prompts: int = 1) -> None:
         if num_prompts * params.num_sequences > MAX_SEQUENCES_PER_REQUEST:
             raise bad_request(

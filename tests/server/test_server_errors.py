@@ -116,6 +116,12 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {**CHAT, "tools": [
         {"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    # min_tokens past the room the prompt leaves in the context, with max_tokens unset: the
+    # choice ran to the context's end and came back short of min_tokens.
+    ("/v1/completions", {**GOOD, "prompt": [5] * 4000, "max_tokens": None, "min_tokens": 200},
+     400, "min_tokens"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" * 4000}],
+                              "max_tokens": None, "min_tokens": 200}, 400, "min_tokens"),
     # A function without a name: "required" made a call named "".
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": ""}}],
                               "tool_choice": "required"}, 400, "tools"),
