@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -320,6 +322,11 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             raise ConfigError("--kv-offloading-disk works with one rank only, not "
                               f"--tensor-parallel-size {self.tensor_parallel_size}")
+        why = _not_a_folder_to_write(self.kv_offloading_disk)
+        if why is not None:
+            shown = str(self.kv_offloading_disk) or "''"
+            raise ConfigError(f"--kv-offloading-disk {shown} {why}")
+
     @property
     def cpu_loras(self) -> int:
         return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
@@ -377,6 +384,23 @@ class EngineConfig:
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than "
                 f"--max-model-len ({max_model_len}); enable chunked prefill or raise it")
         return self.max_num_batched_tokens
+
+
+def _not_a_folder_to_write(path: str | os.PathLike) -> str | None:
+    """Why the disk tier could not make and write ``path``, or None. Checked before the model
+    loads; the engine makes the folder itself, and reports what this check cannot see (a
+    read-only mount, where root passes ``os.access``)."""
+    if not str(path):
+        return "is empty; name a folder"
+    target = existing = Path(path)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return ("is a file, not a folder" if existing == target else
+                f"cannot be made: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return "is not writable" if existing == target else f"cannot be made in {existing}"
+    return None
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(EngineConfig))

@@ -150,3 +150,27 @@ def test_scheduler_config_is_built_from_the_resolved_values():
     sched = config.scheduler_config(resolved)
     assert (sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len,
             sched.enable_chunked_prefill, sched.preemption_mode) == (7, 3000, 3000, False, "swap")
+
+
+def _disk_tier(folder) -> dict:
+    return dict(kv_offloading_disk=folder, kv_offloading_size=1.0, kv_offloading_disk_size=1.0)
+
+
+@pytest.mark.parametrize("where, why", [
+    # The empty path was the working directory; the others failed after the model loaded,
+    # with a traceback from mkdir.
+    (lambda tmp: "", "is empty"),
+    (lambda tmp: tmp / "a_file", "is a file, not a folder"),
+    (lambda tmp: tmp / "a_file" / "kv", "cannot be made: .*a_file is not a folder"),
+])
+def test_a_disk_tier_folder_that_cannot_be_one_is_refused_before_the_model_loads(tmp_path,
+                                                                                 where, why):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=f"^--kv-offloading-disk .*{why}"):
+        EngineConfig(**_disk_tier(where(tmp_path)))
+
+
+def test_a_disk_tier_folder_yet_to_be_made_is_accepted(tmp_path):
+    EngineConfig(**_disk_tier(tmp_path / "new" / "kv"))
+    EngineConfig(**_disk_tier(tmp_path))
+    assert not (tmp_path / "new").exists()  # made by the engine, not by the check

@@ -117,10 +117,15 @@ class Worker:
     def _disk_tier(self, config: EngineConfig, resolved: ResolvedConfig,
                    source: loader.ModelSource) -> DiskTier:
         kv = self.runner.kv_cache
-        return DiskTier(Path(config.kv_offloading_disk), model_identity(
+        identity = model_identity(
             source.path, config.revision, config.seed if config.load_format == "dummy" else None,
             str(resolved.dtype), str(kv.pool.dtype), resolved.block_size, self.tp.rank,
-            self.tp.size, kv.host_block_shape()))
+            self.tp.size, kv.host_block_shape())
+        try:
+            return DiskTier(Path(config.kv_offloading_disk), identity)
+        except OSError as exc:
+            raise ConfigError(f"--kv-offloading-disk {config.kv_offloading_disk!s}: cannot "
+                              f"make its folder: {exc.strerror or exc}") from exc
 
     def leave(self, peers_alive: bool = True) -> None:
         """Leave the process group, after the graphs that hold its communicator."""

@@ -134,6 +134,20 @@ def test_damaged_files_are_misses_and_never_data(llama3_folder, references, tmp_
     assert missed and missed <= damaged
 
 
+def test_a_disk_folder_the_engine_cannot_make_is_a_one_line_error(llama3_folder, tmp_path,
+                                                                  monkeypatch):
+    """A folder the check before loading passes but the engine cannot make (a read-only
+    mount; root passes every permission check): one line naming the flag, no traceback."""
+    from pagedserve.errors import ConfigError
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(ConfigError, match=r"^--kv-offloading-disk .*: Permission denied"):
+        _disk_llm(llama3_folder, tmp_path / "kv")
+
+
 def test_another_model_never_reads_the_files(llama3_folder, tiny_model_folder, tmp_path):
     first = _disk_llm(llama3_folder, tmp_path)
     _conversations(first, GREEDY, turns=2)
