@@ -4,7 +4,9 @@ written and read back on a thread of their own, so the step never waits on the d
 Layout: ``PATH/<identity digest>/<block hash>.kvb``. The identity (``model_identity``) names
 everything the bytes of a block depend on: the checkpoint (its path, revision, and each weight
 file's name, size and modification time; the seed of dummy weights), the dtype and KV dtype,
-the block size, the tensor-parallel rank and size, and the host block's shape. A restarted
+the block size, the tensor-parallel rank and size, the host block's shape, and how the values
+are computed (``compute``: the quantization flag, the matmul numerics, the platform's
+kernels), since one checkpoint quantized at load gives other keys and values. A restarted
 engine of the same model finds its files and starts warm; another model looks in another
 folder, and a file moved between folders still carries its identity's digest in its header.
 
@@ -38,15 +40,16 @@ _SUFFIX = ".kvb"
 
 def model_identity(model_path: Path, revision: str | None, seed: int | None, dtype: str,
                    kv_dtype: str, block_size: int, tp_rank: int, tp_size: int,
-                   block_shape: tuple[int, ...]) -> dict:
-    """What a block's bytes depend on (``seed``: of dummy weights, else None)."""
+                   block_shape: tuple[int, ...], compute: dict) -> dict:
+    """What a block's bytes depend on (``seed``: of dummy weights, else None; ``compute``:
+    the options and platform that change the computed values, by name)."""
     files = sorted(p for p in model_path.iterdir() if p.suffix in
                    (".safetensors", ".bin", ".gguf", ".json")) if model_path.is_dir() \
         else [model_path]
     weights = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     return dict(model=str(model_path.resolve()), revision=revision, weights=weights, seed=seed,
                 dtype=dtype, kv_dtype=kv_dtype, block_size=block_size, tp_rank=tp_rank,
-                tp_size=tp_size, block_shape=list(block_shape))
+                tp_size=tp_size, block_shape=list(block_shape), compute=compute)
 
 
 class DiskTier:

@@ -8,6 +8,7 @@ the driver's block ids are valid on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,7 +121,9 @@ class Worker:
         identity = model_identity(
             source.path, config.revision, config.seed if config.load_format == "dummy" else None,
             str(resolved.dtype), str(kv.pool.dtype), resolved.block_size, self.tp.rank,
-            self.tp.size, kv.host_block_shape())
+            self.tp.size, kv.host_block_shape(),
+            dict(quantization=config.quantization, platform=self.platform.name,
+                 **dataclasses.asdict(config.matmul_numerics())))
         try:
             return DiskTier(Path(config.kv_offloading_disk), identity)
         except OSError as exc:

@@ -86,10 +86,10 @@ def test_two_tensor_parallel_ranks_restore_the_same_prefixes(llama3_folder, refe
         llm.engine.shutdown()
 
 
-def _disk_llm(folder, disk_dir, host_blocks: int = 4):
+def _disk_llm(folder, disk_dir, host_blocks: int = 4, **options):
     return make_llm(folder, num_blocks=POOL, kv_offloading_size=_gib(folder, host_blocks),
                     kv_offloading_disk=str(disk_dir),
-                    kv_offloading_disk_size=_gib(folder, 400))
+                    kv_offloading_disk_size=_gib(folder, 400), **options)
 
 
 def _flush(llm) -> None:
@@ -154,6 +154,17 @@ def test_another_model_never_reads_the_files(llama3_folder, tiny_model_folder, t
     _flush(first)
     other = _disk_llm(tiny_model_folder("qwen2"), tmp_path)
     assert len(other.engine.kv.offload.disk) == 0
+
+
+def test_the_same_checkpoint_quantized_at_load_never_reads_the_files(llama3_folder, tmp_path):
+    """--quantization fp8 computes other keys and values from the same files: the float
+    engine's blocks read back would have been served as its own."""
+    first = _disk_llm(llama3_folder, tmp_path)
+    _conversations(first, GREEDY, turns=2)
+    _flush(first)
+    assert len(_disk_llm(llama3_folder, tmp_path).engine.kv.offload.disk) > 0
+    fp8 = _disk_llm(llama3_folder, tmp_path, quantization="fp8")
+    assert len(fp8.engine.kv.offload.disk) == 0
 
 
 def test_swap_preemption_shares_the_host_pool_with_the_tier(llama3_folder):

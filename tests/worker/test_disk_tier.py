@@ -10,6 +10,8 @@ from pagedserve.worker.disk_tier import DiskTier, model_identity
 
 SHAPE = (2, 2, 4, 2, 8)  # layers, keys/values, block size, heads, head dim
 HASH, OTHER = bytes(range(16)), bytes(range(1, 17))
+COMPUTE = dict(quantization="auto", int8_activations=True, fp8_fast_accumulation=True,
+               platform="cpu")
 
 
 def _identity(**changes) -> dict:
@@ -107,9 +109,12 @@ def test_the_identity_names_the_weights_and_the_layout(tmp_path):
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"x" * 10)
     args = dict(revision=None, seed=None, dtype="torch.float32", kv_dtype="torch.float32",
-                block_size=16, tp_rank=0, tp_size=1, block_shape=SHAPE)
+                block_size=16, tp_rank=0, tp_size=1, block_shape=SHAPE, compute=COMPUTE)
     base = model_identity(folder, **args)
     assert model_identity(folder, **{**args, "tp_rank": 1}) != base
     assert model_identity(folder, **{**args, "kv_dtype": "torch.float8_e4m3fn"}) != base
+    for change in ({"quantization": "fp8"}, {"int8_activations": False},
+                   {"fp8_fast_accumulation": False}, {"platform": "cuda"}):
+        assert model_identity(folder, **{**args, "compute": {**COMPUTE, **change}}) != base
     (folder / "model.safetensors").write_bytes(b"y" * 11)  # new weights
     assert model_identity(folder, **args) != base
