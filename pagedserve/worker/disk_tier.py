@@ -14,11 +14,13 @@ A file is a header (magic, identity digest, block hash, payload length, blake2b 
 the payload) and the payload, the host block's bytes. A read checks all of them and treats a
 missing, truncated, corrupt or foreign file as a miss: it logs why, deletes the file, and
 reports the read as failed; the block's bytes are never used. Files are written to a temporary
-name and renamed, so a crash never leaves half a file under a block's name.
+name and renamed, so a crash never leaves half a file under a block's name; a write that fails
+(a full disk) deletes its temporary file, and the next engine deletes those a crash left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -58,7 +60,12 @@ class DiskTier:
         self.identity = hashlib.sha256(text.encode()).digest()
         self.folder = Path(root) / self.identity.hex()[:32]
         self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / "identity.json").write_text(text)
+        identity_file = self.folder / "identity.json"
+        if not identity_file.exists():  # a restart on a full disk starts with what is there
+            identity_file.write_text(text)
+        for stale in self.folder.glob("*.tmp"):  # writes an engine stopped in the middle of
+            with contextlib.suppress(OSError):
+                stale.unlink()
         # One thread: a block's write, read and delete run in the order they were queued.
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-disk")
         self._reads: list[tuple[bytes, Future[bool]]] = []
@@ -92,6 +99,9 @@ class DiskTier:
                 f.write(payload)
             os.replace(tmp, path)
         except OSError as exc:
+            # A full disk fails mid-file: what was written would hold the space for good.
+            with contextlib.suppress(OSError):
+                tmp.unlink()
             logger.warning("KV disk tier: cannot write %s: %s", path, exc)
 
     def read(self, block_hash: bytes, block: torch.Tensor) -> None:

@@ -1,11 +1,14 @@
 """The offloading tier's block files: bytes come back exactly; a corrupt, truncated or
 foreign file is a miss with a log line, and its bytes never reach the host block."""
 
+import errno
 import logging
+from pathlib import Path
 
 import pytest
 import torch
 
+from pagedserve.worker import disk_tier
 from pagedserve.worker.disk_tier import DiskTier, model_identity
 
 SHAPE = (2, 2, 4, 2, 8)  # layers, keys/values, block size, heads, head dim
@@ -118,3 +121,51 @@ def test_the_identity_names_the_weights_and_the_layout(tmp_path):
         assert model_identity(folder, **{**args, "compute": {**COMPUTE, **change}}) != base
     (folder / "model.safetensors").write_bytes(b"y" * 11)  # new weights
     assert model_identity(folder, **args) != base
+
+
+class _FullDisk:
+    """A file that takes the header and then finds the disk full, as a write of the payload
+    to a filled file system does."""
+
+    def __init__(self, path, mode):
+        self._file = open(path, mode)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._file.close()
+
+    def write(self, data):
+        if self._file.tell() > 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self._file.write(data)
+
+
+def test_a_write_that_finds_the_disk_full_leaves_no_file(tmp_path, monkeypatch, caplog):
+    """The half-written temporary file stayed, taking the space the next writes needed."""
+    monkeypatch.setattr(disk_tier, "open", _FullDisk, raising=False)
+    with caplog.at_level(logging.WARNING, logger="pagedserve.worker.disk_tier"):
+        disk, _ = _written(tmp_path)
+    assert "No space left" in caplog.text
+    assert sorted(p.name for p in disk.folder.iterdir()) == ["identity.json"]
+    assert not _read(disk)[0]
+
+
+def test_temporary_files_a_stopped_engine_left_are_removed_at_start(tmp_path):
+    disk, _ = _written(tmp_path)
+    (disk.folder / (OTHER.hex() + ".tmp")).write_bytes(b"half a block")
+    assert sorted(p.suffix for p in DiskTier(tmp_path, _identity()).folder.iterdir()) == \
+        [".json", ".kvb"]
+
+
+def test_a_restart_on_a_full_disk_starts_with_the_files_it_finds(tmp_path, monkeypatch):
+    """The identity file was rewritten at every start: on a full disk the engine refused to
+    start, though its folder and files were there."""
+    _written(tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    assert DiskTier(tmp_path, _identity()).stored_hashes() == [HASH]
