@@ -43,6 +43,8 @@ EXECUTOR_BACKENDS = ("mp", "ray")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 # torch's generators take 64-bit seeds.
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# GiB sizes: 2**33 GiB is 2**63 bytes, past any machine and still an int64 of bytes.
+_MAX_GIB = 2**33
 
 
 def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
@@ -302,14 +304,14 @@ class EngineConfig:
                                   f"{', '.join(allowed)}, got {value!r}")
 
     def _check_gib_sizes(self) -> None:
-        # NaN passes a "< 0" check and infinity a ">= 0" one; both failed deep in the cache
-        # sizing, turning GiB into bytes.
+        # NaN passes a "< 0" check and infinity a ">= 0" one; they, and numbers that overflow
+        # once multiplied into bytes (1e300), failed deep in the cache sizing.
         for name in ("swap_space", "cpu_offload_gb", "kv_offloading_size",
                      "kv_offloading_disk_size"):
             value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ConfigError(f"{flag_name(name)} must be a non-negative number of GiB, "
-                                  f"got {value}")
+            if not (math.isfinite(value) and 0 <= value < _MAX_GIB):
+                raise ConfigError(f"{flag_name(name)} must be a non-negative number of GiB "
+                                  f"below 2**33, got {value}")
 
     def _check_offloading(self) -> None:
         if self.kv_offloading_size and not self.enable_prefix_caching:

@@ -69,6 +69,9 @@ def test_bad_choice_names_the_flag_and_the_choices(field, flag):
                                                     "kv_offloading_size",
                                                     "kv_offloading_disk_size")
       for value in (float("nan"), float("inf"))],
+    # Finite, but infinite once turned into bytes: an OverflowError after the model loaded.
+    *[({name: 1e300}, flag_name(name)) for name in ("swap_space", "cpu_offload_gb",
+                                                  "kv_offloading_size", "kv_offloading_disk_size")],
     # torch's generators take 64 bits; a larger seed failed in torch.manual_seed.
     ({"seed": 2**63}, "--seed"),
     ({"seed": -(2**63) - 1}, "--seed"),
