@@ -297,6 +297,12 @@ class EngineConfig:
         wrong = wrong_type(self, _PLAIN_FIELDS)
         if wrong is not None:
             raise ConfigError(f"{flag_name(wrong[0])} {wrong[1]}")
+        # Counts and sizes reach islice, torch and numpy, which take 64-bit integers: past
+        # them, a step or an allocation failed after the model loaded.
+        for f in _PLAIN_FIELDS:
+            value = getattr(self, f.name)
+            if f.kind is int and value is not None and not _INT64_MIN <= value <= _INT64_MAX:
+                raise ConfigError(f"{flag_name(f.name)} must be in [-2**63, 2**63), got {value}")
         for f in dataclasses.fields(self):
             allowed, value = f.metadata["choices"], getattr(self, f.name)
             if allowed is not None and value not in allowed:

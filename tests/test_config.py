@@ -177,3 +177,11 @@ def test_a_disk_tier_folder_yet_to_be_made_is_accepted(tmp_path):
     EngineConfig(**_disk_tier(tmp_path / "new" / "kv"))
     EngineConfig(**_disk_tier(tmp_path))
     assert not (tmp_path / "new").exists()  # made by the engine, not by the check
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(EngineConfig)
+                                  if f.type in ("int", "int | None")])
+def test_an_integer_past_64_bits_names_the_flag(name):
+    """--max-num-seqs 10**20 loaded the model, then failed its first step in islice."""
+    with pytest.raises(ConfigError, match=f"^{flag_name(name)} "):
+        EngineConfig(**{name: 10**20})
