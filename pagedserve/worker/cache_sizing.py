@@ -31,7 +31,9 @@ def size_kv_cache(config: EngineConfig, resolved: ResolvedConfig, platform: type
     # Never reserve more than every sequence at full length could use.
     useful_blocks = config.max_num_seqs * (resolved.max_model_len // resolved.block_size + 1)
     budget = config.kv_cache_memory_bytes
-    if budget is None:
+    if budget is not None:
+        _check_fits_the_device(budget, platform)
+    else:
         peak = _peak_memory_bytes(config, resolved, platform, runner)
         budget = platform.kv_cache_budget_bytes(config.gpu_memory_utilization, peak)
         budget = min(budget, useful_blocks * per_block)
@@ -46,6 +48,15 @@ def size_kv_cache(config: EngineConfig, resolved: ResolvedConfig, platform: type
     _check_host_pools(config, (num_host_blocks + num_offload_blocks) * per_block)
     return CacheSizes(int(num_blocks), num_host_blocks, per_block, num_offload_blocks,
                       int(config.kv_offloading_disk_size * 2**30) // (per_block + HEADER_BYTES))
+
+
+def _check_fits_the_device(budget: int, platform: type[Platform]) -> None:
+    """A pool larger than the device's whole memory failed in the allocator, with its
+    traceback (or, on the CPU, overcommitted until the out-of-memory killer came)."""
+    total = platform.memory_info().total_bytes
+    if budget > total:
+        raise ConfigError(f"--kv-cache-memory-bytes {budget} exceeds the device's "
+                          f"{total / 2**30:.1f} GiB of memory: lower it")
 
 
 def _check_host_pools(config: EngineConfig, rank_bytes: int) -> None:
