@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pagedserve.config import EngineConfig, ResolvedConfig
+from pagedserve.config import EngineConfig, ResolvedConfig, flag_name
 from pagedserve.errors import ConfigError
 from pagedserve.logger import get_logger
 from pagedserve.platforms import host_memory
@@ -44,10 +44,21 @@ def size_kv_cache(config: EngineConfig, resolved: ResolvedConfig, platform: type
             f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
             "raise --kv-cache-memory-bytes or --gpu-memory-utilization")
     num_host_blocks = min(int(config.swap_space * 2**30) // per_block, useful_blocks)
-    num_offload_blocks = int(config.kv_offloading_size * 2**30) // per_block
+    num_offload_blocks = _tier_blocks(config, "kv_offloading_size", per_block)
     _check_host_pools(config, (num_host_blocks + num_offload_blocks) * per_block)
     return CacheSizes(int(num_blocks), num_host_blocks, per_block, num_offload_blocks,
-                      int(config.kv_offloading_disk_size * 2**30) // (per_block + HEADER_BYTES))
+                      _tier_blocks(config, "kv_offloading_disk_size", per_block + HEADER_BYTES))
+
+
+def _tier_blocks(config: EngineConfig, option: str, block_bytes: int) -> int:
+    """Blocks of ``block_bytes`` in the offloading tier's ``option`` GiB; a size asked for
+    that holds none would serve without the tier, unsaid."""
+    gib = getattr(config, option)
+    num_blocks = int(gib * 2**30) // block_bytes
+    if gib and not num_blocks:
+        raise ConfigError(f"{flag_name(option)} {gib} GiB holds no KV block of {block_bytes} "
+                          "bytes: raise it, or 0 for none")
+    return num_blocks
 
 
 def _check_fits_the_device(budget: int, platform: type[Platform]) -> None:
