@@ -109,7 +109,7 @@ class EngineConfig:
               "identity, so a restarted engine of the same model starts warm (needs "
               "--kv-offloading-size and --kv-offloading-disk-size; one rank only)")
     kv_offloading_disk_size: float = option(
-        0.0, "GiB of block files in --kv-offloading-disk, at most")
+        0.0, "GiB of block files in --kv-offloading-disk, at most (needs it)")
     quantization: str = option(
         "auto", "auto: as the checkpoint is stored (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay "
                 "quantized); none: dequantize at load; fp8: quantize a float checkpoint's "
@@ -323,6 +323,9 @@ class EngineConfig:
         if self.kv_offloading_size and not self.enable_prefix_caching:
             raise ConfigError("--kv-offloading-size needs --enable-prefix-caching")
         if self.kv_offloading_disk is None:
+            if self.kv_offloading_disk_size:
+                raise ConfigError("--kv-offloading-disk-size needs --kv-offloading-disk, the "
+                                  "folder of the block files")
             return
         if not self.kv_offloading_size or not self.kv_offloading_disk_size:
             raise ConfigError("--kv-offloading-disk needs --kv-offloading-size and "

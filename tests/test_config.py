@@ -59,6 +59,8 @@ def test_bad_choice_names_the_flag_and_the_choices(field, flag):
     ({"kv_offloading_size": 1.0, "enable_prefix_caching": False}, "--kv-offloading-size"),
     ({"kv_offloading_disk_size": -1.0}, "--kv-offloading-disk-size"),
     ({"kv_offloading_disk": "/tmp/kv"}, "--kv-offloading-disk"),
+    # Without a folder the engine crashed at the host tier's first spill to disk.
+    ({"kv_offloading_size": 1.0, "kv_offloading_disk_size": 1.0}, "--kv-offloading-disk-size"),
     ({"kv_offloading_disk": "/tmp/kv", "kv_offloading_size": 1.0,
       "kv_offloading_disk_size": 1.0, "tensor_parallel_size": 2}, "--kv-offloading-disk"),
     ({"max_loras": 0}, "--max-loras"),
