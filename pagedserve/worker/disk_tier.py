@@ -12,7 +12,7 @@ folder, and a file moved between folders still carries its identity's digest in 
 
 A file is a header (magic, identity digest, block hash, payload length, blake2b checksum of
 the payload) and the payload, the host block's bytes. A read checks all of them and treats a
-missing, truncated, corrupt or foreign file as a miss: it logs why, deletes the file, and
+missing, truncated, too long, corrupt or foreign file as a miss: it logs why, deletes the file, and
 reports the read as failed; the block's bytes are never used. Files are written to a temporary
 name and renamed, so a crash never leaves half a file under a block's name; a write that fails
 (a full disk) deletes its temporary file, and the next engine deletes those a crash left.
@@ -111,15 +111,20 @@ class DiskTier:
 
     def _read_file(self, block_hash: bytes, block: torch.Tensor) -> bool:
         path = self._path(block_hash)
+        num_bytes = block.numel() * block.element_size()
         try:
-            data = path.read_bytes()
+            # One byte past a block's file tells a longer one; a file of any size under a
+            # block's name is never taken into memory whole.
+            with open(path, "rb") as f:
+                data = f.read(HEADER_BYTES + num_bytes + 1)
         except OSError as exc:
             logger.warning("KV disk tier: miss, cannot read %s: %s", path, exc)
             return False
-        why = self._check(data, block_hash, block.numel() * block.element_size())
+        why = self._check(data, block_hash, num_bytes)
         if why is not None:
             logger.warning("KV disk tier: miss, %s is %s; deleting it", path, why)
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink()
             return False
         payload = torch.frombuffer(bytearray(data[HEADER_BYTES:]), dtype=torch.uint8)
         block.view(torch.uint8).view(-1).copy_(payload)
@@ -138,7 +143,7 @@ class DiskTier:
             return "another block"
         payload = memoryview(data)[HEADER_BYTES:]
         if len(payload) != length:
-            return "truncated"
+            return "truncated" if len(payload) < length else "too long"
         if hashlib.blake2b(payload, digest_size=32).digest() != checksum:
             return "corrupt (checksum mismatch)"
         return None

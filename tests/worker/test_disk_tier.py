@@ -169,3 +169,14 @@ def test_a_restart_on_a_full_disk_starts_with_the_files_it_finds(tmp_path, monke
 
     monkeypatch.setattr(Path, "write_text", full)
     assert DiskTier(tmp_path, _identity()).stored_hashes() == [HASH]
+
+
+def test_a_huge_file_under_a_block_name_is_a_miss_without_reading_it(tmp_path, caplog):
+    """A TiB file (sparse) under a block's name: the read took all of it into memory first,
+    and its MemoryError ended the engine's step."""
+    disk, _ = _written(tmp_path)
+    with open(disk.folder / (HASH.hex() + ".kvb"), "r+b") as f:
+        f.truncate(2**40)
+    with caplog.at_level(logging.WARNING, logger="pagedserve.worker.disk_tier"):
+        ok, target = _read(disk)
+    assert not ok and not target.any() and "too long" in caplog.text
