@@ -403,7 +403,7 @@ def _not_a_folder_to_write(path: str | os.PathLike) -> str | None:
     read-only mount, where root passes ``os.access``)."""
     if not str(path):
         return "is empty; name a folder"
-    target = existing = Path(path)
+    target = existing = Path(path).expanduser()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():

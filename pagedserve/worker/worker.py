@@ -125,7 +125,7 @@ class Worker:
             dict(quantization=config.quantization, platform=self.platform.name,
                  **dataclasses.asdict(config.matmul_numerics())))
         try:
-            return DiskTier(Path(config.kv_offloading_disk), identity)
+            return DiskTier(Path(config.kv_offloading_disk).expanduser(), identity)
         except OSError as exc:
             raise ConfigError(f"--kv-offloading-disk {config.kv_offloading_disk!s}: cannot "
                               f"make its folder: {exc.strerror or exc}") from exc

@@ -148,6 +148,16 @@ def test_a_disk_folder_the_engine_cannot_make_is_a_one_line_error(llama3_folder,
         _disk_llm(llama3_folder, tmp_path / "kv")
 
 
+def test_a_disk_folder_under_the_home_folder_is_made_there(llama3_folder, tmp_path,
+                                                           monkeypatch):
+    """``~`` is expanded as for --model: it was a folder named ``~`` in the working directory
+    (``--kv-offloading-disk=~/kv`` reaches the engine unexpanded by the shell)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    _disk_llm(llama3_folder, "~/kv")
+    assert (tmp_path / "home" / "kv").is_dir() and not (tmp_path / "~").exists()
+
+
 def test_another_model_never_reads_the_files(llama3_folder, tiny_model_folder, tmp_path):
     first = _disk_llm(llama3_folder, tmp_path)
     _conversations(first, GREEDY, turns=2)
