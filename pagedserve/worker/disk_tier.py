@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -75,7 +76,9 @@ class DiskTier:
         found = []
         for path in self.folder.glob("*" + _SUFFIX):
             try:
-                found.append((path.stat().st_mtime_ns, bytes.fromhex(path.stem)))
+                st = path.stat()
+                if stat.S_ISREG(st.st_mode):
+                    found.append((st.st_mtime_ns, bytes.fromhex(path.stem)))
             except (OSError, ValueError):
                 continue
         return [h for _, h in sorted(found) if len(h) == 16]
@@ -113,6 +116,11 @@ class DiskTier:
         path = self._path(block_hash)
         num_bytes = block.numel() * block.element_size()
         try:
+            # Opening a named pipe would wait for a writer, and every queued read and write
+            # with it.
+            if not stat.S_ISREG(path.stat().st_mode):
+                logger.warning("KV disk tier: miss, %s is not a regular file", path)
+                return False
             # One byte past a block's file tells a longer one; a file of any size under a
             # block's name is never taken into memory whole.
             with open(path, "rb") as f:

@@ -3,6 +3,7 @@ foreign file is a miss with a log line, and its bytes never reach the host block
 
 import errno
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,16 @@ def test_a_huge_file_under_a_block_name_is_a_miss_without_reading_it(tmp_path, c
     with caplog.at_level(logging.WARNING, logger="pagedserve.worker.disk_tier"):
         ok, target = _read(disk)
     assert not ok and not target.any() and "too long" in caplog.text
+
+
+def test_a_fifo_under_a_block_name_is_neither_found_nor_waited_on(tmp_path, caplog):
+    """Opening a named pipe waits for a writer: the disk thread hung on it, and every read and
+    write queued behind, so requests waiting on their prefix's files never started."""
+    disk = DiskTier(tmp_path, _identity())
+    os.mkfifo(disk.folder / (HASH.hex() + ".kvb"))
+    assert DiskTier(tmp_path, _identity()).stored_hashes() == []
+    target = torch.zeros(SHAPE)
+    disk.read(HASH, target)
+    with caplog.at_level(logging.WARNING, logger="pagedserve.worker.disk_tier"):
+        [(_, ok)] = disk.finished_reads(wait_s=5.0)
+    assert not ok and "not a regular file" in caplog.text
