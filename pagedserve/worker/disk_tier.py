@@ -26,6 +26,7 @@ import json
 import os
 import stat
 import struct
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -39,6 +40,10 @@ _MAGIC = b"PSKVBLK1"
 _HEADER = struct.Struct("<8s32s16sQ32s")  # magic, identity, block hash, length, checksum
 HEADER_BYTES = _HEADER.size
 _SUFFIX = ".kvb"
+# Block bytes queued for the disk thread, at most: a disk slower than the host tier's
+# evictions would otherwise grow the queue in host memory without end. A spill past it is
+# dropped, and its block is a miss when read.
+MAX_QUEUED_WRITE_BYTES = 1 << 30
 
 
 def model_identity(model_path: Path, revision: str | None, seed: int | None, dtype: str,
@@ -70,6 +75,9 @@ class DiskTier:
         # One thread: a block's write, read and delete run in the order they were queued.
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-disk")
         self._reads: list[tuple[bytes, Future[bool]]] = []
+        self._queued_write_bytes = 0  # added here, taken off by the disk thread
+        self._queue_lock = threading.Lock()
+        self._dropping = False
 
     def stored_hashes(self) -> list[bytes]:
         """Hashes of the block files present, least recently written first."""
@@ -88,8 +96,26 @@ class DiskTier:
 
     def write(self, block_hash: bytes, block: torch.Tensor) -> None:
         """Queue a file of ``block``'s bytes, taken now (the host block may be reused)."""
+        num_bytes = block.numel() * block.element_size()
+        with self._queue_lock:
+            if self._queued_write_bytes + num_bytes > MAX_QUEUED_WRITE_BYTES:
+                if not self._dropping:  # one line per stretch of drops
+                    logger.warning("KV disk tier: the disk is behind by %d MiB of writes; "
+                                   "blocks are dropped until it catches up",
+                                   self._queued_write_bytes >> 20)
+                self._dropping = True
+                return
+            self._queued_write_bytes += num_bytes
+            self._dropping = False
         payload = block.contiguous().view(torch.uint8).numpy().tobytes()
-        self._io.submit(self._write_file, block_hash, payload)
+        self._io.submit(self._write_queued, block_hash, payload)
+
+    def _write_queued(self, block_hash: bytes, payload: bytes) -> None:
+        try:
+            self._write_file(block_hash, payload)
+        finally:
+            with self._queue_lock:
+                self._queued_write_bytes -= len(payload)
 
     def _write_file(self, block_hash: bytes, payload: bytes) -> None:
         header = _HEADER.pack(_MAGIC, self.identity, block_hash, len(payload),

@@ -4,6 +4,7 @@ foreign file is a miss with a log line, and its bytes never reach the host block
 import errno
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,26 @@ def test_a_fifo_under_a_block_name_is_neither_found_nor_waited_on(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="pagedserve.worker.disk_tier"):
         [(_, ok)] = disk.finished_reads(wait_s=5.0)
     assert not ok and "not a regular file" in caplog.text
+
+
+def test_writes_a_slow_disk_has_not_taken_are_dropped_past_a_bound(tmp_path, monkeypatch,
+                                                                   caplog):
+    """Every spill queued its block's bytes for the disk thread: a disk slower than the host
+    tier's evictions grew the queue, in host memory, without end. Past the bound a spill is
+    dropped (its block is then a miss), and writes resume once the queue drains."""
+    block = torch.randn(SHAPE)
+    monkeypatch.setattr(disk_tier, "MAX_QUEUED_WRITE_BYTES", 3 * block.numel() * 4)
+    disk = DiskTier(tmp_path, _identity())
+    slow = threading.Event()
+    write_file = disk._write_file
+    monkeypatch.setattr(disk, "_write_file", lambda *args: (slow.wait(), write_file(*args)))
+    hashes = [bytes([i]) * 16 for i in range(8)]
+    with caplog.at_level(logging.WARNING, logger="pagedserve.worker.disk_tier"):
+        for block_hash in hashes:
+            disk.write(block_hash, block)
+    slow.set()
+    disk.flush()
+    assert disk.stored_hashes() == hashes[:3] and "dropped" in caplog.text
+    disk.write(hashes[7], block)
+    disk.flush()
+    assert disk.stored_hashes()[-1] == hashes[7]
