@@ -14,7 +14,6 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +28,7 @@ from pagedserve.platforms import DEVICE_NAMES
 from pagedserve.quant.formats import QUANTIZATION_CHOICES
 from pagedserve.quant.linear_method import MatmulNumerics
 from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.user_paths import expand_user
 
 if TYPE_CHECKING:
     from pagedserve.models.config import ModelArchConfig
@@ -403,7 +403,9 @@ def _not_a_folder_to_write(path: str | os.PathLike) -> str | None:
     read-only mount, where root passes ``os.access``)."""
     if not str(path):
         return "is empty; name a folder"
-    target = existing = Path(path).expanduser()
+    target = existing = expand_user(path)
+    if str(target).startswith("~"):  # left as typed: not a user of this host
+        return f"names a home folder this host does not have ({str(target).split('/')[0]})"
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():

@@ -167,6 +167,9 @@ def _disk_tier(folder) -> dict:
     (lambda tmp: "", "is empty"),
     (lambda tmp: tmp / "a_file", "is a file, not a folder"),
     (lambda tmp: tmp / "a_file" / "kv", "cannot be made: .*a_file is not a folder"),
+    # Path.expanduser's RuntimeError was a traceback; left as typed it was a folder "~..." here.
+    (lambda tmp: "~no-such-user-here/kv", r"names a home folder this host does not have "
+                                          r"\(~no-such-user-here\)"),
 ])
 def test_a_disk_tier_folder_that_cannot_be_one_is_refused_before_the_model_loads(tmp_path,
                                                                                  where, why):

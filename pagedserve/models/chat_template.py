@@ -8,9 +8,8 @@ line before any model loads, and every process of the engine gets the same text.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pagedserve.errors import ConfigError
+from pagedserve.user_paths import expand_user
 
 # What marks a value as a template rather than a path: Jinja's statement and expression tags.
 _JINJA_TAGS = ("{%", "{{")
@@ -19,10 +18,10 @@ _JINJA_TAGS = ("{%", "{{")
 def read_chat_template(value: str) -> str:
     """The template's text: the file's, where ``value`` names one, else ``value`` itself if
     it holds Jinja tags; checked for Jinja syntax."""
+    path = expand_user(value)
     try:
-        path = Path(value).expanduser()
         is_file = path.is_file()
-    except (OSError, RuntimeError, ValueError):  # too long a name, ~unknown-user, a NUL
+    except (OSError, ValueError):  # too long a name (an inline template), a NUL
         is_file = False
     if is_file:
         try:

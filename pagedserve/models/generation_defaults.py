@@ -16,6 +16,7 @@ from pathlib import Path
 from pagedserve.errors import ConfigError
 from pagedserve.logger import get_logger
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.user_paths import expand_user
 
 logger = get_logger(__name__)
 
@@ -30,7 +31,7 @@ def check_setting(setting: str) -> None:
     """Raise ``ConfigError`` unless ``setting`` is auto, vllm or a folder with the file."""
     if setting in ("auto", "vllm"):
         return
-    if not (Path(setting).expanduser() / FILE_NAME).is_file():
+    if not (expand_user(setting) / FILE_NAME).is_file():
         raise ConfigError(f"--generation-config: {setting} is neither auto, vllm nor a folder "
                           f"holding a {FILE_NAME}")
 
@@ -41,7 +42,7 @@ def sampling_defaults(setting: str, model_folder: Path) -> dict[str, float | int
     warning: a model's file must not stop it from serving."""
     if setting == "vllm":
         return {}
-    path = (model_folder if setting == "auto" else Path(setting).expanduser()) / FILE_NAME
+    path = (model_folder if setting == "auto" else expand_user(setting)) / FILE_NAME
     if not path.is_file():
         return {}
     try:

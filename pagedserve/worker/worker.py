@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -125,7 +124,7 @@ class Worker:
             dict(quantization=config.quantization, platform=self.platform.name,
                  **dataclasses.asdict(config.matmul_numerics())))
         try:
-            return DiskTier(Path(config.kv_offloading_disk).expanduser(), identity)
+            return DiskTier(expand_user(config.kv_offloading_disk), identity)
         except OSError as exc:
             raise ConfigError(f"--kv-offloading-disk {config.kv_offloading_disk!s}: cannot "
                               f"make its folder: {exc.strerror or exc}") from exc
