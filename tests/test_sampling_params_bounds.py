@@ -1,6 +1,6 @@
 """SamplingParams refuses numbers the engine cannot carry: integers past 64 bits (the engine
 core's msgpack wire and its tensors hold int64) and floats that are not finite or that overflow
-float32, where the sampler computes."""
+float32, where the sampler computes; and more stop strings than every step can search."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedserve.sample.sampler import Sampler
-from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
+from pagedserve.sampling_params import MAX_STOP_STRINGS, InvalidSamplingParam, SamplingParams
 from tests.sample.reference_metadata import build_metadata
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -68,3 +68,10 @@ def test_the_largest_temperature_samples_from_the_unmasked_tokens():
     out = Sampler()(logits, meta)
     assert out.token_ids[:, 0].tolist()[0] in (0, 2, 4, 6)
     assert torch.isfinite(out.logprobs).all()
+
+
+def test_stop_strings_are_bounded():
+    """Each is searched after every token in the loop all requests share."""
+    assert len(SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)]).stop) == 64
+    assert "at most 64 stop strings, got 65" in _refused(
+        "stop", stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)])
