@@ -16,6 +16,12 @@ missing, truncated, too long, corrupt or foreign file as a miss: it logs why, de
 reports the read as failed; the block's bytes are never used. Files are written to a temporary
 name and renamed, so a crash never leaves half a file under a block's name; a write that fails
 (a full disk) deletes its temporary file, and the next engine deletes those a crash left.
+
+A read not done within ``READ_TIMEOUT_S`` (a network mount that stopped answering, or a
+backlog of writes ahead of it) is a miss too: its requests recompute instead of waiting for
+good. It is abandoned, not cancelled: the disk thread may still finish it, so the bytes reach
+the host block only under a lock that the abandoning takes, never after; and until the thread
+gets through anything again, new reads are misses at once.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ import os
 import stat
 import struct
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,6 +52,17 @@ _SUFFIX = ".kvb"
 # evictions would otherwise grow the queue in host memory without end. A spill past it is
 # dropped, and its block is a miss when read.
 MAX_QUEUED_WRITE_BYTES = 1 << 30
+# Seconds a queued read may take before it is a miss (above: why a read may stop answering).
+READ_TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Read:
+    block_hash: bytes
+    queued_at: float
+    future: Future = field(default_factory=Future)
+    copied: bool = False  # its bytes are in the host block (set under the tier's lock)
+    abandoned: bool = False  # reported a miss; its bytes must never reach the block
 
 
 def model_identity(model_path: Path, revision: str | None, seed: int | None, dtype: str,
@@ -74,10 +93,11 @@ class DiskTier:
                 stale.unlink()
         # One thread: a block's write, read and delete run in the order they were queued.
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-disk")
-        self._reads: list[tuple[bytes, Future[bool]]] = []
+        self._reads: list[_Read] = []
         self._queued_write_bytes = 0  # added here, taken off by the disk thread
-        self._queue_lock = threading.Lock()
+        self._lock = threading.Lock()  # the write queue's bytes; a read's copy or abandonment
         self._dropping = False
+        self._stalled = False  # a read was abandoned and the thread has finished nothing since
 
     def stored_hashes(self) -> list[bytes]:
         """Hashes of the block files present, least recently written first."""
@@ -97,7 +117,7 @@ class DiskTier:
     def write(self, block_hash: bytes, block: torch.Tensor) -> None:
         """Queue a file of ``block``'s bytes, taken now (the host block may be reused)."""
         num_bytes = block.numel() * block.element_size()
-        with self._queue_lock:
+        with self._lock:
             if self._queued_write_bytes + num_bytes > MAX_QUEUED_WRITE_BYTES:
                 if not self._dropping:  # one line per stretch of drops
                     logger.warning("KV disk tier: the disk is behind by %d MiB of writes; "
@@ -114,8 +134,9 @@ class DiskTier:
         try:
             self._write_file(block_hash, payload)
         finally:
-            with self._queue_lock:
+            with self._lock:
                 self._queued_write_bytes -= len(payload)
+            self._stalled = False
 
     def _write_file(self, block_hash: bytes, payload: bytes) -> None:
         header = _HEADER.pack(_MAGIC, self.identity, block_hash, len(payload),
@@ -136,9 +157,23 @@ class DiskTier:
     def read(self, block_hash: bytes, block: torch.Tensor) -> None:
         """Queue a read of ``block_hash``'s file into the host block ``block``; its outcome
         comes back from ``finished_reads``."""
-        self._reads.append((block_hash, self._io.submit(self._read_file, block_hash, block)))
+        read = _Read(block_hash, time.monotonic())
+        if self._stalled:  # it would wait behind the read the disk has not answered
+            read.future.set_result(False)
+        else:
+            self._io.submit(self._read_queued, read, block)
+        self._reads.append(read)
 
-    def _read_file(self, block_hash: bytes, block: torch.Tensor) -> bool:
+    def _read_queued(self, read: _Read, block: torch.Tensor) -> None:
+        try:
+            read.future.set_result(self._read_file(read, block))
+        except BaseException as exc:
+            read.future.set_exception(exc)
+        finally:
+            self._stalled = False
+
+    def _read_file(self, read: _Read, block: torch.Tensor) -> bool:
+        block_hash = read.block_hash
         path = self._path(block_hash)
         num_bytes = block.numel() * block.element_size()
         try:
@@ -161,7 +196,11 @@ class DiskTier:
                 path.unlink()
             return False
         payload = torch.frombuffer(bytearray(data[HEADER_BYTES:]), dtype=torch.uint8)
-        block.view(torch.uint8).view(-1).copy_(payload)
+        with self._lock:
+            if read.abandoned:  # reported a miss: the host block may hold another's bytes
+                return False
+            block.view(torch.uint8).view(-1).copy_(payload)
+            read.copied = True
         return True
 
     def _check(self, data: bytes, block_hash: bytes, num_bytes: int) -> str | None:
@@ -186,19 +225,36 @@ class DiskTier:
         self._io.submit(self._path(block_hash).unlink, missing_ok=True)
 
     def finished_reads(self, wait_s: float = 0.0) -> list[tuple[bytes, bool]]:
-        """(hash, whether it checked out) of each read done since the last call, after
-        waiting up to ``wait_s`` for the first one while some are under way."""
+        """(hash, whether it checked out) of each read done since the last call, and a miss
+        for each queued longer than ``READ_TIMEOUT_S``, after waiting up to ``wait_s`` for
+        the first one while some are under way."""
         if wait_s and self._reads:
-            wait([f for _, f in self._reads], timeout=wait_s, return_when="FIRST_COMPLETED")
-        done, pending = [], []
-        for block_hash, future in self._reads:
-            (done if future.done() else pending).append((block_hash, future))
+            wait([r.future for r in self._reads], timeout=wait_s, return_when="FIRST_COMPLETED")
+        finished, pending = [], []
+        late = time.monotonic() - READ_TIMEOUT_S
+        for read in self._reads:
+            if read.future.done():
+                finished.append((read.block_hash, read.future.result()))
+            elif read.queued_at < late and self._abandon(read):
+                finished.append((read.block_hash, False))
+            else:
+                pending.append(read)
         self._reads = pending
-        return [(block_hash, future.result()) for block_hash, future in done]
+        return finished
+
+    def _abandon(self, read: _Read) -> bool:
+        """Make ``read`` a miss unless its bytes are already in the block (its result is
+        then moments away: it stays pending)."""
+        with self._lock:
+            if read.copied:
+                return False
+            read.abandoned = True
+        if not self._stalled:  # one line per stall
+            logger.warning("KV disk tier: a read has waited %.0f s for the disk; reads are "
+                           "misses until it answers", READ_TIMEOUT_S)
+        self._stalled = True
+        return True
 
     def flush(self) -> None:
         """Wait for every queued write, read and delete."""
         self._io.submit(lambda: None).result()
-
-    def close(self) -> None:
-        self._io.shutdown(wait=True)

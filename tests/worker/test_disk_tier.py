@@ -218,3 +218,29 @@ def test_writes_a_slow_disk_has_not_taken_are_dropped_past_a_bound(tmp_path, mon
     disk.write(hashes[7], block)
     disk.flush()
     assert disk.stored_hashes()[-1] == hashes[7]
+
+
+def test_a_read_the_disk_does_not_answer_is_a_miss_and_never_lands(tmp_path, monkeypatch,
+                                                                    caplog):
+    """A hung disk (a network mount) held its reads, and the requests waiting on them, for
+    good. Past the timeout the read is a miss; the thread may still finish it, but its bytes
+    must not reach the host block, which the KV manager has given to another block by then.
+    Until the disk answers again, new reads are misses at once; then reads work again."""
+    disk, block = _written(tmp_path)
+    monkeypatch.setattr(disk_tier, "READ_TIMEOUT_S", 0.2)
+    answer = threading.Event()
+    monkeypatch.setattr(disk_tier, "open", lambda *args: (answer.wait(), open(*args))[1],
+                        raising=False)
+    target = torch.full(SHAPE, -7.0)  # the next owner's bytes
+    with caplog.at_level(logging.WARNING, logger="pagedserve.worker.disk_tier"):
+        disk.read(HASH, target)
+        assert disk.finished_reads() == []  # under way
+        assert disk.finished_reads(wait_s=0.5) == [(HASH, False)]
+    assert "waited" in caplog.text
+    disk.read(OTHER, torch.zeros(SHAPE))
+    assert disk.finished_reads() == [(OTHER, False)]  # not queued behind the hung one
+    answer.set()
+    disk.flush()
+    assert torch.equal(target, torch.full(SHAPE, -7.0))
+    ok, again = _read(disk)
+    assert ok and torch.equal(again, block)
