@@ -109,7 +109,7 @@ def test_health_answers_while_a_request_is_being_tokenized(path, body, status):
     tokenizer = _GatedTokenizer()
     engine = SimpleNamespace(
         facts=SimpleNamespace(model_name="model", limits=SimpleNamespace(max_model_len=64),
-                              lora=None),
+                              lora=None, sampling_defaults={}),
         tokenizer=tokenizer, is_running=True, stats=None, add_requests=_refuse)
     app = create_app([engine])
 

@@ -39,7 +39,7 @@ def test_a_schema_over_the_compile_budget_gets_a_400(server):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
-    assert error["param"] == "structured_outputs"
+    assert error["param"] == "response_format"  # the field the client sent
     assert "did not compile within 10 s (--max-grammar-compile-seconds)" in error["message"]
 
 
@@ -70,11 +70,11 @@ def test_a_schema_that_accepts_nothing_gets_a_400(server):
     response = httpx.post(url, json=_body(schema), timeout=HTTP_TIMEOUT_S)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == "structured_outputs" and "accepts no output" in error["message"]
+    assert error["param"] == "response_format" and "accepts no output" in error["message"]
     streamed = httpx.post(url, json={**_body(schema), "stream": True}, timeout=HTTP_TIMEOUT_S)
     events = [json.loads(line[6:]) for line in streamed.text.splitlines()
               if line.startswith("data: {")]
     last = events[-1]["error"]
     assert (last["type"], last["param"], last["message"]) == (
-        "invalid_request_error", "structured_outputs", error["message"])
+        "invalid_request_error", "response_format", error["message"])
     assert '"finish_reason":"' not in streamed.text  # no choice ended before the error
