@@ -15,6 +15,12 @@ _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 # OpenAI's json_object promises an object; xgrammar's builtin JSON grammar also allows a
 # top-level array or scalar. Compiled as this schema instead, as vLLM does.
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# xgrammar 0.2.8 writes the characters of a length-bounded string (minLength, maxLength) as
+# ``[^"\\\r\n]``, which lets raw control characters through, and JSON has none: a random
+# model's output failed json.loads. Such a rule gets the class of xgrammar's other strings.
+_BOUNDED_CHARACTERS = re.compile(r'^(\S+_characters ::= \(\()\[\^\\"\\\\\\r\\n\](\)\))$',
+                                 re.MULTILINE)
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
 
 
 class GrammarSpec(NamedTuple):
@@ -49,7 +55,8 @@ def to_grammar(spec: GrammarSpec):
     try:
         if spec.kind in ("json", "json_object"):
             # No free whitespace between tokens: a small model would otherwise pad forever.
-            return xgr.Grammar.from_json_schema(spec.text, any_whitespace=False)
+            grammar = xgr.Grammar.from_json_schema(spec.text, any_whitespace=False)
+            return _without_raw_control_characters(grammar)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.text)
         return xgr.Grammar.from_ebnf(spec.text)
@@ -58,6 +65,14 @@ def to_grammar(spec: GrammarSpec):
         raise InvalidSamplingParam(
             "structured_outputs", f"invalid {spec.kind} for structured output: {message}"
         ) from None
+
+
+def _without_raw_control_characters(grammar):
+    import xgrammar as xgr
+
+    text, count = _BOUNDED_CHARACTERS.subn(
+        lambda m: m[1] + _JSON_STRING_CHARACTER + m[2], str(grammar))
+    return xgr.Grammar.from_ebnf(text) if count else grammar
 
 
 def check(spec: GrammarSpec, max_bytes: int) -> None:

@@ -1,0 +1,51 @@
+"""JSON schemas as grammars: what xgrammar's converter gets wrong is fixed or refused here, so a
+constrained output is always JSON that its schema accepts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+
+from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.structured.spec import grammar_spec, to_grammar
+
+
+@pytest.fixture(scope="module")
+def compiler(default_model_folder):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_folder)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, stop_token_ids=[tokenizer.eos_token_id])
+    return xgr.GrammarCompiler(info)
+
+
+def _accepts(compiler, schema: dict, text: str) -> bool:
+    """Whether ``schema``'s grammar, compiled from the EBNF text the compile workers get,
+    accepts the whole of ``text``."""
+    ebnf = str(to_grammar(grammar_spec(StructuredOutputsParams(json=schema))))
+    matcher = xgr.GrammarMatcher(compiler.compile_grammar(ebnf))
+    return matcher.accept_string(text) and matcher.is_completed()
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "maxLength": 8},
+    {"type": "string", "minLength": 1},
+    {"type": "object", "properties": {"a": {"type": "string", "minLength": 1, "maxLength": 8}},
+     "required": ["a"]},
+])
+def test_bounded_strings_hold_no_raw_control_characters(compiler, schema):
+    """xgrammar 0.2.8 writes a length-bounded string's characters as ``[^"\\\r\n]``, which
+    lets a raw tab, NUL or escape character through: a random model wrote them, and the output
+    was not JSON (json.loads: "Invalid control character")."""
+    def value(s: str) -> str:
+        return json.dumps({"a": s} if schema["type"] == "object" else s, ensure_ascii=False)
+
+    assert _accepts(compiler, schema, value("ok \u00e9"))
+    for bad in ["a\tb", "a\x00b", "a\x1bb", "a\x7f\x01"]:
+        text = value("").replace('""', f'"{bad}"')  # the raw characters, unescaped
+        with pytest.raises(ValueError):
+            json.loads(text)
+        assert not _accepts(compiler, schema, text), repr(text)
+
