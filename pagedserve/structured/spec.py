@@ -9,6 +9,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from pagedserve.sampling_params import InvalidSamplingParam, StructuredOutputsParams
+from pagedserve.structured.schema_check import unsupported_keyword
 
 # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:line: ".
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -52,6 +53,8 @@ def to_grammar(spec: GrammarSpec):
     library's own message for a bad schema, regex or grammar."""
     import xgrammar as xgr
 
+    if spec.kind == "json":
+        _check_keywords(spec.text)
     try:
         if spec.kind in ("json", "json_object"):
             # No free whitespace between tokens: a small model would otherwise pad forever.
@@ -65,6 +68,17 @@ def to_grammar(spec: GrammarSpec):
         raise InvalidSamplingParam(
             "structured_outputs", f"invalid {spec.kind} for structured output: {message}"
         ) from None
+
+
+def _check_keywords(text: str) -> None:
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return  # xgrammar names the error
+    problem = unsupported_keyword(schema)
+    if problem is not None:
+        raise InvalidSamplingParam("structured_outputs",
+                                   f"invalid json for structured output: {problem}")
 
 
 def _without_raw_control_characters(grammar):

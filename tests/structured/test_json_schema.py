@@ -8,8 +8,8 @@ import json
 import pytest
 import xgrammar as xgr
 
-from pagedserve.sampling_params import StructuredOutputsParams
-from pagedserve.structured.spec import grammar_spec, to_grammar
+from pagedserve.sampling_params import InvalidSamplingParam, StructuredOutputsParams
+from pagedserve.structured.spec import check, grammar_spec, to_grammar
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +49,44 @@ def test_bounded_strings_hold_no_raw_control_characters(compiler, schema):
             json.loads(text)
         assert not _accepts(compiler, schema, text), repr(text)
 
+
+_INT = {"type": "integer", "minimum": 0, "maximum": 9}
+
+
+@pytest.mark.parametrize(("schema", "words"), [
+    ({"not": {}}, ['"not"', "at the schema"]),
+    ({"type": "object", "properties": {"a": _INT}, "dependentRequired": {"a": ["b"]}},
+     ['"dependentRequired"']),
+    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, ['"if"']),
+    ({"type": "object", "propertyNames": {"maxLength": 1}}, ['"propertyNames"']),
+    ({"type": "array", "items": _INT, "uniqueItems": True}, ['"uniqueItems"']),
+    ({"type": "array", "contains": {"const": 1}}, ['"contains"']),
+    ({"type": "object", "properties": {"a": {"type": "object", "unevaluatedProperties": False}}},
+     ['"unevaluatedProperties"', "at the schema.properties.a"]),
+    ({"allOf": [{"type": "integer"}, {"maximum": 5}]}, ['"allOf" of more than one schema']),
+    ({"type": "object", "properties": {"a": _INT}, "allOf": [{"required": ["a"]}]},
+     ['"type" beside "allOf"']),
+    ({"anyOf": [{"type": "integer"}], "minimum": 3}, ['"minimum" beside "anyOf"']),
+    ({"$ref": "http://example.com/s.json"}, ['"$ref" to another document']),
+    ({"type": "array", "items": {"$dynamicRef": "#node"}}, ['"$dynamicRef"', "schema.items"]),
+])
+def test_keywords_the_grammar_would_ignore_are_refused(schema, words):
+    """xgrammar 0.2.8 compiles these as if absent (``{"not": {}}`` wrote ``true``, an
+    ``allOf`` of two schemas any JSON value at all): each is refused, naming it and where."""
+    with pytest.raises(InvalidSamplingParam) as info:
+        check(grammar_spec(StructuredOutputsParams(json=schema)), 1 << 16)
+    assert info.value.param == "structured_outputs"
+    message = str(info.value)
+    assert all(w in message for w in words), message
+
+
+@pytest.mark.parametrize("schema", [
+    {"allOf": [{"type": "integer"}], "description": "an annotation beside it"},
+    {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "T"},
+    {"$defs": {"a": _INT}, "$ref": "#/$defs/a"},
+    {"type": "array", "items": _INT, "uniqueItems": False},
+    {"type": "object", "properties": {"not": _INT, "if": {"type": "string"}}},
+    {"type": "object", "unevaluatedProperties": True, "enum": [{"contains": 1}]},
+])
+def test_schemas_the_grammar_enforces_pass(schema):
+    check(grammar_spec(StructuredOutputsParams(json=schema)), 1 << 16)
