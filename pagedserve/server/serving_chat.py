@@ -99,7 +99,7 @@ class ChatServing:
         message = AssistantMessage(content=parsed.content, tool_calls=calls)
         return ChatChoice(index=out.index, message=message,
                           logprobs=_logprobs(request, out.token_ids, out.logprobs, token_bytes),
-                          finish_reason=_finish_reason(out.finish_reason, bool(calls)),
+                          finish_reason=_finish_reason(plan, out, bool(calls)),
                           stop_reason=out.stop_reason)
 
     async def _stream(self, name: str, request: ChatCompletionRequest, plan: ToolPlan,
@@ -208,13 +208,17 @@ def _tool_delta(request: ChatCompletionRequest, out: CompletionOutput, sent: Cho
     delta = stream.delta(out.text, out.finished)
     if not delta and not out.finished:
         return None
-    return choice_dict(out.index, _finish_reason(out.finish_reason, stream.called),
+    return choice_dict(out.index, _finish_reason(stream.plan, out, stream.called),
                        out.stop_reason, _logprobs_since(request, out, sent, token_bytes),
                        delta=delta)
 
 
-def _finish_reason(reason: str | None, called: bool) -> str | None:
-    return "tool_calls" if called and reason == "stop" else reason
+def _finish_reason(plan: ToolPlan, out: CompletionOutput, called: bool) -> str | None:
+    """"tool_calls" for an output with calls that ended by itself. A stop string that ended a
+    grammar-enforced one (named, required) cut its calls short, as ``max_tokens`` does: that
+    stays "stop", with the string as ``stop_reason``."""
+    cut = isinstance(out.stop_reason, str) and plan.mode in ("named", "required")
+    return "tool_calls" if called and out.finish_reason == "stop" and not cut else out.finish_reason
 
 
 def _with_tool_constraint(params: SamplingParams, plan: ToolPlan) -> SamplingParams:

@@ -133,3 +133,21 @@ def test_required_output_cut_anywhere_parses_to_its_calls(text, calls):
     assert "content" not in delta
     assert [(d["function"]["name"], d["function"]["arguments"])
             for d in delta.get("tool_calls", [])] == calls
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(("tool_choice", "stop"), [(NAMED, '"'), ("required", '"parameters"')],
+                         ids=["named", "required"])
+def test_a_stop_string_inside_an_enforced_call_is_no_finished_call(server, stream, tool_choice,
+                                                                   stop):
+    """A stop string cuts a grammar-enforced output where it appears: the arguments are as
+    incomplete as a ``max_tokens`` cut's, so ``finish_reason`` stays ``"stop"`` (with the
+    string as ``stop_reason``); ``"tool_calls"`` told the client the call was whole."""
+    kwargs = dict(tool_choice=tool_choice, stop=[stop])  # before the arguments are whole
+    if stream:
+        _, _, reason = _streamed(server, ROOM, **kwargs)
+    else:
+        choice = _create(server, ROOM, **kwargs).choices[0]
+        reason = choice.finish_reason
+        assert choice.model_extra["stop_reason"] == stop
+    assert reason == "stop"
