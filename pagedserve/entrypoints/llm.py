@@ -104,11 +104,13 @@ class LLM:
         messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate. ``tools``
+        """Apply the tokenizer's chat template to each conversation, then generate. The first
+        four arguments are vLLM's, in its order; the rest are keyword-only. ``tools``
         (OpenAI's form, ``{"type": "function", "function": {...}}``) go to the template, which
         describes them to the model as its family expects; messages may hold ``role: tool``
         results and assistant ``tool_calls``."""
