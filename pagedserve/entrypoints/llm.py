@@ -107,25 +107,33 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate. The first
         four arguments are vLLM's, in its order; the rest are keyword-only. ``tools``
         (OpenAI's form, ``{"type": "function", "function": {...}}``) go to the template, which
         describes them to the model as its family expects; messages may hold ``role: tool``
-        results and assistant ``tool_calls``."""
+        results and assistant ``tool_calls``. ``continue_final_message`` (with
+        ``add_generation_prompt=False``) ends the prompt with the last message's text, so the
+        model continues that turn."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not isinstance(conversations, list) or not all(isinstance(c, list)
                                                           for c in conversations):
             raise TypeError("messages must be a list of message dicts, or a list of such "
                             f"lists; got {messages!r:.80}")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "true; pass add_generation_prompt=False to continue the final "
+                             "message")
         if self.engine.tokenizer.chat_template is None:
             raise ValueError(f"LLM.chat: the model {self.engine.model_name} has no chat "
                              "template; use LLM.generate with the prompt text")
         prompts = [
             self.engine.tokenizer.apply_chat_template(
                 _template_messages(conv), tools=tools, tokenize=False,
-                add_generation_prompt=add_generation_prompt)
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message)
             for conv in conversations
         ]
         # The template already holds any BOS token; tokenize without adding another.

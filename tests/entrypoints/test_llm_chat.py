@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 
+import jinja2
 import pytest
 
 from pagedserve import LLM, SamplingParams
@@ -38,4 +39,22 @@ def test_the_fourth_argument_is_the_lora_request_as_in_vllm(llm):
     keyword_only = {name for name, p in inspect.signature(LLM.chat).parameters.items()
                     if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert keyword_only >= {"add_generation_prompt", "tools"}
+    assert_pools_full(llm.engine.kv)
+
+
+def test_continue_final_message_extends_the_assistants_turn(llm):
+    """The prompt ends with the final message's text, with nothing the template writes after
+    it (vLLM's argument, which transformers implements)."""
+    messages = MESSAGES + [{"role": "assistant", "content": "The answer is"}]
+    out = llm.chat(messages, GREEDY, use_tqdm=False, add_generation_prompt=False,
+                   continue_final_message=True)[0]
+    rendered = jinja2.Template(TEMPLATE).render(messages=messages, add_generation_prompt=False)
+    assert rendered.endswith("[ASSISTANT] The answer is\n")
+    assert out.prompt_token_ids == _prompt_ids(llm, rendered.removesuffix("\n"))
+
+
+def test_continue_final_message_with_a_generation_prompt_is_refused(llm):
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt "
+                                         "cannot both be true"):
+        llm.chat(MESSAGES, GREEDY, use_tqdm=False, continue_final_message=True)
     assert_pools_full(llm.engine.kv)
