@@ -9,6 +9,7 @@ from typing import Any
 from pagedserve.config import OPTION_NAMES, EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.lora.request import LoRARequest
+from pagedserve.models.chat_template import read_chat_template
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -106,40 +107,51 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         *,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate. The first
-        four arguments are vLLM's, in its order; the rest are keyword-only. ``tools``
-        (OpenAI's form, ``{"type": "function", "function": {...}}``) go to the template, which
-        describes them to the model as its family expects; messages may hold ``role: tool``
-        results and assistant ``tool_calls``. ``continue_final_message`` (with
+        """Apply the chat template to each conversation, then generate. The first four
+        arguments are vLLM's, in its order; the rest are keyword-only. ``chat_template`` (its
+        text, or a file as ``--chat-template`` takes) replaces the engine's for this call;
+        ``chat_template_kwargs`` are more variables for the template (``enable_thinking``).
+        ``tools`` (OpenAI's form, ``{"type": "function", "function": {...}}``) go to the
+        template, which describes them to the model as its family expects; messages may hold
+        ``role: tool`` results and assistant ``tool_calls``. ``continue_final_message`` (with
         ``add_generation_prompt=False``) ends the prompt with the last message's text, so the
         model continues that turn."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if not isinstance(conversations, list) or not all(isinstance(c, list)
-                                                          for c in conversations):
-            raise TypeError("messages must be a list of message dicts, or a list of such "
-                            f"lists; got {messages!r:.80}")
+        conversations = _conversations(messages)
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be "
                              "true; pass add_generation_prompt=False to continue the final "
                              "message")
-        if self.engine.tokenizer.chat_template is None:
-            raise ValueError(f"LLM.chat: the model {self.engine.model_name} has no chat "
-                             "template; use LLM.generate with the prompt text")
-        prompts = [
-            self.engine.tokenizer.apply_chat_template(
-                _template_messages(conv), tools=tools, tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message)
+        options = dict(_template_kwargs(chat_template_kwargs),
+                       chat_template=self._chat_template(chat_template), tools=tools,
+                       add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message)
+        tokenizer = self.engine.tokenizer
+        # The template already holds any BOS token; tokenize without adding another.
+        token_lists = [
+            tokenizer.encode(tokenizer.apply_chat_template(
+                _template_messages(conv), tokenize=False, **options), add_special_tokens=False)
             for conv in conversations
         ]
-        # The template already holds any BOS token; tokenize without adding another.
-        token_lists = [self.engine.tokenizer.encode(p, add_special_tokens=False)
-                       for p in prompts]
         return self.generate(token_lists, sampling_params, use_tqdm, lora_request)
+
+    def _chat_template(self, chat_template: Any) -> str | None:
+        """The text of the call's template, or None for the engine's (which must exist)."""
+        if chat_template is None:
+            if self.engine.tokenizer.chat_template is None:
+                raise ValueError(f"LLM.chat: the model {self.engine.model_name} has no chat "
+                                 "template; pass chat_template=, or use LLM.generate with "
+                                 "the prompt text")
+            return None
+        if not isinstance(chat_template, str):
+            raise TypeError("chat_template must be a Jinja template's text or its file, got "
+                            f"{chat_template!r:.80}")
+        return read_chat_template(chat_template, name="chat_template")
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         """Step until every request has finished; any exception on the way (a failed step,
@@ -208,6 +220,35 @@ def _prompt(prompt: Any) -> str | list[int]:
             all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
         return list(prompt)
     raise TypeError(f"a prompt must be {_PROMPT_FORMS}; got {prompt!r:.80}")
+
+
+def _conversations(messages: Any) -> list[ChatMessages]:
+    conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+    if not isinstance(conversations, list) or not all(isinstance(c, list)
+                                                      for c in conversations):
+        raise TypeError("messages must be a list of message dicts, or a list of such lists; "
+                        f"got {messages!r:.80}")
+    return conversations
+
+
+# apply_chat_template's own arguments, which chat_template_kwargs may not set.
+_TEMPLATE_ARGUMENTS = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"))
+
+
+def _template_kwargs(kwargs: Any) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError("chat_template_kwargs must be a dict of variable names to values, got "
+                        f"{kwargs!r:.80}")
+    taken = sorted(_TEMPLATE_ARGUMENTS.intersection(kwargs))
+    if taken:
+        raise ValueError(f"chat_template_kwargs: {taken[0]} is LLM.chat's own argument (or "
+                         "the tokenizer's), not a template variable")
+    return kwargs
 
 
 def _template_messages(messages: ChatMessages) -> ChatMessages:

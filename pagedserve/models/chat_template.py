@@ -15,9 +15,10 @@ from pagedserve.user_paths import expand_user
 _JINJA_TAGS = ("{%", "{{")
 
 
-def read_chat_template(value: str) -> str:
+def read_chat_template(value: str, name: str = "--chat-template") -> str:
     """The template's text: the file's, where ``value`` names one, else ``value`` itself if
-    it holds Jinja tags; checked for Jinja syntax."""
+    it holds Jinja tags; checked for Jinja syntax. Errors name ``name`` (the flag, or
+    ``LLM.chat``'s argument)."""
     path = expand_user(value)
     try:
         is_file = path.is_file()
@@ -27,16 +28,16 @@ def read_chat_template(value: str) -> str:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"--chat-template: cannot read {value}: {exc}") from exc
+            raise ConfigError(f"{name}: cannot read {value}: {exc}") from exc
     elif _has_tags(value):
         text = value
     else:
-        raise ConfigError(f"--chat-template: {value!r:.200} is neither a file nor a Jinja "
+        raise ConfigError(f"{name}: {value!r:.200} is neither a file nor a Jinja "
                           "template")
     if not _has_tags(text):  # it would render no message; and its text must read as inline
-        raise ConfigError(f"--chat-template: {value} holds no Jinja tag "
+        raise ConfigError(f"{name}: {value} holds no Jinja tag "
                           f"({' or '.join(_JINJA_TAGS)})")
-    _check_syntax(text, value if is_file else "the inline template")
+    _check_syntax(text, f"{name}: {value}" if is_file else f"{name}: the inline template")
     return text
 
 
@@ -52,5 +53,5 @@ def _check_syntax(text: str, where: str) -> None:
     try:
         environment.parse(text)
     except jinja2.TemplateSyntaxError as exc:
-        raise ConfigError(f"--chat-template: {where} is not a valid Jinja template "
+        raise ConfigError(f"{where} is not a valid Jinja template "
                           f"(line {exc.lineno}: {exc.message})") from exc

@@ -58,3 +58,39 @@ def test_continue_final_message_with_a_generation_prompt_is_refused(llm):
                                          "cannot both be true"):
         llm.chat(MESSAGES, GREEDY, use_tqdm=False, continue_final_message=True)
     assert_pools_full(llm.engine.kv)
+
+
+OTHER_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                  "{% if add_generation_prompt %}<assistant>{% endif %}"
+                  "{% if enable_thinking %}<think>{% endif %}")
+
+
+def test_a_chat_template_given_to_the_call_replaces_the_engines(llm):
+    out = llm.chat(MESSAGES, GREEDY, use_tqdm=False, chat_template=OTHER_TEMPLATE)[0]
+    rendered = jinja2.Template(OTHER_TEMPLATE).render(messages=MESSAGES,
+                                                      add_generation_prompt=True)
+    assert rendered == "<user>hello<assistant>"
+    assert out.prompt_token_ids == _prompt_ids(llm, rendered)
+
+
+def test_chat_template_kwargs_reach_the_template(llm):
+    """vLLM's way to set a template's own switches (Qwen3's ``enable_thinking``)."""
+    out = llm.chat(MESSAGES, GREEDY, use_tqdm=False, chat_template=OTHER_TEMPLATE,
+                   chat_template_kwargs={"enable_thinking": True})[0]
+    assert out.prompt_token_ids == _prompt_ids(llm, "<user>hello<assistant><think>")
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(chat_template="{% for m in messages %}"), ValueError,
+     r"^chat_template: the inline template is not a valid Jinja template \(line 1"),
+    (dict(chat_template=3), TypeError, "chat_template must be"),
+    (dict(chat_template_kwargs=["enable_thinking"]), TypeError,
+     "chat_template_kwargs must be a dict"),
+    (dict(chat_template_kwargs={"add_generation_prompt": False}), ValueError,
+     "chat_template_kwargs: add_generation_prompt is LLM.chat's own argument"),
+], ids=["syntax", "not-text", "kwargs-list", "kwargs-own-argument"])
+def test_a_bad_template_or_template_kwargs_is_named(llm, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        llm.chat(MESSAGES, GREEDY, use_tqdm=False, **kwargs)
+    assert_pools_full(llm.engine.kv)
+    assert llm.chat(MESSAGES, GREEDY, use_tqdm=False)[0].outputs[0].token_ids

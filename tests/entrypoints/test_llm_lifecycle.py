@@ -159,8 +159,8 @@ def test_a_prompt_or_argument_of_the_wrong_type_is_a_type_error(llm, call, error
 def test_chat_on_a_model_without_a_chat_template_says_so(llm):
     """transformers' own error spoke of tokenizer.chat_template and a template argument that
     LLM.chat does not take."""
-    with pytest.raises(ValueError, match="^LLM.chat: the model .* has no chat template; use "
-                                         "LLM.generate"):
+    with pytest.raises(ValueError, match="^LLM.chat: the model .* has no chat template; pass "
+                                         "chat_template=, or use LLM.generate"):
         llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
     _assert_idle(llm.engine)
 
