@@ -17,7 +17,8 @@ _MIN_REPETITION_PENALTY = 0.01
 # OpenAI takes 4; the clients that send more (evaluation harnesses) send a handful.
 MAX_STOP_STRINGS = 64
 # The engine core's wire (msgpack) and the sampler's tensors carry integers of 64 bits.
-_INT64_FIELDS = ("n", "best_of", "top_k", "max_tokens", "min_tokens", "seed")
+_INT64_FIELDS = ("n", "best_of", "top_k", "max_tokens", "min_tokens", "seed",
+                 "truncate_prompt_tokens")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # The sampler divides float32 logits by the temperature: a larger one is inf there, and a
 # masked (-inf) logit divided by inf is NaN.
@@ -99,6 +100,9 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Keep only the prompt's last k tokens (vLLM's); -1: as many as the context window leaves
+    # room for, with one token to generate.
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, no text (and no stop strings)
     # "cumulative": a RequestOutput every step the request advances, holding everything so far;
@@ -167,6 +171,10 @@ class SamplingParams:
              f"logprobs must be in [0, 20], got {self.logprobs}"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
              f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
+            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
+             or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
+             f"truncate_prompt_tokens must be -1 or at least 1, got "
+             f"{self.truncate_prompt_tokens}"),
             (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
             (self.output_kind in ("cumulative", "delta", "final_only"), "output_kind",
              f"output_kind must be cumulative, delta or final_only, got {self.output_kind!r}"),
