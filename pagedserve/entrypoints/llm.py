@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedserve.config import OPTION_NAMES, EngineConfig
@@ -61,11 +61,12 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs keep input order.
         ``lora_request``: one adapter for every prompt, or one (or None) per prompt."""
+        _check_use_tqdm(use_tqdm)
         prompt_list = _as_prompt_list(prompts)
         loras = _per_prompt(lora_request, len(prompt_list))
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -88,7 +89,7 @@ class LLM:
         length_penalty: float = 1.0,
         early_stopping: bool | str = False,
         ignore_eos: bool = False,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Beam search as in HF transformers; each output lists all ``beam_width`` finished
         beams, best first."""
@@ -104,7 +105,7 @@ class LLM:
         self,
         messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         *,
         chat_template: str | None = None,
@@ -153,14 +154,14 @@ class LLM:
                             f"{chat_template!r:.80}")
         return read_chat_template(chat_template, name="chat_template")
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str],
+             use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         """Step until every request has finished; any exception on the way (a failed step,
         a KeyboardInterrupt) aborts the batch, so the engine is left with none of it."""
         finished: dict[str, RequestOutput] = {}
         bar = None
         try:
-            if use_tqdm and len(request_ids) > 1:
-                bar = _progress_bar(len(request_ids))
+            bar = _progress_bar(use_tqdm, len(request_ids))
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:
@@ -273,7 +274,17 @@ def _template_messages(messages: ChatMessages) -> ChatMessages:
     return out
 
 
-def _progress_bar(total: int):
-    from tqdm import tqdm
+def _check_use_tqdm(use_tqdm: Any) -> None:
+    if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+        raise TypeError("use_tqdm must be a bool or a tqdm-like callable (vLLM's forms), got "
+                        f"{use_tqdm!r:.80}")
 
-    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)
+
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int):
+    """The batch's bar: none when off, or for a single request unless the caller gave a
+    class (or factory) of its own, which is called as tqdm is."""
+    if use_tqdm is False or (use_tqdm is True and total < 2):
+        return None
+    if use_tqdm is True:
+        from tqdm import tqdm as use_tqdm
+    return use_tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)

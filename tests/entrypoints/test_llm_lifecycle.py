@@ -186,3 +186,38 @@ def test_chat_content_parts_are_joined_and_bad_messages_named():
                        ({"role": "user", "content": 3}, "must be a str")):
         with pytest.raises(ValueError, match=error):
             _template_messages([bad])
+
+
+# ---- use_tqdm as vLLM takes it: a flag, or a tqdm-like class to build the bar with --------
+def test_use_tqdm_may_be_the_bar_class_to_use(llm, expected):
+    from tqdm import tqdm
+
+    bars, updates = [], []
+
+    class Recording(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, disable=True, **kwargs)
+            bars.append(self)
+
+        def update(self, n=1):
+            updates.append(n)
+
+    assert [c.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=Recording)
+            for c in o.outputs] == expected
+    assert len(bars) == 1 and bars[0].total == len(PROMPTS) and sum(updates) == len(PROMPTS)
+    with pytest.raises(TypeError, match="use_tqdm must be a bool or a tqdm-like callable"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm="yes")  # type: ignore[arg-type]
+    _assert_idle(llm.engine)
+
+
+def test_a_progress_callback_that_raises_aborts_the_batch(llm, expected):
+    from tqdm import tqdm
+
+    class Failing(tqdm):
+        def update(self, n=1):
+            raise RuntimeError("progress callback failed")
+
+    with pytest.raises(RuntimeError, match="progress callback failed"):
+        llm.generate(PROMPTS, LONG, use_tqdm=lambda **kwargs: Failing(disable=True, **kwargs))
+    _assert_idle(llm.engine)
+    assert _tokens(llm, PROMPTS, GREEDY) == expected
