@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -205,7 +206,7 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be {_PROMPT_FORMS}, or a list of them; got "
                         f"{prompts!r:.80}")
-    if prompts and isinstance(prompts[0], int):
+    if prompts and _is_token_id(prompts[0]):
         return [_prompt(list(prompts))]  # one prompt given as token ids
     return [_prompt(p) for p in prompts]
 
@@ -217,9 +218,8 @@ def _prompt(prompt: Any) -> str | list[int]:
         prompt = prompt["prompt_token_ids"]
     if isinstance(prompt, str):
         return prompt
-    if (isinstance(prompt, (list, tuple)) and
-            all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
-        return list(prompt)
+    if isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt):
+        return [int(t) for t in prompt]  # numpy's integers as Python's
     raise TypeError(f"a prompt must be {_PROMPT_FORMS}; got {prompt!r:.80}")
 
 
@@ -250,6 +250,10 @@ def _template_kwargs(kwargs: Any) -> dict[str, Any]:
         raise ValueError(f"chat_template_kwargs: {taken[0]} is LLM.chat's own argument (or "
                          "the tokenizer's), not a template variable")
     return kwargs
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _template_messages(messages: ChatMessages) -> ChatMessages:

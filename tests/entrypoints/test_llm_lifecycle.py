@@ -221,3 +221,15 @@ def test_a_progress_callback_that_raises_aborts_the_batch(llm, expected):
         llm.generate(PROMPTS, LONG, use_tqdm=lambda **kwargs: Failing(disable=True, **kwargs))
     _assert_idle(llm.engine)
     assert _tokens(llm, PROMPTS, GREEDY) == expected
+
+
+def test_token_ids_may_be_numpy_integers(llm, expected):
+    """``list(np.array(ids))`` holds numpy integers, which SamplingParams' stop_token_ids
+    already took; a prompt of them was refused as not a list of token ids."""
+    import numpy as np
+
+    prompts = [{"prompt_token_ids": list(np.array(p))} for p in PROMPTS]
+    assert _tokens(llm, prompts, GREEDY) == expected
+    out = llm.generate([list(np.array(PROMPTS[0], dtype=np.int32))], GREEDY, use_tqdm=False)
+    assert type(out[0].prompt_token_ids[0]) is int
+
