@@ -212,10 +212,8 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]
 
 
 def _prompt(prompt: Any) -> str | list[int]:
-    if isinstance(prompt, dict) and set(prompt) == {"prompt"}:
-        prompt = prompt["prompt"]
-    elif isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}:
-        prompt = prompt["prompt_token_ids"]
+    if isinstance(prompt, dict):
+        prompt = _dict_prompt(prompt)
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt):
@@ -250,6 +248,19 @@ def _template_kwargs(kwargs: Any) -> dict[str, Any]:
         raise ValueError(f"chat_template_kwargs: {taken[0]} is LLM.chat's own argument (or "
                          "the tokenizer's), not a template variable")
     return kwargs
+
+
+def _dict_prompt(prompt: dict) -> Any:
+    """The text or ids of vLLM's TextPrompt or TokensPrompt; a key of theirs that pagedserve
+    does not implement (multi_modal_data, cache_salt, ...) is named."""
+    other = sorted(map(str, set(prompt) - {"prompt", "prompt_token_ids"}))
+    if other:
+        raise TypeError(f"prompt key {other[0]!r} is not supported; a prompt dict holds "
+                        "'prompt' (text) or 'prompt_token_ids'")
+    if len(prompt) != 1:
+        raise TypeError(f"a prompt dict holds one of 'prompt' or 'prompt_token_ids', got "
+                        f"{prompt!r:.80}")
+    return next(iter(prompt.values()))
 
 
 def _is_token_id(value: Any) -> bool:

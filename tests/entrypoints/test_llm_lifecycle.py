@@ -146,7 +146,8 @@ def test_vllm_dict_prompts_are_read(llm, expected):
 @pytest.mark.parametrize("call,error", [
     (lambda llm: llm.generate([b"hi"], GREEDY, use_tqdm=False), "a prompt must be"),
     (lambda llm: llm.generate(5, GREEDY, use_tqdm=False), "prompts must be"),
-    (lambda llm: llm.generate([{"prompt_ids": [1]}], GREEDY, use_tqdm=False), "a prompt must"),
+    (lambda llm: llm.generate([{"prompt_ids": [1]}], GREEDY, use_tqdm=False),
+     "prompt key 'prompt_ids' is not supported"),
     (lambda llm: llm.generate(["a"], {"max_tokens": 3}, use_tqdm=False), "sampling_params"),
     (lambda llm: llm.chat("hello", GREEDY, use_tqdm=False), "messages must be"),
 ], ids=["bytes", "int", "unknown-dict", "params-dict", "chat-str"])
@@ -233,3 +234,12 @@ def test_token_ids_may_be_numpy_integers(llm, expected):
     out = llm.generate([list(np.array(PROMPTS[0], dtype=np.int32))], GREEDY, use_tqdm=False)
     assert type(out[0].prompt_token_ids[0]) is int
 
+
+
+@pytest.mark.parametrize("prompt, key", [
+    ({"prompt": "hi", "multi_modal_data": {}}, "multi_modal_data"),
+    ({"prompt_token_ids": [5], "cache_salt": "a"}, "cache_salt"),
+])
+def test_a_prompt_dict_key_pagedserve_lacks_is_named(llm, prompt, key):
+    with pytest.raises(TypeError, match=f"prompt key {key!r} is not supported"):
+        llm.generate([prompt], GREEDY, use_tqdm=False)
