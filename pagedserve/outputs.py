@@ -55,6 +55,11 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
 
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """vLLM's field: the prompt tokens the prefix cache served."""
+        return None if self.metrics is None else self.metrics.num_cached_tokens
+
     def add_delta(self, delta: OutputDelta) -> None:
         """Extend this output with a later "delta" output of the same request, so that it
         reads as the "cumulative" one would."""
