@@ -176,6 +176,10 @@ class SamplingParams:
              f"truncate_prompt_tokens must be -1 or at least 1, got "
              f"{self.truncate_prompt_tokens}"),
             (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
+            # They are searched for in the text, which detokenize=False does not make.
+            (self.detokenize or not self.stop, "stop",
+             "stop strings need detokenize=True (they are matched in the text); use "
+             "stop_token_ids"),
             (self.output_kind in ("cumulative", "delta", "final_only"), "output_kind",
              f"output_kind must be cumulative, delta or final_only, got {self.output_kind!r}"),
             # The n best of best_of are known only at the end, after deltas of all of them.

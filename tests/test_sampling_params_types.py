@@ -88,3 +88,12 @@ def test_beam_search_refuses_logprobs(param):
     with pytest.raises(InvalidSamplingParam, match="beam search") as err:
         SamplingParams(use_beam_search=True, n=2, best_of=2, temperature=0, **{param: 1})
     assert err.value.param == param
+
+
+def test_stop_strings_need_detokenize():
+    """Stop strings are searched for in the text, which ``detokenize=False`` does not make: the
+    output ran past them to max_tokens. vLLM refuses the pair too."""
+    with pytest.raises(InvalidSamplingParam, match="stop strings need detokenize=True") as err:
+        SamplingParams(stop=["x"], detokenize=False)
+    assert err.value.param == "stop"
+    assert SamplingParams(stop_token_ids=[5], detokenize=False).stop_token_ids == [5]
