@@ -55,6 +55,11 @@ class InputLimits:
             raise PromptTooLong(
                 "prompt", f"the prompt has {len(token_ids)} tokens but the model's context "
                 f"length is {self.max_model_len}; shorten the prompt")
+        if params.min_tokens > room:  # it would end at the window, short of min_tokens
+            raise PromptTooLong(
+                "min_tokens", f"min_tokens={params.min_tokens} is more than the {room} tokens "
+                f"the context length of {self.max_model_len} leaves after {len(token_ids)} "
+                "prompt tokens; lower min_tokens or shorten the prompt")
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise InvalidSamplingParam(
                 "prompt", f"prompt token ids must be in [0, {self.vocab_size})")

@@ -35,3 +35,17 @@ def test_bad_request_is_rejected_and_engine_keeps_serving(llm, prompt, params, e
 def test_prompt_too_long_names_both_numbers(llm):
     with pytest.raises(PromptTooLong, match="70 tokens.*64"):
         llm.engine.add_request(list(range(3, 73)), SamplingParams())
+
+
+@pytest.mark.parametrize("max_tokens", [None, 100])
+def test_min_tokens_past_the_room_the_prompt_leaves_is_refused(llm, max_tokens):
+    """62 tokens fit after a 2-token prompt in a window of 64: min_tokens=63 came back as 62
+    tokens finished by "length", short of min_tokens (the server refused it already)."""
+    with pytest.raises(PromptTooLong, match="min_tokens=63 is more than the 62 tokens") as err:
+        llm.generate([[5, 6]], SamplingParams(min_tokens=63, max_tokens=max_tokens),
+                     use_tqdm=False)
+    assert err.value.param == "min_tokens"
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+    out = llm.generate([[5, 6]], SamplingParams(min_tokens=62, max_tokens=max_tokens,
+                                                temperature=0.0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 62
