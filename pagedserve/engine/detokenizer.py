@@ -44,6 +44,7 @@ class IncrementalDetokenizer:
                  params: SamplingParams) -> None:
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
+        self._detokenize = params.detokenize
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._stop_lookback = max((len(s) for s in params.stop), default=1) - 1
@@ -90,8 +91,11 @@ class IncrementalDetokenizer:
         self._prefix = self._read = len(self._ids)
         return self._consume(rest, final=True)
 
-    def decode_token(self, token_id: int) -> str:
-        """One token's own text, for logprob dicts; special tokens keep their names."""
+    def decode_token(self, token_id: int) -> str | None:
+        """One token's own text, for logprob dicts; special tokens keep their names. None
+        under ``detokenize=False``, as in vLLM."""
+        if not self._detokenize:
+            return None
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _decode(self, ids: list[int]) -> str:
