@@ -10,7 +10,7 @@ from typing import Any
 from pagedserve.config import OPTION_NAMES, EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.lora.request import LoRARequest
-from pagedserve.models.chat_template import read_chat_template
+from pagedserve.models.chat_template import read_chat_template, render_options
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -125,14 +125,9 @@ class LLM:
         ``add_generation_prompt=False``) ends the prompt with the last message's text, so the
         model continues that turn."""
         conversations = _conversations(messages)
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
-                             "true; pass add_generation_prompt=False to continue the final "
-                             "message")
-        options = dict(_template_kwargs(chat_template_kwargs),
-                       chat_template=self._chat_template(chat_template), tools=tools,
-                       add_generation_prompt=add_generation_prompt,
-                       continue_final_message=continue_final_message)
+        options = dict(render_options(add_generation_prompt, continue_final_message,
+                                      chat_template_kwargs),
+                       chat_template=self._chat_template(chat_template), tools=tools)
         tokenizer = self.engine.tokenizer
         # The template already holds any BOS token; tokenize without adding another.
         token_lists = [
@@ -228,26 +223,6 @@ def _conversations(messages: Any) -> list[ChatMessages]:
         raise TypeError("messages must be a list of message dicts, or a list of such lists; "
                         f"got {messages!r:.80}")
     return conversations
-
-
-# apply_chat_template's own arguments, which chat_template_kwargs may not set.
-_TEMPLATE_ARGUMENTS = frozenset((
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"))
-
-
-def _template_kwargs(kwargs: Any) -> dict[str, Any]:
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise TypeError("chat_template_kwargs must be a dict of variable names to values, got "
-                        f"{kwargs!r:.80}")
-    taken = sorted(_TEMPLATE_ARGUMENTS.intersection(kwargs))
-    if taken:
-        raise ValueError(f"chat_template_kwargs: {taken[0]} is LLM.chat's own argument (or "
-                         "the tokenizer's), not a template variable")
-    return kwargs
 
 
 def _dict_prompt(prompt: dict) -> Any:

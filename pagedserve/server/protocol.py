@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 from pagedserve.lora.request import MAX_LORA_INT_ID
+from pagedserve.models.chat_template import render_options
 from pagedserve.sampling_params import (
     InvalidSamplingParam,
     SamplingParams,
@@ -385,7 +386,20 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateFields(StrictModel):
+    """How the chat template ends the conversation, vLLM's fields (``render_options``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # The template's own variables (Qwen3's enable_thinking); any JSON values.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_options(self) -> dict[str, Any]:
+        return render_options(self.add_generation_prompt, self.continue_final_message,
+                              self.chat_template_kwargs)
+
+
+class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
     unimplemented = frozenset({"functions", "function_call", "audio", "modalities", "prediction",
                                "reasoning_effort", "web_search_options", "verbosity"})
 
@@ -394,7 +408,6 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None
     # Default as OpenAI's: "auto" with tools, "none" without.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -433,12 +446,11 @@ class TokenizeCompletionRequest(StrictModel):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(StrictModel):
+class TokenizeChatRequest(ChatTemplateFields):
     """vLLM's ``POST /tokenize`` of a conversation, rendered by the chat template."""
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool = False
     tools: list[ChatTool] | None = None

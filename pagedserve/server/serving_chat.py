@@ -11,6 +11,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi.responses import StreamingResponse
 
@@ -175,8 +176,9 @@ def _logprobs(request: ChatCompletionRequest, token_ids: list[int],
 
 
 def render_chat(model: ServedModel, messages: list[ChatMessage],
-                tools: list[dict] | None, add_generation_prompt: bool) -> str:
-    """The conversation as the model's chat template writes it (``tools`` in OpenAI's form)."""
+                tools: list[dict] | None, options: dict[str, Any]) -> str:
+    """The conversation as the model's chat template writes it (``tools`` in OpenAI's form,
+    ``options`` a request's ``template_options``)."""
     tokenizer = model.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template (the server takes one with "
@@ -184,8 +186,7 @@ def render_chat(model: ServedModel, messages: list[ChatMessage],
                           param="messages")
     try:
         return tokenizer.apply_chat_template(
-            [m.for_template() for m in messages], tools=tools, tokenize=False,
-            add_generation_prompt=add_generation_prompt)
+            [m.for_template() for m in messages], tools=tools, tokenize=False, **options)
     except Exception as exc:  # the template's own raise_exception(), or a Jinja error
         raise bad_request(f"the chat template rejected the messages: {exc}",
                           param="messages") from exc
@@ -193,7 +194,7 @@ def render_chat(model: ServedModel, messages: list[ChatMessage],
 
 def _render(model: ServedModel, request: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
     text = render_chat(model, request.messages, plan.template_tools(),
-                       request.add_generation_prompt)
+                       request.template_options())
     # The template already holds any BOS token; tokenize without adding another.
     return model.encode(text, add_special_tokens=False)
 

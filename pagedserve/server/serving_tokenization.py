@@ -39,7 +39,7 @@ def _tokenize(model: ServedModel,
               request: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
     if isinstance(request, TokenizeChatRequest):
         tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
-        text = render_chat(model, request.messages, tools, request.add_generation_prompt)
+        text = render_chat(model, request.messages, tools, request.template_options())
     else:
         text = request.prompt
     tokens = model.encode(text, add_special_tokens=request.add_special_tokens)

@@ -87,7 +87,7 @@ def test_chat_template_kwargs_reach_the_template(llm):
     (dict(chat_template_kwargs=["enable_thinking"]), TypeError,
      "chat_template_kwargs must be a dict"),
     (dict(chat_template_kwargs={"add_generation_prompt": False}), ValueError,
-     "chat_template_kwargs: add_generation_prompt is LLM.chat's own argument"),
+     "chat_template_kwargs: add_generation_prompt is an argument of the template.s call"),
 ], ids=["syntax", "not-text", "kwargs-list", "kwargs-own-argument"])
 def test_a_bad_template_or_template_kwargs_is_named(llm, kwargs, error, message):
     with pytest.raises(error, match=message):

@@ -103,11 +103,18 @@ BAD_REQUESTS = [
         ("temprature", 0.5)]],
     *[("/v1/chat/completions", {**CHAT, field: value}, 400, field) for field, value in [
         ("functions", [{"name": "f"}]), ("function_call", "auto"),
-        ("chat_template", "{{ 1 }}"), ("chat_template_kwargs", {}), ("echo", True),
-        ("continue_final_message", True), ("reasoning_effort", "low"),
+        ("chat_template", "{{ 1 }}"), ("echo", True), ("reasoning_effort", "low"),
         ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": ""})]],
     ("/v1/chat/completions", {**CHAT, "messages": [
         {"role": "user", "content": "hi", "tool_calls": []}]}, 400, "messages"),
+    # vLLM's template fields: the last message continued, or a new turn opened, not both;
+    # the template's variables, not the call's own arguments.
+    ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"tokenize": True}}, 400,
+     "chat_template_kwargs"),
+    ("/tokenize", {"messages": CHAT["messages"], "chat_template_kwargs": [1]}, 400,
+     "chat_template_kwargs"),
     # Structured output and tools this server refuses (more in test_server_structured.py).
     ("/v1/completions", {**GOOD, "guided_regex": "a(b"}, 400, "guided_regex"),
     ("/v1/completions", {**GOOD, "guided_choice": ["a"], "guided_regex": "a"}, 400,

@@ -35,7 +35,8 @@ PROMPT = "the quick brown fox"
 QWEN_DEFAULTS = {"temperature": 0.0, "max_new_tokens": 6}
 # The second model's chat template, from the models config (replacing the folder's own).
 QWEN_TEMPLATE = ("{% for m in messages %}## {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}## assistant:{% endif %}")
+                 "{% if add_generation_prompt %}## assistant:{% endif %}"
+                 "{% if enable_thinking %} <think>{% endif %}")
 QWEN_LEN = 2048  # the second model's own max_model_len, from the models config
 CORE_ENV = "PAGEDSERVE_TEST_CORE_ENV"  # set for the second model's core alone
 
@@ -131,6 +132,34 @@ def test_each_model_renders_chat_with_its_own_template(pair):
         plain = pair.post("/tokenize", json={"model": name, "prompt": text,
                                              "add_special_tokens": False}).json()
         assert rendered["tokens"] == plain["tokens"], name
+
+
+def test_the_template_fields_reach_the_template(pair):
+    """vLLM's chat_template_kwargs (the template's own variables) and continue_final_message
+    (the prompt ends inside the last message, for the model to continue it)."""
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "The answer is"}]
+
+    def tokens(**fields) -> list[int]:
+        response = pair.post("/tokenize", json={"model": "qwen", "messages": messages,
+                                                **fields})
+        assert response.status_code == 200, response.text
+        return response.json()["tokens"]
+
+    def text_tokens(text: str) -> list[int]:
+        return pair.post("/tokenize", json={"model": "qwen", "prompt": text,
+                                            "add_special_tokens": False}).json()["tokens"]
+
+    thinking = jinja2.Template(QWEN_TEMPLATE).render(
+        messages=messages, add_generation_prompt=True, enable_thinking=True)
+    assert thinking.endswith("## assistant: <think>")
+    assert tokens(chat_template_kwargs={"enable_thinking": True}) == text_tokens(thinking)
+    continued = tokens(add_generation_prompt=False, continue_final_message=True)
+    assert continued == text_tokens("## user: hi\n## assistant: The answer is")
+    chat = pair.client().chat.completions.create(
+        model="qwen", messages=messages, max_tokens=3,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert chat.usage.prompt_tokens == len(continued)
 
 
 def test_unset_sampling_fields_take_the_models_defaults(pair, offline_qwen):
