@@ -161,6 +161,10 @@ class LLMEngine:
         return queued
 
     def _new_id(self) -> str:
+        """The counter's next id that no request in flight has: a caller's own id may be one
+        the counter has not reached yet."""
+        while str(self._next_id) in self.outputs.requests:
+            self._next_id += 1
         self._next_id += 1
         return str(self._next_id - 1)
 

@@ -49,3 +49,20 @@ def test_min_tokens_past_the_room_the_prompt_leaves_is_refused(llm, max_tokens):
     out = llm.generate([[5, 6]], SamplingParams(min_tokens=62, max_tokens=max_tokens,
                                                 temperature=0.0), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 62
+def test_an_id_the_engine_picks_never_takes_one_a_caller_gave(llm):
+    """Ids the engine picks are a counter; a caller's id may be one it has not reached yet.
+    The engine's next id skips it, instead of replacing the caller's request (which ran on,
+    unreported, holding its KV blocks for good) or refusing a request that named no id."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    taken = [str(engine._next_id + i) for i in range(3)]
+    for request_id in taken[::2]:
+        engine.add_request([5, 6, 7], params, request_id=request_id)
+    ids = [engine.add_request([5, 6], params), *engine.add_requests([[7, 8]], [params])]
+    assert not set(ids) & set(taken[::2])
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert sorted(finished) == sorted(taken[::2] + ids)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in finished.values())
+    assert not engine.scheduler.running and engine.kv.pool.num_free == engine.kv.num_blocks
