@@ -420,7 +420,8 @@ class LLMEngine:
         pool = self.kv.pool
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            # A request whose grammar compiles waits too, outside the scheduler.
+            num_waiting=len(self.scheduler.waiting) + len(self._awaiting_grammar),
             num_blocks=pool.num_blocks,
             blocks_used=pool.num_used,
             blocks_free=pool.num_free,

@@ -60,7 +60,8 @@ def _samples(s: EngineStats) -> Iterator[Sample]:
         else 0.0
     gauges = [
         ("num_requests_running", "Requests being computed", s.num_running),
-        ("num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
+        ("num_requests_waiting", "Requests waiting to be scheduled (or for their grammar "
+         "to compile)", s.num_waiting),
         ("num_requests_swapped", "Requests swapped out to host memory", s.num_swapped),
         ("kv_cache_usage_perc", "Share of KV cache blocks in use (0-1)", s.kv_usage),
         ("kv_cache_blocks_used", "KV cache blocks held by requests", s.blocks_used),

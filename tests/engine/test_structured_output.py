@@ -144,6 +144,22 @@ def test_abort_while_the_grammar_compiles(default_llm):
     assert_pools_full(engine.kv)
 
 
+def test_a_request_whose_grammar_compiles_counts_as_waiting(default_llm):
+    """It waits outside the scheduler's queues; /metrics' num_requests_waiting (vLLM counts
+    such requests as waiting) showed nothing running and nothing waiting meanwhile."""
+    engine = default_llm.engine
+    schema = {"type": "object", "properties": {"count_me": {"type": "boolean"}}}
+    request_id = engine.add_request("x", SamplingParams(
+        max_tokens=4, structured_outputs=StructuredOutputsParams(json=schema)))
+    stats = engine.stats()  # the grammar is admitted by a step, none has run
+    assert (stats.num_waiting, stats.num_running) == (1, 0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.stats()
+    assert (stats.num_waiting, stats.num_running) == (0, 0)
+    assert request_id not in engine.outputs.requests
+
+
 def test_a_grammar_that_fails_to_compile_fails_its_request_alone(default_llm, monkeypatch):
     from pagedserve.structured import compiler
 
