@@ -225,9 +225,11 @@ class EngineCoreClient:
         nothing; no output can arrive in between, as nothing here awaits."""
         if not self.is_running:
             raise EngineDeadError(self._dead or "the engine is not running")
+        ids: set[str] = set()
         for r in requests:
-            if r.request_id in self._pending:
+            if r.request_id in self._pending or r.request_id in ids:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
+            ids.add(r.request_id)
             self.facts.limits.check(r.prompt_token_ids, r.params)
             if r.lora_request is not None and r.lora_request.lora_int_id in self._removing:
                 raise ValueError(f"LoRA adapter {r.lora_request.lora_name} is being removed")

@@ -104,6 +104,22 @@ def test_bad_requests_are_refused_before_anything_is_sent(client, loop):
     assert loop.run_until_complete(main()).outputs[0].finish_reason == "length"
 
 
+def test_an_id_twice_in_one_batch_is_refused_before_anything_is_sent(client, loop):
+    """The core refused the second and its failure took the first's place here: the first's
+    stream never ended, though the core ran it to the end."""
+    with pytest.raises(ValueError, match="'twice' is already in use"):
+        client.add_requests([NewRequest("twice", [5, 6, 7], _delta(max_tokens=2)),
+                             NewRequest("twice", [5, 6, 8], _delta(max_tokens=2))])
+
+    async def main():
+        await asyncio.sleep(0.3)
+        assert client.stats.num_waiting == client.stats.num_running == 0
+        return await asyncio.wait_for(_final(client.add_requests(
+            [NewRequest("twice", [5, 6, 7], _delta(max_tokens=2))])[0]), 60)
+
+    assert loop.run_until_complete(main()).outputs[0].finish_reason == "length"
+
+
 def test_closing_a_stream_frees_its_blocks_in_the_core(client, loop):
     async def main():
         # A thousand steps: still running when the test closes it, on any machine.
