@@ -117,6 +117,10 @@ class LLMEngine:
         # The last step's requests whose grammar was refused (over the compile budget): each
         # also finished with an error output; the core process answers them with a 400.
         self.refused: dict[str, InvalidSamplingParam] = {}
+        # Requests whose grammar failed, already out of ``outputs``, and the refused among
+        # them: reported by the next ``step`` that returns (a step that raises keeps them).
+        self._grammar_failures: list[RequestOutput] = []
+        self._refusing: dict[str, InvalidSamplingParam] = {}
         self._num_prompt_tokens = 0
         self._next_id = 0
         self._shut_down = False
@@ -240,7 +244,7 @@ class LLMEngine:
             self._in_flight = None  # it computes for aborted requests only
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.outputs.requests)
+        return bool(self.outputs.requests or self._grammar_failures)
 
     def dead_reason(self) -> str | None:
         """Why the engine cannot step any more (a tensor-parallel rank died), or None."""
@@ -259,18 +263,21 @@ class LLMEngine:
         """Admit the requests whose grammar is ready, then schedule, run, process outputs.
         Under async scheduling the outputs processed are the previous step's, while this one
         computes."""
-        self.refused = {}
         self._drop_idle_adapters()
-        failed = self._admit_compiled() if self._awaiting_grammar else []
-        return failed + self._step()
+        if self._awaiting_grammar:
+            self._admit_compiled()
+        outputs = self._step()
+        failed, self._grammar_failures = self._grammar_failures, []
+        self.refused, self._refusing = self._refusing, {}
+        return failed + outputs
 
-    def _admit_compiled(self) -> list[RequestOutput]:
+    def _admit_compiled(self) -> None:
         """Schedule the constrained requests whose grammar is compiled, each sequence with
-        its own matcher; a request whose grammar failed finishes with an error."""
+        its own matcher; a request whose grammar failed finishes with an error, its output
+        kept for the step to return."""
         if not self.scheduler.has_unfinished and self._in_flight is None:
             wait([f for _, f in self._awaiting_grammar.values()], timeout=_GRAMMAR_WAIT_S,
                  return_when=FIRST_COMPLETED)
-        failed = []
         for request_id, (state, future) in list(self._awaiting_grammar.items()):
             if not future.done():
                 continue
@@ -279,15 +286,14 @@ class LLMEngine:
                 logger.error("grammar of request %s failed to compile: %s", request_id,
                              future.exception())
                 if isinstance(future.exception(), InvalidSamplingParam):
-                    self.refused[request_id] = future.exception()
+                    self._refusing[request_id] = future.exception()
                 self.outputs.pop(request_id)
                 _mark_finished(state, SequenceStatus.FINISHED_ERROR)
-                failed.append(state.to_output())
+                self._grammar_failures.append(state.to_output())
                 continue
             for seq in state.seqs:
                 seq.grammar = GrammarState(future.result())
             self.scheduler.add_group(state.group)
-        return failed
 
     def _step(self) -> list[RequestOutput]:
         proposes = self.speculation is not None and \

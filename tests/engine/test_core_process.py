@@ -3,6 +3,8 @@ step enters the next one together, failures stay contained, and KV blocks come b
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 import zmq
 
@@ -10,7 +12,11 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine import core_messages as msg
 from pagedserve.engine.core_process import EngineCore
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import (
+    InvalidSamplingParam,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from tests.tiny_models import write_tiny_model
 
 LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, output_kind="delta")
@@ -141,3 +147,43 @@ def test_abort_frees_the_blocks_and_the_id(engine):
     last = [d for m in messages for d in m.outputs if d.request_id == "a"][-1]
     assert last.finished and last.outputs[0].finish_reason == "length"
     assert messages[-1].stats.blocks_used == 0
+
+
+class _RefusingGrammars:
+    """A grammar compiler whose every grammar is over its budget (as ``GrammarTooSlow``)."""
+
+    def get(self, spec) -> Future:
+        future = Future()
+        future.set_exception(InvalidSamplingParam("structured_outputs", "too slow"))
+        return future
+
+    def release(self, future: Future) -> None:
+        pass
+
+
+def test_a_grammar_refused_in_a_step_that_fails_still_gets_its_failure(engine):
+    """The step that refuses a grammar (a 400) is the step that fails: the request had left
+    the engine's requests in flight already, so the failures of that step passed it by and
+    its client waited for ever."""
+    real_forward, calls = engine.executor.runner.forward, []
+
+    def forward_failing_second(out, *rest):  # step 1 prefills "a"; step 2 refuses "g"
+        calls.append(out)
+        if len(calls) == 2:
+            raise RuntimeError("device on fire")
+        return real_forward(out, *rest)
+
+    engine.executor.runner.forward = forward_failing_second
+    engine._grammars = _RefusingGrammars()
+    constrained = SamplingParams(max_tokens=4, output_kind="delta",
+                                 structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    try:
+        _, messages = _run(engine, [[_add(("a", [5, 6, 7], LONG))],
+                                    [_add(("g", [5, 6, 8], constrained))], []])
+    finally:
+        del engine.executor.runner.forward
+        engine._grammars = None
+    failures = {f.request_id: f for m in messages for f in m.failures}
+    assert set(failures) == {"a", "g"}
+    assert (failures["g"].kind, failures["g"].param) == ("invalid", "structured_outputs")
+    assert failures["a"].kind == "step"
