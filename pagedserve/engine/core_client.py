@@ -15,6 +15,10 @@ Failure rules:
   * a stream closed before its request finished (client gone) aborts the request in the core,
     which frees its KV blocks.
 
+Request ids are the caller's, free again once a request ends; the core knows each request by
+the caller's id made unique here (``_Pending.core_id``), so that the outputs of one closed a
+moment ago, still on their way, never reach a new request of the same id.
+
 LoRA adapters: ``remove_lora`` tells the core to forget an adapter once no request of it is
 in flight here (finished, failed or aborted), so requests already running on it finish first.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import multiprocessing
 import os
 import shutil
@@ -34,6 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import msgspec
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine import core_messages as msg
@@ -67,6 +74,7 @@ class _Pending:
     """A request in flight: the output built from its deltas, and its stream's queue."""
 
     output: RequestOutput
+    core_id: str  # the id the core knows it by: the caller's, made unique
     lora_int_id: int | None = None  # its adapter, None: the base model
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
@@ -113,7 +121,9 @@ class EngineCoreClient:
         self.facts: msg.EngineFacts | None = None
         self.tokenizer = None
         self.stats: EngineStats | None = None  # the core's latest snapshot
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, _Pending] = {}  # by the caller's id
+        self._by_core_id: dict[str, _Pending] = {}
+        self._core_ids = itertools.count()
         # Requests in flight per adapter, and the adapters to remove once theirs reach zero.
         self._lora_in_flight: Counter[int] = Counter()
         self._removing: set[int] = set()
@@ -235,19 +245,23 @@ class EngineCoreClient:
                 raise ValueError(f"LoRA adapter {r.lora_request.lora_name} is being removed")
         pending = [_Pending(RequestOutput(r.request_id, None, r.prompt_token_ids, None, [],
                                           finished=False),
+                            f"{r.request_id}#{next(self._core_ids)}",
                             r.lora_request and r.lora_request.lora_int_id) for r in requests]
-        self._send(msg.AddRequests(list(requests)))
+        self._send(msg.AddRequests([msgspec.structs.replace(r, request_id=p.core_id)
+                                    for r, p in zip(requests, pending, strict=True)]))
         self._pending.update((p.output.request_id, p) for p in pending)
+        self._by_core_id.update((p.core_id, p) for p in pending)
         self._lora_in_flight.update(p.lora_int_id for p in pending if p.lora_int_id)
         return [RequestStream(p.output.request_id, self, p.queue) for p in pending]
 
     def abort(self, request_id: str) -> None:
-        if request_id not in self._pending:
+        pending = self._pending.get(request_id)
+        if pending is None:
             return
         if self.is_running:  # first: the core must abort it before it removes its adapter
             with contextlib.suppress(EngineDeadError):  # a core that is gone aborts nothing
-                self._send(msg.AbortRequests([request_id]))
-        self._forget(request_id)
+                self._send(msg.AbortRequests([pending.core_id]))
+        self._forget(pending)
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Have the core forget an adapter as soon as none of its requests is in flight (at
@@ -260,14 +274,13 @@ class EngineCoreClient:
         flight, or it waits for them to end before it is removed."""
         return lora_int_id in self._removing or self._lora_in_flight[lora_int_id] > 0
 
-    def _forget(self, request_id: str) -> _Pending | None:
+    def _forget(self, pending: _Pending) -> None:
         """Stop tracking a request (finished, failed or aborted); the last of an adapter
         being removed lets its removal go to the core (after the abort, if it is one)."""
-        pending = self._pending.pop(request_id, None)
-        if pending is not None and pending.lora_int_id is not None:
+        del self._pending[pending.output.request_id], self._by_core_id[pending.core_id]
+        if pending.lora_int_id is not None:
             self._lora_in_flight[pending.lora_int_id] -= 1
             self._remove_if_idle(pending.lora_int_id)
-        return pending
 
     def _remove_if_idle(self, lora_int_id: int) -> None:
         if lora_int_id in self._removing and self._lora_in_flight[lora_int_id] <= 0:
@@ -297,16 +310,17 @@ class EngineCoreClient:
 
     def _dispatch(self, message: msg.CoreOutputs) -> None:
         for delta in message.outputs:
-            pending = self._pending.get(delta.request_id)
+            pending = self._by_core_id.get(delta.request_id)
             if pending is None:
                 continue  # aborted meanwhile
             pending.output.add_delta(delta)
             pending.queue.put_nowait(pending.output)
             if delta.finished:
-                self._forget(delta.request_id)
+                self._forget(pending)
         for failure in message.failures:
-            pending = self._forget(failure.request_id)
+            pending = self._by_core_id.get(failure.request_id)
             if pending is not None:
+                self._forget(pending)
                 pending.queue.put_nowait(_failure_error(failure))
         self.stats = message.stats
 
@@ -320,7 +334,7 @@ class EngineCoreClient:
 
     def _mark_dead(self, reason: str) -> None:
         self._dead = self._dead or reason
-        pending, self._pending = self._pending, {}
+        pending, self._pending, self._by_core_id = self._pending, {}, {}
         self._lora_in_flight.clear()
         self._removing.clear()
         for p in pending.values():
