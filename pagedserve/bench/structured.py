@@ -40,7 +40,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     from pagedserve.engine_args import add_engine_args
 
     add_engine_args(parser)
-    parser.add_argument("--num-requests", type=positive(int), default=32)
+    parser.add_argument("--num-requests", type=at_least(2), default=32,
+                        help="concurrent requests, half of them constrained in the mixed run "
+                        "(it needs one of each)")
     parser.add_argument("--output-len", type=at_least(2), default=64,
                         help="tokens per request (TPOT needs two: it spans first to last)")
     parser.add_argument("--repeats", type=positive(int), default=2)
@@ -150,7 +152,8 @@ def main(args: argparse.Namespace) -> None:
     prompts = _prompts(llm, n)
     compile_result = compile_times(llm)
     half = [i % 2 == 1 for i in range(n)]
-    run(llm, prompts[:4], [False, True] * 2, 8)  # warm-up: caches, the schema's grammar
+    warm_up = min(n, 4)  # caches, the schema's grammar
+    run(llm, prompts[:warm_up], half[:warm_up], 8)
     load_before = os.getloadavg()[0]
     repeats = [(run(llm, prompts, [False] * n, args.output_len),
                 run(llm, prompts, half, args.output_len)) for _ in range(args.repeats)]

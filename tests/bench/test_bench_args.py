@@ -60,6 +60,8 @@ from pagedserve.engine_args import add_engine_args
     (["structured", "--output-len", "1"], "--output-len",
      "must be an integer of at least 2, got 1"),
     (["structured", "--repeats", "0"], "--repeats", "0"),
+    (["structured", "--num-requests", "1"], "--num-requests",
+     "must be an integer of at least 2, got 1"),
 ])
 def test_a_bad_number_is_refused_at_parsing(argv, flag, message_end, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -81,6 +83,7 @@ def test_a_bad_number_is_refused_at_parsing(argv, flag, message_end, capsys):
     (["quant-kernels", "--shapes", "960x576", "8X16"], "shapes", [(960, 576), (8, 16)]),
     (["quant-kernels", "--min-time", "0"], "min_time", 0.0),
     (["structured", "--output-len", "2"], "output_len", 2),
+    (["structured", "--num-requests", "2"], "num_requests", 2),
 ])
 def test_the_edge_of_each_range_still_parses(argv, dest, value):
     assert getattr(parse_args(["bench", *argv]), dest) == value
