@@ -55,7 +55,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrent-connections", type=positive(int), default=1024,
                    help="connections served at once; requests on any further ones get 503")
     g.add_argument("--enable-docs", action="store_true",
-                   help="serve /docs and /redoc (their pages load scripts from a public CDN)")
+                   help="serve /docs, /redoc and /openapi.json (the pages load scripts from a "
+                        "public CDN)")
     g.add_argument("--enable-log-requests", action="store_true",
                    help="log a line per HTTP request (uvicorn's access log; off by default, "
                         "it costs the API server time under load)")
