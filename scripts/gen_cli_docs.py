@@ -30,7 +30,8 @@ HEADER = """\
 pagedserve/server/args.py; do not edit. tests/test_cli_docs.py checks it is current. -->
 
 Flags are named as in vLLM. The engine flags are shared by `pagedserve generate`,
-`pagedserve serve` and the benchmarks (`pagedserve bench ...`); each is a field of
+`pagedserve serve` and the benchmarks that build an engine (`pagedserve bench ...`, all but
+`quant-accuracy`, which takes only `--model`, and `quant-kernels`); each is a field of
 `EngineConfig`, and `LLM(model, **options)` takes the same names with underscores
 (`--max-num-seqs` is `max_num_seqs=`). `pagedserve serve` also takes the server flags, and
 the model as its argument (`pagedserve serve MODEL`, or `--model`, not both); `--model`
