@@ -26,7 +26,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default loopback only; 0.0.0.0 exposes the server)")
-    g.add_argument("--port", type=port, default=8000)
+    g.add_argument("--port", type=port, default=8000,
+                   help="TCP port to listen on (checked free before any model loads)")
     g.add_argument("--models-config", default=None, metavar="FILE",
                    help="a YAML or JSON file of the models to serve, one engine core each: "
                         "'models:', a list of entries of engine options by their names with "
