@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedserve import envs
-from pagedserve.logger import get_logger
+from pagedserve.logger import get_logger, info_once
 from pagedserve.models import gguf_convert, hub
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.user_paths import expand_user
@@ -77,8 +77,9 @@ def resolve_model(
     else:
         path = default_model_path() if model is None else expand_user(model)
         source = _local_source(path, require_weights)
-    logger.info("model %s from %s (%s) in %.2f s", source.name, source.path, source.origin,
-                time.perf_counter() - start)
+    info_once(logger, ("model", source.name, source.path, source.origin),
+              "model %s from %s (%s) in %.2f s", source.name, source.path, source.origin,
+              time.perf_counter() - start)
     return source
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-from pagedserve.logger import get_logger
+from pagedserve.logger import get_logger, info_once
 from pagedserve.platforms.interface import Platform, PlatformUnavailable
 
 logger = get_logger(__name__)
@@ -51,7 +51,7 @@ def _resolve_auto() -> type[Platform]:
             skipped.append(f"{candidate}: {exc}")
             continue
         why = f"; skipped {'; '.join(skipped)}" if skipped else ""
-        logger.info("--device auto chose %s%s", candidate, why)
+        info_once(logger, ("device", candidate, why), "--device auto chose %s%s", candidate, why)
         return platform
     raise PlatformUnavailable(f"no usable device found; skipped {'; '.join(skipped)}")
 

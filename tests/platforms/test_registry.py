@@ -5,6 +5,7 @@ import logging
 import pytest
 import torch
 
+from pagedserve import logger as package_logger
 from pagedserve import platforms
 from pagedserve.platforms import resolve_platform
 from pagedserve.platforms.interface import Platform, PlatformUnavailable
@@ -66,14 +67,17 @@ def _fake_platform(name: str, reason: str | None) -> type[Platform]:
 
 
 def _auto_log(monkeypatch, caplog, reasons: dict[str, str | None]) -> tuple[str, list[str]]:
-    """Resolve ``auto`` over fake platforms; the chosen name and the log lines it wrote."""
+    """Resolve ``auto`` over fake platforms (twice: the choice is said once a process); the
+    chosen name and the log lines it wrote."""
     fakes = {name: _fake_platform(name, reason) for name, reason in reasons.items()}
     monkeypatch.setattr(platforms, "_load", lambda name: fakes[name])
+    monkeypatch.setattr(package_logger, "_SAID", set())  # as in a fresh process
     logger = logging.getLogger("pagedserve")
     logger.addHandler(caplog.handler)  # the package logger does not propagate to the root
     try:
         with caplog.at_level(logging.INFO, logger="pagedserve"):
             chosen = resolve_platform("auto").name
+            assert resolve_platform("auto").name == chosen
     finally:
         logger.removeHandler(caplog.handler)
     return chosen, [r.getMessage() for r in caplog.records]
