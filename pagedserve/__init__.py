@@ -13,13 +13,19 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.lora.request import LoRARequest
-    from pagedserve.outputs import CompletionOutput, RequestOutput
-    from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+    from pagedserve.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
+    from pagedserve.sampling_params import (
+        BeamSearchParams,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
 _LAZY = {
     "LLM": "pagedserve.entrypoints.llm",
     "SamplingParams": "pagedserve.sampling_params",
     "StructuredOutputsParams": "pagedserve.sampling_params",
+    "BeamSearchParams": "pagedserve.sampling_params",
+    "BeamSearchOutput": "pagedserve.outputs",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "EngineConfig": "pagedserve.config",
@@ -35,5 +41,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "EngineConfig", "LoRARequest", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams",
+           "RequestOutput", "CompletionOutput", "BeamSearchOutput", "EngineConfig",
+           "LoRARequest", "__version__"]

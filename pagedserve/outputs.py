@@ -33,6 +33,27 @@ class CompletionOutput:
 
 
 @dataclass
+class BeamSearchSequence:
+    """One finished beam, as vLLM's ``LLM.beam_search`` gives it: ``tokens`` the prompt's and
+    the beam's, ``text`` the beam's alone. The beams keep no per-token logprobs (``logprobs``
+    is None); ``cum_logprob`` is the beam's sum."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's beams, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None

@@ -297,6 +297,36 @@ def _structured_outputs(value: Any) -> StructuredOutputsParams | None:
                                                      f"fields, got {value!r:.80}")
 
 
+@dataclass
+class BeamSearchParams:
+    """``LLM.beam_search``'s parameters, as vLLM names them; ``early_stopping`` is HF's rule
+    (True, False or "never"), which vLLM's lacks. The beams score raw log-probabilities, as
+    HF transformers' ``generate(num_beams=...)`` does, so temperature must stay 0."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or \
+                self.beam_width < 1:
+            raise InvalidSamplingParam("beam_width", f"beam_width must be an integer of at "
+                                                     f"least 1, got {self.beam_width!r}")
+        if self.temperature != 0.0:
+            raise InvalidSamplingParam("temperature", "beam search scores raw log-"
+                                       f"probabilities: temperature must be 0, got "
+                                       f"{self.temperature!r}")
+        return SamplingParams(
+            n=self.beam_width, best_of=self.beam_width, use_beam_search=True, temperature=0.0,
+            max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+
+
 class InvalidSamplingParam(ValueError):
     """A sampling parameter outside its range; ``param`` names it for API error bodies."""
 

@@ -11,8 +11,8 @@ from pagedserve.config import OPTION_NAMES, EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models.chat_template import read_chat_template, render_options
-from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 # A prompt: text, token ids, or vLLM's dict forms ({"prompt": text}, {"prompt_token_ids": ids}).
 Prompt = str | list[int] | dict[str, Any]
@@ -85,22 +85,19 @@ class LLM:
     def beam_search(
         self,
         prompts: Prompt | Sequence[Prompt],
-        beam_width: int,
-        max_tokens: int,
-        length_penalty: float = 1.0,
-        early_stopping: bool | str = False,
-        ignore_eos: bool = False,
-        use_tqdm: bool | Callable[..., Any] = True,
-    ) -> list[RequestOutput]:
-        """Beam search as in HF transformers; each output lists all ``beam_width`` finished
-        beams, best first."""
-        if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
-            raise ValueError(f"beam_width must be an integer of at least 1, got {beam_width!r}")
-        params = SamplingParams(
-            n=beam_width, best_of=beam_width, use_beam_search=True, temperature=0.0,
-            max_tokens=max_tokens, length_penalty=length_penalty,
-            early_stopping=early_stopping, ignore_eos=ignore_eos)
-        return self.generate(prompts, params, use_tqdm)
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search call; the beams are HF transformers' (``generate(num_beams=)``,
+        token for token). Each output lists all ``beam_width`` finished beams, best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {params!r:.80}")
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm, lora_request)
+        return [BeamSearchOutput([
+            BeamSearchSequence(out.prompt_token_ids + beam.token_ids, beam.text,
+                               beam.cumulative_logprob, beam.finish_reason, beam.stop_reason)
+            for beam in out.outputs]) for out in outputs]
 
     def chat(
         self,

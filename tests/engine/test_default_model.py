@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve import SamplingParams
+from pagedserve import BeamSearchParams, SamplingParams
 from tests.kv_checks import assert_pools_full
 from tests.tiny_models import assert_greedy_matches, hf_beams, hf_greedy
 
@@ -48,12 +48,15 @@ def test_beam_search_matches_transformers_on_the_default_model(default_llm, defa
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.encode(text) for text in ("The capital of France is",
                                                    "def fibonacci(n):")]
-    outputs = llm.beam_search(prompts, WIDTH, NEW, use_tqdm=False)
+    outputs = llm.beam_search(prompts, BeamSearchParams(beam_width=WIDTH, max_tokens=NEW))
     eos = hf.generation_config.eos_token_id
     for prompt, out in zip(prompts, outputs):
         expected = hf_beams(hf, prompt, WIDTH, WIDTH, NEW, eos)
-        assert [c.token_ids for c in out.outputs] == expected
-        assert out.outputs[0].text == tokenizer.decode(expected[0], skip_special_tokens=True)
+        # vLLM's form: each beam's tokens after the prompt's, its text the beam's alone.
+        assert [s.tokens for s in out.sequences] == [prompt + beam for beam in expected]
+        assert out.sequences[0].text == tokenizer.decode(expected[0], skip_special_tokens=True)
+        scores = [s.cum_logprob for s in out.sequences]
+        assert all(isinstance(x, float) for x in scores)
     assert_pools_full(llm.engine.kv)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, BeamSearchParams, SamplingParams
 from tests.kv_checks import assert_pools_full
 from tests.tiny_models import write_tiny_model
 
@@ -52,5 +52,6 @@ def test_generated_tokens_count_every_stream(llm):
                             ignore_eos=True)
     out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]
     assert len(out.outputs) == 2 and out.metrics.num_generated_tokens == 5 * 6
-    beams = llm.beam_search(PROMPTS[:1], beam_width=3, max_tokens=4, ignore_eos=True)[0]
+    beams = llm.generate(PROMPTS[:1], BeamSearchParams(3, 4, ignore_eos=True).to_sampling_params(),
+                         use_tqdm=False)[0]
     assert beams.metrics.num_generated_tokens == 1 + 3 * 3  # the search starts from one beam

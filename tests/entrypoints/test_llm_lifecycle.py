@@ -10,7 +10,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from pagedserve import SamplingParams
+from pagedserve import BeamSearchParams, SamplingParams
 from tests.kv_checks import assert_pools_full
 from tests.tiny_models import make_llm, random_prompts
 
@@ -44,7 +44,7 @@ def _assert_idle(engine) -> None:
 @pytest.mark.parametrize("call", [
     lambda llm: llm.generate([PROMPTS[0], ""], LONG, use_tqdm=False),
     lambda llm: llm.generate(PROMPTS, [LONG, SamplingParams(n=10**4)], use_tqdm=False),
-    lambda llm: llm.beam_search([PROMPTS[0], []], beam_width=2, max_tokens=500),
+    lambda llm: llm.beam_search([PROMPTS[0], []], BeamSearchParams(beam_width=2, max_tokens=500)),
 ], ids=["empty-prompt", "more-samples-than-max-num-seqs", "beam-search"])
 def test_a_batch_with_one_bad_request_queues_none_of_it(llm, expected, call):
     with pytest.raises(ValueError):
@@ -169,7 +169,17 @@ def test_chat_on_a_model_without_a_chat_template_says_so(llm):
 @pytest.mark.parametrize("width", [0, 2.5, True])
 def test_beam_width_is_checked_by_its_own_name(llm, width):
     with pytest.raises(ValueError, match="beam_width must be an integer of at least 1"):
-        llm.beam_search([PROMPTS[0]], beam_width=width, max_tokens=2)
+        llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=width, max_tokens=2))
+
+
+def test_beam_search_takes_vllms_params_only_at_temperature_0(llm):
+    """The beams score raw log-probabilities (HF's rule); vLLM's old positional form is a
+    TypeError naming what it takes."""
+    with pytest.raises(ValueError, match="temperature must be 0, got 0.7"):
+        llm.beam_search([PROMPTS[0]], BeamSearchParams(2, 2, temperature=0.7))
+    with pytest.raises(TypeError, match="params must be a BeamSearchParams"):
+        llm.beam_search([PROMPTS[0]], 2)
+    _assert_idle(llm.engine)
 
 
 def test_chat_content_parts_are_joined_and_bad_messages_named():
