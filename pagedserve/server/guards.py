@@ -178,7 +178,9 @@ class GuardedH11Protocol(H11Protocol):
     A connection cap: over ``max_connections`` open connections (this one included), requests
     get a JSON 503. uvicorn's ``limit_concurrency`` counts the same but answers in text/plain.
 
-    A malformed request gets a JSON 400, where uvicorn's is text/plain.
+    A malformed request gets a JSON 400, where uvicorn's is text/plain; so does one with both
+    Content-Length and Transfer-Encoding, which h11 would read by its chunks and keep the
+    connection open after, and the connection closes.
 
     Half-close: a client may shut its sending side once its request is sent and still read the
     answer. uvicorn takes the FIN for a hang-up; here the connection stays open to write the
@@ -198,20 +200,32 @@ class GuardedH11Protocol(H11Protocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._half_closed = False
         self._peer_check: asyncio.TimerHandle | None = None
-        self._app, self.app = self.app, self._capped_app
+        self._app, self.app = self.app, self._guarded_app
 
-    async def _capped_app(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _guarded_app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = self._refusal(scope)
+        if error is None:
+            await self._app(scope, receive, send)
+            return
+        response = error.response()
+        response.headers["connection"] = "close"
+        await response(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> APIError | None:
+        names = {name for name, _ in scope["headers"]}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            # h11 reads the chunks and would go on reading the connection after them; a proxy
+            # that reads the Content-Length would take the rest for another request (request
+            # smuggling, RFC 9112 6.3). uvicorn's httptools protocol refuses these too.
+            return bad_request("a request must not have both Content-Length and "
+                               "Transfer-Encoding headers")
         # /health is answered over the cap: a liveness probe must not restart a server that is
         # only busy, and its answer costs nothing.
         if len(self.connections) > self.max_connections and scope.get("path") != "/health":
-            error = APIError(HTTPStatus.SERVICE_UNAVAILABLE,
-                             f"the server is at its limit of {self.max_connections} connections;"
-                             " retry later", type=SERVER_ERROR, code=TOO_MANY_CONNECTIONS)
-            response = error.response()
-            response.headers["connection"] = "close"
-            await response(scope, receive, send)
-            return
-        await self._app(scope, receive, send)
+            return APIError(HTTPStatus.SERVICE_UNAVAILABLE,
+                            f"the server is at its limit of {self.max_connections} connections;"
+                            " retry later", type=SERVER_ERROR, code=TOO_MANY_CONNECTIONS)
+        return None
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)

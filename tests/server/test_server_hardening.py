@@ -154,6 +154,23 @@ def test_malformed_http_gets_a_json_400(server, request_bytes):
     assert httpx.get(f"{server.url}/health", timeout=HTTP_TIMEOUT_S).status_code == 200
 
 
+def test_a_request_with_both_content_length_and_transfer_encoding_is_refused(server):
+    """A proxy that reads the Content-Length while we read the chunks would take the rest of
+    the body for another request (RFC 9112 6.3): refused, and the connection is closed, so a
+    request queued behind it is never served."""
+    body = json.dumps(GOOD).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 5\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    with server.connect() as sock:
+        sock.sendall(head + chunked + raw_request("GET", "/health", b""))
+        data = _until_closed(sock)
+    response = _raw(data)
+    assert "Transfer-Encoding" in _error(response, 400)["message"]
+    assert data.count(b"HTTP/1.1 ") == 1, data
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": 5}, "prompt"),
     ({"prompt": "x", "bogus": 1}, "bogus"),
