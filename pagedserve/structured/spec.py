@@ -75,6 +75,9 @@ def _check_keywords(text: str) -> None:
         schema = json.loads(text)
     except ValueError:
         return  # xgrammar names the error
+    except RecursionError:  # valid JSON, but deeper than Python's parser goes
+        raise InvalidSamplingParam("structured_outputs", "invalid json for structured "
+                                   "output: the schema is nested too deeply") from None
     problem = unsupported_keyword(schema)
     if problem is not None:
         raise InvalidSamplingParam("structured_outputs",

@@ -90,3 +90,14 @@ def test_keywords_the_grammar_would_ignore_are_refused(schema, words):
 ])
 def test_schemas_the_grammar_enforces_pass(schema):
     check(grammar_spec(StructuredOutputsParams(json=schema)), 1 << 16)
+
+
+@pytest.mark.parametrize("text", ["[" * 30_000 + "]" * 30_000,
+                                  '{"items": ' * 5_000 + "{}" + "}" * 5_000])
+def test_a_schema_nested_past_the_json_parser_is_refused(text):
+    """A schema sent as a string is parsed here first: one nested deeper than Python's
+    parser goes raised RecursionError, a 500 from the server."""
+    with pytest.raises(InvalidSamplingParam) as info:
+        check(grammar_spec(StructuredOutputsParams(json=text)), 1 << 16)
+    assert info.value.param == "structured_outputs"
+    assert "nested too deeply" in str(info.value)
