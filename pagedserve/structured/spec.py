@@ -22,6 +22,11 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'
 _BOUNDED_CHARACTERS = re.compile(r'^(\S+_characters ::= \(\()\[\^\\"\\\\\\r\\n\](\)\))$',
                                  re.MULTILINE)
 _JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
+# Objects and arrays within one another in a JSON schema's text. xgrammar's conversion time
+# grows with about the cube of the depth (300 levels of properties: seconds; 3,000 of items:
+# minutes), and the API server converts each schema on its event loop; 128 levels convert in
+# well under a tenth of a second, deeper than any schema written for a model's output.
+MAX_SCHEMA_DEPTH = 128
 
 
 class GrammarSpec(NamedTuple):
@@ -78,10 +83,24 @@ def _check_keywords(text: str) -> None:
     except RecursionError:  # valid JSON, but deeper than Python's parser goes
         raise InvalidSamplingParam("structured_outputs", "invalid json for structured "
                                    "output: the schema is nested too deeply") from None
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise InvalidSamplingParam(
+            "structured_outputs", "invalid json for structured output: the schema is nested "
+            f"more than {MAX_SCHEMA_DEPTH} objects and arrays deep")
     problem = unsupported_keyword(schema)
     if problem is not None:
         raise InvalidSamplingParam("structured_outputs",
                                    f"invalid json for structured output: {problem}")
+
+
+def _depth(value: object) -> int:
+    """How many objects and arrays deep ``value`` goes (without recursion)."""
+    deepest, level = 0, [value]
+    while level := [node for node in level if isinstance(node, dict | list)]:
+        deepest += 1
+        level = [child for node in level
+                 for child in (node.values() if isinstance(node, dict) else node)]
+    return deepest
 
 
 def _without_raw_control_characters(grammar):

@@ -9,7 +9,7 @@ import pytest
 import xgrammar as xgr
 
 from pagedserve.sampling_params import InvalidSamplingParam, StructuredOutputsParams
-from pagedserve.structured.spec import check, grammar_spec, to_grammar
+from pagedserve.structured.spec import MAX_SCHEMA_DEPTH, check, grammar_spec, to_grammar
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +101,27 @@ def test_a_schema_nested_past_the_json_parser_is_refused(text):
         check(grammar_spec(StructuredOutputsParams(json=text)), 1 << 16)
     assert info.value.param == "structured_outputs"
     assert "nested too deeply" in str(info.value)
+
+
+def _nested(levels: int, key: str = "items") -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "array", key: schema} if key == "items" else \
+            {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("key", ["items", "properties"])
+def test_a_schema_nested_past_the_depth_limit_is_refused_before_xgrammar(key):
+    """xgrammar's conversion time grows with about the cube of the nesting (300 levels of
+    properties took seconds, 3,000 of items minutes) and the server parses every schema on
+    its event loop; the depth is refused before xgrammar sees it."""
+    with pytest.raises(InvalidSamplingParam) as info:
+        check(grammar_spec(StructuredOutputsParams(json=_nested(300, key))), 1 << 16)
+    assert "nested" in str(info.value) and str(MAX_SCHEMA_DEPTH) in str(info.value)
+
+
+@pytest.mark.parametrize("key", ["items", "properties"])
+def test_a_schema_at_the_depth_limit_passes(key):
+    levels = MAX_SCHEMA_DEPTH - 1 if key == "items" else (MAX_SCHEMA_DEPTH - 1) // 2
+    check(grammar_spec(StructuredOutputsParams(json=_nested(levels, key))), 1 << 16)
