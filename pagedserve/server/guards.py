@@ -2,10 +2,11 @@
 
 ASGI middlewares refuse requests before a route reads them: a Host name a key-less server does
 not answer (400), a missing or wrong API key (401), a body over the size limit (413), a body
-that is not JSON (415). Below ASGI, uvicorn's HTTP protocol (``GuardedH11Protocol``) is given a
-read deadline, since uvicorn itself times out only idle keep-alive connections (a client that
-sends half a head, or a Content-Length it never delivers, would otherwise hold its socket for
-ever); OpenAI error bodies where uvicorn answers in plain text; and half-closed connections.
+that is not JSON or is compressed (415). Below ASGI, uvicorn's HTTP protocol
+(``GuardedH11Protocol``) is given a read deadline, since uvicorn itself times out only idle
+keep-alive connections (a client that sends half a head, or a Content-Length it never
+delivers, would otherwise hold its socket for ever); OpenAI error bodies where uvicorn answers
+in plain text; and half-closed connections.
 """
 
 from __future__ import annotations
@@ -139,25 +140,38 @@ class BodySizeLimit:
 class JSONBodies:
     """Answers 415 to a POST whose Content-Type is not JSON, instead of the field errors
     FastAPI reports when it validates the raw bytes. No Content-Type is read as JSON, as
-    OpenAI and vLLM read it (FastAPI would validate the raw bytes)."""
+    OpenAI and vLLM read it (FastAPI would validate the raw bytes). A compressed body is a 415
+    too (RFC 9110 15.5.16): nothing here decompresses, so no zip bomb inflates."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            content_type = dict(scope["headers"]).get(b"content-type")
-            if content_type is None:
-                scope = {**scope,
-                         "headers": [*scope["headers"], (b"content-type", b"application/json")]}
-            elif not _is_json(content_type):
-                error = APIError(
-                    HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "the body must be JSON: send "
-                    f"'Content-Type: application/json', not {content_type.decode('latin-1')!r}",
-                    code=UNSUPPORTED_MEDIA_TYPE)
+            headers = dict(scope["headers"])
+            error = _unsupported_body(headers)
+            if error is not None:
                 await error.response()(scope, receive, send)
                 return
+            if b"content-type" not in headers:
+                scope = {**scope,
+                         "headers": [*scope["headers"], (b"content-type", b"application/json")]}
         await self.app(scope, receive, send)
+
+
+def _unsupported_body(headers: dict[bytes, bytes]) -> APIError | None:
+    encoding = headers.get(b"content-encoding", b"identity")
+    if encoding.strip().lower() != b"identity":
+        return APIError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "the body must not be compressed: "
+                        f"send it without 'Content-Encoding: {encoding.decode('latin-1')}'",
+                        code=UNSUPPORTED_MEDIA_TYPE)
+    content_type = headers.get(b"content-type")
+    if content_type is not None and not _is_json(content_type):
+        return APIError(
+            HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "the body must be JSON: send "
+            f"'Content-Type: application/json', not {content_type.decode('latin-1')!r}",
+            code=UNSUPPORTED_MEDIA_TYPE)
+    return None
 
 
 def _is_json(content_type: bytes) -> bool:

@@ -6,6 +6,7 @@ its side after sending its request."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import io
 import json
 import re
@@ -189,6 +190,18 @@ def test_a_body_without_content_type_is_read_as_json(server):
     assert "content-type" not in response.request.headers
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == GOOD["max_tokens"]
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br"])
+def test_a_compressed_body_is_refused_as_unsupported(server, encoding):
+    """The server decompresses nothing (so no zip bomb inflates in it): a compressed body is a
+    415 naming the encoding, not a 400 that says the JSON could not be parsed."""
+    body = gzip.compress(json.dumps(GOOD).encode())
+    error = _error(server.post("/v1/completions", content=body,
+                               headers={"Content-Encoding": encoding}), 415)
+    assert encoding in error["message"] and "Content-Encoding" in error["message"], error
+    response = server.post("/v1/completions", json=GOOD, headers={"Content-Encoding": "identity"})
+    assert response.status_code == 200, response.text
 
 
 # ---- Host names (DNS rebinding) -------------------------------------------------------------
