@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -88,9 +89,25 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
     status = HTTPStatus(exc.status_code)
     message = exc.detail if isinstance(exc.detail, str) else status.phrase
+    if message == _FASTAPI_PARSE_ERROR and exc.__cause__ is not None:
+        message = f"the request body is not valid JSON: {_unparsable(exc.__cause__)}"
     kind = SERVER_ERROR if exc.status_code >= 500 else INVALID_REQUEST
     code = REQUEST_TOO_LARGE if status == HTTPStatus.REQUEST_ENTITY_TOO_LARGE else None
     return APIError(exc.status_code, message, type=kind, code=code).response()
+
+
+# What FastAPI answers when its JSON parse raises anything but a syntax error.
+_FASTAPI_PARSE_ERROR = "There was an error parsing the body"
+
+
+def _unparsable(cause: BaseException) -> str:
+    if isinstance(cause, RecursionError):
+        return "it is nested too deeply"
+    if isinstance(cause, UnicodeDecodeError):
+        return "it is not UTF-8 text"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return f"a number has more than {sys.get_int_max_str_digits()} digits"
+    return type(cause).__name__
 
 
 async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:

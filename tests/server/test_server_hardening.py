@@ -204,6 +204,19 @@ def test_a_compressed_body_is_refused_as_unsupported(server, encoding):
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize(("body", "reason"), [
+    (b'{"prompt": "caf\xe9", "max_tokens": 1}', "UTF-8"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"prompt": "a", "max_tokens": ' + b"9" * 5_000 + b"}", "digits"),
+])
+def test_a_body_json_cannot_read_gets_a_400_saying_why(server, body, reason):
+    """FastAPI answers "There was an error parsing the body" to whatever its JSON parse raises
+    besides a syntax error; the client is told what was wrong."""
+    error = _error(server.post("/v1/completions", content=body), 400)
+    assert error["message"].startswith("the request body is not valid JSON"), error
+    assert reason in error["message"], error
+
+
 # ---- Host names (DNS rebinding) -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def widened(chat_model, tmp_path_factory):
