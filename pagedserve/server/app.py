@@ -232,6 +232,7 @@ def run_server(args: argparse.Namespace) -> None:
                 access_log=args.enable_log_requests,
                 timeout_graceful_shutdown=5,
                 http=partial(GuardedH11Protocol, read_timeout=args.request_read_timeout,
+                             write_timeout=args.response_write_timeout,
                              max_connections=args.max_concurrent_connections))
 
 

@@ -53,6 +53,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--request-read-timeout", type=positive(float), default=30.0,
                    help="seconds a client has to send a whole request (head and body) from "
                         "its first byte; then 408 and the connection is closed")
+    g.add_argument("--response-write-timeout", type=positive(float), default=60.0,
+                   help="seconds a response may wait, its buffers full, for a client that "
+                        "stopped reading it; then the connection is closed and the request "
+                        "aborted")
     g.add_argument("--max-concurrent-connections", type=positive(int), default=1024,
                    help="connections served at once; requests on any further ones get 503")
     g.add_argument("--enable-docs", action="store_true",

@@ -189,6 +189,12 @@ class GuardedH11Protocol(H11Protocol):
     the connection is closed either way. An idle keep-alive connection is left to uvicorn's own
     keep-alive timeout.
 
+    A write deadline. A client that stops reading (a stream it no longer wants, a stalled
+    peer) fills the socket's buffers and then asyncio's, which pauses the writes; if they stay
+    paused ``write_timeout`` seconds, the connection is dropped as a hang-up, so the handler
+    aborts its request. Without it such a client held its connection, and a place under the
+    cap, for good.
+
     A connection cap: over ``max_connections`` open connections (this one included), requests
     get a JSON 503. uvicorn's ``limit_concurrency`` counts the same but answers in text/plain.
 
@@ -207,11 +213,14 @@ class GuardedH11Protocol(H11Protocol):
     takes it.
     """
 
-    def __init__(self, *args, read_timeout: float, max_connections: int, **kwargs) -> None:
+    def __init__(self, *args, read_timeout: float, write_timeout: float, max_connections: int,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.read_timeout = read_timeout
+        self.write_timeout = write_timeout
         self.max_connections = max_connections
         self._deadline: asyncio.TimerHandle | None = None
+        self._write_stall: asyncio.TimerHandle | None = None
         self._half_closed = False
         self._peer_check: asyncio.TimerHandle | None = None
         self._app, self.app = self.app, self._guarded_app
@@ -267,7 +276,27 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_deadline()
         self._stop_peer_check()
+        self._stop_write_stall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_stall is None:
+            self._write_stall = self.loop.call_later(self.write_timeout, self._drop_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_write_stall()
+
+    def _drop_stalled(self) -> None:
+        self._write_stall = None
+        if not self.transport.is_closing():
+            self.transport.abort()  # connection_lost follows, as for any hang-up
+
+    def _stop_write_stall(self) -> None:
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
 
     def send_400_response(self, msg: str) -> None:
         # What h11 found wrong does not reach here; uvicorn's msg says no more than this.

@@ -24,6 +24,7 @@ GOOD = {"prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 ALLOWED = ("example.test", "other.test", "third.test")
 MAX_CONNECTIONS = 2
+WRITE_TIMEOUT_S = 1.0
 LONG = 1000
 
 
@@ -220,11 +221,12 @@ def test_a_body_json_cannot_read_gets_a_400_saying_why(server, body, reason):
 # ---- Host names (DNS rebinding) -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def widened(chat_model, tmp_path_factory):
-    """No key, loopback, three more Host names (repeated and comma-separated), and a
-    connection cap."""
+    """No key, loopback, three more Host names (repeated and comma-separated), a connection
+    cap and a short write deadline."""
     with launch_server(chat_model, tmp_path_factory.mktemp("widened"),
                        "--allowed-hosts", ALLOWED[0], "--allowed-hosts", ",".join(ALLOWED[1:]),
-                       "--max-concurrent-connections", str(MAX_CONNECTIONS)) as s:
+                       "--max-concurrent-connections", str(MAX_CONNECTIONS),
+                       "--response-write-timeout", str(WRITE_TIMEOUT_S)) as s:
         yield s
 
 
@@ -323,3 +325,30 @@ def test_a_client_that_closes_after_its_request_still_has_it_aborted(server):
         lambda m: m.get("request_finished_total{abort}", 0) >= aborted
         and m["kv_cache_blocks_used"] == 0 and m["num_requests_running"] == 0)
     assert after["generation_tokens_total"] - before["generation_tokens_total"] < LONG
+
+
+def test_a_client_that_stops_reading_its_stream_is_dropped(widened):
+    """A client that never reads a long stream filled the buffers and then held its
+    connection, and a place under the connection cap, for good. Past
+    --response-write-timeout with the writes paused, the server drops the connection: what
+    the client finds later is a cut stream (all of it, to [DONE], before), and the request is
+    over (aborted, or finished where the engine got there first)."""
+    # About 5 MB, past what the kernel takes into its socket buffers (up to 4 MB a side).
+    body = {**GOOD, "max_tokens": 3500, "stream": True, "logprobs": 5, "n": 4}
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
+        sock.connect(("127.0.0.1", int(widened.url.rsplit(":", 1)[1])))
+        sock.sendall(raw_request("POST", "/v1/completions", json.dumps(body).encode()))
+        widened.wait_for_metrics(lambda m: m["num_requests_running"] == 0
+                                 and m["kv_cache_blocks_used"] == 0)
+        time.sleep(WRITE_TIMEOUT_S + 2)
+        sock.settimeout(5)
+        received = b""
+        try:
+            while chunk := sock.recv(1 << 16):
+                received += chunk
+        except (ConnectionResetError, TimeoutError):
+            pass
+    assert received.startswith(b"HTTP/1.1 200 ")
+    assert b"data: [DONE]" not in received, len(received)
+    assert httpx.get(f"{widened.url}/v1/models", timeout=HTTP_TIMEOUT_S).status_code == 200
