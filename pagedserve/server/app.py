@@ -21,6 +21,7 @@ from functools import partial
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
 from pagedserve import __version__, envs
@@ -69,14 +70,17 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
                tool_parser: ToolParser | None = None,
                allowed_hosts: list[str] | None = None,
                lora_modules: Sequence[LoRAModule] = (),
-               runtime_lora_updating: bool = False) -> FastAPI:
+               runtime_lora_updating: bool = False,
+               allowed_origins: Sequence[str] = ()) -> FastAPI:
     """An app serving started engine cores, one per model (the first serves requests that
     name none); the app's lifespan reads their outputs and stops them at the end.
     ``enable_docs`` serves FastAPI's /docs, /redoc and /openapi.json, whose pages load their
     scripts from a public CDN. ``tool_parser`` enables ``tool_choice: "auto"``.
     ``allowed_hosts``, if given, are the only Host names answered. ``lora_modules`` are
     served from the start (``ConfigError`` for one that cannot be); ``runtime_lora_updating``
-    adds the routes that load and unload adapters (without it they are 404s, as in vLLM)."""
+    adds the routes that load and unload adapters (without it they are 404s, as in vLLM).
+    ``allowed_origins`` are the web origins answered with CORS headers (none by default, where
+    vLLM allows every origin: a page of any site could read a local server's answers)."""
     # Each core's latest stats, read at every scrape.
     metrics = ServerMetrics({e.facts.model_name: partial(getattr, e, "stats") for e in engines})
     models = ServingModels([ServedModel.of(e, metrics) for e in engines])
@@ -98,11 +102,15 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
                   redoc_url="/redoc" if enable_docs else None,
                   openapi_url="/openapi.json" if enable_docs else None)
     install_error_handlers(app)
-    # The last added runs first: the Host, the key, then the body's size, then its type.
+    # The last added runs first: the Host, a browser's preflight (which carries no key), the
+    # key, then the body's size, then its type.
     app.add_middleware(JSONBodies)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key, public=PUBLIC_PATHS)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"])
     if allowed_hosts is not None:
         app.add_middleware(AllowedHosts, hosts=allowed_hosts)
 
@@ -215,7 +223,8 @@ def run_server(args: argparse.Namespace) -> None:
         _start_engines(specs, engines)
         app = create_app(engines, api_key, args.max_request_bytes, args.enable_docs, parser,
                          hosts, args.lora_modules,
-                         args.enable_runtime_lora_updating or envs.allow_runtime_lora_updating())
+                         args.enable_runtime_lora_updating or envs.allow_runtime_lora_updating(),
+                         args.allowed_origins)
     except (EngineStartError, ConfigError) as exc:  # one line, as the CLI does
         _stop(engines)
         print(f"pagedserve: error: {exc}", file=sys.stderr)

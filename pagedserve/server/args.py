@@ -41,6 +41,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health and "
                         "/metrics (default: $PAGEDSERVE_API_KEY, which the process list does "
                         "not show)")
+    g.add_argument("--allowed-origins", type=_names, action="extend", default=[],
+                   metavar="ORIGIN[,ORIGIN...]",
+                   help="web origins (scheme://host[:port], or *) whose pages may call the "
+                        "API from a browser (CORS; repeat or comma-separate). Default none: "
+                        "browsers keep other sites' pages from reading the answers")
     g.add_argument("--allowed-hosts", type=_names, action="extend", default=[],
                    metavar="NAME[,NAME...]",
                    help="Host header names answered besides localhost, 127.0.0.1 and [::1], "

@@ -97,6 +97,17 @@ def _refuse(_requests):
     raise ValueError("refused by the test engine")
 
 
+def _in_process_app(tokenizer=None, **options):
+    """The app over a stand-in engine that refuses every request, in this process."""
+    from pagedserve.server.app import create_app
+
+    engine = SimpleNamespace(
+        facts=SimpleNamespace(model_name="model", limits=SimpleNamespace(max_model_len=64),
+                              lora=None, sampling_defaults={}),
+        tokenizer=tokenizer, is_running=True, stats=None, add_requests=_refuse)
+    return create_app([engine], **options)
+
+
 @pytest.mark.parametrize(("path", "body", "status"), [
     ("/tokenize", {"prompt": "abc"}, 200),
     ("/tokenize", {"messages": [{"role": "user", "content": "abc"}]}, 200),
@@ -106,14 +117,8 @@ def _refuse(_requests):
 def test_health_answers_while_a_request_is_being_tokenized(path, body, status):
     """In process, against a stand-in engine whose tokenizer blocks until /health has been
     answered: /health must not wait for the tokenizer (the engine refuses what reaches it)."""
-    from pagedserve.server.app import create_app
-
     tokenizer = _GatedTokenizer()
-    engine = SimpleNamespace(
-        facts=SimpleNamespace(model_name="model", limits=SimpleNamespace(max_model_len=64),
-                              lora=None, sampling_defaults={}),
-        tokenizer=tokenizer, is_running=True, stats=None, add_requests=_refuse)
-    app = create_app([engine])
+    app = _in_process_app(tokenizer)
 
     async def scenario():
         transport = httpx.ASGITransport(app=app)
@@ -352,3 +357,40 @@ def test_a_client_that_stops_reading_its_stream_is_dropped(widened):
     assert received.startswith(b"HTTP/1.1 200 ")
     assert b"data: [DONE]" not in received, len(received)
     assert httpx.get(f"{widened.url}/v1/models", timeout=HTTP_TIMEOUT_S).status_code == 200
+
+
+# ---- Browsers (CORS) -------------------------------------------------------------------------
+
+
+def _browser(app, method: str, origin: str, headers: dict | None = None) -> httpx.Response:
+    async def call():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
+            return await c.request(method, "/v1/models", headers={"Origin": origin,
+                                                                 **(headers or {})})
+    return asyncio.run(call())
+
+
+PREFLIGHT = {"Access-Control-Request-Method": "GET",
+             "Access-Control-Request-Headers": "authorization"}
+
+
+def test_cors_answers_only_the_allowed_origins():
+    """A page of an allowed origin may call the API (its preflight carries no key, and is
+    answered before the key is checked; the call itself still needs the key); any other
+    origin's page gets no CORS headers, so its browser keeps the answer from it. Without
+    --allowed-origins no origin is allowed (vLLM allows all)."""
+    app = _in_process_app(api_key="k", allowed_hosts=["localhost"],
+                          allowed_origins=["http://ui.test"])
+    ok = _browser(app, "OPTIONS", "http://ui.test", PREFLIGHT)
+    assert ok.status_code == 200
+    assert ok.headers["access-control-allow-origin"] == "http://ui.test"
+    call = _browser(app, "GET", "http://ui.test", {"Authorization": "Bearer k"})
+    assert call.status_code == 200 and call.json()["data"][0]["id"] == "model"
+    assert call.headers["access-control-allow-origin"] == "http://ui.test"
+    assert _browser(app, "GET", "http://ui.test").status_code == 401
+    other = _browser(app, "OPTIONS", "http://evil.test", PREFLIGHT)
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    default = _in_process_app()
+    assert "access-control-allow-origin" not in _browser(default, "GET", "http://ui.test").headers
+    assert _browser(default, "OPTIONS", "http://ui.test", PREFLIGHT).status_code == 405
