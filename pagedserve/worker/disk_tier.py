@@ -33,10 +33,10 @@ import os
 import stat
 import struct
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from time import monotonic
 
 import torch
 
@@ -157,7 +157,7 @@ class DiskTier:
     def read(self, block_hash: bytes, block: torch.Tensor) -> None:
         """Queue a read of ``block_hash``'s file into the host block ``block``; its outcome
         comes back from ``finished_reads``."""
-        read = _Read(block_hash, time.monotonic())
+        read = _Read(block_hash, monotonic())
         if self._stalled:  # it would wait behind the read the disk has not answered
             read.future.set_result(False)
         else:
@@ -231,7 +231,7 @@ class DiskTier:
         if wait_s and self._reads:
             wait([r.future for r in self._reads], timeout=wait_s, return_when="FIRST_COMPLETED")
         finished, pending = [], []
-        late = time.monotonic() - READ_TIMEOUT_S
+        late = monotonic() - READ_TIMEOUT_S
         for read in self._reads:
             if read.future.done():
                 finished.append((read.block_hash, read.future.result()))

@@ -96,8 +96,7 @@ def test_bad_requests_are_refused_before_anything_is_sent(client, loop):
         client.add_requests([NewRequest("bad", [], _delta())])
 
     async def main():
-        await asyncio.sleep(0.3)
-        assert client.stats.num_waiting == client.stats.num_running == 0
+        await _until_idle(client)
         # "ok" was never sent, so its id is free.
         return await _final(client.add_requests(
             [NewRequest("ok", [5, 6, 7], _delta(max_tokens=2))])[0])
@@ -113,8 +112,7 @@ def test_an_id_twice_in_one_batch_is_refused_before_anything_is_sent(client, loo
                              NewRequest("twice", [5, 6, 8], _delta(max_tokens=2))])
 
     async def main():
-        await asyncio.sleep(0.3)
-        assert client.stats.num_waiting == client.stats.num_running == 0
+        await _until_idle(client)
         return await asyncio.wait_for(_final(client.add_requests(
             [NewRequest("twice", [5, 6, 7], _delta(max_tokens=2))])[0]), 60)
 

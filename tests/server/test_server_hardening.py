@@ -13,6 +13,7 @@ import re
 import socket
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -332,6 +333,24 @@ def test_a_client_that_closes_after_its_request_still_has_it_aborted(server):
     assert after["generation_tokens_total"] - before["generation_tokens_total"] < LONG
 
 
+def _until_server_closed(sock: socket.socket, timeout: float = 60.0) -> None:
+    """Wait, reading nothing (reading would let the writes go on), until the server has
+    closed its end of ``sock``'s connection: its socket in /proc/net/tcp leaves ESTABLISHED
+    (Linux; it goes on sending what its kernel buffer holds, then its FIN)."""
+    ours, theirs = (f"0100007F:{a[1]:04X}" for a in (sock.getsockname(), sock.getpeername()))
+    deadline = time.monotonic() + timeout
+    while True:
+        states = [line.split()[3] for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+                  if line.split()[1:3] == [theirs, ours]]
+        if states != [_TCP_ESTABLISHED]:
+            return
+        assert time.monotonic() < deadline, "the server kept the connection"
+        time.sleep(0.05)
+
+
+_TCP_ESTABLISHED = "01"  # /proc/net/tcp's state of an open connection
+
+
 def test_a_client_that_stops_reading_its_stream_is_dropped(widened):
     """A client that never reads a long stream filled the buffers and then held its
     connection, and a place under the connection cap, for good. Past
@@ -346,7 +365,7 @@ def test_a_client_that_stops_reading_its_stream_is_dropped(widened):
         sock.sendall(raw_request("POST", "/v1/completions", json.dumps(body).encode()))
         widened.wait_for_metrics(lambda m: m["num_requests_running"] == 0
                                  and m["kv_cache_blocks_used"] == 0)
-        time.sleep(WRITE_TIMEOUT_S + 2)
+        _until_server_closed(sock)
         sock.settimeout(5)
         received = b""
         try:

@@ -227,15 +227,18 @@ def test_a_read_the_disk_does_not_answer_is_a_miss_and_never_lands(tmp_path, mon
     must not reach the host block, which the KV manager has given to another block by then.
     Until the disk answers again, new reads are misses at once; then reads work again."""
     disk, block = _written(tmp_path)
-    monkeypatch.setattr(disk_tier, "READ_TIMEOUT_S", 0.2)
+    now = [0.0]  # the tier's clock, moved by the test alone
+    monkeypatch.setattr(disk_tier, "monotonic", lambda: now[0])
     answer = threading.Event()
     monkeypatch.setattr(disk_tier, "open", lambda *args: (answer.wait(), open(*args))[1],
                         raising=False)
     target = torch.full(SHAPE, -7.0)  # the next owner's bytes
     with caplog.at_level(logging.WARNING, logger="pagedserve.worker.disk_tier"):
         disk.read(HASH, target)
+        now[0] = disk_tier.READ_TIMEOUT_S - 0.1
         assert disk.finished_reads() == []  # under way
-        assert disk.finished_reads(wait_s=0.5) == [(HASH, False)]
+        now[0] = disk_tier.READ_TIMEOUT_S + 0.1
+        assert disk.finished_reads() == [(HASH, False)]
     assert "waited" in caplog.text
     disk.read(OTHER, torch.zeros(SHAPE))
     assert disk.finished_reads() == [(OTHER, False)]  # not queued behind the hung one
