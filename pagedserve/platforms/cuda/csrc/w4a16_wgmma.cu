@@ -31,7 +31,10 @@
 // Pipeline: the tiles stream through STAGES shared-memory buffers, STAGES - 2 ahead; each
 // warpgroup decodes step s + 1 while the wgmma of step s runs (wait_group 1 keeps one in
 // flight), and a stage is refilled only two tiles after it was read, when every wgmma that
-// read it is known to be done.
+// read it is known to be done. With 2 stages (a sweep variant) the copy runs one tile ahead
+// and each tile's last wgmma is waited for before the next tile's barrier: one block loses
+// that overlap, but two blocks fit a multiprocessor (MIN_BLOCKS caps the registers), and one
+// block's decode can run beside the other's wgmmas.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -269,9 +272,11 @@ __device__ __forceinline__ int2 block_of(int id, int m_blocks, int n_blocks) {
 
 // A block of BM rows of x by 128 features over one split of K. GP: pairs of slices per group,
 // 1 (groups of 32), 2 (64) or 4 (128 and more, or one group).
-template <bool BF16, int BM, int GP, int STAGES>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16MmaArgs a) {
+template <bool BF16, int BM, int GP, int STAGES, int MIN_BLOCKS>
+__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) wgmma_kernel(const W4A16MmaArgs a) {
   using L = StageLayout<BM, GP>;
+  // Tiles copied ahead of the one read: with 2 stages, one, and the wgmmas drained per tile.
+  constexpr int kAhead = STAGES == 2 ? 1 : STAGES - 2;
   constexpr int NG = 4 / GP;
   pdl_gate();  // x goes through the stages with the weights
   extern __shared__ uint8_t smem_raw[];
@@ -345,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16MmaArgs a
     cp_async_commit();
   };
 #pragma unroll
-  for (int j = 0; j < STAGES - 2; ++j) issue(j);
+  for (int j = 0; j < kAhead; ++j) issue(j);
 
   float acc[BM / 2];
 #pragma unroll
@@ -353,14 +358,15 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16MmaArgs a
   uint32_t frag[2][4];
   const int w_swizzle = ((f_local >> 2) ^ (2 * tig)) << 4 | (f_local & 2) * 4;
   for (int i = 0; i < tiles; ++i) {
-    cp_async_wait<STAGES - 3>();
+    cp_async_wait<kAhead - 1>();
     // cp.async writes through the generic proxy, wgmma reads through the async one: each
     // thread's copies of tile i are made visible to it before the barrier publishes them.
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    // Tile i is in for every thread, and every wgmma of tile i - 2 is done (each warpgroup
-    // waited for all but its latest before passing here): its stage may be refilled.
+    // Tile i is in for every thread, and every wgmma of tile i + kAhead - STAGES is done
+    // (each warpgroup waited for all but its latest before passing here, or for all of them
+    // with 2 stages): its stage may be refilled.
     __syncthreads();
-    issue(i + STAGES - 2);
+    issue(i + kAhead);
     const uint32_t st = base + (i % STAGES) * L::kBytes;
     const uint8_t* st_ptr = base_ptr + (i % STAGES) * L::kBytes;
     const uint32_t x_descriptor = descriptor_low(st);
@@ -401,6 +407,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16MmaArgs a
           wgmma_wait<1>();
         }
     }
+    if constexpr (STAGES == 2) wgmma_wait<0>();  // the next barrier refills this stage
   }
   wgmma_wait<0>();
   fence_registers(acc);
@@ -448,9 +455,9 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const W4A16MmaArgs a
   if (tid == 0) a.counters[counter] = 0;
 }
 
-template <bool BF16, int BM, int GP, int STAGES>
+template <bool BF16, int BM, int GP, int STAGES, int MIN_BLOCKS = 1>
 cudaError_t launch(const W4A16MmaArgs& a, cudaStream_t stream) {
-  const auto kernel = wgmma_kernel<BF16, BM, GP, STAGES>;
+  const auto kernel = wgmma_kernel<BF16, BM, GP, STAGES, MIN_BLOCKS>;
   const int bytes = STAGES * StageLayout<BM, GP>::kBytes + 1024;  // + the alignment
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        bytes);
@@ -468,6 +475,9 @@ cudaError_t by_variant(const W4A16MmaArgs& a, cudaStream_t stream) {
     case 0: return launch<BF16, BM, GP, kMostStages>(a, stream);
 #ifdef W4A16_WGMMA_SWEEP
     case 1: return launch<BF16, BM, GP, 3>(a, stream);
+    // Two blocks a multiprocessor where two fit (up to 128 rows: 2 x ~85 KB of stages, at
+    // most 128 registers a thread), so that one block decodes while the other's wgmmas run.
+    case 2: return launch<BF16, BM, GP, 2, BM <= 128 ? 2 : 1>(a, stream);
 #endif
     default: return cudaErrorInvalidValue;
   }
@@ -505,10 +515,10 @@ int w4a16_wgmma(const W4A16MmaArgs* a, void* stream) {
   return a->bf16 ? by_rows<true>(*a, s) : by_rows<false>(*a, s);
 }
 
-// Variants compiled in: 1 normally, 2 with W4A16_WGMMA_SWEEP (benchmarks).
+// Variants compiled in: 1 normally, 3 with W4A16_WGMMA_SWEEP (benchmarks).
 int w4a16_wgmma_variants() {
 #ifdef W4A16_WGMMA_SWEEP
-  return 2;
+  return 3;
 #else
   return 1;
 #endif
