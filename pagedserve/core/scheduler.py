@@ -42,12 +42,16 @@ Offloading tiers
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Set
 from dataclasses import dataclass, field
-from itertools import islice
-from typing import NamedTuple
+from itertools import chain, islice
+from typing import TYPE_CHECKING, NamedTuple
 
 from pagedserve.core.kv_cache_manager import BlockOps, CachedPrefix, KVCacheManager
 from pagedserve.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+if TYPE_CHECKING:
+    from pagedserve.lora.request import LoRARequest
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv.num_blocks)
         self._schedule_pending = False
+        self._startable_loras: Set[int] | None = None
         # Prefills share a step only as chunks.
         self._shares_prefills = config.enable_chunked_prefill and \
             config.max_num_partial_prefills > 1
@@ -134,11 +139,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self, schedule_pending: bool = False) -> SchedulerOutput:
+    def schedule(self, schedule_pending: bool = False,
+                 startable_loras: Set[int] | None = None) -> SchedulerOutput:
         """The next step. With ``schedule_pending`` a stream whose last sampled token is still
         in flight computes it (async scheduling: the runner takes that input token from the
-        previous step's output on the device); otherwise such a stream waits."""
+        previous step's output on the device); otherwise such a stream waits. A waiting
+        request of an adapter not in ``startable_loras`` (None: any) stays waiting: its
+        adapter is not in host memory (``lora/host_adapters.py``)."""
         self._schedule_pending = schedule_pending
+        self._startable_loras = startable_loras
         if self._shares_prefills:
             self._plan_prefills()
         out = SchedulerOutput()
@@ -404,8 +413,9 @@ class Scheduler:
             if hold_back and self._held_back(group):
                 i, passed_over = i + 1, True
                 continue
-            # Reading its prefix from disk, or waiting for an adapter slot: others go first.
-            if self._loading_from_disk(group) or not self._lora_fits(group, loras):
+            # Reading its prefix from disk, or waiting for its adapter: others go first.
+            if (self._loading_from_disk(group) or not self._lora_fits(group, loras)
+                    or not self._lora_startable(group)):
                 i += 1
                 continue
             if not self._can_admit(group, budget, free_slots):
@@ -452,6 +462,25 @@ class Scheduler:
         if lora is None or not self.config.max_loras:
             return True
         return lora.lora_int_id in running or len(running) < self.config.max_loras
+
+    def _lora_startable(self, group: SequenceGroup) -> bool:
+        lora = _lora_of(group)
+        return lora is None or self._startable_loras is None or \
+            lora.lora_int_id in self._startable_loras
+
+    def waiting_loras(self) -> list[LoRARequest]:
+        """The adapters of the waiting groups a step may start, in queue order."""
+        return [r for r in map(_lora_of, self._scan_waiting()) if r is not None]
+
+    def loras_in_use(self) -> set[int]:
+        """The adapters of the running and swapped groups, which must stay in host memory."""
+        return {r.lora_int_id for r in map(_lora_of, chain(self.running, self.swapped))
+                if r is not None}
+
+    def waiting_of(self, lora_int_id: int) -> list[SequenceGroup]:
+        """The waiting groups of an adapter."""
+        return [g for g in self.waiting
+                if (lora := _lora_of(g)) is not None and lora.lora_int_id == lora_int_id]
 
     def _running_loras(self) -> set[int]:
         return {r.lora_int_id for r in map(_lora_of, self.running) if r is not None}
@@ -556,7 +585,7 @@ def _prefix_key(seq: Sequence, end: int) -> tuple[str | None, tuple[int, ...]]:
     return seq.cache_key, tuple(seq.prompt_token_ids[:end])
 
 
-def _lora_of(group: SequenceGroup):
+def _lora_of(group: SequenceGroup) -> LoRARequest | None:
     """The group's adapter (every stream of a request has the same), or None."""
     streams = group.seqs or group.pending_forks
     return streams[0].lora_request if streams else None

@@ -32,7 +32,7 @@ import atexit
 import gc
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from pagedserve.config import EngineConfig
@@ -117,9 +117,11 @@ class LLMEngine:
         # The last step's requests whose grammar was refused (over the compile budget): each
         # also finished with an error output; the core process answers them with a 400.
         self.refused: dict[str, InvalidSamplingParam] = {}
-        # Requests whose grammar failed, already out of ``outputs``, and the refused among
-        # them: reported by the next ``step`` that returns (a step that raises keeps them).
-        self._grammar_failures: list[RequestOutput] = []
+        # Requests that failed before they were scheduled (a grammar that did not compile, an
+        # adapter that could not be read again), already out of ``outputs``, and the refused
+        # among them (grammars over the compile budget): reported by the next ``step`` that
+        # returns (a step that raises keeps them).
+        self._failures: list[RequestOutput] = []
         self._refusing: dict[str, InvalidSamplingParam] = {}
         self._num_prompt_tokens = 0
         self._next_id = 0
@@ -210,15 +212,38 @@ class LLMEngine:
             self.executor.add_lora(lora_request.lora_int_id, admitted.adapter)
         return admitted.key
 
-    def _drop_idle_adapters(self) -> None:
-        """Past --max-cpu-loras adapters held, the ranks drop the idle ones from host memory
-        (here, between steps: every admitted request is counted as in use)."""
-        if self.adapters is None or not self.adapters.over_budget:
-            return
-        in_use = {seq.seq.lora_request.lora_int_id for state in self.outputs.requests.values()
-                  for seq in state.seqs if seq.seq.lora_request is not None}
-        for lora_int_id in self.adapters.trim(in_use):
+    def _hold_adapters(self) -> Set[int] | None:
+        """Make room in host memory for the adapters of waiting requests, reading them now,
+        before the step (``lora/host_adapters.py``); the adapters whose waiting requests may
+        start (None: LoRA is off)."""
+        if self.adapters is None:
+            return None
+        plan = self.adapters.plan(self.scheduler.waiting_loras(), self.scheduler.loras_in_use())
+        self.adapters.drop(plan.drop)
+        for lora_int_id in plan.drop:
             self.executor.remove_lora(lora_int_id)
+        for request in plan.load:
+            try:
+                adapter = self.adapters.hold(request)
+            except ValueError as exc:
+                self._fail_waiting(request.lora_int_id, str(exc))
+                continue
+            self.executor.add_lora(request.lora_int_id, adapter)
+            # Read again, the folder may hold other weights: the key follows them.
+            for group in self.scheduler.waiting_of(request.lora_int_id):
+                for seq in group.seqs + group.pending_forks:
+                    seq.cache_key = adapter.content_hash
+        return self.adapters.startable()
+
+    def _fail_waiting(self, lora_int_id: int, why: str) -> None:
+        """Finish with an error the waiting requests of an adapter that cannot be read again
+        (its folder vanished since they were admitted); the next step returns them."""
+        for group in self.scheduler.waiting_of(lora_int_id):
+            logger.error("request %s: its LoRA adapter %s", group.request_id, why)
+            state = self.outputs.pop(group.request_id)
+            for seq in group.seqs + group.pending_forks:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+            self._failures.append(state.to_output())
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget an adapter no request runs with any more: its content hash here, its host
@@ -244,7 +269,7 @@ class LLMEngine:
             self._in_flight = None  # it computes for aborted requests only
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.outputs.requests or self._grammar_failures)
+        return bool(self.outputs.requests or self._failures)
 
     def dead_reason(self) -> str | None:
         """Why the engine cannot step any more (a tensor-parallel rank died), or None."""
@@ -263,11 +288,10 @@ class LLMEngine:
         """Admit the requests whose grammar is ready, then schedule, run, process outputs.
         Under async scheduling the outputs processed are the previous step's, while this one
         computes."""
-        self._drop_idle_adapters()
         if self._awaiting_grammar:
             self._admit_compiled()
         outputs = self._step()
-        failed, self._grammar_failures = self._grammar_failures, []
+        failed, self._failures = self._failures, []
         self.refused, self._refusing = self._refusing, {}
         return failed + outputs
 
@@ -289,7 +313,7 @@ class LLMEngine:
                     self._refusing[request_id] = future.exception()
                 self.outputs.pop(request_id)
                 _mark_finished(state, SequenceStatus.FINISHED_ERROR)
-                self._grammar_failures.append(state.to_output())
+                self._failures.append(state.to_output())
                 continue
             for seq in state.seqs:
                 seq.grammar = GrammarState(future.result())
@@ -306,7 +330,8 @@ class LLMEngine:
         if proposes:  # the host has seen every token
             self.speculation.propose(self.scheduler.running,
                                      self.resolved.max_num_batched_tokens, self._grammar_of)
-        out = self.scheduler.schedule(schedule_pending=run_ahead)
+        out = self.scheduler.schedule(schedule_pending=run_ahead,
+                                      startable_loras=self._hold_adapters())
         if out.is_empty:
             # Nothing runs, but preempted sequences' blocks must still reach the swap pool.
             self.executor.apply_block_ops(out.block_ops)

@@ -90,3 +90,18 @@ def test_a_shared_prompt_under_another_adapter_is_not_held_back_for_the_cache():
     # The second runs beside the first; the third (same adapter as the first) waits for its
     # blocks.
     assert scheduled == {seqs[0], seqs[1]}
+
+
+def test_a_request_of_an_adapter_not_startable_waits_and_holds_back_no_other():
+    """The engine names the adapters in host memory; a request of another waits for it."""
+    sched = _scheduler(max_loras=2)
+    other, held, base = _add(sched, 2, max_tokens=2), _add(sched, 1, max_tokens=2), \
+        _add(sched, None, max_tokens=2)
+    out = sched.schedule(startable_loras={1})
+    assert {s.seq for s in out.scheduled} == {held, base}
+    assert other.status == SequenceStatus.WAITING
+    assert [r.lora_int_id for r in sched.waiting_loras()] == [2]
+    assert sched.loras_in_use() == {1}
+    sched.advance(out)
+    out = sched.schedule(startable_loras={1, 2})
+    assert other in {s.seq for s in out.scheduled}
