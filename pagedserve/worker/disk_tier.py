@@ -15,7 +15,14 @@ the payload) and the payload, the host block's bytes. A read checks all of them 
 missing, truncated, too long, corrupt or foreign file as a miss: it logs why, deletes the file, and
 reports the read as failed; the block's bytes are never used. Files are written to a temporary
 name and renamed, so a crash never leaves half a file under a block's name; a write that fails
-(a full disk) deletes its temporary file, and the next engine deletes those a crash left.
+(a full disk) deletes its temporary file, and the next engine deletes those a crash left. A
+folder deleted under the running engine is made again by the next write; while it cannot be
+(or the disk refuses writes), writes are misses, with one log line per stretch of them.
+
+The limit (``--kv-offloading-disk-size``) is for the folder given: an engine starting on it
+deletes the block files of other identities (earlier models, layouts or options), and their
+folders once empty, which otherwise stayed for good. Folders and files not the tier's are left
+alone. So two engines of different models must not share a folder.
 
 A read not done within ``READ_TIMEOUT_S`` (a network mount that stopped answering, or a
 backlog of writes ahead of it) is a miss too: its requests recompute instead of waiting for
@@ -83,11 +90,10 @@ class DiskTier:
     def __init__(self, root: Path, identity: dict) -> None:
         text = json.dumps(identity, sort_keys=True)
         self.identity = hashlib.sha256(text.encode()).digest()
-        self.folder = Path(root) / self.identity.hex()[:32]
-        self.folder.mkdir(parents=True, exist_ok=True)
-        identity_file = self.folder / "identity.json"
-        if not identity_file.exists():  # a restart on a full disk starts with what is there
-            identity_file.write_text(text)
+        self._identity_text = text
+        self.folder = Path(root) / _folder_name(self.identity)
+        self._make_folder()
+        _reclaim_other_identities(Path(root), self.folder.name)
         for stale in self.folder.glob("*.tmp"):  # writes an engine stopped in the middle of
             with contextlib.suppress(OSError):
                 stale.unlink()
@@ -98,6 +104,13 @@ class DiskTier:
         self._lock = threading.Lock()  # the write queue's bytes; a read's copy or abandonment
         self._dropping = False
         self._stalled = False  # a read was abandoned and the thread has finished nothing since
+        self._writes_failing = False  # the last write failed (one log line per stretch)
+
+    def _make_folder(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        identity_file = self.folder / "identity.json"
+        if not identity_file.exists():  # a restart on a full disk starts with what is there
+            identity_file.write_text(self._identity_text)
 
     def stored_hashes(self) -> list[bytes]:
         """Hashes of the block files present, least recently written first."""
@@ -144,6 +157,8 @@ class DiskTier:
         path = self._path(block_hash)
         tmp = path.with_suffix(".tmp")
         try:
+            if not self.folder.is_dir():  # deleted under the engine
+                self._make_folder()
             with open(tmp, "wb") as f:
                 f.write(header)
                 f.write(payload)
@@ -152,7 +167,14 @@ class DiskTier:
             # A full disk fails mid-file: what was written would hold the space for good.
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            logger.warning("KV disk tier: cannot write %s: %s", path, exc)
+            if not self._writes_failing:
+                logger.warning("KV disk tier: cannot write %s: %s; blocks are not written "
+                               "(misses later) until the disk takes them again", path, exc)
+            self._writes_failing = True
+            return
+        if self._writes_failing:
+            logger.info("KV disk tier: writes to %s go through again", self.folder)
+        self._writes_failing = False
 
     def read(self, block_hash: bytes, block: torch.Tensor) -> None:
         """Queue a read of ``block_hash``'s file into the host block ``block``; its outcome
@@ -258,3 +280,32 @@ class DiskTier:
     def flush(self) -> None:
         """Wait for every queued write, read and delete."""
         self._io.submit(lambda: None).result()
+
+
+def _folder_name(identity: bytes) -> str:
+    return identity.hex()[:32]
+
+
+def _reclaim_other_identities(root: Path, own: str) -> None:
+    """Delete the tier's files in the identity folders under ``root`` but ``own``, and each
+    folder left empty (one log line)."""
+    num_files = num_bytes = 0
+    for folder in root.iterdir():
+        if folder.name == own or not _is_identity_folder(folder):
+            continue
+        for path in folder.iterdir():
+            if path.suffix in (_SUFFIX, ".tmp") or path.name == "identity.json":
+                with contextlib.suppress(OSError):
+                    size = path.lstat().st_size
+                    path.unlink()
+                    num_files, num_bytes = num_files + 1, num_bytes + size
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # left if it holds anything else
+    if num_files:
+        logger.info("KV disk tier: deleted %d files (%d MiB) of other models or layouts in %s",
+                    num_files, num_bytes >> 20, root)
+
+
+def _is_identity_folder(path: Path) -> bool:
+    return (len(path.name) == 32 and all(c in "0123456789abcdef" for c in path.name)
+            and path.is_dir() and not path.is_symlink())

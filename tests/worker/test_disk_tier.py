@@ -4,6 +4,7 @@ foreign file is a miss with a log line, and its bytes never reach the host block
 import errno
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -247,3 +248,49 @@ def test_a_read_the_disk_does_not_answer_is_a_miss_and_never_lands(tmp_path, mon
     assert torch.equal(target, torch.full(SHAPE, -7.0))
     ok, again = _read(disk)
     assert ok and torch.equal(again, block)
+
+
+def test_a_folder_deleted_under_the_engine_is_made_again(tmp_path):
+    """Every write failed for good once the folder was gone."""
+    disk, _ = _written(tmp_path)
+    shutil.rmtree(disk.folder)
+    disk.write(OTHER, torch.randn(SHAPE))
+    disk.flush()
+    assert _read(disk, OTHER)[0]
+    assert not _read(disk, HASH)[0]  # went with the folder: a miss
+    assert (disk.folder / "identity.json").exists()
+
+
+def test_writes_a_folder_that_cannot_be_made_refuses_are_misses_with_one_warning(tmp_path,
+                                                                                    caplog):
+    disk, _ = _written(tmp_path)
+    shutil.rmtree(disk.folder)
+    disk.folder.write_bytes(b"not a folder")  # so the folder cannot be made
+    with caplog.at_level(logging.WARNING, logger="pagedserve.worker.disk_tier"):
+        for i in range(3):
+            disk.write(bytes([i] * 16), torch.randn(SHAPE))
+        disk.flush()
+    assert len(caplog.records) == 1
+    assert not _read(disk, bytes(16))[0]
+    disk.folder.unlink()  # the disk takes writes again: so does the tier
+    disk.write(OTHER, torch.randn(SHAPE))
+    disk.flush()
+    assert _read(disk, OTHER)[0]
+
+
+def test_a_start_reclaims_the_folders_of_other_identities(tmp_path):
+    """Each model's folder stayed for good, so the folder given held more than
+    --kv-offloading-disk-size across restarts with other models. Folders not the tier's are
+    left alone."""
+    old, _ = _written(tmp_path, identity=_identity(model="/models/old"))
+    (old.folder / "notes.txt").write_text("not the tier's")
+    emptied, _ = _written(tmp_path, identity=_identity(model="/models/older"))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "a.kvb").write_bytes(b"the user's")
+    disk, _ = _written(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [disk.folder.name, old.folder.name, "mine"])
+    assert [p.name for p in old.folder.iterdir()] == ["notes.txt"]
+    assert (tmp_path / "mine" / "a.kvb").exists()
+    assert not emptied.folder.exists()
+    assert disk.stored_hashes() == [HASH]
