@@ -106,10 +106,13 @@ class EngineConfig:
     kv_offloading_disk: str | None = option(
         None, "folder for the offloading tier's disk level: blocks evicted from the host tier "
               "are written there, a checksummed file each, in a sub-folder per model "
-              "identity, so a restarted engine of the same model starts warm (needs "
-              "--kv-offloading-size and --kv-offloading-disk-size; one rank only)")
+              "identity, so a restarted engine of the same model starts warm; the files of "
+              "other identities there are deleted at start, so give each server its own "
+              "folder (needs --kv-offloading-size and --kv-offloading-disk-size; one rank "
+              "only)")
     kv_offloading_disk_size: float = option(
-        0.0, "GiB of block files in --kv-offloading-disk, at most (needs it)")
+        0.0, "GiB of block files in --kv-offloading-disk, at most, all models' together "
+             "(needs it)")
     quantization: str = option(
         "auto", "auto: as the checkpoint is stored (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay "
                 "quantized); none: dequantize at load; fp8: quantize a float checkpoint's "
@@ -200,9 +203,9 @@ class EngineConfig:
     max_lora_rank: int = option(
         16, "with --enable-lora, the largest adapter rank; every device slot is padded to it")
     max_cpu_loras: int | None = option(
-        None, "with --enable-lora, idle adapters kept read in host memory, least recently "
-              "used dropped first; an adapter with unfinished requests is always kept "
-              "(default: --max-loras; at least --max-loras)")
+        None, "with --enable-lora, adapters held read in host memory, at most; requests of "
+              "others wait until an idle one (no running request) is dropped, least "
+              "recently used first (default: --max-loras; at least --max-loras)")
 
     def __post_init__(self) -> None:
         self._check_types_and_choices()
