@@ -107,7 +107,7 @@ class InputProcessor:
                  admit_adapter: Callable[[LoRARequest], str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
-        # The adapter's content hash once every rank holds it (``ValueError`` if it cannot be
+        # The adapter's content hash, its folder read and checked (``ValueError`` if it cannot be
         # served); None: LoRA is off.
         self.admit_adapter = admit_adapter
 

@@ -202,8 +202,9 @@ class LLMEngine:
         return self._grammars
 
     def _admit_adapter(self, lora_request: LoRARequest) -> str:
-        """The adapter's content hash, once every rank holds it in host memory: read from its
-        folder now unless they do, so no step reads a folder (``lora/host_adapters.py``)."""
+        """The adapter's content hash: read from its folder now unless every rank holds it,
+        and handed to them if there is room (else read again before it starts), so no step
+        reads a folder (``lora/host_adapters.py``)."""
         try:
             admitted = self.adapters.admit(lora_request)
         except ValueError as exc:  # the request's fault, named by its argument (a 400)
