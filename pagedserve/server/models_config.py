@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 from pagedserve.config import OPTION_NAMES, EngineConfig
 from pagedserve.engine_args import config_from_args
 from pagedserve.errors import ConfigError
+from pagedserve.user_paths import expand_user
 
 _HINTS = typing.get_type_hints(EngineConfig)
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
@@ -54,8 +55,8 @@ def serve_configs(args: argparse.Namespace) -> list[ModelSpec]:
         if len(args.models) > 1 and args.served_model_name is not None:
             raise ConfigError("--served-model-name names one model; to name each of several, "
                               "use --models-config")
-        return [ModelSpec(config_from_args(args, model=m), {})
-                for m in args.models or [args.model]]
+        return _own_disk_folders([ModelSpec(config_from_args(args, model=m), {})
+                                  for m in args.models or [args.model]])
     if args.models:
         raise ConfigError("give the models as MODEL / --model or in --models-config, not both")
     path = Path(args.models_config)
@@ -66,6 +67,25 @@ def serve_configs(args: argparse.Namespace) -> list[ModelSpec]:
         except ConfigError as exc:  # a bad value: say which entry holds it
             raise ConfigError(f"{_where(path, i)}: {exc}") from None
         specs.append(ModelSpec(config, env))
+    return _own_disk_folders(specs)
+
+
+def _own_disk_folders(specs: list[ModelSpec]) -> list[ModelSpec]:
+    """``specs``, unless two models would share a KV disk folder: an engine starting on one
+    deletes the block files of other models there (so that its size limit holds), and each
+    model's engine would empty the other's."""
+    seen: dict[Path, str] = {}
+    for spec in specs:
+        folder = spec.config.kv_offloading_disk
+        if folder is None:
+            continue
+        key = expand_user(folder).resolve()
+        if key in seen:
+            raise ConfigError(
+                f"models {seen[key]!r} and {spec.config.model!r} share --kv-offloading-disk "
+                f"{folder}: each would delete the other's blocks at start; give each its own "
+                f"kv_offloading_disk in --models-config")
+        seen[key] = spec.config.model
     return specs
 
 

@@ -111,6 +111,25 @@ def test_an_entry_may_add_to_its_core_environment(tmp_path: Path):
     assert [spec.config.model for spec in specs] == ["a", "b"]
 
 
+def test_two_models_cannot_share_a_kv_disk_folder(tmp_path: Path):
+    """Each engine deletes other models' block files in its disk folder at start."""
+    disk = ["--kv-offloading-size", "1", "--kv-offloading-disk-size", "1"]
+    with pytest.raises(ConfigError, match="share --kv-offloading-disk"):
+        _configs("--model", "a", "--model", "b", *disk, "--kv-offloading-disk", str(tmp_path))
+    models = tmp_path / "models.json"
+    models.write_text(json.dumps({"models": [
+        {"model": "a", "kv_offloading_disk": str(tmp_path / "x")},
+        {"model": "b", "kv_offloading_disk": str(tmp_path / "x" / ".." / "x")}]}))
+    with pytest.raises(ConfigError, match="'a' and 'b' share"):
+        _configs("--models-config", str(models), *disk)
+    models.write_text(json.dumps({"models": [
+        {"model": "a", "kv_offloading_disk": str(tmp_path / "x")},
+        {"model": "b", "kv_offloading_disk": str(tmp_path / "y")},
+        {"model": "c", "kv_offloading_disk_size": 0}]}))
+    assert [c.kv_offloading_disk for c in _configs("--models-config", str(models), *disk)] == [
+        str(tmp_path / "x"), str(tmp_path / "y"), None]
+
+
 def test_models_come_from_the_flag_or_the_file(tmp_path: Path):
     with pytest.raises(ConfigError, match="--model or in --models-config, not both"):
         _configs("org/a", "--models-config", str(tmp_path / "models.yaml"))
