@@ -88,18 +88,20 @@ class InputLimits:
         check_token_ids(params, self.vocab_size)
         return max_tokens
 
-    def truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
-        """The prompt's last ``keep`` tokens (``truncate_prompt_tokens``; -1: as many as leave
-        room for one token in the context window), or all of them when ``keep`` is None."""
-        if keep is None:
-            return token_ids
-        return token_ids[-(self.max_model_len - 1 if keep == -1 else keep):]
-
     def _worst_case_blocks(self, num_prompt: int, max_tokens: int, num_seqs: int) -> int:
         """Blocks of ``num_seqs`` sequences sharing the prompt and then fully diverging, each
         extra one with its own copy of the prompt's last partial block."""
         extra = -(-max_tokens // self.block_size) + 1
         return -(-(num_prompt + max_tokens) // self.block_size) + (num_seqs - 1) * extra
+
+
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last ``keep`` tokens (``truncate_prompt_tokens``; -1: as many as leave room
+    for one token in the context window), or all of them when ``keep`` is None. The API server
+    truncates before it checks and counts a prompt; the engine again, which keeps the same."""
+    if keep is None:
+        return token_ids
+    return token_ids[-(max_model_len - 1 if keep == -1 else keep):]
 
 
 class InputProcessor:
@@ -125,7 +127,8 @@ class InputProcessor:
         Raises ``ValueError`` (``PromptTooLong`` among them) for input it cannot run."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
-        token_ids = self.limits.truncate(token_ids, params.truncate_prompt_tokens)
+        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens,
+                                    self.limits.max_model_len)
         max_tokens = self.limits.check(token_ids, params)
         cache_key = self._lora_key(lora_request)
         beam = self._beam_state(params, max_tokens)

@@ -172,6 +172,9 @@ class SamplingRequest(StrictModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Keep the prompt's last k tokens (-1: as many as leave room for one more); SamplingParams
+    # holds the rule, so a bad value is its 400.
+    truncate_prompt_tokens: int | None = None
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and guided_*.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -209,6 +212,7 @@ class SamplingRequest(StrictModel):
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             structured_outputs=self.structured_outputs_params(),
         )
 

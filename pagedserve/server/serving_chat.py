@@ -63,10 +63,11 @@ class ChatServing:
         model = route.model
         plan = ToolPlan.of(request, self.tool_parser)
         token_ids = await model.off_loop(_render, model, request, plan)
+        params = _with_tool_constraint(request.to_sampling_params(model.sampling_defaults), plan)
+        token_ids = model.truncate(token_ids, params)
         model.check_max_tokens(len(token_ids), request.requested_max_tokens,
                                param=request.max_tokens_field)
         model.check_min_tokens(len(token_ids), request.min_tokens)
-        params = _with_tool_constraint(request.to_sampling_params(model.sampling_defaults), plan)
         model.check_params(params)
         token_bytes = await model.token_bytes() if request.logprobs else None
         request_id = random_id("chatcmpl")

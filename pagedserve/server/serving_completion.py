@@ -48,6 +48,11 @@ class Prompt:
     text: str | None  # None when the client sent token ids
     token_ids: list[int]
 
+    def truncated(self, kept: list[int]) -> Prompt:
+        """The prompt cut to its last tokens ``kept``; echo then shows the kept tokens'
+        text, not the whole text sent."""
+        return self if len(kept) == len(self.token_ids) else Prompt(None, kept)
+
 
 @dataclass
 class CompletionServing:
@@ -59,6 +64,7 @@ class CompletionServing:
         model = route.model
         prompts = await model.off_loop(_prompts, model, request.prompt)
         params = request.to_sampling_params(model.sampling_defaults)
+        prompts = [p.truncated(model.truncate(p.token_ids, params)) for p in prompts]
         for prompt in prompts:
             model.check_max_tokens(len(prompt.token_ids), request.max_tokens)
             model.check_min_tokens(len(prompt.token_ids), request.min_tokens)

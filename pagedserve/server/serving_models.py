@@ -20,7 +20,7 @@ from pagedserve.engine.core_client import (
     RequestStream,
 )
 from pagedserve.engine.core_messages import LoRAFacts, NewRequest
-from pagedserve.engine.input_processor import PromptTooLong
+from pagedserve.engine.input_processor import PromptTooLong, truncate_prompt
 from pagedserve.errors import ConfigError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
@@ -110,6 +110,11 @@ class ServedModel:
                 f"{num_prompts} prompt(s) x best_of/n {params.num_sequences} would start more "
                 f"than {MAX_SEQUENCES_PER_REQUEST} sequences; split the request",
                 param="n" if num_prompts == 1 else "prompt")
+
+    def truncate(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as the engine will run it (``truncate_prompt_tokens``): what the
+        length checks and the usage count."""
+        return truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from pagedserve import SamplingParams
+from tests.server.conftest import MAX_MODEL_LEN
 
 MESSAGES = [{"role": "system", "content": "be brief"},
             {"role": "user", "content": "hello world"},
@@ -113,3 +115,14 @@ def test_developer_role_is_read_as_system(server):
                                            temperature=0) for m in (developer, MESSAGES))
     assert a.choices[0].message.content == b.choices[0].message.content
     assert a.usage == b.usage
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_of_a_conversation_too_long(server):
+    messages = [{"role": "user", "content": "fox " * MAX_MODEL_LEN}]
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="model", messages=messages, max_tokens=2)
+    assert refused.value.body["code"] == "context_length_exceeded"
+    got = client.chat.completions.create(model="model", messages=messages, max_tokens=2,
+                                         extra_body={"truncate_prompt_tokens": 50})
+    assert got.usage.prompt_tokens == 50

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from pagedserve import SamplingParams
@@ -300,3 +301,21 @@ def test_streamed_choices_carry_null_finish_reason_and_logprobs_until_set(server
     for index in range(4 if path == "/v1/completions" else 2):
         finishes = [c["finish_reason"] for c in choices if c["index"] == index]
         assert finishes[-1] == "length" and set(finishes[:-1]) <= {None}, choices
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_of_a_prompt_too_long(server, offline):
+    """vLLM's extra field: a prompt longer than the context runs on its last k tokens (-1: as
+    many as leave room for one), and usage counts those; without it, it is refused."""
+    prompt = [5 + i % 200 for i in range(MAX_MODEL_LEN + 50)]
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="model", prompt=prompt, max_tokens=1)
+    assert refused.value.body["code"] == "context_length_exceeded"
+    expected = _offline(offline, prompt[-100:], max_tokens=4).outputs[0]
+    got = client.completions.create(model="model", prompt=prompt, max_tokens=4, temperature=0,
+                                    echo=True, extra_body={"truncate_prompt_tokens": 100})
+    assert got.usage.prompt_tokens == 100
+    assert got.choices[0].text == offline.get_tokenizer().decode(prompt[-100:]) + expected.text
+    whole = client.completions.create(model="model", prompt=prompt, max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == MAX_MODEL_LEN - 1

@@ -129,6 +129,10 @@ BAD_REQUESTS = [
      400, "min_tokens"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" * 4000}],
                               "max_tokens": None, "min_tokens": 200}, 400, "min_tokens"),
+    # truncate_prompt_tokens keeps the last k tokens (k >= 1), or -1: all that fit.
+    *[(path, {**body, "truncate_prompt_tokens": value}, 400, "truncate_prompt_tokens")
+      for path, body in [("/v1/completions", GOOD), ("/v1/chat/completions", CHAT)]
+      for value in (0, -2, "5", True, 1.5)],
     # A function without a name: "required" made a call named "".
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": ""}}],
                               "tool_choice": "required"}, 400, "tools"),
