@@ -77,8 +77,8 @@ class ChatServing:
                 return "tools"
             return request.field_name(param)
 
-        stream = model.client.submit(request_id, token_ids, params, arrival, field_name,
-                                     route.lora)
+        stream = await model.client.submit(request_id, token_ids, params, arrival,
+                                           field_name, route.lora)
         if request.stream:
             return StreamingResponse(
                 self._stream(route.name, request, plan, request_id, len(token_ids), stream,

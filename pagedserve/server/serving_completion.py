@@ -70,7 +70,7 @@ class CompletionServing:
             model.check_min_tokens(len(prompt.token_ids), request.min_tokens)
         model.check_params(params, num_prompts=len(prompts))
         request_id = random_id("cmpl")
-        streams = model.client.submit_all(
+        streams = await model.client.submit_all(
             request_id, [p.token_ids for p in prompts], params, arrival, request.field_name,
             route.lora)
         if request.stream:

@@ -29,6 +29,8 @@ from pagedserve.server.errors import SERVER_ERROR, APIError, bad_request
 from pagedserve.server.metrics import ModelMetrics, RequestTimer, ServerMetrics
 from pagedserve.server.protocol import ModelCard, ModelList
 from pagedserve.server.token_bytes import TokenBytes
+from pagedserve.structured.spec import check as check_grammar
+from pagedserve.structured.spec import grammar_spec
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 # Sequences one API request may start (prompts x best_of): a 4 MB body of one-token prompts
@@ -239,28 +241,30 @@ class EngineClient:
     engine: EngineCoreClient
     metrics: ModelMetrics
 
-    def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
-               arrival: float, field_name: Callable[[str], str],
-               lora: LoRARequest | None = None) -> TimedStream:
-        streams = self._submit([NewRequest(request_id, token_ids, _from_core(params), lora)],
-                               arrival, field_name)
+    async def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                     arrival: float, field_name: Callable[[str], str],
+                     lora: LoRARequest | None = None) -> TimedStream:
+        streams = await self._submit(
+            [NewRequest(request_id, token_ids, _from_core(params), lora)], arrival, field_name)
         return streams[0]
 
-    def submit_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                   arrival: float, field_name: Callable[[str], str],
-                   lora: LoRARequest | None = None) -> list[TimedStream]:
+    async def submit_all(self, request_id: str, prompts: list[list[int]],
+                         params: SamplingParams, arrival: float,
+                         field_name: Callable[[str], str],
+                         lora: LoRARequest | None = None) -> list[TimedStream]:
         """One engine request per prompt (each with the adapter ``lora``, None: the base
         model), all entering the same engine step; if one is refused, none of them runs."""
         params = _from_core(params)
         requests = [NewRequest(f"{request_id}-{i}", token_ids, params, lora)
                     for i, token_ids in enumerate(prompts)]
-        return self._submit(requests, arrival, field_name)
+        return await self._submit(requests, arrival, field_name)
 
-    def _submit(self, requests: list[NewRequest], arrival: float,
-                field_name: Callable[[str], str]) -> list[TimedStream]:
+    async def _submit(self, requests: list[NewRequest], arrival: float,
+                      field_name: Callable[[str], str]) -> list[TimedStream]:
         """``field_name`` maps the engine's parameter names to the API request's fields (a
-        chat request's prompt is its ``messages``)."""
+        chat request's prompt is its ``messages``). The requests share their params."""
         try:
+            await self._check_grammar(requests[0].params)
             streams = self.engine.add_requests(requests)
         except EngineDeadError as exc:
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), type=SERVER_ERROR) from exc
@@ -271,6 +275,17 @@ class EngineClient:
                               code=code) from exc
         return [TimedStream(s, RequestTimer(self.metrics, start=arrival), field_name)
                 for s in streams]
+
+    async def _check_grammar(self, params: SamplingParams) -> None:
+        """Convert the request's schema, regex or grammar on a worker thread: a slow one
+        (seconds, for a deep schema) on the event loop would hold up every other connection,
+        /health included (xgrammar lets go of the GIL while it converts). ``add_requests``
+        checks it again, on the loop, and finds the success in ``check_grammar``'s cache; a
+        bad one raises here, ``InvalidSamplingParam``."""
+        if params.structured_outputs is None:
+            return
+        await asyncio.to_thread(check_grammar, grammar_spec(params.structured_outputs),
+                                self.engine.facts.limits.max_grammar_bytes)
 
 
 def _from_core(params: SamplingParams) -> SamplingParams:

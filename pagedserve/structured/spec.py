@@ -24,7 +24,8 @@ _BOUNDED_CHARACTERS = re.compile(r'^(\S+_characters ::= \(\()\[\^\\"\\\\\\r\\n\]
 _JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
 # Objects and arrays within one another in a JSON schema's text. xgrammar's conversion time
 # grows with about the cube of the depth (300 levels of properties: seconds; 3,000 of items:
-# minutes), and the API server converts each schema on its event loop; 128 levels convert in
+# minutes), and the API server converts each schema (on a worker thread, but one that a
+# request can occupy for minutes is a denial of service all the same); 128 levels convert in
 # well under a tenth of a second, deeper than any schema written for a model's output.
 MAX_SCHEMA_DEPTH = 128
 

@@ -6,6 +6,7 @@ its side after sending its request."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import gzip
 import io
 import json
@@ -19,6 +20,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from pagedserve.engine.input_processor import InputLimits
 from tests.server.conftest import HTTP_TIMEOUT_S, launch_server, raw_request, read_response
 
 GOOD = {"prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -69,22 +71,29 @@ def test_the_key_guards_every_endpoint_but_health_and_metrics(keyed_server):
         assert httpx.get(url + path, timeout=HTTP_TIMEOUT_S).status_code == 200, path
 
 
-# ---- tokenizing off the event loop ----------------------------------------------------------
-class _GatedTokenizer:
-    """A tokenizer whose encode waits until the test opens its gate."""
-
-    chat_template = "any"
+# ---- tokenizing and converting schemas off the event loop -----------------------------------
+class _Gate:
+    """Where a stand-in for slow work waits until the test opens the gate."""
 
     def __init__(self) -> None:
         self.entered = threading.Event()
         self.gate = threading.Event()
         self.opened_by_the_test = False
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def hold(self) -> None:
         self.entered.set()
-        # The test opens the gate once /health has answered; only an event loop frozen in
-        # this call (the defect) lets the wait run out instead.
+        # The test opens the gate once the other requests have been answered; only an event
+        # loop frozen in this call (the defect) lets the wait run out instead.
         self.opened_by_the_test = self.gate.wait(timeout=60)
+
+
+class _GatedTokenizer(_Gate):
+    """A tokenizer whose encode waits until the test opens its gate."""
+
+    chat_template = "any"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.hold()
         return list(range(len(text)))
 
     def apply_chat_template(self, messages: list[dict], **_) -> str:
@@ -94,7 +103,16 @@ class _GatedTokenizer:
         return [str(i) for i in ids]
 
 
-def _refuse(_requests):
+# What the stand-in engine checks requests against.
+LIMITS = InputLimits(vocab_size=100, max_model_len=64, max_num_seqs=4,
+                     eos_token_ids=frozenset({0}), num_kv_blocks=16, block_size=16,
+                     max_grammar_bytes=1 << 16)
+
+
+def _refuse(requests):
+    """Check each request as the engine client does (its grammar among it), then refuse it."""
+    for r in requests:
+        LIMITS.check(r.prompt_token_ids, r.params)
     raise ValueError("refused by the test engine")
 
 
@@ -103,10 +121,19 @@ def _in_process_app(tokenizer=None, **options):
     from pagedserve.server.app import create_app
 
     engine = SimpleNamespace(
-        facts=SimpleNamespace(model_name="model", limits=SimpleNamespace(max_model_len=64),
-                              lora=None, sampling_defaults={}),
+        facts=SimpleNamespace(model_name="model", limits=LIMITS, lora=None,
+                              sampling_defaults={}),
         tokenizer=tokenizer, is_running=True, stats=None, add_requests=_refuse)
     return create_app([engine], **options)
+
+
+def _call(app, method: str, path: str, **kwargs) -> httpx.Response:
+    """One request to an in-process app."""
+    async def call():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
+            return await c.request(method, path, **kwargs)
+    return asyncio.run(call())
 
 
 @pytest.mark.parametrize(("path", "body", "status"), [
@@ -137,6 +164,37 @@ def test_health_answers_while_a_request_is_being_tokenized(path, body, status):
         assert response.json()["tokens"] == [0, 1, 2]
     else:
         assert "refused by the test engine" in response.json()["error"]["message"]
+
+
+def test_health_and_models_answer_while_a_schema_is_converted(monkeypatch):
+    """In process: xgrammar's conversion of a request's JSON schema (stood in for by one
+    that blocks until the test opens its gate) must not hold /health and /v1/models; a bad
+    regex is still a 400 naming its field, from the conversion off the loop."""
+    from pagedserve.structured import spec
+
+    converter = _Gate()
+    monkeypatch.setattr(spec, "to_grammar", lambda _: converter.hold())
+    monkeypatch.setattr(spec, "_parse", functools.lru_cache(spec._parse.__wrapped__))
+    schema = {"type": "object", "properties": {"held": {"type": "string"}}}
+    body = {"prompt": [1, 2, 3], "max_tokens": 1, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "held", "schema": schema}}}
+    app = _in_process_app()
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            work = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            assert await asyncio.to_thread(converter.entered.wait, 60)
+            others = [await client.get("/health"), await client.get("/v1/models")]
+            converter.gate.set()
+            return others, await work
+
+    others, response = asyncio.run(scenario())
+    assert [r.status_code for r in others] == [200, 200] and converter.opened_by_the_test
+    assert "refused by the test engine" in _error(response, 400)["message"]
+    monkeypatch.undo()
+    bad = {"prompt": [1, 2, 3], "max_tokens": 1, "guided_regex": "a(b"}
+    assert _error(_call(app, "POST", "/v1/completions", json=bad), 400)["param"] == "guided_regex"
 
 
 def test_a_conversation_of_too_many_messages_is_refused_on_its_count(server):
@@ -382,12 +440,7 @@ def test_a_client_that_stops_reading_its_stream_is_dropped(widened):
 
 
 def _browser(app, method: str, origin: str, headers: dict | None = None) -> httpx.Response:
-    async def call():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
-            return await c.request(method, "/v1/models", headers={"Origin": origin,
-                                                                 **(headers or {})})
-    return asyncio.run(call())
+    return _call(app, method, "/v1/models", headers={"Origin": origin, **(headers or {})})
 
 
 PREFLIGHT = {"Access-Control-Request-Method": "GET",
