@@ -47,6 +47,7 @@ from pagedserve.server.protocol import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
+from pagedserve.server.request_ids import RequestIdHeaders, RequestIds
 from pagedserve.server.serving_chat import ChatServing
 from pagedserve.server.serving_completion import CompletionServing
 from pagedserve.server.serving_lora import LoRAServing
@@ -71,7 +72,8 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
                allowed_hosts: list[str] | None = None,
                lora_modules: Sequence[LoRAModule] = (),
                runtime_lora_updating: bool = False,
-               allowed_origins: Sequence[str] = ()) -> FastAPI:
+               allowed_origins: Sequence[str] = (),
+               request_id_headers: bool = False) -> FastAPI:
     """An app serving started engine cores, one per model (the first serves requests that
     name none); the app's lifespan reads their outputs and stops them at the end.
     ``enable_docs`` serves FastAPI's /docs, /redoc and /openapi.json, whose pages load their
@@ -80,7 +82,9 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     served from the start (``ConfigError`` for one that cannot be); ``runtime_lora_updating``
     adds the routes that load and unload adapters (without it they are 404s, as in vLLM).
     ``allowed_origins`` are the web origins answered with CORS headers (none by default, where
-    vLLM allows every origin: a page of any site could read a local server's answers)."""
+    vLLM allows every origin: a page of any site could read a local server's answers).
+    ``request_id_headers`` echoes each request's id in an ``X-Request-Id`` header, and a
+    completion takes its id from the client's header (``request_ids.py``)."""
     # Each core's latest stats, read at every scrape.
     metrics = ServerMetrics({e.facts.model_name: partial(getattr, e, "stats") for e in engines})
     models = ServingModels([ServedModel.of(e, metrics) for e in engines])
@@ -102,8 +106,8 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
                   redoc_url="/redoc" if enable_docs else None,
                   openapi_url="/openapi.json" if enable_docs else None)
     install_error_handlers(app)
-    # The last added runs first: the Host, a browser's preflight (which carries no key), the
-    # key, then the body's size, then its type.
+    # The last added runs first: the request's id, the Host, a browser's preflight (which
+    # carries no key), the key, then the body's size, then its type.
     app.add_middleware(JSONBodies)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     if api_key:
@@ -113,6 +117,8 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
                            allow_methods=["*"], allow_headers=["*"])
     if allowed_hosts is not None:
         app.add_middleware(AllowedHosts, hosts=allowed_hosts)
+    if request_id_headers:  # outermost: every answer carries the id, refusals included
+        app.add_middleware(RequestIdHeaders)
 
     @app.api_route("/health", methods=READ_METHODS)
     async def health(model: str | None = None) -> Response:
@@ -142,11 +148,13 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
-        return _to_response(await _unless_disconnected(raw, completions.create(body)))
+        ids = RequestIds.of(raw, "cmpl")
+        return _to_response(await _unless_disconnected(raw, completions.create(body, ids)))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
-        return _to_response(await _unless_disconnected(raw, chat.create(body)))
+        ids = RequestIds.of(raw, "chatcmpl")
+        return _to_response(await _unless_disconnected(raw, chat.create(body, ids)))
 
     if runtime_lora_updating:
         @app.post("/v1/load_lora_adapter")
@@ -224,7 +232,7 @@ def run_server(args: argparse.Namespace) -> None:
         app = create_app(engines, api_key, args.max_request_bytes, args.enable_docs, parser,
                          hosts, args.lora_modules,
                          args.enable_runtime_lora_updating or envs.allow_runtime_lora_updating(),
-                         args.allowed_origins)
+                         args.allowed_origins, args.enable_request_id_headers)
     except (EngineStartError, ConfigError) as exc:  # one line, as the CLI does
         _stop(engines)
         print(f"pagedserve: error: {exc}", file=sys.stderr)

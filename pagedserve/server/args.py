@@ -67,6 +67,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-docs", action="store_true",
                    help="serve /docs, /redoc and /openapi.json (the pages load scripts from a "
                         "public CDN)")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="answer every request with an X-Request-Id header: the client's own "
+                        "(up to 128 printable ASCII characters; else 400), which also names "
+                        "the completion (cmpl-ID), or else the id the server made")
     g.add_argument("--enable-log-requests", action="store_true",
                    help="log a line per HTTP request (uvicorn's access log; off by default, "
                         "it costs the API server time under load)")

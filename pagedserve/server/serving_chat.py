@@ -33,10 +33,10 @@ from pagedserve.server.protocol import (
     UsageInfo,
     choice_dict,
     json_logprob,
-    random_id,
     sse,
     sse_chunk,
 )
+from pagedserve.server.request_ids import RequestIds
 from pagedserve.server.serving_models import (
     ChoiceProgress,
     ServedModel,
@@ -57,7 +57,7 @@ class ChatServing:
     tool_parser: ToolParser | None = None
 
     async def create(self, request: ChatCompletionRequest,
-                     ) -> ChatCompletionResponse | StreamingResponse:
+                     ids: RequestIds) -> ChatCompletionResponse | StreamingResponse:
         arrival = time.perf_counter()
         route = self.models.resolve(request.model)
         model = route.model
@@ -70,14 +70,14 @@ class ChatServing:
         model.check_min_tokens(len(token_ids), request.min_tokens)
         model.check_params(params)
         token_bytes = await model.token_bytes() if request.logprobs else None
-        request_id = random_id("chatcmpl")
+        request_id = ids.response
 
         def field_name(param: str) -> str:  # a bad tool schema is the tools' fault
             if param == "structured_outputs" and plan.constraint() is not None:
                 return "tools"
             return request.field_name(param)
 
-        stream = await model.client.submit(request_id, token_ids, params, arrival,
+        stream = await model.client.submit(ids.engine, token_ids, params, arrival,
                                            field_name, route.lora)
         if request.stream:
             return StreamingResponse(

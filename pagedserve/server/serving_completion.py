@@ -26,10 +26,10 @@ from pagedserve.server.protocol import (
     UsageInfo,
     choice_dict,
     json_logprob,
-    random_id,
     sse,
     sse_chunk,
 )
+from pagedserve.server.request_ids import RequestIds
 from pagedserve.server.serving_models import (
     MAX_SEQUENCES_PER_REQUEST,
     ChoiceProgress,
@@ -58,7 +58,8 @@ class Prompt:
 class CompletionServing:
     models: ServingModels
 
-    async def create(self, request: CompletionRequest) -> CompletionResponse | StreamingResponse:
+    async def create(self, request: CompletionRequest,
+                     ids: RequestIds) -> CompletionResponse | StreamingResponse:
         arrival = time.perf_counter()
         route = self.models.resolve(request.model)
         model = route.model
@@ -69,9 +70,9 @@ class CompletionServing:
             model.check_max_tokens(len(prompt.token_ids), request.max_tokens)
             model.check_min_tokens(len(prompt.token_ids), request.min_tokens)
         model.check_params(params, num_prompts=len(prompts))
-        request_id = random_id("cmpl")
+        request_id = ids.response
         streams = await model.client.submit_all(
-            request_id, [p.token_ids for p in prompts], params, arrival, request.field_name,
+            ids.engine, [p.token_ids for p in prompts], params, arrival, request.field_name,
             route.lora)
         if request.stream:
             return StreamingResponse(self._stream(route, request, request_id, prompts, streams),
