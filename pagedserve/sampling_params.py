@@ -16,6 +16,11 @@ _MIN_REPETITION_PENALTY = 0.01
 # requests share: 200,000 of them (a 4 MB body) slowed a concurrent request's tokens 7x.
 # OpenAI takes 4; the clients that send more (evaluation harnesses) send a handful.
 MAX_STOP_STRINGS = 64
+# Bad words cost the same way: every step, the sampler compares the output's last tokens with
+# each (as typed and with a leading space, so two token sequences a word), and the longest
+# sets how far back it looks. 64 of up to 200 characters covers lists of words and phrases.
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 200
 # The engine core's wire (msgpack) and the sampler's tensors carry integers of 64 bits.
 _INT64_FIELDS = ("n", "best_of", "top_k", "max_tokens", "min_tokens", "seed",
                  "truncate_prompt_tokens")
@@ -92,6 +97,15 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (checked against the vocabulary at admission).
+    allowed_token_ids: list[int] | None = None
+    # Words or phrases the output must not contain (vLLM's semantics): each bans its last
+    # token wherever the output ends with the tokens before it; a one-token word is always
+    # banned. Tokenized once, when the engine admits the request, into ``bad_words_token_ids``.
+    bad_words: list[str] | None = None
+    # The token sequences of ``bad_words``, each as typed and with a leading space; set by the
+    # engine's input stage (``engine/input_processor``), which holds the tokenizer.
+    bad_words_token_ids: list[list[int]] | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
@@ -123,6 +137,10 @@ class SamplingParams:
         self.stop_token_ids = _token_ids(self.stop_token_ids)
         if self.logit_bias:
             self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _allowed_token_ids(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = _bad_words(self.bad_words)
         if self.best_of is None:
             self.best_of = self.n
         self.structured_outputs = _structured_outputs(self.structured_outputs)
@@ -260,6 +278,32 @@ def _token_ids(ids: Any) -> list[int]:
         return [int(t) for t in ids]
     raise InvalidSamplingParam("stop_token_ids", f"stop_token_ids must be a list of integers, "
                                                  f"got {ids!r:.80}")
+
+
+def _allowed_token_ids(ids: Any) -> list[int]:
+    if not (isinstance(ids, (list, tuple)) and all(_is_int(t) for t in ids)):
+        raise InvalidSamplingParam("allowed_token_ids", "allowed_token_ids must be a list of "
+                                                        f"integers, got {ids!r:.80}")
+    if not ids:  # every logit -inf: the softmax is NaN and no token can be drawn
+        raise InvalidSamplingParam("allowed_token_ids", "allowed_token_ids must not be empty")
+    return [int(t) for t in ids]
+
+
+def _bad_words(words: Any) -> list[str]:
+    if not (isinstance(words, (list, tuple)) and all(isinstance(w, str) for w in words)):
+        raise InvalidSamplingParam("bad_words", "bad_words must be a list of strings, got "
+                                                f"{words!r:.80}")
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidSamplingParam("bad_words", f"at most {MAX_BAD_WORDS} bad words, got "
+                                                f"{len(words)}")
+    for word in words:
+        # Leading spaces are dropped before tokenizing (the spaced variant adds one back), so
+        # a word of spaces alone would tokenize to nothing.
+        if not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+            raise InvalidSamplingParam(
+                "bad_words", f"each bad word must have 1 to {MAX_BAD_WORD_CHARS} characters, "
+                f"not all spaces; got {word!r:.80}")
+    return list(words)
 
 
 def _logit_bias(bias: Any) -> dict[int, float]:

@@ -129,6 +129,8 @@ class InputProcessor:
         token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens,
                                     self.limits.max_model_len)
+        params = dataclasses.replace(params, bad_words_token_ids=self._bad_words_token_ids(
+            params.bad_words))
         max_tokens = self.limits.check(token_ids, params)
         cache_key = self._lora_key(lora_request)
         beam = self._beam_state(params, max_tokens)
@@ -144,6 +146,22 @@ class InputProcessor:
                              RequestMetrics(arrival_time=time.time()), group, beam=beam)
         state.seqs = [self._sequence_state(state, seq, i) for i, seq in enumerate(seqs)]
         return state
+
+    def _bad_words_token_ids(self, words: list[str] | None) -> list[list[int]] | None:
+        """Each bad word as typed and after a space, as vLLM tokenizes them: mid-text, most
+        tokenizers fold the space into the word's first token. The spaced form is kept only
+        where it is that: as long as the plain one, from another first token (otherwise it is
+        the plain form behind a token of its own, and bans nothing more)."""
+        if not words:
+            return None
+        found = []
+        for word in words:
+            plain, spaced = (self.tokenizer.encode(text, add_special_tokens=False)
+                             for text in (word.lstrip(), " " + word.lstrip()))
+            found.append(plain)
+            if len(spaced) == len(plain) and spaced[0] != plain[0]:
+                found.append(spaced)
+        return found
 
     def _sequence_state(self, state: RequestState, seq: Sequence, index: int) -> SequenceState:
         if state.beam is not None:

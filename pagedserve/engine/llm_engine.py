@@ -16,7 +16,7 @@ host's per-step work hides behind the device's. The step after is scheduled befo
 has seen those tokens; a sequence then takes its next input from the previous step's output on
 the device, and a sequence that turns out to have stopped wastes one step, whose token is
 dropped. Requests whose next logits depend on the host's view of earlier tokens (penalties,
-min_tokens, beam search, prompt logprobs) switch the engine back to one step at a time. A
+min_tokens, bad words, beam search, prompt logprobs) switch the engine back to one step at a time. A
 grammar's mask needs that view too, but only for sampling: while a constrained row samples, a
 step queues its forward pass, applies the previous step's tokens (advancing the grammars)
 while the device computes, and only then builds the masks and queues the sampler. A forbidden

@@ -83,13 +83,15 @@ class RequestState:
     @property
     def runs_ahead(self) -> bool:
         """Whether the next step may be scheduled before the host has seen the last token:
-        not when the next logits read the outputs so far (penalties, min_tokens), when the
+        not when the next logits read the outputs so far (penalties, min_tokens, bad words of
+        more than one token), when the
         host picks the tokens (beam search) or when prompt logprobs are read back as they are
         made. (A grammar's mask is built after the last token is seen: see ``llm_engine``.)"""
         p = self.params
         return not (p.use_beam_search or p.min_tokens or p.prompt_logprobs is not None
                     or p.repetition_penalty != 1.0 or p.presence_penalty
-                    or p.frequency_penalty)
+                    or p.frequency_penalty
+                    or any(len(word) > 1 for word in p.bad_words_token_ids or ()))
 
     @property
     def has_sampling_inputs(self) -> bool:

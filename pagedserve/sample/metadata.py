@@ -8,8 +8,9 @@ scheduled tokens). The metadata then has one row per position, a sequence's posi
 consecutive, each with its sequence's settings; ``positions`` says how they fold back into
 ``[sequences, max_positions]``. Position ``j`` of a sequence counts ``j`` more output tokens
 for min_tokens (the tokens before it are the ones it follows); penalties count the output as of
-the step, since the tokens a later position follows are not known to the sampler. Verifying
-drafts, where they are known, adds them (``Penalties.with_preceding``, called by
+the step, since the tokens a later position follows are not known to the sampler, and so does
+the bad-words match. Verifying drafts, where they are known, adds them
+(``Penalties.with_preceding`` and ``BadWords.with_preceding``, called by
 ``sample/rejection.py``).
 """
 
@@ -57,6 +58,28 @@ class Penalties:
         return dataclasses.replace(self, output_counts=counts)
 
 
+@dataclass(slots=True)
+class BadWords:
+    """The bad words of the rows that have any, as token sequences: each bans its last token
+    in its row where the row's output ends with the tokens before it. K is the longest such
+    prefix of the batch; a shorter one is padded on the left with -1, which matches anything
+    (so a one-token word, all padding, always matches)."""
+
+    rows: torch.Tensor  # int64 [R]: the rows with bad words
+    history: torch.Tensor  # int64 [R, K]: each one's last K output tokens, -1 before its start
+    word_rows: torch.Tensor  # int64 [E]: the index in ``rows`` of each word's row
+    prefixes: torch.Tensor  # int64 [E, K]: each word but its last token, right-aligned
+    last: torch.Tensor  # int64 [E]: the token each word bans
+
+    def with_preceding(self, tokens: torch.Tensor, num_preceding: torch.Tensor) -> BadWords:
+        """Row p's output also ending with the first ``num_preceding[p]`` tokens of
+        ``tokens[p]`` ([P, D], as ``Penalties.with_preceding``)."""
+        width = self.history.shape[1]
+        followed = torch.cat([self.history, tokens[self.rows]], dim=1)
+        window = torch.arange(width, device=tokens.device) + num_preceding[self.rows].unsqueeze(1)
+        return dataclasses.replace(self, history=followed.gather(1, window))
+
+
 class SamplePositions(NamedTuple):
     """How the P position rows of a batch fold into ``[num_rows, max_positions]``: row ``p`` is
     slot ``slots[p]`` of the flattened fold (sequence ``i``'s positions fill the first
@@ -91,6 +114,9 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row -> its request's generator (seeded rows only)
     max_num_logprobs: int  # K of the returned top-k logprobs; 0 when no row asked
     needs_logprobs: bool  # whether any row needs its sampled token's logprob and rank
+    # (rows, bool [R, V]): the rows with allowed_token_ids, True where a token is not allowed.
+    allowed_mask: tuple[torch.Tensor, torch.Tensor] | None
+    bad_words: BadWords | None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, bias)
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to forbid
     penalties: Penalties | None
@@ -100,9 +126,10 @@ class SamplingMetadata:
 
     @property
     def edits_logits(self) -> bool:
-        """Whether bias, min_tokens, penalties or a grammar change the logits (the sampler
-        then copies)."""
-        return (self.logit_bias is not None or self.min_tokens_mask is not None
+        """Whether allowed ids, bad words, bias, min_tokens, penalties or a grammar change the
+        logits (the sampler then copies)."""
+        return (self.allowed_mask is not None or self.bad_words is not None
+                or self.logit_bias is not None or self.min_tokens_mask is not None
                 or self.penalties is not None or self.grammar_mask is not None)
 
 
@@ -116,11 +143,59 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """Reject token ids outside the vocabulary; the engine calls this when it admits a
     request, since an out-of-range index in a batched scatter would fail the whole step."""
     for name, ids in (("logit_bias", params.logit_bias or {}),
-                      ("stop_token_ids", params.stop_token_ids)):
+                      ("stop_token_ids", params.stop_token_ids),
+                      ("allowed_token_ids", params.allowed_token_ids or []),
+                      ("bad_words", [t for w in params.bad_words_token_ids or [] for t in w])):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidSamplingParam(
                 name, f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    # More ids than the vocabulary has can only repeat some; it bounds the list's size.
+    if len(params.allowed_token_ids or []) > vocab_size:
+        raise InvalidSamplingParam("allowed_token_ids", f"allowed_token_ids has "
+                                   f"{len(params.allowed_token_ids)} ids, more than the "
+                                   f"vocabulary's {vocab_size}")
+
+
+def allowed_mask_row(allowed_token_ids: list[int], vocab_size: int, device: torch.device
+                     ) -> torch.Tensor:
+    """bool [V]: True where a token is not allowed."""
+    mask = torch.ones(vocab_size, dtype=torch.bool, device=device)
+    return mask.index_fill_(0, to_device(allowed_token_ids, torch.int64, device), False)
+
+
+def build_allowed_mask(params: list[SamplingParams], vocab_size: int, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows that set allowed_token_ids, with their masks (the persistent batch keeps each
+    row's mask instead, made once when the row is added)."""
+    rows = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows:
+        return None
+    return to_device(rows, torch.int64, device), torch.stack(
+        [allowed_mask_row(params[row].allowed_token_ids, vocab_size, device) for row in rows])
+
+
+def build_bad_words(params: list[SamplingParams], output_token_ids: list[list[int]],
+                    device: torch.device) -> BadWords | None:
+    """``BadWords`` of the rows whose params have ``bad_words_token_ids``; host work only for
+    them, proportional to their words' lengths."""
+    rows = [row for row, p in enumerate(params) if p.bad_words_token_ids]
+    if not rows:
+        return None
+    words = [(i, word) for i, row in enumerate(rows) for word in params[row].bad_words_token_ids]
+    width = max(len(word) - 1 for _, word in words)
+
+    def right_aligned(tokens: list[int]) -> list[int]:
+        return [-1] * (width - len(tokens)) + tokens
+
+    return BadWords(
+        rows=to_device(rows, torch.int64, device),
+        history=to_device([right_aligned(output_token_ids[row][-width:] if width else [])
+                           for row in rows], torch.int64, device).view(len(rows), width),
+        word_rows=to_device([i for i, _ in words], torch.int64, device),
+        prefixes=to_device([right_aligned(word[:-1]) for _, word in words], torch.int64,
+                           device).view(len(words), width),
+        last=to_device([word[-1] for _, word in words], torch.int64, device))
 
 
 def build_logit_bias(

@@ -7,8 +7,9 @@ sequence has drafts). Its row j is the target's prediction after its first j dra
 
 The rule (Leviathan et al. 2023; Chen et al. 2023), per sequence from position 0 on:
 - the target's distribution p_j is plain decoding's at that position: the same processing
-  (logit_bias, min_tokens, penalties counting the drafts before j, grammar), temperature and
-  truncation (``sampler.process_logits``, ``sampler.sampling_probs``);
+  (allowed ids; bad words matching, and penalties counting, the drafts before j; logit_bias,
+  min_tokens, grammar), temperature and truncation (``sampler.process_logits``,
+  ``sampler.sampling_probs``);
 - a greedy sequence accepts d_j while d_j = argmax p_j;
 - a random one accepts d_j with probability min(1, p_j(d_j) / q_j(d_j)), q the proposer's
   distribution; without draft probabilities (n-gram) q_j is a point mass on d_j, so it accepts
@@ -24,9 +25,9 @@ then one [V] row of Exp(1) noise for the emitted token (the exponential race of
 alone, not on the batch around it; without drafts it draws, and samples, exactly what the plain
 sampler does. Unseeded sequences share draws from the default generator.
 
-The penalties of ``meta`` count each sequence's output as of the step (the multi-position
-metadata); this module adds the preceding drafts. Grammar masks, if any, must already be those
-of each position after its preceding drafts (the engine holds the matchers).
+The penalties and bad words of ``meta`` see each sequence's output as of the step (the multi-
+position metadata); this module adds the preceding drafts. Grammar masks, if any, must already
+be those of each position after its preceding drafts (the engine holds the matchers).
 """
 
 from __future__ import annotations
@@ -162,13 +163,17 @@ def _draw(generators: dict[int, torch.Generator], layout: _Layout, vocab_size: i
 def count_preceding_drafts(meta: SamplingMetadata, draft_token_ids: torch.Tensor
                            ) -> SamplingMetadata:
     """The metadata of plain decoding at each verified position: position j's penalties also
-    count its sequence's first j drafts (``draft_token_ids`` [N, K], K >= M - 1)."""
-    if meta.penalties is None or meta.positions is None:
+    count its sequence's first j drafts, and its bad words match the output followed by them
+    (``draft_token_ids`` [N, K], K >= M - 1)."""
+    if meta.positions is None or (meta.penalties is None and meta.bad_words is None):
         return meta
     width = meta.positions.max_positions
     seq, j = meta.positions.slots // width, meta.positions.slots % width
-    return dataclasses.replace(meta, penalties=meta.penalties.with_preceding(
-        draft_token_ids[seq, :width - 1], j))
+    preceding = draft_token_ids[seq, :width - 1]
+    penalties, bad_words = meta.penalties, meta.bad_words
+    return dataclasses.replace(
+        meta, penalties=None if penalties is None else penalties.with_preceding(preceding, j),
+        bad_words=None if bad_words is None else bad_words.with_preceding(preceding, j))
 
 
 def _num_accepted(target: Target, greedy: torch.Tensor | None, layout: _Layout,

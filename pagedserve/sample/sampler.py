@@ -1,12 +1,13 @@
 """Turns one step's logits into next tokens and their logprobs, all as batched tensor ops.
 
-Order of operations (vLLM's): logit_bias, min_tokens, repetition penalty, presence/frequency
-penalties, the grammar mask of constrained rows; then temperature, top-k, top-p, min-p; then
-greedy argmax or a random draw.
+Order of operations (vLLM's): allowed_token_ids, bad_words, logit_bias, min_tokens, repetition
+penalty, presence/frequency penalties, the grammar mask of constrained rows; then temperature,
+top-k, top-p, min-p; then greedy argmax or a random draw.
 
-Logprobs are those of the model's distribution after the first group (bias, min_tokens,
-penalties, grammar) and before temperature and truncation, which is what vLLM reports by default: a
-client sees how likely the model found a token, not an artefact of its sampling knobs.
+Logprobs are those of the model's distribution after the first group (allowed ids, bad words,
+bias, min_tokens, penalties, grammar) and before temperature and truncation, which is what vLLM
+reports by default: a client sees how likely the model found a token, not an artefact of its
+sampling knobs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from pagedserve.sample.logprobs import LogprobsTensors, compute_logprobs
-from pagedserve.sample.metadata import Penalties, SamplePositions, SamplingMetadata
+from pagedserve.sample.metadata import BadWords, Penalties, SamplePositions, SamplingMetadata
 from pagedserve.structured.grammar_state import GrammarMask
 
 
@@ -76,8 +77,13 @@ def prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor, k: int) 
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """float32 logits after logit_bias, min_tokens and penalties; never edits the input."""
+    """float32 logits after allowed ids, bad words, logit_bias, min_tokens, penalties and
+    grammar; never edits the input."""
     logits = logits.to(torch.float32, copy=meta.edits_logits)
+    if meta.allowed_mask is not None:
+        apply_row_mask(logits, *meta.allowed_mask)
+    if meta.bad_words is not None:
+        apply_bad_words(logits, meta.bad_words)
     if meta.logit_bias is not None:
         rows, token_ids, bias = meta.logit_bias
         logits.index_put_((rows, token_ids), bias, accumulate=True)
@@ -95,9 +101,24 @@ def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
     bits = 1 << torch.arange(32, dtype=torch.int32, device=logits.device)  # 1 << 31 wraps: ok
     # Bit b of word w is token 32 w + b; the last word's spare bits fall past the vocabulary.
     forbidden = (mask.bitmask.unsqueeze(-1) & bits) == 0
-    rows = logits.index_select(0, mask.rows)
-    rows.masked_fill_(forbidden.flatten(1)[:, :logits.shape[-1]], float("-inf"))
-    logits.index_copy_(0, mask.rows, rows)
+    apply_row_mask(logits, mask.rows, forbidden.flatten(1)[:, :logits.shape[-1]])
+
+
+def apply_row_mask(logits: torch.Tensor, rows: torch.Tensor, forbidden: torch.Tensor) -> None:
+    """Set to -inf, in place, the tokens ``forbidden`` (bool [R, V]) marks in ``rows`` only."""
+    selected = logits.index_select(0, rows)
+    selected.masked_fill_(forbidden, float("-inf"))
+    logits.index_copy_(0, rows, selected)
+
+
+def apply_bad_words(logits: torch.Tensor, bad: BadWords) -> None:
+    """Set to -inf, in place, each word's last token where its row's output ends with the
+    rest of the word. Adding 0 or -inf, accumulated, is right whatever the order of words
+    that share a token (a plain write of the two would race)."""
+    recent = bad.history.index_select(0, bad.word_rows)
+    ends_with = ((recent == bad.prefixes) | (bad.prefixes < 0)).all(dim=1)
+    ban = torch.where(ends_with, float("-inf"), 0.0).to(logits.dtype)
+    logits.index_put_((bad.rows[bad.word_rows], bad.last), ban, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 A sequence gets a row the first time it samples: its settings go into per-row tensors on the
 device, with host flags saying which optional stages a step needs, and a seeded sequence gets
-its generator, made once from its stream seed (``Sequence.seed``). A step's
+its generator, made once from its stream seed (``Sequence.seed``); one with allowed_token_ids
+gets its mask, made once too. A step's
 ``SamplingMetadata`` is gathered from the rows by index (one ``index_select`` per field it
 needs), with no per-row work for rows that did not change.
 
@@ -12,11 +13,11 @@ first draws). Rows of finished sequences are taken back when no row is free, so 
 costs nothing per step; a finished sequence that a step scheduled before it finished still
 samples keeps its row for that step.
 
-Rebuilt every step instead, from the sequences: the penalty histories and min_tokens' stop
-masks (they change with every token) and logit_bias (rare). Grammar masks and the beams' top-k
-width come from the engine (``SamplingInputs``), which holds the matchers and beams. The next
-issues' per-row state belongs here too, as more row fields: the adapter slot (LoRA) and the
-draft tokens (speculative decoding).
+Rebuilt every step instead, from the sequences: the penalty histories, the bad words' recent
+tokens and min_tokens' stop masks (they change with every token) and logit_bias (rare). Grammar
+masks and the beams' top-k width come from the engine (``SamplingInputs``), which holds the
+matchers and beams. The next issues' per-row state belongs here too, as more row fields: the
+adapter slot (LoRA) and the draft tokens (speculative decoding).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from pagedserve.core.sequence import Sequence
 from pagedserve.sample.metadata import (
     SamplePositions,
     SamplingMetadata,
+    allowed_mask_row,
+    build_bad_words,
     build_logit_bias,
     build_min_tokens_mask,
     build_penalties,
@@ -43,7 +46,7 @@ _DEVICE_FIELDS = {"greedy": torch.bool, "temperature": torch.float32, "top_k": t
 _HOST_FIELDS = {"greedy": np.bool_, "seeded": np.bool_, "top_k": np.int64, "uses_top_k": np.bool_,
                 "uses_top_p": np.bool_, "uses_min_p": np.bool_, "logprobs": np.int64,
                 "needs_logprobs": np.bool_, "logit_bias": np.bool_, "min_tokens": np.bool_,
-                "penalties": np.bool_}
+                "penalties": np.bool_, "allowed": np.bool_, "bad_words": np.bool_}
 
 
 class SamplingBatch:
@@ -56,6 +59,9 @@ class SamplingBatch:
         self._host = {name: np.zeros(0, dtype) for name, dtype in _HOST_FIELDS.items()}
         self._device = {name: torch.zeros(0, dtype=dtype, device=device)
                         for name, dtype in _DEVICE_FIELDS.items()}
+        # bool [capacity, V], True where a row's allowed_token_ids forbid a token; made when
+        # the first sequence with them arrives (capacity x V bytes).
+        self._allowed: torch.Tensor | None = None
         self._grow(capacity)
 
     def metadata(self, seqs: list[Sequence], num_positions: list[int]) -> SamplingMetadata:
@@ -86,9 +92,19 @@ class SamplingBatch:
                         for row in np.flatnonzero(random & host["seeded"])},
             max_num_logprobs=int(host["logprobs"].max(initial=0)),
             needs_logprobs=bool(host["needs_logprobs"].any()),
+            allowed_mask=self._allowed_mask(host["allowed"], index),
             **self._rebuilt(seqs, positions, host),
             positions=positions,
         )
+
+    def _allowed_mask(self, allowed: np.ndarray, index: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows with allowed_token_ids and their masks, gathered (``index``: each row's
+        slot)."""
+        if not allowed.any():
+            return None
+        rows = torch.from_numpy(np.flatnonzero(allowed)).to(self.device, non_blocking=True)
+        return rows, self._allowed.index_select(0, index[rows])
 
     def _rebuilt(self, seqs: list[Sequence], positions: SamplePositions | None,
                  host: dict[str, np.ndarray]) -> dict:
@@ -100,10 +116,14 @@ class SamplingBatch:
             return values if positions is None else [
                 v for v, c in zip(values, counts, strict=True) for _ in range(c)]
 
-        fields = dict(logit_bias=None, min_tokens_mask=None, penalties=None)
-        if not any(host[name].any() for name in ("logit_bias", "min_tokens", "penalties")):
+        fields = dict(bad_words=None, logit_bias=None, min_tokens_mask=None, penalties=None)
+        if not any(host[name].any()
+                   for name in ("bad_words", "logit_bias", "min_tokens", "penalties")):
             return fields
         params = [seq.params for seq in seqs]
+        if host["bad_words"].any():
+            fields["bad_words"] = build_bad_words(
+                per_row(params), per_row([seq.output_token_ids for seq in seqs]), self.device)
         if host["logit_bias"].any():
             fields["logit_bias"] = build_logit_bias(per_row(params), self.device)
         if host["min_tokens"].any():
@@ -143,6 +163,10 @@ class SamplingBatch:
                 torch.Generator(device=self.device).manual_seed(seq.seed)
             for name, value in self._host_values(seq).items():
                 self._host[name][row] = value
+        for seq, row in zip(new, rows, strict=True):
+            if seq.params.allowed_token_ids is not None:
+                self._allowed_rows()[row] = allowed_mask_row(seq.params.allowed_token_ids,
+                                                             self.vocab_size, self.device)
         index = to_device(rows, torch.int64, self.device)
         device_values = [self._device_values(seq.params) for seq in new]
         for i, (name, dtype) in enumerate(_DEVICE_FIELDS.items()):
@@ -159,12 +183,19 @@ class SamplingBatch:
             needs_logprobs=p.needs_logprobs, logit_bias=bool(p.logit_bias),
             min_tokens=p.min_tokens > 0,
             penalties=(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                       or p.frequency_penalty != 0.0))
+                       or p.frequency_penalty != 0.0),
+            allowed=p.allowed_token_ids is not None, bad_words=bool(p.bad_words_token_ids))
 
     def _device_values(self, p: SamplingParams) -> tuple:
         """In ``_DEVICE_FIELDS``' order."""
         top_k = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
         return (p.is_greedy, 1.0 if p.is_greedy else p.temperature, top_k, p.top_p, p.min_p)
+
+    def _allowed_rows(self) -> torch.Tensor:
+        if self._allowed is None:
+            self._allowed = torch.zeros(len(self.generators), self.vocab_size, dtype=torch.bool,
+                                        device=self.device)
+        return self._allowed
 
     def _reclaim(self, keep: set[Sequence]) -> None:
         """Free the rows of finished sequences that this step does not sample."""
@@ -180,6 +211,9 @@ class SamplingBatch:
             self._host[name] = np.concatenate([values, np.zeros(capacity - old, values.dtype)])
         for name, values in self._device.items():
             self._device[name] = torch.cat([values, values.new_zeros(capacity - old)])
+        if self._allowed is not None:
+            self._allowed = torch.cat([self._allowed,
+                                       self._allowed.new_zeros(capacity - old, self.vocab_size)])
         self.generators.extend([None] * (capacity - old))
         self._free.extend(range(capacity - 1, old - 1, -1))
         self._free.sort(reverse=True)

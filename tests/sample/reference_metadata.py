@@ -12,6 +12,8 @@ from pagedserve.sample.metadata import (
     Penalties,
     SamplePositions,
     SamplingMetadata,
+    build_allowed_mask,
+    build_bad_words,
     build_logit_bias,
     build_min_tokens_mask,
     build_penalties,
@@ -39,7 +41,7 @@ def build_metadata(
     penalties = build_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device)
     if positions is None:
         return _build(params, generators, vocab_size, device, eos_token_ids,
-                          [len(out) for out in output_token_ids], penalties)
+                      output_token_ids, [len(out) for out in output_token_ids], penalties)
     # A sequence's rows repeat its settings (and share its generator, which draws for
     # them in order); its penalty counts are built once and repeated on the device.
     seq_of = [i for i, c in enumerate(positions.counts) for _ in range(c)]
@@ -48,14 +50,15 @@ def build_metadata(
                                           len(seq_of))
     meta = _build(
         [params[i] for i in seq_of], [generators[i] for i in seq_of], vocab_size, device,
-        eos_token_ids, [len(output_token_ids[i]) + j for i, c in enumerate(positions.counts)
+        eos_token_ids, [output_token_ids[i] for i in seq_of], [len(output_token_ids[i]) + j for i, c in enumerate(positions.counts)
                         for j in range(c)], penalties)
     meta.positions = positions
     return meta
 
 def _build(params: list[SamplingParams], generators: list[torch.Generator | None],
            vocab_size: int, device: torch.device, eos_token_ids: Sequence[int],
-           num_output_tokens: list[int], penalties: Penalties | None) -> SamplingMetadata:
+           output_token_ids: list[list[int]], num_output_tokens: list[int],
+           penalties: Penalties | None) -> SamplingMetadata:
     greedy = [p.is_greedy for p in params]
     return SamplingMetadata(
         all_greedy=all(greedy),
@@ -66,6 +69,8 @@ def _build(params: list[SamplingParams], generators: list[torch.Generator | None
                     if g is not None and not greedy_row},
         max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
         needs_logprobs=any(p.needs_logprobs for p in params),
+        allowed_mask=build_allowed_mask(params, vocab_size, device),
+        bad_words=build_bad_words(params, output_token_ids, device),
         logit_bias=build_logit_bias(params, device),
         min_tokens_mask=build_min_tokens_mask(params, num_output_tokens, eos_token_ids, device),
         penalties=penalties,
