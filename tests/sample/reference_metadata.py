@@ -50,8 +50,9 @@ def build_metadata(
                                           len(seq_of))
     meta = _build(
         [params[i] for i in seq_of], [generators[i] for i in seq_of], vocab_size, device,
-        eos_token_ids, [output_token_ids[i] for i in seq_of], [len(output_token_ids[i]) + j for i, c in enumerate(positions.counts)
-                        for j in range(c)], penalties)
+        eos_token_ids, [output_token_ids[i] for i in seq_of],
+        [len(output_token_ids[i]) + j for i, c in enumerate(positions.counts)
+         for j in range(c)], penalties)
     meta.positions = positions
     return meta
 

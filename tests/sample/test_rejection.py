@@ -195,6 +195,73 @@ def test_each_position_sees_plain_decodings_distribution_after_its_drafts(seed):
     assert not torch.equal(stale.logits, verified.logits)
 
 
+def _bad_words_after_drafts(seed, counts, vocab, **overrides):
+    """Rows whose bad words continue their drafts (and their output's last token), so that a
+    later position bans a token only where the drafts before it are matched."""
+    params, prompts, outputs, _ = random_batch(seed, len(counts), vocab, allowed_token_ids=None,
+                                               **overrides)
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(sum(counts), vocab, generator=gen) * 2
+    drafts = torch.randint(vocab, (len(counts), max(counts) - 1), generator=gen)
+    banned = torch.randint(vocab, (len(counts), 4), generator=gen).tolist()
+    for i, (d, b) in enumerate(zip(drafts.tolist(), banned)):
+        words = [[d[0], b[0]], [d[0], d[1], b[1]], outputs[i][-1:] + [d[0], b[2]], [d[1], b[3]]]
+        params[i] = dataclasses.replace(params[i], bad_words_token_ids=words)
+    return params, prompts, outputs, logits, drafts
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_bad_words_at_each_position_match_its_preceding_drafts(seed):
+    counts, vocab = [5, 1, 3, 4], 20
+    params, prompts, outputs, logits, drafts = _bad_words_after_drafts(
+        seed, counts, vocab, temperature=0.9, top_p=0.95, logprobs=vocab)
+    meta = _meta(params, counts, prompts=prompts, outputs=outputs, vocab=vocab)
+    verified = target_distribution(logits, count_preceding_drafts(meta, drafts))
+    for i, (start, count) in enumerate(zip(_starts(counts), counts)):
+        for j in range(count):
+            plain = build_metadata([params[i]], [prompts[i]], [outputs[i] + drafts[i, :j].tolist()],
+                                   [None], vocab, CPU, EOS)
+            want = target_distribution(logits[start + j:start + j + 1], plain)
+            torch.testing.assert_close(verified.logits[start + j], want.logits[0], rtol=0, atol=0)
+            torch.testing.assert_close(verified.probs[start + j], want.probs[0], rtol=0, atol=0)
+    stale = target_distribution(logits, meta)
+    assert not torch.equal(stale.logits.isinf(), verified.logits.isinf())
+
+
+def test_greedy_with_drafts_and_bad_words_emits_plain_decodings_tokens():
+    """Drafts that are plain greedy decoding's own tokens, under bad words that ban the raw
+    argmax after a draft: every draft is accepted, and the tokens are plain decoding's."""
+    counts, vocab = [5, 3, 4], 20
+    params, prompts, outputs, logits, _ = _bad_words_after_drafts(
+        1, counts, vocab, temperature=0.0, logit_bias=None, min_tokens=0,
+        repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+
+    def plain_chain(i, start, count):
+        chain = []
+        for j in range(count):
+            meta = build_metadata([params[i]], [prompts[i]], [outputs[i] + chain], [None],
+                                  vocab, CPU, EOS)
+            chain.append(int(Sampler()(logits[start + j:start + j + 1], meta).token_ids[0, 0]))
+        return chain
+
+    for i, (start, count) in enumerate(zip(_starts(counts), counts)):
+        # Ban, after each token of the chain, the raw argmax of the position that follows it.
+        words = [[tok, int(logits[start + j + 1].argmax())]
+                 for j, tok in enumerate(plain_chain(i, start, count)[:-1])]
+        params[i] = dataclasses.replace(params[i], bad_words_token_ids=words)
+    chains = [plain_chain(i, start, count) for i, (start, count)
+              in enumerate(zip(_starts(counts), counts))]
+    raw = logits.argmax(dim=-1).tolist()
+    assert any(tok != raw[start + j] for chain, start in zip(chains, _starts(counts))
+               for j, tok in enumerate(chain) if j > 0)  # the bans change the chain
+    drafts = torch.tensor([chain[:-1] + [-1] * (max(counts) - len(chain)) for chain in chains])
+    out = rejection_sample(logits, _meta(params, counts, prompts=prompts, outputs=outputs,
+                                         vocab=vocab), drafts)
+    assert out.num_emitted.tolist() == counts
+    for i, chain in enumerate(chains):
+        assert out.sampled.token_ids[i, :len(chain)].tolist() == chain
+
+
 def test_logprobs_are_plain_decodings_for_every_emitted_token():
     counts, vocab = [5, 1, 3, 4], 20  # logprobs=20: all of them
     params, prompts, outputs, logits, drafts = _penalised_batch(5, counts, vocab)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -39,10 +40,18 @@ def build(params, *, prompts=None, outputs=None, generators=None, vocab_size, eo
 # ---- float64 per-row references ------------------------------------------------------------
 
 def ref_process(logits, params, prompts, outputs, eos):
-    """Bias, min_tokens, repetition, presence/frequency, one row and one token at a time."""
+    """Allowed ids, bad words, bias, min_tokens, repetition, presence/frequency, one row and
+    one token at a time."""
     out = logits.double().clone()
     for i, p in enumerate(params):
         row = out[i]
+        if p.allowed_token_ids is not None:
+            for tok in set(range(len(row))) - set(p.allowed_token_ids):
+                row[tok] = -math.inf
+        for word in p.bad_words_token_ids or []:
+            *prefix, last = word
+            if outputs[i][len(outputs[i]) - len(prefix):] == prefix:
+                row[last] = -math.inf
         for tok, bias in (p.logit_bias or {}).items():
             row[tok] += bias
         if len(outputs[i]) < p.min_tokens:
@@ -89,6 +98,9 @@ def random_params(rng, vocab_size, **overrides):
         max_tokens=None,
         stop_token_ids=rng.choice([[], [rng.randrange(vocab_size)]]),
         ignore_eos=rng.random() < 0.3,
+        allowed_token_ids=rng.choice([None, None, rng.sample(range(vocab_size), 8)]),
+        bad_words_token_ids=rng.choice([None, None, [[rng.randrange(vocab_size)] * n
+                                                     for n in (1, 2, 3)]]),
     )
     kw.update(overrides)
     return SamplingParams(**kw)
@@ -234,6 +246,53 @@ def test_processing_matches_per_row_reference(seed):
                                atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_allowed_ids_and_bad_words_match_per_row_reference(seed):
+    """Bad words that end where each row's output does (so they ban), that do not (so they
+    must not), of one token (always banned) and longer than the output (never)."""
+    params, prompts, outputs, logits = random_batch(seed, 8, 40)
+    rng = random.Random(seed)
+    for i, out in enumerate(outputs):
+        words = [[rng.randrange(40)], out[-2:] + [rng.randrange(40)],
+                 [(out[-1] + 1) % 40 if out else 0, rng.randrange(40)], [5] * 12]
+        params[i] = dataclasses.replace(
+            params[i], bad_words_token_ids=words if i % 3 else None,
+            allowed_token_ids=None if i % 3 == 1 else rng.sample(range(40), 10))
+    eos = [1, 3]
+    meta = build(params, prompts=prompts, outputs=outputs, vocab_size=40, eos=eos)
+    assert meta.bad_words is not None and meta.allowed_mask is not None
+    want = ref_process(logits, params, prompts, outputs, eos)
+    assert want.isinf().any(dim=1).all()  # every row has something banned
+    torch.testing.assert_close(process_logits(logits, meta).double(), want, atol=1e-5, rtol=0)
+
+
+def test_allowed_ids_and_bad_words_steer_greedy():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]] * 4)
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=[3, 2]),
+              # [0, 1]: the output ends with 0, so 1 is banned too.
+              SamplingParams(temperature=0.0, bad_words_token_ids=[[0], [0, 1]]),
+              SamplingParams(temperature=0.0, bad_words_token_ids=[[0], [4, 1]]),
+              SamplingParams(temperature=0.0, logprobs=1)]
+    out = sampler(logits, build(params, outputs=[[0]] * 4, vocab_size=5))
+    assert out.token_ids.tolist() == [2, 2, 1, 0]
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[1, "2"]), "allowed_token_ids"),
+    (dict(allowed_token_ids=5), "allowed_token_ids"),
+    (dict(bad_words="word"), "bad_words"),
+    (dict(bad_words=["ok", 3]), "bad_words"),
+    (dict(bad_words=["  "]), "bad_words"),
+    (dict(bad_words=["x" * 201]), "bad_words"),
+    (dict(bad_words=["w"] * 65), "bad_words"),
+])
+def test_bad_allowed_ids_and_bad_words_are_rejected(kw, param):
+    with pytest.raises(InvalidSamplingParam) as err:
+        SamplingParams(**kw)
+    assert err.value.param == param
+
+
 def test_penalty_values_by_hand():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     params = [SamplingParams(repetition_penalty=2.0, presence_penalty=0.5,
@@ -290,6 +349,14 @@ def test_out_of_vocab_token_ids_are_rejected():
         check_token_ids(SamplingParams(logit_bias={40: 1.0}), vocab_size=40)
     assert err.value.param == "logit_bias"
     check_token_ids(SamplingParams(logit_bias={39: 1.0}), vocab_size=40)
+    for params, param in ((SamplingParams(allowed_token_ids=[3, 40]), "allowed_token_ids"),
+                          (SamplingParams(allowed_token_ids=[3] * 41), "allowed_token_ids"),
+                          (SamplingParams(bad_words_token_ids=[[2, 40]]), "bad_words")):
+        with pytest.raises(InvalidSamplingParam) as err:
+            check_token_ids(params, vocab_size=40)
+        assert err.value.param == param
+    check_token_ids(SamplingParams(allowed_token_ids=[39] * 40, bad_words_token_ids=[[39]]),
+                    vocab_size=40)
 
 
 # ---- truncation ----------------------------------------------------------------------------
