@@ -170,6 +170,10 @@ class SamplingRequest(StrictModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    # Checked, and capped, by SamplingParams (non-empty; at most 64 bad words) and, against
+    # the vocabulary, by the engine's input limits.
+    allowed_token_ids: list[int] | None = None
+    bad_words: Annotated[list[str] | None, AfterValidator(_unicode_text)] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Keep the prompt's last k tokens (-1: as many as leave room for one more); SamplingParams
@@ -210,6 +214,7 @@ class SamplingRequest(StrictModel):
                                         defaults.get("repetition_penalty", 1.0)),
             logit_bias=_logit_bias(self.logit_bias), stop=_default(self.stop, []),
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
