@@ -134,6 +134,20 @@ def test_vllm_extras_match_offline(server, offline):
     assert got.text == expected.text
 
 
+def test_allowed_token_ids_and_bad_words_match_offline(server, offline):
+    """Each changes the greedy text (checked offline), and the server's equals offline's."""
+    free = _offline(offline, PROMPT, max_tokens=12, ignore_eos=True).outputs[0]
+    ids = free.token_ids
+    for extras in (dict(allowed_token_ids=sorted(set(range(3, 40)) - set(ids))),
+                   dict(bad_words=[offline.get_tokenizer().decode(ids[2:4]).strip()])):
+        expected = _offline(offline, PROMPT, max_tokens=12, ignore_eos=True, **extras).outputs[0]
+        assert expected.text != free.text
+        got = server.client().completions.create(
+            model="model", prompt=PROMPT, max_tokens=12, temperature=0,
+            extra_body=dict(ignore_eos=True, **extras)).choices[0]
+        assert got.text == expected.text
+
+
 def test_models_health_version(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["model"]
