@@ -187,6 +187,9 @@ class EngineConfig:
               "with a 400, and its compile is stopped")
     max_grammar_bytes: int = option(
         65536, "largest JSON schema, regex or grammar text a request may carry, in bytes")
+    max_logprobs: int = option(
+        20, "most logprobs (top alternatives per token) and prompt_logprobs a request may ask "
+            "for (-1: the vocabulary size)")
     speculative_config: SpeculativeConfig | None = option(
         None, "speculative decoding, as JSON with vLLM's fields: method (ngram, "
               "draft_model, eagle3), num_speculative_tokens, prompt_lookup_max and "
@@ -236,6 +239,9 @@ class EngineConfig:
             raise ConfigError("--max-grammar-compile-seconds must be positive")
         if self.max_grammar_bytes < 1:
             raise ConfigError("--max-grammar-bytes must be at least 1")
+        if self.max_logprobs < -1:
+            raise ConfigError(f"--max-logprobs must be -1 (the vocabulary size) or at least 0, "
+                              f"got {self.max_logprobs}")
         check_generation_setting(self.generation_config)
         if self.chat_template is not None:  # the text from here on, not the file's path
             object.__setattr__(self, "chat_template", read_chat_template(self.chat_template))

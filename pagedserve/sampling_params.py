@@ -185,10 +185,11 @@ class SamplingParams:
              f"min_tokens must be non-negative, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-             f"logprobs must be in [0, 20], got {self.logprobs}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
-             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
+            # The upper bound is the engine's (--max-logprobs), checked by its input stage.
+            (self.logprobs is None or self.logprobs >= 0, "logprobs",
+             f"logprobs must be at least 0, got {self.logprobs}"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
+             f"prompt_logprobs must be at least 0, got {self.prompt_logprobs}"),
             (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
              or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
              f"truncate_prompt_tokens must be -1 or at least 1, got "

@@ -42,6 +42,7 @@ class InputLimits:
     num_kv_blocks: int
     block_size: int
     max_grammar_bytes: int
+    max_logprobs: int  # --max-logprobs: -1 is the vocabulary size
     speculative: bool = False  # speculative decoding is on
 
     def check(self, token_ids: list[int], params: SamplingParams) -> int:
@@ -63,6 +64,7 @@ class InputLimits:
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise InvalidSamplingParam(
                 "prompt", f"prompt token ids must be in [0, {self.vocab_size})")
+        self._check_logprobs(params)
         if params.structured_outputs is not None:
             check_grammar(grammar_spec(params.structured_outputs), self.max_grammar_bytes)
         if self.speculative and params.use_beam_search:
@@ -87,6 +89,19 @@ class InputLimits:
         # A bad id inside a batched scatter would fail the whole step, so reject it here.
         check_token_ids(params, self.vocab_size)
         return max_tokens
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        # Never past the vocabulary, whatever --max-logprobs says: the sampler's top-k is
+        # taken over the logits' row.
+        limit = self.vocab_size if self.max_logprobs == -1 else min(self.max_logprobs,
+                                                                    self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > limit:
+                raise InvalidSamplingParam(
+                    name, f"{name}={asked} is more than the {limit} this engine returns at "
+                    f"most; lower it, or start the engine with a larger --max-logprobs "
+                    f"(-1: the vocabulary size, {self.vocab_size})")
 
     def _worst_case_blocks(self, num_prompt: int, max_tokens: int, num_seqs: int) -> int:
         """Blocks of ``num_seqs`` sequences sharing the prompt and then fully diverging, each

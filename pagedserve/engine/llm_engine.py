@@ -100,7 +100,7 @@ class LLMEngine:
         self.eos_token_ids = loader.eos_token_ids(source, self.arch, self.tokenizer)
         self.limits = InputLimits(self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
                                   self.eos_token_ids, sizes.num_blocks, self.resolved.block_size,
-                                  config.max_grammar_bytes,
+                                  config.max_grammar_bytes, config.max_logprobs,
                                   speculative=config.speculative_config is not None)
         self.adapters = (HostAdapters(config.max_lora_rank, self.arch, config.cpu_loras)
                          if config.enable_lora else None)

@@ -416,7 +416,8 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # At most the engine's --max-logprobs, which its input stage checks.
+    top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[ChatTool] | None = None
     # Default as OpenAI's: "auto" with tools, "none" without.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -433,7 +434,8 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
             else self.max_completion_tokens
 
     def field_name(self, param: str) -> str:
-        return {"prompt": "messages", "max_tokens": self.max_tokens_field}.get(
+        return {"prompt": "messages", "max_tokens": self.max_tokens_field,
+                "logprobs": "top_logprobs"}.get(
             param, super().field_name(param))
 
     def to_sampling_params(self, defaults: dict[str, float | int]) -> SamplingParams:

@@ -24,7 +24,7 @@ def _start(tokenizer, params):
     eos = tokenizer.eos_token_id
     limits = InputLimits(vocab_size=VOCAB, max_model_len=512, max_num_seqs=4,
                          eos_token_ids=frozenset({eos}), num_kv_blocks=64, block_size=16,
-                         max_grammar_bytes=1 << 20)
+                         max_grammar_bytes=1 << 20, max_logprobs=20)
     state = InputProcessor(tokenizer, limits).process(
         "r", "the quick", params)
 

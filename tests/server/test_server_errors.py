@@ -170,6 +170,19 @@ def test_bad_request_gets_openai_error(server, path, body, status, param):
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {**GOOD, "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {**GOOD, "logprobs": 21, "echo": True}, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs")])
+def test_more_logprobs_than_max_logprobs_is_a_400_naming_the_option(server, path, body,
+                                                                    param):
+    """The server runs with the default --max-logprobs, 20: 21 is refused, 20 served."""
+    error = _assert_error(server.post(path, json=body), 400)
+    assert error["param"] == param and "--max-logprobs" in error["message"], error
+    response = server.post(path, json={**body, param: 20})
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/completions", b'{"prompt": "hi \\ud800", "max_tokens": 2}', "prompt"),
     ("/v1/completions", b'{"prompt": ["ok", "hi \\udfff"], "max_tokens": 2}', "prompt"),
     ("/v1/chat/completions",

@@ -106,7 +106,7 @@ class _GatedTokenizer(_Gate):
 # What the stand-in engine checks requests against.
 LIMITS = InputLimits(vocab_size=100, max_model_len=64, max_num_seqs=4,
                      eos_token_ids=frozenset({0}), num_kv_blocks=16, block_size=16,
-                     max_grammar_bytes=1 << 16)
+                     max_grammar_bytes=1 << 16, max_logprobs=20)
 
 
 def _refuse(requests):
