@@ -70,6 +70,13 @@ class EngineConfig:
     revision: str | None = option(
         None, "branch, tag or commit hash of a Hugging Face model id (default: its default "
               "branch)")
+    tokenizer: str | None = option(
+        None, "Hugging Face tokenizer folder or id (org/name, fetched as --model's) used "
+              "instead of the model's own; its vocabulary must fit the model's embedding rows "
+              "(default: the model's)")
+    tokenizer_revision: str | None = option(
+        None, "branch, tag or commit hash of a --tokenizer Hugging Face id (default: its "
+              "default branch)")
     gguf_file: str | None = option(
         None, "a .gguf file inside the Hugging Face repository the model id names")
     device: str = option("auto", "auto tries each accelerator, then the CPU",

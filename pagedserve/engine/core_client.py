@@ -149,9 +149,14 @@ class EngineCoreClient:
         source = loader.resolve_model(
             self.config.model, self.config.load_format != "dummy",
             revision=self.config.revision, gguf_file=self.config.gguf_file)
+        # Resolved here once (a hub id fetched), so that both processes read the same folder.
+        tokenizer_path = loader.tokenizer_folder(source, self.config.tokenizer,
+                                                 self.config.tokenizer_revision)
         core_config = dataclasses.replace(
             self.config, model=str(source.path), revision=None, gguf_file=None,
-            served_model_name=self.config.served_model_name or source.name)
+            served_model_name=self.config.served_model_name or source.name,
+            tokenizer=None if self.config.tokenizer is None else str(tokenizer_path),
+            tokenizer_revision=None)
         self._ipc_dir = _socket_folder(getattr(zmq, "IPC_PATH_MAX_LEN", 103))
         addresses = CoreAddresses(*(f"ipc://{self._ipc_dir}/{name}" for name in _SOCKET_NAMES))
         self._zmq = zmq.asyncio.Context()
@@ -171,9 +176,10 @@ class EngineCoreClient:
             self._process.start()
         ready_writer.close()
         with ThreadPoolExecutor(1) as pool:
-            tokenizer = pool.submit(loader.load_tokenizer, source, self.config.chat_template)
+            # The core checks --tokenizer's files and vocabulary, and fails to start first.
+            loading = pool.submit(loader.load_tokenizer, tokenizer_path, self.config.chat_template)
             self.facts = self._wait_ready(ready_reader)
-            self.tokenizer = tokenizer.result()
+            self.tokenizer = loading.result()
 
     def _wait_ready(self, reader) -> msg.EngineFacts:
         while not reader.poll(0.5) and self._process.is_alive():

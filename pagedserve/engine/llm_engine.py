@@ -75,7 +75,9 @@ class LLMEngine:
                                       revision=config.revision, gguf_file=config.gguf_file)
         self.model_name = config.served_model_name or source.name
         self.arch = loader.load_arch_config(source)
-        self.tokenizer = loader.load_tokenizer(source, config.chat_template)
+        self.tokenizer = loader.load_model_tokenizer(source, self.arch, config.tokenizer,
+                                                     config.tokenizer_revision,
+                                                     config.chat_template)
         self.sampling_defaults = sampling_defaults(config.generation_config, source.path)
         if config.speculative_config is not None:
             check_draft_tokenizer(config.speculative_config, self.tokenizer, config.load_format)

@@ -197,7 +197,7 @@ def check_draft_tokenizer(config: SpeculativeConfig, tokenizer, load_format: str
         return
     source = loader.resolve_model(config.model, load_format != "dummy")
     try:
-        draft = loader.load_tokenizer(source)
+        draft = loader.load_tokenizer(source.path)
     except loader.ModelLoadError:
         return
     target_ids, draft_ids = tokenizer.get_vocab(), draft.get_vocab()

@@ -18,13 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 INDEX_FILE = "model.safetensors.index.json"
-# Everything the loader reads besides weights: transformers' tokenizer files of each kind
-# (fast, sentencepiece, BPE vocab and merges, a chat template saved apart).
-_METADATA_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json", INDEX_FILE,
+# transformers' tokenizer files of each kind (fast, sentencepiece, BPE vocab and merges, a
+# chat template saved apart).
+_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
+    "chat_template.json",
 )
+# Everything the loader reads besides weights.
+_METADATA_FILES = ("config.json", "generation_config.json", *_TOKENIZER_FILES, INDEX_FILE)
 _SAFETENSORS = "*.safetensors"
 # Weight formats never read (pickles, other runtimes): named when a repository has only these.
 _OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.gguf")
@@ -92,6 +94,12 @@ def fetch(ref: HubModel, with_weights: bool) -> HubFetch:
             download(at_commit, [*_METADATA_FILES, *_weight_patterns(path)])
             _require_safetensors(ref, path)
     return HubFetch(path, downloaded=bool(_snapshot_files(repo_dir) - before))
+
+
+def fetch_tokenizer(ref: HubModel) -> Path:
+    """The snapshot folder of ``ref``'s tokenizer files (``--tokenizer``), from the cache or
+    downloaded into it; a tokenizer repository needs no config or weights."""
+    return download(ref, list(_TOKENIZER_FILES))
 
 
 def snapshot_repo_id(folder: Path) -> str | None:

@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedserve import envs
+from pagedserve.errors import ConfigError
 from pagedserve.logger import get_logger, info_once
 from pagedserve.models import gguf_convert, hub
 from pagedserve.models.config import ModelArchConfig
@@ -167,25 +168,69 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> Any:
+def tokenizer_folder(source: ModelSource, tokenizer: str | None,
+                     revision: str | None) -> Path:
+    """Where the tokenizer loads from: the model's folder, or ``--tokenizer``'s, a local
+    folder or else a Hugging Face id fetched as ``--model``'s are (tokenizer files only)."""
+    if tokenizer is None:
+        if revision is not None:
+            raise ConfigError("--tokenizer-revision applies to a --tokenizer hub id; none given")
+        return source.path
+    path = expand_user(tokenizer)
+    if path.exists():
+        if revision is not None:
+            raise ConfigError(f"--tokenizer-revision applies to Hugging Face ids, not to the "
+                              f"local path {tokenizer}")
+        if not path.is_dir():
+            raise ConfigError(f"--tokenizer {tokenizer} is not a folder; pass a tokenizer "
+                              "folder or a Hugging Face id")
+        return path
+    try:
+        ref = hub.parse_model_id(tokenizer, revision, None)
+        if ref is None or ref.gguf_file is not None:
+            raise ConfigError(f"--tokenizer {tokenizer} does not exist, and it is no Hugging "
+                              "Face id (org/name): pass a tokenizer folder or a hub id")
+        return hub.fetch_tokenizer(ref)
+    except hub.HubError as exc:
+        raise ConfigError(f"--tokenizer: {exc}") from exc
+
+
+def load_tokenizer(folder: Path, chat_template: str | None = None) -> Any:
     """The folder's tokenizer, chat template included, from local files only;
     ``chat_template`` (``--chat-template``'s text) replaces the folder's."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source.path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as exc:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ModelLoadError(
-            f"cannot load the tokenizer in {source.path} (are its tokenizer files there?): "
+            f"cannot load the tokenizer in {folder} (are its tokenizer files there?): "
             f"{first_line}"
         ) from exc
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     if tokenizer.chat_template is None:
-        logger.warning("%s has no chat template; chat requests will fail "
-                       "(--chat-template gives one)", source.name)
+        logger.warning("the tokenizer in %s has no chat template; chat requests will fail "
+                       "(--chat-template gives one)", folder)
     return tokenizer
+
+
+def load_model_tokenizer(source: ModelSource, arch: ModelArchConfig, tokenizer: str | None,
+                         revision: str | None, chat_template: str | None) -> Any:
+    """The engine's tokenizer: the model's own, or ``--tokenizer``'s, whose every id must be
+    one of the model's embedding rows (a larger vocabulary would index past them)."""
+    folder = tokenizer_folder(source, tokenizer, revision)
+    if tokenizer is None:
+        return load_tokenizer(folder, chat_template)
+    try:
+        loaded = load_tokenizer(folder, chat_template)
+    except ModelLoadError as exc:
+        raise ConfigError(f"--tokenizer {tokenizer}: {exc}") from exc
+    if len(loaded) > arch.vocab_size:
+        raise ConfigError(f"--tokenizer {tokenizer}: its vocabulary has {len(loaded)} tokens, "
+                          f"more than the model's {arch.vocab_size} embedding rows")
+    return loaded
 
 
 def load_generation_config(source: ModelSource) -> dict[str, Any]:

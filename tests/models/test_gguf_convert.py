@@ -188,7 +188,7 @@ def test_folder_runs_like_transformers_gguf_model(fresh: Fresh, reference: Refer
 def test_tokenizer_encodes_like_transformers_gguf_tokenizer(fresh: Fresh,
                                                              reference: Reference) -> None:
     expected = reference.tokenizer
-    ours = load_tokenizer(fresh.source)
+    ours = load_tokenizer(fresh.source.path)
     for text in TEXTS:
         ids = ours.encode(text)
         assert ids == expected.encode(text), text

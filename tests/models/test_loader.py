@@ -178,7 +178,7 @@ def test_folder_without_tokenizer(tiny_llama, tmp_path: Path) -> None:
     folder = write_folder(tmp_path / "no-tokenizer", json.loads(
         (tiny_llama[0] / "config.json").read_text()))
     with pytest.raises(ModelLoadError, match="cannot load the tokenizer") as exc:
-        load_tokenizer(resolve_model(folder))
+        load_tokenizer(resolve_model(folder).path)
     assert_one_line(exc)
 
 
@@ -188,7 +188,7 @@ def test_default_model_folder_is_a_complete_hf_folder(default_model_folder: Path
     source = resolve_model(default_model_folder)
     assert source.origin == "hf-folder" and source.name == "SmolLM2-135M-Instruct"
     assert load_arch_config(source).vocab_size == 49152
-    tokenizer = load_tokenizer(source)
+    tokenizer = load_tokenizer(source.path)
     assert "<|im_start|>" in tokenizer.chat_template
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
                                            add_generation_prompt=True, tokenize=False)
