@@ -27,6 +27,7 @@ from pagedserve.models.generation_defaults import check_setting as check_generat
 from pagedserve.platforms import DEVICE_NAMES
 from pagedserve.quant.formats import QUANTIZATION_CHOICES
 from pagedserve.quant.linear_method import MatmulNumerics
+from pagedserve.sample.logits_processor import LogitsProcessor, load_logits_processors
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.user_paths import expand_user
 
@@ -216,6 +217,11 @@ class EngineConfig:
         None, "with --enable-lora, adapters held read in host memory, at most; requests of "
               "others wait until an idle one (no running request) is dropped, least "
               "recently used first (default: --max-loras; at least --max-loras)")
+    logits_processors: tuple[str | type[LogitsProcessor], ...] = option(
+        (), "custom logits processors, qualified names of LogitsProcessor subclasses "
+            "(package.module:Class), each made once per rank and run on every step's logits "
+            "after the built-in processing; requests pass them arguments in vllm_xargs "
+            "(SamplingParams.extra_args) (docs/server.md)")
 
     def __post_init__(self) -> None:
         self._check_types_and_choices()
@@ -256,6 +262,13 @@ class EngineConfig:
             # The Python API passes vLLM's dict, the command line its JSON text.
             object.__setattr__(self, "speculative_config",
                                SpeculativeConfig.parse(self.speculative_config))
+        # Imported now, so a bad name fails the start; the ranks get the classes.
+        object.__setattr__(self, "logits_processors",
+                           load_logits_processors(self.logits_processors))
+        if self.logits_processors and self.speculative_config is not None:
+            raise ConfigError("--logits-processors does not combine with --speculative-config "
+                              "(verifying drafts would run the processors at draft positions "
+                              "they cannot follow)")
 
     def resolve(self, arch: ModelArchConfig, platform: type[Platform]) -> ResolvedConfig:
         """The values that depend on the model and the platform, computed once."""

@@ -63,6 +63,8 @@ def _argument(f: dataclasses.Field, hint: Any) -> tuple[str, dict[str, Any]]:
         return "--no-" + flag.removeprefix("--"), {"action": "store_false", "help": help_text}
     if hint is bool:
         return flag, {"action": "store_true", "help": help_text}
+    if typing.get_origin(hint) is tuple:  # a list of names, given after one flag
+        return flag, {"nargs": "+", "type": str, "help": help_text}
     value_type = _value_type(hint)
     if value_type is bool:
         return flag, {"action": argparse.BooleanOptionalAction, "help": help_text}

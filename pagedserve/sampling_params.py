@@ -128,6 +128,9 @@ class SamplingParams:
     early_stopping: bool | str = False  # beam search: True, False or "never" (as in HF)
     # Constrained decoding: each token is drawn only from those the grammar allows.
     structured_outputs: StructuredOutputsParams | None = None
+    # Arguments for the custom logits processors (``--logits-processors``), by name; each
+    # processor reads its own and may refuse the request when it is admitted.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # The lists and dicts, each in the one form the engine reads; a value of another type
@@ -144,6 +147,11 @@ class SamplingParams:
         if self.best_of is None:
             self.best_of = self.n
         self.structured_outputs = _structured_outputs(self.structured_outputs)
+        if self.extra_args is not None and not (
+                isinstance(self.extra_args, dict)
+                and all(isinstance(key, str) for key in self.extra_args)):
+            raise InvalidSamplingParam("extra_args", "extra_args must be a dict with string "
+                                                     f"keys, got {self.extra_args!r:.80}")
         self._validate()
         if self.is_greedy:
             # Greedy ignores the truncation knobs; normalising them lets the sampler skip them.

@@ -72,7 +72,8 @@ def _value(action: argparse.Action) -> str:
         return "switch"
     if action.metavar is not None:
         return f"`{action.metavar}`"
-    return getattr(action.type, "__name__", "str")
+    name = getattr(action.type, "__name__", "str")
+    return f"{name} ..." if action.nargs == "+" else name
 
 
 def _default(action: argparse.Action) -> str:
@@ -80,6 +81,8 @@ def _default(action: argparse.Action) -> str:
         return "unset" if action.default is None else ("on" if action.default else "off")
     if action.default is None or action.default == []:
         return "–"
+    if action.default == ():  # a list option given nothing
+        return "none"
     return f"`{action.default}`"
 
 

@@ -144,3 +144,10 @@ def test_generate_reports_a_bad_value_in_one_line(argv, message, monkeypatch, ca
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"pagedserve: error: {message}") and "Traceback" not in err
+
+
+def test_logits_processors_take_several_names():
+    from tests.sample.ban_token import BanToken
+
+    name = "tests.sample.ban_token:BanToken"
+    assert _parse(["--logits-processors", name, name]).logits_processors == (BanToken, BanToken)

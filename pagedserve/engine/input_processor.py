@@ -15,6 +15,7 @@ from pagedserve.core.sequence import Sequence, SequenceGroup
 from pagedserve.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from pagedserve.engine.request_state import BeamState, RequestState, SequenceState
 from pagedserve.outputs import RequestMetrics
+from pagedserve.sample.logits_processor import check_extra_args
 from pagedserve.sample.metadata import check_token_ids
 from pagedserve.sample.seeds import stream_seed
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
@@ -44,6 +45,8 @@ class InputLimits:
     max_grammar_bytes: int
     max_logprobs: int  # --max-logprobs: -1 is the vocabulary size
     speculative: bool = False  # speculative decoding is on
+    # --logits-processors by qualified name, each asked whether it serves a request.
+    logits_processors: tuple[str, ...] = ()
 
     def check(self, token_ids: list[int], params: SamplingParams) -> int:
         """Validate a tokenized request against the context window, the vocabulary and the
@@ -88,6 +91,7 @@ class InputLimits:
                 "enlarge the cache")
         # A bad id inside a batched scatter would fail the whole step, so reject it here.
         check_token_ids(params, self.vocab_size)
+        check_extra_args(params, self.logits_processors)
         return max_tokens
 
     def _check_logprobs(self, params: SamplingParams) -> None:

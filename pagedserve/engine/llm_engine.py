@@ -54,6 +54,7 @@ from pagedserve.models import loader
 from pagedserve.models.generation_defaults import sampling_defaults
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import resolve_platform
+from pagedserve.sample.logits_processor import qualified_name
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.structured.grammar_state import GrammarState, build_grammar_mask
 from pagedserve.structured.spec import grammar_spec
@@ -103,7 +104,9 @@ class LLMEngine:
         self.limits = InputLimits(self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
                                   self.eos_token_ids, sizes.num_blocks, self.resolved.block_size,
                                   config.max_grammar_bytes, config.max_logprobs,
-                                  speculative=config.speculative_config is not None)
+                                  speculative=config.speculative_config is not None,
+                                  logits_processors=tuple(map(qualified_name,
+                                                              config.logits_processors)))
         self.adapters = (HostAdapters(config.max_lora_rank, self.arch, config.cpu_loras)
                          if config.enable_lora else None)
         self.inputs = InputProcessor(self.tokenizer, self.limits,

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedserve.sample.logits_processor import StepProcessors
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.structured.grammar_state import GrammarMask
 
@@ -123,14 +124,17 @@ class SamplingMetadata:
     # Allowed tokens of the rows with a grammar; set by the engine, which holds the grammars.
     grammar_mask: GrammarMask | None = None
     positions: SamplePositions | None = None  # None: one position per sequence
+    # The custom logits processors that edit some row of the step (None: none does).
+    processors: StepProcessors | None = None
 
     @property
     def edits_logits(self) -> bool:
-        """Whether allowed ids, bad words, bias, min_tokens, penalties or a grammar change the
-        logits (the sampler then copies)."""
+        """Whether allowed ids, bad words, bias, min_tokens, penalties, a custom processor
+        that may change the argmax or a grammar change the logits (the sampler then copies)."""
         return (self.allowed_mask is not None or self.bad_words is not None
                 or self.logit_bias is not None or self.min_tokens_mask is not None
-                or self.penalties is not None or self.grammar_mask is not None)
+                or self.penalties is not None or self.grammar_mask is not None
+                or (self.processors is not None and bool(self.processors.changing)))
 
 
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,13 +1,15 @@
 """Turns one step's logits into next tokens and their logprobs, all as batched tensor ops.
 
 Order of operations (vLLM's): allowed_token_ids, bad_words, logit_bias, min_tokens, repetition
-penalty, presence/frequency penalties, the grammar mask of constrained rows; then temperature,
-top-k, top-p, min-p; then greedy argmax or a random draw.
+penalty, presence/frequency penalties, the custom logits processors that may change the argmax
+(``--logits-processors``, in the order given), the grammar mask of constrained rows (last, so
+that no processor can let through a token the grammar forbids); then the argmax-invariant
+custom processors, temperature, top-k, top-p, min-p; then greedy argmax or a random draw.
 
 Logprobs are those of the model's distribution after the first group (allowed ids, bad words,
-bias, min_tokens, penalties, grammar) and before temperature and truncation, which is what vLLM
-reports by default: a client sees how likely the model found a token, not an artefact of its
-sampling knobs.
+bias, min_tokens, penalties, processors that may change the argmax, grammar) and before the
+argmax-invariant processors, temperature and truncation, which is what vLLM reports by default:
+a client sees how likely the model found a token, not an artefact of its sampling knobs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedserve.sample.logits_processor import apply_processors
 from pagedserve.sample.logprobs import LogprobsTensors, compute_logprobs
 from pagedserve.sample.metadata import BadWords, Penalties, SamplePositions, SamplingMetadata
 from pagedserve.structured.grammar_state import GrammarMask
@@ -77,8 +80,8 @@ def prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor, k: int) 
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """float32 logits after allowed ids, bad words, logit_bias, min_tokens, penalties and
-    grammar; never edits the input."""
+    """float32 logits after allowed ids, bad words, logit_bias, min_tokens, penalties, the
+    custom processors that may change the argmax, and grammar; never edits the input."""
     logits = logits.to(torch.float32, copy=meta.edits_logits)
     if meta.allowed_mask is not None:
         apply_row_mask(logits, *meta.allowed_mask)
@@ -91,6 +94,8 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         logits.index_put_(meta.min_tokens_mask, logits.new_tensor(float("-inf")))
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
+    if meta.processors is not None:
+        logits = apply_processors(logits, meta.processors.changing, meta.processors.rows)
     if meta.grammar_mask is not None:
         apply_grammar_mask(logits, meta.grammar_mask)
     return logits
@@ -141,8 +146,13 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 
 def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """float32 [N, V]: the distribution random rows draw from, after temperature, top-k, top-p
-    and min-p (greedy rows get their untempered softmax). ``logits`` are ``process_logits``'."""
+    """float32 [N, V]: the distribution random rows draw from, after the argmax-invariant custom
+    processors, temperature, top-k, top-p and min-p (greedy rows get their untempered softmax,
+    with those processors). ``logits`` are ``process_logits``'."""
+    if meta.processors is not None and meta.processors.invariant:
+        # On a copy: the logprobs read `logits` as they are.
+        logits = apply_processors(logits.clone(), meta.processors.invariant,
+                                  meta.processors.rows)
     # Division makes a fresh tensor, so truncation may mask in place without touching `logits`,
     # which the logprobs still need.
     return truncate(logits / meta.temperature, meta).softmax(dim=-1)

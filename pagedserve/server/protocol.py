@@ -186,6 +186,9 @@ class SamplingRequest(StrictModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Arguments of the custom logits processors (--logits-processors), vLLM's field: the
+    # engine's SamplingParams.extra_args, which each processor checks at admission.
+    vllm_xargs: dict[str, str | int | float] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -219,6 +222,7 @@ class SamplingRequest(StrictModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             structured_outputs=self.structured_outputs_params(),
+            extra_args=self.vllm_xargs,
         )
 
     def _structured_fields(self) -> list[str]:
@@ -256,6 +260,8 @@ class SamplingRequest(StrictModel):
             return next(iter(self._structured_fields()), param)
         if param == "lora_request":  # the adapter is the model the request named
             return "model"
+        if param == "extra_args":
+            return "vllm_xargs"
         return param
 
 

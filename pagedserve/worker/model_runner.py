@@ -35,6 +35,7 @@ from pagedserve.models.registry import model_class
 from pagedserve.platforms.interface import DeviceEvent, GraphRunner, Platform
 from pagedserve.quant.linear_method import MatmulNumerics
 from pagedserve.quant.weights import LoadedWeight
+from pagedserve.sample.logits_processor import LogitsProcessor
 from pagedserve.sample.logprobs import LogprobsTensors
 from pagedserve.sample.metadata import SamplingMetadata, to_device
 from pagedserve.sample.rejection import rejection_sample
@@ -114,7 +115,8 @@ class ModelRunner:
                  quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None,
                  buckets: ShapeBuckets | None = None,
                  tp: TensorParallel = TensorParallel(), cpu_offload_bytes: int = 0,
-                 numerics: MatmulNumerics = MatmulNumerics()) -> None:
+                 numerics: MatmulNumerics = MatmulNumerics(),
+                 logits_processors: Iterable[LogitsProcessor] = ()) -> None:
         self.platform = platform
         self.arch = arch
         self.dtype = dtype
@@ -136,7 +138,9 @@ class ModelRunner:
         self.offload = (LayerOffload(self.model, self.model.layers_prefix, cpu_offload_bytes,
                                      platform) if cpu_offload_bytes else None)
         self.sampler = Sampler()
-        self.sampling = SamplingBatch(arch.vocab_size, self.device)  # used by rank 0 alone
+        # Used by rank 0 alone, but every rank makes its own processors (--logits-processors).
+        self.sampling = SamplingBatch(arch.vocab_size, self.device,
+                                      processors=logits_processors)
         self.kv_cache: KVCache | None = None
         self.block_size = 16
         self.graphs: GraphRunner | None = None

@@ -13,6 +13,10 @@ first draws). Rows of finished sequences are taken back when no row is free, so 
 costs nothing per step; a finished sequence that a step scheduled before it finished still
 samples keeps its row for that step.
 
+Custom logits processors (``sample/logits_processor.py``) keep their own per-row state: they are
+told when a row is added (with its params) and removed, here, and ``edited`` records which
+rows each one edits, so a step runs only the processors some of its rows need.
+
 Rebuilt every step instead, from the sequences: the penalty histories, the bad words' recent
 tokens and min_tokens' stop masks (they change with every token) and logit_bias (rare). Grammar
 masks and the beams' top-k width come from the engine (``SamplingInputs``), which holds the
@@ -22,10 +26,13 @@ adapter slot (LoRA) and the draft tokens (speculative decoding).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
 from pagedserve.core.sequence import Sequence
+from pagedserve.sample.logits_processor import LogitsProcessor, StepProcessors
 from pagedserve.sample.metadata import (
     SamplePositions,
     SamplingMetadata,
@@ -50,9 +57,14 @@ _HOST_FIELDS = {"greedy": np.bool_, "seeded": np.bool_, "top_k": np.int64, "uses
 
 
 class SamplingBatch:
-    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 64) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 64,
+                 processors: Iterable[LogitsProcessor] = ()) -> None:
         self.vocab_size = vocab_size  # the logits' width
         self.device = device
+        self.processors = list(processors)
+        self._invariant = [p.is_argmax_invariant() for p in self.processors]
+        # bool [capacity, len(processors)]: whether processor k edits row r (its ``add``).
+        self._edited = np.zeros((0, len(self.processors)), np.bool_)
         self.rows: dict[Sequence, int] = {}
         self.generators: list[torch.Generator | None] = []  # by row
         self._free: list[int] = []  # popped from the end: lowest rows first
@@ -95,7 +107,20 @@ class SamplingBatch:
             allowed_mask=self._allowed_mask(host["allowed"], index),
             **self._rebuilt(seqs, positions, host),
             positions=positions,
+            processors=self._step_processors(rows, index),
         )
+
+    def _step_processors(self, rows: np.ndarray, index: torch.Tensor) -> StepProcessors | None:
+        """The processors that edit some row of the step (``rows``: each logits row's batch
+        row, ``index`` the same on the device)."""
+        if not self.processors:
+            return None
+        used = list(zip(self.processors, self._invariant, self._edited[rows].any(axis=0),
+                        strict=True))
+        if not any(edits for _, _, edits in used):
+            return None
+        return StepProcessors([p for p, inv, edits in used if edits and not inv],
+                              [p for p, inv, edits in used if edits and inv], index)
 
     def _allowed_mask(self, allowed: np.ndarray, index: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -163,6 +188,8 @@ class SamplingBatch:
                 torch.Generator(device=self.device).manual_seed(seq.seed)
             for name, value in self._host_values(seq).items():
                 self._host[name][row] = value
+            for k, processor in enumerate(self.processors):
+                self._edited[row, k] = processor.add(row, seq.params)
         for seq, row in zip(new, rows, strict=True):
             if seq.params.allowed_token_ids is not None:
                 self._allowed_rows()[row] = allowed_mask_row(seq.params.allowed_token_ids,
@@ -204,11 +231,16 @@ class SamplingBatch:
                 del self.rows[seq]
                 self.generators[row] = None
                 self._free.append(row)
+                for processor in self.processors:
+                    processor.remove(row)
+                self._edited[row] = False
 
     def _grow(self, capacity: int) -> None:
         old = len(self.generators)
         for name, values in self._host.items():
             self._host[name] = np.concatenate([values, np.zeros(capacity - old, values.dtype)])
+        self._edited = np.concatenate(
+            [self._edited, np.zeros((capacity - old, len(self.processors)), np.bool_)])
         for name, values in self._device.items():
             self._device[name] = torch.cat([values, values.new_zeros(capacity - old)])
         if self._allowed is not None:

@@ -78,7 +78,9 @@ class Worker:
                                   config.kv_cache_dtype,
                                   load_quantizer(arch.raw, config.quantization, dummy),
                                   _shape_buckets(config, resolved), self.tp,
-                                  int(config.cpu_offload_gb * 2**30), config.matmul_numerics())
+                                  int(config.cpu_offload_gb * 2**30), config.matmul_numerics(),
+                                  [cls(config, self.platform.device())
+                                   for cls in config.logits_processors])
         if dummy:
             self.runner.init_dummy_weights(config.seed)
         else:
