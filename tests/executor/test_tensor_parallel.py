@@ -4,6 +4,7 @@ tests marked slow start a second rank (a process, or a Ray cluster of two nodes)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -14,6 +15,7 @@ from pagedserve import SamplingParams
 from pagedserve.config import ConfigError
 from tests.devices import HAS_NVIDIA
 from tests.quant.packers import write_quantized_pair
+from tests.sample.ban_token import BanToken, MarkedBanToken
 from tests.tiny_models import make_llm, random_prompts, write_tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -103,6 +105,17 @@ def test_features_with_two_ranks(tmp_path):
         for a, b in zip(ours[1:], ref[1:]):
             for token in a:
                 assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_each_rank_makes_its_own_logits_processors(tmp_path):
+    folder = write_tiny_model(tmp_path / "llama3", "llama3")
+    one = _tokens(make_llm(folder), PROMPTS, GREEDY)
+    bans = [dataclasses.replace(GREEDY, extra_args={"ban_token": out[0]}) for out in one]
+    expected = _tokens(make_llm(folder, logits_processors=[BanToken]), PROMPTS, bans)
+    with two_ranks(folder, logits_processors=[MarkedBanToken]) as llm:
+        assert _tokens(llm, PROMPTS, bans) == expected
+    assert len(list(tmp_path.glob("constructed-*"))) == 2  # the driver's rank, and the other
 
 
 @pytest.mark.slow

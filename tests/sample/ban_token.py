@@ -4,6 +4,8 @@ token id a request gives as ``extra_args["ban_token"]``."""
 from __future__ import annotations
 
 import numbers
+import os
+from pathlib import Path
 
 import torch
 
@@ -41,3 +43,13 @@ class BanToken(LogitsProcessor):
         column = banned.clamp_min(0)
         kept = logits.gather(1, column)
         return logits.scatter_(1, column, torch.where(banned >= 0, float("-inf"), kept))
+
+
+class MarkedBanToken(BanToken):
+    """BanToken that leaves a file named for its process next to the model's folder, so a test
+    sees which processes made one (here, not in the test module: a rank process must import
+    it by name)."""
+
+    def __init__(self, config, device: torch.device) -> None:
+        super().__init__(config, device)
+        (Path(config.model).parent / f"constructed-{os.getpid()}").touch()
