@@ -449,9 +449,12 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidSamplingParam("top_logprobs", "top_logprobs requires logprobs: true")
         logprobs = _default(self.top_logprobs, 0) if self.logprobs else None
-        return SamplingParams(
-            **self._sampling_fields(defaults), logprobs=logprobs,
-            max_tokens=_default(self.requested_max_tokens, defaults.get("max_tokens")))
+        try:
+            return SamplingParams(
+                **self._sampling_fields(defaults), logprobs=logprobs,
+                max_tokens=_default(self.requested_max_tokens, defaults.get("max_tokens")))
+        except InvalidSamplingParam as exc:  # named as the client sent it (max_completion_tokens)
+            raise InvalidSamplingParam(self.field_name(exc.param), str(exc)) from None
 
 
 class TokenizeCompletionRequest(StrictModel):
