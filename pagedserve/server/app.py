@@ -47,6 +47,7 @@ from pagedserve.server.protocol import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
+from pagedserve.server.reasoning_parsers import REASONING_PARSERS, ThinkParser
 from pagedserve.server.request_ids import RequestIdHeaders, RequestIds
 from pagedserve.server.serving_chat import ChatServing
 from pagedserve.server.serving_completion import CompletionServing
@@ -73,7 +74,8 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
                lora_modules: Sequence[LoRAModule] = (),
                runtime_lora_updating: bool = False,
                allowed_origins: Sequence[str] = (),
-               request_id_headers: bool = False) -> FastAPI:
+               request_id_headers: bool = False,
+               reasoning_parser: ThinkParser | None = None) -> FastAPI:
     """An app serving started engine cores, one per model (the first serves requests that
     name none); the app's lifespan reads their outputs and stops them at the end.
     ``enable_docs`` serves FastAPI's /docs, /redoc and /openapi.json, whose pages load their
@@ -84,14 +86,15 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     ``allowed_origins`` are the web origins answered with CORS headers (none by default, where
     vLLM allows every origin: a page of any site could read a local server's answers).
     ``request_id_headers`` echoes each request's id in an ``X-Request-Id`` header, and a
-    completion takes its id from the client's header (``request_ids.py``)."""
+    completion takes its id from the client's header (``request_ids.py``).
+    ``reasoning_parser`` returns chat answers' reasoning apart."""
     # Each core's latest stats, read at every scrape.
     metrics = ServerMetrics({e.facts.model_name: partial(getattr, e, "stats") for e in engines})
     models = ServingModels([ServedModel.of(e, metrics) for e in engines])
     loras = LoRAServing(models)
     loras.add_modules(lora_modules)
     completions = CompletionServing(models)
-    chat = ChatServing(models, tool_parser)
+    chat = ChatServing(models, tool_parser, reasoning_parser)
     tokenization = TokenizationServing(models)
 
     @asynccontextmanager
@@ -232,7 +235,8 @@ def run_server(args: argparse.Namespace) -> None:
         app = create_app(engines, api_key, args.max_request_bytes, args.enable_docs, parser,
                          hosts, args.lora_modules,
                          args.enable_runtime_lora_updating or envs.allow_runtime_lora_updating(),
-                         args.allowed_origins, args.enable_request_id_headers)
+                         args.allowed_origins, args.enable_request_id_headers,
+                         REASONING_PARSERS.get(args.reasoning_parser))
     except (EngineStartError, ConfigError) as exc:  # one line, as the CLI does
         _stop(engines)
         print(f"pagedserve: error: {exc}", file=sys.stderr)

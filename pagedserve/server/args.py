@@ -7,6 +7,7 @@ import json
 from typing import NamedTuple
 
 from pagedserve.arg_types import non_empty, port, positive
+from pagedserve.server.reasoning_parsers import REASONING_PARSERS
 from pagedserve.server.tool_parsers import TOOL_PARSERS
 
 # uvicorn's levels: another failed in uvicorn with a KeyError once the models had loaded.
@@ -82,6 +83,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="the tool-call format of the model family (hermes: <tool_call> JSON "
                         "blocks, as Hermes, Qwen and SmolLM use; llama3_json: Llama 3.1+ "
                         "JSON calls)")
+    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="return a chat answer's reasoning apart, as message.reasoning_content "
+                        "and .reasoning (streamed: delta.reasoning_content and .reasoning), "
+                        "with content the answer alone (deepseek_r1: the output starts in "
+                        "the reasoning, which ends at </think>, as with DeepSeek-R1 distills "
+                        "and Qwen3 thinking models whose template opens <think>; qwen3: only "
+                        "an output that opens with <think> reasons). Tool calls are parsed "
+                        "from the answer; structured output is refused")
     g.add_argument("--lora-modules", type=_lora_module, nargs="+", action="extend", default=[],
                    metavar="NAME=PATH",
                    help="LoRA adapters served from the start (needs --enable-lora), each as "

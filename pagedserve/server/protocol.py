@@ -596,9 +596,21 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
+class ReasoningMessage(AssistantMessage):
+    """An answer with its reasoning apart (``--reasoning-parser``), under both of vLLM's names:
+    ``reasoning_content``, its first, and ``reasoning``, which replaced it."""
+
+    reasoning_content: str | None
+    reasoning: str | None
+
+    @classmethod
+    def of(cls, reasoning: str | None, **fields) -> ReasoningMessage:
+        return cls(reasoning_content=reasoning, reasoning=reasoning, **fields)
+
+
 class ChatChoice(BaseModel):
     index: int
-    message: AssistantMessage
+    message: AssistantMessage | ReasoningMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

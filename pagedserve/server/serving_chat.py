@@ -1,8 +1,9 @@
 """``POST /v1/chat/completions``: the conversation goes through the model's chat template (as
 ``LLM.chat`` does), then runs as one engine request with n choices.
 
-Streams open with a chunk per choice that carries only the role, as OpenAI's do. With tools,
-``tool_choice`` decides how the output becomes tool calls (``tool_choice.py``).
+Streams open with a chunk per choice that carries only the role, as OpenAI's do. With
+``--reasoning-parser``, the reasoning comes apart from the answer (``reasoning_parsers.py``);
+with tools, ``tool_choice`` decides how the answer becomes tool calls (``tool_choice.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pagedserve.server.protocol import (
     ChatMessage,
     ChatTokenLogprob,
     FunctionCall,
+    ReasoningMessage,
     ToolCall,
     TopLogprob,
     UsageInfo,
@@ -36,6 +38,7 @@ from pagedserve.server.protocol import (
     sse,
     sse_chunk,
 )
+from pagedserve.server.reasoning_parsers import ReasoningStream, ThinkParser
 from pagedserve.server.request_ids import RequestIds
 from pagedserve.server.serving_models import (
     ChoiceProgress,
@@ -55,6 +58,7 @@ class ChatServing:
     models: ServingModels
     # The --tool-call-parser when --enable-auto-tool-choice is on, else None.
     tool_parser: ToolParser | None = None
+    reasoning_parser: ThinkParser | None = None  # --reasoning-parser's
 
     async def create(self, request: ChatCompletionRequest,
                      ids: RequestIds) -> ChatCompletionResponse | StreamingResponse:
@@ -64,6 +68,15 @@ class ChatServing:
         plan = ToolPlan.of(request, self.tool_parser)
         token_ids = await model.off_loop(_render, model, request, plan)
         params = _with_tool_constraint(request.to_sampling_params(model.sampling_defaults), plan)
+        if self.reasoning_parser is not None and params.structured_outputs is not None:
+            # vLLM applies the grammar once the reasoning has ended; ours would constrain the
+            # reasoning itself from its first token.
+            raise InvalidSamplingParam(
+                "tools" if plan.constraint() is not None else
+                request.field_name("structured_outputs"),
+                "structured output (response_format, structured_outputs, guided_*, or a "
+                "required or named tool_choice) is not supported on a server started with "
+                "--reasoning-parser")
         token_ids = model.truncate(token_ids, params)
         model.check_max_tokens(len(token_ids), request.requested_max_tokens,
                                param=request.max_tokens_field)
@@ -95,10 +108,15 @@ class ChatServing:
 
     def _choice(self, request: ChatCompletionRequest, plan: ToolPlan, out: CompletionOutput,
                 token_bytes: TokenBytes | None) -> ChatChoice:
-        parsed = plan.parse(out.text)
+        split = None if self.reasoning_parser is None else self.reasoning_parser.split(out.text)
+        parsed = plan.parse(out.text if split is None else split.content or "")
         calls = [ToolCall(id=call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                  for c in parsed.calls]
-        message = AssistantMessage(content=parsed.content, tool_calls=calls)
+        if split is None:
+            message = AssistantMessage(content=parsed.content, tool_calls=calls)
+        else:  # vLLM's: null, not "", for a part the output lacks
+            message = ReasoningMessage.of(split.reasoning or None, content=parsed.content or None,
+                                          tool_calls=calls)
         return ChatChoice(index=out.index, message=message,
                           logprobs=_logprobs(request, out.token_ids, out.logprobs, token_bytes),
                           finish_reason=_finish_reason(plan, out, bool(calls)),
@@ -115,7 +133,8 @@ class ChatServing:
 
         n = request.n or 1
         sent = [ChoiceProgress() for _ in range(n)]
-        tools = [ToolCallStream(plan) for _ in range(n)] if plan.mode != "none" else None
+        regrouped = [self._regrouped(plan) for _ in range(n)] \
+            if plan.mode != "none" or self.reasoning_parser is not None else None
         completion_tokens = 0
         try:
             yield chunk([choice_dict(i, None, None, None,
@@ -123,11 +142,11 @@ class ChatServing:
                          for i in range(n)])
             async for output in stream:
                 for out in output.outputs:
-                    if tools is None:
+                    if regrouped is None:
                         choice = _delta(request, out, sent[out.index], token_bytes)
                     else:
-                        choice = _tool_delta(request, out, sent[out.index], tools[out.index],
-                                             token_bytes)
+                        choice = _regrouped_delta(request, plan, out, sent[out.index],
+                                                  regrouped[out.index], token_bytes)
                     if choice is not None:
                         yield chunk([choice])
                 if output.finished:
@@ -139,6 +158,39 @@ class ChatServing:
         finally:
             stream.close()
         yield SSE_DONE
+
+    def _regrouped(self, plan: ToolPlan) -> RegroupedStream:
+        return RegroupedStream(
+            None if self.reasoning_parser is None else ReasoningStream(self.reasoning_parser),
+            None if plan.mode == "none" else ToolCallStream(plan))
+
+
+@dataclass
+class RegroupedStream:
+    """A streamed choice whose text is regrouped before it is sent: the reasoning apart
+    (``reasoning``), then the answer, parsed for tool calls (``tools``) or else passed on as
+    it comes."""
+
+    reasoning: ReasoningStream | None
+    tools: ToolCallStream | None
+    num_content_sent: int = 0  # characters of the answer passed on (without ``tools``)
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and self.tools.called
+
+    def delta(self, text: str, finished: bool) -> dict[str, Any]:
+        delta = {}
+        if self.reasoning is not None:
+            piece, text = self.reasoning.update(text, finished)
+            if piece:  # under both of vLLM's names, as a whole response has it
+                delta = {"reasoning_content": piece, "reasoning": piece}
+            if text is None:
+                return delta
+        if self.tools is not None:
+            return delta | self.tools.delta(text, finished)
+        piece, self.num_content_sent = text[self.num_content_sent:], len(text)
+        return (delta | {"content": piece}) if piece else delta
 
 
 def _delta(request: ChatCompletionRequest, out: CompletionOutput, sent: ChoiceProgress,
@@ -200,17 +252,19 @@ def _render(model: ServedModel, request: ChatCompletionRequest, plan: ToolPlan) 
     return model.encode(text, add_special_tokens=False)
 
 
-def _tool_delta(request: ChatCompletionRequest, out: CompletionOutput, sent: ChoiceProgress,
-                stream: ToolCallStream, token_bytes: TokenBytes | None) -> dict | None:
-    """A streamed choice of a request with tools. The text is regrouped (what may start a call
-    is held back, calls may come whole at the end), so a chunk's logprobs are those of every
-    token since the choice's last chunk; all the chunks' add up to a whole response's."""
+def _regrouped_delta(request: ChatCompletionRequest, plan: ToolPlan, out: CompletionOutput,
+                     sent: ChoiceProgress, stream: RegroupedStream,
+                     token_bytes: TokenBytes | None) -> dict | None:
+    """A streamed choice with tools or reasoning. The text is regrouped (what may start a tag
+    or a call is held back, calls may come whole at the end), so a chunk's logprobs are those
+    of every token since the choice's last chunk; all the chunks' add up to a whole
+    response's."""
     if sent.done:
         return None
     delta = stream.delta(out.text, out.finished)
     if not delta and not out.finished:
         return None
-    return choice_dict(out.index, _finish_reason(stream.plan, out, stream.called),
+    return choice_dict(out.index, _finish_reason(plan, out, stream.called),
                        out.stop_reason, _logprobs_since(request, out, sent, token_bytes),
                        delta=delta)
 
