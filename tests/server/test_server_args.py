@@ -33,6 +33,18 @@ def test_a_bad_server_flag_is_one_line_before_anything_loads(flag, value, says, 
     assert len(err.strip().splitlines()) == 1
 
 
+def test_an_unknown_reasoning_parser_lists_the_known_ones(capsys):
+    from pagedserve.cli import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["serve", "--reasoning-parser", "granite"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagedserve serve: error: argument --reasoning-parser: invalid "
+                          "choice: 'granite'") and len(err.strip().splitlines()) == 1
+    assert "deepseek_r1" in err and "qwen3" in err
+
+
 def test_good_server_flags_parse():
     from pagedserve.cli import parse_args
 
