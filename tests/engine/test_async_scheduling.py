@@ -27,9 +27,9 @@ class StepLog:
         self.ran_ahead: list[bool] = []
         schedule = self.engine.scheduler.schedule
 
-        def logged(schedule_pending: bool = False):
+        def logged(schedule_pending: bool = False, **kwargs):
             self.ran_ahead.append(schedule_pending)
-            return schedule(schedule_pending=schedule_pending)
+            return schedule(schedule_pending=schedule_pending, **kwargs)
 
         self.engine.scheduler.schedule = logged
 

@@ -148,8 +148,8 @@ class StepChecks:
         self.schedules: list[tuple[bool, bool, bool]] = []  # (pending, in flight, drafts)
         schedule = self.engine.scheduler.schedule
 
-        def checked(schedule_pending: bool = False):
-            out = schedule(schedule_pending=schedule_pending)
+        def checked(schedule_pending: bool = False, **kwargs):
+            out = schedule(schedule_pending=schedule_pending, **kwargs)
             for item in out.scheduled:
                 self._check_drafts(item.seq, list(item.draft_token_ids))
             self.schedules.append((schedule_pending, self.engine._in_flight is not None,

@@ -110,9 +110,9 @@ def test_async_scheduling_runs_ahead_with_the_same_tokens(default_llm, default_m
     engine, ran_ahead = llm.engine, []
     schedule = engine.scheduler.schedule
 
-    def logged(schedule_pending: bool = False):
+    def logged(schedule_pending: bool = False, **kwargs):
         ran_ahead.append(schedule_pending)
-        return schedule(schedule_pending=schedule_pending)
+        return schedule(schedule_pending=schedule_pending, **kwargs)
 
     engine.scheduler.schedule = logged
     greedy = [SamplingParams(max_tokens=40, temperature=0, structured_outputs=s)
