@@ -182,6 +182,17 @@ def test_each_position_sees_plain_decodings_distribution_after_its_drafts(seed):
     counts, vocab = [5, 1, 3, 4], 20  # logprobs=20: all of them
     params, prompts, outputs, logits, drafts = _penalised_batch(seed, counts, vocab)
     meta = _meta(params, counts, prompts=prompts, outputs=outputs, vocab=vocab)
+    verified = _verified_equals_plain_after_drafts(params, prompts, outputs, logits, drafts,
+                                                   counts, vocab, meta)
+    # Without the drafts counted, later positions differ: the check above can fail.
+    stale = target_distribution(logits, meta)
+    assert not torch.equal(stale.logits, verified.logits)
+
+
+def _verified_equals_plain_after_drafts(params, prompts, outputs, logits, drafts, counts,
+                                        vocab, meta):
+    """The verified distribution, each position checked against the plain sampler's row for
+    its sequence with the drafts before it appended."""
     verified = target_distribution(logits, count_preceding_drafts(meta, drafts))
     for i, (start, count) in enumerate(zip(_starts(counts), counts)):
         for j in range(count):
@@ -190,9 +201,7 @@ def test_each_position_sees_plain_decodings_distribution_after_its_drafts(seed):
             want = target_distribution(logits[start + j:start + j + 1], plain)
             torch.testing.assert_close(verified.logits[start + j], want.logits[0], rtol=0, atol=0)
             torch.testing.assert_close(verified.probs[start + j], want.probs[0], rtol=0, atol=0)
-    # Without the drafts counted, later positions differ: the check above can fail.
-    stale = target_distribution(logits, meta)
-    assert not torch.equal(stale.logits, verified.logits)
+    return verified
 
 
 def _bad_words_after_drafts(seed, counts, vocab, **overrides):
@@ -216,14 +225,8 @@ def test_bad_words_at_each_position_match_its_preceding_drafts(seed):
     params, prompts, outputs, logits, drafts = _bad_words_after_drafts(
         seed, counts, vocab, temperature=0.9, top_p=0.95, logprobs=vocab)
     meta = _meta(params, counts, prompts=prompts, outputs=outputs, vocab=vocab)
-    verified = target_distribution(logits, count_preceding_drafts(meta, drafts))
-    for i, (start, count) in enumerate(zip(_starts(counts), counts)):
-        for j in range(count):
-            plain = build_metadata([params[i]], [prompts[i]], [outputs[i] + drafts[i, :j].tolist()],
-                                   [None], vocab, CPU, EOS)
-            want = target_distribution(logits[start + j:start + j + 1], plain)
-            torch.testing.assert_close(verified.logits[start + j], want.logits[0], rtol=0, atol=0)
-            torch.testing.assert_close(verified.probs[start + j], want.probs[0], rtol=0, atol=0)
+    verified = _verified_equals_plain_after_drafts(params, prompts, outputs, logits, drafts,
+                                                   counts, vocab, meta)
     stale = target_distribution(logits, meta)
     assert not torch.equal(stale.logits.isinf(), verified.logits.isinf())
 
