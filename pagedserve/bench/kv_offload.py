@@ -216,7 +216,8 @@ def _vocab(config) -> list[int]:
 
     source = loader.resolve_model(config.model, False, revision=config.revision,
                                   gguf_file=config.gguf_file)
-    special = set(loader.load_tokenizer(source).all_special_ids)
+    folder = loader.tokenizer_folder(source, config.tokenizer, config.tokenizer_revision)
+    special = set(loader.load_tokenizer(folder).all_special_ids)
     return [t for t in range(loader.load_arch_config(source).vocab_size) if t not in special]
 
 

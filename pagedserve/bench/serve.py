@@ -292,7 +292,8 @@ def _workload(args: argparse.Namespace, seed: int) -> list[WorkItem]:
     source = loader.resolve_model(args.model, args.load_format != "dummy",
                                   revision=args.revision, gguf_file=args.gguf_file)
     vocab_size = loader.load_arch_config(source).vocab_size
-    avoid = set(loader.load_tokenizer(source).all_special_ids)
+    folder = loader.tokenizer_folder(source, args.tokenizer, args.tokenizer_revision)
+    avoid = set(loader.load_tokenizer(folder).all_special_ids)
     return random_workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len),
                            vocab_size, avoid, seed=seed)
 

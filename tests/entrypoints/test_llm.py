@@ -24,7 +24,7 @@ def test_options_become_the_engine_config(monkeypatch):
 def test_unknown_option_lists_the_valid_ones(monkeypatch):
     monkeypatch.setattr(llm_module, "LLMEngine", _Engine)
     with pytest.raises(TypeError, match="unknown option.*max_num_seq\\b.*valid options: "
-                                        "model, revision, gguf_file, device, dtype, block_size"):
+                                        "model, revision, tokenizer, tokenizer_revision, gguf"):
         llm_module.LLM(max_num_seq=4)
 
 

@@ -15,7 +15,7 @@ from pagedserve.engine.input_processor import InputLimits
 
 LIMITS = InputLimits(vocab_size=100, max_model_len=64, max_num_seqs=4,
                      eos_token_ids=frozenset({0}), num_kv_blocks=16, block_size=16,
-                     max_grammar_bytes=1 << 16,
+                     max_grammar_bytes=1 << 16, max_logprobs=20,
                      logits_processors=("tests.sample.ban_token:BanToken",))
 COMPLETION = {"prompt": [5, 6, 7], "max_tokens": 2}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

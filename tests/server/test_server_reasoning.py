@@ -19,7 +19,7 @@ from pagedserve.server.tool_parsers import tool_parser
 
 LIMITS = InputLimits(vocab_size=100, max_model_len=4096, max_num_seqs=4,
                      eos_token_ids=frozenset({0}), num_kv_blocks=16, block_size=16,
-                     max_grammar_bytes=1 << 16)
+                     max_grammar_bytes=1 << 16, max_logprobs=20)
 USER = [{"role": "user", "content": "Which is greater, 9.11 or 9.8?"}]
 R1 = "Compare the tenths: 8 > 1.\n</think>\n\n9.8 is greater."
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
