@@ -12,6 +12,8 @@ Collectives run in ``torch.distributed``'s default group, which every rank joins
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NamedTuple
@@ -107,12 +109,45 @@ def check_divisible(num_heads: int, num_kv_heads: int, intermediate: int, size: 
     return None
 
 
-def init(backend: str, address: str, rank: int, size: int, timeout_s: float) -> None:
-    """Join the default process group (``address``: ``host:port`` of rank 0's store).
-    ``timeout_s`` bounds every collective, so a rank whose peer died stops waiting."""
-    torch.distributed.init_process_group(
-        backend, init_method=f"tcp://{address}", rank=rank, world_size=size,
-        timeout=timedelta(seconds=timeout_s))
+# Why a peer rank is gone, or None while all run, after waiting up to the given seconds for
+# one to be reported gone: the driver's ``RemoteRanks.dead_reason``.
+DeadPeer = Callable[[float], str | None]
+
+_JOINED = "pagedserve/joined"  # how many of ranks 1 .. N-1 have reached the rendezvous
+_POLL_S = 0.1
+
+
+def init(backend: str, address: str, rank: int, size: int, timeout_s: float,
+         dead_peer: DeadPeer | None = None) -> None:
+    """Join the default process group through rank 0's store at ``address`` (``host:port``).
+    ``timeout_s`` bounds every collective, so a rank whose peer died stops waiting. Rank 0
+    passes ``dead_peer``: while it waits for the others to join, a rank that died first
+    (it could not read its options, its setup failed) fails this at once with its reason,
+    rather than after ``timeout_s``."""
+    timeout = timedelta(seconds=timeout_s)
+    host, port = address.rsplit(":", 1)
+    store = torch.distributed.TCPStore(host, int(port), size, is_master=rank == 0,
+                                       timeout=timeout, wait_for_workers=False)
+    if rank == 0:
+        _wait_for_peers(store, size, timeout_s, dead_peer)
+    else:
+        store.add(_JOINED, 1)
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                         timeout=timeout)
+
+
+def _wait_for_peers(store: torch.distributed.Store, size: int, timeout_s: float,
+                    dead_peer: DeadPeer) -> None:
+    """Rank 0: wait until ranks 1 .. N-1 have all reached the store, asking between short
+    polls whether one has died instead (``init_process_group`` would wait ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while (joined := store.add(_JOINED, 0)) < size - 1:
+        reason = dead_peer(_POLL_S)
+        if reason is not None:
+            raise RuntimeError(reason)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{joined} of {size - 1} tensor-parallel ranks joined within "
+                               f"{timeout_s:g}s (PAGEDSERVE_DIST_TIMEOUT_S)")
 
 
 def shutdown(peers_alive: bool = True) -> None:

@@ -1,10 +1,14 @@
-"""How tensor parallelism splits heads, vocabularies and quantized weights."""
+"""How tensor parallelism splits heads, vocabularies and quantized weights, and how rank 0
+waits for the other ranks to join."""
 
 from __future__ import annotations
+
+import socket
 
 import pytest
 import torch
 
+from pagedserve import distributed
 from pagedserve.config import ConfigError
 from pagedserve.distributed import Part, TensorParallel, split_heads
 from pagedserve.quant.weights import Fp8Weight, GroupQuantWeight, take_columns, take_rows
@@ -47,3 +51,30 @@ def test_a_cut_inside_a_group_is_refused():
     weight = GroupQuantWeight.quantize(torch.randn(4, 128), 4, 64)
     with pytest.raises(ConfigError, match="groups of 64"):
         take_columns(weight, 32, 32)
+
+
+def _free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_rank_0_stops_waiting_when_a_peer_is_reported_dead():
+    """No rank 1 ever joins; the third look at the peers finds it dead, long before the
+    600 s timeout."""
+    waits: list[float] = []
+
+    def dead_peer(wait_s: float) -> str | None:
+        waits.append(wait_s)
+        return "tensor-parallel rank 1 failed: no such class" if len(waits) == 3 else None
+
+    with pytest.raises(RuntimeError, match="^tensor-parallel rank 1 failed: no such class$"):
+        distributed.init("gloo", _free_address(), 0, 2, 600.0, dead_peer)
+    assert len(waits) == 3 and max(waits) <= 0.1
+    assert not torch.distributed.is_initialized()
+
+
+def test_rank_0_gives_up_when_no_peer_joins_in_time():
+    with pytest.raises(RuntimeError, match=r"0 of 1 tensor-parallel ranks joined within 0.3s "
+                                           r"\(PAGEDSERVE_DIST_TIMEOUT_S\)"):
+        distributed.init("gloo", _free_address(), 0, 2, 0.3, lambda wait_s: None)

@@ -58,7 +58,8 @@ class RemoteRanks(Protocol):
 
     def dead_reason(self, wait_s: float = 0.0) -> str | None:
         """Why a rank is gone, or None while all run (after waiting up to ``wait_s`` for
-        one to be reported gone)."""
+        one to be reported gone). A rank that failed to start counts as gone: rank 0 asks
+        this while it waits for the others to join the process group."""
 
     def stop(self) -> None:
         """Ask every rank to leave the process group and exit, without waiting."""
@@ -184,7 +185,7 @@ class Executor:
         try:
             self.driver = self._group.driver = Worker(WorkerSpec(
                 config, 0, address, self.remote.driver_device_index(),
-                backend.ranks_on_host(size)))
+                backend.ranks_on_host(size)), self.remote.dead_reason)
             self.remote.wait_ready()
             self.step = TensorParallelStep(self.driver.runner, self._group)
         except Exception as exc:

@@ -69,13 +69,18 @@ class MpRanks:
             conn.send_bytes(data)
 
     def dead_reason(self, wait_s: float = 0.0) -> str | None:
+        """A rank that answered it could not start counts as gone before it exits: the
+        driver, waiting for it to join, hears its reason at once."""
         deadline = time.monotonic() + wait_s
         while True:
             for rank, proc in enumerate(self.procs, 1):
-                if proc.poll() is not None:
-                    return self._read_answer(rank) or (
-                        f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
-                        f"{proc.returncode}")
+                exited = proc.poll() is not None  # before the read: its answer came first
+                failed = self._read_answer(rank)
+                if failed is not None:
+                    return failed
+                if exited:
+                    return (f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
+                            f"{proc.returncode}")
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
@@ -115,7 +120,11 @@ def _serve(conn: Connection) -> int:
     """A rank's life: build, report, then run every step the driver sends until told to
     stop (None) or the driver is gone. An error in a step ends the process, so the driver's
     collective breaks instead of waiting on this rank."""
-    spec: WorkerSpec = conn.recv()
+    try:
+        spec: WorkerSpec = conn.recv()
+    except Exception as exc:  # e.g. a logits processor class this process cannot import
+        conn.send(("failed", f"cannot read the engine's options: {type(exc).__name__}: {exc}"))
+        return 1
     try:
         worker = Worker(spec)
     except Exception as exc:

@@ -134,7 +134,8 @@ class RayRanks:
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as exc:
-                raise RuntimeError(f"tensor-parallel rank {rank} failed: {exc}") from exc
+                raise RuntimeError(_build_failure(rank, exc)) from exc
+        self._building = []  # all built: nothing more to learn from these calls
 
     def send(self, step: StepInput) -> None:
         ref = ray.put(step)
@@ -144,6 +145,9 @@ class RayRanks:
     def dead_reason(self, wait_s: float = 0.0) -> str | None:
         if not ray.is_initialized():  # at exit, Ray's own exit hook may have come first
             return "the Ray connection was closed, which ends its actors"
+        failed = self._failed_build()
+        if failed is not None:
+            return failed
         done, _ = ray.wait(self._watches, num_returns=1, timeout=wait_s)
         if not done:
             return None
@@ -153,6 +157,19 @@ class RayRanks:
         except ray.exceptions.RayError as exc:
             return f"tensor-parallel rank {rank} (a Ray actor) died: {type(exc).__name__}"
         return f"tensor-parallel rank {rank} (a Ray actor) stopped"
+
+    def _failed_build(self) -> str | None:
+        """Until every rank is built, one whose ``build`` failed counts as gone (its actor
+        lives on): the driver, waiting for that rank to join, hears its reason at once."""
+        if not self._building:
+            return None
+        done, _ = ray.wait(self._building, num_returns=len(self._building), timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                return _build_failure(self._building.index(ref) + 1, exc)
+        return None
 
     def stop(self) -> None:
         for actor in self.actors:
@@ -166,6 +183,10 @@ class RayRanks:
                 ray.kill(actor)
             remove_placement_group(self.group)
         _release_connection()
+
+
+def _build_failure(rank: int, exc: ray.exceptions.RayError) -> str:
+    return f"tensor-parallel rank {rank} failed: {exc}"
 
 
 def _reservation(resource: str) -> dict:

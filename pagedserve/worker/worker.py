@@ -16,7 +16,7 @@ import torch
 
 from pagedserve import distributed, envs
 from pagedserve.config import EngineConfig, ResolvedConfig
-from pagedserve.distributed import TensorParallel, split_heads
+from pagedserve.distributed import DeadPeer, TensorParallel, split_heads
 from pagedserve.errors import ConfigError
 from pagedserve.logger import get_logger
 from pagedserve.models import loader
@@ -57,7 +57,9 @@ class WorkerSpec:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, dead_peer: DeadPeer | None = None) -> None:
+        """``dead_peer``: rank 0's way to learn that another rank died before joining (it
+        stays in the driver's process; the spec is sent to the other ranks)."""
         config = spec.config
         start = time.perf_counter()
         self.platform = resolve_platform(config.device)
@@ -65,7 +67,7 @@ class Worker:
         if self.tp.size > 1:
             self.platform.bind_device(spec.device_index, spec.ranks_on_host)
             distributed.init(self.platform.dist_backend, spec.dist_address, spec.rank,
-                             self.tp.size, envs.dist_timeout_s())
+                             self.tp.size, envs.dist_timeout_s(), dead_peer)
         self.platform.seed_everything(config.seed)
         dummy = config.load_format == "dummy"
         source = loader.resolve_model(config.model, not dummy, revision=config.revision,

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -159,6 +163,41 @@ def _kill_rank_and_expect_failure(engine, kill) -> None:
             engine.step()
     assert time.monotonic() - start < 10.0
     assert "rank 1" in engine.dead_reason()
+
+
+# A driver script whose logits processor lives in its own ``__main__``: rank 1's process has
+# another ``__main__`` (``pagedserve.executor.mp``), so it cannot unpickle the engine's options.
+_MAIN_ONLY_PROCESSOR = """
+import sys, time
+from pagedserve import LLM
+from tests.sample.ban_token import BanToken
+
+class MainOnly(BanToken):
+    pass
+
+start = time.monotonic()
+try:
+    LLM(model=sys.argv[1], device="cpu", kv_cache_memory_bytes=4 << 20,
+        tensor_parallel_size=2, logits_processors=[MainOnly])
+except Exception as exc:
+    print(f"after {time.monotonic() - start:.1f}s: {type(exc).__name__}: {exc}")
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_start_fails_the_start_at_once(tmp_path):
+    """Rank 1 fails before it joins the process group: the driver, waiting for it there,
+    reports its reason at once instead of after PAGEDSERVE_DIST_TIMEOUT_S."""
+    folder = write_tiny_model(tmp_path / "llama3", "llama3")
+    env = {**os.environ, "PAGEDSERVE_DIST_TIMEOUT_S": "600"}
+    try:
+        done = subprocess.run([sys.executable, "-c", _MAIN_ONLY_PROCESSOR, str(folder)],
+                              env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the driver still waited for the dead rank after 120 s")
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"WorkerDiedError: tensor-parallel rank 1 failed: cannot read the "
+                     r"engine's options: AttributeError: .*MainOnly", done.stdout), done.stdout
 
 
 @pytest.mark.slow
