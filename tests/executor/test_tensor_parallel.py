@@ -227,6 +227,38 @@ def test_ray_ranks_on_a_two_node_cluster(tmp_path, monkeypatch):
         cluster.shutdown()
 
 
+@pytest.mark.slow
+def test_a_ray_rank_that_cannot_start_fails_the_start_at_once(tmp_path, monkeypatch):
+    """The processor's module is on the driver's path only, so rank 1's actor cannot read its
+    options (Ray pickles an importable class by reference): its failed ``build`` is reported
+    while the driver waits for it to join."""
+    import ray
+
+    from pagedserve.executor.executor import WorkerDiedError
+
+    folder = write_tiny_model(tmp_path / "llama3", "llama3")
+    (tmp_path / "driver_only_processor.py").write_text(
+        "from tests.sample.ban_token import BanToken\n\n\nclass DriverOnly(BanToken):\n"
+        "    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from driver_only_processor import DriverOnly
+
+    # The old wait lasted this long; the placement group's wait is bounded by it too.
+    monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", "60")
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        start = time.monotonic()
+        # Ray's text of the failed call spans lines: the actor's traceback follows.
+        with pytest.raises(WorkerDiedError, match="(?s)tensor-parallel rank 1 failed: .*"
+                                                  "No module named 'driver_only_processor'"):
+            make_llm(folder, tensor_parallel_size=2, distributed_executor_backend="ray",
+                     logits_processors=[DriverOnly])
+        assert time.monotonic() - start < 30.0
+    finally:
+        ray.shutdown()
+        del sys.modules["driver_only_processor"]
+
+
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
 
 
