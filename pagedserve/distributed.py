@@ -137,13 +137,14 @@ def init(backend: str, address: str, rank: int, size: int, timeout_s: float,
 
 
 def _wait_for_peers(store: torch.distributed.Store, size: int, timeout_s: float,
-                    dead_peer: DeadPeer) -> None:
+                    dead_peer: DeadPeer | None) -> None:
     """Rank 0: wait until ranks 1 .. N-1 have all reached the store, asking between short
     polls whether one has died instead (``init_process_group`` would wait ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     while (joined := store.add(_JOINED, 0)) < size - 1:
-        reason = dead_peer(_POLL_S)
-        if reason is not None:
+        if dead_peer is None:  # no one to ask: wait as init_process_group would
+            time.sleep(_POLL_S)
+        elif (reason := dead_peer(_POLL_S)) is not None:
             raise RuntimeError(reason)
         if time.monotonic() > deadline:
             raise RuntimeError(f"{joined} of {size - 1} tensor-parallel ranks joined within "
