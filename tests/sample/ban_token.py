@@ -40,9 +40,11 @@ class BanToken(LogitsProcessor):
 
     def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         banned = self.banned[rows].unsqueeze(1)  # [P, 1]
-        column = banned.clamp_min(0)
+        # validate_params cannot see the vocabulary: an id past it bans nothing.
+        banning = (banned >= 0) & (banned < logits.shape[1])
+        column = torch.where(banning, banned, 0)
         kept = logits.gather(1, column)
-        return logits.scatter_(1, column, torch.where(banned >= 0, float("-inf"), kept))
+        return logits.scatter_(1, column, torch.where(banning, float("-inf"), kept))
 
 
 class MarkedBanToken(BanToken):
