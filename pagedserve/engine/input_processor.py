@@ -16,7 +16,7 @@ from pagedserve.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from pagedserve.engine.request_state import BeamState, RequestState, SequenceState
 from pagedserve.outputs import RequestMetrics
 from pagedserve.sample.logits_processor import check_extra_args
-from pagedserve.sample.metadata import check_token_ids
+from pagedserve.sample.metadata import check_some_token_allowed, check_token_ids
 from pagedserve.sample.seeds import stream_seed
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.structured.spec import check as check_grammar
@@ -91,6 +91,7 @@ class InputLimits:
                 "enlarge the cache")
         # A bad id inside a batched scatter would fail the whole step, so reject it here.
         check_token_ids(params, self.vocab_size)
+        check_some_token_allowed(params, self.eos_token_ids)
         check_extra_args(params, self.logits_processors)
         return max_tokens
 

@@ -161,6 +161,25 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
                                    f"vocabulary's {vocab_size}")
 
 
+
+def check_some_token_allowed(params: SamplingParams, eos_token_ids: frozenset[int]) -> None:
+    """Reject allowed_token_ids that the request's own masks empty: every id a one-token bad
+    word, or (while min_tokens forbids stopping) every id a stop token. Each logit of the row
+    would be -inf, and the sampler would draw token 0 whatever the request allows."""
+    if params.allowed_token_ids is None:
+        return
+    left = set(params.allowed_token_ids).difference(
+        w[0] for w in params.bad_words_token_ids or [] if len(w) == 1)
+    if not left:
+        raise InvalidSamplingParam("bad_words", "bad_words ban every id of allowed_token_ids, "
+                                                "which leaves no token to sample")
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
+    if params.min_tokens > 0 and left <= stops:
+        raise InvalidSamplingParam(
+            "min_tokens", f"min_tokens={params.min_tokens} forbids the stop tokens, and they are "
+            "all that allowed_token_ids (less bad_words) leaves: no token to sample")
+
+
 def allowed_mask_row(allowed_token_ids: list[int], vocab_size: int, device: torch.device
                      ) -> torch.Tensor:
     """bool [V]: True where a token is not allowed."""

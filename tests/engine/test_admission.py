@@ -66,3 +66,28 @@ def test_an_id_the_engine_picks_never_takes_one_a_caller_gave(llm):
     assert sorted(finished) == sorted(taken[::2] + ids)
     assert all(len(o.outputs[0].token_ids) == 4 for o in finished.values())
     assert not engine.scheduler.running and engine.kv.pool.num_free == engine.kv.num_blocks
+
+
+def _one_token_word(llm) -> tuple[str, int]:
+    tokenizer = llm.get_tokenizer()
+    for token in range(10, 384):
+        word = tokenizer.decode([token]).strip()
+        if word and tokenizer.encode(word, add_special_tokens=False) == [token]:
+            return word, token
+    raise AssertionError("no word of one token")
+
+
+@pytest.mark.parametrize("case", ["bad_words", "min_tokens"])
+def test_a_request_that_leaves_no_token_to_sample_is_refused(llm, case):
+    """allowed_token_ids whose every id a bad word bans, or that holds only stop tokens while
+    min_tokens forbids them: every logit of the row was -inf, and the sampler drew token 0
+    (logprob -9999) step after step instead of anything the request allows."""
+    word, token = _one_token_word(llm)
+    params = (SamplingParams(allowed_token_ids=[token], bad_words=[word]) if case == "bad_words"
+              else SamplingParams(allowed_token_ids=[1, token], stop_token_ids=[token],
+                                  min_tokens=2))
+    with pytest.raises(ValueError, match="no token") as err:
+        llm.engine.add_request([5, 6], params)
+    assert err.value.param == case
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
