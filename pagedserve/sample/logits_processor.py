@@ -131,5 +131,8 @@ def _import(name: str) -> object:
         for part in attribute.split("."):
             found = getattr(found, part)
     except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError(f"--logits-processors {name}: cannot import it ({exc})") from None
+        # The console script does not put the working folder on sys.path, as `python` does.
+        hint = ("; install its package, or put its folder on PYTHONPATH"
+                if isinstance(exc, ModuleNotFoundError) else "")
+        raise ConfigError(f"--logits-processors {name}: cannot import it ({exc}){hint}") from None
     return found
