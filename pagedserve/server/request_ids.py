@@ -35,15 +35,8 @@ class RequestIdHeaders:
             await self.app(scope, receive, send)
             return
         sent = dict(scope["headers"]).get(HEADER)
-        if sent is not None and not _VALID.fullmatch(sent):
-            error = bad_request(f"the X-Request-Id header must be 1 to {MAX_LENGTH} printable "
-                                "ASCII characters", code="invalid_request_id")
-            await error.response()(scope, receive, send)
-            return
         # The same dict the route's ``request.state`` reads and writes.
         state = scope.setdefault("state", {})
-        if sent is not None:
-            state[_CLIENT_ID] = sent.decode("ascii")
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -52,6 +45,14 @@ class RequestIdHeaders:
                                                   (HEADER, echoed)]}
             await send(message)
 
+        if sent is not None and not _VALID.fullmatch(sent):
+            sent = None  # its refusal carries an id the server made, as every response does
+            error = bad_request(f"the X-Request-Id header must be 1 to {MAX_LENGTH} printable "
+                                "ASCII characters", code="invalid_request_id")
+            await error.response()(scope, receive, send_with_id)
+            return
+        if sent is not None:
+            state[_CLIENT_ID] = sent.decode("ascii")
         await self.app(scope, receive, send_with_id)
 
 

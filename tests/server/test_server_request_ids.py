@@ -3,6 +3,7 @@ client's own naming its completion; off by default."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 
@@ -70,6 +71,8 @@ def test_a_malformed_id_is_a_400(served, value):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "invalid_request_id" and "X-Request-Id" in error["message"]
+    made = response.headers["x-request-id"]  # the refusal carries the server's own id
+    assert made != value and re.fullmatch(r"[0-9a-f]{32}", made)
 
 
 def test_off_by_default(server):
