@@ -54,11 +54,10 @@ def dist_timeout_s() -> float:
 
 
 def w4a16_wgmma() -> bool:
-    """PAGEDSERVE_W4A16_WGMMA: 1 lets the W4A16 layers on Hopper take the wgmma kernel for the
-    rows where the H200 measured it fastest (``kernels/w4a16.py``, ``WGMMA_ROWS``); 0, the
-    default, until its whole H200 test file has passed (its first run stopped at a test bound
-    since corrected)."""
-    value = os.environ.get("PAGEDSERVE_W4A16_WGMMA", "0").strip()
+    """PAGEDSERVE_W4A16_WGMMA: 1, the default, lets the W4A16 layers on Hopper take the wgmma
+    kernel for the rows where the H200 measured it fastest (``kernels/w4a16.py``,
+    ``WGMMA_ROWS``); 0 keeps the tiles and dequantize + cuBLAS there."""
+    value = os.environ.get("PAGEDSERVE_W4A16_WGMMA", "1").strip()
     if value not in ("0", "1"):
         raise ConfigError(f"PAGEDSERVE_W4A16_WGMMA must be 0 or 1, got {value!r}")
     return value == "1"

@@ -54,6 +54,11 @@ def test_pdl_modes_and_bad_gpu_switches_at_the_cuda_platforms_start(monkeypatch)
 
     monkeypatch.delenv("PAGEDSERVE_PDL", raising=False)
     assert envs.pdl() == "auto"
+    monkeypatch.delenv("PAGEDSERVE_W4A16_WGMMA", raising=False)
+    assert envs.w4a16_wgmma()  # on since its H200 tests passed (2026-12-05)
+    monkeypatch.setenv("PAGEDSERVE_W4A16_WGMMA", "0")
+    assert not envs.w4a16_wgmma()
+    monkeypatch.delenv("PAGEDSERVE_W4A16_WGMMA")
     for value, mode in (("1", "1"), (" 0 ", "0"), ("AUTO", "auto"), ("", "auto")):
         monkeypatch.setenv("PAGEDSERVE_PDL", value)
         assert envs.pdl() == mode

@@ -36,8 +36,8 @@ Paths, chosen by the number of rows M (the CUDA C++ mma kernels of ``w4a16_mma.p
   expanded to a dense ``[K, N]`` copy in the activation dtype and multiplied by ``torch.mm``.
   There the matmul is compute-bound and the tiles reach a fifth to a third of cuBLAS, while
   the extra pass over the weight costs about what reading it in bfloat16 would.
-- **wgmma** (sm_90, ``WGMMA_ROWS``: 64 to 511 rows, where the H200 measured it faster; with
-  ``PAGEDSERVE_W4A16_WGMMA=1`` until its H200 tests have all passed): the CUDA C++ kernel of
+- **wgmma** (sm_90, ``WGMMA_ROWS``: 64 to 511 rows, where the H200 measured it faster;
+  ``PAGEDSERVE_W4A16_WGMMA=0`` turns it off): the CUDA C++ kernel of
   ``kernels/w4a16_wgmma.py`` in place of the tiles and dequantize.
 
 Measured on the H200 on 2026-12-01 (``scripts/gpu_check.sh w4a16-tiles-sweep`` with
@@ -807,11 +807,9 @@ MMA_ROWS = range(2, 17)
 # cuBLAS at 256, and even at 512 (497 against 487), which dequantize + cuBLAS keeps. At 64 rows
 # the tiles still win on the two smaller layers (qkv 20 against 26 us, o 17 against 20; the
 # larger: gate_up 66 against 47, down 39 against 36), so weights of fewer than
-# ``WGMMA_MIN_CODES_AT_64`` codes keep them there. Chosen only with PAGEDSERVE_W4A16_WGMMA=1
-# until the kernel's whole H200 test file has passed (``scripts/gpu_check.sh
-# w4a16-wgmma-tests``): its first run passed bf16 at one row and stopped at a float16 bound
-# that left no room for the tensor cores' float32 sums, so its other rows, blocks of 128 and
-# 256 rows, and the engine with it, have not been checked on a GPU.
+# ``WGMMA_MIN_CODES_AT_64`` codes keep them there. Taken by default since its whole H200 test
+# file and the engine's AWQ/GPTQ checkpoint tests passed with it (2026-12-05);
+# PAGEDSERVE_W4A16_WGMMA=0 turns it off.
 WGMMA_ROWS = range(64, 512)
 WGMMA_MIN_CODES_AT_64 = 32 * 2**20
 
