@@ -104,7 +104,8 @@ class SamplingParams:
     # banned. Tokenized once, when the engine admits the request, into ``bad_words_token_ids``.
     bad_words: list[str] | None = None
     # The token sequences of ``bad_words``, each as typed and with a leading space; set by the
-    # engine's input stage (``engine/input_processor``), which holds the tokenizer.
+    # engine's input stage (``engine/input_processor``), which holds the tokenizer; a request
+    # that sets it itself is refused there (each engine tokenizes with its own tokenizer).
     bad_words_token_ids: list[list[int]] | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)

@@ -149,6 +149,10 @@ class InputProcessor:
         token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens,
                                     self.limits.max_model_len)
+        if params.bad_words_token_ids is not None:  # replaced below, it banned nothing
+            raise InvalidSamplingParam(
+                "bad_words_token_ids", "bad_words_token_ids is set by the engine from "
+                "bad_words, with this engine's tokenizer; pass the words as bad_words")
         params = dataclasses.replace(params, bad_words_token_ids=self._bad_words_token_ids(
             params.bad_words))
         max_tokens = self.limits.check(token_ids, params)

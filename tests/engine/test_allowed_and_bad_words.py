@@ -123,3 +123,18 @@ def test_bad_words_are_tokenized_once_as_typed_and_after_a_space(llm):
     assert state.params.bad_words_token_ids == [
         plain, spaced, *_variants(llm.get_tokenizer(), "quick brown")]
     assert state.group.seqs[0].params.bad_words_token_ids == state.params.bad_words_token_ids
+
+
+def test_bad_words_token_ids_given_by_the_caller_are_refused(llm):
+    """The field is the engine's, made from ``bad_words`` at admission: a value the caller
+    sets used to be replaced without a word (``[[5]]`` banned nothing), so it is refused."""
+    prompt = random_prompts("given-ids", [6])[0]
+    with pytest.raises(ValueError, match="bad_words_token_ids") as refused:
+        llm.generate([prompt], _greedy(bad_words_token_ids=[[5]]), use_tqdm=False)
+    assert refused.value.param == "bad_words_token_ids"
+    assert "bad_words" in str(refused.value)
+    # The same params object may go to engines of different tokenizers: it is never changed.
+    params = _greedy(bad_words=["fox"])
+    llm.generate([prompt], params, use_tqdm=False)
+    assert params.bad_words_token_ids is None
+    llm.generate([prompt], params, use_tqdm=False)
