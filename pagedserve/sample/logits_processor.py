@@ -85,9 +85,13 @@ def apply_processors(logits: torch.Tensor, processors: list[LogitsProcessor],
     return logits
 
 
-def load_logits_processors(entries: Sequence[str | type]) -> tuple[type[LogitsProcessor], ...]:
+def load_logits_processors(entries: Sequence[str | type] | None
+                           ) -> tuple[type[LogitsProcessor], ...]:
     """The classes of ``--logits-processors``; an entry that does not import, or is not a
-    ``LogitsProcessor``, is a ``ConfigError`` naming the option."""
+    ``LogitsProcessor``, is a ``ConfigError`` naming the option. None is none (vLLM's
+    default)."""
+    if entries is None:
+        return ()
     if isinstance(entries, str) or not isinstance(entries, (list, tuple)):
         raise ConfigError(f"--logits-processors must be a list of qualified class names or "
                           f"classes, got {entries!r:.80}")

@@ -112,3 +112,11 @@ def test_refused_with_speculative_decoding(llama3_folder):
                                           "--speculative-config"):
         make_llm(llama3_folder, logits_processors=[BAN_TOKEN],
                  speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_none_is_no_processors_as_in_vllm(llama3_folder, prompts):
+    """vLLM's ``LLM(logits_processors=None)`` is its default: here too, not a ConfigError."""
+    llm = make_llm(llama3_folder, logits_processors=None)
+    assert llm.engine.limits.logits_processors == ()
+    assert len(llm.generate(prompts[:1], _greedy(), use_tqdm=False)[0].outputs[0].token_ids) \
+        == NEW_TOKENS
