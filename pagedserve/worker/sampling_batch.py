@@ -181,9 +181,12 @@ class SamplingBatch:
         if len(self._free) < len(new):
             capacity = len(self.generators)
             self._grow(max(2 * capacity, capacity + len(new) - len(self._free)))
-        rows = [self._free.pop() for _ in new]
-        for seq, row in zip(new, rows, strict=True):
-            self.rows[seq] = row
+        rows = []
+        for seq in new:
+            # Each row is taken as its sequence gets it: a processor's ``add`` that raises
+            # fails the step, and a row taken for a later sequence would be lost for good.
+            row = self.rows[seq] = self._free.pop()
+            rows.append(row)
             self.generators[row] = None if seq.seed is None else \
                 torch.Generator(device=self.device).manual_seed(seq.seed)
             for name, value in self._host_values(seq).items():

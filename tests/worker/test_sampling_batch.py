@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedserve.core.sequence import Sequence, SequenceStatus
+from pagedserve.sample.logits_processor import LogitsProcessor
 from pagedserve.sample.metadata import SamplingMetadata
 from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.seeds import stream_seed
@@ -136,3 +137,37 @@ def test_a_row_keeps_its_generator_until_its_sequence_finishes():
     third = Sequence([1], SamplingParams(temperature=1.0), 10, EOS)
     batch.metadata([third], [1])
     assert seeded not in batch.rows and len(batch.generators) == 2
+
+
+class _RefusesSecond(LogitsProcessor):
+    """Raises in ``add`` for a request with extra_args {"boom": ...}."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def add(self, row: int, params: SamplingParams) -> bool:
+        if (params.extra_args or {}).get("boom"):
+            raise RuntimeError("boom")
+        return False
+
+    def remove(self, row: int) -> None:
+        pass
+
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return logits
+
+
+def test_a_processor_failing_in_add_loses_no_row():
+    """A processor's exception fails the step and its requests (docs/server.md); the rows
+    handed out before it must all come back, or each failure keeps the rest of the step's rows
+    forever and the batch grows without end."""
+    batch = SamplingBatch(VOCAB, CPU, capacity=4, processors=[_RefusesSecond(None, CPU)])
+    seqs = [Sequence([1], SamplingParams(extra_args={"boom": 1} if i == 1 else None), 10, EOS)
+            for i in range(4)]
+    with pytest.raises(RuntimeError, match="boom"):
+        batch.metadata(seqs, [1] * 4)
+    for seq in seqs:  # the engine aborts the step's requests
+        seq.status = SequenceStatus.FINISHED_ABORTED
+    fresh = [Sequence([1], SamplingParams(), 10, EOS) for _ in range(4)]
+    batch.metadata(fresh, [1] * 4)
+    assert len(batch.generators) == 4, "rows lost to the failed add"
