@@ -366,8 +366,7 @@ class BeamSearchParams:
     early_stopping: bool | str = False
 
     def to_sampling_params(self) -> SamplingParams:
-        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or \
-                self.beam_width < 1:
+        if not _is_int(self.beam_width) or self.beam_width < 1:
             raise InvalidSamplingParam("beam_width", f"beam_width must be an integer of at "
                                                      f"least 1, got {self.beam_width!r}")
         if self.temperature != 0.0:
@@ -375,7 +374,8 @@ class BeamSearchParams:
                                        f"probabilities: temperature must be 0, got "
                                        f"{self.temperature!r}")
         return SamplingParams(
-            n=self.beam_width, best_of=self.beam_width, use_beam_search=True, temperature=0.0,
+            n=int(self.beam_width), best_of=int(self.beam_width), use_beam_search=True,
+            temperature=0.0,
             max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
             length_penalty=self.length_penalty, early_stopping=self.early_stopping,
             include_stop_str_in_output=self.include_stop_str_in_output)

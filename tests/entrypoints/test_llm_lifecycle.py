@@ -172,6 +172,17 @@ def test_beam_width_is_checked_by_its_own_name(llm, width):
         llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=width, max_tokens=2))
 
 
+def test_beam_width_of_any_integer_type(llm):
+    """A numpy integer, as SamplingParams' integer fields take (it was refused as 'must be an
+    integer ... got 2')."""
+    import numpy as np
+
+    by_numpy = llm.beam_search([PROMPTS[0]], BeamSearchParams(np.int64(2), 2))
+    by_int = llm.beam_search([PROMPTS[0]], BeamSearchParams(2, 2))
+    assert [s.tokens for s in by_numpy[0].sequences] == [s.tokens for s in by_int[0].sequences]
+    assert len(by_int[0].sequences) == 2
+
+
 def test_beam_search_takes_vllms_params_only_at_temperature_0(llm):
     """The beams score raw log-probabilities (HF's rule); vLLM's old positional form is a
     TypeError naming what it takes."""
