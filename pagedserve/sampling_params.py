@@ -36,13 +36,22 @@ class StructuredOutputsParams:
     schema (as a dict or its text), ``regex`` a regular expression, ``choice`` a list of
     exact strings, ``grammar`` an EBNF grammar (xgrammar's dialect, rule ``root`` first),
     ``json_object`` any JSON object. Checked against the grammar library when the request is
-    admitted (``pagedserve.structured.spec``)."""
+    admitted (``pagedserve.structured.spec``).
+
+    For a model that reasons first, the grammar can wait for the reasoning to end (the API
+    server sets these under ``--reasoning-parser``): with ``reasoning_end_token_ids`` (the
+    tokenizer's ids of ``</think>``) the output is free until its tokens end with them. With
+    ``reasoning_start_token_id`` as well (the id of ``<think>``, one token), the output reasons
+    only if its first token is that one; otherwise the grammar applies from the start (as
+    ``qwen3``'s parser reads an output; without it, as ``deepseek_r1``'s)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    reasoning_end_token_ids: list[int] | None = None
+    reasoning_start_token_id: int | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -55,6 +64,20 @@ class StructuredOutputsParams:
                 f"choice, grammar, json_object; got {', '.join(given) or 'none'}")
         if self.choice is not None and not self.choice:
             raise InvalidSamplingParam("structured_outputs", "choice must not be empty")
+        self._check_reasoning_ids()
+
+    def _check_reasoning_ids(self) -> None:
+        end, start = self.reasoning_end_token_ids, self.reasoning_start_token_id
+        if end is not None:
+            if not (isinstance(end, (list, tuple)) and end and all(_is_token_id(t) for t in end)):
+                raise InvalidSamplingParam(
+                    "structured_outputs", "structured_outputs reasoning_end_token_ids must be "
+                    f"a non-empty list of token ids, got {end!r:.80}")
+            self.reasoning_end_token_ids = [int(t) for t in end]
+        if start is not None and (end is None or not _is_token_id(start)):
+            raise InvalidSamplingParam(
+                "structured_outputs", "structured_outputs reasoning_start_token_id must be a "
+                f"token id, with reasoning_end_token_ids set; got {start!r:.80}")
 
     def _check_types(self) -> None:
         # A number as a regex failed in the grammar compiler with an AttributeError, and a
@@ -76,6 +99,10 @@ class StructuredOutputsParams:
             raise InvalidSamplingParam(
                 "structured_outputs", f"structured_outputs {name} must be "
                 f"{kinds.get(name, 'a string')}, got {getattr(self, name)!r:.80}")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 
 
 @dataclass

@@ -55,8 +55,16 @@ from pagedserve.models.generation_defaults import sampling_defaults
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import resolve_platform
 from pagedserve.sample.logits_processor import qualified_name
-from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
-from pagedserve.structured.grammar_state import GrammarState, build_grammar_mask
+from pagedserve.sampling_params import (
+    InvalidSamplingParam,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+from pagedserve.structured.grammar_state import (
+    GrammarState,
+    ReasoningGate,
+    build_grammar_mask,
+)
 from pagedserve.structured.spec import grammar_spec
 from pagedserve.worker.step import Forward, SamplingInputs, StepResult
 
@@ -321,8 +329,9 @@ class LLMEngine:
                 _mark_finished(state, SequenceStatus.FINISHED_ERROR)
                 self._failures.append(state.to_output())
                 continue
+            gate = _reasoning_gate(state.params.structured_outputs)
             for seq in state.seqs:
-                seq.grammar = GrammarState(future.result())
+                seq.grammar = GrammarState(future.result(), gate)
             self.scheduler.add_group(state.group)
 
     def _step(self) -> list[RequestOutput]:
@@ -514,6 +523,14 @@ def _freeze_startup_heap() -> None:
         # frozen cycles (extension modules such as triton's report what it never frees).
         atexit.register(gc.unfreeze)
     gc.freeze()
+
+
+def _reasoning_gate(structured: StructuredOutputsParams) -> ReasoningGate | None:
+    """When the grammar starts to apply: after the reasoning, if the request says so."""
+    if structured.reasoning_end_token_ids is None:
+        return None
+    return ReasoningGate(tuple(structured.reasoning_end_token_ids),
+                         structured.reasoning_start_token_id)
 
 
 def _samples_with_grammar(out: SchedulerOutput) -> bool:

@@ -16,7 +16,12 @@ from pagedserve.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from pagedserve.structured.grammar_state import GrammarMask, GrammarState, build_grammar_mask
+from pagedserve.structured.grammar_state import (
+    GrammarMask,
+    GrammarState,
+    ReasoningGate,
+    build_grammar_mask,
+)
 from pagedserve.structured.spec import check, grammar_spec
 
 
@@ -155,6 +160,50 @@ def test_drafts_are_cut_and_masked_without_advancing_the_matcher(tokenizer):
         build_grammar_mask([state], vocab, [[letter]])
     state.fill(after, 0)
     assert torch.equal(after[0], _mask_of(fresh, vocab))  # nor did a refused one
+
+
+def _allows(mask: torch.Tensor, token: int) -> bool:
+    return bool(mask[token // 32] >> (token % 32) & 1)
+
+
+def test_grammar_waits_for_the_reasoning_end_even_inside_drafts(tokenizer):
+    """With a ``ReasoningGate`` the grammar masks nothing and takes no token until the output
+    ends with the end ids (the last of them still free); drafts that cross the end are
+    walked through the gate too and taken back with the matcher."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, stop_token_ids=[tokenizer.eos_token_id])
+    compiled = xgr.GrammarCompiler(info).compile_regex(r"[0-9]{3}")
+    d = [tokenizer.convert_tokens_to_ids(c) for c in "0123456789"]
+    a, b, letter = (tokenizer.convert_tokens_to_ids(c) for c in "abx")
+    vocab = len(tokenizer)
+    state = GrammarState(compiled, ReasoningGate((a, b)))
+    free = xgr.allocate_token_bitmask(1, vocab)
+    free[0] = -1
+    assert state.accept(letter) and state.accept(a) and not state.terminated
+    # The end ids, then three digits, then the end: the grammar applies from the fourth.
+    assert state.num_valid([b, d[1], d[2], letter]) == 3
+    assert state.num_valid([letter, b, d[1]]) == 3  # a, letter, b: not the end
+    drafts = [b, d[1], d[2]]
+    mask = build_grammar_mask([state], vocab, [drafts])
+    assert torch.equal(mask.bitmask[0], free[0])  # before b, the last of the end ids
+    for j in (1, 2, 3):
+        fresh = xgr.GrammarMatcher(compiled)
+        assert all(fresh.accept_token(t) for t in drafts[1:j])
+        assert torch.equal(mask.bitmask[j], _mask_of(fresh, vocab)), j
+    row = xgr.allocate_token_bitmask(1, vocab)
+    state.fill(row, 0)
+    assert torch.equal(row[0], free[0])  # the walks left the gate and matcher as they were
+    assert state.accept(b) and not state.accept(letter) and state.accept(d[0])
+
+    # qwen3: the grammar applies from the start, unless the first token opens the reasoning.
+    opened = GrammarState(compiled, ReasoningGate((b,), start_id=a))
+    opened.fill(row, 0)
+    assert _allows(row[0], a) and _allows(row[0], d[0]) and not _allows(row[0], letter)
+    assert opened.accept(a) and opened.accept(letter) and opened.accept(b)
+    assert not opened.accept(a) and opened.accept(d[5])
+    direct = GrammarState(compiled, ReasoningGate((b,), start_id=a))
+    assert direct.accept(d[1])
+    direct.fill(row, 0)
+    assert not _allows(row[0], a) and not direct.accept(a)
 
 
 @pytest.mark.parametrize(("params", "words"), [
