@@ -8,10 +8,20 @@ generated, holding back only what may be the start of a tag.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 START, END = "<think>", "</think>"
+
+
+class TagIds(NamedTuple):
+    """The tags as a grammar that waits for the reasoning reads them (the fields
+    ``reasoning_end_token_ids`` and ``reasoning_start_token_id`` of
+    ``StructuredOutputsParams``)."""
+
+    end: list[int]
+    start: int | None  # None: the output begins inside the reasoning
 
 
 class ReasoningSplit(NamedTuple):
@@ -47,6 +57,16 @@ class ThinkParser:
         if not finished:
             reasoning = reasoning[:len(reasoning) - _partial_tag(reasoning, END)]
         return ReasoningSplit(reasoning, None)
+
+    def tag_ids(self, encode: Callable[[str], list[int]]) -> TagIds | None:
+        """The tags' token ids; None where the engine cannot follow this parser by tokens:
+        an output that may or may not open with ``<think>`` needs it as one token (the
+        grammar allows it as the first token besides its own)."""
+        end = encode(END)
+        if self.implicit_start:
+            return TagIds(end, None)
+        start = encode(START)
+        return TagIds(end, start[0]) if len(start) == 1 else None
 
 
 def _partial_tag(text: str, tag: str) -> int:

@@ -12,6 +12,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -69,14 +70,7 @@ class ChatServing:
         token_ids = await model.off_loop(_render, model, request, plan)
         params = _with_tool_constraint(request.to_sampling_params(model.sampling_defaults), plan)
         if self.reasoning_parser is not None and params.structured_outputs is not None:
-            # vLLM applies the grammar once the reasoning has ended; ours would constrain the
-            # reasoning itself from its first token.
-            raise InvalidSamplingParam(
-                "tools" if plan.constraint() is not None else
-                request.field_name("structured_outputs"),
-                "structured output (response_format, structured_outputs, guided_*, or a "
-                "required or named tool_choice) is not supported on a server started with "
-                "--reasoning-parser")
+            params = await self._after_reasoning(model, params, request, plan)
         token_ids = model.truncate(token_ids, params)
         model.check_max_tokens(len(token_ids), request.requested_max_tokens,
                                param=request.max_tokens_field)
@@ -105,6 +99,24 @@ class ChatServing:
         completion_tokens = final.metrics.num_generated_tokens
         return ChatCompletionResponse(id=request_id, model=route.name, choices=choices,
                                       usage=UsageInfo.of(len(token_ids), completion_tokens))
+
+    async def _after_reasoning(self, model: ServedModel, params: SamplingParams,
+                               request: ChatCompletionRequest, plan: ToolPlan) -> SamplingParams:
+        """``params`` whose grammar applies once the reasoning has ended (vLLM's), told by
+        the tags' token ids in this model's tokenizer."""
+        ids = await model.off_loop(self.reasoning_parser.tag_ids,
+                                   partial(model.encode, add_special_tokens=False))
+        if ids is None:
+            raise InvalidSamplingParam(
+                "tools" if plan.constraint() is not None else
+                request.field_name("structured_outputs"),
+                "structured output (response_format, structured_outputs, guided_*, or a "
+                "required or named tool_choice) with this --reasoning-parser needs <think> to "
+                "be one token of the model's tokenizer")
+        structured = dataclasses.replace(params.structured_outputs,
+                                         reasoning_end_token_ids=ids.end,
+                                         reasoning_start_token_id=ids.start)
+        return dataclasses.replace(params, structured_outputs=structured)
 
     def _choice(self, request: ChatCompletionRequest, plan: ToolPlan, out: CompletionOutput,
                 token_bytes: TokenBytes | None) -> ChatChoice:

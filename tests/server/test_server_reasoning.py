@@ -28,13 +28,16 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 class _Tokenizer:
+    """A token a character, but for ``tags``, each one token."""
+
     chat_template = "any"
+    tags = {"<think>": [7], "</think>": [8]}
 
     def apply_chat_template(self, messages: list[dict], **_) -> str:
         return "".join(m["content"] for m in messages)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [1] * len(text)
+        return self.tags.get(text, [1] * len(text))
 
 
 class _ScriptedStream:
@@ -66,6 +69,7 @@ class _ScriptedEngine:
         self.pieces: list[str] = []
 
     def add_requests(self, requests):
+        self.requests = requests
         return [_ScriptedStream(r, self.pieces) for r in requests]
 
 
@@ -186,14 +190,40 @@ def test_tool_calls_are_parsed_from_the_answer_alone():
         thought, "It is sunny.")
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"extra_body": {"guided_regex": "[a-z]+"}}, "guided_regex"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tools"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     "tools"),
-])
-def test_structured_output_with_a_reasoning_parser_is_a_400(fields, param):
+STRUCTURED = [{"response_format": {"type": "json_object"}},
+              {"extra_body": {"guided_regex": "[a-z]+"}},
+              {"tools": TOOLS, "tool_choice": "required"},
+              {"tools": TOOLS,
+               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}]
+
+
+@pytest.mark.parametrize(("reasoning", "start"), [("deepseek_r1", None), ("qwen3", 7)])
+@pytest.mark.parametrize("fields", STRUCTURED)
+def test_structured_output_applies_after_the_reasoning(fields, reasoning, start):
+    """The request's grammar waits for the reasoning: it carries the end tag's ids (and, for
+    qwen3's optional think block, the start tag's); the answer is parsed as usual."""
+    engine = _ScriptedEngine()
+    answer = '{"city": "Paris"}'
+    if fields.get("tool_choice") == "required":  # a list of calls
+        answer = f'[{{"name": "get_weather", "parameters": {answer}}}]'
+    engine.pieces = ["<think>", "Hmm.", "</think>", answer]
+    choice = _run(_app(engine, reasoning=reasoning), lambda client: _message(client, **fields))
+    structured = engine.requests[0].params.structured_outputs
+    assert (structured.reasoning_end_token_ids, structured.reasoning_start_token_id) == \
+        ([8], start)
+    assert choice.message.model_extra["reasoning"] == "Hmm."
+    if "tools" in fields:
+        assert choice.message.tool_calls[0].function.arguments == '{"city": "Paris"}'
+    else:
+        assert choice.message.content == answer
+
+
+@pytest.mark.parametrize(("fields", "param"), zip(
+    STRUCTURED, ["response_format", "guided_regex", "tools", "tools"], strict=True))
+def test_structured_output_needs_a_one_token_start_tag_for_qwen3(monkeypatch, fields, param):
+    """qwen3's output may or may not open with <think>; the engine follows that by its first
+    token only."""
+    monkeypatch.setattr(_Tokenizer, "tags", {"</think>": [8]})
     engine = _ScriptedEngine()
     engine.pieces = ["{}"]
 
@@ -202,8 +232,12 @@ def test_structured_output_with_a_reasoning_parser_is_a_400(fields, param):
             await _message(client, **fields)
         return exc.value
 
-    error = _run(_app(engine), work)
-    assert error.body["param"] == param and "--reasoning-parser" in error.body["message"]
+    error = _run(_app(engine, reasoning="qwen3"), work)
+    assert error.body["param"] == param and "one token" in error.body["message"]
+    # deepseek_r1 reads only the end tag.
+    engine.pieces = ["</think>{}"]
+    _run(_app(engine), lambda client: _message(client, **fields))
+    assert engine.requests[0].params.structured_outputs.reasoning_end_token_ids == [8]
 
 
 def test_without_a_reasoning_parser_the_tags_are_content():
