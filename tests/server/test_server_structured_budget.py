@@ -14,13 +14,14 @@ from tests.server.conftest import HTTP_TIMEOUT_S, launch_server
 from tests.structured.test_compile_budget import FAST
 
 # A budget far beyond the fast schema's whole request (a second or two, a few under a loaded
-# CI machine's other tests), and a slow schema far beyond the budget: 120 bounded strings, three
-# times test_compile_budget's 40 that take 18 s on a quiet core. With a 10 s budget, the fast
-# request once came back after the slow one's refusal on a loaded machine.
+# CI machine's other tests), and a slow schema far beyond the budget on any machine: 300
+# bounded strings of 50 to 349 characters, over twenty times the states of test_compile_budget's
+# 40 that take 18 s on a quiet core here. With a 10 s budget, the fast request once came back
+# after the slow one's refusal on a loaded machine.
 BUDGET_S = 30
-SLOW_SCHEMA = {"type": "object", "required": [f"p{i}" for i in range(120)],
+SLOW_SCHEMA = {"type": "object", "required": [f"p{i}" for i in range(300)],
                "properties": {f"p{i}": {"type": "string", "maxLength": 50 + i}
-                              for i in range(120)}}
+                              for i in range(300)}}
 
 
 @pytest.fixture(scope="module")
