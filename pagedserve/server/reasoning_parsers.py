@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from pagedserve.server.stream_markers import held_back
+
 START, END = "<think>", "</think>"
 
 
@@ -55,7 +57,7 @@ class ThinkParser:
         if tag:
             return ReasoningSplit(reasoning, content)
         if not finished:
-            reasoning = reasoning[:len(reasoning) - _partial_tag(reasoning, END)]
+            reasoning = reasoning[:len(reasoning) - held_back(reasoning, END)]
         return ReasoningSplit(reasoning, None)
 
     def tag_ids(self, encode: Callable[[str], list[int]]) -> TagIds | None:
@@ -67,12 +69,6 @@ class ThinkParser:
             return TagIds(end, None)
         start = encode(START)
         return TagIds(end, start[0]) if len(start) == 1 else None
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
-    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1)
-                 if tag.startswith(text[-n:])), 0)
 
 
 class ReasoningStream:

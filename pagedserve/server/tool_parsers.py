@@ -8,6 +8,8 @@ import json
 import re
 from typing import NamedTuple, Protocol
 
+from pagedserve.server.stream_markers import held_back
+
 
 class ParsedCall(NamedTuple):
     name: str
@@ -37,14 +39,6 @@ def _call(obj, arguments_keys: tuple[str, ...]) -> ParsedCall:
     return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _held_back(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that could be the start of ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class HermesParser:
     """Hermes / Qwen / SmolLM-style: ``<tool_call>{"name": .., "arguments": {..}}</tool_call>``
     blocks after optional content; the last block may lack its closing tag (the model stopped
@@ -66,7 +60,7 @@ class HermesParser:
 
     def content_length(self, text: str) -> int:
         start = text.find(self.START)
-        end = start if start >= 0 else len(text) - _held_back(text, self.START)
+        end = start if start >= 0 else len(text) - held_back(text, self.START)
         # The whitespace before a call is not content (``parse`` drops it), so a stream holds
         # it back until more text follows; leading whitespace is content either way, as a
         # stream cannot know yet whether a call will come.
