@@ -149,12 +149,13 @@ class InputProcessor:
         token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens,
                                     self.limits.max_model_len)
-        if params.bad_words_token_ids is not None:  # replaced below, it banned nothing
+        if params.bad_words_token_ids is not None:  # the engine's own, from bad_words
             raise InvalidSamplingParam(
                 "bad_words_token_ids", "bad_words_token_ids is set by the engine from "
                 "bad_words, with this engine's tokenizer; pass the words as bad_words")
-        params = dataclasses.replace(params, bad_words_token_ids=self._bad_words_token_ids(
-            params.bad_words))
+        if params.bad_words:  # a copy: the caller's params may serve other engines
+            params = dataclasses.replace(params, bad_words_token_ids=self._bad_words_token_ids(
+                params.bad_words))
         max_tokens = self.limits.check(token_ids, params)
         cache_key = self._lora_key(lora_request)
         beam = self._beam_state(params, max_tokens)
@@ -171,13 +172,11 @@ class InputProcessor:
         state.seqs = [self._sequence_state(state, seq, i) for i, seq in enumerate(seqs)]
         return state
 
-    def _bad_words_token_ids(self, words: list[str] | None) -> list[list[int]] | None:
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as typed and after a space, as vLLM tokenizes them: mid-text, most
         tokenizers fold the space into the word's first token. The spaced form is kept only
         where it is that: as long as the plain one, from another first token (otherwise it is
         the plain form behind a token of its own, and bans nothing more)."""
-        if not words:
-            return None
         found = []
         for word in words:
             plain, spaced = (self.tokenizer.encode(text, add_special_tokens=False)
