@@ -13,7 +13,13 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.lora.request import LoRARequest
-    from pagedserve.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
+    from pagedserve.outputs import (
+        BeamSearchOutput,
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        RequestOutput,
+    )
+    from pagedserve.pooling_params import PoolingParams
     from pagedserve.sampling_params import (
         BeamSearchParams,
         SamplingParams,
@@ -28,6 +34,8 @@ _LAZY = {
     "BeamSearchOutput": "pagedserve.outputs",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
+    "EmbeddingRequestOutput": "pagedserve.outputs",
+    "PoolingParams": "pagedserve.pooling_params",
     "EngineConfig": "pagedserve.config",
     "LoRARequest": "pagedserve.lora.request",
 }
@@ -43,4 +51,4 @@ def __getattr__(name: str):
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams",
            "RequestOutput", "CompletionOutput", "BeamSearchOutput", "EngineConfig",
-           "LoRARequest", "__version__"]
+           "LoRARequest", "PoolingParams", "EmbeddingRequestOutput", "__version__"]

@@ -25,6 +25,7 @@ from pagedserve.field_types import plain_fields, wrong_type
 from pagedserve.models.chat_template import read_chat_template
 from pagedserve.models.generation_defaults import check_setting as check_generation_setting
 from pagedserve.platforms import DEVICE_NAMES
+from pagedserve.pooling_params import RUNNERS, PoolerConfig
 from pagedserve.quant.formats import QUANTIZATION_CHOICES
 from pagedserve.quant.linear_method import MatmulNumerics
 from pagedserve.sample.logits_processor import LogitsProcessor, load_logits_processors
@@ -217,6 +218,17 @@ class EngineConfig:
         None, "with --enable-lora, adapters held read in host memory, at most; requests of "
               "others wait until an idle one (no running request) is dropped, least "
               "recently used first (default: --max-loras; at least --max-loras)")
+    runner: str = option(
+        "auto", "what the engine serves: generate, text generation (completions, chat); "
+                "pooling, embeddings of the prompt (/v1/embeddings, LLM.embed) and nothing "
+                "else; auto: generate (every supported architecture is a generative one)",
+        choices=RUNNERS)
+    pooler_config: PoolerConfig | None = option(
+        None, "with --runner pooling, how a prompt's final hidden states become its "
+              "embedding, as JSON with vLLM's fields: pooling_type (LAST, MEAN or CLS) and "
+              "normalize (L2, per request overridable); default "
+              "'{\"pooling_type\": \"LAST\", \"normalize\": true}'. MEAN and CLS turn off "
+              "prefix caching (a cached prefix's hidden states are never computed)")
     logits_processors: tuple[str | type[LogitsProcessor], ...] = option(
         (), "custom logits processors, qualified names of LogitsProcessor subclasses "
             "(package.module:Class), each made once per rank and run on every step's logits "
@@ -262,6 +274,10 @@ class EngineConfig:
             # The Python API passes vLLM's dict, the command line its JSON text.
             object.__setattr__(self, "speculative_config",
                                SpeculativeConfig.parse(self.speculative_config))
+        self._check_pooling()
+        if self.runner == "pooling" and self.speculative_config is not None:
+            raise ConfigError("--speculative-config does not combine with --runner pooling "
+                              "(a pooling request samples no token)")
         # Imported now, so a bad name fails the start; the ranks get the classes.
         object.__setattr__(self, "logits_processors",
                            load_logits_processors(self.logits_processors))
@@ -317,6 +333,20 @@ class EngineConfig:
             max_loras=self.max_loras if self.enable_lora else 0,
         )
 
+    @property
+    def pooling(self) -> PoolerConfig | None:
+        """How requests are pooled with ``--runner pooling``; None: the engine generates."""
+        if self.runner != "pooling":
+            return None
+        return self.pooler_config or PoolerConfig()
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Prefix caching as it runs: off for pooling that reads every prompt token's hidden
+        state (vLLM turns it off there too)."""
+        return self.enable_prefix_caching and not (
+            self.pooling is not None and self.pooling.reads_every_token)
+
     def matmul_numerics(self) -> MatmulNumerics:
         return MatmulNumerics(self.int8_activations, self.fp8_fast_accumulation)
 
@@ -347,6 +377,16 @@ class EngineConfig:
             if not (math.isfinite(value) and 0 <= value < _MAX_GIB):
                 raise ConfigError(f"{flag_name(name)} must be a non-negative number of GiB "
                                   f"below 2**33, got {value}")
+
+    def _check_pooling(self) -> None:
+        if self.pooler_config is None:
+            return
+        if self.runner != "pooling":
+            raise ConfigError("--pooler-config needs --runner pooling")
+        object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
+        if self.kv_offloading_size and not self.prefix_caching:
+            raise ConfigError(f"--kv-offloading-size needs prefix caching, which "
+                              f"pooling_type {self.pooler_config.pooling_type} turns off")
 
     def _check_offloading(self) -> None:
         if self.kv_offloading_size and not self.enable_prefix_caching:

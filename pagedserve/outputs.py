@@ -75,6 +75,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # A pooling request's embedding (float32 values), set once it has finished.
+    embedding: list[float] | None = None
 
     @property
     def num_cached_tokens(self) -> int | None:
@@ -104,6 +106,8 @@ class RequestOutput:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.metrics is not None:
             self.metrics = delta.metrics
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         self.finished = delta.finished
 
 
@@ -115,3 +119,30 @@ class OutputDelta(Protocol):
     finished: bool
     prompt_logprobs: list[TokenLogprobs | None] | None
     metrics: RequestMetrics | None
+    embedding: list[float] | None
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: the pooled vector of one prompt."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's ``LLM.embed`` result for one prompt."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, EmbeddingOutput(output.embedding),
+                   output.prompt_token_ids, output.finished)

@@ -83,8 +83,8 @@ class ScheduledSequence(NamedTuple):
     num_new_tokens: int
     block_ids: list[int]
     # Positions the step samples at: the last ``num_sample_positions`` of the chunk's tokens.
-    # 1 when the chunk reaches the end of the known tokens (the next token), else 0; plus one
-    # per draft.
+    # 1 when the chunk reaches the end of the known tokens (the next token), else 0 (and 0 for
+    # a pooling stream's last chunk); plus one per draft.
     num_sample_positions: int
     # Drafts the chunk verifies, after the known tokens: its last ``len(draft_token_ids)``
     # tokens (speculative decoding).
@@ -492,7 +492,9 @@ class Scheduler:
         computed = seq.num_computed_tokens
         drafts = tuple(seq.draft_token_ids[:num_drafts])
         seq.draft_token_ids = []  # verified by this step, or proposed again after it
-        reaches_end = computed + num_new - num_drafts == self._num_tokens(seq)
+        # A pooling stream samples nothing: rank 0 pools its prompt's last chunk instead.
+        reaches_end = computed + num_new - num_drafts == self._num_tokens(seq) \
+            and seq.pooling is None
         out.num_prompt_tokens += max(0, min(num_new, len(seq.prompt_token_ids) - computed))
         out.scheduled.append(ScheduledSequence(
             seq, computed, num_new, self.kv.block_table(seq),

@@ -19,6 +19,7 @@ from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedserve.lora.request import LoRARequest
+    from pagedserve.pooling_params import PoolingParams
 
 
 # The finished statuses, by member name, and the reason each reports.
@@ -74,6 +75,9 @@ class Sequence:
     # with: the adapter's content hash, so streams of different adapters never share blocks.
     lora_request: LoRARequest | None = None
     cache_key: str | None = None
+    # A pooling (embedding) request's settings: the stream computes its prompt and samples
+    # nothing; rank 0 pools its hidden states once the prompt is computed. None: it generates.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

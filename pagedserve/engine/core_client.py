@@ -246,7 +246,7 @@ class EngineCoreClient:
             if r.request_id in self._pending or r.request_id in ids:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
             ids.add(r.request_id)
-            self.facts.limits.check(r.prompt_token_ids, r.params)
+            self.facts.limits.check(r.prompt_token_ids, r.engine_params)
             if r.lora_request is not None and r.lora_request.lora_int_id in self._removing:
                 raise ValueError(f"LoRA adapter {r.lora_request.lora_name} is being removed")
         pending = [_Pending(RequestOutput(r.request_id, None, r.prompt_token_ids, None, [],

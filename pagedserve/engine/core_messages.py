@@ -13,6 +13,7 @@ from pagedserve.engine.input_processor import InputLimits
 from pagedserve.engine.stats import EngineStats
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import Logprob, RequestMetrics, RequestOutput, TokenLogprobs
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -21,6 +22,13 @@ class NewRequest(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     lora_request: LoRARequest | None = None  # None: the base model
+    # A pooling request's settings (``params`` is then unused): its output is an embedding.
+    pooling: PoolingParams | None = None
+
+    @property
+    def engine_params(self) -> SamplingParams | PoolingParams:
+        """What ``LLMEngine.add_request`` and ``InputLimits.check`` take."""
+        return self.params if self.pooling is None else self.pooling
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
@@ -106,6 +114,8 @@ class RequestDelta(msgspec.Struct, array_like=True):
     finished: bool
     prompt_logprobs: list[TokenLogprobs | None] | None
     metrics: RequestMetrics | None  # sent once, with the finished output
+    # A pooling request's embedding (float32 values, sent as msgpack floats), once finished.
+    embedding: list[float] | None = None
 
     @classmethod
     def of(cls, output: RequestOutput) -> RequestDelta:
@@ -113,7 +123,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
             SequenceDelta(o.index, o.text, o.token_ids, o.cumulative_logprob, o.logprobs,
                           o.finish_reason, o.stop_reason) for o in output.outputs],
             output.finished, output.prompt_logprobs,
-            output.metrics if output.finished else None)
+            output.metrics if output.finished else None, output.embedding)
 
 
 class RequestFailure(msgspec.Struct, array_like=True):

@@ -164,8 +164,8 @@ class EngineCore:
             return
         for new in command.requests:
             try:
-                self.engine.add_request(new.prompt_token_ids, new.params, new.request_id,
-                                        new.lora_request)
+                self.engine.add_request(new.prompt_token_ids, new.engine_params,
+                                        new.request_id, new.lora_request)
             except ValueError as exc:  # checked in the server already; refused here alone
                 self._failures.append(msg.RequestFailure(
                     new.request_id, str(exc), getattr(exc, "param", None), kind="invalid"))

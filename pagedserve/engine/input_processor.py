@@ -15,6 +15,7 @@ from pagedserve.core.sequence import Sequence, SequenceGroup
 from pagedserve.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from pagedserve.engine.request_state import BeamState, RequestState, SequenceState
 from pagedserve.outputs import RequestMetrics
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sample.logits_processor import check_extra_args
 from pagedserve.sample.metadata import check_some_token_allowed, check_token_ids
 from pagedserve.sample.seeds import stream_seed
@@ -47,11 +48,20 @@ class InputLimits:
     speculative: bool = False  # speculative decoding is on
     # --logits-processors by qualified name, each asked whether it serves a request.
     logits_processors: tuple[str, ...] = ()
+    runner: str = "generate"  # or "pooling": the engine serves embeddings alone
+    hidden_size: int = 0  # an embedding's length
 
-    def check(self, token_ids: list[int], params: SamplingParams) -> int:
+    def check(self, token_ids: list[int], params: SamplingParams | PoolingParams) -> int:
         """Validate a tokenized request against the context window, the vocabulary and the
-        KV pool; return its max_tokens. This is the only place prompts are checked: each
-        error is an ``InvalidSamplingParam`` naming the parameter to change."""
+        KV pool; return its max_tokens (0 for a pooling request). This is the only place
+        prompts are checked: each error is an ``InvalidSamplingParam`` naming the parameter
+        to change."""
+        if isinstance(params, PoolingParams):
+            return self._check_pooling(token_ids, params)
+        if self.runner == "pooling":
+            raise InvalidSamplingParam(
+                "prompt", "this engine was started with --runner pooling (runner='pooling'): "
+                "it computes embeddings (/v1/embeddings, LLM.embed) and generates no text")
         if not token_ids:
             raise InvalidSamplingParam("prompt", "the prompt is empty")
         room = self.max_model_len - len(token_ids)
@@ -95,6 +105,32 @@ class InputLimits:
         check_extra_args(params, self.logits_processors)
         return max_tokens
 
+    def _check_pooling(self, token_ids: list[int], params: PoolingParams) -> int:
+        """A pooling request computes its prompt, all of it within the context window."""
+        if self.runner != "pooling":
+            raise InvalidSamplingParam(
+                "prompt", "this engine generates text; embeddings need an engine started with "
+                "--runner pooling (runner='pooling')")
+        if not token_ids:
+            raise InvalidSamplingParam("prompt", "the prompt is empty")
+        if len(token_ids) > self.max_model_len:
+            raise PromptTooLong(
+                "prompt", f"the prompt has {len(token_ids)} tokens but the model's context "
+                f"length is {self.max_model_len}; shorten the prompt")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise InvalidSamplingParam(
+                "prompt", f"prompt token ids must be in [0, {self.vocab_size})")
+        if params.dimensions is not None and params.dimensions != self.hidden_size:
+            raise InvalidSamplingParam(
+                "dimensions", f"dimensions={params.dimensions}: this model's embeddings have "
+                f"{self.hidden_size} and cannot be shortened (no Matryoshka truncation)")
+        if self._worst_case_blocks(len(token_ids), 0, 1) > self.num_kv_blocks:
+            raise PromptTooLong(
+                "prompt", f"the prompt needs more KV cache than the whole pool holds "
+                f"({self.num_kv_blocks * self.block_size} tokens); shorten it or enlarge "
+                "the cache")
+        return 0
+
     def _check_logprobs(self, params: SamplingParams) -> None:
         # Never past the vocabulary, whatever --max-logprobs says: the sampler's top-k is
         # taken over the logits' row.
@@ -115,13 +151,15 @@ class InputLimits:
         return -(-(num_prompt + max_tokens) // self.block_size) + (num_seqs - 1) * extra
 
 
-def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int,
+                    pooling: bool = False) -> list[int]:
     """The prompt's last ``keep`` tokens (``truncate_prompt_tokens``; -1: as many as leave room
-    for one token in the context window), or all of them when ``keep`` is None. The API server
-    truncates before it checks and counts a prompt; the engine again, which keeps the same."""
+    for one token in the context window, or with ``pooling``, which generates none, as many
+    as it holds), or all of them when ``keep`` is None. The API server truncates before it
+    checks and counts a prompt; the engine again, which keeps the same."""
     if keep is None:
         return token_ids
-    return token_ids[-(max_model_len - 1 if keep == -1 else keep):]
+    return token_ids[-(max_model_len - (not pooling) if keep == -1 else keep):]
 
 
 class InputProcessor:
@@ -141,14 +179,19 @@ class InputProcessor:
                              "engine with --enable-lora")
         return self.admit_adapter(lora_request)
 
-    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    def process(self, request_id: str, prompt: str | list[int],
+                params: SamplingParams | PoolingParams,
                 lora_request: LoRARequest | None = None) -> RequestState:
         """A validated request with its sequences; ``state.group`` goes to the scheduler.
         Raises ``ValueError`` (``PromptTooLong`` among them) for input it cannot run."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+        pooling = params if isinstance(params, PoolingParams) else None
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens,
-                                    self.limits.max_model_len)
+                                    self.limits.max_model_len, pooling is not None)
+        if pooling is not None:
+            self.limits.check(token_ids, pooling)
+            return self._pooling_state(request_id, text, token_ids, pooling, lora_request)
         if params.bad_words_token_ids is not None:  # the engine's own, from bad_words
             raise InvalidSamplingParam(
                 "bad_words_token_ids", "bad_words_token_ids is set by the engine from "
@@ -170,6 +213,19 @@ class InputProcessor:
         state = RequestState(request_id, text, token_ids, params,
                              RequestMetrics(arrival_time=time.time()), group, beam=beam)
         state.seqs = [self._sequence_state(state, seq, i) for i, seq in enumerate(seqs)]
+        return state
+
+    def _pooling_state(self, request_id: str, text: str | None, token_ids: list[int],
+                       pooling: PoolingParams, lora_request: LoRARequest | None
+                       ) -> RequestState:
+        """One stream that computes its prompt and samples nothing; its output is the pooled
+        vector (``RequestOutput.embedding``), once, when it finishes."""
+        seq = Sequence(token_ids, POOLING_SAMPLING, 0, lora_request=lora_request,
+                       cache_key=self._lora_key(lora_request), pooling=pooling)
+        state = RequestState(request_id, text, token_ids, POOLING_SAMPLING,
+                             RequestMetrics(arrival_time=time.time()),
+                             SequenceGroup(request_id, [seq]))
+        state.seqs = [self._sequence_state(state, seq, 0)]
         return state
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
@@ -204,6 +260,11 @@ class InputProcessor:
             stops |= self.limits.eos_token_ids
         return BeamState(BeamSearch(params.best_of, max_tokens, stops, params.length_penalty,
                                     params.early_stopping))
+
+
+# What the engine's stages read of a pooling request's stream: nothing to sample or decode,
+# one output when it finishes.
+POOLING_SAMPLING = SamplingParams(max_tokens=0, detokenize=False, output_kind="final_only")
 
 
 def _seed(params: SamplingParams, index: int) -> int | None:

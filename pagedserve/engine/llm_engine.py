@@ -54,6 +54,7 @@ from pagedserve.models import loader
 from pagedserve.models.generation_defaults import sampling_defaults
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import resolve_platform
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sample.logits_processor import qualified_name
 from pagedserve.sampling_params import (
     InvalidSamplingParam,
@@ -104,7 +105,7 @@ class LLMEngine:
         self.resolved, self.max_model_len = fitted, fitted.max_model_len
         self.kv_bytes_per_block = sizes.bytes_per_block
         self.kv = KVCacheManager(sizes.num_blocks, self.resolved.block_size,
-                                 config.enable_prefix_caching, sizes.num_host_blocks,
+                                 config.prefix_caching, sizes.num_host_blocks,
                                  sizes.num_offload_blocks, sizes.num_disk_blocks,
                                  self.executor.stored_disk_blocks())
         self.scheduler = Scheduler(config.scheduler_config(self.resolved), self.kv)
@@ -114,7 +115,9 @@ class LLMEngine:
                                   config.max_grammar_bytes, config.max_logprobs,
                                   speculative=config.speculative_config is not None,
                                   logits_processors=tuple(map(qualified_name,
-                                                              config.logits_processors)))
+                                                              config.logits_processors)),
+                                  runner="pooling" if config.pooling else "generate",
+                                  hidden_size=self.arch.hidden_size)
         self.adapters = (HostAdapters(config.max_lora_rank, self.arch, config.cpu_loras)
                          if config.enable_lora else None)
         self.inputs = InputProcessor(self.tokenizer, self.limits,
@@ -148,11 +151,13 @@ class LLMEngine:
         _freeze_startup_heap()
 
     # ---- requests -----------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int],
+                    params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None,
                     lora_request: LoRARequest | None = None) -> str:
         """Queue a request; ``request_id`` may be any string not in use (default: a counter).
-        Raises ``ValueError`` for input the engine cannot run."""
+        ``PoolingParams`` (with ``--runner pooling``) make it an embedding request. Raises
+        ``ValueError`` for input the engine cannot run."""
         if request_id is None:
             request_id = self._new_id()
         if request_id in self.outputs.requests:
@@ -161,7 +166,8 @@ class LLMEngine:
                                         lora_request))
         return request_id
 
-    def add_requests(self, prompts: Sequence[str | list[int]], params: Sequence[SamplingParams],
+    def add_requests(self, prompts: Sequence[str | list[int]],
+                     params: Sequence[SamplingParams | PoolingParams],
                      lora_requests: Sequence[LoRARequest | None] | None = None) -> list[str]:
         """Queue a batch as a whole, or none of it: every request is validated before any is
         queued, and one that fails to queue takes back those queued before it."""

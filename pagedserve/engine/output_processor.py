@@ -66,6 +66,8 @@ class OutputProcessor:
         """Apply a step's prompt logprobs and samples (``samples``: on the host); return the
         outputs of the requests it changed, finished ones forgotten."""
         touched = self._apply_prompt_logprobs(output)
+        if output.pooled:
+            touched |= self._apply_pooled(output.pooled)
         if output.samples is not None:
             touched |= self._apply_samples(result.sampled, result.num_positions,
                                            output.samples)
@@ -87,6 +89,19 @@ class OutputProcessor:
                     strict=True)
             ]
             state.request.record_prompt_logprobs(chunk.first_position, entries)
+            touched.add(state.request)
+        return touched
+
+    def _apply_pooled(self, pooled: dict[Sequence, list[float]]) -> set[RequestState]:
+        """Pooling streams whose prompt is computed: their embedding is their output, and
+        they finish (their blocks go back at once)."""
+        touched = set()
+        for seq, embedding in pooled.items():
+            state = self._seqs.get(seq)
+            if state is None or state.finished:  # aborted since the step was scheduled
+                continue
+            state.request.embedding = embedding
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED)
             touched.add(state.request)
         return touched
 

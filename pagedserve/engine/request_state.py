@@ -71,6 +71,7 @@ class RequestState:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     beam: BeamState | None = None
     sent_prompt_logprobs: bool = False  # "delta" outputs carry them once, when complete
+    embedding: list[float] | None = None  # a pooling request's, once its prompt is computed
 
     @property
     def finished(self) -> bool:
@@ -118,6 +119,7 @@ class RequestState:
             outputs=self._completions(finished, delta),
             finished=finished,
             metrics=self.metrics,
+            embedding=self.embedding,
         )
 
     def _delta_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:

@@ -11,7 +11,13 @@ from pagedserve.config import OPTION_NAMES, EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models.chat_template import read_chat_template, render_options
-from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedserve.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 # A prompt: text, token ids, or vLLM's dict forms ({"prompt": text}, {"prompt_token_ids": ids}).
@@ -70,17 +76,35 @@ class LLM:
         _check_use_tqdm(use_tqdm)
         prompt_list = _as_prompt_list(prompts)
         loras = _per_prompt(lora_request, len(prompt_list))
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or self.get_default_sampling_params()] * \
-                len(prompt_list)
-        else:
-            params_list = _list_of(sampling_params, SamplingParams, "sampling_params")
-            if len(params_list) != len(prompt_list):
-                raise ValueError(f"got {len(prompt_list)} prompts but {len(params_list)} "
-                                 "sampling params")
+        params_list = _per_prompt_params(sampling_params, SamplingParams, len(prompt_list),
+                                         self.get_default_sampling_params(), "sampling_params")
         # Offline callers only read finished outputs; skip building the intermediate ones.
         params_list = [dataclasses.replace(sp, output_kind="final_only") for sp in params_list]
         return self._run(self.engine.add_requests(prompt_list, params_list, loras), use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (vLLM's call), in input order; the engine must have been
+        made with ``runner="pooling"`` (``pooler_config`` says how it pools).
+        ``truncate_prompt_tokens`` keeps each prompt's last k tokens (-1: as many as the
+        context holds), where ``pooling_params`` leave it unset."""
+        _check_use_tqdm(use_tqdm)
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _per_prompt_params(pooling_params, PoolingParams, len(prompt_list),
+                                         PoolingParams(), "pooling_params")
+        if truncate_prompt_tokens is not None:
+            params_list = [p if p.truncate_prompt_tokens is not None else dataclasses.replace(
+                p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
+        loras = _per_prompt(lora_request, len(prompt_list))
+        outputs = self._run(self.engine.add_requests(prompt_list, params_list, loras), use_tqdm)
+        return [EmbeddingRequestOutput.of(o) for o in outputs]
 
     def beam_search(
         self,
@@ -169,6 +193,18 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[i] for i in request_ids]
+
+
+def _per_prompt_params(params: Any, kind: type, num_prompts: int, default: Any,
+                       name: str) -> list:
+    """One params object for every prompt (``default`` where none is given), or one each."""
+    if params is None or isinstance(params, kind):
+        return [default if params is None else params] * num_prompts
+    params_list = _list_of(params, kind, name)
+    if len(params_list) != num_prompts:
+        raise ValueError(f"got {num_prompts} prompts but {len(params_list)} "
+                         f"{name.replace('_', ' ')}")
+    return params_list
 
 
 def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,

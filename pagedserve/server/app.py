@@ -44,6 +44,7 @@ from pagedserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
@@ -51,6 +52,7 @@ from pagedserve.server.reasoning_parsers import REASONING_PARSERS, ThinkParser
 from pagedserve.server.request_ids import RequestIdHeaders, RequestIds
 from pagedserve.server.serving_chat import ChatServing
 from pagedserve.server.serving_completion import CompletionServing
+from pagedserve.server.serving_embedding import EmbeddingServing
 from pagedserve.server.serving_lora import LoRAServing
 from pagedserve.server.serving_models import ServedModel, ServingModels
 from pagedserve.server.serving_tokenization import TokenizationServing
@@ -96,6 +98,7 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     completions = CompletionServing(models)
     chat = ChatServing(models, tool_parser, reasoning_parser)
     tokenization = TokenizationServing(models)
+    embeddings = EmbeddingServing(models)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -158,6 +161,11 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         ids = RequestIds.of(raw, "chatcmpl")
         return _to_response(await _unless_disconnected(raw, chat.create(body, ids)))
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
+        ids = RequestIds.of(raw, "embd")
+        return _to_response(await _unless_disconnected(raw, embeddings.create(body, ids)))
 
     if runtime_lora_updating:
         @app.post("/v1/load_lora_adapter")

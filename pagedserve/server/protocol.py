@@ -33,6 +33,7 @@ from pydantic import (
 
 from pagedserve.lora.request import MAX_LORA_INT_ID
 from pagedserve.models.chat_template import render_options
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import (
     InvalidSamplingParam,
     SamplingParams,
@@ -455,6 +456,43 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
                 max_tokens=_default(self.requested_max_tokens, defaults.get("max_tokens")))
         except InvalidSamplingParam as exc:  # named as the client sent it (max_completion_tokens)
             raise InvalidSamplingParam(self.field_name(exc.param), str(exc)) from None
+
+
+class EmbeddingRequest(StrictModel):
+    """OpenAI's ``POST /v1/embeddings`` body, plus vLLM's ``truncate_prompt_tokens``."""
+
+    model: str | None = None
+    input: PromptInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None  # accepted and ignored, as OpenAI's other endpoints' is
+    truncate_prompt_tokens: int | None = None
+
+    def to_pooling_params(self) -> PoolingParams:
+        return PoolingParams(dimensions=self.dimensions,
+                             truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+    def field_name(self, param: str) -> str:
+        """The field of this request that an engine parameter came from."""
+        return "input" if param == "prompt" else param
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32 values
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class TokenizeCompletionRequest(StrictModel):

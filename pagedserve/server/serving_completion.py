@@ -38,6 +38,7 @@ from pagedserve.server.serving_models import (
     ServingModels,
     TimedStream,
     close_all,
+    finals,
 )
 
 _CHUNK = "text_completion"  # the ``object`` of a streamed chunk
@@ -63,7 +64,7 @@ class CompletionServing:
         arrival = time.perf_counter()
         route = self.models.resolve(request.model)
         model = route.model
-        prompts = await model.off_loop(_prompts, model, request.prompt)
+        prompts = await model.off_loop(tokenized_prompts, model, request.prompt, "prompt")
         params = request.to_sampling_params(model.sampling_defaults)
         prompts = [p.truncated(model.truncate(p.token_ids, params)) for p in prompts]
         for prompt in prompts:
@@ -77,13 +78,7 @@ class CompletionServing:
         if request.stream:
             return StreamingResponse(self._stream(route, request, request_id, prompts, streams),
                                      media_type="text/event-stream")
-        tasks = [asyncio.ensure_future(s.final()) for s in streams]
-        try:
-            finals = await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:  # after a failure, stop (and abort) the others too
-                task.cancel()
-        return self._response(route, request, request_id, prompts, finals)
+        return self._response(route, request, request_id, prompts, await finals(streams))
 
     # ---- whole responses ----------------------------------------------------------------
     def _response(self, route: Route, request: CompletionRequest, request_id: str,
@@ -169,7 +164,9 @@ class CompletionServing:
                            builder.logprobs if builder else None, text=text)
 
 
-def _prompts(model: ServedModel, prompt: PromptInput) -> list[Prompt]:
+def tokenized_prompts(model: ServedModel, prompt: PromptInput, param: str) -> list[Prompt]:
+    """A request's prompts (text, token ids, or a list of either), tokenized; ``param``
+    names the request's field in errors."""
     # An empty list is one empty prompt, which the engine refuses as it refuses "".
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
         items = [prompt]
@@ -177,7 +174,7 @@ def _prompts(model: ServedModel, prompt: PromptInput) -> list[Prompt]:
         items = prompt
     if len(items) > MAX_SEQUENCES_PER_REQUEST:
         raise bad_request(f"at most {MAX_SEQUENCES_PER_REQUEST} prompts per request",
-                          param="prompt")
+                          param=param)
     return [Prompt(p, model.encode(p)) if isinstance(p, str) else Prompt(None, p)
             for p in items]
 

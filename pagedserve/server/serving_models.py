@@ -20,10 +20,11 @@ from pagedserve.engine.core_client import (
     RequestStream,
 )
 from pagedserve.engine.core_messages import LoRAFacts, NewRequest
-from pagedserve.engine.input_processor import PromptTooLong, truncate_prompt
+from pagedserve.engine.input_processor import POOLING_SAMPLING, PromptTooLong, truncate_prompt
 from pagedserve.errors import ConfigError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.server.errors import SERVER_ERROR, APIError, bad_request
 from pagedserve.server.metrics import ModelMetrics, RequestTimer, ServerMetrics
@@ -113,10 +114,12 @@ class ServedModel:
                 f"than {MAX_SEQUENCES_PER_REQUEST} sequences; split the request",
                 param="n" if num_prompts == 1 else "prompt")
 
-    def truncate(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+    def truncate(self, token_ids: list[int], params: SamplingParams | PoolingParams
+                 ) -> list[int]:
         """The prompt as the engine will run it (``truncate_prompt_tokens``): what the
         length checks and the usage count."""
-        return truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
+        return truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len,
+                               pooling=isinstance(params, PoolingParams))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -249,13 +252,15 @@ class EngineClient:
         return streams[0]
 
     async def submit_all(self, request_id: str, prompts: list[list[int]],
-                         params: SamplingParams, arrival: float,
+                         params: SamplingParams | PoolingParams, arrival: float,
                          field_name: Callable[[str], str],
                          lora: LoRARequest | None = None) -> list[TimedStream]:
         """One engine request per prompt (each with the adapter ``lora``, None: the base
-        model), all entering the same engine step; if one is refused, none of them runs."""
-        params = _from_core(params)
-        requests = [NewRequest(f"{request_id}-{i}", token_ids, params, lora)
+        model), all entering the same engine step; if one is refused, none of them runs.
+        ``PoolingParams`` make them embedding requests."""
+        pooling = params if isinstance(params, PoolingParams) else None
+        params = POOLING_SAMPLING if pooling is not None else _from_core(params)
+        requests = [NewRequest(f"{request_id}-{i}", token_ids, params, lora, pooling)
                     for i, token_ids in enumerate(prompts)]
         return await self._submit(requests, arrival, field_name)
 
@@ -333,6 +338,17 @@ class TimedStream:
         if not self.stream.finished:
             self.timer.finish("abort")
             self.stream.close()
+
+
+async def finals(streams: list[TimedStream]) -> list[RequestOutput]:
+    """Every stream's final output; a failure (or a cancel: the client left) stops, and so
+    aborts, the others too."""
+    tasks = [asyncio.ensure_future(s.final()) for s in streams]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def close_all(streams: list[TimedStream]) -> None:

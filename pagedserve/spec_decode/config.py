@@ -11,12 +11,12 @@ config names an EAGLE-3 head ``eagle3``, anything else a draft checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.errors import ConfigError
 from pagedserve.field_types import plain_fields, wrong_type
+from pagedserve.pooling_params import json_object
 from pagedserve.user_paths import expand_user
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle3")
@@ -41,19 +41,7 @@ class SpeculativeConfig:
         """From the Python API's dict or the command line's JSON text."""
         if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{_FLAG} is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"{_FLAG} must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(map(str, set(value) - known))
-        if unknown:
-            raise ConfigError(f"{_FLAG}: unknown field(s) {', '.join(unknown)}; known: "
-                              f"{', '.join(sorted(known))}")
-        fields = dict(value)
+        fields = json_object(value, _FLAG, {f.name for f in dataclasses.fields(cls)})
         if fields.get("method") is None:
             fields["method"] = _inferred_method(fields.get("model"))
         if "num_speculative_tokens" not in fields:

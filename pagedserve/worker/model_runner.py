@@ -50,6 +50,7 @@ from pagedserve.worker.input_batch import (
     pack_inputs,
 )
 from pagedserve.worker.kv_cache import KVCache, KVCacheSpec
+from pagedserve.worker.pooler import Pooled, Pooler, pooling_chunks
 from pagedserve.worker.sampling_batch import SamplingBatch
 from pagedserve.worker.shape_buckets import ShapeBuckets
 from pagedserve.worker.step import (
@@ -82,18 +83,26 @@ class _QueuedStep(NamedTuple):
     num_emitted: torch.Tensor | None  # host, int64 [N]: a verify step's tokens per row
     ready: DeviceEvent | None
     prompt: dict[Sequence, tuple[int, LogprobsTensors]]  # seq -> (first position, logprobs)
+    pooled: Pooled | None  # host tensors
 
 
-class _Forwarded(NamedTuple):
-    """What a step's first half leaves for its second, on rank 0."""
+class _Ran(NamedTuple):
+    """What a step's forward pass leaves on rank 0."""
 
-    step_id: int
     logits: torch.Tensor | None  # the sampling rows'
     prompt: dict[Sequence, tuple[int, LogprobsTensors]]
     drafts: DeviceDrafts | None  # the draft model's or the head's, drawn in this step
     # With an EAGLE-3 head: the step's inputs and the target's auxiliary hidden states, which
     # its extend pass reads once the step has sampled.
     head_inputs: tuple[ModelInputs, HostInputs, torch.Tensor] | None
+    pooled: Pooled | None = None  # pooling streams whose prompt the step finished
+
+
+class _Forwarded(NamedTuple):
+    """What a step's first half leaves for its second, on rank 0."""
+
+    step_id: int
+    ran: _Ran
 
 
 @dataclass
@@ -158,6 +167,7 @@ class ModelRunner:
         self.lora: LoRASlots | None = None  # with --enable-lora: the adapters' device slots
         # Rank 0, with a draft model or an EAGLE-3 head (speculative decoding).
         self.drafter: Drafter | EagleDrafter | None = None
+        self.pooler: Pooler | None = None  # rank 0, with --runner pooling
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
         """Load the checkpoint; with CPU offload, each offloaded layer leaves the device as
@@ -258,17 +268,17 @@ class ModelRunner:
         """Rank 0's part of a planned step, up to its sampling: block moves, the forward pass,
         the logits, kept here until ``sample``. The sampling metadata can be built while the
         device computes."""
-        sample_logits, prompt, drafts, head_inputs = self._run(
-            step, self._in_flight and self._in_flight.token_ids, spans, out.scheduled)
+        ran = self._run(step, self._in_flight and self._in_flight.token_ids, spans,
+                        out.scheduled)
         self._step_id += 1
-        self._forwarded = _Forwarded(self._step_id, sample_logits, prompt, drafts, head_inputs)
+        self._forwarded = _Forwarded(self._step_id, ran)
         return Forward(out, self._step_id)
 
     @torch.inference_mode()
     def sample(self, forward: Forward, sampling: SamplingInputs | None) -> StepResult:
         """The second half: sample (and hand the tokens to the other ranks). The sampled
         tokens are copied to the host in the background (``fetch`` waits for them)."""
-        step_id, logits, prompt, drafts, head_inputs = self._forwarded
+        step_id, (logits, prompt, drafts, head_inputs, pooled) = self._forwarded
         if step_id != forward.step_id:
             raise RuntimeError(f"step {forward.step_id} was not the last one forwarded")
         self._forwarded = None
@@ -291,7 +301,11 @@ class ModelRunner:
         if head_inputs is not None:  # the EAGLE-3 head's pass over the step, now it sampled
             self.drafter.extend(*head_inputs, forward.out.scheduled, sampled,
                                 sampler_output and sampler_output.token_ids, num_emitted)
-        self._queued[step_id] = _QueuedStep(host_output, host_emitted, ready, prompt)
+        if pooled is not None:
+            pooled = Pooled(pooled.seqs, pooled.vectors.to(
+                "cpu", non_blocking=self.platform.runs_ahead))
+            ready = self.platform.record_event()
+        self._queued[step_id] = _QueuedStep(host_output, host_emitted, ready, prompt, pooled)
         return StepResult(step_id, seqs, counts)
 
     def _verify(self, logits: torch.Tensor, meta: SamplingMetadata,
@@ -329,8 +343,10 @@ class ModelRunner:
             samples = HostSamples(queued.samples.token_ids.tolist(), *(
                 None if t is None else t.tolist() for t in queued.samples[1:]),
                 counts=None if queued.num_emitted is None else queued.num_emitted.tolist())
+        pooled = {} if queued.pooled is None else dict(
+            zip(queued.pooled.seqs, queued.pooled.vectors.tolist(), strict=True))
         return StepOutput(samples, {seq: _host_chunk(first, r)
-                                    for seq, (first, r) in queued.prompt.items()})
+                                    for seq, (first, r) in queued.prompt.items()}, pooled)
 
     def _keep_in_flight(self, seqs: list[Sequence], counts: list[int],
                         token_ids: torch.Tensor) -> None:
@@ -362,13 +378,13 @@ class ModelRunner:
 
     def _run(self, step: StepInput, in_flight_tokens: torch.Tensor | None,
              spans: list[PromptSpan], scheduled: list[ScheduledSequence] | None = None
-             ) -> tuple[torch.Tensor | None, dict[Sequence, tuple[int, LogprobsTensors]],
-                        DeviceDrafts | None, tuple[ModelInputs, HostInputs, torch.Tensor] | None]:
+             ) -> _Ran:
         """Block moves, the draft model's drafts, the forward pass, the logits of the sampling
         rows, and each prompt span's logprobs, one span's logits at a time (on ranks other
         than 0, which get no logits and no ``scheduled``, ``spans`` is empty); with an
         EAGLE-3 head, what its pass after the sampling reads: the step's inputs and the
-        auxiliary hidden states."""
+        auxiliary hidden states; with a pooler, the pooled vectors of the streams whose
+        prompt the step finished (rank 0)."""
         self.kv_cache.apply_block_ops(step.block_ops)
         if self.drafter is not None and step.block_ops.copies:
             self.drafter.copy_blocks(step.block_ops.copies)
@@ -377,7 +393,7 @@ class ModelRunner:
         for lora_int_id, adapter in step.added_loras.items():
             self.lora.add(lora_int_id, adapter)
         if step.inputs is None:
-            return None, {}, None, None
+            return _Ran(None, {}, None, None)
         inputs = step.inputs.to_device(self.device, in_flight_tokens)
         drafts = self._fill_drafts(step.inputs, inputs.input_ids, scheduled)
         if self.lora is not None and step.inputs.lora_requests is not None:
@@ -392,8 +408,16 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row:row + count])
             if logits is not None:
                 prompt[spans[i].seq] = _prompt_logprobs(spans[i], logits)
-        return sample_logits, prompt, drafts, (
-            None if aux is None else (inputs, step.inputs, aux))
+        return _Ran(sample_logits, prompt, drafts,
+                    None if aux is None else (inputs, step.inputs, aux),
+                    self._pool(hidden, scheduled))
+
+    def _pool(self, hidden: torch.Tensor, scheduled: list[ScheduledSequence] | None
+              ) -> Pooled | None:
+        if self.pooler is None or scheduled is None:
+            return None
+        chunks = pooling_chunks(scheduled)
+        return None if chunks is None else self.pooler(hidden, chunks)
 
     def _fill_drafts(self, host: HostInputs, input_ids: torch.Tensor,
                      scheduled: list[ScheduledSequence] | None) -> DeviceDrafts | None:

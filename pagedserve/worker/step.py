@@ -66,3 +66,5 @@ class PromptLogprobsChunk(NamedTuple):
 class StepOutput(NamedTuple):
     samples: HostSamples | None  # None: nothing sampled
     prompt_logprobs: dict[Sequence, PromptLogprobsChunk]
+    # Pooling streams whose prompt this step finished, and their pooled vectors (float32).
+    pooled: dict[Sequence, list[float]] = {}

@@ -39,6 +39,7 @@ from pagedserve.worker.drafter import Drafter
 from pagedserve.worker.eagle_drafter import EagleDrafter
 from pagedserve.worker.kv_cache import KVCacheSpec
 from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.pooler import Pooler
 from pagedserve.worker.shape_buckets import ShapeBuckets
 from pagedserve.worker.warm_up import warm_up
 
@@ -89,6 +90,8 @@ class Worker:
             self.runner.load_weights(fmt.read(loader.iter_weights(source)))
         if config.enable_lora:
             self.runner.add_lora(config.max_loras, config.max_lora_rank)
+        if config.pooling is not None and self.tp.rank == 0:  # only rank 0 pools
+            self.runner.pooler = Pooler(config.pooling, self.runner.device)
         drafts = config.speculative_config
         # An EAGLE-3 head on rank 0 reads the target's embedding table: under tensor
         # parallelism a gathered copy (the target's own lookup is a collective).

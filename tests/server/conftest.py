@@ -3,6 +3,7 @@ template, and the offline engine on the same model for reference outputs."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -35,7 +36,7 @@ LONG_TOKENS = MAX_MODEL_LEN - 96
 STARTUP_TIMEOUT_S = 180
 HTTP_TIMEOUT_S = 120
 # Fixtures that start a server subprocess (seconds each, once per session or module).
-SERVER_FIXTURES = {"server", "ahead_server", "served", "keyed_server", "smol"}
+SERVER_FIXTURES = {"server", "ahead_server", "served", "keyed_server", "smol", "embed_server"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -131,6 +132,18 @@ class Server:
             yield
         finally:
             os.kill(core, signal.SIGCONT)
+
+    def hang_up_once_running(self, path: str, body: dict) -> tuple[dict, dict]:
+        """Send ``body`` on a raw connection and close it once a request runs; wait until one
+        more request was aborted and every block is back. The metrics before and after."""
+        before = self.metrics()
+        with self.connect() as sock:
+            sock.sendall(raw_request("POST", path, json.dumps(body).encode()))
+            self.wait_for_metrics(lambda m: m["num_requests_running"] >= 1)
+        aborted = before.get("request_finished_total{abort}", 0) + 1
+        return before, self.wait_for_metrics(
+            lambda m: m.get("request_finished_total{abort}", 0) >= aborted
+            and m["kv_cache_blocks_used"] == 0 and m["num_requests_running"] == 0)
 
     def wait_for_metrics(self, done, timeout: float = 60.0) -> dict[str, float]:
         """Poll /metrics until ``done(values)``; fail with the last values on timeout."""

@@ -379,15 +379,8 @@ def test_a_client_that_half_closes_after_its_request_gets_the_answer(server):
 def test_a_client_that_closes_after_its_request_still_has_it_aborted(server):
     """Closing (not half-closing) the socket is a hang-up, though the server sees the same
     FIN: the request is aborted and its blocks come back."""
-    before = server.metrics()
-    body = {**GOOD, "max_tokens": LONG}
-    with server.connect() as sock:
-        sock.sendall(raw_request("POST", "/v1/completions", json.dumps(body).encode()))
-        server.wait_for_metrics(lambda m: m["num_requests_running"] >= 1)
-    aborted = before.get("request_finished_total{abort}", 0) + 1
-    after = server.wait_for_metrics(
-        lambda m: m.get("request_finished_total{abort}", 0) >= aborted
-        and m["kv_cache_blocks_used"] == 0 and m["num_requests_running"] == 0)
+    before, after = server.hang_up_once_running("/v1/completions",
+                                                {**GOOD, "max_tokens": LONG})
     assert after["generation_tokens_total"] - before["generation_tokens_total"] < LONG
 
 

@@ -1,0 +1,99 @@
+"""Pooling (embedding) settings, named as in vLLM: the engine's ``pooler_config`` (how every
+request of a ``--runner pooling`` engine is pooled) and a request's ``PoolingParams``.
+
+An embedding is the model's final hidden state (after the final norm) pooled over the prompt:
+``LAST`` takes the last token's row (decoder embedding models: Qwen3-Embedding, gte-Qwen2,
+e5-mistral), ``MEAN`` the mean of every row, ``CLS`` the first row; then, with ``normalize``,
+divided by its L2 norm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.errors import ConfigError
+from pagedserve.field_types import plain_fields, wrong_type
+from pagedserve.sampling_params import InvalidSamplingParam
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+RUNNERS = ("auto", "generate", "pooling")
+_FLAG = "--pooler-config"
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """``--pooler-config`` / ``LLM(pooler_config={...})``: vLLM's ``pooling_type`` and
+    ``normalize``, with vLLM's defaults for a decoder model's embeddings (LAST, normalized)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    @classmethod
+    def parse(cls, value: PoolerConfig | dict[str, Any] | str) -> PoolerConfig:
+        """From the Python API's dict or the command line's JSON text."""
+        if isinstance(value, PoolerConfig):
+            return value
+        fields = json_object(value, _FLAG, {f.name for f in dataclasses.fields(cls)})
+        if isinstance(fields.get("pooling_type"), str):
+            fields["pooling_type"] = fields["pooling_type"].upper()
+        return cls(**fields)
+
+    def __post_init__(self) -> None:
+        wrong = wrong_type(self, _CONFIG_FIELDS)
+        if wrong is not None:
+            raise ConfigError(f"{_FLAG}: {wrong[0]} {wrong[1]}")
+        if self.pooling_type not in POOLING_TYPES:
+            raise ConfigError(f"{_FLAG}: pooling_type must be one of "
+                              f"{', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+
+    @property
+    def reads_every_token(self) -> bool:
+        """Whether the pooled vector needs hidden states of prompt tokens other than the last
+        (MEAN, CLS): a prefix served from the cache never had them computed."""
+        return self.pooling_type != "LAST"
+
+
+def json_object(value: Any, flag: str, known: set[str]) -> dict[str, Any]:
+    """A structured option's fields, from a dict or its JSON text; ``ConfigError`` naming
+    ``flag`` for text that is not a JSON object or for a field not in ``known``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(map(str, set(value) - known))
+    if unknown:
+        raise ConfigError(f"{flag}: unknown field(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(sorted(known))}")
+    return dict(value)
+
+
+@dataclass
+class PoolingParams:
+    """One embedding request's settings (vLLM's names). ``normalize`` None takes the
+    engine's ``pooler_config``; ``dimensions`` must be None or the model's hidden size (no
+    Matryoshka truncation); ``truncate_prompt_tokens`` keeps the prompt's last k tokens (-1:
+    as many as the context holds)."""
+
+    normalize: bool | None = None
+    dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        wrong = wrong_type(self, _PARAMS_FIELDS)
+        if wrong is not None:
+            raise InvalidSamplingParam(wrong[0], f"{wrong[0]} {wrong[1]}")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and keep < 1 and keep != -1:
+            raise InvalidSamplingParam(
+                "truncate_prompt_tokens", f"truncate_prompt_tokens must be -1 or at least 1, "
+                f"got {keep}")
+
+
+_CONFIG_FIELDS = plain_fields(PoolerConfig)
+_PARAMS_FIELDS = plain_fields(PoolingParams)

@@ -1,0 +1,160 @@
+"""``runner="pooling"``: ``LLM.embed`` against transformers' base model (``last_hidden_state``,
+after the final norm) pooled by hand in float64; chunked prompts, batches, the engine's
+state after, and the errors of a request on the wrong runner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import PoolingParams, SamplingParams
+from pagedserve.errors import ConfigError
+from tests.tiny_models import make_llm, random_prompts, write_tiny_model
+
+# float32 engine against a float64 reference, over a 2-layer model of width 64.
+ATOL = 2e-5
+LENGTHS = [1, 5, 23, 64, 97]
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen2"])
+def model(request, tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp(request.param) / "m", request.param,
+                            seed=3)
+
+
+def _reference(folder, prompts, pooling_type: str, normalize: bool) -> list[torch.Tensor]:
+    """transformers' hidden states of the prompts as one right-padded batch, pooled over
+    each prompt's own tokens (the padding masked out)."""
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(folder, dtype=torch.float64).eval()
+    width = max(map(len, prompts))
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    with torch.no_grad():
+        hidden = hf(input_ids=ids, attention_mask=mask).last_hidden_state
+    lengths = mask.sum(1)
+    if pooling_type == "LAST":
+        pooled = hidden[torch.arange(len(prompts)), lengths - 1]
+    elif pooling_type == "CLS":
+        pooled = hidden[:, 0]
+    else:
+        pooled = (hidden * mask[..., None]).sum(1) / lengths[:, None]
+    return list(torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled)
+
+
+def _embeddings(llm, prompts, **kwargs) -> list[torch.Tensor]:
+    outs = llm.embed(prompts, use_tqdm=False, **kwargs)
+    for out, prompt in zip(outs, prompts, strict=True):
+        assert out.prompt_token_ids == prompt and out.finished
+    return [torch.tensor(o.outputs.embedding, dtype=torch.float64) for o in outs]
+
+
+def _assert_close(got, want) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape, i
+        assert torch.allclose(g, w, atol=ATOL, rtol=0), (i, (g - w).abs().max().item())
+
+
+def _assert_all_blocks_free(llm) -> None:
+    pool = llm.engine.kv.pool
+    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+    assert pool.num_used == 0 and pool.num_free == pool.num_blocks
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "CLS"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_embed_matches_transformers(model, pooling_type, normalize):
+    prompts = random_prompts(f"{pooling_type}{normalize}", LENGTHS)
+    # A budget of 32 tokens: the longer prompts run in chunks over several steps.
+    llm = make_llm(model, runner="pooling", max_num_batched_tokens=32,
+                   pooler_config={"pooling_type": pooling_type, "normalize": normalize})
+    want = _reference(model, prompts, pooling_type, normalize)
+    _assert_close(_embeddings(llm, prompts), want)  # all at once
+    _assert_close([_embeddings(llm, [p])[0] for p in prompts], want)  # one by one
+    _assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_chunked_equals_unchunked(model, pooling_type):
+    prompts = random_prompts(7, [300, 130])
+    config = {"pooling_type": pooling_type}
+    chunked = make_llm(model, runner="pooling", max_num_batched_tokens=48,
+                       pooler_config=config)
+    whole = make_llm(model, runner="pooling", max_num_batched_tokens=1024,
+                     pooler_config=config)
+    _assert_close(_embeddings(chunked, prompts), _embeddings(whole, prompts))
+    _assert_all_blocks_free(chunked)
+
+
+def test_prefix_cache_hits_keep_last_pooling_exact(model):
+    """A second prompt sharing a cached prefix computes only its tail; LAST reads its last
+    row, which is always computed."""
+    base = random_prompts(11, [80])[0]
+    prompts = [base + [5, 6, 7], base + [9]]
+    llm = make_llm(model, runner="pooling")
+    first = _embeddings(llm, prompts[:1])
+    second = _embeddings(llm, prompts[1:])
+    assert llm.engine.kv.prefix_stats.hit_tokens > 0
+    _assert_close(first + second, _reference(model, prompts, "LAST", True))
+
+
+def test_mean_and_cls_turn_prefix_caching_off(model):
+    base = random_prompts(17, [80])[0]
+    prompts = [base + [5, 6, 7], base + [9]]
+    llm = make_llm(model, runner="pooling", pooler_config='{"pooling_type": "mean"}')
+    got = _embeddings(llm, prompts[:1]) + _embeddings(llm, prompts[1:])
+    assert llm.engine.kv.prefix_stats.hit_tokens == 0
+    _assert_close(got, _reference(model, prompts, "MEAN", True))
+
+
+def test_pooling_params(model):
+    prompts = random_prompts(13, [9, 40])
+    llm = make_llm(model, runner="pooling")
+    raw = _embeddings(llm, prompts, pooling_params=[PoolingParams(normalize=False),
+                                                    PoolingParams()])
+    _assert_close(raw[:1], _reference(model, prompts[:1], "LAST", False))
+    _assert_close(raw[1:], _reference(model, prompts[1:], "LAST", True))
+    kept = llm.embed(prompts[1], truncate_prompt_tokens=10, use_tqdm=False)[0]
+    assert kept.prompt_token_ids == prompts[1][-10:]
+    _assert_close([torch.tensor(kept.outputs.embedding, dtype=torch.float64)],
+                  _reference(model, [prompts[1][-10:]], "LAST", True))
+    text = llm.embed("hello world", use_tqdm=False)[0]
+    assert text.outputs.hidden_size == 64
+    with pytest.raises(ValueError, match="dimensions"):
+        llm.embed(prompts[0], pooling_params=PoolingParams(dimensions=32), use_tqdm=False)
+    assert _embeddings(llm, prompts, pooling_params=PoolingParams(dimensions=64))
+    _assert_all_blocks_free(llm)
+
+
+def test_errors_name_the_runner(model):
+    pooling = make_llm(model, runner="pooling")
+    with pytest.raises(ValueError, match="--runner pooling"):
+        pooling.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="context length"):
+        pooling.embed([[5] * 1025], use_tqdm=False)
+    with pytest.raises(ValueError, match="token ids"):
+        pooling.embed([[5, 384]], use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        pooling.embed([[]], use_tqdm=False)
+    assert len(pooling.embed([[5] * 1024], use_tqdm=False)[0].outputs.embedding) == 64
+    _assert_all_blocks_free(pooling)
+    generating = make_llm(model)
+    with pytest.raises(ValueError, match="runner"):
+        generating.embed([[5, 6]], use_tqdm=False)
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(runner="pooling", pooler_config={"pooling_type": "MAX"}), "pooling_type"),
+    (dict(runner="pooling", pooler_config={"pool": "LAST"}), "unknown field"),
+    (dict(runner="pooling", pooler_config="{"), "not valid JSON"),
+    (dict(pooler_config={"pooling_type": "LAST"}), "needs --runner pooling"),
+    (dict(runner="embed"), "runner"),
+])
+def test_bad_options(config, message):
+    from pagedserve.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**config)
