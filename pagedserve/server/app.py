@@ -46,6 +46,7 @@ from pagedserve.server.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    ResponsesRequest,
     UnloadLoRAAdapterRequest,
 )
 from pagedserve.server.reasoning_parsers import REASONING_PARSERS, ThinkParser
@@ -55,6 +56,7 @@ from pagedserve.server.serving_completion import CompletionServing
 from pagedserve.server.serving_embedding import EmbeddingServing
 from pagedserve.server.serving_lora import LoRAServing
 from pagedserve.server.serving_models import ServedModel, ServingModels
+from pagedserve.server.serving_responses import ResponsesServing
 from pagedserve.server.serving_tokenization import TokenizationServing
 from pagedserve.server.tool_parsers import ToolParser, tool_parser
 
@@ -97,6 +99,7 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     loras.add_modules(lora_modules)
     completions = CompletionServing(models)
     chat = ChatServing(models, tool_parser, reasoning_parser)
+    responses = ResponsesServing(chat)
     tokenization = TokenizationServing(models)
     embeddings = EmbeddingServing(models)
 
@@ -166,6 +169,11 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
         ids = RequestIds.of(raw, "embd")
         return _to_response(await _unless_disconnected(raw, embeddings.create(body, ids)))
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+        ids = RequestIds.of(raw, "resp", sep="_")
+        return _to_response(await _unless_disconnected(raw, responses.create(body, ids)))
 
     if runtime_lora_updating:
         @app.post("/v1/load_lora_adapter")

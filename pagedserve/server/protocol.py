@@ -27,7 +27,9 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     model_validator,
 )
 
@@ -94,8 +96,8 @@ PromptInput = Annotated[str | list[str] | list[int] | list[list[int]],
                         AfterValidator(_unicode_text)]
 
 
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def random_id(prefix: str, sep: str = "-") -> str:
+    return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 
 def _now() -> int:
@@ -139,7 +141,18 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
                   "guided_grammar": "grammar"}
 
 
-class SamplingRequest(StrictModel):
+class IgnoredFields(StrictModel):
+    """Accepted and ignored: who asks, and hints to OpenAI's storage and routing."""
+
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+
+class SamplingRequest(IgnoredFields):
     """Fields shared by completions and chat completions."""
 
     # OpenAI's fields that this server does not implement: refused unless null.
@@ -157,13 +170,6 @@ class SamplingRequest(StrictModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    # Accepted and ignored: who asks, and hints to OpenAI's storage and routing.
-    user: str | None = None
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
     # vLLM's extras.
     top_k: int | None = None
     min_p: float | None = None
@@ -493,6 +499,256 @@ class EmbeddingResponse(BaseModel):
     data: list[EmbeddingData]
     model: str
     usage: EmbeddingUsage
+# ---- the Responses API -------------------------------------------------------------------
+# Text as the Responses API sends it: checked for lone surrogates, as chat's is.
+_Text = Annotated[str, AfterValidator(_unicode_text)]
+# The input items and tools this server reads; any other type is refused by name.
+_INPUT_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
+
+
+class InputText(StrictModel):
+    """A text part of an input message: ``input_text``, or ``output_text`` of an assistant
+    message replayed from an earlier response (whose ``annotations`` and ``logprobs`` are
+    ignored)."""
+
+    type: Literal["input_text", "output_text"]
+    text: _Text
+    annotations: list | None = None
+    logprobs: list | None = None
+
+
+class _ReplayedItem(StrictModel):
+    """An input item; ``id`` and ``status`` come with items replayed from a response's
+    ``output`` and are ignored."""
+
+    id: str | None = None
+    status: str | None = None
+
+
+class InputMessage(_ReplayedItem):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: _Text | list[InputText]
+
+    def text(self) -> str:
+        return _joined(self.content)
+
+
+def _joined(content: str | list[InputText]) -> str:
+    return content if isinstance(content, str) else "\n".join(part.text for part in content)
+
+
+class FunctionCallItem(_ReplayedItem):
+    """A call the model made in an earlier turn: an assistant message's tool call."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: _Text
+
+
+class FunctionCallOutputItem(_ReplayedItem):
+    """A call's result: a tool message."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: _Text | list[InputText]
+
+
+class ReasoningItem(_ReplayedItem):
+    """An earlier turn's reasoning, replayed: read and dropped, as chat templates drop it."""
+
+    type: Literal["reasoning"]
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+
+
+def _item_kind(item: Any) -> str:
+    return item.get("type", "message") if isinstance(item, dict) else "message"
+
+
+def _known_items(items: Any) -> Any:
+    """Items of other types (images, files, item references) are named here; left to the
+    union, each got a line per member."""
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        if _item_kind(item) not in _INPUT_ITEMS:
+            raise ValueError(f"input item {i} is of type {_item_kind(item)!r}; this server "
+                             f"reads {', '.join(_INPUT_ITEMS)} items")
+        content = item.get("content") if _item_kind(item) == "message" else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("input_text", "output_text"):
+                raise ValueError(f"input item {i}: content part {j} is of type {kind!r}; "
+                                 "this server reads input_text parts only")
+    return items
+
+
+InputItem = Annotated[Annotated[InputMessage, Tag("message")]
+                      | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+                      | Annotated[ReasoningItem, Tag("reasoning")],
+                      Discriminator(_item_kind)]
+
+
+class FunctionTool(FunctionDefinition):
+    """A function tool in the Responses API's flat form: chat's ``function`` with ``type``."""
+
+    type: Literal["function"]
+
+    def to_chat(self) -> ChatTool:
+        return ChatTool(type="function", function=FunctionDefinition(
+            **self.model_dump(exclude={"type"})))
+
+
+def _function_tools_only(tools: Any) -> Any:
+    for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise ValueError(f"tool {i} is of type {kind!r}; this server runs function tools "
+                             "only (built-in tools such as web_search are not supported)")
+    return tools
+
+
+class FunctionToolChoice(StrictModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(StrictModel):
+    """``text.format``: chat's ``response_format``, with the json_schema's fields flat."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _json_schema_has_its_schema(self) -> TextFormat:
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError("a json_schema format needs name and schema")
+        return self
+
+    def to_chat(self) -> ResponseFormat:
+        if self.type != "json_schema":
+            return ResponseFormat(type=self.type)
+        return ResponseFormat(type="json_schema", json_schema=JSONSchemaFormat(
+            name=self.name, description=self.description, schema=self.schema_,
+            strict=self.strict))
+
+
+class TextConfig(StrictModel):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted and ignored
+
+
+class ReasoningConfig(StrictModel):
+    """Accepted and ignored: the model reasons as its chat template has it."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesRequest(IgnoredFields):
+    """``POST /v1/responses``, read into the chat request it runs as (``to_chat``).
+    Nothing is stored (vLLM's default): ``store`` is accepted, and the response says
+    ``"store": false``; ``previous_response_id`` names a response this server cannot have."""
+
+    # OpenAI's fields that this server does not implement: refused unless null.
+    unimplemented: ClassVar[frozenset[str]] = frozenset({
+        "conversation", "prompt", "background", "max_tool_calls",
+        "top_logprobs", "include", "stream_options"})
+    # Accepted only with these values, their defaults.
+    _DEFAULTS: ClassVar[dict[str, Any]] = {"background": False, "include": [],
+                                           "top_logprobs": 0}
+
+    model: str | None = None
+    input: Annotated[_Text | list[InputItem], BeforeValidator(_known_items)] = Field(
+        max_length=MAX_MESSAGES)
+    instructions: _Text | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: Annotated[list[FunctionTool] | None, BeforeValidator(_function_tools_only)] = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    stream: bool | None = False
+    truncation: Literal["disabled"] | None = None
+    # Refused with why in ``to_chat``: this server stores no responses.
+    previous_response_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_defaults_and_nulls(cls, data: Any) -> Any:
+        """A null (or the default value) of an unimplemented field asks for nothing; any other
+        value is left for ``extra="forbid"`` to refuse."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if k not in cls.unimplemented
+                or (v is not None and v != cls._DEFAULTS.get(k, None))}
+
+    def to_chat(self) -> ChatOfResponse:
+        if self.previous_response_id is not None:
+            raise InvalidSamplingParam(
+                "previous_response_id", "previous_response_id is not supported: this server "
+                "stores no responses; send the earlier turns in input instead")
+        fmt = self.text.format if self.text is not None else None
+        return ChatOfResponse(
+            model=self.model, messages=self.messages(), stream=self.stream,
+            max_completion_tokens=self.max_output_tokens, temperature=self.temperature,
+            top_p=self.top_p, tools=[t.to_chat() for t in self.tools] if self.tools else None,
+            tool_choice=_chat_tool_choice(self.tool_choice),
+            parallel_tool_calls=self.parallel_tool_calls,
+            response_format=None if fmt is None else fmt.to_chat())
+
+    def messages(self) -> list[ChatMessage]:
+        """The conversation as chat has it: ``instructions`` as a system message first;
+        consecutive function calls (after any text of the same turn) one assistant message."""
+        messages = [] if self.instructions is None else [
+            ChatMessage(role="system", content=self.instructions)]
+        items = [InputMessage(role="user", content=self.input)] \
+            if isinstance(self.input, str) else self.input
+        for item in items:  # a reasoning item is dropped
+            if isinstance(item, FunctionCallItem):
+                if not messages or messages[-1].role != "assistant":
+                    messages.append(ChatMessage(role="assistant"))
+                messages[-1].tool_calls = [*(messages[-1].tool_calls or []), ToolCall(
+                    id=item.call_id, function=FunctionCall(name=item.name,
+                                                           arguments=item.arguments))]
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append(ChatMessage(role="tool", content=_joined(item.output),
+                                            tool_call_id=item.call_id))
+            elif isinstance(item, InputMessage):
+                messages.append(ChatMessage(role=item.role, content=item.text()))
+        if not messages:
+            raise InvalidSamplingParam("input", "input holds no message")
+        return messages
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if isinstance(choice, FunctionToolChoice):
+        return NamedToolChoice(type="function", function=FunctionName(name=choice.name))
+    return choice
+
+
+class ChatOfResponse(ChatCompletionRequest):
+    """The chat request a Responses request runs as; its errors name the Responses fields."""
+
+    _RESPONSES_FIELDS: ClassVar[dict[str, str]] = {
+        "max_completion_tokens": "max_output_tokens", "response_format": "text",
+        "messages": "input"}
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_output_tokens"
+
+    def field_name(self, param: str) -> str:
+        name = super().field_name(param)
+        return self._RESPONSES_FIELDS.get(name, name)
 
 
 class TokenizeCompletionRequest(StrictModel):
@@ -577,15 +833,25 @@ def _token_id(key: str) -> int:
 
 
 # ---- responses --------------------------------------------------------------------------
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # With --reasoning-parser: the output tokens up to and including the reasoning's end.
+    completion_tokens_details: CompletionTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int,
+           reasoning_tokens: int | None = None) -> UsageInfo:
+        details = None if reasoning_tokens is None \
+            else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   completion_tokens_details=details)
 
 
 class CompletionLogprobs(BaseModel):
@@ -661,6 +927,54 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+
+
+class ResponsesUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]  # {"cached_tokens"}: the prefix cache's
+    output_tokens: int
+    output_tokens_details: dict[str, int]  # {"reasoning_tokens"}
+    total_tokens: int
+
+    @classmethod
+    def of(cls, usage: UsageInfo, cached_tokens: int) -> ResponsesUsage:
+        details = usage.completion_tokens_details
+        return cls(input_tokens=usage.prompt_tokens,
+                   input_tokens_details={"cached_tokens": cached_tokens},
+                   output_tokens=usage.completion_tokens,
+                   output_tokens_details={"reasoning_tokens": details.reasoning_tokens
+                                          if details else 0},
+                   total_tokens=usage.total_tokens)
+
+
+class ResponseObject(BaseModel):
+    """A response of ``POST /v1/responses``: its output items (dicts, as the stream's events
+    carry them) and the request's parameters echoed, as OpenAI's are."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    error: None = None
+    incomplete_details: dict[str, str] | None = None
+    model: str
+    output: list[dict[str, Any]] = Field(default_factory=list)
+    usage: ResponsesUsage | None = None
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float
+    top_p: float
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    parallel_tool_calls: bool
+    text: dict[str, Any]
+    reasoning: dict[str, Any] | None
+    metadata: dict[str, str] | None
+    user: str | None
+    store: bool = False  # nothing is stored (vLLM's default)
+    previous_response_id: None = None
+    truncation: Literal["disabled"] = "disabled"
+    background: bool = False
 
 
 class ModelCard(BaseModel):

@@ -8,6 +8,7 @@ generated, holding back only what may be the start of a tag.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -59,6 +60,20 @@ class ThinkParser:
         if not finished:
             reasoning = reasoning[:len(reasoning) - held_back(reasoning, END)]
         return ReasoningSplit(reasoning, None)
+
+    def num_reasoning_tokens(self, token_ids: list[int],
+                             decode: Callable[[list[int]], str]) -> int:
+        """How many of an output's tokens are its reasoning, the end tag included: the fewest
+        whose text holds the end tag; all of them if the reasoning never ended; none if the
+        output does not reason. The end's token is found by bisection (a dozen decodes of a
+        4k-token output) as a tag of several tokens may end anywhere inside one."""
+        text = decode(token_ids)
+        if not self.implicit_start and not text.startswith(START):
+            return 0
+        if END not in text:
+            return len(token_ids)
+        counts = range(1, len(token_ids) + 1)
+        return counts[bisect.bisect_left(counts, True, key=lambda n: END in decode(token_ids[:n]))]
 
     def tag_ids(self, encode: Callable[[str], list[int]]) -> TagIds | None:
         """The tags' token ids; None where the engine cannot follow this parser by tokens:

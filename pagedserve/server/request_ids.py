@@ -66,14 +66,15 @@ class RequestIds:
     engine: str
 
     @classmethod
-    def of(cls, raw: Request, prefix: str) -> RequestIds:
-        """The ids of the request ``raw``, recorded for ``RequestIdHeaders`` to echo."""
+    def of(cls, raw: Request, prefix: str, sep: str = "-") -> RequestIds:
+        """The ids of the request ``raw``, recorded for ``RequestIdHeaders`` to echo
+        (``sep`` after the prefix: the Responses API's ids are ``resp_...``)."""
         client_id = getattr(raw.state, _CLIENT_ID, None)
         if client_id is None:
-            made = random_id(prefix)
+            made = random_id(prefix, sep)
             ids = cls(made, made)
         else:
-            response = f"{prefix}-{client_id}"
+            response = f"{prefix}{sep}{client_id}"
             ids = cls(response, f"{response}-{uuid.uuid4().hex[:8]}")
         setattr(raw.state, _MADE_ID, ids.response)
         return ids

@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from pagedserve.outputs import CompletionOutput, Logprob, TokenLogprobs
+from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.server.errors import bad_request, stream_error
 from pagedserve.server.protocol import (
@@ -63,6 +63,19 @@ class ChatServing:
 
     async def create(self, request: ChatCompletionRequest,
                      ids: RequestIds) -> ChatCompletionResponse | StreamingResponse:
+        run = await self.submit(request, ids)
+        if request.stream:
+            return StreamingResponse(self._stream(request, run, ids.response),
+                                     media_type="text/event-stream")
+        final = await run.final()
+        choices = [self._choice(request, run.plan, o, run.token_bytes) for o in final.outputs]
+        usage = await self.usage(run, final.outputs, final.metrics.num_generated_tokens)
+        return ChatCompletionResponse(id=ids.response, model=run.name, choices=choices,
+                                      usage=usage)
+
+    async def submit(self, request: ChatCompletionRequest, ids: RequestIds) -> ChatRun:
+        """Render, check and submit ``request``: all but the answer, which chat and the
+        Responses API each write in their own shape."""
         arrival = time.perf_counter()
         route = self.models.resolve(request.model)
         model = route.model
@@ -77,7 +90,6 @@ class ChatServing:
         model.check_min_tokens(len(token_ids), request.min_tokens)
         model.check_params(params)
         token_bytes = await model.token_bytes() if request.logprobs else None
-        request_id = ids.response
 
         def field_name(param: str) -> str:  # a bad tool schema is the tools' fault
             if param == "structured_outputs" and plan.constraint() is not None:
@@ -86,19 +98,19 @@ class ChatServing:
 
         stream = await model.client.submit(ids.engine, token_ids, params, arrival,
                                            field_name, route.lora)
-        if request.stream:
-            return StreamingResponse(
-                self._stream(route.name, request, plan, request_id, len(token_ids), stream,
-                             token_bytes),
-                media_type="text/event-stream")
-        try:
-            final = await stream.final()
-        finally:
-            stream.close()
-        choices = [self._choice(request, plan, o, token_bytes) for o in final.outputs]
-        completion_tokens = final.metrics.num_generated_tokens
-        return ChatCompletionResponse(id=request_id, model=route.name, choices=choices,
-                                      usage=UsageInfo.of(len(token_ids), completion_tokens))
+        return ChatRun(model, route.name, plan, params, len(token_ids), stream, token_bytes)
+
+    async def usage(self, run: ChatRun, outputs: list[CompletionOutput],
+                    completion_tokens: int) -> UsageInfo:
+        """With ``--reasoning-parser``, ``completion_tokens_details.reasoning_tokens`` counts
+        every choice's tokens up to and including its reasoning's end."""
+        reasoning = None
+        if self.reasoning_parser is not None:
+            reasoning = 0
+            for out in outputs:
+                reasoning += await run.model.off_loop(
+                    self.reasoning_parser.num_reasoning_tokens, out.token_ids, run.model.decode)
+        return UsageInfo.of(run.num_prompt_tokens, completion_tokens, reasoning)
 
     async def _after_reasoning(self, model: ServedModel, params: SamplingParams,
                                request: ChatCompletionRequest, plan: ToolPlan) -> SamplingParams:
@@ -134,26 +146,27 @@ class ChatServing:
                           finish_reason=_finish_reason(plan, out, bool(calls)),
                           stop_reason=out.stop_reason)
 
-    async def _stream(self, name: str, request: ChatCompletionRequest, plan: ToolPlan,
-                      request_id: str, num_prompt_tokens: int, stream: TimedStream,
-                      token_bytes: TokenBytes | None) -> AsyncIterator[str]:
+    async def _stream(self, request: ChatCompletionRequest, run: ChatRun,
+                      request_id: str) -> AsyncIterator[str]:
         created = int(time.time())
+        plan, token_bytes = run.plan, run.token_bytes
 
         def chunk(choices: list[dict], usage: UsageInfo | None = None) -> bytes:
-            return sse_chunk(_CHUNK, request_id, name, created, choices,
+            return sse_chunk(_CHUNK, request_id, run.name, created, choices,
                              request.include_usage_in_stream, usage)
 
         n = request.n or 1
         sent = [ChoiceProgress() for _ in range(n)]
-        regrouped = [self._regrouped(plan) for _ in range(n)] \
+        regrouped = [self.regrouped(plan) for _ in range(n)] \
             if plan.mode != "none" or self.reasoning_parser is not None else None
-        completion_tokens = 0
+        completion_tokens, last = 0, {}  # the choices' latest outputs, by index
         try:
             yield chunk([choice_dict(i, None, None, None,
                                      delta={"role": "assistant", "content": ""})
                          for i in range(n)])
-            async for output in stream:
+            async for output in run.stream:
                 for out in output.outputs:
+                    last[out.index] = out
                     if regrouped is None:
                         choice = _delta(request, out, sent[out.index], token_bytes)
                     else:
@@ -164,17 +177,37 @@ class ChatServing:
                 if output.finished:
                     completion_tokens = output.metrics.num_generated_tokens
             if request.include_usage_in_stream:
-                yield chunk([], UsageInfo.of(num_prompt_tokens, completion_tokens))
+                yield chunk([], await self.usage(run, list(last.values()), completion_tokens))
         except Exception as exc:
             yield sse(stream_error(exc))
         finally:
-            stream.close()
+            run.stream.close()
         yield SSE_DONE
 
-    def _regrouped(self, plan: ToolPlan) -> RegroupedStream:
+    def regrouped(self, plan: ToolPlan) -> RegroupedStream:
+        """A streamed choice's regrouping: its reasoning apart, its answer parsed for calls."""
         return RegroupedStream(
             None if self.reasoning_parser is None else ReasoningStream(self.reasoning_parser),
             None if plan.mode == "none" else ToolCallStream(plan))
+
+
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat request submitted to its engine: what its answer is written from."""
+
+    model: ServedModel
+    name: str  # the model as the request named it (an adapter's name, for one)
+    plan: ToolPlan
+    params: SamplingParams
+    num_prompt_tokens: int
+    stream: TimedStream
+    token_bytes: TokenBytes | None  # set when the request asks for logprobs
+
+    async def final(self) -> RequestOutput:
+        try:
+            return await self.stream.final()
+        finally:
+            self.stream.close()
 
 
 @dataclass
