@@ -30,6 +30,22 @@ ARCH_CONFIGS = {
         max_position_embeddings=1024, tie_word_embeddings=True, use_sliding_window=False,
         sliding_window=None,
     ),
+    # Qwen3 shape: q/k norms, head_dim 32 (not hidden / heads = 16), GQA 2:1, untied.
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64,
+        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=1024, tie_word_embeddings=False, attention_bias=False,
+        use_sliding_window=False,
+    ),
+    # Qwen3-0.6B's proportions: head_dim 16 over 8 heads of a 64-wide model, GQA 4:1, tied.
+    "qwen3-tied": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=1024, tie_word_embeddings=True, attention_bias=False,
+        use_sliding_window=False,
+    ),
     # Mistral shape: GQA 4:1, head_dim 16, no sliding window in the tested range.
     "mistral": dict(
         architectures=["MistralForCausalLM"], model_type="mistral", hidden_size=64,
@@ -70,9 +86,11 @@ def write_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Pat
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Larger than the default init so greedy choices are decisive, not near-ties.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)  # not all ones: a swapped or skipped load shows
     model.save_pretrained(folder)
     _train_tokenizer().save_pretrained(folder)
     return folder

@@ -19,6 +19,10 @@ _LLAMA3 = dict(_LLAMA, vocab_size=128256, rope_theta=500000.0, max_position_embe
 _QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", rms_norm_eps=1e-6,
               rope_theta=1000000.0, max_position_embeddings=32768, bos_token_id=151643,
               eos_token_id=151643)
+_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", rms_norm_eps=1e-6,
+              rope_theta=1000000.0, max_position_embeddings=40960, vocab_size=151936,
+              head_dim=128, attention_bias=False, use_sliding_window=False,
+              bos_token_id=151643, eos_token_id=151645)
 
 SHAPES: dict[str, dict] = {
     "llama3-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336,
@@ -48,6 +52,11 @@ SHAPES: dict[str, dict] = {
     "qwen2-7b": dict(_QWEN2, vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                      num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                      tie_word_embeddings=False),
+    # q/k norms, and heads of 128 wider than hidden / heads (64): q is 2048 wide, not 1024.
+    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
 }
 
 

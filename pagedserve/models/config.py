@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+# Qwen2 and Qwen3 configs carry a sliding_window that only applies with use_sliding_window.
+_WINDOW_FLAG_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 class UnsupportedModel(ValueError):
@@ -27,6 +30,9 @@ class ModelArchConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    # An RMSNorm over each head's q and k vectors (weights of head_dim) before the rotation:
+    # Qwen3's ``self_attn.q_norm`` / ``k_norm``.
+    qk_norm: bool = False
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -44,13 +50,20 @@ class ModelArchConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         num_heads = cfg["num_attention_heads"]
+        qwen3 = arch == "Qwen3ForCausalLM"
+        if qwen3 and cfg.get("attention_bias", False):
+            raise UnsupportedModel("Qwen3 with attention_bias (biases on q/k/v and o_proj) is "
+                                   "not supported; the released Qwen3 models have none")
+        # transformers' Qwen3Config defaults head_dim to 128, whatever hidden/heads is.
+        head_dim = cfg.get("head_dim") or (128 if qwen3 else cfg["hidden_size"] // num_heads)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         # Qwen2 always has q/k/v biases; Llama exposes it as a flag.
         bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
-        # Qwen2 configs carry a sliding_window that only applies with use_sliding_window.
+        # With use_sliding_window the context is kept inside one window (EngineConfig), where
+        # windowed and full attention agree.
         window = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        if arch in _WINDOW_FLAG_ARCHITECTURES and not cfg.get("use_sliding_window", False):
             window = None
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
@@ -68,12 +81,13 @@ class ModelArchConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bias,
+            qk_norm=qwen3,
             rope_scaling=rope_scaling,
             sliding_window=window,
             bos_token_id=cfg.get("bos_token_id"),

@@ -134,7 +134,8 @@ class Eagle3Layer(nn.Module):
                  ops: type[LayerOps], linears: LinearFactory) -> None:
         super().__init__()
         a = cfg.arch
-        self.self_attn = LlamaAttention(a, rotary, backend, linears, input_size=2 * a.hidden_size)
+        self.self_attn = LlamaAttention(a, rotary, backend, ops, linears,
+                                        input_size=2 * a.hidden_size)
         self.mlp = LlamaMLP(a, ops, linears)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, ops)
         self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps, ops)

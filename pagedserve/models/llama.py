@@ -1,4 +1,5 @@
-"""The Llama family: Llama 2/3 (and SmolLM2), Mistral, and Qwen2 (q/k/v biases).
+"""The Llama family: Llama 2/3 (and SmolLM2), Mistral, Qwen2 (q/k/v biases) and Qwen3 dense
+(an RMSNorm over each head's q and k before the rotation).
 
 Module names follow Hugging Face checkpoints, except that q/k/v and gate/up projections are
 fused into one matmul each; ``load_weights`` hands the checkpoint's shards to them. Linear
@@ -33,7 +34,7 @@ _STACKED = {
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding,
-                 backend: AttentionBackend, linears: LinearFactory,
+                 backend: AttentionBackend, ops: type[LayerOps], linears: LinearFactory,
                  input_size: int | None = None) -> None:
         """``input_size``: the width q/k/v are projected from, the hidden size unless given
         (an EAGLE-3 head's layer reads a token's embedding and a hidden state side by
@@ -48,6 +49,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = linears.column(input_size or cfg.hidden_size, [q, kv, kv],
                                        bias=cfg.attention_bias)
         self.o_proj = linears.row(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        # Qwen3: one weight of head_dim each, shared by all heads, so every rank holds it whole.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.rotary = rotary
         self.attn = PagedAttention(backend)
 
@@ -57,9 +61,17 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = _norm_heads(self.q_norm, q), _norm_heads(self.k_norm, k)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, kv_cache, ctx)
         return self.o_proj(out.reshape(-1, self.q_size), ctx.lora_slots)
+
+
+def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[T, H, D]`` with each head's vector normalised: one norm over ``[T * H, D]``
+    rows, a contiguous copy (the fused kernels read rows; ``x`` is a strided view of qkv)."""
+    return norm(x.reshape(-1, x.shape[-1])).view(x.shape)
 
 
 class LlamaMLP(nn.Module):
@@ -81,7 +93,7 @@ class LlamaDecoderLayer(nn.Module):
                  backend: AttentionBackend, ops: type[LayerOps],
                  linears: LinearFactory) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, backend, linears)
+        self.self_attn = LlamaAttention(cfg, rotary, backend, ops, linears)
         self.mlp = LlamaMLP(cfg, ops, linears)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
@@ -171,28 +183,7 @@ class LlamaForCausalLM(nn.Module):
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a Hugging Face checkpoint of this model holds, with its shape."""
-        c = self.config
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight":
-                                              (c.vocab_size, c.hidden_size),
-                                              "model.norm.weight": (c.hidden_size,)}
-        if not c.tie_word_embeddings:
-            shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        layer = {"input_layernorm.weight": (c.hidden_size,),
-                 "post_attention_layernorm.weight": (c.hidden_size,),
-                 "self_attn.q_proj.weight": (q, c.hidden_size),
-                 "self_attn.k_proj.weight": (kv, c.hidden_size),
-                 "self_attn.v_proj.weight": (kv, c.hidden_size),
-                 "self_attn.o_proj.weight": (c.hidden_size, q),
-                 "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-                 "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-                 "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)}
-        if c.attention_bias:
-            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                          "self_attn.v_proj.bias": (kv,)})
-        for i in range(c.num_layers):
-            shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
-        return shapes
+        return checkpoint_shapes(self.config)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
@@ -237,6 +228,34 @@ class LlamaForCausalLM(nn.Module):
             missing += [f"{name}#{s}" for s in shards if f"{name}#{s}" not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0]}")
+
+
+def checkpoint_shapes(c: ModelArchConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of this architecture holds, with its shape."""
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight":
+                                          (c.vocab_size, c.hidden_size),
+                                          "model.norm.weight": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layer = {"input_layernorm.weight": (c.hidden_size,),
+             "post_attention_layernorm.weight": (c.hidden_size,),
+             "self_attn.q_proj.weight": (q, c.hidden_size),
+             "self_attn.k_proj.weight": (kv, c.hidden_size),
+             "self_attn.v_proj.weight": (kv, c.hidden_size),
+             "self_attn.o_proj.weight": (c.hidden_size, q),
+             "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+             "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+             "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)}
+    if c.qk_norm:
+        layer.update({"self_attn.q_norm.weight": (c.head_dim,),
+                      "self_attn.k_norm.weight": (c.head_dim,)})
+    if c.attention_bias:
+        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                      "self_attn.v_proj.bias": (kv,)})
+    for i in range(c.num_layers):
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
+    return shapes
 
 
 def submodule(model: nn.Module, name: str) -> nn.Module | None:

@@ -8,9 +8,10 @@ from pagedserve.models.config import UnsupportedModel
 
 _MODELS = {
     "LlamaForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
-    # Mistral and Qwen2 share Llama's layout; their differences live in ModelArchConfig.
+    # Mistral, Qwen2 and Qwen3 share Llama's layout; their differences live in ModelArchConfig.
     "MistralForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedserve import SamplingParams
 from tests.tiny_models import ARCH_CONFIGS, hf_greedy, hf_model, make_llm, random_prompts
@@ -29,6 +30,36 @@ def test_greedy_matches_transformers_batched(tiny_model):
         assert out.outputs[0].token_ids == hf_greedy(hf_model(tiny_model), prompt, NEW_TOKENS)
         assert out.outputs[0].finish_reason == "length"
     assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+
+
+def _assert_logprobs(got: dict, reference: torch.Tensor) -> None:
+    """Every logprob an engine position reports (its token and the top ones) equals
+    transformers' log-softmax at that position."""
+    for token_id, logprob in got.items():
+        assert logprob.logprob == pytest.approx(reference[token_id].item(), abs=1e-4)
+
+
+def test_logprobs_match_transformers_through_chunks_and_a_cached_prefix(tiny_model):
+    """Logits, not just argmaxes, in float32: prompt logprobs of a prefill run in chunks of
+    16 tokens across blocks of 8, the decode steps' logprobs (each step reading the paged
+    cache), and a second prompt whose first 32 tokens are a prefix-cache hit."""
+    prefix = random_prompts("logits-prefix", [37])[0]
+    first, second = (prefix + tail for tail in random_prompts("logits-tails", [6, 11]))
+    llm = make_llm(tiny_model, block_size=8, max_num_batched_tokens=16)
+    greedy = dict(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    for prompt, extra in ((first, {"prompt_logprobs": 3}), (second, {})):
+        out = llm.generate([prompt], SamplingParams(**greedy, **extra), use_tqdm=False)[0]
+        tokens = prompt + out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = hf_model(tiny_model)(torch.tensor([tokens[:-1]])).logits[0]
+        reference = logits.double().log_softmax(-1)  # [i]: the next token after tokens[i]
+        assert len(out.prompt_logprobs or prompt) == len(prompt)
+        for i, got in enumerate(out.prompt_logprobs or []):
+            if got is not None:  # the first position has none
+                _assert_logprobs(got, reference[i - 1])
+        for j, got in enumerate(out.outputs[0].logprobs):
+            _assert_logprobs(got, reference[len(prompt) - 1 + j])
+    assert llm.engine.kv.prefix_stats.hit_tokens >= 32
 
 
 def test_requests_joining_mid_run_match_solo_runs(tiny_model):

@@ -59,7 +59,7 @@ def _counters(llm):
     return llm.engine.speculation.counters
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
 def test_greedy_with_drafts_equals_transformers(tiny_model_folder, arch):
     folder = tiny_model_folder(arch)
     prompts = random_prompts(arch, [5, 17, 33, 9])

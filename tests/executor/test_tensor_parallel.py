@@ -26,11 +26,13 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = random_prompts("tp", [5, 17, 40, 3])
 
 # (architecture, config overrides): KV heads per rank 1 (llama3: 2 of 8 heads; qwen2: 2 of 4,
-# with q/k/v biases and a tied head), and fewer KV heads than ranks (mistral: 1, replicated);
-# the odd vocabularies pad the last rank's slice of the embedding and the LM head.
+# with q/k/v biases and a tied head; qwen3: 2 of 4, with q/k norms every rank holds whole),
+# and fewer KV heads than ranks (mistral: 1, replicated); the odd vocabularies pad the last
+# rank's slice of the embedding and the LM head.
 CASES = {
     "llama3": ("llama3", {}),
     "qwen2-bias-tied-odd-vocab": ("qwen2", {"vocab_size": 385}),
+    "qwen3-qk-norm": ("qwen3", {}),
     "mistral-one-kv-head-odd-vocab": ("mistral", {"vocab_size": 387}),
 }
 

@@ -70,7 +70,7 @@ def test_unpack_is_exact(n, k, group):
     assert spec_zeros("awq", packed["qzeros"], 4) == qz.zeros.tolist()
 
 
-@pytest.mark.parametrize("arch,group", [("llama3", 64), ("qwen2", 32)])
+@pytest.mark.parametrize("arch,group", [("llama3", 64), ("qwen2", 32), ("qwen3", 32)])
 def test_engine_matches_transformers_on_dequantized_weights(arch, group, tiny_model_folder,
                                                             tmp_path, cpu_quant_kernel):
     skip = ["model.layers.1.mlp.down_proj"]  # stored dense, as modules_to_not_convert says

@@ -125,7 +125,7 @@ def test_ignored_modules_stay_float_and_ignore_is_honoured(ct_checkpoint):
         dict(fmt.read(iter_weights(resolve_model(str(ckpt.quantized)))))
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
 @pytest.mark.parametrize("scheme", ["fp8-tensor-static", "fp8-channel-dynamic", "w4a16-g32",
                                     "w4a16-g128"])
 def test_engine_matches_transformers(ct_checkpoint, scheme, arch):

@@ -61,14 +61,14 @@ def test_unpack_equals_float64_dequantization(fp8_checkpoints, static):
         assert got[name].dtype == torch.float32 and torch.equal(got[name], raw[name])
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
 @pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
 def test_engine_matches_transformers(fp8_checkpoints, arch, static):
     ckpt = fp8_checkpoints(arch, static)
     assert_greedy_matches_hf(make_llm(ckpt.quantized, dtype="float32"), ckpt.reference)
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
 def test_quantize_at_load_holds_per_row_e4m3_weights(tiny_model_folder, tmp_path, arch):
     src = tiny_model_folder(arch)
     ref = write_fp8_at_load_reference(src, tmp_path)

@@ -142,7 +142,7 @@ def quantized_pairs(tiny_model_folder, tmp_path_factory):
     return pair
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
 @pytest.mark.parametrize("case", sorted(ENGINE_CASES))
 def test_engine_matches_transformers_on_dequantized_weights(case, arch, quantized_pairs,
                                                             cpu_quant_kernel):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
+from pagedserve import SamplingParams
 from pagedserve.worker.warm_up import profile_peak_memory
-from tests.tiny_models import make_llm
+from tests.tiny_models import ARCH_CONFIGS, make_llm
 
 
 def test_memory_profile_splits_a_budget_longer_than_the_context(llama3_folder):
@@ -42,3 +45,13 @@ def test_memory_profile_runs_a_mixed_step_and_a_prompt_step(llama3_folder, monke
     monkeypatch.setattr(runner, "run_model", spy)
     profile_peak_memory(runner, num_tokens=100, max_num_seqs=4, block_size=16)
     assert forms == [[64, 35, 1], [2]]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_dummy_weights_load_every_tensor_and_generate(tiny_model_folder, arch):
+    """``--load-format dummy``: random weights of each architecture's shapes (Qwen3's q/k
+    norms included: a tensor left out would fail the load's completeness check)."""
+    llm = make_llm(tiny_model_folder(arch), load_format="dummy", kv_cache_memory_bytes=1 << 20)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    out = llm.generate([[5, 6, 7], list(range(3, 40))], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]

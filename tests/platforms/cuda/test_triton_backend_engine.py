@@ -35,14 +35,16 @@ def _greedy(folder) -> list[list[int]]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(HAS_NVIDIA, reason="covered by the cuda engine tests")
-def test_engine_on_triton_interpreter_matches_torch_backend(tiny_model_folder, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # qwen3: q/k norms on the Triton RMSNorm
+def test_engine_on_triton_interpreter_matches_torch_backend(tiny_model_folder, monkeypatch,
+                                                            arch):
     if IMPORTED_TOO_LATE:
         _run_in_a_fresh_interpreter_process()
         return
     from pagedserve.platforms.cuda.attention import TritonAttentionBackend
     from pagedserve.platforms.cuda.layer_ops import TritonLayerOps
 
-    folder = tiny_model_folder("qwen2")
+    folder = tiny_model_folder(arch)
     reference = _greedy(folder)
     monkeypatch.setattr(CpuPlatform, "attention_backend",
                         classmethod(lambda cls: TritonAttentionBackend))

@@ -1,0 +1,62 @@
+"""ModelArchConfig from config.json dicts, and the checkpoint shapes our model expects of each
+architecture, checked against transformers' own models of the same configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.bench.dummy_model import SHAPES
+from pagedserve.models.config import ModelArchConfig, UnsupportedModel
+from pagedserve.models.llama import checkpoint_shapes
+from tests.tiny_models import ARCH_CONFIGS, VOCAB
+
+QWEN3 = {**ARCH_CONFIGS["qwen3"], "vocab_size": VOCAB}
+
+
+def _hf_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """The shapes of transformers' model of ``cfg``, built on the meta device (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(cfg)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)  # the embedding's table, not a tensor of its own
+    return shapes
+
+
+def test_qwen3_reads_its_head_dim_and_q_k_norms():
+    arch = ModelArchConfig.from_hf_dict(QWEN3)
+    assert (arch.architecture, arch.qk_norm, arch.attention_bias) == (
+        "Qwen3ForCausalLM", True, False)
+    assert arch.head_dim == 32 != arch.hidden_size // arch.num_heads
+    # transformers' Qwen3Config defaults head_dim to 128, not hidden / heads.
+    assert ModelArchConfig.from_hf_dict({**QWEN3, "head_dim": None}).head_dim == 128
+    assert not ModelArchConfig.from_hf_dict({**ARCH_CONFIGS["qwen2"], "vocab_size": 8}).qk_norm
+
+
+def test_qwen3_sliding_window_applies_only_with_use_sliding_window():
+    assert ModelArchConfig.from_hf_dict({**QWEN3, "sliding_window": 512}).sliding_window is None
+    windowed = {**QWEN3, "sliding_window": 512, "use_sliding_window": True}
+    assert ModelArchConfig.from_hf_dict(windowed).sliding_window == 512
+
+
+def test_qwen3_with_attention_biases_is_refused():
+    with pytest.raises(UnsupportedModel, match="Qwen3 with attention_bias"):
+        ModelArchConfig.from_hf_dict({**QWEN3, "attention_bias": True})
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_checkpoint_shapes_are_transformers_state_dict(arch):
+    """What ``--load-format dummy`` makes and ``load_weights`` requires, tensor for tensor."""
+    cfg = {**ARCH_CONFIGS[arch], "vocab_size": VOCAB}
+    assert checkpoint_shapes(ModelArchConfig.from_hf_dict(cfg)) == _hf_shapes(cfg)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_benchmark_shapes_are_transformers_state_dict(shape):
+    assert checkpoint_shapes(ModelArchConfig.from_hf_dict(SHAPES[shape])) == _hf_shapes(
+        SHAPES[shape])
