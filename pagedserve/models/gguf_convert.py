@@ -1,4 +1,4 @@
-"""Turn a llama GGUF file into a Hugging Face folder, once, in the pagedserve cache.
+"""Turn a llama or qwen3 GGUF file into a Hugging Face folder, once, in the pagedserve cache.
 
 The engine only reads Hugging Face folders, so a GGUF becomes safetensors with HF tensor names,
 a ``config.json`` built from its metadata, and a tokenizer. Q4_0, Q4_1 and Q8_0 matrices keep
@@ -41,7 +41,9 @@ _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
                 gguf.GGMLQuantizationType.BF16)
 MAX_SHARD_BYTES = 2 << 30
 
-_SUPPORTED_ARCHITECTURES = ("llama",)
+# GGUF architecture -> (HF architecture, model_type). llama.cpp permutes the Q/K rows of llama
+# models only; its qwen3 tensors keep the Hugging Face order.
+_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -53,6 +55,8 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -145,21 +149,22 @@ def open_gguf(gguf_path: Path) -> gguf.GGUFReader:
 
 
 def hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """A LlamaForCausalLM ``config.json`` from the GGUF metadata."""
+    """A LlamaForCausalLM or Qwen3ForCausalLM ``config.json`` from the GGUF metadata."""
     arch = _meta(reader, "general.architecture")
-    if arch not in _SUPPORTED_ARCHITECTURES:
+    if arch not in _ARCHITECTURES:
         raise UnsupportedModel(
             f"GGUF architecture {arch!r} is not supported; supported: "
-            f"{', '.join(_SUPPORTED_ARCHITECTURES)}"
+            f"{', '.join(_ARCHITECTURES)}"
         )
+    hf_arch, model_type = _ARCHITECTURES[arch]
     hidden = _meta(reader, f"{arch}.embedding_length")
     heads = _meta(reader, f"{arch}.attention.head_count")
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise GGUFConvertError("the GGUF file has no token_embd.weight tensor")
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_arch],
+        "model_type": model_type,
         # GGUF dims are reversed: token_embd is (hidden, vocab) there.
         "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
         "hidden_size": hidden,
@@ -206,6 +211,7 @@ def iter_hf_tensors(
     """Every tensor under its HF name and in HF layout: Q4_0/Q4_1/Q8_0 matrices as their raw
     blocks ``uint8 [rows, row bytes]``, the rest dequantized to float32."""
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    permuted = config["model_type"] == "llama"
     dequantized: dict[str, int] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
@@ -221,9 +227,9 @@ def iter_hf_tensors(
             if tensor.tensor_type not in _FLOAT_TYPES:
                 kind = tensor.tensor_type.name
                 dequantized[kind] = dequantized.get(kind, 0) + 1
-        if ".self_attn.q_proj." in name:
+        if permuted and ".self_attn.q_proj." in name:
             values = unpermute_rows(values, heads)
-        elif ".self_attn.k_proj." in name:
+        elif permuted and ".self_attn.k_proj." in name:
             values = unpermute_rows(values, kv_heads)
         # A copy: tensors are read-only views of the memory-mapped file.
         yield name, torch.from_numpy(np.array(values))
@@ -243,7 +249,8 @@ def hf_tensor_name(gguf_name: str) -> str:
     else:
         mapped, prefix = _GLOBAL_TENSORS.get(base), ""
     if mapped is None:
-        raise UnsupportedModel(f"GGUF tensor {gguf_name!r} has no LlamaForCausalLM counterpart")
+        raise UnsupportedModel(f"GGUF tensor {gguf_name!r} has no LlamaForCausalLM or "
+                               "Qwen3ForCausalLM counterpart")
     return f"{prefix}{mapped}.{kind}"
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedserve import SamplingParams
 from pagedserve.models import gguf_convert
 from pagedserve.models.config import UnsupportedModel
 from pagedserve.models.loader import (
@@ -27,7 +28,14 @@ from pagedserve.models.loader import (
     resolve_model,
 )
 from pagedserve.quant.formats import checkpoint_format
-from tests.tiny_models import hf_model_of_source
+from tests.tiny_models import (
+    ARCH_CONFIGS,
+    hf_greedy,
+    hf_model,
+    hf_model_of_source,
+    make_llm,
+    random_prompts,
+)
 
 TEXTS = [
     "Hello, world!",
@@ -336,6 +344,50 @@ def test_tiny_gguf_layout_matches_llama_cpp_inverse(tmp_path: Path) -> None:
                                   hf["model.layers.0.mlp.down_proj.weight"])
 
 
+def test_tiny_qwen3_gguf_runs_like_transformers_on_its_source(tmp_path: Path,
+                                                              tiny_model_folder) -> None:
+    """A qwen3 GGUF as llama.cpp writes one (gguf's own name map: ``attn_q_norm``,
+    ``attn_k_norm``; Q/K rows left in the Hugging Face order; head_dim as key_length)
+    converts into a folder that generates transformers' tokens on the source weights."""
+    source = tiny_model_folder("qwen3")
+    cfg = json.loads((source / "config.json").read_text())
+    weights = dict(iter_weights(ModelSource(source, "qwen3", "hf-folder")))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, cfg["num_hidden_layers"])
+    path = tmp_path / "tiny-qwen3.gguf"
+    writer = gguf.GGUFWriter(path, "qwen3")
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(ARCH_CONFIGS["qwen3"]["rope_theta"])  # transformers 5 nests it
+    for name, tensor in weights.items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    reader = gguf_convert.open_gguf(path)
+    config = gguf_convert.hf_config(reader)
+    assert (config["architectures"], config["head_dim"]) == (["Qwen3ForCausalLM"], 32)
+    out = tmp_path / "folder"
+    out.mkdir()
+    gguf_convert.write_safetensors(gguf_convert.iter_hf_tensors(reader, config), out)
+    (out / "config.json").write_text(json.dumps(config))
+    for tokenizer_file in source.glob("*token*"):
+        (out / tokenizer_file.name).write_bytes(tokenizer_file.read_bytes())
+    llm = make_llm(out)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts("gguf-qwen3", [5, 23])
+    for prompt, got in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        assert got.outputs[0].token_ids == hf_greedy(hf_model(source), prompt, 12)
+
+
 def test_truncated_gguf_is_a_one_line_error(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A file cut short inside its tensor data, as an interrupted download leaves it."""
@@ -361,7 +413,8 @@ def test_tiny_gguf_of_another_architecture_is_unsupported(tmp_path: Path) -> Non
 def test_unknown_gguf_tensor_is_unsupported() -> None:
     assert gguf_convert.hf_tensor_name("blk.7.ffn_up.weight") == "model.layers.7.mlp.up_proj.weight"
     assert gguf_convert.hf_tensor_name("output.weight") == "lm_head.weight"
-    with pytest.raises(UnsupportedModel, match="'rope_freqs.weight' has no LlamaForCausalLM"):
+    with pytest.raises(UnsupportedModel, match="'rope_freqs.weight' has no LlamaForCausalLM or "
+                       "Qwen3ForCausalLM"):
         gguf_convert.hf_tensor_name("rope_freqs.weight")
 
 
