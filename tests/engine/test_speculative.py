@@ -1,5 +1,5 @@
 """Speculative decoding through the engine (n-gram drafts, verified by the rejection sampler):
-greedy output equals transformers' own greedy output on random Llama and Qwen2 models, with
+greedy output equals transformers' own greedy output on random Llama, Qwen2 and Qwen3 models, with
 drafts that are partly right, whatever else the engine does meanwhile (prefix-cache hits,
 chunked prefill, preemption by swap and by recompute, n=3, stop strings inside an accepted
 run); on the default model with real copy-heavy prompts the n-gram drafts are accepted and

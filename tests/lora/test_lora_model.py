@@ -1,6 +1,6 @@
 """Our model with LoRA layers on a mixed batch (base rows and rows of three adapters of
 different ranks, alphas and target sets, rsLoRA and rank/alpha patterns among them) against
-PEFT's forward of each adapter, for the Llama and Qwen2 shapes (float32)."""
+PEFT's forward of each adapter, for the Llama, Qwen2 and Qwen3 shapes (float32)."""
 
 from __future__ import annotations
 

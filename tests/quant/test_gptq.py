@@ -116,8 +116,9 @@ def test_missing_qzeros_names_the_tensor():
         list(fmt.read((f"m.{p}", t) for p, t in packed.items()))
 
 
-# Each engine case covers several options at once; each runs on Llama and on Qwen2 (biases,
-# tied embeddings, intermediate size 160: a partial last group for group_size 64).
+# Each engine case covers several options at once; each runs on Llama, on Qwen2 (biases, tied
+# embeddings, intermediate size 160: a partial last group for group_size 64) and on Qwen3 (q/k
+# norms, intermediate size 96: a partial last group too).
 ENGINE_CASES = {
     "4bit-sym-act_order-v1": dict(bits=4, group_size=32, sym=True, desc_act=True),
     "4bit-asym-per_channel-v2": dict(bits=4, group_size=-1, sym=False,
