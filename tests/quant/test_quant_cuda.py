@@ -26,7 +26,7 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
 @pytest.mark.parametrize("fmt", [*CONFIGS, "fp8-static"])
 def test_format_loads_on_cuda(fmt, arch, tiny_model_folder, tmp_path, monkeypatch):
     from pagedserve import LLM

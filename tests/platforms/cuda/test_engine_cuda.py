@@ -19,7 +19,7 @@ pytestmark = [
 NEW = 32
 
 
-@pytest.fixture(scope="module", params=["llama3", "qwen2"])
+@pytest.fixture(scope="module", params=["llama3", "qwen2", "qwen3"])
 def tiny(request, tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
 

@@ -430,7 +430,7 @@ ENGINE_DEVICES = [pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda]),
 
 @pytest.mark.parametrize("device", ENGINE_DEVICES)
 @pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
-@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
 def test_engine_w8a8_tracks_transformers(device, arch, static, tiny_model_folder, tmp_path,
                                          monkeypatch):
     """On cuda: the platform's own choice, in bfloat16. On the CPU (no FP8 arithmetic: its
