@@ -11,6 +11,10 @@ from pathlib import Path
 import torch
 
 VOCAB = 384
+# What the two Qwen3 checkpoints share; each adds its heads and embedding.
+_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64,
+              num_hidden_layers=2, rms_norm_eps=1e-6, rope_theta=1000000.0,
+              max_position_embeddings=1024, attention_bias=False, use_sliding_window=False)
 
 ARCH_CONFIGS = {
     # Llama-3 shape: GQA 4:1, llama3 rope scaling, untied embeddings.
@@ -31,21 +35,11 @@ ARCH_CONFIGS = {
         sliding_window=None,
     ),
     # Qwen3 shape: q/k norms, head_dim 32 (not hidden / heads = 16), GQA 2:1, untied.
-    "qwen3": dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64,
-        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        max_position_embeddings=1024, tie_word_embeddings=False, attention_bias=False,
-        use_sliding_window=False,
-    ),
+    "qwen3": dict(_QWEN3, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, tie_word_embeddings=False),
     # Qwen3-0.6B's proportions: head_dim 16 over 8 heads of a 64-wide model, GQA 4:1, tied.
-    "qwen3-tied": dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64,
-        intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        max_position_embeddings=1024, tie_word_embeddings=True, attention_bias=False,
-        use_sliding_window=False,
-    ),
+    "qwen3-tied": dict(_QWEN3, intermediate_size=128, num_attention_heads=8,
+                       num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
     # Mistral shape: GQA 4:1, head_dim 16, no sliding window in the tested range.
     "mistral": dict(
         architectures=["MistralForCausalLM"], model_type="mistral", hidden_size=64,

@@ -48,19 +48,19 @@ from tests.tiny_models import (
 
 
 @pytest.fixture(scope="module")
-def heads(llama3_folder, tmp_path_factory):
-    """``heads(name)``: a random head for the Llama target: ``full`` has the whole vocabulary
-    as its draft vocabulary (so forced drafts are always expressible), ``reduced`` 200 of 384
-    tokens."""
+def heads(tiny_model_folder, tmp_path_factory):
+    """``heads(name)``: a random head for the Llama target (or ``target``'s): ``full`` has the
+    whole vocabulary as its draft vocabulary (so forced drafts are always expressible),
+    ``reduced`` 200 of 384 tokens."""
     made = {}
 
-    def head(name: str):
-        if name not in made:
+    def head(name: str, target: str = "llama3"):
+        if (name, target) not in made:
             vocab = {"full": 384, "reduced": 200}[name]
-            made[name] = write_eagle3_head(tmp_path_factory.mktemp(f"eagle3-{name}"),
-                                           llama3_folder, seed=len(made) + 1,
-                                           draft_vocab_size=vocab)
-        return made[name]
+            made[name, target] = write_eagle3_head(
+                tmp_path_factory.mktemp(f"eagle3-{name}-{target}"), tiny_model_folder(target),
+                seed=len(made) + 1, draft_vocab_size=vocab)
+        return made[name, target]
 
     return head
 
@@ -232,13 +232,15 @@ def test_draft_logits_equal_the_definition_across_paused_steps_run_ahead(
     _assert_logits_match_the_reference(recorder, heads("full"), llama3_folder, 10)
 
 
+@pytest.mark.parametrize("target", ["llama3", "qwen3"])  # qwen3: a Llama head, q/k-norm target
 @pytest.mark.parametrize("case", ["swap", "prefix_hits"])
-def test_greedy_with_an_eagle3_head_equals_transformers(llama3_folder, heads, case):
+def test_greedy_with_an_eagle3_head_equals_transformers(tiny_model_folder, heads, case, target):
     """The head's own drafts (random: almost all rejected); swapped-in blocks leave its keys
     stale, which costs acceptance, never the output."""
     prompts = mechanism_prompts(f"eagle3-greedy-{case}")
-    llm = _eagle_llm(llama3_folder, heads("reduced"), **mechanism_options(case, 16))
-    assert_greedy_through_mechanism(llm, llama3_folder, prompts, case)
+    folder = tiny_model_folder(target)
+    llm = _eagle_llm(folder, heads("reduced", target), **mechanism_options(case, 16))
+    assert_greedy_through_mechanism(llm, folder, prompts, case)
     assert _counters(llm).num_draft_tokens > 0
 
 
