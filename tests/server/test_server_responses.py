@@ -249,8 +249,11 @@ def test_sdk_raises_bad_request(server):
 
 
 def test_a_client_that_hangs_up_has_its_response_aborted(server):
+    # Greedy, so that the request runs as long as the one seen below (Responses takes no
+    # ignore_eos): one that met its end-of-sequence before a poll saw it run would never show.
+    assert _respond(server, input="hi", max_output_tokens=64).status == "incomplete"
     before = server.metrics()
-    body = {"model": MODEL, "input": "hi", "max_output_tokens": LONG_TOKENS}
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": LONG_TOKENS, "temperature": 0}
     for stream in (False, True):
         with server.connect() as sock:
             sock.sendall(raw_request("POST", "/v1/responses",
