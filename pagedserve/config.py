@@ -34,6 +34,7 @@ from pagedserve.user_paths import expand_user
 
 if TYPE_CHECKING:
     from pagedserve.models.config import ModelArchConfig
+    from pagedserve.models.loader import SentenceTransformersPooling
     from pagedserve.platforms.interface import Platform
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
@@ -221,12 +222,16 @@ class EngineConfig:
     runner: str = option(
         "auto", "what the engine serves: generate, text generation (completions, chat); "
                 "pooling, embeddings of the prompt (/v1/embeddings, LLM.embed) and nothing "
-                "else; auto: generate (every supported architecture is a generative one)",
+                "else; auto (vLLM's rule): pooling for a bare base model (architecture "
+                "XModel, no LM head) or a sentence-transformers folder (modules.json with a "
+                "Pooling module), else generate",
         choices=RUNNERS)
     pooler_config: PoolerConfig | None = option(
         None, "with --runner pooling, how a prompt's final hidden states become its "
               "embedding, as JSON with vLLM's fields: pooling_type (LAST, MEAN or CLS) and "
-              "normalize (L2, per request overridable); default "
+              "normalize (L2, per request overridable); a field left out takes the "
+              "checkpoint's sentence-transformers setting (1_Pooling/config.json, a "
+              "Normalize module in modules.json), else "
               "'{\"pooling_type\": \"LAST\", \"normalize\": true}'. MEAN and CLS turn off "
               "prefix caching (a cached prefix's hidden states are never computed)")
     logits_processors: tuple[str | type[LogitsProcessor], ...] = option(
@@ -338,7 +343,42 @@ class EngineConfig:
         """How requests are pooled with ``--runner pooling``; None: the engine generates."""
         if self.runner != "pooling":
             return None
-        return self.pooler_config or PoolerConfig()
+        return (self.pooler_config or PoolerConfig()).with_defaults()
+
+    def for_checkpoint(self, arch: ModelArchConfig,
+                       st_pooling: SentenceTransformersPooling | None) -> EngineConfig:
+        """This config with ``runner`` resolved for the checkpoint (``auto`` as vLLM picks:
+        pooling for a sentence-transformers folder or a bare ``XModel``, else generate) and,
+        when it pools, every ``pooler_config`` field set: the user's, else the checkpoint's
+        sentence-transformers defaults, else LAST and normalized. The engine resolves it once,
+        before its ranks start."""
+        runner = self.runner
+        if runner == "auto":
+            runner = "pooling" if arch.base_model or st_pooling is not None else "generate"
+        if runner == "generate":
+            self._check_generates(arch)
+            return dataclasses.replace(self, runner=runner)
+        given = self.pooler_config or PoolerConfig()
+        model = None
+        if st_pooling is not None:
+            model = PoolerConfig.from_sentence_transformers(st_pooling.modes,
+                                                            st_pooling.normalize)
+            if model.pooling_type is None and st_pooling.modes and given.pooling_type is None:
+                raise ConfigError(
+                    f"{st_pooling.path} asks for {' + '.join(st_pooling.modes)}, which is not "
+                    f"supported (LAST, MEAN, CLS): pick one with --pooler-config "
+                    f"'{{\"pooling_type\": \"LAST\"}}'")
+        return dataclasses.replace(self, runner=runner,
+                                   pooler_config=given.with_defaults(model))
+
+    def _check_generates(self, arch: ModelArchConfig) -> None:
+        if arch.base_model:
+            raise ConfigError(
+                f"{arch.checkpoint_architecture} is a bare base model with no LM head: it "
+                f"cannot generate text; serve it for embeddings with --runner pooling (or auto)")
+        if self.pooler_config is not None:
+            raise ConfigError(f"--pooler-config needs --runner pooling; {arch.architecture} "
+                              "generates with --runner auto")
 
     @property
     def prefix_caching(self) -> bool:
@@ -381,7 +421,7 @@ class EngineConfig:
     def _check_pooling(self) -> None:
         if self.pooler_config is None:
             return
-        if self.runner != "pooling":
+        if self.runner == "generate":  # auto may resolve to pooling (for_checkpoint)
             raise ConfigError("--pooler-config needs --runner pooling")
         object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
         if self.kv_offloading_size and not self.prefix_caching:

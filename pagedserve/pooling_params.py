@@ -20,16 +20,23 @@ from pagedserve.sampling_params import InvalidSamplingParam
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("auto", "generate", "pooling")
+# A sentence-transformers Pooling module's flags (its ``config.json``) -> our pooling type;
+# its other modes (max, mean_sqrt_len_tokens, weightedmean) have no counterpart here.
+SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "LAST",
+                               "pooling_mode_mean_tokens": "MEAN",
+                               "pooling_mode_cls_token": "CLS"}
 _FLAG = "--pooler-config"
 
 
 @dataclass(frozen=True)
 class PoolerConfig:
     """``--pooler-config`` / ``LLM(pooler_config={...})``: vLLM's ``pooling_type`` and
-    ``normalize``, with vLLM's defaults for a decoder model's embeddings (LAST, normalized)."""
+    ``normalize``. A field left None takes the checkpoint's default (``with_defaults``): its
+    sentence-transformers modules where it has them, else vLLM's for a decoder model's
+    embeddings, LAST and normalized."""
 
-    pooling_type: str = "LAST"
-    normalize: bool = True
+    pooling_type: str | None = None
+    normalize: bool | None = None
 
     @classmethod
     def parse(cls, value: PoolerConfig | dict[str, Any] | str) -> PoolerConfig:
@@ -45,7 +52,7 @@ class PoolerConfig:
         wrong = wrong_type(self, _CONFIG_FIELDS)
         if wrong is not None:
             raise ConfigError(f"{_FLAG}: {wrong[0]} {wrong[1]}")
-        if self.pooling_type not in POOLING_TYPES:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise ConfigError(f"{_FLAG}: pooling_type must be one of "
                               f"{', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
 
@@ -53,7 +60,25 @@ class PoolerConfig:
     def reads_every_token(self) -> bool:
         """Whether the pooled vector needs hidden states of prompt tokens other than the last
         (MEAN, CLS): a prefix served from the cache never had them computed."""
-        return self.pooling_type != "LAST"
+        return self.pooling_type not in (None, "LAST")
+
+    def with_defaults(self, model: PoolerConfig | None = None) -> PoolerConfig:
+        """Every field set: this config's (the user's), else ``model``'s (the checkpoint's
+        sentence-transformers defaults), else LAST and normalized."""
+        model = model or PoolerConfig()
+        pooling_type = self.pooling_type or model.pooling_type or "LAST"
+        normalize = next((v for v in (self.normalize, model.normalize) if v is not None), True)
+        return PoolerConfig(pooling_type, normalize)
+
+    @classmethod
+    def from_sentence_transformers(cls, modes: tuple[str, ...], normalize: bool
+                                   ) -> PoolerConfig:
+        """A checkpoint's defaults as vLLM reads them from its sentence-transformers modules:
+        the Pooling module's one true ``pooling_mode_*`` flag (None where it has none, or
+        several, or one we cannot run), and normalization iff ``modules.json`` lists a
+        Normalize module."""
+        kinds = [SENTENCE_TRANSFORMERS_MODES.get(m) for m in modes]
+        return cls(kinds[0] if len(kinds) == 1 else None, normalize)
 
 
 def json_object(value: Any, flag: str, known: set[str]) -> dict[str, Any]:

@@ -66,10 +66,13 @@ def _train_tokenizer():
                                    pad_token="<pad>")
 
 
-def write_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
+def write_tiny_model(folder: Path, arch: str, seed: int = 0, base_model: bool = False,
+                     **overrides) -> Path:
     """A random-weight float32 checkpoint plus a small byte-level BPE tokenizer; ``overrides``
-    change the architecture's config (``hidden_size=128``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    change the architecture's config (``hidden_size=128``). ``base_model``: saved from
+    transformers' bare base class, as embedding models are published (``MistralModel``:
+    no LM head, tensor names without ``model.``)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
     cfg_dict = {**ARCH_CONFIGS[arch], "vocab_size": VOCAB, "bos_token_id": 0,
@@ -77,7 +80,8 @@ def write_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Pat
     model_type = cfg_dict.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg_dict)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = (AutoModel if base_model else AutoModelForCausalLM).from_config(
+        config, dtype=torch.float32)
     # Larger than the default init so greedy choices are decisive, not near-ties.
     with torch.no_grad():
         for name, p in model.named_parameters():

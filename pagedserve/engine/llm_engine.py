@@ -85,6 +85,9 @@ class LLMEngine:
                                       revision=config.revision, gguf_file=config.gguf_file)
         self.model_name = config.served_model_name or source.name
         self.arch = loader.load_arch_config(source)
+        # --runner auto and --pooler-config resolved for this checkpoint, once, for every rank.
+        config = self.config = config.for_checkpoint(
+            self.arch, loader.sentence_transformers_pooling(source))
         self.tokenizer = loader.load_model_tokenizer(source, self.arch, config.tokenizer,
                                                      config.tokenizer_revision,
                                                      config.chat_template)

@@ -15,9 +15,24 @@ class UnsupportedModel(ValueError):
     """The checkpoint's architecture has no model code here."""
 
 
+def resolve_architecture(names: list[str]) -> tuple[str, bool] | None:
+    """The supported ``*ForCausalLM`` architecture a checkpoint's ``architectures`` name, and
+    whether the checkpoint is its bare base model: ``XModel`` (e5-mistral's ``MistralModel``,
+    gte's ``Qwen2Model``), the decoder without an LM head, served for embeddings alone. Any
+    ``XModel`` whose ``XForCausalLM`` is supported is, as vLLM's registry maps it. None: no
+    name is supported."""
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name, False
+        causal = name.removesuffix("Model") + "ForCausalLM"
+        if name.endswith("Model") and causal in SUPPORTED_ARCHITECTURES:
+            return causal, True
+    return None
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
-    architecture: str
+    architecture: str  # the supported *ForCausalLM name, also for a bare base model
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -38,17 +53,28 @@ class ModelArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    # The checkpoint is the bare base model (``XModel``): no LM head, only --runner pooling.
+    base_model: bool = False
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def checkpoint_architecture(self) -> str:
+        """The name as the checkpoint's config says it (``MistralModel`` for a base model)."""
+        if self.base_model:
+            return self.architecture.removesuffix("ForCausalLM") + "Model"
+        return self.architecture
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelArchConfig:
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
+        found = resolve_architecture(archs)
+        if found is None:
             raise UnsupportedModel(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}, and the bare XModel of "
+                "each XForCausalLM (for embeddings, --runner pooling)"
             )
+        arch, base_model = found
         num_heads = cfg["num_attention_heads"]
         qwen3 = arch == "Qwen3ForCausalLM"
         if qwen3 and cfg.get("attention_bias", False):
@@ -93,5 +119,6 @@ class ModelArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            base_model=base_model,
             raw=cfg,
         )

@@ -4,9 +4,10 @@ An id is ``org/name`` (a repository of safetensors weights) or ``org/name/FILE.g
 inside a repository; ``--gguf-file FILE.gguf`` says the same). ``huggingface_hub`` owns the
 cache (``HF_HOME``, ``HF_HUB_CACHE``), the token (``HF_TOKEN``) and offline mode: with
 ``HF_HUB_OFFLINE=1``, or when the hub cannot be reached, a revision resolves through the cache's
-``refs/`` and ``snapshots/`` alone. Only config, generation config, tokenizer files and
-safetensors weights are fetched (the shards an index names, when there is one), so a repository
-that also holds ``*.bin``, ``*.pt`` or consolidated copies costs no extra download.
+``refs/`` and ``snapshots/`` alone. Only config, generation config, tokenizer files,
+sentence-transformers' pooling settings and safetensors weights are fetched (the shards an
+index names, when there is one), so a repository that also holds ``*.bin``, ``*.pt`` or
+consolidated copies costs no extra download.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ _TOKENIZER_FILES = (
     "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
     "chat_template.json",
 )
+# sentence-transformers' module list and its Pooling module's settings (pooling defaults).
+_POOLING_FILES = ("modules.json", "*_Pooling/config.json")
 # Everything the loader reads besides weights.
-_METADATA_FILES = ("config.json", "generation_config.json", *_TOKENIZER_FILES, INDEX_FILE)
+_METADATA_FILES = ("config.json", "generation_config.json", *_TOKENIZER_FILES, INDEX_FILE,
+                   *_POOLING_FILES)
 _SAFETENSORS = "*.safetensors"
 # Weight formats never read (pickles, other runtimes): named when a repository has only these.
 _OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.gguf")

@@ -8,7 +8,7 @@ layers come from a ``LinearFactory``, so their weights may be dense or quantized
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -149,7 +149,9 @@ class LlamaForCausalLM(nn.Module):
     layers_prefix = "model.layers"
 
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
-                 ops: type[LayerOps], linears: LinearFactory) -> None:
+                 ops: type[LayerOps], linears: LinearFactory, lm_head: bool = True) -> None:
+        """``lm_head=False`` (``--runner pooling``, and always for a bare base model): no
+        head at all, so a checkpoint's ``lm_head.weight`` is skipped, never held."""
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, backend, max_positions, ops, linears)
@@ -157,8 +159,9 @@ class LlamaForCausalLM(nn.Module):
         # Each rank holds a slice of the vocabulary, as the embedding does (so a tied head
         # shares its table). The head stays in the checkpoint's precision under at-load
         # quantization.
-        self.lm_head = linears.column(cfg.hidden_size, [linears.tp.padded_part(cfg.vocab_size)],
-                                      quantize_at_load=False)
+        self.lm_head = (linears.column(cfg.hidden_size, [linears.tp.padded_part(cfg.vocab_size)],
+                                       quantize_at_load=False)
+                        if lm_head else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], ctx: ForwardContext
@@ -175,6 +178,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary; under tensor parallelism only rank 0, which
         samples, gets them (the other ranks get None)."""
+        if self.lm_head is None:
+            raise RuntimeError("this model was built without an LM head (--runner pooling): "
+                               "it computes hidden states, never logits")
         logits = self.lm_head(hidden)
         if self.tp.size == 1:
             return logits
@@ -183,19 +189,22 @@ class LlamaForCausalLM(nn.Module):
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a Hugging Face checkpoint of this model holds, with its shape."""
-        return checkpoint_shapes(self.config)
+        return checkpoint_shapes(self.config, lm_head=self.lm_head is not None)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
         """Hand checkpoint weights to their modules: q/k/v and gate/up shards to the fused
         linear layers, everything else copied into its parameter. Raises if anything is left
-        unloaded, so a partial checkpoint cannot run silently."""
+        unloaded, so a partial checkpoint cannot run silently. Names may lack the ``model.``
+        prefix (a bare base model's, ``canonical_weights``); without an LM head, the
+        checkpoint's is skipped."""
         params = dict(self.named_parameters())  # norms and biases; weights come later
         loaded: set[str] = set()
-        for name, weight in weights:
+        for name, weight in self.canonical_weights(weights):
             if "rotary_emb.inv_freq" in name:
                 continue
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
+            if name.startswith("lm_head.") and (self.lm_head is None
+                                                or self.config.tie_word_embeddings):
                 continue
             target, shard = fused_target(name)
             owner_name, _, kind = target.rpartition(".")
@@ -211,9 +220,21 @@ class LlamaForCausalLM(nn.Module):
             else:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
             loaded.add(f"{target}#{shard}")
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.set_weight(self.model.embed_tokens.as_weight())
         self._check_complete(loaded)
+
+    @staticmethod
+    def canonical_weights(weights: Iterable[tuple[str, LoadedWeight]]
+                          ) -> Iterator[tuple[str, LoadedWeight]]:
+        """``weights`` under this class's names: a bare base model's checkpoint (``XModel``,
+        saved from transformers' base class) names its tensors ``embed_tokens.weight``,
+        ``layers.0...``, ``norm.weight``, without the ``model.`` prefix of ``XForCausalLM``'s
+        (vLLM's pooling adapter maps them alike). Names already prefixed pass unchanged."""
+        for name, weight in weights:
+            if not name.startswith(("model.", "lm_head.")):
+                name = "model." + name
+            yield name, weight
 
     def _check_complete(self, loaded: set[str]) -> None:
         missing = [name for name, m in self.named_modules()
@@ -230,12 +251,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0]}")
 
 
-def checkpoint_shapes(c: ModelArchConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Hugging Face checkpoint of this architecture holds, with its shape."""
+def checkpoint_shapes(c: ModelArchConfig, lm_head: bool = True) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of this architecture holds, with its shape
+    (``lm_head=False``: what a model built without the head reads of it)."""
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight":
                                           (c.vocab_size, c.hidden_size),
                                           "model.norm.weight": (c.hidden_size,)}
-    if not c.tie_word_embeddings:
+    if not c.tie_word_embeddings and lm_head:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     layer = {"input_layernorm.weight": (c.hidden_size,),

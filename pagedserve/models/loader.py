@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -141,6 +141,38 @@ def load_arch_config(source: ModelSource) -> ModelArchConfig:
         return ModelArchConfig.from_hf_dict(cfg)
     except KeyError as exc:
         raise ModelLoadError(f"{path} lacks the required key {exc}") from exc
+
+
+class SentenceTransformersPooling(NamedTuple):
+    """What a sentence-transformers folder says of pooling: the true ``pooling_mode_*`` flags
+    of its Pooling module's ``config.json`` (``1_Pooling/config.json`` as a rule), and
+    whether ``modules.json`` lists a Normalize module."""
+    modes: tuple[str, ...]
+    normalize: bool
+    path: Path  # the Pooling module's config.json, for messages
+
+
+_ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+
+
+def sentence_transformers_pooling(source: ModelSource) -> SentenceTransformersPooling | None:
+    """The checkpoint's sentence-transformers pooling, read as vLLM reads it: None unless
+    ``modules.json`` lists a Pooling module."""
+    modules = source.path / "modules.json"
+    if not modules.is_file():
+        return None
+    entries = _read_json(modules)
+    if not isinstance(entries, list):
+        raise ModelLoadError(f"{modules} is not a list of modules")
+    types = {e.get("type"): e for e in entries if isinstance(e, dict)}
+    pooling = types.get(_ST_POOLING)
+    if pooling is None:
+        return None
+    path = source.path / str(pooling.get("path", "")) / "config.json"
+    flags = _read_json(path) if path.is_file() else {}
+    modes = tuple(k for k, v in flags.items() if k.startswith("pooling_mode_") and v is True)
+    return SentenceTransformersPooling(modes, _ST_NORMALIZE in types, path)
 
 
 def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:

@@ -125,7 +125,10 @@ class ModelRunner:
                  buckets: ShapeBuckets | None = None,
                  tp: TensorParallel = TensorParallel(), cpu_offload_bytes: int = 0,
                  numerics: MatmulNumerics = MatmulNumerics(),
-                 logits_processors: Iterable[LogitsProcessor] = ()) -> None:
+                 logits_processors: Iterable[LogitsProcessor] = (),
+                 lm_head: bool = True) -> None:
+        """``lm_head=False``: the model is built without its LM head (``--runner pooling``,
+        which never computes logits), so a checkpoint's head is never held."""
         self.platform = platform
         self.arch = arch
         self.dtype = dtype
@@ -141,7 +144,8 @@ class ModelRunner:
         linears = LinearFactory(platform, dtype, self.device, quantizer, tp, numerics)
         with torch.device(self.device):
             model = model_class(arch.architecture)(arch, backend, max_model_len,
-                                                    platform.layer_ops(), linears)
+                                                    platform.layer_ops(), linears,
+                                                    lm_head=lm_head)
         self.model = model.to(dtype=dtype).eval()
         # --cpu-offload-gb: decoder layers in host memory, streamed in per forward pass.
         self.offload = (LayerOffload(self.model, self.model.layers_prefix, cpu_offload_bytes,
@@ -175,7 +179,9 @@ class ModelRunner:
         if self.offload is None:
             self.model.load_weights(weights)
             return
-        self.model.load_weights(self.offload.while_loading(weights))
+        # Under the model's names, which the offload reads to know when a layer is complete.
+        canonical = self.model.canonical_weights(weights)
+        self.model.load_weights(self.offload.while_loading(canonical))
         self.offload.finish()
 
     def init_dummy_weights(self, seed: int) -> None:
@@ -238,7 +244,7 @@ class ModelRunner:
     def weight_bytes_read_per_token_step(self) -> int:
         """Weight bytes a decode step reads: every parameter except the input embedding table,
         of which a step reads one row per sequence (unless it doubles as the LM head)."""
-        head = set(self.model.lm_head.parameters())
+        head = set() if self.model.lm_head is None else set(self.model.lm_head.parameters())
         table = [p for p in self.model.get_input_embeddings().parameters() if p not in head]
         return self.weight_bytes() - sum(p.numel() * p.element_size() for p in table)
 

@@ -63,7 +63,9 @@ def profile_peak_memory(runner: ModelRunner, num_tokens: int, max_num_seqs: int,
                           0, n, table, num_sample_positions=1)
         for n, table in zip(lengths, tables)])
     hidden = runner.run_model(_inputs(runner, out))
-    logits = runner.model.compute_logits(hidden[-1:].expand(max_num_seqs, -1))
+    # Without an LM head (--runner pooling) no step computes logits.
+    logits = (None if runner.model.lm_head is None
+              else runner.model.compute_logits(hidden[-1:].expand(max_num_seqs, -1)))
     if logits is not None:  # rank 0 alone samples (and gathers the logits)
         logits.float().softmax(-1)
     runner.run_model(_inputs(runner, SchedulerOutput([ScheduledSequence(

@@ -83,7 +83,8 @@ class Worker:
                                   _shape_buckets(config, resolved), self.tp,
                                   int(config.cpu_offload_gb * 2**30), config.matmul_numerics(),
                                   [cls(config, self.platform.device())
-                                   for cls in config.logits_processors])
+                                   for cls in config.logits_processors],
+                                  lm_head=config.pooling is None)
         if dummy:
             self.runner.init_dummy_weights(config.seed)
         else:
@@ -109,7 +110,8 @@ class Worker:
             KVCacheSpec(self.sizes.num_blocks, resolved.block_size, self.runner.kv_dtype))
         if config.kv_offloading_disk is not None:
             self.runner.kv_cache.disk = self._disk_tier(config, resolved, source)
-        if not config.enforce_eager:
+        # Graphs replay decode steps, which a pooling engine (prefill alone) never runs.
+        if not config.enforce_eager and config.pooling is None:
             self.runner.capture_graphs(
                 config.max_num_seqs, 1 + drafts.num_speculative_tokens if drafts else 1)
             if self.runner.drafter is not None:
@@ -159,6 +161,10 @@ def _draft_runner(config: EngineConfig, resolved: ResolvedConfig, arch: ModelArc
     dummy = config.load_format == "dummy"
     source = loader.resolve_model(config.speculative_config.model, not dummy)
     draft_arch = loader.load_arch_config(source)
+    if draft_arch.base_model:
+        raise ConfigError(f"--speculative-config: the draft model is a bare "
+                          f"{draft_arch.checkpoint_architecture}, without an LM head: it "
+                          "cannot draft tokens")
     if draft_arch.vocab_size != arch.vocab_size:
         raise ConfigError(
             f"--speculative-config: the draft model's vocabulary ({draft_arch.vocab_size} "

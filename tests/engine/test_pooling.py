@@ -1,8 +1,13 @@
 """``runner="pooling"``: ``LLM.embed`` against transformers' base model (``last_hidden_state``,
 after the final norm) pooled by hand in float64; chunked prompts, batches, the engine's
-state after, and the errors of a request on the wrong runner."""
+state after, and the errors of a request on the wrong runner. Each runs on ``*ForCausalLM``
+checkpoints and on bare base models (``LlamaModel``, ``MistralModel``, ``Qwen2Model``: no LM
+head, tensor names without ``model.``), as embedding models are published; then
+sentence-transformers' pooling defaults (``modules.json``, ``1_Pooling/config.json``)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -16,10 +21,18 @@ ATOL = 2e-5
 LENGTHS = [1, 5, 23, 64, 97]
 
 
-@pytest.fixture(scope="module", params=["llama3", "qwen2"])
+# An architecture, and "-base" for its bare base model (as e5-mistral and gte publish them).
+@pytest.fixture(scope="module", params=["llama3", "qwen2", "llama3-base", "mistral-base",
+                                        "qwen2-base"])
 def model(request, tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp(request.param) / "m", request.param,
-                            seed=3)
+    arch, _, base = request.param.partition("-")
+    return write_tiny_model(tmp_path_factory.mktemp(request.param) / "m", arch, seed=3,
+                            base_model=bool(base))
+
+
+def _is_base_model(folder) -> bool:
+    return not json.loads((folder / "config.json").read_text())["architectures"][0].endswith(
+        "ForCausalLM")
 
 
 def _reference(folder, prompts, pooling_type: str, normalize: bool) -> list[torch.Tensor]:
@@ -141,16 +154,55 @@ def test_errors_name_the_runner(model):
         pooling.embed([[]], use_tqdm=False)
     assert len(pooling.embed([[5] * 1024], use_tqdm=False)[0].outputs.embedding) == 64
     _assert_all_blocks_free(pooling)
+    if _is_base_model(model):  # no LM head: it cannot generate
+        with pytest.raises(ConfigError, match="base model with no LM head.*--runner pooling"):
+            make_llm(model, runner="generate")
+        return
     generating = make_llm(model)
     with pytest.raises(ValueError, match="runner"):
         generating.embed([[5, 6]], use_tqdm=False)
+
+
+def test_auto_runner(model):
+    """``auto`` pools a bare base model (vLLM picks pooling for an ``XModel``) and generates
+    with a ``*ForCausalLM`` one."""
+    llm = make_llm(model)
+    prompts = random_prompts(19, [6, 30])
+    if _is_base_model(model):
+        assert llm.engine.config.runner == "pooling"
+        _assert_close(_embeddings(llm, prompts), _reference(model, prompts, "LAST", True))
+    else:
+        assert llm.engine.config.runner == "generate"
+        assert llm.engine.executor.runner.model.lm_head is not None
+
+
+def test_pooling_holds_no_lm_head(model):
+    """A pooling engine builds the model without its LM head, so a ``*ForCausalLM``
+    checkpoint's untied head is skipped, never held; ``--load-format dummy`` makes none."""
+    pooling = make_llm(model, runner="pooling")
+    runner = pooling.engine.executor.runner
+    assert runner.model.lm_head is None
+    assert not any(name.startswith("lm_head") for name, _ in runner.model.named_parameters())
+    with pytest.raises(RuntimeError, match="without an LM head"):
+        runner.model.compute_logits(torch.zeros(1, 64))
+    if not _is_base_model(model):
+        generating = make_llm(model, runner="generate")
+        head = generating.engine.executor.runner.model.lm_head
+        untied = 0 if generating.engine.arch.tie_word_embeddings else 384 * 64 * 4
+        assert head is not None
+        assert (generating.engine.executor.runner.weight_bytes() - runner.weight_bytes()
+                == untied)
+    dummy = make_llm(model, runner="pooling", load_format="dummy")
+    assert dummy.engine.executor.runner.model.lm_head is None
+    assert len(dummy.embed([[5, 6, 7]], use_tqdm=False)[0].outputs.embedding) == 64
 
 
 @pytest.mark.parametrize("config, message", [
     (dict(runner="pooling", pooler_config={"pooling_type": "MAX"}), "pooling_type"),
     (dict(runner="pooling", pooler_config={"pool": "LAST"}), "unknown field"),
     (dict(runner="pooling", pooler_config="{"), "not valid JSON"),
-    (dict(pooler_config={"pooling_type": "LAST"}), "needs --runner pooling"),
+    (dict(runner="generate", pooler_config={"pooling_type": "LAST"}),
+     "needs --runner pooling"),
     (dict(runner="embed"), "runner"),
 ])
 def test_bad_options(config, message):
@@ -158,3 +210,61 @@ def test_bad_options(config, message):
 
     with pytest.raises(ConfigError, match=message):
         EngineConfig(**config)
+
+
+def _sentence_transformers(folder, modes: dict[str, bool], normalize: bool):
+    """Make ``folder`` a sentence-transformers model: ``modules.json`` listing the
+    transformer, a Pooling module with ``modes`` in ``1_Pooling/config.json``, and with
+    ``normalize`` a Normalize module."""
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    flags = {"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
+             "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+             "pooling_mode_lasttoken": False, **modes}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(flags))
+    return folder
+
+
+def test_sentence_transformers_defaults(tmp_path):
+    """vLLM's reading of a sentence-transformers folder: ``auto`` pools it (a
+    ``*ForCausalLM`` one too), its Pooling flag picks pooling_type, normalization follows a
+    Normalize module in modules.json, and each field ``--pooler-config`` names wins."""
+    mean = _sentence_transformers(write_tiny_model(tmp_path / "mean", "llama3", seed=5),
+                                  {"pooling_mode_mean_tokens": True}, normalize=False)
+    prompts = random_prompts(23, [7, 40])
+    llm = make_llm(mean)
+    assert llm.engine.config.runner == "pooling"
+    assert llm.engine.config.pooling.pooling_type == "MEAN"
+    _assert_close(_embeddings(llm, prompts), _reference(mean, prompts, "MEAN", False))
+    last = make_llm(mean, runner="pooling", pooler_config={"pooling_type": "LAST"})
+    _assert_close(_embeddings(last, prompts), _reference(mean, prompts, "LAST", False))
+    both = make_llm(mean, pooler_config={"pooling_type": "cls", "normalize": True})
+    _assert_close(_embeddings(both, prompts), _reference(mean, prompts, "CLS", True))
+
+    cls = _sentence_transformers(write_tiny_model(tmp_path / "cls", "qwen2", seed=5,
+                                                  base_model=True),
+                                 {"pooling_mode_cls_token": True}, normalize=True)
+    _assert_close(_embeddings(make_llm(cls), prompts), _reference(cls, prompts, "CLS", True))
+
+
+def test_sentence_transformers_unsupported_mode(tmp_path):
+    folder = _sentence_transformers(write_tiny_model(tmp_path / "m", "llama3", seed=5),
+                                    {"pooling_mode_max_tokens": True}, normalize=True)
+    with pytest.raises(ConfigError, match="pooling_mode_max_tokens.*--pooler-config"):
+        make_llm(folder)
+    prompts = random_prompts(29, [9])
+    llm = make_llm(folder, pooler_config={"pooling_type": "LAST"})
+    _assert_close(_embeddings(llm, prompts), _reference(folder, prompts, "LAST", True))
+
+
+def test_generate_model_refuses_pooler_config_under_auto(tmp_path):
+    folder = write_tiny_model(tmp_path / "m", "llama3", seed=5)
+    with pytest.raises(ConfigError, match="--pooler-config needs --runner pooling"):
+        make_llm(folder, pooler_config={"pooling_type": "MEAN"})

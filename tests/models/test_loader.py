@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from pagedserve.models import config as model_config
 from pagedserve.models import loader
-from pagedserve.models.config import UnsupportedModel
+from pagedserve.models.config import ModelArchConfig, UnsupportedModel
 from pagedserve.models.loader import (
     ModelLoadError,
     ModelSource,
@@ -20,6 +21,7 @@ from pagedserve.models.loader import (
     load_generation_config,
     load_tokenizer,
     resolve_model,
+    sentence_transformers_pooling,
 )
 
 
@@ -142,6 +144,54 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel") as exc:
         load_arch_config(source)
     assert_one_line(exc)
+
+
+_SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+              num_attention_heads=4)
+
+
+@pytest.mark.parametrize("name, causal", [("LlamaModel", "LlamaForCausalLM"),
+                                          ("MistralModel", "MistralForCausalLM"),
+                                          ("Qwen2Model", "Qwen2ForCausalLM")])
+def test_bare_base_model_is_its_causal_lm_without_a_head(name: str, causal: str) -> None:
+    arch = ModelArchConfig.from_hf_dict({"architectures": [name], **_SHAPE})
+    assert (arch.architecture, arch.base_model, arch.checkpoint_architecture) == (
+        causal, True, name)
+    # Qwen2's q/k/v biases follow the family, whichever class saved it.
+    assert arch.attention_bias == (causal == "Qwen2ForCausalLM")
+    full = ModelArchConfig.from_hf_dict({"architectures": [causal], **_SHAPE})
+    assert (full.architecture, full.base_model) == (causal, False)
+
+
+def test_any_registered_causal_lm_gives_its_base_model(monkeypatch) -> None:
+    """Derived, not listed: ``XModel`` loads as soon as ``XForCausalLM`` is supported."""
+    with pytest.raises(UnsupportedModel, match="Qwen3Model"):
+        ModelArchConfig.from_hf_dict({"architectures": ["Qwen3Model"], **_SHAPE})
+    monkeypatch.setattr(model_config, "SUPPORTED_ARCHITECTURES",
+                        (*model_config.SUPPORTED_ARCHITECTURES, "Qwen3ForCausalLM"))
+    arch = ModelArchConfig.from_hf_dict({"architectures": ["Qwen3Model"], **_SHAPE})
+    assert (arch.architecture, arch.base_model) == ("Qwen3ForCausalLM", True)
+    with pytest.raises(UnsupportedModel, match="BertModel"):
+        ModelArchConfig.from_hf_dict({"architectures": ["BertModel"], **_SHAPE})
+
+
+def test_sentence_transformers_pooling(tmp_path: Path) -> None:
+    folder = write_folder(tmp_path / "st", {"architectures": ["Qwen2Model"], **_SHAPE})
+    source = resolve_model(folder)
+    assert sentence_transformers_pooling(source) is None
+    (folder / "modules.json").write_text(json.dumps([
+        {"path": "", "type": "sentence_transformers.models.Transformer"},
+        {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_lasttoken": True,
+         "pooling_mode_mean_tokens": False, "include_prompt": True}))
+    found = sentence_transformers_pooling(source)
+    assert (found.modes, found.normalize) == (("pooling_mode_lasttoken",), False)
+    (folder / "modules.json").write_text(json.dumps([
+        {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    assert sentence_transformers_pooling(source).normalize
 
 
 def test_config_missing_a_required_key(tmp_path: Path) -> None:
