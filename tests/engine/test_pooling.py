@@ -1,8 +1,9 @@
 """``runner="pooling"``: ``LLM.embed`` against transformers' base model (``last_hidden_state``,
 after the final norm) pooled by hand in float64; chunked prompts, batches, the engine's
 state after, and the errors of a request on the wrong runner. Each runs on ``*ForCausalLM``
-checkpoints and on bare base models (``LlamaModel``, ``MistralModel``, ``Qwen2Model``: no LM
-head, tensor names without ``model.``), as embedding models are published; then
+checkpoints and on bare base models (``LlamaModel``, ``MistralModel``, ``Qwen2Model``,
+``Qwen3Model``: no LM head, tensor names without ``model.``), as embedding models are
+published; then
 sentence-transformers' pooling defaults (``modules.json``, ``1_Pooling/config.json``)."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ LENGTHS = [1, 5, 23, 64, 97]
 
 # An architecture, and "-base" for its bare base model (as e5-mistral and gte publish them).
 @pytest.fixture(scope="module", params=["llama3", "qwen2", "llama3-base", "mistral-base",
-                                        "qwen2-base"])
+                                        "qwen2-base", "qwen3-base"])
 def model(request, tmp_path_factory):
     arch, _, base = request.param.partition("-")
     return write_tiny_model(tmp_path_factory.mktemp(request.param) / "m", arch, seed=3,

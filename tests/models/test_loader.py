@@ -165,12 +165,14 @@ def test_bare_base_model_is_its_causal_lm_without_a_head(name: str, causal: str)
 
 def test_any_registered_causal_lm_gives_its_base_model(monkeypatch) -> None:
     """Derived, not listed: ``XModel`` loads as soon as ``XForCausalLM`` is supported."""
-    with pytest.raises(UnsupportedModel, match="Qwen3Model"):
-        ModelArchConfig.from_hf_dict({"architectures": ["Qwen3Model"], **_SHAPE})
-    monkeypatch.setattr(model_config, "SUPPORTED_ARCHITECTURES",
-                        (*model_config.SUPPORTED_ARCHITECTURES, "Qwen3ForCausalLM"))
     arch = ModelArchConfig.from_hf_dict({"architectures": ["Qwen3Model"], **_SHAPE})
     assert (arch.architecture, arch.base_model) == ("Qwen3ForCausalLM", True)
+    with pytest.raises(UnsupportedModel, match="FooModel"):
+        ModelArchConfig.from_hf_dict({"architectures": ["FooModel"], **_SHAPE})
+    monkeypatch.setattr(model_config, "SUPPORTED_ARCHITECTURES",
+                        (*model_config.SUPPORTED_ARCHITECTURES, "FooForCausalLM"))
+    arch = ModelArchConfig.from_hf_dict({"architectures": ["FooModel"], **_SHAPE})
+    assert (arch.architecture, arch.base_model) == ("FooForCausalLM", True)
     with pytest.raises(UnsupportedModel, match="BertModel"):
         ModelArchConfig.from_hf_dict({"architectures": ["BertModel"], **_SHAPE})
 
