@@ -11,8 +11,6 @@ each call reads its weight from memory, as a decode step does. ``--sweep-gemv`` 
 one- and two-row kernel's configurations (blocks, warps, split-K target, one word's pairs or
 two words'), ``--sweep-mma`` the CUDA C++ kernel's compiled variants and split targets,
 ``--sweep-wgmma`` the Hopper kernel's blocks of rows and stages against cuBLAS,
-``--sweep-slices`` the dequantize path a slice of features at a time by its buffer's share of
-the L2 cache,
 ``--sweep-tiles`` the tiles' (block sizes, warps, stages, split-K target, biased
 codes or ``q - z``, the scale row a tile ahead or not) at each M and picks the fastest per
 range of M (``--write-choice`` writes both choices into the kernel's source, for the runs
@@ -63,11 +61,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep-wgmma", action="store_true",
                    help="time the Hopper wgmma kernel's blocks of rows and compiled variants "
                         "against cuBLAS, dequantize + cuBLAS and the tiles")
-    p.add_argument("--sweep-slices", action="store_true",
-                   help="time the dequantize path in slices of features by the share of the "
-                        "L2 cache its buffer takes, against the whole-weight path and cuBLAS")
-    p.add_argument("--no-table", action="store_true",
-                   help="after the sweeps, skip the table of every path at each M")
     p.add_argument("--mma-variants", type=int, nargs="+",
                    help="the compiled variants --sweep-mma times (default: all)")
     p.add_argument("--write-choice", action="store_true",
@@ -403,7 +396,9 @@ def sweep_wgmma(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
         sys.exit("the wgmma kernel does not build here (see the log line above)")
     weights = _sweep_weights(args)
     total_bytes = sum(packed_bytes(w[0]) for w in weights.values())
-    dense = _dense_weights(args)
+    dense = {name: copies_past_l2(lambda n=n, k=k: torch.randn(n, k, device=DEVICE,
+                                                                dtype=DTYPES[args.dtype]),
+                                  2 * n * k) for name, n, k in SHAPES}
     rows = []
     for m in args.ms:
         xs = _sweep_inputs(m, args)
@@ -417,53 +412,16 @@ def sweep_wgmma(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
                 row = _sweep_row(m, f"wgmma r{block_rows} v{variant}", None, layer_ms,
                                  total_bytes, copy_gbs)
                 rows.append({**row, "block_rows": block_rows, "variant": variant})
-        paths = ("dequant", None) if m >= w4a16.DEQUANT_MIN_M else ("tiles", "dequant", None)
-        rows += _baseline_rows(m, paths, weights, xs, refs, dense, total_bytes, copy_gbs)
+        for path in ("tiles", "dequant", None):
+            if path == "tiles" and m >= w4a16.DEQUANT_MIN_M:
+                continue
+            layer_ms = _layers(w4a16, path, weights, xs, refs)
+            rows.append(_sweep_row(m, path or "chosen", None, layer_ms, total_bytes, copy_gbs))
+        layer_ms = {name: _time(cycling(lambda w, x=xs[name][0], out=xs[name][1]:
+                                        torch.mm(x, w.T, out=out), dense[name]))
+                    for name, _n, _k in SHAPES}
+        rows.append(_sweep_row(m, "cublas", None, layer_ms, total_bytes, copy_gbs))
     return rows
-
-
-def sweep_slices(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
-    """The "dequant-slices" path by the fraction of the L2 cache its buffer takes
-    (``w4a16.DEQUANT_SLICE_L2_FRACTION``) at each M of ``--ms``, with the whole-weight
-    dequantize path, the engine's choice and cuBLAS on the bf16 weight alongside."""
-    from pagedserve.platforms.cuda.kernels import w4a16
-
-    weights = _sweep_weights(args)
-    total_bytes = sum(packed_bytes(w[0]) for w in weights.values())
-    dense = _dense_weights(args)
-    original, rows = w4a16.DEQUANT_SLICE_L2_FRACTION, []
-    for m in args.ms:
-        xs = _sweep_inputs(m, args)
-        refs = _references(w4a16, weights, xs)
-        for fraction in (1, 2, 4, 8):
-            w4a16.DEQUANT_SLICE_L2_FRACTION = fraction
-            layer_ms = _layers(w4a16, "dequant-slices", weights, xs, refs)
-            rows.append({**_sweep_row(m, f"slices/{fraction}", None, layer_ms, total_bytes,
-                                      copy_gbs), "l2_fraction": fraction})
-        w4a16.DEQUANT_SLICE_L2_FRACTION = original
-        rows += _baseline_rows(m, ("dequant", None), weights, xs, refs, dense, total_bytes,
-                               copy_gbs)
-    return rows
-
-
-def _dense_weights(args: argparse.Namespace) -> dict:
-    """Copies of a random 16-bit weight of each layer, past the L2 cache, for cuBLAS."""
-    return {name: copies_past_l2(lambda n=n, k=k: torch.randn(n, k, device=DEVICE,
-                                                               dtype=DTYPES[args.dtype]),
-                                 2 * n * k) for name, n, k in SHAPES}
-
-
-def _baseline_rows(m: int, paths: tuple, weights: dict, xs: dict, refs: dict, dense: dict,
-                   total_bytes: int, copy_gbs: float) -> list[dict]:
-    """A sweep's rows for the engine's ``paths`` (None: its choice) and cuBLAS at M = m."""
-    from pagedserve.platforms.cuda.kernels import w4a16
-
-    rows = [_sweep_row(m, path or "chosen", None, _layers(w4a16, path, weights, xs, refs),
-                       total_bytes, copy_gbs) for path in paths]
-    layer_ms = {name: _time(cycling(lambda w, x=xs[name][0], out=xs[name][1]:
-                                    torch.mm(x, w.T, out=out), dense[name]))
-                for name, _n, _k in SHAPES}
-    return rows + [_sweep_row(m, "cublas", None, layer_ms, total_bytes, copy_gbs)]
 
 
 def _sweep_row(m: int, path: str, cfg, layer_ms: dict, total_bytes: int,
@@ -611,11 +569,8 @@ def main() -> None:
     if args.sweep_wgmma:
         result["wgmma_sweep"] = sweep_wgmma(args, copy_gbs)
         torch.cuda.empty_cache()
-    if args.sweep_slices:
-        result["slices_sweep"] = sweep_slices(args, copy_gbs)
-        torch.cuda.empty_cache()
     rows = []
-    for name, n, k in () if args.no_table else SHAPES:
+    for name, n, k in SHAPES:
         rows += bench_shape(name, n, k, args, copy_gbs, base)
         torch.cuda.empty_cache()
     result["rows"] = rows

@@ -18,7 +18,7 @@
 #                                        attention-vs-base attention-sweep-short fp8-accum
 #                                        fp8-profile fp8-timeline fp8kv-timeline awq-timeline
 #                                        w4a16-wgmma w4a16-wgmma-tests pdl-tests pdl
-#                                        pdl-w4a16 pdl-fp8 w4a16-slices
+#                                        pdl-w4a16 pdl-fp8
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -522,11 +522,6 @@ for part in $parts; do
       timeout 420 python3 scripts/bench_w4a16.py --ms ${WGMMA_MS:-32 64 128 256 512 1024 8192} \
         --sweep-wgmma \
         --out "$OUT/w4a16_wgmma_sweep_h200.json" 2>&1 | tee "$OUT/w4a16_wgmma_sweep_h200.log" ;;
-    # The dequantize path a slice of features at a time (its buffer a share of the L2 cache)
-    # against the whole-weight path and cuBLAS at ${SLICES_MS:-512 1024 2048} rows.
-    w4a16-slices) timeout 300 python3 scripts/bench_w4a16.py --ms ${SLICES_MS:-512 1024 2048} \
-        --sweep-slices --no-table --out "$OUT/w4a16_slices_sweep_h200.json" 2>&1 \
-        | tee "$OUT/w4a16_slices_sweep_h200.log" ;;
     # With the engine choosing the wgmma kernel (PAGEDSERVE_W4A16_WGMMA=1): its CUDA tests
     # (all, not stopping at the first failure), the 8B layer sizes through every path and the
     # engine's AWQ/GPTQ checkpoints against the dequantized model; then AWQ decode steps with

@@ -126,24 +126,6 @@ def test_each_path_matches_reference(case, dtype):
     assert_close(out, reference(x, weight), dtype)
 
 
-# (L2 bytes, fraction for the buffer): slices of 128, 128 and 44 of 300 features at K = 160
-# (the buffer's bytes are below one slice of 128), and all 300 in one slice.
-@pytest.mark.parametrize("l2,fraction", [(2**20, 64), (2**20, 1)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_dequant_slices_match_the_whole_weight(l2, fraction, dtype, monkeypatch):
-    monkeypatch.setattr(w4a16, "l2_bytes", lambda device: l2)
-    monkeypatch.setattr(w4a16, "DEQUANT_SLICE_L2_FRACTION", fraction)
-    weight = random_weight(300, 160, 32, seed=5)
-    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 32, DEVICE)
-    whole = w4a16.dequantize(packed, dtype)
-    for cols in (slice(0, 128), slice(128, 256), slice(256, 300)):
-        assert torch.equal(w4a16.dequantize(packed, dtype, cols), whole[:, cols])
-    x = torch.randn(9, 160, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype)
-    out = torch.full((9, 300), float("nan"), dtype=dtype, device=DEVICE)
-    assert w4a16.matmul(x, packed, out=out, path="dequant-slices") is out
-    assert_close(out, reference(x, weight), dtype)
-
-
 def test_path_choice_by_rows_and_groups():
     def packed(group, k=256):
         weight = random_weight(8, k, group, seed=1)

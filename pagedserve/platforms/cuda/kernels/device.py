@@ -22,12 +22,3 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.lru_cache(maxsize=8)
-def l2_bytes(device: torch.device) -> int:
-    """The GPU's L2 cache; on the CPU (Triton's interpreter) 1 MB, so that tests of code
-    sized by it take several slices of small weights."""
-    if device.type != "cuda":
-        return 2**20
-    return torch.cuda.get_device_properties(device).L2_cache_size

@@ -69,7 +69,7 @@ import triton.language as tl
 
 from pagedserve import envs
 from pagedserve.platforms.cuda.kernels import w4a16_mma, w4a16_wgmma
-from pagedserve.platforms.cuda.kernels.device import gpu_arch, l2_bytes, sm_count
+from pagedserve.platforms.cuda.kernels.device import gpu_arch, sm_count
 from pagedserve.platforms.cuda.kernels.pdl import gate, launch_options
 from pagedserve.platforms.cuda.kernels.split_k import finish, split_count
 
@@ -673,22 +673,21 @@ def _w4a16_gemv_kernel(
 
 
 @triton.jit
-def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, K_WORDS, group_size, stride_w,
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, K_WORDS, group_size,
                     BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr,
                     PDL: tl.constexpr):
-    """The dense ``[K, N]`` weight (rows of N contiguous), ``8 * BLOCK_KW`` rows by ``BLOCK_N``
-    columns a program, from packed rows of ``stride_w`` (N, or more for a slice of columns)."""
+    """The dense ``[K, N]`` weight, ``8 * BLOCK_KW`` rows by ``BLOCK_N`` columns a program."""
     gate(PDL)
     rows = tl.program_id(0) * BLOCK_KW + tl.arange(0, BLOCK_KW)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * stride_w + offs_n[None, :],
+    words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
                     mask=(rows < K_WORDS)[:, None] & mask_n[None, :], other=0)
     cols = _slice0_cols(rows, BLOCK_KW)
     for i in tl.static_range(8):
         k = cols + (_TILE_K // 8) * i
         mask = (k < K)[:, None] & mask_n[None, :]
-        g_ptrs = (k // group_size)[:, None] * stride_w + offs_n[None, :]
+        g_ptrs = (k // group_size)[:, None] * N + offs_n[None, :]
         s = tl.load(s_ptr + g_ptrs, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g_ptrs, mask=mask, other=0.0).to(tl.float32)
         w = _dequant(((words >> (4 * (i // 2) + 16 * (i % 2))) & 0xF).to(tl.float32), s, z,
@@ -702,9 +701,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, K_WORDS, group_size, st
 # between.
 GEMV_MAX_M = 2
 DEQUANT_MIN_M = 129
-PATHS = ("mma", "gemv", "tiles", "wgmma", "dequant", "dequant-slices")
-# The "dequant-slices" buffer: this fraction of the L2 cache (the rest holds x and out).
-DEQUANT_SLICE_L2_FRACTION = 4
+PATHS = ("mma", "gemv", "tiles", "wgmma", "dequant")
 
 
 class _TileConfig(NamedTuple):
@@ -858,8 +855,6 @@ def matmul(x: torch.Tensor, w: PackedW4, split_k: int | None = None,
     path = path or _choose_path(x, w)
     if path == "dequant":
         return torch.mm(x, dequantize(w, x.dtype), out=out)
-    if path == "dequant-slices":
-        return _dequant_slices(x, w, out)
     if path == "mma":
         if not w4a16_mma.eligible(x, w):
             raise ValueError("the mma kernels take 16-bit x on NVIDIA, zero points and groups "
@@ -954,39 +949,13 @@ def _gemv(x: torch.Tensor, w: PackedW4, split_k: int | None, out: torch.Tensor) 
     return out
 
 
-def dequantize(w: PackedW4, dtype: torch.dtype, cols: slice = slice(None),
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """The packed weight's columns ``cols`` (features, step 1) as a dense ``[K, n]`` tensor of
-    ``dtype`` (rounded once), written into ``out`` (contiguous) if given."""
-    qweight, scales, shifts = (t[:, cols] for t in (w.qweight, w.scales, w.shifts))
-    n, k = qweight.shape[1], w.in_features
-    if out is None:
-        out = torch.empty((k, n), dtype=dtype, device=w.qweight.device)
-    block_kw, block_n = 8, 128
-    _dequant_kernel[(triton.cdiv(qweight.shape[0], block_kw), triton.cdiv(n, block_n))](
-        qweight, scales, shifts, out, n, k, qweight.shape[0], w.group_size, qweight.stride(0),
-        BLOCK_KW=block_kw, BLOCK_N=block_n, ZERO_POINT=w.zero_point, num_warps=4,
-        **launch_options(out.device))
-    return out
-
-
-def slice_columns(k: int, n: int, budget: int) -> int:
-    """Columns of a ``"dequant-slices"`` slice: as many (a multiple of 128) as ``budget``
-    bytes of 16-bit weights hold at ``k`` rows, at least 128."""
-    return min(n, max(128, budget // (2 * k) // 128 * 128))
-
-
-def _dequant_slices(x: torch.Tensor, w: PackedW4, out: torch.Tensor) -> torch.Tensor:
-    """Dequantize + cuBLAS a slice of features at a time into one reused buffer of a fraction
-    of the L2 cache, so that the 16-bit weights are written to and read back from L2 rather
-    than memory (the whole-weight path moves 4.5 bytes a weight through memory, this one
-    0.5). cuBLAS writes each slice's ``[M, n]`` into ``out``'s columns in place (row stride
-    N)."""
+def dequantize(w: PackedW4, dtype: torch.dtype) -> torch.Tensor:
+    """The packed weight as a dense ``[K, N]`` tensor of ``dtype`` (rounded once)."""
     n, k = w.qweight.shape[1], w.in_features
-    step = slice_columns(k, n, l2_bytes(x.device) // DEQUANT_SLICE_L2_FRACTION)
-    buffer = torch.empty(k * step, dtype=x.dtype, device=x.device)
-    for start in range(0, n, step):
-        cols = slice(start, min(start + step, n))
-        dense = buffer[:k * (cols.stop - start)].view(k, -1)  # the last slice may be narrower
-        torch.mm(x, dequantize(w, x.dtype, cols, dense), out=out[:, cols])
-    return out
+    dense = torch.empty((k, n), dtype=dtype, device=w.qweight.device)
+    block_kw, block_n = 8, 128
+    _dequant_kernel[(triton.cdiv(w.qweight.shape[0], block_kw), triton.cdiv(n, block_n))](
+        w.qweight, w.scales, w.shifts, dense, n, k, w.qweight.shape[0], w.group_size,
+        BLOCK_KW=block_kw, BLOCK_N=block_n, ZERO_POINT=w.zero_point, num_warps=4,
+        **launch_options(dense.device))
+    return dense
