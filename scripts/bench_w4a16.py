@@ -61,6 +61,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep-wgmma", action="store_true",
                    help="time the Hopper wgmma kernel's blocks of rows and compiled variants "
                         "against cuBLAS, dequantize + cuBLAS and the tiles")
+    p.add_argument("--no-table", action="store_true",
+                   help="after the sweeps, skip the table of every path at each M")
     p.add_argument("--mma-variants", type=int, nargs="+",
                    help="the compiled variants --sweep-mma times (default: all)")
     p.add_argument("--write-choice", action="store_true",
@@ -570,7 +572,7 @@ def main() -> None:
         result["wgmma_sweep"] = sweep_wgmma(args, copy_gbs)
         torch.cuda.empty_cache()
     rows = []
-    for name, n, k in SHAPES:
+    for name, n, k in () if args.no_table else SHAPES:
         rows += bench_shape(name, n, k, args, copy_gbs, base)
         torch.cuda.empty_cache()
     result["rows"] = rows

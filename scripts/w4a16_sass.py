@@ -262,7 +262,7 @@ def summarize(v: Variant, kernel) -> dict:
             **resources(kernel), **{k: counts[k] for k in COUNTED}}
 
 
-_WGMMA_KERNEL = re.compile(r"wgmma_kernelILb([01])ELi(\d+)ELi(\d)ELi(\d)ELi(\d)E")
+_WGMMA_KERNEL = re.compile(r"wgmma_kernelILb([01])ELi(\d+)ELi(\d)ELi(\d)E")
 
 
 def wgmma_rows() -> list[dict]:
@@ -295,13 +295,12 @@ def wgmma_rows() -> list[dict]:
         m = _WGMMA_KERNEL.search(name)
         if not m:
             continue
-        bf16, rows_x, gp, stages, min_blocks = (int(g) for g in m.groups())
+        bf16, rows_x, gp, stages = (int(g) for g in m.groups())
         loop = main_loop(body)
         counts = Counter(op.split(".")[0] for op, _ in loop)
         registers, stack = usage[name]
         rows.append({"name": f"wgmma {'bf16' if bf16 else 'fp16'} {rows_x} rows, "
-                             f"{4 // gp} groups/tile, {stages} stages, "
-                             f"registers for {min_blocks} block{'s' * (min_blocks > 1)}",
+                             f"{4 // gp} groups/tile, {stages} stages",
                      "instructions_per_iteration": len(loop), "num_warps": 8,
                      "issue_cycles": len(loop) * 8 / 4, "mma_cycles": 2 * 8 * rows_x / 2,
                      "registers": registers, "stack": stack,

@@ -35,7 +35,7 @@ def test_source_builds_for_sm90a(tmp_path, monkeypatch):
     try:
         lib = w4a16_wgmma.library(sweep=True)
         assert lib is not None
-        assert lib.w4a16_wgmma_variants() == 3
+        assert lib.w4a16_wgmma_variants() == 2
     finally:
         w4a16_wgmma.library.cache_clear()
     assert [p.name.split("-")[0] for p in (tmp_path / "cuda_kernels").iterdir()] == ["w4a16_wgmma"]
@@ -102,15 +102,18 @@ def test_path_chosen_where_built(monkeypatch, tmp_path, wgmma_switch):
     assert w4a16._choose_path(many, packed) == "dequant"
 
 
-@pytest.mark.parametrize("m,n,rows", [
-    (64, 28672, 64), (1, 4096, 64),  # up to 64 rows: 64
-    (128, 6144, 64), (100, 4096, 64),  # 48 / 32 blocks of features: 64 up to 128 rows
-    (128, 28672, 128), (65, 28672, 128),  # 224 blocks of 128 rows fill 132 SMs
-    (256, 28672, 256), (512, 28672, 256),  # so do 224 (448) of 256 rows
-    (256, 6144, 128), (1000, 4096, 128),  # 48 / 128 blocks of 256 rows: not
-    (1100, 4096, 256)])  # 160: they do
-def test_block_rows_by_rows_and_features(m, n, rows):
-    assert w4a16_wgmma.block_rows(m, n, 132) == rows
+@pytest.mark.parametrize("m,n,tiles,rows", [
+    (64, 28672, 32, 64), (1, 4096, 32, 64),  # up to 64 rows: 64
+    (128, 6144, 32, 64), (100, 4096, 112, 64),  # 48 / 32 blocks of features: 64 up to 128 rows
+    (128, 28672, 32, 128), (65, 28672, 32, 128),  # 224 blocks of 128 rows fill 132 SMs
+    (256, 28672, 32, 256), (512, 28672, 112, 256),  # so do 224 (448) of 256 rows
+    (256, 6144, 32, 128), (1000, 4096, 32, 128),  # 48 / 128 blocks of 256 rows: not
+    (1100, 4096, 32, 256),  # 160: they do
+    (256, 4096, 32, 64), (192, 4096, 32, 64),  # 128 / 96 blocks of 64 rows, a short K
+    (256, 4096, 112, 128),  # a long K: 128 rows, K split in two
+    (256, 4096, 33, 128), (320, 4096, 32, 128)])  # past the short K; two waves of 64 rows
+def test_block_rows_by_rows_features_and_k(m, n, tiles, rows):
+    assert w4a16_wgmma.block_rows(m, n, tiles, 132) == rows
 
 
 @pytest.mark.parametrize("m,n,tiles,rows,splits", [

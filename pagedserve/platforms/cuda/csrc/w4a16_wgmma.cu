@@ -31,10 +31,8 @@
 // Pipeline: the tiles stream through STAGES shared-memory buffers, STAGES - 2 ahead; each
 // warpgroup decodes step s + 1 while the wgmma of step s runs (wait_group 1 keeps one in
 // flight), and a stage is refilled only two tiles after it was read, when every wgmma that
-// read it is known to be done. With 2 stages (a sweep variant) the copy runs one tile ahead
-// and each tile's last wgmma is waited for before the next tile's barrier: one block loses
-// that overlap, but two blocks fit a multiprocessor (MIN_BLOCKS caps the registers), and one
-// block's decode can run beside the other's wgmmas.
+// read it is known to be done. (Two blocks a multiprocessor at 128 rows, 2 stages each, was
+// timed and dropped: docs/benchmarks.md.)
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -272,11 +270,10 @@ __device__ __forceinline__ int2 block_of(int id, int m_blocks, int n_blocks) {
 
 // A block of BM rows of x by 128 features over one split of K. GP: pairs of slices per group,
 // 1 (groups of 32), 2 (64) or 4 (128 and more, or one group).
-template <bool BF16, int BM, int GP, int STAGES, int MIN_BLOCKS>
-__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) wgmma_kernel(const W4A16MmaArgs a) {
+template <bool BF16, int BM, int GP, int STAGES>
+__global__ void __launch_bounds__(kThreads) wgmma_kernel(const W4A16MmaArgs a) {
   using L = StageLayout<BM, GP>;
-  // Tiles copied ahead of the one read: with 2 stages, one, and the wgmmas drained per tile.
-  constexpr int kAhead = STAGES == 2 ? 1 : STAGES - 2;
+  constexpr int kAhead = STAGES - 2;  // tiles copied ahead of the one read
   constexpr int NG = 4 / GP;
   pdl_gate();  // x goes through the stages with the weights
   extern __shared__ uint8_t smem_raw[];
@@ -407,7 +404,6 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) wgmma_kernel(const W4A16
           wgmma_wait<1>();
         }
     }
-    if constexpr (STAGES == 2) wgmma_wait<0>();  // the next barrier refills this stage
   }
   wgmma_wait<0>();
   fence_registers(acc);
@@ -455,9 +451,9 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) wgmma_kernel(const W4A16
   if (tid == 0) a.counters[counter] = 0;
 }
 
-template <bool BF16, int BM, int GP, int STAGES, int MIN_BLOCKS = 1>
+template <bool BF16, int BM, int GP, int STAGES>
 cudaError_t launch(const W4A16MmaArgs& a, cudaStream_t stream) {
-  const auto kernel = wgmma_kernel<BF16, BM, GP, STAGES, MIN_BLOCKS>;
+  const auto kernel = wgmma_kernel<BF16, BM, GP, STAGES>;
   const int bytes = STAGES * StageLayout<BM, GP>::kBytes + 1024;  // + the alignment
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        bytes);
@@ -475,9 +471,6 @@ cudaError_t by_variant(const W4A16MmaArgs& a, cudaStream_t stream) {
     case 0: return launch<BF16, BM, GP, kMostStages>(a, stream);
 #ifdef W4A16_WGMMA_SWEEP
     case 1: return launch<BF16, BM, GP, 3>(a, stream);
-    // Two blocks a multiprocessor where two fit (up to 128 rows: 2 x ~85 KB of stages, at
-    // most 128 registers a thread), so that one block decodes while the other's wgmmas run.
-    case 2: return launch<BF16, BM, GP, 2, BM <= 128 ? 2 : 1>(a, stream);
 #endif
     default: return cudaErrorInvalidValue;
   }
@@ -515,10 +508,10 @@ int w4a16_wgmma(const W4A16MmaArgs* a, void* stream) {
   return a->bf16 ? by_rows<true>(*a, s) : by_rows<false>(*a, s);
 }
 
-// Variants compiled in: 1 normally, 3 with W4A16_WGMMA_SWEEP (benchmarks).
+// Variants compiled in: 1 normally, 2 with W4A16_WGMMA_SWEEP (benchmarks).
 int w4a16_wgmma_variants() {
 #ifdef W4A16_WGMMA_SWEEP
-  return 3;
+  return 2;
 #else
   return 1;
 #endif

@@ -53,18 +53,28 @@ def usable(x: torch.Tensor, w: PackedW4) -> bool:
     return eligible(x, w) and library() is not None
 
 
-def block_rows(m: int, n: int, sms: int) -> int:
-    """Rows of x per block for M rows and N features on ``sms`` multiprocessors. From the H200
-    sweep (2026-12-05, the 8B layers at 64-512 rows): 64 up to 64 rows, and up to 128 where
-    blocks of 128 would not fill the GPU (qkv at 128 rows: 28 against 41 us, down 58 against
-    67); 256 from 256 rows where its blocks do (gate_up at 256: 125 against 144 us; where they
-    do not, 256 was the slowest: qkv 79 against 36); else 128."""
+def block_rows(m: int, n: int, tiles: int, sms: int) -> int:
+    """Rows of x per block for M rows, N features and K's ``tiles`` on ``sms``
+    multiprocessors. From the H200 sweep (2026-12-05, the 8B layers at 64-512 rows): 64 up to
+    64 rows, and up to 128 where blocks of 128 would not fill the GPU (qkv at 128 rows: 28
+    against 41 us, down 58 against 67); 256 from 256 rows where its blocks do (gate_up at 256:
+    125 against 144 us; where they do not, 256 was the slowest: qkv 79 against 36). Past 128
+    rows, 64 where blocks of 64 fill the GPU at most once and K is short
+    (``SHORT_K_TILES``): blocks of 128 would split so short a K that each split's fixed cost
+    shows (o at 256 rows: 28 against 42 us on the H200, 27 against 40 on an H100; down, whose
+    K is 3.5 times as long, keeps 128: 84 against 91). Else 128."""
     features = -(-n // BLOCK_N)
     if m <= 64 or (m <= 128 and features < sms):
         return 64
     if m >= 256 and -(-m // 256) * features >= sms:
         return 256
+    if -(-m // 64) * features <= sms and tiles <= SHORT_K_TILES:
+        return 64
     return 128
+
+
+# K's tiles (of 128 columns) up to which a K counts as short for ``block_rows``.
+SHORT_K_TILES = 32
 
 
 class Plan(NamedTuple):
@@ -98,10 +108,10 @@ def matmul(x: torch.Tensor, w: PackedW4, out: torch.Tensor, rows: int | None = N
     m = x.shape[0]
     n = w.qweight.shape[1]
     sms = sm_count(x.device)
-    rows = rows or block_rows(m, n, sms)
+    tiles = w.qweight.shape[0] // 16
+    rows = rows or block_rows(m, n, tiles, sms)
     if rows not in BLOCK_ROWS:
         raise ValueError(f"rows per block: one of {BLOCK_ROWS}, not {rows}")
-    tiles = w.qweight.shape[0] // 16
     per_split, splits = plan(m, n, tiles, rows, sms, w.counters.numel(), split_k)
     partial = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32,
                           device=x.device)
