@@ -294,6 +294,8 @@ class EngineConfig:
     def resolve(self, arch: ModelArchConfig, platform: type[Platform]) -> ResolvedConfig:
         """The values that depend on the model and the platform, computed once."""
         max_model_len = self._max_model_len(arch)
+        if arch.num_experts:
+            self._check_moe(arch)
         if self.tensor_parallel_size > 1:
             self._check_splits(arch)
         return ResolvedConfig(
@@ -482,8 +484,28 @@ class EngineConfig:
     def _check_splits(self, arch: ModelArchConfig) -> None:
         why = check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size,
                               self.tensor_parallel_size)
+        if not why and arch.moe_intermediate_size % self.tensor_parallel_size:
+            why = (f"the model's expert intermediate size {arch.moe_intermediate_size} does "
+                   f"not divide into {self.tensor_parallel_size}")
         if why:
             raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: {why}")
+
+    def _check_moe(self, arch: ModelArchConfig) -> None:
+        """What mixture-of-experts models do not run with yet: their experts are held in the
+        checkpoint's float precision only, and LoRA has no adapter slots for them."""
+        name = arch.checkpoint_architecture
+        stored = (arch.raw.get("quantization_config") or {}).get("quant_method")
+        if stored:
+            raise ConfigError(f"{name}: quantized mixture-of-experts checkpoints ({stored}) are "
+                              "not supported; load the unquantized (bfloat16/float16/float32) "
+                              "checkpoint")
+        if self.quantization not in ("auto", "none"):
+            raise ConfigError(f"--quantization {self.quantization} is not supported for "
+                              f"mixture-of-experts models ({name}); leave it unset: their "
+                              "weights run unquantized")
+        if self.enable_lora:
+            raise ConfigError(f"--enable-lora is not supported for mixture-of-experts models "
+                              f"({name})")
 
     def _max_model_len(self, arch: ModelArchConfig) -> int:
         limit = arch.max_position_embeddings

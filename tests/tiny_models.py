@@ -16,6 +16,11 @@ _QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_siz
               num_hidden_layers=2, rms_norm_eps=1e-6, rope_theta=1000000.0,
               max_position_embeddings=1024, attention_bias=False, use_sliding_window=False)
 
+_QWEN3_MOE = dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                  intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, tie_word_embeddings=False, num_experts=8,
+                  num_experts_per_tok=3, moe_intermediate_size=32, decoder_sparse_step=1)
+
 ARCH_CONFIGS = {
     # Llama-3 shape: GQA 4:1, llama3 rope scaling, untied embeddings.
     "llama3": dict(
@@ -47,6 +52,19 @@ ARCH_CONFIGS = {
         num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
         max_position_embeddings=1024, tie_word_embeddings=False, sliding_window=None,
     ),
+    # Mixtral shape: Mistral attention; 6 experts of 48, top 2, always renormalised.
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=64,
+        intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        max_position_embeddings=1024, tie_word_embeddings=False, sliding_window=None,
+        num_local_experts=6, num_experts_per_tok=2,
+    ),
+    # Qwen3-30B-A3B's layout: Qwen3 attention, 8 experts of 32, top 3 renormalised.
+    "qwen3-moe": dict(_QWEN3_MOE, norm_topk_prob=True),
+    # Top-k weights as the softmax left them (norm_topk_prob false, transformers' default),
+    # and layer 1 a dense MLP of intermediate_size (mlp_only_layers).
+    "qwen3-moe-dense1": dict(_QWEN3_MOE, norm_topk_prob=False, mlp_only_layers=[1]),
 }
 
 

@@ -57,6 +57,25 @@ SHAPES: dict[str, dict] = {
                        num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
     "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    # Mixture of experts. Mixtral-8x7B: 8 experts of 14336, top 2 (47B parameters, 13B a
+    # token; 94 GB in bf16, tensor parallelism's shape on 80 GB cards).
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=32000,
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
+        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False,
+        sliding_window=None, num_local_experts=8, num_experts_per_tok=2, bos_token_id=1,
+        eos_token_id=2,
+    ),
+    # Qwen3-30B-A3B: 128 experts of 768, top 8 renormalised, every layer sparse (30B
+    # parameters, 3B a token).
+    "qwen3-30b-a3b": dict(
+        _QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    ),
 }
 
 

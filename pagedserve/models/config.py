@@ -6,9 +6,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+                           "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # Qwen2 and Qwen3 configs carry a sliding_window that only applies with use_sliding_window.
-_WINDOW_FLAG_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_WINDOW_FLAG_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Qwen3 attention: q/k norms, head_dim 128 unless the config says otherwise.
+_QWEN3_ATTENTION = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Mixture-of-experts architectures we know and do not run, with the reason.
+_REFUSED_MOE = {
+    "Qwen2MoeForCausalLM": "its shared expert (a dense MLP gated beside the routed experts) "
+                           "is not implemented",
+}
 
 
 class UnsupportedModel(ValueError):
@@ -55,6 +62,16 @@ class ModelArchConfig:
     torch_dtype: str | None = None
     # The checkpoint is the bare base model (``XModel``): no LM head, only --runner pooling.
     base_model: bool = False
+    # Mixture of experts (Mixtral, Qwen3-MoE): ``num_experts`` SwiGLU experts of
+    # ``moe_intermediate_size`` each, ``num_experts_per_tok`` chosen per token by a softmax
+    # router, their weights renormalised to sum to 1 where ``norm_topk_prob``. The layers in
+    # ``moe_layers`` have the sparse block; the others a dense MLP of ``intermediate_size``
+    # (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``). 0 experts: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -68,6 +85,11 @@ class ModelArchConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelArchConfig:
         archs = cfg.get("architectures") or []
         found = resolve_architecture(archs)
+        refused = next((a for a in archs if a in _REFUSED_MOE), None)
+        if found is None and refused is not None:
+            raise UnsupportedModel(f"{refused} is not supported: {_REFUSED_MOE[refused]}; the "
+                                   "supported mixture-of-experts models are "
+                                   "MixtralForCausalLM and Qwen3MoeForCausalLM")
         if found is None:
             raise UnsupportedModel(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
@@ -76,12 +98,14 @@ class ModelArchConfig:
             )
         arch, base_model = found
         num_heads = cfg["num_attention_heads"]
-        qwen3 = arch == "Qwen3ForCausalLM"
+        qwen3 = arch in _QWEN3_ATTENTION
         if qwen3 and cfg.get("attention_bias", False):
             raise UnsupportedModel("Qwen3 with attention_bias (biases on q/k/v and o_proj) is "
                                    "not supported; the released Qwen3 models have none")
-        # transformers' Qwen3Config defaults head_dim to 128, whatever hidden/heads is.
-        head_dim = cfg.get("head_dim") or (128 if qwen3 else cfg["hidden_size"] // num_heads)
+        # transformers' Qwen3Config defaults head_dim to 128, whatever hidden/heads is
+        # (Qwen3MoeConfig has no default: hidden / heads).
+        head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM"
+                                           else cfg["hidden_size"] // num_heads)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         # Qwen2 always has q/k/v biases; Llama exposes it as a flag.
@@ -121,4 +145,30 @@ class ModelArchConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             base_model=base_model,
             raw=cfg,
+            **_moe_fields(arch, cfg),
         )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral or Qwen3-MoE config; {} for a dense model.
+    Mixtral routes every layer, its experts of ``intermediate_size`` and always renormalised;
+    Qwen3-MoE routes layer ``i`` unless it is in ``mlp_only_layers`` or ``i + 1`` is no
+    multiple of ``decoder_sparse_step`` (as transformers builds it)."""
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    # transformers 5 saves Qwen3-MoE's num_experts under Mixtral's name, num_local_experts.
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    layers = range(cfg["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                    moe_layers=tuple(layers))
+    dense = set(cfg.get("mlp_only_layers") or ())
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    sparse = tuple(i for i in layers if experts > 0 and i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 8),
+                moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=sparse)

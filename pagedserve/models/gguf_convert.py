@@ -151,6 +151,11 @@ def open_gguf(gguf_path: Path) -> gguf.GGUFReader:
 def hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     """A LlamaForCausalLM or Qwen3ForCausalLM ``config.json`` from the GGUF metadata."""
     arch = _meta(reader, "general.architecture")
+    # llama.cpp stores Mixtral as "llama" with stacked experts (ffn_gate_exps ...).
+    if arch == "qwen3moe" or _meta(reader, f"{arch}.expert_count", 0):
+        raise UnsupportedModel(
+            f"GGUF mixture-of-experts models ({arch}) are not supported; load the Hugging Face "
+            "safetensors checkpoint (MixtralForCausalLM, Qwen3MoeForCausalLM) instead")
     if arch not in _ARCHITECTURES:
         raise UnsupportedModel(
             f"GGUF architecture {arch!r} is not supported; supported: "

@@ -1,7 +1,8 @@
 """The elementwise and normalisation ops of a decoder layer, in plain torch.
 
 This is the portable implementation and the numerical reference: RMSNorm in float32 as the
-Hugging Face models compute it, SwiGLU, and neox-style rotary embeddings. A platform with fused
+Hugging Face models compute it, SwiGLU, neox-style rotary embeddings, and the experts of a
+mixture-of-experts block. A platform with fused
 kernels subclasses ``LayerOps`` and overrides the methods (``Platform.layer_ops``); each of
 these plain versions launches several kernels, which on a GPU costs more than the matmuls at
 small batches.
@@ -9,11 +10,17 @@ small batches.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 
 
 class LayerOps:
+    # ``fused_moe`` runs inside a captured graph (no host sync); False: decode steps of a
+    # mixture-of-experts model run eagerly.
+    fused_moe_in_graphs: ClassVar[bool] = False
+
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
@@ -43,6 +50,41 @@ class LayerOps:
         cos = cos[positions][:, None, :]
         sin = sin[positions][:, None, :]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+    @classmethod
+    def fused_moe(cls, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts of a mixture-of-experts block: token ``t`` gets
+        ``sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t])``, each expert a SwiGLU
+        MLP.
+
+        Layout: ``hidden`` ``[T, H]``; ``w13`` ``[E, 2I, H]``, each expert's gate rows then its
+        up rows; ``w2`` ``[E, H, I]``; ``topk_ids`` int64 ``[T, K]`` and ``topk_weights``
+        ``[T, K]`` (float32 from the router). Returns ``[T, H]`` in ``hidden``'s dtype. Under
+        tensor parallelism ``I`` is this rank's slice and the result a partial sum that the
+        caller all-reduces.
+
+        As vLLM's fused kernel lays its work out, the ``T * K`` (token, expert) pairs are
+        sorted by expert so each expert's rows are one contiguous slice: one pair of matmuls
+        per expert that has tokens (never one per token), then each row weighted and added
+        back to its token (``index_add_``). A fused kernel does the same in one launch."""
+        num_tokens, top_k = topk_ids.shape
+        order = topk_ids.flatten().argsort(stable=True)
+        tokens = order // top_k  # the token of each sorted pair
+        counts = torch.bincount(topk_ids.flatten(), minlength=w13.shape[0])
+        rows = hidden[tokens]
+        out = torch.empty_like(rows)
+        start = 0
+        # The one host sync: the per-expert counts, to slice the sorted pairs in Python.
+        for expert, count in enumerate(counts.tolist()):
+            if count:
+                end = start + count
+                gate_up = rows[start:end] @ w13[expert].t()
+                out[start:end] = cls.silu_and_mul(gate_up) @ w2[expert].t()
+                start = end
+        weighted = (out * topk_weights.flatten()[order, None]).to(hidden.dtype)
+        return torch.zeros_like(hidden).index_add_(0, tokens, weighted)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """The Llama family: Llama 2/3 (and SmolLM2), Mistral, Qwen2 (q/k/v biases) and Qwen3 dense
-(an RMSNorm over each head's q and k before the rotation).
+(an RMSNorm over each head's q and k before the rotation), and the mixture-of-experts models
+on the same attention: Mixtral (Mistral's) and Qwen3-MoE (Qwen3's), whose layers each have a
+dense MLP or a sparse MoE block (``models/moe.py``) as the config says.
 
 Module names follow Hugging Face checkpoints, except that q/k/v and gate/up projections are
 fused into one matmul each; ``load_weights`` hands the checkpoint's shards to them. Linear
@@ -21,6 +23,7 @@ from pagedserve.models.forward_context import ForwardContext
 from pagedserve.models.layer_ops import LayerOps
 from pagedserve.models.layers import PagedAttention, RMSNorm, SiluAndMul
 from pagedserve.models.linear import Linear, LinearFactory
+from pagedserve.models.moe import FusedExperts, SparseMoeBlock, expert_weight, moe_module_name
 from pagedserve.models.rotary import RotaryEmbedding
 from pagedserve.quant.linear_method import QuantizedActivation
 from pagedserve.quant.weights import LoadedWeight
@@ -83,6 +86,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = linears.row(cfg.intermediate_size, cfg.hidden_size)
         self.act = SiluAndMul(ops)
 
+    @property
+    def input_linear(self) -> Linear:
+        """The projection the norm before hands its output to (maybe quantized)."""
+        return self.gate_up_proj
+
     def forward(self, x: torch.Tensor | QuantizedActivation, ctx: ForwardContext) -> torch.Tensor:
         slots = ctx.lora_slots
         return self.down_proj(self.act(self.gate_up_proj(x, slots), into=self.down_proj), slots)
@@ -91,10 +99,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding,
                  backend: AttentionBackend, ops: type[LayerOps],
-                 linears: LinearFactory) -> None:
+                 linears: LinearFactory, moe: bool = False) -> None:
+        """``moe``: the layer's MLP is the sparse mixture-of-experts block."""
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, backend, ops, linears)
-        self.mlp = LlamaMLP(cfg, ops, linears)
+        self.mlp = (SparseMoeBlock(cfg, ops, linears) if moe
+                    else LlamaMLP(cfg, ops, linears))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -108,7 +118,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual, into=qkv_proj)
         hidden = self.self_attn(positions, hidden, kv_cache, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual,
-                                                         into=self.mlp.gate_up_proj)
+                                                         into=self.mlp.input_linear)
         return self.mlp(hidden, ctx), residual
 
 
@@ -121,8 +131,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, linears.dtype,
                                            linears.device, linears.tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary, backend, ops, linears)
-            for _ in range(cfg.num_layers))
+            LlamaDecoderLayer(cfg, rotary, backend, ops, linears, moe=cfg.is_moe_layer(i))
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         # Layers whose input (the residual stream entering them) an EAGLE-3 head reads
         # (``models/eagle3.py``); empty: none, and the forward returns the hidden states alone.
@@ -206,7 +216,11 @@ class LlamaForCausalLM(nn.Module):
             if name.startswith("lm_head.") and (self.lm_head is None
                                                 or self.config.tie_word_embeddings):
                 continue
-            target, shard = fused_target(name)
+            expert = expert_weight(name)
+            if expert is not None:
+                self._experts(name, expert.module).load(expert.expert, expert.proj, weight)
+                continue
+            target, shard = fused_target(moe_module_name(name))
             owner_name, _, kind = target.rpartition(".")
             owner = submodule(self, owner_name)
             if isinstance(owner, Linear) and kind == "weight":
@@ -224,6 +238,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.set_weight(self.model.embed_tokens.as_weight())
         self._check_complete(loaded)
 
+    def _experts(self, name: str, module: str) -> FusedExperts:
+        owner = submodule(self, module)
+        if not isinstance(owner, FusedExperts):
+            raise ValueError(f"checkpoint tensor {name} is an expert's, but the config makes "
+                             "that layer dense")
+        return owner
+
     @staticmethod
     def canonical_weights(weights: Iterable[tuple[str, LoadedWeight]]
                           ) -> Iterator[tuple[str, LoadedWeight]]:
@@ -238,11 +259,12 @@ class LlamaForCausalLM(nn.Module):
 
     def _check_complete(self, loaded: set[str]) -> None:
         missing = [name for name, m in self.named_modules()
-                   if isinstance(m, (Linear, VocabEmbedding)) and not m.loaded]
+                   if isinstance(m, (Linear, VocabEmbedding, FusedExperts)) and not m.loaded]
         for name, _ in self.named_parameters():
             owner_name, _, kind = name.rpartition(".")
             owner = self.get_submodule(owner_name)
-            if isinstance(owner, (Linear, VocabEmbedding)) and kind != "bias":
+            if isinstance(owner, FusedExperts) or (isinstance(owner, (Linear, VocabEmbedding))
+                                                   and kind != "bias"):
                 continue  # weights: counted through ``loaded`` above
             fused = isinstance(owner, Linear) and len(owner.out_sizes) > 1
             shards = range(len(owner.out_sizes)) if fused else [None]
@@ -265,10 +287,7 @@ def checkpoint_shapes(c: ModelArchConfig, lm_head: bool = True) -> dict[str, tup
              "self_attn.q_proj.weight": (q, c.hidden_size),
              "self_attn.k_proj.weight": (kv, c.hidden_size),
              "self_attn.v_proj.weight": (kv, c.hidden_size),
-             "self_attn.o_proj.weight": (c.hidden_size, q),
-             "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-             "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-             "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)}
+             "self_attn.o_proj.weight": (c.hidden_size, q)}
     if c.qk_norm:
         layer.update({"self_attn.q_norm.weight": (c.head_dim,),
                       "self_attn.k_norm.weight": (c.head_dim,)})
@@ -276,7 +295,29 @@ def checkpoint_shapes(c: ModelArchConfig, lm_head: bool = True) -> dict[str, tup
         layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                       "self_attn.v_proj.bias": (kv,)})
     for i in range(c.num_layers):
-        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
+        mlp = _moe_shapes(c) if c.is_moe_layer(i) else _mlp_shapes(c)
+        shapes.update({f"model.layers.{i}.{name}": shape
+                       for name, shape in (layer | mlp).items()})
+    return shapes
+
+
+def _mlp_shapes(c: ModelArchConfig) -> dict[str, tuple[int, ...]]:
+    return {"mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)}
+
+
+def _moe_shapes(c: ModelArchConfig) -> dict[str, tuple[int, ...]]:
+    """A sparse block's tensors under the checkpoint's names: Mixtral's
+    ``block_sparse_moe.experts.{e}.w1/w3/w2``, Qwen3-MoE's ``mlp.experts.{e}.gate_proj/...``."""
+    mixtral = c.architecture == "MixtralForCausalLM"
+    block = "block_sparse_moe" if mixtral else "mlp"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    inter, hidden = c.moe_intermediate_size, c.hidden_size
+    shapes = {f"{block}.gate.weight": (c.num_experts, hidden)}
+    for e in range(c.num_experts):
+        for name, shape in zip(names, ((inter, hidden), (inter, hidden), (hidden, inter))):
+            shapes[f"{block}.experts.{e}.{name}.weight"] = shape
     return shapes
 
 

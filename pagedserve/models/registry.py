@@ -12,6 +12,9 @@ _MODELS = {
     "MistralForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
+    # Mixture of experts on the same attention: the config picks each layer's MLP.
+    "MixtralForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
 }
 
 

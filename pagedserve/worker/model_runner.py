@@ -467,6 +467,11 @@ class ModelRunner:
             # would keep whatever its slots held at capture. Eager it is.
             logger.info("cpu offload: decode steps run eagerly (no graphs are captured)")
             return
+        if self.arch.num_experts and not self.platform.layer_ops().fused_moe_in_graphs:
+            # The portable experts op reads its per-expert counts on the host.
+            logger.info("mixture of experts: decode steps run eagerly (this platform's "
+                        "fused_moe syncs with the host; no graphs are captured)")
+            return
         self.graphs = runner_cls(self.model, self.kv_cache.layers, max_num_seqs,
                                  self.max_model_len, self.block_size, verify_len)
         self.graphs.capture()

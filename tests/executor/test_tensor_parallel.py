@@ -28,12 +28,16 @@ PROMPTS = random_prompts("tp", [5, 17, 40, 3])
 # (architecture, config overrides): KV heads per rank 1 (llama3: 2 of 8 heads; qwen2: 2 of 4,
 # with q/k/v biases and a tied head; qwen3: 2 of 4, with q/k norms every rank holds whole),
 # and fewer KV heads than ranks (mistral: 1, replicated); the odd vocabularies pad the last
-# rank's slice of the embedding and the LM head.
+# rank's slice of the embedding and the LM head. Mixture of experts: each rank holds half of
+# every expert's intermediate rows and the whole router (mixtral; qwen3-moe-dense1 with a
+# dense layer beside the sparse one).
 CASES = {
     "llama3": ("llama3", {}),
     "qwen2-bias-tied-odd-vocab": ("qwen2", {"vocab_size": 385}),
     "qwen3-qk-norm": ("qwen3", {}),
     "mistral-one-kv-head-odd-vocab": ("mistral", {"vocab_size": 387}),
+    "mixtral-experts": ("mixtral", {}),
+    "qwen3-moe-dense-layer": ("qwen3-moe-dense1", {}),
 }
 
 

@@ -25,7 +25,33 @@ def _hf_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)  # the embedding's table, not a tensor of its own
-    return shapes
+    return _saved_expert_names(shapes, cfg["architectures"][0] == "MixtralForCausalLM")
+
+
+def _saved_expert_names(shapes: dict[str, tuple[int, ...]], mixtral: bool
+                        ) -> dict[str, tuple[int, ...]]:
+    """transformers 5 holds a layer's experts stacked (``mlp.experts.gate_up_proj``
+    ``[E, 2I, H]``) and saves them one tensor per expert, as the published checkpoints are:
+    Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2`` (its router
+    ``block_sparse_moe.gate``), Qwen3-MoE's ``mlp.experts.{e}.gate_proj/up_proj/down_proj``."""
+    block = ".block_sparse_moe." if mixtral else ".mlp."
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    saved = {}
+    for name, shape in shapes.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            layer = name.removesuffix(".mlp.experts.gate_up_proj")
+            experts, inter, hidden = shape[0], shape[1] // 2, shape[2]
+            for e in range(experts):
+                for proj in (gate, up):
+                    saved[f"{layer}{block}experts.{e}.{proj}.weight"] = (inter, hidden)
+                saved[f"{layer}{block}experts.{e}.{down}.weight"] = (hidden, inter)
+        elif name.endswith(".mlp.experts.down_proj"):
+            continue  # written with gate_up_proj's
+        elif name.endswith(".mlp.gate.weight"):
+            saved[name.replace(".mlp.", block)] = shape
+        else:
+            saved[name] = shape
+    return saved
 
 
 def test_qwen3_reads_its_head_dim_and_q_k_norms():

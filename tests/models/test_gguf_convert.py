@@ -268,8 +268,11 @@ TINY_TYPES = {"token_embd.weight": gguf.GGMLQuantizationType.Q8_0,
               "blk.0.attn_k.weight": gguf.GGMLQuantizationType.Q4_1}
 
 
-def write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray], arch: str = "llama") -> None:
+def write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray], arch: str = "llama",
+                    expert_count: int = 0) -> None:
     writer = gguf.GGUFWriter(path, arch)
+    if expert_count:  # llama.cpp's mixture-of-experts metadata (Mixtral is arch "llama")
+        writer.add_expert_count(expert_count)
     writer.add_context_length(128)
     writer.add_embedding_length(HIDDEN)
     writer.add_block_count(1)
@@ -407,6 +410,18 @@ def test_tiny_gguf_of_another_architecture_is_unsupported(tmp_path: Path) -> Non
     path = tmp_path / "tiny-gpt2.gguf"
     write_tiny_gguf(path, {"token_embd.weight": np.zeros((VOCAB, HIDDEN), np.float32)}, "gpt2")
     with pytest.raises(UnsupportedModel, match="GGUF architecture 'gpt2' is not supported"):
+        gguf_convert.hf_config(gguf_convert.open_gguf(path))
+
+
+@pytest.mark.parametrize("arch,experts", [("llama", 8), ("qwen3moe", 128)])
+def test_tiny_gguf_mixture_of_experts_is_refused(tmp_path: Path, arch, experts) -> None:
+    """Mixtral (stored as "llama" with ffn_gate_exps and kin) and Qwen3-MoE GGUFs: the
+    converter does not unstack experts; their safetensors checkpoints load instead."""
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_tiny_gguf(path, {"token_embd.weight": np.zeros((VOCAB, HIDDEN), np.float32)}, arch,
+                    expert_count=experts)
+    with pytest.raises(UnsupportedModel, match=f"GGUF mixture-of-experts models \\({arch}\\) "
+                                               "are not supported; load the Hugging Face"):
         gguf_convert.hf_config(gguf_convert.open_gguf(path))
 
 

@@ -93,6 +93,20 @@ def test_qwen2_biases_and_a_tied_head_offload_too(tiny_model_folder):
     assert greedy(llm, prompts) == greedy(base, prompts)
 
 
+def test_mixtral_experts_offload_with_their_layers(tiny_model_folder):
+    """A layer's stacked experts (made from Mixtral's ``block_sparse_moe`` tensors, counted
+    under the checkpoint's names) leave with it; the router too."""
+    folder = tiny_model_folder("mixtral")
+    base = engine(folder)
+    llm = engine(folder, cpu_offload_gb=1.0)
+    runner = llm.engine.executor.runner
+    assert runner.offload.chosen == range(0, 2)
+    block = runner.model.model.layers[1].mlp
+    assert runner.offload.holds(block.experts.w13) and runner.offload.holds(block.gate.weight)
+    prompts = random_prompts("offload-mixtral", PROMPT_LENS)
+    assert greedy(llm, prompts) == greedy(base, prompts)
+
+
 def test_offloaded_layers_are_views_into_the_staging_slots(five_layers, resident):
     llm = engine(five_layers, cpu_offload_gb=gib_for_layers(resident, 2.5))
     runner = llm.engine.executor.runner

@@ -47,6 +47,28 @@ def test_memory_profile_runs_a_mixed_step_and_a_prompt_step(llama3_folder, monke
     assert forms == [[64, 35, 1], [2]]
 
 
+@pytest.mark.parametrize("arch,captured", [("llama3", True), ("mixtral", False)])
+def test_moe_models_capture_no_graphs_while_their_experts_op_syncs(tiny_model_folder,
+                                                                   monkeypatch, arch, captured):
+    """The portable ``fused_moe`` reads its per-expert counts on the host, which a graph
+    capture forbids: a platform with graphs runs MoE decode steps eagerly instead."""
+    runner = make_llm(tiny_model_folder(arch), kv_cache_memory_bytes=1 << 20
+                      ).engine.executor.runner
+    made = []
+
+    class Graphs:
+        def __init__(self, *args) -> None:
+            made.append(args)
+
+        def capture(self) -> None:
+            pass
+
+    monkeypatch.setattr(runner.platform, "graph_runner", classmethod(lambda cls: Graphs))
+    runner.capture_graphs(max_num_seqs=4)
+    assert bool(made) == captured
+    runner.graphs = None
+
+
 @pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
 def test_dummy_weights_load_every_tensor_and_generate(tiny_model_folder, arch):
     """``--load-format dummy``: random weights of each architecture's shapes (Qwen3's q/k

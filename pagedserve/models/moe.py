@@ -1,0 +1,142 @@
+"""The sparse mixture-of-experts block of Mixtral and Qwen3-MoE, in place of a dense MLP.
+
+A router (``gate``, hidden -> experts, no bias) scores every expert; the softmax over them is
+taken in float32, the ``top_k`` best kept and, where the config says (Mixtral always,
+Qwen3-MoE with ``norm_topk_prob``), renormalised to sum to 1. The experts are SwiGLU MLPs
+whose weights are stacked at load into ``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]``, the
+layout the platform's ``LayerOps.fused_moe`` reads.
+
+Under tensor parallelism every rank holds the whole router and a slice of each expert's
+intermediate dimension (as the dense MLP is cut), so the block's output is a partial sum,
+all-reduced as the dense MLP's down projection is.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from pagedserve.distributed import Part
+from pagedserve.models.config import ModelArchConfig
+from pagedserve.models.forward_context import ForwardContext
+from pagedserve.models.layer_ops import LayerOps
+from pagedserve.models.linear import LinearFactory
+from pagedserve.quant.weights import LoadedWeight
+
+# ``model.layers.3.mlp.experts.7.up_proj.weight`` (Qwen3-MoE) or, Mixtral's names,
+# ``model.layers.3.block_sparse_moe.experts.7.w3.weight``.
+_EXPERT_WEIGHT = re.compile(
+    r"^(?P<experts>.+\.(?:mlp|block_sparse_moe)\.experts)\.(?P<expert>\d+)\."
+    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down",
+         "w2": "down"}
+
+
+class ExpertWeight(NamedTuple):
+    """One expert's projection as a checkpoint names it."""
+    module: str  # the ``FusedExperts`` module's name in our model
+    expert: int
+    proj: str  # gate | up | down
+
+
+def expert_weight(name: str) -> ExpertWeight | None:
+    """The expert projection ``name`` is, or None for any other tensor."""
+    match = _EXPERT_WEIGHT.match(name)
+    if match is None:
+        return None
+    module = match["experts"].replace(".block_sparse_moe.", ".mlp.")
+    return ExpertWeight(module, int(match["expert"]), _PROJ[match["proj"]])
+
+
+def moe_module_name(name: str) -> str:
+    """A checkpoint's name under ours: Mixtral's ``block_sparse_moe`` is our ``mlp``."""
+    return name.replace(".block_sparse_moe.", ".mlp.")
+
+
+class FusedExperts(nn.Module):
+    """Every expert's SwiGLU weights of one layer, stacked: ``w13[e]`` is expert ``e``'s gate
+    rows then its up rows (this rank's ``part`` of each), ``w2[e]`` its down projection's
+    columns of that part. Each checkpoint tensor is copied into its place as it arrives;
+    ``loaded`` once all ``3 * E`` have."""
+
+    def __init__(self, num_experts: int, hidden: int, part: Part, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.part = part
+        self.hidden = hidden
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * part.size, hidden, dtype=dtype,
+                                            device=device), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, part.size, dtype=dtype,
+                                           device=device), requires_grad=False)
+        self._missing = {(e, p) for e in range(num_experts) for p in ("gate", "up", "down")}
+
+    @property
+    def loaded(self) -> bool:
+        return not self._missing
+
+    def load(self, expert: int, proj: str, weight: LoadedWeight) -> None:
+        if not isinstance(weight, torch.Tensor):
+            raise ValueError(f"expert {expert}'s {proj} projection is quantized "
+                             f"({type(weight).__name__}); mixture-of-experts models load "
+                             "unquantized weights only (bfloat16, float16, float32)")
+        if expert >= self.w13.shape[0]:
+            raise ValueError(f"expert {expert} is past the config's {self.w13.shape[0]}")
+        part, size = self.part, self.part.size
+        full = (part.full, self.hidden) if proj != "down" else (self.hidden, part.full)
+        if tuple(weight.shape) != full:
+            raise ValueError(f"expert {expert}'s {proj} projection has shape "
+                             f"{tuple(weight.shape)}, expected {full}")
+        if proj == "down":
+            self.w2[expert].copy_(weight[:, part.start:part.start + size])
+        else:
+            offset = 0 if proj == "gate" else size
+            self.w13[expert, offset:offset + size].copy_(weight[part.start:part.start + size])
+        self._missing.discard((expert, proj))
+
+    def extra_repr(self) -> str:
+        return f"w13={tuple(self.w13.shape)}, w2={tuple(self.w2.shape)}"
+
+
+class RoutedExperts(NamedTuple):
+    weights: torch.Tensor  # float32 [T, K]
+    ids: torch.Tensor  # int64 [T, K]
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> RoutedExperts:
+    """The ``top_k`` experts of each token and their weights: a softmax in float32 over all
+    experts, then the top-k of it, renormalised to sum to 1 if asked."""
+    probs = router_logits.float().softmax(dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return RoutedExperts(weights, ids)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, ops: type[LayerOps],
+                 linears: LinearFactory) -> None:
+        super().__init__()
+        # Replicated on every rank, and left in the checkpoint's precision.
+        self.gate = linears.column(cfg.hidden_size, [Part.whole(cfg.num_experts)],
+                                   quantize_at_load=False)
+        self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size,
+                                    linears.tp.even_part(cfg.moe_intermediate_size),
+                                    linears.dtype, linears.device)
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.ops = ops
+        self.tp = linears.tp
+
+    @property
+    def input_linear(self) -> None:
+        """The experts read plain activations: the norm before hands over no quantized ones."""
+        return None
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        routed = route(self.gate(x), self.top_k, self.renormalize)
+        out = self.ops.fused_moe(x, self.experts.w13, self.experts.w2, routed.ids,
+                                 routed.weights)
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
