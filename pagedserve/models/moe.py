@@ -107,7 +107,9 @@ class RoutedExperts(NamedTuple):
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> RoutedExperts:
     """The ``top_k`` experts of each token and their weights: a softmax in float32 over all
-    experts, then the top-k of it, renormalised to sum to 1 if asked."""
+    experts, then the top-k of it, renormalised to sum to 1 if asked. The weights stay in
+    float32 (as transformers' Mixtral keeps them; its Qwen3-MoE rounds them to the activation
+    dtype first, which differs from this only in bfloat16/float16 rounding)."""
     probs = router_logits.float().softmax(dim=-1)
     weights, ids = probs.topk(top_k, dim=-1)
     if renormalize:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.config import ConfigError
+from pagedserve.config import ConfigError, EngineConfig
 from pagedserve.models.config import ModelArchConfig, UnsupportedModel
 from pagedserve.models.layer_ops import LayerOps
 from pagedserve.models.moe import expert_weight, route
@@ -109,6 +109,15 @@ def test_config_fields_and_sparse_layers():
     assert _arch("qwen3-moe", num_experts=16).num_experts == 16
     assert _arch("qwen3-moe", head_dim=None).head_dim == 16  # hidden / heads, not 128
     assert _arch("llama3").num_experts == 0 and not _arch("llama3").moe_layers
+
+
+def test_tensor_parallelism_needs_the_expert_size_divisible():
+    """Heads, KV heads and the dense intermediate size split 4 ways; 30 expert rows do not."""
+    arch = _arch("qwen3-moe", moe_intermediate_size=30)
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 4: the model's expert "
+                                          "intermediate size 30 does not divide into 4"):
+        EngineConfig(tensor_parallel_size=4).resolve(arch, CpuPlatform)
+    assert EngineConfig(tensor_parallel_size=2).resolve(arch, CpuPlatform)
 
 
 def test_qwen2_moe_is_refused_by_name():
