@@ -9,7 +9,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # Qwen2 and Qwen3 configs carry a sliding_window that only applies with use_sliding_window.
 _WINDOW_FLAG_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-# Qwen3 attention: q/k norms, head_dim 128 unless the config says otherwise.
+# Qwen3 attention: per-head q/k norms, no attention biases.
 _QWEN3_ATTENTION = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Mixture-of-experts architectures we know and do not run, with the reason.
 _REFUSED_MOE = {
