@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedserve.core.scheduler import SchedulerConfig
+from pagedserve.core.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from pagedserve.distributed import check_divisible
 from pagedserve.errors import KV_CACHE_DTYPES, ConfigError
 from pagedserve.field_types import plain_fields, wrong_type
@@ -161,6 +161,11 @@ class EngineConfig:
     preemption_mode: str = option(
         "auto", "how a preempted request gives up its blocks; auto swaps requests of several "
                 "sequences and recomputes single ones", choices=PREEMPTION_MODES)
+    scheduling_policy: str = option(
+        "fcfs", "fcfs: requests are served in order of arrival; priority: by each request's "
+                "priority (lower first, ties by arrival), and running requests of a larger "
+                "priority value are preempted for waiting ones that do not fit",
+        choices=SCHEDULING_POLICIES)
     enforce_eager: bool = option(False, "never capture graphs of decode steps")
     async_scheduling: bool | None = option(
         None, "schedule the next step while the device computes this one "
@@ -338,6 +343,7 @@ class EngineConfig:
             max_long_partial_prefills=self.max_long_partial_prefills,
             long_prefill_token_threshold=resolved.long_prefill_token_threshold,
             max_loras=self.max_loras if self.enable_lora else 0,
+            scheduling_policy=self.scheduling_policy,
         )
 
     @property

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pagedserve.core.block_pool import BlockPool
 from pagedserve.core.kv_cache_manager import BlockOps, KVCacheManager
-from pagedserve.core.scheduler import ScheduledSequence
-from pagedserve.core.sequence import Sequence
+from pagedserve.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from pagedserve.core.sequence import Sequence, SequenceStatus
 
 
 def check_pool(pool: BlockPool | None, tables: dict[Sequence, list[int]],
@@ -41,6 +41,17 @@ def _tier_holds(kv: KVCacheManager) -> list[int]:
         return []
     tier = kv.offload.host
     return list(tier.blocks()) + [tier.block_of(h) for h in tier.loading]
+
+
+def sample_without_model(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
+    """Finish a step as the engine would with a model that samples ``token`` everywhere:
+    advance, append a token per sampling stream, finish those at their max_tokens."""
+    sched.advance(out)
+    for item in out.scheduled:
+        if item.num_sample_positions:
+            item.seq.append_output(token)
+            if item.seq.num_output_tokens >= item.seq.max_tokens:
+                sched.finish(item.seq, SequenceStatus.FINISHED_LENGTH)
 
 
 def check_pools(kv: KVCacheManager) -> None:

@@ -33,6 +33,20 @@ Partial prefills (vLLM's ``max_num_partial_prefills``, ``max_long_partial_prefil
     whose next block a prefill under way is about to compute (a shared system prompt): it
     starts once that block is in the prefix cache instead of computing it a second time.
 
+Priority scheduling (vLLM's ``--scheduling-policy priority``)
+    Each group has a ``priority`` (lower is served earlier) and an arrival number; the key
+    (priority, arrival) orders the waiting and swapped queues (``_PriorityQueue``: a sorted
+    list, a binary search per insertion) and the running list, so "oldest first" above reads
+    "most urgent first" and the newest running group, the one preempted first, is the least
+    urgent one (vLLM's ``max(running, key=(priority, arrival))``). A preempted group goes back
+    to its place in its queue, not to the head. When the most urgent waiting group cannot
+    start for want of blocks or sequence slots, less urgent running groups are preempted for
+    it at the start of the step (as vLLM's V0 scheduler did; V1 preempts only for running
+    requests), and it starts in a later step, once no running group needs those blocks. A
+    swapped group resumes only if no waiting one is more urgent, and waiting groups more
+    urgent than every swapped one start even while some are swapped out. With ``fcfs`` every
+    group has the same priority and the queues are plain deques, as before.
+
 Offloading tiers
     A prefix lookup walks the device pool, then the host tier (``KVCacheManager.lookup_prefix``);
     host hits are loaded in the step's block ops. A waiting request whose prefix continues on
@@ -41,17 +55,22 @@ Offloading tiers
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Set
 from dataclasses import dataclass, field
-from itertools import chain, islice
+from itertools import chain, count, islice
 from typing import TYPE_CHECKING, NamedTuple
 
 from pagedserve.core.kv_cache_manager import BlockOps, CachedPrefix, KVCacheManager
 from pagedserve.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from pagedserve.lora.request import LoRARequest
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,8 @@ class SchedulerConfig:
     # Distinct LoRA adapters the running groups may use (a step runs a subset of them);
     # 0: no limit (LoRA off).
     max_loras: int = 0
+    # fcfs: by arrival; priority: by (priority, arrival), preempting the least urgent first.
+    scheduling_policy: str = "fcfs"
 
 
 class ScheduledSequence(NamedTuple):
@@ -118,9 +139,12 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[SequenceGroup] = deque()
+        self._by_priority = config.scheduling_policy == "priority"
+        queue = _PriorityQueue if self._by_priority else deque
+        self.waiting: deque[SequenceGroup] | _PriorityQueue = queue()
         self.running: list[SequenceGroup] = []
-        self.swapped: deque[SequenceGroup] = deque()
+        self.swapped: deque[SequenceGroup] | _PriorityQueue = queue()
+        self._arrivals = count()
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv.num_blocks)
         self._schedule_pending = False
@@ -133,6 +157,7 @@ class Scheduler:
         self._prefilling = _PrefillIndex(kv.block_size)  # their roots: the shared-prefix rule
 
     def add_group(self, group: SequenceGroup) -> None:
+        group.arrival = next(self._arrivals)
         self.waiting.append(group)
 
     @property
@@ -148,14 +173,18 @@ class Scheduler:
         adapter is not in host memory (``lora/host_adapters.py``)."""
         self._schedule_pending = schedule_pending
         self._startable_loras = startable_loras
+        out = SchedulerOutput()
+        if self._by_priority and self.waiting and self.running:
+            self._preempt_for_waiting(out)
         if self._shares_prefills:
             self._plan_prefills()
-        out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             budget = self._resume_swapped(out, budget)
             if not self.swapped:
                 self._admit_waiting(out, budget)
+            elif self._by_priority:  # those more urgent than every swapped group
+                self._admit_waiting(out, budget, before=_order(self.swapped[0]))
         out.block_ops = self.kv.take_block_ops()
         return out
 
@@ -360,6 +389,33 @@ class Scheduler:
         group.move_to(SequenceStatus.WAITING)
         self.waiting.appendleft(group)
 
+    def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
+        """Priority policy: while the most urgent waiting group cannot start for want of
+        blocks or sequence slots, preempt the least urgent running group less urgent than it.
+        A head that could not start anyway (its adapter not startable or over ``max_loras``,
+        its prefix on its way from disk) preempts nothing."""
+        head = self.waiting[0]
+        if (self._loading_from_disk(head) or not self._lora_startable(head)
+                or not self._lora_fits(head, self._running_loras())):
+            return
+        budget = self.config.max_num_batched_tokens
+        while not self._can_admit(head, budget, self._free_seq_slots()):
+            victim = self._outranked_by(head)
+            if victim is None:
+                return
+            self._preempt(victim, out)
+
+    def _outranked_by(self, head: SequenceGroup) -> SequenceGroup | None:
+        """The least urgent running group less urgent than ``head`` that has sampled since
+        it last resumed, or None."""
+        key = _order(head)
+        for group in reversed(self.running):
+            if _order(group) <= key:
+                return None
+            if not group.resumed:
+                return group
+        return None
+
     def _swaps(self, group: SequenceGroup) -> bool:
         mode = self.config.preemption_mode
         return mode == "swap" or (mode == "auto" and len(group.seqs) > 1)
@@ -381,6 +437,9 @@ class Scheduler:
         free_slots, loras = self._free_seq_slots(), self._running_loras()
         while self.swapped and budget > 0 and self._can_resume(self.swapped[0], free_slots,
                                                                  loras):
+            if self._by_priority and self.waiting and \
+                    _order(self.waiting[0]) < _order(self.swapped[0]):
+                break  # a more urgent group waits: it starts first
             group = self.swapped.popleft()
             free_slots -= group.width
             _add_lora(loras, group)
@@ -392,21 +451,26 @@ class Scheduler:
         return (free_slots >= group.width and self._lora_fits(group, loras)
                 and self.kv.can_swap_in(group.seqs, self._watermark_blocks))
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int,
+                       before: tuple[int, int] | None = None) -> None:
         """In order, passing over long prompts held back; then, with what budget is left, in
-        order again with none held back."""
+        order again with none held back. ``before``: only groups ordered before this key."""
         free_slots = self._free_seq_slots()
-        budget, free_slots, passed_over = self._admit_in_order(out, budget, free_slots, True)
+        budget, free_slots, passed_over = self._admit_in_order(out, budget, free_slots, True,
+                                                               before)
         if passed_over:
-            self._admit_in_order(out, budget, free_slots, False)
+            self._admit_in_order(out, budget, free_slots, False, before)
 
     def _admit_in_order(self, out: SchedulerOutput, budget: int, free_slots: int,
-                        hold_back: bool) -> tuple[int, int, bool]:
+                        hold_back: bool, before: tuple[int, int] | None
+                        ) -> tuple[int, int, bool]:
         """Start waiting groups until one does not fit; returns the budget and sequence slots
         left, and whether a held-back long prompt was passed over."""
         i, passed_over, loras = 0, False, self._running_loras()
         while i < min(len(self.waiting), self.config.max_num_seqs) and budget > 0:
             group = self.waiting[i]
+            if before is not None and _order(group) >= before:
+                break
             if self._follows_a_prefill(group.root, self._prefilling):
                 i += 1
                 continue
@@ -451,9 +515,18 @@ class Scheduler:
                resumed: bool) -> int:
         group.move_to(SequenceStatus.RUNNING)
         group.resumed = resumed
-        self.running.append(group)
-        return self._schedule_group(group, len(self.running) - 1, out, budget,
+        return self._schedule_group(group, self._add_running(group), out, budget,
                                     may_preempt=False)
+
+    def _add_running(self, group: SequenceGroup) -> int:
+        """Append ``group`` to the running list, or under the priority policy insert it in
+        (priority, arrival) order; returns its index."""
+        if not self._by_priority:
+            self.running.append(group)
+            return len(self.running) - 1
+        index = bisect.bisect_right(self.running, _order(group), key=_order)
+        self.running.insert(index, group)
+        return index
 
     def _lora_fits(self, group: SequenceGroup, running: set[int]) -> bool:
         """Running ``group`` keeps the running groups' distinct adapters (``running``) within
@@ -540,7 +613,8 @@ class Scheduler:
         if group.is_empty:
             self._queue_of(group).remove(group)
 
-    def _queue_of(self, group: SequenceGroup) -> list[SequenceGroup] | deque[SequenceGroup]:
+    def _queue_of(self, group: SequenceGroup
+                  ) -> list[SequenceGroup] | deque[SequenceGroup] | _PriorityQueue:
         return {SequenceStatus.WAITING: self.waiting, SequenceStatus.RUNNING: self.running,
                 SequenceStatus.SWAPPED: self.swapped}[group.status]
 
@@ -581,6 +655,45 @@ class _PrefillIndex:
         twin = _PrefillIndex(self.block_size)
         twin._by_end = {end: set(keys) for end, keys in self._by_end.items()}
         return twin
+
+
+class _PriorityQueue:
+    """Groups in (priority, arrival) order, read and changed as the scheduler reads and
+    changes a deque: by index from the front, deleting at any index. A sorted list: an
+    insertion is a binary search (O(log n) comparisons) and one move of the pointers after
+    it; nothing is sorted again. ``appendleft`` inserts in order too: a preempted group goes
+    back to its place, not to the head."""
+
+    def __init__(self) -> None:
+        self._groups: list[SequenceGroup] = []
+
+    def append(self, group: SequenceGroup) -> None:
+        bisect.insort_right(self._groups, group, key=_order)
+
+    appendleft = append
+
+    def popleft(self) -> SequenceGroup:
+        return self._groups.pop(0)
+
+    def remove(self, group: SequenceGroup) -> None:
+        self._groups.remove(group)
+
+    def __getitem__(self, index: int) -> SequenceGroup:
+        return self._groups[index]
+
+    def __delitem__(self, index: int) -> None:
+        del self._groups[index]
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __iter__(self) -> Iterator[SequenceGroup]:
+        return iter(self._groups)
+
+
+def _order(group: SequenceGroup) -> tuple[int, int]:
+    """The priority policy's key: lower priority values first, then arrival."""
+    return group.priority, group.arrival
 
 
 def _prefix_key(seq: Sequence, end: int) -> tuple[str | None, tuple[int, ...]]:

@@ -133,6 +133,10 @@ class SequenceGroup:
     status: SequenceStatus = SequenceStatus.WAITING
     # Preempted and resumed but not yet sampled since: not preempted again until it has.
     resumed: bool = False
+    # The request's priority (``--scheduling-policy priority``: lower is served earlier) and
+    # its arrival number, set by ``Scheduler.add_group``: the queues' order, ties by arrival.
+    priority: int = 0
+    arrival: int = 0
 
     def __post_init__(self) -> None:
         self.width = max(self.width, len(self.seqs) + len(self.pending_forks))

@@ -247,6 +247,7 @@ class EngineCoreClient:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
             ids.add(r.request_id)
             self.facts.limits.check(r.prompt_token_ids, r.engine_params)
+            self.facts.limits.check_priority(r.priority)
             if r.lora_request is not None and r.lora_request.lora_int_id in self._removing:
                 raise ValueError(f"LoRA adapter {r.lora_request.lora_name} is being removed")
         pending = [_Pending(RequestOutput(r.request_id, None, r.prompt_token_ids, None, [],

@@ -24,6 +24,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     lora_request: LoRARequest | None = None  # None: the base model
     # A pooling request's settings (``params`` is then unused): its output is an embedding.
     pooling: PoolingParams | None = None
+    priority: int = 0  # --scheduling-policy priority: lower is served earlier
 
     @property
     def engine_params(self) -> SamplingParams | PoolingParams:

@@ -165,7 +165,7 @@ class EngineCore:
         for new in command.requests:
             try:
                 self.engine.add_request(new.prompt_token_ids, new.engine_params,
-                                        new.request_id, new.lora_request)
+                                        new.request_id, new.lora_request, new.priority)
             except ValueError as exc:  # checked in the server already; refused here alone
                 self._failures.append(msg.RequestFailure(
                     new.request_id, str(exc), getattr(exc, "param", None), kind="invalid"))

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from pagedserve.lora.request import LoRARequest
 
 
+# A priority crosses to the core process as a MessagePack integer: 64 bits.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
 class PromptTooLong(InvalidSamplingParam):
     """The prompt leaves no room to generate within the context window, or the request could
     not fit the KV pool; ``param`` names what to shorten (``prompt`` or ``max_tokens``)."""
@@ -50,6 +54,20 @@ class InputLimits:
     logits_processors: tuple[str, ...] = ()
     runner: str = "generate"  # or "pooling": the engine serves embeddings alone
     hidden_size: int = 0  # an embedding's length
+    scheduling_policy: str = "fcfs"  # --scheduling-policy: priority takes request priorities
+
+    def check_priority(self, priority: int) -> None:
+        """A request's ``priority`` (vLLM's: lower is served earlier) is an int, and one other
+        than 0 needs ``--scheduling-policy priority``, as vLLM refuses it otherwise."""
+        if isinstance(priority, bool) or not isinstance(priority, int) or \
+                not _INT64_MIN <= priority <= _INT64_MAX:
+            raise InvalidSamplingParam(
+                "priority", f"priority must be an integer in [-2**63, 2**63), got {priority!r:.40}")
+        if priority and self.scheduling_policy != "priority":
+            raise InvalidSamplingParam(
+                "priority", f"priority={priority} is only used with priority scheduling; start "
+                "the engine with --scheduling-policy priority (scheduling_policy='priority'), "
+                "or leave priority at 0")
 
     def check(self, token_ids: list[int], params: SamplingParams | PoolingParams) -> int:
         """Validate a tokenized request against the context window, the vocabulary and the
@@ -181,9 +199,17 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: str | list[int],
                 params: SamplingParams | PoolingParams,
-                lora_request: LoRARequest | None = None) -> RequestState:
+                lora_request: LoRARequest | None = None, priority: int = 0) -> RequestState:
         """A validated request with its sequences; ``state.group`` goes to the scheduler.
         Raises ``ValueError`` (``PromptTooLong`` among them) for input it cannot run."""
+        self.limits.check_priority(priority)
+        state = self._process(request_id, prompt, params, lora_request)
+        state.group.priority = priority
+        return state
+
+    def _process(self, request_id: str, prompt: str | list[int],
+                 params: SamplingParams | PoolingParams,
+                 lora_request: LoRARequest | None) -> RequestState:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
         pooling = params if isinstance(params, PoolingParams) else None

@@ -120,7 +120,8 @@ class LLMEngine:
                                   logits_processors=tuple(map(qualified_name,
                                                               config.logits_processors)),
                                   runner="pooling" if config.pooling else "generate",
-                                  hidden_size=self.arch.hidden_size)
+                                  hidden_size=self.arch.hidden_size,
+                                  scheduling_policy=config.scheduling_policy)
         self.adapters = (HostAdapters(config.max_lora_rank, self.arch, config.cpu_loras)
                          if config.enable_lora else None)
         self.inputs = InputProcessor(self.tokenizer, self.limits,
@@ -157,26 +158,30 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int],
                     params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None, priority: int = 0) -> str:
         """Queue a request; ``request_id`` may be any string not in use (default: a counter).
-        ``PoolingParams`` (with ``--runner pooling``) make it an embedding request. Raises
+        ``PoolingParams`` (with ``--runner pooling``) make it an embedding request.
+        ``priority`` (``--scheduling-policy priority``): lower is served earlier. Raises
         ``ValueError`` for input the engine cannot run."""
         if request_id is None:
             request_id = self._new_id()
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._queue(self.inputs.process(request_id, prompt, params or SamplingParams(),
-                                        lora_request))
+                                        lora_request, priority))
         return request_id
 
     def add_requests(self, prompts: Sequence[str | list[int]],
                      params: Sequence[SamplingParams | PoolingParams],
-                     lora_requests: Sequence[LoRARequest | None] | None = None) -> list[str]:
+                     lora_requests: Sequence[LoRARequest | None] | None = None,
+                     priorities: Sequence[int] | None = None) -> list[str]:
         """Queue a batch as a whole, or none of it: every request is validated before any is
         queued, and one that fails to queue takes back those queued before it."""
         loras = [None] * len(prompts) if lora_requests is None else lora_requests
-        states = [self.inputs.process(self._new_id(), prompt, p, lora)
-                  for prompt, p, lora in zip(prompts, params, loras, strict=True)]
+        priorities = [0] * len(prompts) if priorities is None else priorities
+        states = [self.inputs.process(self._new_id(), prompt, p, lora, priority)
+                  for prompt, p, lora, priority in zip(prompts, params, loras, priorities,
+                                                       strict=True)]
         queued: list[str] = []
         try:
             for state in states:

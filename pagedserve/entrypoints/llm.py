@@ -70,17 +70,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs keep input order.
-        ``lora_request``: one adapter for every prompt, or one (or None) per prompt."""
+        ``lora_request``: one adapter for every prompt, or one (or None) per prompt.
+        ``priority``: one int per prompt, lower served earlier (vLLM's; needs
+        ``scheduling_policy="priority"``)."""
         _check_use_tqdm(use_tqdm)
         prompt_list = _as_prompt_list(prompts)
         loras = _per_prompt(lora_request, len(prompt_list))
+        priorities = None if priority is None else _priorities(priority, len(prompt_list))
         params_list = _per_prompt_params(sampling_params, SamplingParams, len(prompt_list),
                                          self.get_default_sampling_params(), "sampling_params")
         # Offline callers only read finished outputs; skip building the intermediate ones.
         params_list = [dataclasses.replace(sp, output_kind="final_only") for sp in params_list]
-        return self._run(self.engine.add_requests(prompt_list, params_list, loras), use_tqdm)
+        return self._run(self.engine.add_requests(prompt_list, params_list, loras, priorities),
+                         use_tqdm)
 
     def embed(
         self,
@@ -215,6 +220,13 @@ def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
     if len(loras) != num_prompts:
         raise ValueError(f"got {num_prompts} prompts but {len(loras)} LoRA requests")
     return loras
+
+
+def _priorities(priority: Sequence[int], num_prompts: int) -> list[int]:
+    priorities = _list_of(priority, int, "priority")
+    if len(priorities) != num_prompts:
+        raise ValueError(f"got {num_prompts} prompts but {len(priorities)} priorities")
+    return priorities
 
 
 def _list_of(values: Any, kind: type | tuple[type, ...], name: str) -> list:

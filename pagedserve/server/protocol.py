@@ -196,6 +196,9 @@ class SamplingRequest(IgnoredFields):
     # Arguments of the custom logits processors (--logits-processors), vLLM's field: the
     # engine's SamplingParams.extra_args, which each processor checks at admission.
     vllm_xargs: dict[str, str | int | float] | None = None
+    # vLLM's: lower is served earlier; other than 0 only with --scheduling-policy priority
+    # (the engine's input limits check it).
+    priority: int = 0
 
     @model_validator(mode="before")
     @classmethod
@@ -680,6 +683,7 @@ class ResponsesRequest(IgnoredFields):
     truncation: Literal["disabled"] | None = None
     # Refused with why in ``to_chat``: this server stores no responses.
     previous_response_id: str | None = None
+    priority: int = 0  # vLLM's, as chat's
 
     @model_validator(mode="before")
     @classmethod
@@ -703,7 +707,7 @@ class ResponsesRequest(IgnoredFields):
             top_p=self.top_p, tools=[t.to_chat() for t in self.tools] if self.tools else None,
             tool_choice=_chat_tool_choice(self.tool_choice),
             parallel_tool_calls=self.parallel_tool_calls,
-            response_format=None if fmt is None else fmt.to_chat())
+            response_format=None if fmt is None else fmt.to_chat(), priority=self.priority)
 
     def messages(self) -> list[ChatMessage]:
         """The conversation as chat has it: ``instructions`` as a system message first;

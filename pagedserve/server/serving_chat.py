@@ -97,7 +97,7 @@ class ChatServing:
             return request.field_name(param)
 
         stream = await model.client.submit(ids.engine, token_ids, params, arrival,
-                                           field_name, route.lora)
+                                           field_name, route.lora, request.priority)
         return ChatRun(model, route.name, plan, params, len(token_ids), stream, token_bytes)
 
     async def usage(self, run: ChatRun, outputs: list[CompletionOutput],

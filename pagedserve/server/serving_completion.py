@@ -74,7 +74,7 @@ class CompletionServing:
         request_id = ids.response
         streams = await model.client.submit_all(
             ids.engine, [p.token_ids for p in prompts], params, arrival, request.field_name,
-            route.lora)
+            route.lora, request.priority)
         if request.stream:
             return StreamingResponse(self._stream(route, request, request_id, prompts, streams),
                                      media_type="text/event-stream")

@@ -246,21 +246,23 @@ class EngineClient:
 
     async def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
                      arrival: float, field_name: Callable[[str], str],
-                     lora: LoRARequest | None = None) -> TimedStream:
+                     lora: LoRARequest | None = None, priority: int = 0) -> TimedStream:
         streams = await self._submit(
-            [NewRequest(request_id, token_ids, _from_core(params), lora)], arrival, field_name)
+            [NewRequest(request_id, token_ids, _from_core(params), lora, priority=priority)],
+            arrival, field_name)
         return streams[0]
 
     async def submit_all(self, request_id: str, prompts: list[list[int]],
                          params: SamplingParams | PoolingParams, arrival: float,
                          field_name: Callable[[str], str],
-                         lora: LoRARequest | None = None) -> list[TimedStream]:
+                         lora: LoRARequest | None = None,
+                         priority: int = 0) -> list[TimedStream]:
         """One engine request per prompt (each with the adapter ``lora``, None: the base
         model), all entering the same engine step; if one is refused, none of them runs.
         ``PoolingParams`` make them embedding requests."""
         pooling = params if isinstance(params, PoolingParams) else None
         params = POOLING_SAMPLING if pooling is not None else _from_core(params)
-        requests = [NewRequest(f"{request_id}-{i}", token_ids, params, lora, pooling)
+        requests = [NewRequest(f"{request_id}-{i}", token_ids, params, lora, pooling, priority)
                     for i, token_ids in enumerate(prompts)]
         return await self._submit(requests, arrival, field_name)
 

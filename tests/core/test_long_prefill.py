@@ -10,9 +10,10 @@ import pytest
 from pagedserve.config import ConfigError, EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
-from pagedserve.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedserve.core.sequence import Sequence, SequenceGroup
 from pagedserve.platforms.cpu.platform import CpuPlatform
 from pagedserve.sampling_params import SamplingParams
+from tests.kv_checks import sample_without_model
 
 BLOCK = 4
 BUDGET = 64
@@ -37,12 +38,7 @@ def _step(sched):
     """One engine step without a model: each sampling stream gets token 7."""
     out = sched.schedule()
     assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
-    sched.advance(out)
-    for item in out.scheduled:
-        if item.num_sample_positions:
-            item.seq.append_output(7)
-            if item.seq.num_output_tokens >= item.seq.max_tokens:
-                sched.finish(item.seq, SequenceStatus.FINISHED_LENGTH)
+    sample_without_model(sched, out)
     return {item.seq: item for item in out.scheduled}
 
 

@@ -2,6 +2,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedserve.sampling_params import SamplingParams
+from tests.kv_checks import sample_without_model
 
 BLOCK = 4
 
@@ -25,12 +26,7 @@ def _add(sched, seq):
 def _step(sched, token=7):
     """One engine step without a model: every sampling request gets ``token``."""
     out = sched.schedule()
-    sched.advance(out)
-    for item in out.scheduled:
-        if item.num_sample_positions:
-            item.seq.append_output(token)
-            if item.seq.num_output_tokens >= item.seq.max_tokens:
-                sched.finish(item.seq, SequenceStatus.FINISHED_LENGTH)
+    sample_without_model(sched, out, token)
     return out
 
 

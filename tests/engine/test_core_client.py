@@ -218,7 +218,8 @@ def _recording_client(tiny_model) -> tuple[EngineCoreClient, list]:
     """A client whose commands are recorded, not sent; no core runs."""
     client = EngineCoreClient(EngineConfig(model=str(tiny_model), **ENGINE))
     client._process = SimpleNamespace(is_alive=lambda: True)
-    client.facts = SimpleNamespace(limits=SimpleNamespace(check=lambda *args: None))
+    client.facts = SimpleNamespace(limits=SimpleNamespace(check=lambda *args: None,
+                                                          check_priority=lambda *args: None))
     sent = []
     client._send = sent.append
     return client, sent

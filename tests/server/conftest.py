@@ -36,7 +36,8 @@ LONG_TOKENS = MAX_MODEL_LEN - 96
 STARTUP_TIMEOUT_S = 180
 HTTP_TIMEOUT_S = 120
 # Fixtures that start a server subprocess (seconds each, once per session or module).
-SERVER_FIXTURES = {"server", "ahead_server", "served", "keyed_server", "smol", "embed_server"}
+SERVER_FIXTURES = {"server", "ahead_server", "served", "keyed_server", "smol", "embed_server",
+                   "priority_server"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -268,6 +269,14 @@ def server(chat_model, tmp_path_factory) -> Iterator[Server]:
 def ahead_server(chat_model, tmp_path_factory) -> Iterator[Server]:
     """The server with async scheduling forced on, as it runs by default on GPUs."""
     with launch_server(chat_model, tmp_path_factory.mktemp("logs"), "--async-scheduling") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def priority_server(chat_model, tmp_path_factory) -> Iterator[Server]:
+    """The server with ``--scheduling-policy priority``: requests may carry a priority."""
+    with launch_server(chat_model, tmp_path_factory.mktemp("logs"),
+                       "--scheduling-policy", "priority") as s:
         yield s
 
 
