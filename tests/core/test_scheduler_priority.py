@@ -202,3 +202,18 @@ def test_priority_requests_under_pressure_all_finish_with_every_block_back():
         assert sched.num_preemptions > 0
         assert all(s.num_output_tokens == s.max_tokens
                    for g in groups for s in g.seqs + g.pending_forks)
+
+
+def test_an_urgent_request_whose_adapter_cannot_start_preempts_nothing():
+    """Its adapter is not in host memory yet (``startable_loras``): it would not start this
+    step, so preempting for it would only throw work away."""
+    from pagedserve.lora.request import LoRARequest
+
+    sched, _ = _fill_pool("priority")
+    urgent = _group("h", 0, prompt_len=8, max_tokens=4)
+    urgent.root.lora_request = LoRARequest("a1", 1, "/none")
+    sched.add_group(urgent)
+    out = sched.schedule(startable_loras=set())
+    assert not out.preempted and _names(sched.running) == ["l", "m"]
+    sample_without_model(sched, out)
+    assert [s.group for s in sched.schedule(startable_loras={1}).preempted] == [sched.waiting[1]]
