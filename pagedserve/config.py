@@ -167,6 +167,10 @@ class EngineConfig:
                 "priority value are preempted for waiting ones that do not fit",
         choices=SCHEDULING_POLICIES)
     enforce_eager: bool = option(False, "never capture graphs of decode steps")
+    enable_sleep_mode: bool = option(
+        False, "allow LLM.sleep / wake_up (and the server's /sleep, /wake_up with "
+               "--enable-server-dev-mode): level 1 moves the weights to host memory and frees "
+               "the KV cache, level 2 frees both, for RL frameworks between training steps")
     async_scheduling: bool | None = option(
         None, "schedule the next step while the device computes this one "
               "(default: on for GPUs)")
@@ -295,6 +299,19 @@ class EngineConfig:
             raise ConfigError("--logits-processors does not combine with --speculative-config "
                               "(verifying drafts would run the processors at draft positions "
                               "they cannot follow)")
+        self._check_sleep_mode()
+
+    def _check_sleep_mode(self) -> None:
+        """Sleep mode frees the model's weights and KV pool; what keeps device state of its
+        own beside them (a draft model, offloaded layers, the KV offloading tiers' index of
+        host and disk blocks) is refused rather than left stale."""
+        if not self.enable_sleep_mode:
+            return
+        others = [flag_name(name) for name in ("speculative_config", "cpu_offload_gb",
+                                               "kv_offloading_size", "kv_offloading_disk")
+                  if getattr(self, name)]
+        if others:
+            raise ConfigError(f"--enable-sleep-mode does not combine with {others[0]}")
 
     def resolve(self, arch: ModelArchConfig, platform: type[Platform]) -> ResolvedConfig:
         """The values that depend on the model and the platform, computed once."""

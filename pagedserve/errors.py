@@ -10,3 +10,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 
 class ConfigError(ValueError):
     """A setting the user must change; the message names the flag."""
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine is asleep (sleep mode): it takes no request until ``wake_up``."""

@@ -403,6 +403,15 @@ class KVCacheManager:
             self.offload.finish_disk_reads(results)
 
     # ---- release and stats --------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block's hash, so that no later lookup finds a block computed
+        before (new weights, or a KV pool allocated again). Refused (False) while any block
+        is held, or with an offloading tier, whose host and disk blocks it would not drop."""
+        if self.pool.num_used or self.offload is not None:
+            return False
+        self.pool.reset_prefix_cache()
+        return True
+
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_stats.queried_tokens += num_prompt_tokens
         self.prefix_stats.hit_tokens += num_hit_tokens

@@ -46,6 +46,7 @@ from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.request_state import RequestState
 from pagedserve.engine.speculation import Speculation, check_draft_tokenizer
 from pagedserve.engine.stats import EngineStats
+from pagedserve.errors import ConfigError, EngineSleepingError
 from pagedserve.executor.executor import Executor
 from pagedserve.logger import get_logger
 from pagedserve.lora.host_adapters import HostAdapters
@@ -146,6 +147,9 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._next_id = 0
         self._shut_down = False
+        if config.enable_sleep_mode and not self.platform.supports_sleep_mode:
+            raise ConfigError(f"--enable-sleep-mode is not supported on {self.platform.name}")
+        self._asleep: set[str] = set()  # sleep mode: "weights", "kv_cache" while freed
         logger.info(
             "engine ready in %.1fs: platform=%s model=%s (%s) dtype=%s max_model_len=%d "
             "kv_blocks=%d x %d tokens = %d concurrent tokens",
@@ -206,6 +210,9 @@ class LLMEngine:
         fail comes before it is recorded, so a failure leaves nothing to take back."""
         if self._shut_down:
             raise RuntimeError("the engine was shut down")
+        if self._asleep:
+            raise EngineSleepingError("the engine is asleep (sleep mode): call wake_up() "
+                                      "before adding requests")
         structured = state.params.structured_outputs
         if structured is None:
             self.scheduler.add_group(state.group)
@@ -310,6 +317,61 @@ class LLMEngine:
         if self._grammars is not None:
             self._grammars.close()
         self.executor.shutdown()
+
+    # ---- sleep mode and weight updates (worker/sleep.py) ---------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block, so that no later request reuses KV computed
+        before (after new weights). False, and nothing done, while requests are in flight
+        (vLLM's rule) or with a KV offloading tier."""
+        if self.has_unfinished_requests() or self._awaiting_grammar or self._in_flight:
+            return False
+        return self.kv.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device for a while (``--enable-sleep-mode``): level 1 moves the weights
+        to host memory, level 2 discards them (load new ones before use); both free the KV
+        pool, whose contents are lost. ``RuntimeError`` while requests are in flight."""
+        self._check_sleep_mode("sleep")
+        if self.has_unfinished_requests() or self._awaiting_grammar:
+            raise RuntimeError("cannot sleep while requests are running: wait for them to "
+                               "finish or abort them")
+        self._in_flight = None
+        self.executor.sleep(level)
+        self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back what ``tags`` name ("weights", "kv_cache"; None: both). The KV pool
+        comes back empty, so the prefix cache is reset; the engine takes requests again once
+        both are back."""
+        self._check_sleep_mode("wake_up")
+        woken = self.executor.wake_up(tags)
+        if "kv_cache" in woken and "kv_cache" in self._asleep:
+            self.kv.reset_prefix_cache()
+        self._asleep.difference_update(woken)
+
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def load_weights(self, weights) -> None:
+        """Load new weights into the model on every rank: (name, tensor) pairs under the
+        checkpoint's (Hugging Face) names, each rank keeping its tensor-parallel slice; then
+        reset the prefix cache, whose blocks the old weights computed. With the weights
+        asleep at level 2, wake them up first (``wake_up(["weights"])``)."""
+        if "weights" in self._asleep:
+            raise EngineSleepingError("the weights are asleep: call wake_up(['weights']) "
+                                      "before loading weights")
+        if self.has_unfinished_requests() or self._awaiting_grammar:
+            raise RuntimeError("cannot load weights while requests are running")
+        self._in_flight = None
+        self.executor.load_weights(list(weights))
+        if not self.kv.reset_prefix_cache():
+            logger.warning("load_weights: the KV offloading tier keeps blocks the old weights "
+                           "computed; later prompts may reuse them")
+
+    def _check_sleep_mode(self, call: str) -> None:
+        if not self.config.enable_sleep_mode:
+            raise ConfigError(f"{call}: sleep mode is off; start the engine with "
+                              "--enable-sleep-mode (LLM(enable_sleep_mode=True))")
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

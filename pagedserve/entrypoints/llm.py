@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.config import OPTION_NAMES, EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
@@ -19,6 +19,9 @@ from pagedserve.outputs import (
 )
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 # A prompt: text, token ids, or vLLM's dict forms ({"prompt": text}, {"prompt_token_ids": ids}).
 Prompt = str | list[int] | dict[str, Any]
@@ -57,6 +60,32 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+    # ---- between RL training steps: vLLM's calls ----------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (after new weights); False, and nothing done,
+        while requests are in flight."""
+        return self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device (needs ``enable_sleep_mode=True``): level 1 moves the weights to
+        host memory, level 2 discards them; both free the KV cache (its contents are lost).
+        No request may be added until ``wake_up``."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back ``tags`` ("weights", "kv_cache"; None: both). After level 2 the
+        weights come back uninitialised: ``load_weights`` before generating."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (name, tensor) pairs under the checkpoint's (Hugging Face) names into the
+        model on every tensor-parallel rank, each keeping its slice (a whole checkpoint, as a
+        trainer's ``state_dict().items()`` gives), and reset the prefix cache."""
+        self.engine.load_weights(weights)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` sample with when given no ``sampling_params``: the

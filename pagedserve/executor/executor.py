@@ -19,8 +19,8 @@ import contextlib
 import importlib
 import socket
 import weakref
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 from pagedserve import distributed, envs
 from pagedserve.config import EngineConfig
@@ -29,7 +29,8 @@ from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.errors import ConfigError
 from pagedserve.lora.adapter import LoRAAdapter
 from pagedserve.worker.cache_sizing import CacheSizes
-from pagedserve.worker.model_runner import ModelRunner, PromptSpan, StepInput
+from pagedserve.worker.model_runner import ModelRunner, PromptSpan, RankControl, StepInput
+from pagedserve.worker.sleep import check_level, wake_tags
 from pagedserve.worker.step import Forward, SamplingInputs, StepOutput, StepResult
 from pagedserve.worker.step_api import LocalStep, StepAPI
 from pagedserve.worker.worker import Worker, WorkerSpec
@@ -138,6 +139,11 @@ class TensorParallelStep(StepAPI):
             self.group.remote.send(StepInput(BlockOps(), None, [], [lora_int_id]))
             self.runner.lora.remove([lora_int_id])
 
+    def control(self, c: RankControl) -> None:
+        with self._watching():
+            self.group.remote.send(StepInput(BlockOps(), None, [], control=c))
+            self.runner.control(c)
+
     def _send_and_forward(self, out: SchedulerOutput, step: StepInput, spans: list[PromptSpan]
                           ) -> Forward:
         self.group.remote.send(step)
@@ -231,6 +237,21 @@ class Executor:
     def remove_lora(self, lora_int_id: int) -> None:
         """Every rank forgets the adapter: its host copy and its device slot."""
         self.step.remove_lora(lora_int_id)
+
+    def sleep(self, level: int) -> None:
+        """Every rank frees its graphs, KV pool and weights (``worker/sleep.py``)."""
+        check_level(level)
+        self.step.control(RankControl(sleep_level=level))
+
+    def wake_up(self, tags: Sequence[str] | None) -> tuple[str, ...]:
+        """Every rank brings back what ``tags`` name (None: all); the tags, checked."""
+        tags = wake_tags(tags)
+        self.step.control(RankControl(wake_tags=tags))
+        return tags
+
+    def load_weights(self, weights: list[tuple[str, Any]]) -> None:
+        """Every rank loads the checkpoint tensors (each keeps its slice)."""
+        self.step.control(RankControl(weights=weights))
 
     def stored_disk_blocks(self) -> list[bytes]:
         """Hashes of the KV offloading tier's block files found at start (one rank only, so

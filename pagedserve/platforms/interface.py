@@ -163,6 +163,10 @@ class Platform:
     dist_backend: ClassVar[str] = "gloo"
     # The Ray resource a tensor-parallel rank reserves on its node.
     ray_resource: ClassVar[str] = "CPU"
+    # --enable-sleep-mode: the weights can leave the device and come back (the KV pool is
+    # dropped and allocated again, the graphs captured again); release_cached_memory then
+    # hands the freed memory back to the device.
+    supports_sleep_mode: ClassVar[bool] = True
 
     @classmethod
     def check_available(cls) -> None:

@@ -53,6 +53,7 @@ from pagedserve.worker.kv_cache import KVCache, KVCacheSpec
 from pagedserve.worker.pooler import Pooled, Pooler, pooling_chunks
 from pagedserve.worker.sampling_batch import SamplingBatch
 from pagedserve.worker.shape_buckets import ShapeBuckets
+from pagedserve.worker.sleep import SleepingWeights
 from pagedserve.worker.step import (
     Forward,
     HostSamples,
@@ -105,6 +106,17 @@ class _Forwarded(NamedTuple):
     ran: _Ran
 
 
+@dataclass(frozen=True)
+class RankControl:
+    """Sleep mode and weight updates, run by every rank between steps (``ModelRunner.control``):
+    sleep at ``sleep_level`` (1 or 2), wake up what ``wake_tags`` name, or load ``weights``
+    (checkpoint names and host tensors; each rank keeps its slice)."""
+
+    sleep_level: int = 0
+    wake_tags: tuple[str, ...] = ()
+    weights: list[tuple[str, torch.Tensor]] | None = None
+
+
 @dataclass
 class StepInput:
     """What every rank runs for one step: plain data, the same on all ranks."""
@@ -116,6 +128,7 @@ class StepInput:
     removed_loras: list[int] = field(default_factory=list)
     # Adapters to hold in host memory from now on, read and checked by the engine.
     added_loras: dict[int, LoRAAdapter] = field(default_factory=dict)
+    control: RankControl | None = None  # instead of a step: sleep, wake up, load weights
 
 
 class ModelRunner:
@@ -172,6 +185,11 @@ class ModelRunner:
         # Rank 0, with a draft model or an EAGLE-3 head (speculative decoding).
         self.drafter: Drafter | EagleDrafter | None = None
         self.pooler: Pooler | None = None  # rank 0, with --runner pooling
+        # Sleep mode: the pool's spec and the graphs' sizes, to make them again on wake-up;
+        # the weights while they are asleep.
+        self._kv_spec: KVCacheSpec | None = None
+        self._graph_sizes: tuple[int, int] | None = None
+        self.sleeping_weights: SleepingWeights | None = None
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
         """Load the checkpoint; with CPU offload, each offloaded layer leaves the device as
@@ -251,6 +269,7 @@ class ModelRunner:
     def allocate_kv_cache(self, spec: KVCacheSpec) -> None:
         """The rank's KV pool; with bucketed shapes it has one block more than
         ``spec.num_blocks``: the pad block."""
+        self._kv_spec = spec
         self.block_size = spec.block_size
         self.pad_block = spec.num_blocks
         padded = KVCacheSpec(spec.num_blocks + (self.buckets is not None), spec.block_size,
@@ -373,6 +392,9 @@ class ModelRunner:
     @torch.inference_mode()
     def follow(self, step: StepInput) -> None:
         """A rank other than 0 runs the step rank 0 planned, and keeps its sampled tokens."""
+        if step.control is not None:
+            self.control(step.control)
+            return
         self._run(step, self._last_tokens, [])
         if step.inputs is not None and len(step.inputs.sample_rows):
             counts = step.inputs.sample_counts  # rank 0 sends [num_sampling, max_positions]
@@ -459,6 +481,7 @@ class ModelRunner:
     def capture_graphs(self, max_num_seqs: int, verify_len: int = 1) -> None:
         """Capture decode steps where the platform supports graphs (after the KV pool), and
         verify steps of up to ``verify_len`` tokens per sequence (speculative decoding)."""
+        self._graph_sizes = (max_num_seqs, verify_len)
         runner_cls = self.platform.graph_runner()
         if runner_cls is None:
             return
@@ -483,6 +506,44 @@ class ModelRunner:
         if self.graphs is not None:
             self.platform.synchronize()
             self.graphs = None
+
+    # ---- sleep mode (worker/sleep.py) ---------------------------------------------------
+    @torch.no_grad()
+    def control(self, c: RankControl) -> None:
+        """Sleep, wake up or load weights, as rank 0 told every rank (``RankControl``)."""
+        if c.sleep_level:
+            self.sleep(c.sleep_level)
+        if c.wake_tags:
+            self.wake_up(c.wake_tags)
+        if c.weights is not None:
+            self.load_weights(c.weights)
+
+    def sleep(self, level: int) -> None:
+        """Free the device: graphs, the KV pool (its contents are lost), and the weights
+        (level 1: to host memory; level 2: discarded). No step may be in flight."""
+        self.release_graphs()
+        self.kv_cache = None
+        self._in_flight = self._last_tokens = self._forwarded = None
+        self._queued.clear()
+        if self.sleeping_weights is None:
+            self.sleeping_weights = SleepingWeights(self.model, self.platform,
+                                                    discard=level == 2)
+        self.platform.release_cached_memory()
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        """Bring back what ``tags`` name ("weights", "kv_cache": an empty pool of the same
+        size); once both are back, capture the graphs again (the tensors' addresses are new)."""
+        if "weights" in tags and self.sleeping_weights is not None:
+            self.sleeping_weights.restore()
+            self.sleeping_weights = None
+        if "kv_cache" in tags and self.kv_cache is None:
+            self.allocate_kv_cache(self._kv_spec)
+        if self.is_awake and self.graphs is None and self._graph_sizes is not None:
+            self.capture_graphs(*self._graph_sizes)
+
+    @property
+    def is_awake(self) -> bool:
+        return self.sleeping_weights is None and self.kv_cache is not None
 
 
 

@@ -7,8 +7,9 @@ compute the logits of the sampling rows and the prompt spans' logprobs), then ``
 that copy). ``execute`` is the first two at once; the engine splits them only where it builds
 grammar masks while the device computes. ``move_blocks`` is a step that computes nothing but
 the swaps and copies of preempted blocks; ``add_lora`` and ``remove_lora`` change which
-adapters the ranks hold in host memory, between steps. What crosses back to the engine is host data
-(``step``'s types); a step's device tensors stay in rank 0's runner.
+adapters the ranks hold in host memory, between steps; ``control`` puts every rank to sleep,
+wakes it, or loads new weights (sleep mode, ``worker/sleep.py``). What crosses back to the
+engine is host data (``step``'s types); a step's device tensors stay in rank 0's runner.
 
 ``LocalStep`` is rank 0 alone. The tensor-parallel implementation (``executor``) is the same
 calls with the planned step sent to the other ranks first; they follow it
@@ -23,7 +24,7 @@ from abc import ABC, abstractmethod
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.lora.adapter import LoRAAdapter
-from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.model_runner import ModelRunner, RankControl
 from pagedserve.worker.step import Forward, SamplingInputs, StepOutput, StepResult
 
 
@@ -52,6 +53,10 @@ class StepAPI(ABC):
     @abstractmethod
     def remove_lora(self, lora_int_id: int) -> None:
         """Every rank forgets the adapter (``LoRASlots.remove``)."""
+
+    @abstractmethod
+    def control(self, c: RankControl) -> None:
+        """Every rank sleeps, wakes up or loads weights (``ModelRunner.control``)."""
 
     def execute(self, out: SchedulerOutput, sampling: SamplingInputs | None) -> StepResult:
         """A whole step: ``forward`` then ``sample``."""
@@ -83,3 +88,6 @@ class LocalStep(StepAPI):
 
     def remove_lora(self, lora_int_id: int) -> None:
         self.runner.lora.remove([lora_int_id])
+
+    def control(self, c: RankControl) -> None:
+        self.runner.control(c)

@@ -55,6 +55,9 @@ class RecordingStep(StepAPI):
     def remove_lora(self, lora_int_id):
         self.log.append(("remove_lora", (lora_int_id,)))
 
+    def control(self, c):
+        self.log.append(("control", (c,)))
+
 
 class FakeRemote:
     def __init__(self, log: list, dead: str | None = None) -> None:
@@ -70,8 +73,8 @@ class FakeRemote:
 def test_both_implementations_are_the_one_interface():
     for cls in (LocalStep, TensorParallelStep):
         assert issubclass(cls, StepAPI) and not inspect.isabstract(cls)
-    assert sorted(StepAPI.__abstractmethods__) == ["add_lora", "forward", "move_blocks",
-                                                   "remove_lora", "sample"]
+    assert sorted(StepAPI.__abstractmethods__) == ["add_lora", "control", "forward",
+                                                   "move_blocks", "remove_lora", "sample"]
 
 
 def test_the_executor_forwards_each_call_to_its_step_once():
@@ -157,3 +160,16 @@ def test_a_failed_tensor_parallel_step_ends_the_group():
     assert step.group.dead_reason() is not None
     with pytest.raises(WorkerDiedError):
         step.sample("fwd", "meta")
+
+
+def test_tensor_parallel_control_reaches_the_other_ranks_before_rank_0():
+    """Sleep, wake-up and weight loads run on every rank: sent as a step of their own."""
+    from pagedserve.worker.model_runner import RankControl
+
+    log: list = []
+    step = _tensor_parallel(log)
+    control = RankControl(sleep_level=1)
+    step.control(control)
+    assert [name for name, _ in log] == ["remote.send", "runner.control"]
+    sent = log[0][1][0]
+    assert sent.control is control and sent.inputs is None and log[1][1] == (control,)

@@ -38,6 +38,9 @@ class HpuPlatform(Platform):
     pin_swap_memory: ClassVar[bool] = True
     profiles_memory: ClassVar[bool] = True
     buckets_shapes: ClassVar[bool] = True
+    # Its graphs are recorded per shape bucket at warm-up, against the weights' and the KV
+    # pool's addresses; sleep mode would need them all recorded again (untested: refused).
+    supports_sleep_mode: ClassVar[bool] = False
     # Gaudi's TPC kernels and engines work on 128-token blocks.
     default_block_size: ClassVar[int] = 128
     dist_backend: ClassVar[str] = "hccl"
