@@ -82,6 +82,11 @@ def allow_runtime_lora_updating() -> bool:
     return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
 
 
+def server_dev_mode() -> bool:
+    """VLLM_SERVER_DEV_MODE (vLLM's name): 1 or true turns on --enable-server-dev-mode."""
+    return os.environ.get("VLLM_SERVER_DEV_MODE", "").strip().lower() in ("1", "true")
+
+
 def cuda_home() -> str | None:
     """CUDA_HOME (else CUDA_PATH): the CUDA toolkit whose ``bin/nvcc`` builds the CUDA C++
     kernels; unset, ``nvcc`` on PATH, else /usr/local/cuda."""

@@ -21,6 +21,11 @@ moment ago, still on their way, never reach a new request of the same id.
 
 LoRA adapters: ``remove_lora`` tells the core to forget an adapter once no request of it is
 in flight here (finished, failed or aborted), so requests already running on it finish first.
+
+Sleep mode and the prefix-cache reset (``control``): a command with a call id, answered by
+one ``ControlDone``; while the core sleeps, ``add_requests`` raises ``EngineSleepingError``
+without sending (a request sent just before the sleep command is refused by the core, and
+fails with the same error).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import os
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,6 +51,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine import core_messages as msg
 from pagedserve.engine.core_process import CoreAddresses, run_engine_core
 from pagedserve.engine.stats import EngineStats
+from pagedserve.errors import EngineSleepingError
 from pagedserve.logger import get_logger
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import InvalidSamplingParam
@@ -127,6 +133,10 @@ class EngineCoreClient:
         # Requests in flight per adapter, and the adapters to remove once theirs reach zero.
         self._lora_in_flight: Counter[int] = Counter()
         self._removing: set[int] = set()
+        # Sleep mode: the calls awaiting their ``ControlDone``, and the core's latest state.
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self.sleeping = False
         self._process: multiprocessing.Process | None = None
         self._ipc_dir: Path | None = None
         self._dead: str | None = None  # why the core is gone, once it is
@@ -241,6 +251,9 @@ class EngineCoreClient:
         nothing; no output can arrive in between, as nothing here awaits."""
         if not self.is_running:
             raise EngineDeadError(self._dead or "the engine is not running")
+        if self.sleeping:
+            raise EngineSleepingError(f"the model {self.facts.model_name!r} is asleep "
+                                      "(sleep mode): POST /wake_up first")
         ids: set[str] = set()
         for r in requests:
             if r.request_id in self._pending or r.request_id in ids:
@@ -297,6 +310,19 @@ class EngineCoreClient:
                 with contextlib.suppress(EngineDeadError):  # a core that is gone holds none
                     self._send(msg.RemoveLoRA(lora_int_id))
 
+    async def control(self, make: Callable[[int], msg.Control]) -> msg.ControlDone:
+        """Send the control command ``make(call_id)`` and wait for the core's answer;
+        ``EngineDeadError`` if the core is or goes away meanwhile."""
+        if not self.is_running:
+            raise EngineDeadError(self._dead or "the engine is not running")
+        call_id = next(self._call_ids)
+        done = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        try:
+            self._send(make(call_id))
+            return await done
+        finally:
+            self._calls.pop(call_id, None)
+
     def _send(self, command: msg.Command) -> None:
         """Queue ``command``. With no high-water mark a send waits only while no core is
         connected: for the moment a starting core's connection takes, and never more than
@@ -313,7 +339,16 @@ class EngineCoreClient:
     async def _receive(self) -> None:
         while True:
             message = msg.decode_core_message(await self._outputs.recv())
-            self._dispatch(message)
+            if isinstance(message, msg.ControlDone):
+                self._answer(message)
+            else:
+                self._dispatch(message)
+
+    def _answer(self, done: msg.ControlDone) -> None:
+        self.sleeping = done.sleeping
+        call = self._calls.get(done.call_id)
+        if call is not None and not call.done():
+            call.set_result(done)
 
     def _dispatch(self, message: msg.CoreOutputs) -> None:
         for delta in message.outputs:
@@ -346,6 +381,9 @@ class EngineCoreClient:
         self._removing.clear()
         for p in pending.values():
             p.queue.put_nowait(EngineDeadError(self._dead))
+        for call in self._calls.values():
+            if not call.done():
+                call.set_exception(EngineDeadError(self._dead))
 
 
 # Temporary folders to try, in order, for the sockets' folder (None: TMPDIR's, Python's
@@ -387,6 +425,8 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
 
 
 def _failure_error(failure: msg.RequestFailure) -> Exception:
+    if failure.kind == "asleep":
+        return EngineSleepingError(failure.message)
     if failure.kind == "invalid":
         return InvalidSamplingParam(failure.param, failure.message) if failure.param \
             else ValueError(failure.message)

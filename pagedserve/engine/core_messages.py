@@ -53,7 +53,24 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-Command = AddRequests | AbortRequests | RemoveLoRA | Shutdown
+class ResetPrefixCache(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+
+
+class Sleep(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    level: int
+
+
+class WakeUp(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    tags: list[str] | None  # None: everything asleep
+
+
+# Sleep mode and the prefix-cache reset: calls the server awaits, each answered by one
+# ``ControlDone`` of its ``call_id``, applied between steps in order with the other commands.
+Control = ResetPrefixCache | Sleep | WakeUp
+Command = AddRequests | AbortRequests | RemoveLoRA | Shutdown | Control
 
 
 class LoRAFacts(msgspec.Struct, array_like=True):
@@ -131,7 +148,8 @@ class RequestFailure(msgspec.Struct, array_like=True):
     request_id: str
     message: str
     param: str | None = None
-    # "invalid" for input the engine refused, "step" for a step that failed under it.
+    # "invalid" for input the engine refused, "step" for a step that failed under it,
+    # "asleep" for a request that reached an engine in sleep mode.
     kind: str = "step"
 
 
@@ -141,7 +159,17 @@ class CoreOutputs(msgspec.Struct, tag=True, array_like=True):
     stats: EngineStats
 
 
-CoreMessage = CoreReady | CoreFailed | CoreOutputs
+class ControlDone(msgspec.Struct, tag=True, array_like=True):
+    """The answer to a ``Control`` command: its result (``reset_prefix_cache``'s bool; True
+    for the others), whether the engine sleeps now, and why it failed (one line), if it did."""
+
+    call_id: int
+    result: bool
+    sleeping: bool
+    error: str | None = None
+
+
+CoreMessage = CoreReady | CoreFailed | CoreOutputs | ControlDone
 
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode

@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection
 from pagedserve.config import EngineConfig
 from pagedserve.engine import core_messages as msg
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.errors import EngineSleepingError
 from pagedserve.logger import get_logger
 
 logger = get_logger(__name__)
@@ -154,7 +155,10 @@ class EngineCore:
             except zmq.Again:
                 return commands
 
-    def _apply(self, command: msg.AddRequests | msg.AbortRequests | msg.RemoveLoRA) -> None:
+    def _apply(self, command: msg.Command) -> None:
+        if isinstance(command, msg.Control):
+            self._control(command)
+            return
         if isinstance(command, msg.AbortRequests):
             for request_id in command.request_ids:
                 self.engine.abort_request(request_id)
@@ -169,6 +173,25 @@ class EngineCore:
             except ValueError as exc:  # checked in the server already; refused here alone
                 self._failures.append(msg.RequestFailure(
                     new.request_id, str(exc), getattr(exc, "param", None), kind="invalid"))
+            except EngineSleepingError as exc:  # sent before the server heard of the sleep
+                self._failures.append(msg.RequestFailure(new.request_id, str(exc),
+                                                         kind="asleep"))
+
+    def _control(self, command: msg.Control) -> None:
+        """Run a sleep-mode call or the prefix-cache reset and answer it; a refusal (requests
+        running, sleep mode off, a bad level) is the answer's error, the loop goes on."""
+        result, error = True, None
+        try:
+            if isinstance(command, msg.ResetPrefixCache):
+                result = self.engine.reset_prefix_cache()
+            elif isinstance(command, msg.Sleep):
+                self.engine.sleep(command.level)
+            else:
+                self.engine.wake_up(command.tags)
+        except (ValueError, RuntimeError) as exc:
+            result, error = False, str(exc)
+        self._outputs.send(msg.encode(msg.ControlDone(
+            command.call_id, result, self.engine.is_sleeping(), error)))
 
     def _step(self) -> list[msg.RequestDelta]:
         try:

@@ -19,8 +19,9 @@ from collections.abc import Awaitable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from http import HTTPStatus
+from typing import Annotated
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Query, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
@@ -53,6 +54,7 @@ from pagedserve.server.reasoning_parsers import REASONING_PARSERS, ThinkParser
 from pagedserve.server.request_ids import RequestIdHeaders, RequestIds
 from pagedserve.server.serving_chat import ChatServing
 from pagedserve.server.serving_completion import CompletionServing
+from pagedserve.server.serving_dev import DevServing
 from pagedserve.server.serving_embedding import EmbeddingServing
 from pagedserve.server.serving_lora import LoRAServing
 from pagedserve.server.serving_models import ServedModel, ServingModels
@@ -79,7 +81,8 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
                runtime_lora_updating: bool = False,
                allowed_origins: Sequence[str] = (),
                request_id_headers: bool = False,
-               reasoning_parser: ThinkParser | None = None) -> FastAPI:
+               reasoning_parser: ThinkParser | None = None,
+               dev_mode: bool = False) -> FastAPI:
     """An app serving started engine cores, one per model (the first serves requests that
     name none); the app's lifespan reads their outputs and stops them at the end.
     ``enable_docs`` serves FastAPI's /docs, /redoc and /openapi.json, whose pages load their
@@ -91,7 +94,8 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     vLLM allows every origin: a page of any site could read a local server's answers).
     ``request_id_headers`` echoes each request's id in an ``X-Request-Id`` header, and a
     completion takes its id from the client's header (``request_ids.py``).
-    ``reasoning_parser`` returns chat answers' reasoning apart."""
+    ``reasoning_parser`` returns chat answers' reasoning apart. ``dev_mode`` adds vLLM's
+    development routes (``serving_dev.py``: sleep mode, the prefix-cache reset)."""
     # Each core's latest stats, read at every scrape.
     metrics = ServerMetrics({e.facts.model_name: partial(getattr, e, "stats") for e in engines})
     models = ServingModels([ServedModel.of(e, metrics) for e in engines])
@@ -184,6 +188,26 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
             return await loras.unload(body)
 
+    if dev_mode:
+        dev = DevServing(models)
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(model: str | None = None) -> dict:
+            return await dev.reset_prefix_cache(model)
+
+        @app.post("/sleep")
+        async def sleep(level: int = 1, model: str | None = None) -> dict:
+            return await dev.sleep(level, model)
+
+        @app.post("/wake_up")
+        async def wake_up(tags: Annotated[list[str] | None, Query()] = None,
+                          model: str | None = None) -> dict:
+            return await dev.wake_up(tags, model)
+
+        @app.api_route("/is_sleeping", methods=READ_METHODS)
+        async def is_sleeping(model: str | None = None) -> dict:
+            return dev.is_sleeping(model)
+
     @app.post("/tokenize")
     async def tokenize(body: dict) -> Response:  # which of two requests: see tokenization
         return await tokenization.tokenize(body)
@@ -252,7 +276,8 @@ def run_server(args: argparse.Namespace) -> None:
                          hosts, args.lora_modules,
                          args.enable_runtime_lora_updating or envs.allow_runtime_lora_updating(),
                          args.allowed_origins, args.enable_request_id_headers,
-                         REASONING_PARSERS.get(args.reasoning_parser))
+                         REASONING_PARSERS.get(args.reasoning_parser),
+                         args.enable_server_dev_mode or envs.server_dev_mode())
     except (EngineStartError, ConfigError) as exc:  # one line, as the CLI does
         _stop(engines)
         print(f"pagedserve: error: {exc}", file=sys.stderr)

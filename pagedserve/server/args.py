@@ -103,6 +103,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on "
                         "with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 or true); anyone who can "
                         "reach the server can then make it read any folder it can")
+    g.add_argument("--enable-server-dev-mode", action="store_true",
+                   help="serve vLLM's development endpoints POST /reset_prefix_cache, /sleep, "
+                        "/wake_up and GET /is_sleeping (also on with VLLM_SERVER_DEV_MODE=1 or "
+                        "true); /sleep needs --enable-sleep-mode; anyone who can reach the "
+                        "server can then put it to sleep")
 
 
 def _lora_module(text: str) -> LoRAModule:

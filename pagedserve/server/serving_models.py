@@ -21,7 +21,7 @@ from pagedserve.engine.core_client import (
 )
 from pagedserve.engine.core_messages import LoRAFacts, NewRequest
 from pagedserve.engine.input_processor import POOLING_SAMPLING, PromptTooLong, truncate_prompt
-from pagedserve.errors import ConfigError
+from pagedserve.errors import ConfigError, EngineSleepingError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
@@ -273,7 +273,7 @@ class EngineClient:
         try:
             await self._check_grammar(requests[0].params)
             streams = self.engine.add_requests(requests)
-        except EngineDeadError as exc:
+        except (EngineDeadError, EngineSleepingError) as exc:
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), type=SERVER_ERROR) from exc
         except ValueError as exc:
             param = getattr(exc, "param", None)
@@ -324,7 +324,7 @@ class TimedStream:
         except EngineStepError as exc:
             self.timer.finish("error")
             raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), type=SERVER_ERROR) from exc
-        except EngineDeadError as exc:
+        except (EngineDeadError, EngineSleepingError) as exc:
             self.timer.finish("error")
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), type=SERVER_ERROR) from exc
         finally:
