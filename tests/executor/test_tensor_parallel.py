@@ -118,6 +118,27 @@ def test_features_with_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
+def test_sleep_wake_up_and_load_weights_with_two_ranks(tmp_path):
+    """Every rank sleeps, wakes and loads the (whole) checkpoint, keeping its own slice: the
+    tokens after level 1, and after level 2 with new weights, are one rank's on them."""
+    from safetensors.torch import load_file
+
+    folder = write_tiny_model(tmp_path / "m", "qwen2", vocab_size=385)
+    other = write_tiny_model(tmp_path / "other", "qwen2", seed=3, vocab_size=385)
+    expected = _tokens(make_llm(other), PROMPTS, GREEDY)
+    with two_ranks(folder, enable_sleep_mode=True) as llm:
+        before = _tokens(llm, PROMPTS, GREEDY)
+        llm.sleep(level=1)
+        llm.wake_up()
+        assert _tokens(llm, PROMPTS, GREEDY) == before
+        llm.sleep(level=2)
+        llm.wake_up(["weights"])
+        llm.load_weights(load_file(other / "model.safetensors").items())
+        llm.wake_up(["kv_cache"])
+        assert _tokens(llm, PROMPTS, GREEDY) == expected != before
+
+
+@pytest.mark.slow
 def test_each_rank_makes_its_own_logits_processors(tmp_path):
     folder = write_tiny_model(tmp_path / "llama3", "llama3")
     one = _tokens(make_llm(folder), PROMPTS, GREEDY)
