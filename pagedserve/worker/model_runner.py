@@ -33,6 +33,7 @@ from pagedserve.models.linear import LinearFactory
 from pagedserve.models.offload import LayerOffload
 from pagedserve.models.registry import model_class
 from pagedserve.platforms.interface import DeviceEvent, GraphRunner, Platform
+from pagedserve.quant.formats.base import CheckpointFormat
 from pagedserve.quant.linear_method import MatmulNumerics
 from pagedserve.quant.weights import LoadedWeight
 from pagedserve.sample.logits_processor import LogitsProcessor
@@ -190,6 +191,8 @@ class ModelRunner:
         self._kv_spec: KVCacheSpec | None = None
         self._graph_sizes: tuple[int, int] | None = None
         self.sleeping_weights: SleepingWeights | None = None
+        # How the checkpoint's tensors are read (quantized formats); None: as they come.
+        self.checkpoint_format: CheckpointFormat | None = None
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
         """Load the checkpoint; with CPU offload, each offloaded layer leaves the device as
@@ -516,7 +519,8 @@ class ModelRunner:
         if c.wake_tags:
             self.wake_up(c.wake_tags)
         if c.weights is not None:
-            self.load_weights(c.weights)
+            fmt = self.checkpoint_format
+            self.load_weights(c.weights if fmt is None else fmt.read(iter(c.weights)))
 
     def sleep(self, level: int) -> None:
         """Free the device: graphs, the KV pool (its contents are lost), and the weights

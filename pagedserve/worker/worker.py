@@ -89,6 +89,7 @@ class Worker:
             self.runner.init_dummy_weights(config.seed)
         else:
             self.runner.load_weights(fmt.read(loader.iter_weights(source)))
+            self.runner.checkpoint_format = fmt  # LLM.load_weights reads its tensors alike
         if config.enable_lora:
             self.runner.add_lora(config.max_loras, config.max_lora_rank)
         if config.pooling is not None and self.tp.rank == 0:  # only rank 0 pools

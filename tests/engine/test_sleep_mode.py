@@ -98,6 +98,22 @@ def test_level_2_then_load_weights_of_the_same_checkpoint(llm, llama3_folder):
     assert _tokens(llm) == before
 
 
+def test_load_weights_reads_a_quantized_checkpoint_as_the_start_did(llama3_folder, tmp_path):
+    """The tensors go through the checkpoint's format (GPTQ's packed parts here), as at
+    start-up: level 2 and the packed checkpoint give the tokens of before."""
+    from tests.quant.packers import write_quantized_pair
+
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True,
+            "desc_act": False}
+    write_quantized_pair(llama3_folder, tmp_path / "q", tmp_path / "f", gptq)
+    llm = make_llm(tmp_path / "q", enable_sleep_mode=True)
+    before = _tokens(llm)
+    llm.sleep(level=2)
+    llm.wake_up()
+    llm.load_weights(_checkpoint(tmp_path / "q"))
+    assert _tokens(llm) == before
+
+
 def test_load_weights_of_another_checkpoint_matches_transformers_on_it(llm, tmp_path):
     other = write_tiny_model(tmp_path / "other", "llama3", seed=7)
     before = _tokens(llm)
