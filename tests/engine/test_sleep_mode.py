@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from pagedserve import SamplingParams
 from pagedserve.config import ConfigError
 from pagedserve.errors import EngineSleepingError
-from pagedserve.platforms.cpu.platform import CpuPlatform
+from tests.graph_stubs import record_graphs
 from tests.tiny_models import (
     assert_greedy_matches,
     hf_model,
@@ -160,20 +160,7 @@ def test_reset_prefix_cache_drops_hits_and_is_refused_while_requests_run(llama3_
 def test_graphs_are_captured_again_on_wake_up(llama3_folder, monkeypatch):
     """Graphs read the tensors' addresses at capture: those made before sleep are dropped,
     and new ones captured over the new KV pool once the engine is fully awake."""
-    captured: list = []
-
-    class Graphs:
-        def __init__(self, model, kv_caches, *sizes):
-            self.kv_caches = kv_caches
-            captured.append(self)
-
-        def capture(self):
-            pass
-
-        def can_run(self, ctx):
-            return False
-
-    monkeypatch.setattr(CpuPlatform, "graph_runner", classmethod(lambda cls: Graphs))
+    captured = record_graphs(monkeypatch)
     llm = make_llm(llama3_folder, enable_sleep_mode=True)
     runner = llm.engine.executor.runner
     assert captured and runner.graphs is captured[0]

@@ -283,21 +283,9 @@ def test_the_kv_pool_gets_the_bytes_the_offload_frees(five_layers, resident):
 def test_no_graphs_are_captured_while_offloading(five_layers, resident, monkeypatch):
     """A platform with a graph runner runs eagerly when layers are offloaded (replay would skip
     the copies); random (``dummy``) weights stream in like a checkpoint's."""
-    from pagedserve.platforms.cpu.platform import CpuPlatform
+    from tests.graph_stubs import record_graphs
 
-    built = []
-
-    class FakeGraphs:
-        def __init__(self, *args):
-            built.append(args)
-
-        def capture(self):
-            pass
-
-        def can_run(self, ctx):
-            return False
-
-    monkeypatch.setattr(CpuPlatform, "graph_runner", classmethod(lambda cls: FakeGraphs))
+    built = record_graphs(monkeypatch)
     llm = engine(five_layers, load_format="dummy",
                  cpu_offload_gb=gib_for_layers(resident, 2.5))
     assert llm.engine.executor.runner.offload.chosen == range(2, 5)

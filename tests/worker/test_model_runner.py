@@ -6,6 +6,7 @@ import pytest
 
 from pagedserve import SamplingParams
 from pagedserve.worker.warm_up import profile_peak_memory
+from tests.graph_stubs import record_graphs
 from tests.tiny_models import ARCH_CONFIGS, make_llm
 
 
@@ -54,16 +55,7 @@ def test_moe_models_capture_no_graphs_while_their_experts_op_syncs(tiny_model_fo
     capture forbids: a platform with graphs runs MoE decode steps eagerly instead."""
     runner = make_llm(tiny_model_folder(arch), kv_cache_memory_bytes=1 << 20
                       ).engine.executor.runner
-    made = []
-
-    class Graphs:
-        def __init__(self, *args) -> None:
-            made.append(args)
-
-        def capture(self) -> None:
-            pass
-
-    monkeypatch.setattr(runner.platform, "graph_runner", classmethod(lambda cls: Graphs))
+    made = record_graphs(monkeypatch, runner.platform)
     runner.capture_graphs(max_num_seqs=4)
     assert bool(made) == captured
     runner.graphs = None
