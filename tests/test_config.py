@@ -33,9 +33,11 @@ class _Cpu(Platform):
         return torch.float32
 
 
-def _arch(max_position_embeddings: int = 4096, sliding_window: int | None = None):
+def _arch(max_position_embeddings: int = 4096, sliding_window: int | None = None,
+          rope_scaling: dict | None = None):
     return SimpleNamespace(max_position_embeddings=max_position_embeddings,
-                           sliding_window=sliding_window, num_experts=0)
+                           sliding_window=sliding_window, num_experts=0,
+                           rope_scaling=rope_scaling)
 
 
 @pytest.mark.parametrize("field, flag", [
@@ -138,6 +140,14 @@ def test_max_model_len_stays_inside_the_sliding_window():
     assert EngineConfig().resolve(_arch(32768, 4096), _Cpu).max_model_len == 4096
     with pytest.raises(ConfigError, match="--max-model-len 5000 exceeds the model's limit of 4096"):
         EngineConfig(max_model_len=5000).resolve(_arch(32768, 4096), _Cpu)
+
+
+def test_longrope_context_stays_inside_the_original_positions():
+    """Only longrope's short factors are implemented (Phi-3-mini-128k runs 4,096 tokens)."""
+    longrope = dict(rope_type="longrope", original_max_position_embeddings=4096)
+    assert EngineConfig().resolve(_arch(131072, None, longrope), _Cpu).max_model_len == 4096
+    with pytest.raises(ConfigError, match="--max-model-len 8192 exceeds the model's limit of 4096"):
+        EngineConfig(max_model_len=8192).resolve(_arch(131072, None, longrope), _Cpu)
 
 
 def test_without_chunked_prefill_a_whole_prompt_fits_the_budget():

@@ -60,6 +60,36 @@ ARCH_CONFIGS = {
         max_position_embeddings=1024, tie_word_embeddings=False, sliding_window=None,
         num_local_experts=6, num_experts_per_tok=2,
     ),
+    # Phi-4-mini's shape: fused qkv_proj / gate_up_proj tensors, rotary on the first 0.75 of
+    # each head (12 of 16 features), GQA 2:1, tied; a sliding window past the context.
+    "phi3": dict(
+        architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=64,
+        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+        partial_rotary_factor=0.75, max_position_embeddings=1024, sliding_window=2047,
+        tie_word_embeddings=True, pad_token_id=2,
+    ),
+    # Phi-3-mini-128k's shape: longrope (short factors within 256 original positions, the
+    # attention factor of a 4x longer context), whole-head rotary, MHA, untied.
+    "phi3-longrope": dict(
+        architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=64,
+        intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=1024, original_max_position_embeddings=256,
+        rope_scaling=dict(type="longrope",
+                          short_factor=[1.0, 1.05, 1.2, 1.5, 2.0, 3.0, 4.5, 6.0],
+                          long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]),
+        sliding_window=None, tie_word_embeddings=False, pad_token_id=2,
+    ),
+    # Granite 3.x's scalars, made non-trivial: embeddings x 6, each residual branch x 0.3,
+    # softmax scale 0.4 (not 1/sqrt(16)), logits / 5; tied, GQA 4:1.
+    "granite": dict(
+        architectures=["GraniteForCausalLM"], model_type="granite", hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=1024, tie_word_embeddings=True, embedding_multiplier=6.0,
+        residual_multiplier=0.3, attention_multiplier=0.4, logits_scaling=5.0,
+    ),
     # Qwen3-30B-A3B's layout: Qwen3 attention, 8 experts of 32, top 3 renormalised.
     "qwen3-moe": dict(_QWEN3_MOE, norm_topk_prob=True),
     # Top-k weights as the softmax left them (norm_topk_prob false, transformers' default),

@@ -57,6 +57,16 @@ SHAPES: dict[str, dict] = {
                        num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
     "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    # Phi-4 (14B): Phi-3's fused qkv_proj / gate_up_proj tensors, GQA 4:1, 40 layers.
+    "phi-4": dict(
+        architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=100352,
+        hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
+        num_attention_heads=40, num_key_value_heads=10, rms_norm_eps=1e-5,
+        rope_theta=250000.0, max_position_embeddings=16384,
+        original_max_position_embeddings=16384, sliding_window=None,
+        tie_word_embeddings=False, bos_token_id=100257, eos_token_id=100265,
+        pad_token_id=100349,
+    ),
     # Mixture of experts. Mixtral-8x7B: 8 experts of 14336, top 2 (47B parameters, 13B a
     # token; 94 GB in bf16, tensor parallelism's shape on 80 GB cards).
     "mixtral-8x7b": dict(

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+                           "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+                           "Phi3ForCausalLM", "GraniteForCausalLM")
 # Qwen2 and Qwen3 configs carry a sliding_window that only applies with use_sliding_window.
 _WINDOW_FLAG_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Qwen3 attention: per-head q/k norms, no attention biases.
@@ -72,6 +73,19 @@ class ModelArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # Phi-3: checkpoints store q/k/v as one ``self_attn.qkv_proj`` tensor and gate/up as one
+    # ``mlp.gate_up_proj`` (rows concatenated in that order); the loader splits them.
+    fused_checkpoint: bool = False
+    # Rotary embeddings on the first ``rotary_dim`` features of each head only, the rest
+    # passed through (Phi-4-mini's partial_rotary_factor 0.75); head_dim unless set.
+    partial_rotary_factor: float = 1.0
+    # Granite: embeddings times ``embedding_multiplier``; each residual branch (attention,
+    # MLP output) times ``residual_multiplier`` before its add; ``attention_multiplier`` the
+    # softmax scale in place of 1/sqrt(head_dim); logits divided by ``logits_scaling``.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -80,6 +94,17 @@ class ModelArchConfig:
         if self.base_model:
             return self.architecture.removesuffix("ForCausalLM") + "Model"
         return self.architecture
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale every attention backend is given."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
+        return self.head_dim ** -0.5
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelArchConfig:
@@ -115,14 +140,19 @@ class ModelArchConfig:
         window = cfg.get("sliding_window")
         if arch in _WINDOW_FLAG_ARCHITECTURES and not cfg.get("use_sliding_window", False):
             window = None
+        if cfg.get("mlp_bias", False):
+            raise UnsupportedModel(f"{arch} with mlp_bias (biases on the MLP projections) is "
+                                   "not supported")
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
+        params = cfg.get("rope_parameters") or {}
         if rope_theta is None:
             # transformers 5 folds rope settings into rope_parameters.
-            params = cfg.get("rope_parameters") or {}
             rope_theta = params.get("rope_theta", 10000.0)
             if rope_scaling is None and params.get("rope_type", "default") != "default":
                 rope_scaling = params
+        phi3 = _phi3_fields(arch, cfg, params, rope_scaling)
+        rope_scaling = phi3.pop("rope_scaling", rope_scaling)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -146,6 +176,8 @@ class ModelArchConfig:
             base_model=base_model,
             raw=cfg,
             **_moe_fields(arch, cfg),
+            **phi3,
+            **_granite_fields(arch, cfg),
         )
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -172,3 +204,33 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 8),
                 moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=sparse)
+
+
+def _phi3_fields(arch: str, cfg: dict[str, Any], params: dict[str, Any],
+                 rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """Phi-3's fused checkpoint tensors, its partial rotary factor (top-level in older
+    configs, in rope_parameters in transformers 5) and its longrope settings, whose
+    ``original_max_position_embeddings`` older configs keep beside ``rope_scaling``."""
+    if arch != "Phi3ForCausalLM":
+        return {}
+    factor = cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0
+    fields: dict[str, Any] = dict(fused_checkpoint=True, partial_rotary_factor=float(factor))
+    kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
+    if kind in ("longrope", "su"):
+        original = (rope_scaling.get("original_max_position_embeddings")
+                    or cfg.get("original_max_position_embeddings"))
+        fields["rope_scaling"] = {**rope_scaling, "rope_type": "longrope",
+                                  "original_max_position_embeddings": original,
+                                  "max_position_embeddings":
+                                      cfg.get("max_position_embeddings", 2048)}
+    return fields
+
+
+def _granite_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four scalars (transformers' GraniteConfig defaults: 1.0 each)."""
+    if arch != "GraniteForCausalLM":
+        return {}
+    return dict(embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+                attention_multiplier=float(cfg.get("attention_multiplier", 1.0)),
+                logits_scaling=float(cfg.get("logits_scaling", 1.0)))

@@ -1,10 +1,14 @@
 """The Llama family: Llama 2/3 (and SmolLM2), Mistral, Qwen2 (q/k/v biases) and Qwen3 dense
-(an RMSNorm over each head's q and k before the rotation), and the mixture-of-experts models
-on the same attention: Mixtral (Mistral's) and Qwen3-MoE (Qwen3's), whose layers each have a
-dense MLP or a sparse MoE block (``models/moe.py``) as the config says.
+(an RMSNorm over each head's q and k before the rotation), Phi-3 (fused checkpoint tensors,
+partial rotary), Granite (scaled embeddings, residual branches, softmax and logits), and the
+mixture-of-experts models on the same attention: Mixtral (Mistral's) and Qwen3-MoE (Qwen3's),
+whose layers each have a dense MLP or a sparse MoE block (``models/moe.py``) as the config
+says.
 
 Module names follow Hugging Face checkpoints, except that q/k/v and gate/up projections are
-fused into one matmul each; ``load_weights`` hands the checkpoint's shards to them. Linear
+fused into one matmul each; ``load_weights`` hands the checkpoint's shards to them (a Phi-3
+checkpoint's fused tensors cut back into their shards first, so each tensor-parallel rank
+takes its slice of q, of k and of v). Linear
 layers come from a ``LinearFactory``, so their weights may be dense or quantized.
 """
 
@@ -26,7 +30,7 @@ from pagedserve.models.linear import Linear, LinearFactory
 from pagedserve.models.moe import FusedExperts, SparseMoeBlock, expert_weight, moe_module_name
 from pagedserve.models.rotary import RotaryEmbedding
 from pagedserve.quant.linear_method import QuantizedActivation
-from pagedserve.quant.weights import LoadedWeight
+from pagedserve.quant.weights import LoadedWeight, take_rows
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)
 _STACKED = {
@@ -107,6 +111,8 @@ class LlamaDecoderLayer(nn.Module):
                     else LlamaMLP(cfg, ops, linears))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        # Granite scales each branch before the norm after it adds it to the residual.
+        self.branch_scale = cfg.residual_multiplier
 
     def forward(self, positions, hidden, residual, kv_cache, ctx: ForwardContext):
         # Each norm may hand the projection after it quantized activations (FP8 W8A8).
@@ -116,10 +122,13 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden, into=qkv_proj)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, into=qkv_proj)
-        hidden = self.self_attn(positions, hidden, kv_cache, ctx)
+        hidden = self._scaled(self.self_attn(positions, hidden, kv_cache, ctx))
         hidden, residual = self.post_attention_layernorm(hidden, residual,
                                                          into=self.mlp.input_linear)
-        return self.mlp(hidden, ctx), residual
+        return self._scaled(self.mlp(hidden, ctx)), residual
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        return branch if self.branch_scale == 1.0 else branch * self.branch_scale
 
 
 class LlamaModel(nn.Module):
@@ -127,13 +136,14 @@ class LlamaModel(nn.Module):
                  ops: type[LayerOps], linears: LinearFactory) -> None:
         super().__init__()
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
-                                 ops)
+                                 ops, rotary_dim=cfg.rotary_dim)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, linears.dtype,
                                            linears.device, linears.tp)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, rotary, backend, ops, linears, moe=cfg.is_moe_layer(i))
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.embedding_multiplier = cfg.embedding_multiplier  # Granite's; 1 elsewhere
         # Layers whose input (the residual stream entering them) an EAGLE-3 head reads
         # (``models/eagle3.py``); empty: none, and the forward returns the hidden states alone.
         self.aux_layers: tuple[int, ...] = ()
@@ -141,6 +151,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, ctx: ForwardContext
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
         aux = []
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if i in self.aux_layers:  # a copy: the fused norms add into the residual in place
@@ -192,6 +204,8 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError("this model was built without an LM head (--runner pooling): "
                                "it computes hidden states, never logits")
         logits = self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0:  # Granite's
+            logits = logits / self.config.logits_scaling
         if self.tp.size == 1:
             return logits
         logits = self.tp.gather_to_first(logits)
@@ -223,7 +237,10 @@ class LlamaForCausalLM(nn.Module):
             target, shard = fused_target(moe_module_name(name))
             owner_name, _, kind = target.rpartition(".")
             owner = submodule(self, owner_name)
-            if isinstance(owner, Linear) and kind == "weight":
+            if isinstance(owner, Linear) and kind == "weight" and shard is None \
+                    and len(owner.out_parts) > 1:
+                load_fused(owner, weight)  # Phi-3's qkv_proj and gate_up_proj
+            elif isinstance(owner, Linear) and kind == "weight":
                 owner.load_shard(shard or 0, weight)
             elif isinstance(owner, VocabEmbedding):
                 owner.load(weight)
@@ -273,6 +290,19 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0]}")
 
 
+def load_fused(owner: Linear, weight: LoadedWeight) -> None:
+    """A checkpoint tensor that holds all of a fused layer's shards, their rows one after
+    another in the layer's order (Phi-3's q, k, v and gate, up): cut back into the shards,
+    each of which the layer then slices for this rank."""
+    total = sum(p.full for p in owner.out_parts)
+    if weight.shape[0] != total:
+        raise ValueError(f"fused weight has {weight.shape[0]} rows, expected {total}")
+    start = 0
+    for shard, part in enumerate(owner.out_parts):
+        owner.load_shard(shard, take_rows(weight, start, part.full))
+        start += part.full
+
+
 def checkpoint_shapes(c: ModelArchConfig, lm_head: bool = True) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of this architecture holds, with its shape
     (``lm_head=False``: what a model built without the head reads of it)."""
@@ -288,6 +318,10 @@ def checkpoint_shapes(c: ModelArchConfig, lm_head: bool = True) -> dict[str, tup
              "self_attn.k_proj.weight": (kv, c.hidden_size),
              "self_attn.v_proj.weight": (kv, c.hidden_size),
              "self_attn.o_proj.weight": (c.hidden_size, q)}
+    if c.fused_checkpoint:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            del layer[f"self_attn.{name}.weight"]
+        layer["self_attn.qkv_proj.weight"] = (q + 2 * kv, c.hidden_size)
     if c.qk_norm:
         layer.update({"self_attn.q_norm.weight": (c.head_dim,),
                       "self_attn.k_norm.weight": (c.head_dim,)})
@@ -302,6 +336,9 @@ def checkpoint_shapes(c: ModelArchConfig, lm_head: bool = True) -> dict[str, tup
 
 
 def _mlp_shapes(c: ModelArchConfig) -> dict[str, tuple[int, ...]]:
+    if c.fused_checkpoint:
+        return {"mlp.gate_up_proj.weight": (2 * c.intermediate_size, c.hidden_size),
+                "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)}
     return {"mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
             "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
             "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)}

@@ -8,10 +8,13 @@ from pagedserve.models.config import UnsupportedModel
 
 _MODELS = {
     "LlamaForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
-    # Mistral, Qwen2 and Qwen3 share Llama's layout; their differences live in ModelArchConfig.
+    # Mistral, Qwen2, Qwen3, Phi-3 and Granite share Llama's layout; their differences live
+    # in ModelArchConfig.
     "MistralForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
+    "Phi3ForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
+    "GraniteForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
     # Mixture of experts on the same attention: the config picks each layer's MLP.
     "MixtralForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",

@@ -154,7 +154,7 @@ class ModelRunner:
         self.num_kv_heads = heads.num_kv_heads
         backend_cls = platform.attention_backend()
         backend = backend_cls(heads.num_heads, arch.head_dim, heads.num_kv_heads,
-                              arch.head_dim ** -0.5, kv_cache_dtype=kv_cache_dtype)
+                              arch.attention_scale, kv_cache_dtype=kv_cache_dtype)
         linears = LinearFactory(platform, dtype, self.device, quantizer, tp, numerics)
         with torch.device(self.device):
             model = model_class(arch.architecture)(arch, backend, max_model_len,

@@ -30,7 +30,8 @@ PROMPTS = random_prompts("tp", [5, 17, 40, 3])
 # and fewer KV heads than ranks (mistral: 1, replicated); the odd vocabularies pad the last
 # rank's slice of the embedding and the LM head. Mixture of experts: each rank holds half of
 # every expert's intermediate rows and the whole router (mixtral; qwen3-moe-dense1 with a
-# dense layer beside the sparse one).
+# dense layer beside the sparse one). Phi-3's fused checkpoint tensors: each rank its slice of
+# q, of k and of v (1 of 2 KV heads, partial rotary), of gate and of up; Granite's scalars.
 CASES = {
     "llama3": ("llama3", {}),
     "qwen2-bias-tied-odd-vocab": ("qwen2", {"vocab_size": 385}),
@@ -38,6 +39,9 @@ CASES = {
     "mistral-one-kv-head-odd-vocab": ("mistral", {"vocab_size": 387}),
     "mixtral-experts": ("mixtral", {}),
     "qwen3-moe-dense-layer": ("qwen3-moe-dense1", {}),
+    "phi3-fused-partial-rotary": ("phi3", {}),
+    "phi3-longrope": ("phi3-longrope", {}),
+    "granite-multipliers": ("granite", {}),
 }
 
 
