@@ -5,7 +5,10 @@ A PEFT folder holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_mod
 ``adapter_model.bin``), with one ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]`` per adapted
 module. Each checkpoint module maps onto one of our projections and a shard of it: q/k/v onto
 shards 0-2 of ``qkv_proj``, gate/up onto shards 0-1 of ``gate_up_proj``, o and down onto
-shard 0 of their own. The module's scaling (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA)
+shard 0 of their own. Phi-3's adapters adapt the fused ``qkv_proj`` and ``gate_up_proj``
+whole: one A, and a B whose rows are every shard's (``WHOLE``); ``split_whole`` gives each
+shard that A and its rows of B, ``x @ A.T @ B_shard.T`` being that shard's part of the
+delta. The module's scaling (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA)
 is folded into B at load, so a delta is ``x @ A.T @ B.T`` everywhere downstream.
 
 ``content_hash`` digests the folded tensors: two folders with the same weights and scalings
@@ -30,6 +33,8 @@ CONFIG_FILE = "adapter_config.json"
 _SAFETENSORS = "adapter_model.safetensors"
 _BIN = "adapter_model.bin"
 
+# The shard of an adapted fused projection as a whole (Phi-3's qkv_proj, gate_up_proj).
+WHOLE = -1
 # PEFT module name -> (our projection, shard)
 PROJECTIONS = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -37,6 +42,9 @@ PROJECTIONS = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
+# Phi-3's PEFT module names, each adapting a fused projection whole.
+_ALL_PROJECTIONS = {**PROJECTIONS, "qkv_proj": ("qkv_proj", WHOLE),
+                    "gate_up_proj": ("gate_up_proj", WHOLE)}
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _REFUSED_TARGETS = ("embed_tokens", "lm_head")
 
@@ -86,10 +94,31 @@ def check_fits(name: str, adapter: LoRAAdapter, max_rank: int, num_layers: int,
         if layer >= num_layers:
             raise ValueError(f"LoRA adapter {name}: adapts layer {layer}, and the model has "
                              f"{num_layers}")
-        got, expected = (w.b.shape[0], w.a.shape[1]), shapes[(projection, shard)]
+        got, expected = (w.b.shape[0], w.a.shape[1]), _shape(shapes, projection, shard)
         if got != expected:
             raise ValueError(f"LoRA adapter {name}: layer {layer} {projection} shard {shard} "
                              f"is {got}, the model's {expected}")
+
+
+def _shape(shapes: ShardShapes, projection: str, shard: int) -> tuple[int, int]:
+    if shard != WHOLE:
+        return shapes[(projection, shard)]
+    parts = [shape for (p, _), shape in shapes.items() if p == projection]
+    return sum(out for out, _ in parts), parts[0][1]
+
+
+def split_whole(shards: dict[int, LoRAWeights], full_sizes: list[int]
+                ) -> dict[int, LoRAWeights]:
+    """One projection's adapted shards, a ``WHOLE`` entry cut into one per shard (the
+    checkpoint's rows of each, ``full_sizes``), each with the whole's A."""
+    whole = shards.get(WHOLE)
+    if whole is None:
+        return shards
+    split, start = {}, 0
+    for shard, size in enumerate(full_sizes):
+        split[shard] = LoRAWeights(whole.a, whole.b[start:start + size])
+        start += size
+    return split
 
 
 def load_adapter(path: str | Path) -> LoRAAdapter:
@@ -205,9 +234,9 @@ def _fold(folder: Path, config: dict, tensors: dict[str, torch.Tensor]
             raise LoRAAdapterError(f"LoRA adapter {folder}: embedding and LM-head adapters "
                                    f"are not supported ({name})")
         match = _KEY.match(name)
-        if match is None or match[2] not in PROJECTIONS:
+        if match is None or match[2] not in _ALL_PROJECTIONS:
             raise LoRAAdapterError(f"LoRA adapter {folder}: tensor {name} adapts no "
-                                   "q/k/v/o/gate/up/down projection")
+                                   "q/k/v/o/gate/up/down projection (or Phi-3's qkv/gate_up)")
         ab = pairs.setdefault((int(match[1]), match[2]), {})
         if match[3] in ab:  # two prefixes of one weight: which one is meant?
             raise LoRAAdapterError(f"LoRA adapter {folder}: layer {match[1]} {match[2]} "
@@ -235,7 +264,7 @@ def _fold(folder: Path, config: dict, tensors: dict[str, torch.Tensor]
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise LoRAAdapterError(f"LoRA adapter {folder}: layer {layer} {module} has "
                                    "weights that are not finite (NaN or infinity)")
-        projection, shard = PROJECTIONS[module]
+        projection, shard = _ALL_PROJECTIONS[module]
         shards[(layer, projection, shard)] = LoRAWeights(a.contiguous(), b.contiguous())
     if not shards:
         raise LoRAAdapterError(f"LoRA adapter {folder}: no LoRA weights")
@@ -244,7 +273,8 @@ def _fold(folder: Path, config: dict, tensors: dict[str, torch.Tensor]
 
 def parent_module(module: str) -> str:
     """The block of a PEFT module name: ``self_attn`` or ``mlp``."""
-    return "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    return ("self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+            else "mlp")
 
 
 def _scaling(config: dict, module_key: str, rank: int) -> float:

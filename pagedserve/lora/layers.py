@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from pagedserve.lora.adapter import LoRAWeights
+from pagedserve.lora.adapter import LoRAWeights, split_whole
 from pagedserve.lora.ops import LoRAOps, LoRARows, group_rows
 from pagedserve.models.linear import Linear
 
@@ -89,6 +89,7 @@ class LoRALinear(nn.Module):
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         inp, r = self.base.in_part, self.max_rank
+        shards = split_whole(shards, [p.full for p in self.base.out_parts])
         for shard, w in shards.items():
             out_part, (off, n) = self.base.out_parts[shard], self.shards[shard]
             a = w.a[:, inp.start:inp.start + inp.size]

@@ -22,12 +22,30 @@ ADAPTER_SPECS = {
 }
 
 
+# Phi-3's modules: q/k/v and gate/up are one fused projection each in its checkpoint.
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def _for_model(spec: dict, model) -> dict:
+    """``spec`` with its module names as ``model`` has them (Phi-3's fused ones)."""
+    if not hasattr(model.model.layers[0].self_attn, "qkv_proj"):
+        return spec
+    rename = lambda names: list(dict.fromkeys(_FUSED.get(n, n) for n in names))  # noqa: E731
+    fused = dict(spec, target_modules=rename(spec["target_modules"]))
+    if "rank_pattern" in spec:
+        fused["rank_pattern"] = {_FUSED.get(k, k): v for k, v in spec["rank_pattern"].items()}
+    return fused
+
+
 def write_adapter(base: Path, folder: Path, spec: dict, seed: int) -> Path:
-    """PEFT's adapter of ``spec`` on the checkpoint ``base``, random A and B, saved."""
+    """PEFT's adapter of ``spec`` on the checkpoint ``base``, random A and B, saved (Phi-3's
+    targets its fused qkv_proj and gate_up_proj where ``spec`` names their parts)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    spec = _for_model(spec, model)
     torch.manual_seed(seed)
     peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **spec))
     with torch.no_grad():  # PEFT's random init is small; make each delta visible

@@ -37,7 +37,7 @@ def _slots_on_prefill(monkeypatch, row_slots: list[int]) -> None:
 
 
 @pytest.mark.parametrize("ops", [GroupedLoRAOps, LoRAOps])  # the CPU's; Gaudi's masked one
-@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "phi3", "granite"])
 def test_mixed_batch_equals_peft_per_adapter(tiny_model_folder, tmp_path, monkeypatch, arch,
                                              ops):
     base = tiny_model_folder(arch)

@@ -17,7 +17,7 @@ NEW_TOKENS = 8
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "phi3", "granite"])
 def test_two_ranks_equal_peft(tiny_model_folder, tmp_path, arch):
     base = tiny_model_folder(arch)
     names = ["all", "mixed"]
