@@ -35,7 +35,9 @@ def _greedy(folder) -> list[list[int]]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(HAS_NVIDIA, reason="covered by the cuda engine tests")
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # qwen3: q/k norms on the Triton RMSNorm
+# qwen3: q/k norms on the Triton RMSNorm; phi3: the rotary kernel on the first 0.75 of each
+# head; granite: its softmax scale (0.4, not 1/sqrt(16)) through both attention kernels.
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "granite"])
 def test_engine_on_triton_interpreter_matches_torch_backend(tiny_model_folder, monkeypatch,
                                                             arch):
     if IMPORTED_TOO_LATE:
