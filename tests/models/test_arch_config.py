@@ -86,3 +86,25 @@ def test_checkpoint_shapes_are_transformers_state_dict(arch):
 def test_benchmark_shapes_are_transformers_state_dict(shape):
     assert checkpoint_shapes(ModelArchConfig.from_hf_dict(SHAPES[shape])) == _hf_shapes(
         SHAPES[shape])
+
+
+def test_phi3_config_as_released_checkpoints_write_it():
+    """Phi-3-mini-128k's config.json, before transformers 5: ``su`` rope_scaling beside a
+    top-level original_max_position_embeddings; Phi-4-mini's top-level partial factor."""
+    cfg = {**ARCH_CONFIGS["phi3"], "vocab_size": VOCAB, "rope_theta": 10000.0,
+           "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+           "rope_scaling": {"type": "su", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}}
+    arch = ModelArchConfig.from_hf_dict(cfg)
+    assert (arch.fused_checkpoint, arch.rotary_dim, arch.sliding_window) == (True, 12, 2047)
+    assert arch.rope_scaling["rope_type"] == "longrope"
+    assert arch.rope_scaling["original_max_position_embeddings"] == 4096
+    assert arch.attention_scale == 16 ** -0.5
+
+
+def test_granite_scalars_and_mlp_bias_refused():
+    arch = ModelArchConfig.from_hf_dict({**ARCH_CONFIGS["granite"], "vocab_size": VOCAB})
+    assert (arch.embedding_multiplier, arch.residual_multiplier, arch.attention_scale,
+            arch.logits_scaling) == (6.0, 0.3, 0.4, 5.0)
+    with pytest.raises(UnsupportedModel, match="mlp_bias"):
+        ModelArchConfig.from_hf_dict({**ARCH_CONFIGS["granite"], "vocab_size": VOCAB,
+                                      "mlp_bias": True})
