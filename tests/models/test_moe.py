@@ -136,11 +136,14 @@ def test_options_moe_models_refuse(tiny_model_folder, options, message):
         make_llm(tiny_model_folder("mixtral"), **options)
 
 
-def test_quantized_moe_checkpoint_is_refused(tiny_model_folder, tmp_path: Path):
-    folder = shutil.copytree(tiny_model_folder("qwen3-moe"), tmp_path / "awq")
+# Phi-3's fused q/k/v and gate/up tensors are cut into parts as float rows only.
+@pytest.mark.parametrize("arch,message", [
+    ("qwen3-moe", r"quantized mixture-of-experts checkpoints \(awq\) are not supported"),
+    ("phi3", r"quantized checkpoints \(awq\) of fused q/k/v and gate/up tensors")])
+def test_quantized_checkpoint_is_refused(tiny_model_folder, tmp_path: Path, arch, message):
+    folder = shutil.copytree(tiny_model_folder(arch), tmp_path / "awq")
     cfg = json.loads((folder / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=r"quantized mixture-of-experts checkpoints \(awq\) "
-                                          "are not supported"):
+    with pytest.raises(ConfigError, match=message):
         make_llm(folder)
