@@ -318,13 +318,8 @@ class EngineConfig:
         max_model_len = self._max_model_len(arch)
         if arch.num_experts:
             self._check_moe(arch)
-        stored = (arch.raw.get("quantization_config") or {}).get("quant_method")
-        if arch.fused_checkpoint and stored:
-            # The fused q/k/v and gate/up tensors are cut into their parts as float rows; a
-            # quantized checkpoint's packed tensors and scales are not cut that way (untested).
-            raise ConfigError(f"{arch.checkpoint_architecture}: quantized checkpoints "
-                              f"({stored}) of fused q/k/v and gate/up tensors are not supported; "
-                              "load the unquantized checkpoint")
+        if arch.fused_checkpoint:
+            self._check_fused(arch)
         if self.tensor_parallel_size > 1:
             self._check_splits(arch)
         return ResolvedConfig(
@@ -536,6 +531,16 @@ class EngineConfig:
         if self.enable_lora:
             raise ConfigError(f"--enable-lora is not supported for mixture-of-experts models "
                               f"({name})")
+
+    @staticmethod
+    def _check_fused(arch: ModelArchConfig) -> None:
+        """Phi-3's fused q/k/v and gate/up tensors are cut into their parts as float rows; a
+        quantized checkpoint's packed tensors and scales are not cut that way."""
+        stored = (arch.raw.get("quantization_config") or {}).get("quant_method")
+        if stored:
+            raise ConfigError(f"{arch.checkpoint_architecture}: quantized checkpoints "
+                              f"({stored}) of fused q/k/v and gate/up tensors are not supported; "
+                              "load the unquantized checkpoint")
 
     def _max_model_len(self, arch: ModelArchConfig) -> int:
         limit = arch.max_position_embeddings

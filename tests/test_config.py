@@ -36,7 +36,7 @@ class _Cpu(Platform):
 def _arch(max_position_embeddings: int = 4096, sliding_window: int | None = None,
           rope_scaling: dict | None = None):
     return SimpleNamespace(max_position_embeddings=max_position_embeddings,
-                           sliding_window=sliding_window, num_experts=0,
+                           sliding_window=sliding_window, num_experts=0, fused_checkpoint=False,
                            rope_scaling=rope_scaling)
 
 

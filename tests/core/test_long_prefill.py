@@ -140,7 +140,7 @@ def test_every_step_runs_a_stream_when_streams_outnumber_the_budget(budget, num_
 
 # ---- the options ------------------------------------------------------------------------
 _ARCH = SimpleNamespace(max_position_embeddings=8192, sliding_window=None, num_experts=0,
-                        rope_scaling=None)
+                        fused_checkpoint=False, rope_scaling=None)
 
 
 def test_defaults_turn_it_on_with_vllms_threshold():
