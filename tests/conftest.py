@@ -42,6 +42,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Under ``-n N`` (xdist's default ``--dist load``) hand out whole test files, as
     ``--dist loadfile`` does, and all of tests/server/ as one unit: a file's module fixtures and
     the server subprocesses, which take seconds to start, are then built by one worker only.
+    The files that start local Ray clusters are one unit too: two clusters started at once on
+    one machine hung a worker in ``ray.init`` (its GCS client never connected).
     (``--dist loadgroup`` would say this with markers, but cannot regroup tests under pytest 9.2:
     pytest-xdist 3.8 renames node ids through an attribute pytest no longer reads.)"""
     if config.getvalue("dist") != "load":
@@ -51,6 +53,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     class FileScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
+            if path in _RAY_FILES:
+                return "ray"
             return "tests/server/" if path.startswith("tests/server/") \
                 and path not in _OWN_SERVERS else path
 
@@ -60,6 +64,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 # Server test files that start servers of their own (and kill them): no shared fixture keeps
 # them on the worker that runs the shared servers.
 _OWN_SERVERS = {"tests/server/test_engine_core_process.py", "tests/server/test_server_hub.py"}
+
+# Test files whose engines start a local Ray cluster (distributed_executor_backend="ray").
+_RAY_FILES = {"tests/executor/test_tensor_parallel.py", "tests/entrypoints/test_llm_lifecycle.py"}
 
 RUN_ID = pytest.StashKey[str]()
 
