@@ -203,7 +203,7 @@ def _w4a16_gemv(dtype: str, arch: str) -> Spec:
     # AMD decodes through the exponent (the packed PTX is NVIDIA's).
     consts = dict(ROWS=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ZERO_POINT=True,
                   SPLIT=True, EVEN=True, DECODE="exponent", PAIR_WORDS=False)
-    return Spec(w4a16._w4a16_gemv_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages)
+    return Spec(w4a16._w4a16_gemv_kernel, ptrs, consts, cfg.num_warps, 1)
 
 
 def _w4a16_dequant(dtype: str, arch: str) -> Spec:

@@ -170,8 +170,10 @@ def time_all(module, x: torch.Tensor, out: torch.Tensor, packed: list,
     return _time(cycling(lambda w: module.matmul(x, w, out=out), packed)), ms_mm, paths
 
 
-# The GEMV's candidates: (BLOCK_N, BLOCK_K, warps, programs per SM), each with one word's
-# pairs and with two words' (pair_words), timed at M = 1 and 2.
+# The GEMV's candidates: (BLOCK_N, BLOCK_K, warps, programs per SM), each with word rows
+# paired at every row count and never (pair_words_from 1 and 3), timed at M = 1 and 2.
+# Tried and dropped on 2026-12-05 (docs/benchmarks.md): the next block's loads issued a block
+# ahead, with 2 to 8 programs per SM.
 GEMV_CANDIDATES = [(256, 64, 2, 8), (256, 64, 2, 16), (128, 64, 2, 8), (256, 128, 4, 8)]
 
 
@@ -188,8 +190,8 @@ def sweep_gemv(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
         xs = _sweep_inputs(m, args)
         refs = _references(w4a16, weights, xs)
         for block_n, block_k, warps, per_sm in GEMV_CANDIDATES:
-            for pair_words in (False, True):
-                cfg = w4a16._GemvConfig(block_n, block_k, warps, per_sm, pair_words)
+            for pair_words_from in (3, 1):
+                cfg = w4a16._GemvConfig(block_n, block_k, warps, per_sm, pair_words_from)
                 w4a16._gemv_config = lambda cfg=cfg: cfg
                 layer_ms = _layers(w4a16, "gemv", weights, xs, refs)
                 rows.append(_sweep_row(m, "gemv", cfg, layer_ms, total_bytes, copy_gbs))
@@ -198,15 +200,26 @@ def sweep_gemv(args: argparse.Namespace, copy_gbs: float) -> list[dict]:
 
 
 def choose_gemv(sweep: list[dict]):
-    """The GEMV candidate with the least time summed over M = 1 and 2 (timed at both)."""
+    """The GEMV candidate with the least time summed over M = 1 and 2 (each timed with word
+    rows paired and not), word rows paired from the row count where that was faster."""
     from pagedserve.platforms.cuda.kernels import w4a16
 
-    totals: dict = {}
+    times: dict = {}  # (block fields, M) -> {paired: ms}
     for r in sweep:
         cfg = w4a16._GemvConfig(**r["config"])
-        totals.setdefault(cfg, []).append(r["total_ms"])
-    timed = {cfg: sum(t) for cfg, t in totals.items() if len(t) == 2 and sum(t) == sum(t)}
-    return min(timed, key=timed.get) if timed else None
+        if r["total_ms"] == r["total_ms"]:  # not NaN: failed or wrong
+            times.setdefault((cfg[:4], r["m"]), {})[cfg.pair_words_from == 1] = r["total_ms"]
+    best = None
+    for fields in {f for f, _m in times}:
+        one, two = times.get((fields, 1), {}), times.get((fields, 2), {})
+        # pair_words_from 1 (paired at both), 2 (at two rows), 3 (never); 1 row then paired
+        # and 2 not cannot be chosen.
+        options = {1: (one.get(True), two.get(True)), 2: (one.get(False), two.get(True)),
+                   3: (one.get(False), two.get(False))}
+        for start, (t1, t2) in options.items():
+            if t1 is not None and t2 is not None and (best is None or t1 + t2 < best[0]):
+                best = (t1 + t2, w4a16._GemvConfig(*fields, start))
+    return best[1] if best else None
 
 
 def _sweep_weights(args: argparse.Namespace) -> dict:
@@ -486,7 +499,7 @@ def write_gemv_choice(cfg) -> None:
 
     path = Path(w4a16.__file__)
     text, n = re.subn(r"^    return _GemvConfig\(.*\)$",
-                      f"    return _GemvConfig{tuple(cfg)[:5]}", path.read_text(), flags=re.M)
+                      f"    return _GemvConfig{tuple(cfg)}", path.read_text(), flags=re.M)
     if n != 1:
         sys.exit(f"cannot find _gemv_config's return in {path}")
     path.write_text(text)

@@ -76,9 +76,8 @@ def gemv_variant(name: str, cfg, rows: int = 1, act: str = "bf16", scale: str = 
                  decode: str = "pairs", even: bool = True, split: bool = True) -> Variant:
     consts = dict(ROWS=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   ZERO_POINT=scale == "fp16", SPLIT=split, EVEN=even, DECODE=decode,
-                  PAIR_WORDS=cfg.pair_words and decode == "pairs")
-    return Variant(name, "gemv", act, scale, consts, cfg.num_warps, cfg.num_stages,
-                   cfg.block_k)
+                  PAIR_WORDS=rows >= cfg.pair_words_from and decode == "pairs")
+    return Variant(name, "gemv", act, scale, consts, cfg.num_warps, 1, cfg.block_k)
 
 
 def base_variants() -> list[Variant]:
@@ -120,7 +119,7 @@ def variants() -> list[Variant]:
                 (128, 128, 8, False, False, True)]]
     gemv = w4a16._gemv_config()
     out += [gemv_variant(f"gemv {rows} row{'s' * (rows > 1)} pair_words={pw:d}",
-                         gemv._replace(pair_words=pw), rows=rows)
+                         gemv._replace(pair_words_from=1 if pw else 3), rows=rows)
             for rows in (1, 2) for pw in (False, True)]
     return out
 
@@ -149,7 +148,8 @@ def check_variants() -> list[Variant]:
                 ("fp32", "fp16", 8, False, False, True, True)]]
     gemv = w4a16._gemv_config()
     out += [gemv_variant(f"gemv {rows} {act} {scale} {decode} even={even:d} pw={pw:d}",
-                         gemv._replace(pair_words=pw), rows, act, scale, decode, even)
+                         gemv._replace(pair_words_from=1 if pw else 3), rows, act, scale,
+                         decode, even)
             for act, scale, rows, even, decode, pw in [
                 ("bf16", "fp32", 2, False, "pairs", True),
                 ("bf16", "fp32", 1, False, "pairs", True),

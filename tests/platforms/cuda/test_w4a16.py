@@ -308,7 +308,7 @@ def test_gemv_pairs_match_reference(case, pair_words, emulated_inline_asm, monke
     m, n, k, group, style = case
     monkeypatch.setattr(w4a16, "_gemv_decode", lambda x: "pairs")
     monkeypatch.setattr(w4a16, "_gemv_config",
-                        lambda: w4a16._GemvConfig(128, 64, 2, 8, pair_words))
+                        lambda: w4a16._GemvConfig(128, 64, 2, 8, 1 if pair_words else 3))
     weight = random_weight(n, k, group, seed=n + k, style=style)
     packed = w4a16.pack(weight.values, weight.scales, weight.offsets, group, DEVICE)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
@@ -317,6 +317,25 @@ def test_gemv_pairs_match_reference(case, pair_words, emulated_inline_asm, monke
         w4a16._gemv(x.view(torch.int16), packed, split_k, out)
         assert not packed.counters.any()
         assert_close(out, reference(x, weight), torch.bfloat16)
+
+
+def test_gemv_pairs_word_rows_from_its_row_count(monkeypatch):
+    """``pair_words_from`` 2: one row reads each word's pairs, two rows pair word rows (which
+    the H200 and H100 sweeps timed faster at each)."""
+    launched = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(kwargs["PAIR_WORDS"])
+
+    monkeypatch.setattr(w4a16, "_w4a16_gemv_kernel", Spy())
+    monkeypatch.setattr(w4a16, "_gemv_decode", lambda x: "pairs")
+    monkeypatch.setattr(w4a16, "_gemv_config", lambda: w4a16._GemvConfig(128, 64, 2, 8, 2))
+    weight = random_weight(128, 256, 128, seed=3, style="awq")
+    packed = w4a16.pack(weight.values, weight.scales, weight.offsets, 128, DEVICE)
+    for m in (1, 2):
+        w4a16._gemv(torch.zeros(m, 256), packed, None, torch.empty(m, 128))
+    assert launched == [False, True]
 
 
 @pytest.mark.parametrize("variant", [(False, False), (True, False), (True, True)],

@@ -22,8 +22,9 @@ Paths, chosen by the number of rows M (the CUDA C++ mma kernels of ``w4a16_mma.p
 - **GEMV** (one row, or two bfloat16 rows on NVIDIA: decode at batch 1-2; groups holding whole
   tiles, a multiple of 128 or one group): CUDA cores, with codes decoded by bit tricks rather
   than converted (``_w4a16_gemv_kernel``), and K cut into slices as short as one block so that
-  the smaller weights are read all at once. With ``pair_words`` it decodes word rows r and
-  r + 1 together, so that each packed pair of codes meets two adjacent columns of x.
+  the smaller weights are read all at once. With ``PAIR_WORDS`` (from
+  ``_GemvConfig.pair_words_from`` rows) it decodes word rows r and r + 1 together, so that
+  each packed pair of codes meets two adjacent columns of x.
 - **Tiles** (up to ``DEQUANT_MIN_M``; groups of a multiple of 16, so that each slice lies in
   one group): a ``BLOCK_M x BLOCK_N`` tile of ``y`` per program over one of ``SPLIT_K`` slices
   of K, decoding each tile of W once for all its rows, a slice at a time into ``tl.dot``
@@ -49,7 +50,7 @@ unpacked ``[BK / 8, BN]`` words into a ``[BK, BN]`` tile: M = 16, 32, 64 take 11
 loads 16 columns apart); from 128 rows nothing changed (dequantize). Per layer the tiles read
 14-28% of the copy rate at M <= 16 (the GEMV at M = 1 20-40%), far from the target of 80%.
 
-Variants are fields of the configurations (``_GemvConfig.pair_words``, ``_TileConfig.bias``,
+Variants are fields of the configurations (``_GemvConfig.pair_words_from``, ``_TileConfig.bias``,
 ``.prefetch``, ``.swap_ab`` and ``.scale_a``), so ``scripts/bench_w4a16.py --sweep-gemv
 --sweep-tiles`` times them against each other in one call, and ``scripts/w4a16_sass.py``
 counts their sm_90 main loops on the CPU. Configurations are fixed per range of M (no
@@ -93,8 +94,10 @@ class _GemvConfig(NamedTuple):
     block_k: int
     num_warps: int
     programs_per_sm: int  # the split of K aims at this many: enough loads in flight
-    pair_words: bool  # the kernel's PAIR_WORDS (with the packed PTX)
-    num_stages: int = 1
+    # The fewest rows at which the kernel pairs word rows (PAIR_WORDS, with the packed PTX): 1
+    # always, 2 at two rows only, 3 never. (No num_stages: Triton pipelines no load of the
+    # GEMV's loop, which has no dot; its sm_90 SASS has no LDGSTS with 3 stages.)
+    pair_words_from: int
 
 
 def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
@@ -745,9 +748,11 @@ def _gemv_config() -> _GemvConfig:
     # Swept on the H200 over the 8B layers (BLOCK_N 128-512, BLOCK_K 64-128, 2 or 4 warps,
     # 4-32 programs per SM; scripts/bench_w4a16.py --sweep-gemv): 256 x 64, 2 warps, 8 per SM
     # read them at 47% of the copy rate with the earlier layout, the best within noise.
-    # pair_words (2026-12-01 sweep): 58 us at one row against 55 without, 75 against 87 at
-    # two; summed over both, it wins.
-    return _GemvConfig(256, 64, 2, 8, True)
+    # Pairing word rows loses at one row and wins at two, in both sweeps: 58 against 55 us and
+    # 75 against 87 (H200, 2026-12-01); 65.4 against 62.3 and 83.5 against 91.6 (H100,
+    # 2026-12-05, w4a16_gemv_prefetch_sweep_h100.json). Two rows take the GEMV only where the
+    # mma kernels are not built.
+    return _GemvConfig(256, 64, 2, 8, 2)
 
 
 # Slices of K at most: each leaves a partial sum of N floats to write and read back.
@@ -944,8 +949,8 @@ def _gemv(x: torch.Tensor, w: PackedW4, split_k: int | None, out: torch.Tensor) 
         ZERO_POINT=w.zero_point, SPLIT=splits > 1,
         # No masks where every block is whole: they cost as much as the arithmetic.
         EVEN=n % cfg.block_n == 0 and k % TILE_K == 0, DECODE=decode,
-        PAIR_WORDS=cfg.pair_words and decode == "pairs",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device))
+        PAIR_WORDS=m >= cfg.pair_words_from and decode == "pairs",
+        num_warps=cfg.num_warps, num_stages=1, **launch_options(x.device))
     return out
 
 
