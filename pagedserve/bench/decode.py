@@ -68,8 +68,10 @@ def host_to_device_bandwidth(platform, nbytes: int = 1 << 30) -> float:
 
 class DecodeTimes(NamedTuple):
     median_s: float  # of the steps in which all the sequences decode one token each
-    # From the first such step to the last: the wall time per step, which counts a step's
-    # device time wherever the host happened to wait for it (async scheduling).
+    # From the end of the first such step to the end of the last: the wall time per step,
+    # which counts a step's device time wherever the host happened to wait for it (async
+    # scheduling). Not from its start: the first decode step waits for the prompts' step
+    # still on the device (at batch 256 of 512 tokens, about a second of prefill).
     wall_s: float
     num_preemptions: int
 
@@ -96,9 +98,10 @@ def time_decode(engine, batch: int, context: int, steps: int) -> DecodeTimes:
                 and after.generation_tokens - before.generation_tokens == batch):
             times.append(end - start)
             if first is None:
-                first, calls = start, 1
+                first, calls = end, 0
             last, counted = end, calls
-    return DecodeTimes(statistics.median(times), (last - first) / counted,
+    median = statistics.median(times)
+    return DecodeTimes(median, (last - first) / counted if counted else median,
                        engine.stats().num_preemptions - preemptions)
 
 
