@@ -1,0 +1,128 @@
+"""The architectures that came after the first CUDA runs, on an NVIDIA GPU: mixture of experts
+(the portable ``fused_moe`` op, eager), Phi-3 (fused projections cut per shard, partial
+rotary) and Granite (its multipliers) against transformers, eager and with CUDA graphs; and
+sleep mode on the GPU (device memory given back, page-locked copies, graphs captured again)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pagedserve import SamplingParams
+from tests.devices import HAS_NVIDIA, NVIDIA_REASON
+from tests.tiny_models import (
+    assert_greedy_matches,
+    hf_model,
+    make_llm,
+    random_prompts,
+    write_tiny_model,
+)
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not HAS_NVIDIA, reason=NVIDIA_REASON),
+]
+PROMPTS = random_prompts("cuda-archs", [5, 33, 70, 129])
+NEW = 24
+KV_BYTES = 256 << 20
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3-moe-dense1", "phi3", "granite"])
+def arch_folder(request, tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_greedy_matches_transformers_on_gpu(arch_folder, eager):
+    """float32 on the GPU against transformers' float32 on the CPU (a near-tie may break
+    either way). Mixture-of-experts models run eagerly either way (the op syncs with the
+    host); the dense ones replay graphs."""
+    llm = make_llm(arch_folder, device="cuda", dtype="float32", enforce_eager=eager,
+                   kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
+    assert assert_greedy_matches(llm, hf_model(arch_folder), PROMPTS, NEW) >= len(PROMPTS) - 1
+
+
+def test_bfloat16_logprobs_near_float32(arch_folder):
+    """bfloat16 on the GPU (the Triton kernels, graphs where the model takes them): the same
+    prompts teacher-forced, each prompt token's logprob within bfloat16's noise of
+    float32's."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    got = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = make_llm(arch_folder, device="cuda", dtype=dtype, kv_cache_memory_bytes=64 << 20)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        got[dtype] = [d[t].logprob for o, prompt in zip(outs, PROMPTS)
+                      for d, t in zip(o.prompt_logprobs[1:], prompt[1:])]
+    diffs = [abs(a - b) for a, b in zip(got["float32"], got["bfloat16"])]
+    print(f"bf16 against fp32: max |dlogprob| {max(diffs):.4f}, "
+          f"mean {sum(diffs) / len(diffs):.4f}")
+    assert len(diffs) == sum(len(p) - 1 for p in PROMPTS)
+    assert sum(diffs) / len(diffs) < 0.05
+    assert max(diffs) < 0.3
+
+
+@pytest.fixture(scope="module")
+def llama3_cuda_folder(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("llama3"), "llama3")
+
+
+def _tokens(llm) -> list[list[int]]:
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def _allocated() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_sleep_gives_device_memory_back_and_the_same_tokens(llama3_cuda_folder, eager):
+    """Level 1: the KV pool and the weights leave the GPU (the allocator's count falls by at
+    least the pool), come back from page-locked host copies, and the graphs captured again
+    read the new tensors: the same greedy tokens as before."""
+    llm = make_llm(llama3_cuda_folder, device="cuda", dtype="bfloat16", enforce_eager=eager,
+                   kv_cache_memory_bytes=KV_BYTES, enable_sleep_mode=True, max_num_seqs=8)
+    before = _tokens(llm)
+    awake = _allocated()
+    llm.sleep(level=1)
+    asleep = _allocated()
+    assert awake - asleep >= KV_BYTES * 0.9
+    llm.wake_up()
+    assert _allocated() >= awake - (1 << 20)
+    assert _tokens(llm) == before
+
+
+def test_sleep_level_2_and_load_weights_on_gpu(llama3_cuda_folder, tmp_path):
+    """Level 2 drops the weights; loading the same checkpoint gives the tokens of before, and
+    another checkpoint's tokens equal transformers' on it (graphs captured again each time)."""
+    llm = make_llm(llama3_cuda_folder, device="cuda", dtype="float32",
+                   kv_cache_memory_bytes=64 << 20, enable_sleep_mode=True, max_num_seqs=8)
+    before = _tokens(llm)
+    llm.sleep(level=2)
+    llm.wake_up()
+    llm.load_weights(list(load_file(llama3_cuda_folder / "model.safetensors").items()))
+    assert _tokens(llm) == before
+    other = write_tiny_model(tmp_path / "other", "llama3", seed=7)
+    llm.load_weights(list(load_file(other / "model.safetensors").items()))
+    assert assert_greedy_matches(llm, hf_model(other), PROMPTS, NEW) >= len(PROMPTS) - 1
+
+
+def test_sleep_with_awq_weights_on_gpu(llama3_cuda_folder, tmp_path):
+    """The 4-bit kernels' packed tensors and split counters survive level 1 (bfloat16, graphs:
+    the GEMV, mma and tile paths at the test's batch sizes)."""
+    from tests.quant.packers import write_quantized_pair
+
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
+           "version": "gemm"}
+    write_quantized_pair(llama3_cuda_folder, tmp_path / "q", tmp_path / "f", awq)
+    llm = make_llm(tmp_path / "q", device="cuda", dtype="bfloat16",
+                   kv_cache_memory_bytes=64 << 20, enable_sleep_mode=True, max_num_seqs=8)
+    before = _tokens(llm)
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert _tokens(llm) == before
