@@ -519,8 +519,14 @@ class ModelRunner:
         if c.wake_tags:
             self.wake_up(c.wake_tags)
         if c.weights is not None:
+            # Loading builds each layer's weight anew (packed, transposed for its method) and
+            # frees the old: graphs captured before would replay the freed addresses.
+            recapture = self.graphs is not None
+            self.release_graphs()
             fmt = self.checkpoint_format
             self.load_weights(c.weights if fmt is None else fmt.read(iter(c.weights)))
+            if recapture:
+                self.capture_graphs(*self._graph_sizes)
 
     def sleep(self, level: int) -> None:
         """Free the device: graphs, the KV pool (its contents are lost), and the weights

@@ -173,6 +173,27 @@ def test_graphs_are_captured_again_on_wake_up(llama3_folder, monkeypatch):
     assert captured[1].kv_caches[0].data_ptr() == runner.kv_cache.layers[0].data_ptr()
 
 
+def test_load_weights_captures_the_graphs_again(llama3_folder, monkeypatch):
+    """Loading builds new weight tensors and frees the old ones, whose addresses graphs
+    captured before would replay (on an H100 the decode steps after a load then gave other
+    tokens): an awake engine's graphs are captured again after the load; an engine whose
+    KV pool still sleeps captures them once it wakes up."""
+    captured = record_graphs(monkeypatch)
+    llm = make_llm(llama3_folder, enable_sleep_mode=True)
+    runner = llm.engine.executor.runner
+    layer = runner.model.model.layers[0].mlp.down_proj
+    old_method = layer.method
+    llm.load_weights(_checkpoint(llama3_folder))
+    assert layer.method is not old_method  # built anew: the reason for the capture
+    assert len(captured) == 2 and runner.graphs is captured[1]
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    llm.load_weights(_checkpoint(llama3_folder))
+    assert len(captured) == 2 and runner.graphs is None
+    llm.wake_up(tags=["kv_cache"])
+    assert len(captured) == 3 and runner.graphs is captured[2]
+
+
 def test_sleep_mode_must_be_on_and_levels_and_tags_are_checked(llama3_folder, llm):
     off = make_llm(llama3_folder)
     with pytest.raises(ConfigError, match="--enable-sleep-mode"):
