@@ -131,3 +131,53 @@ def test_sleep_with_awq_weights_on_gpu(llama3_cuda_folder, tmp_path):
     llm.sleep(level=1)
     llm.wake_up()
     assert _tokens(llm) == before
+
+
+@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}], ids=["sync", "async"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_priority_preemption_resumes_exactly_on_gpu(llama3_cuda_folder, mode, options):
+    """``--scheduling-policy priority`` on the GPU, graphs on: an urgent arrival preempts the
+    running low-priority request (its blocks swapped to page-locked host memory, or dropped),
+    and both end with the tokens each has alone."""
+    from tests.engine.test_priority_scheduling import GREEDY, HIGH_PROMPT, LOW_PROMPT
+    from tests.kv_checks import assert_pools_full, check_pools
+
+    alone = make_llm(llama3_cuda_folder, device="cuda", dtype="float32", num_blocks=16)
+    reference = [o.outputs[0].token_ids
+                 for o in alone.generate([LOW_PROMPT, HIGH_PROMPT], GREEDY, use_tqdm=False)]
+    llm = make_llm(llama3_cuda_folder, device="cuda", dtype="float32", num_blocks=4,
+                   scheduling_policy="priority", preemption_mode=mode, swap_space=0.001,
+                   **options)
+    engine = llm.engine
+    low = engine.add_request(LOW_PROMPT, GREEDY, priority=5)
+    while engine.kv.pool.num_free > 2:
+        engine.step()
+    high = engine.add_request(HIGH_PROMPT, GREEDY, priority=-1)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        check_pools(engine.kv)
+    assert_pools_full(engine.kv)
+    assert engine.scheduler.num_preemptions > 0
+    assert [done[low], done[high]] == reference
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_embeddings_match_transformers_on_gpu(tmp_path, pooling_type):
+    """``runner="pooling"`` on the GPU (a bare ``LlamaModel`` checkpoint, float32) against
+    transformers' hidden states pooled in float64. The tolerance is wider than the CPU's:
+    Triton's float32 dots round their inputs to TF32."""
+    from tests.engine.test_pooling import _reference
+
+    folder = write_tiny_model(tmp_path / "m", "llama3", seed=3, base_model=True)
+    llm = make_llm(folder, device="cuda", dtype="float32", runner="pooling",
+                   pooler_config={"pooling_type": pooling_type, "normalize": True})
+    prompts = random_prompts("cuda-embed", [1, 5, 23, 64, 97])
+    outs = llm.embed(prompts, use_tqdm=False)
+    want = _reference(folder, prompts, pooling_type, normalize=True)
+    for out, w in zip(outs, want, strict=True):
+        got = torch.tensor(out.outputs.embedding, dtype=torch.float64)
+        assert got.shape == w.shape
+        assert (got - w).abs().max().item() < 2e-3
