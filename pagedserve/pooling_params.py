@@ -101,9 +101,10 @@ def json_object(value: Any, flag: str, known: set[str]) -> dict[str, Any]:
 @dataclass
 class PoolingParams:
     """One embedding request's settings (vLLM's names). ``normalize`` None takes the
-    engine's ``pooler_config``; ``dimensions`` must be None or the model's hidden size (no
-    Matryoshka truncation); ``truncate_prompt_tokens`` keeps the prompt's last k tokens (-1:
-    as many as the context holds)."""
+    engine's ``pooler_config``; ``dimensions`` keeps the embedding's first values, then
+    normalizes them (Matryoshka models only: the engine checks it against the model's
+    ``is_matryoshka`` / ``matryoshka_dimensions``); ``truncate_prompt_tokens`` keeps the
+    prompt's last k tokens (-1: as many as the context holds)."""
 
     normalize: bool | None = None
     dimensions: int | None = None

@@ -54,6 +54,9 @@ class InputLimits:
     logits_processors: tuple[str, ...] = ()
     runner: str = "generate"  # or "pooling": the engine serves embeddings alone
     hidden_size: int = 0  # an embedding's length
+    # The model's Matryoshka sizes (ModelArchConfig's): ``dimensions`` may ask for one.
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
     scheduling_policy: str = "fcfs"  # --scheduling-policy: priority takes request priorities
 
     def check_priority(self, priority: int) -> None:
@@ -138,16 +141,36 @@ class InputLimits:
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise InvalidSamplingParam(
                 "prompt", f"prompt token ids must be in [0, {self.vocab_size})")
-        if params.dimensions is not None and params.dimensions != self.hidden_size:
-            raise InvalidSamplingParam(
-                "dimensions", f"dimensions={params.dimensions}: this model's embeddings have "
-                f"{self.hidden_size} and cannot be shortened (no Matryoshka truncation)")
+        if params.dimensions is not None:
+            self._check_dimensions(params.dimensions)
         if self._worst_case_blocks(len(token_ids), 0, 1) > self.num_kv_blocks:
             raise PromptTooLong(
                 "prompt", f"the prompt needs more KV cache than the whole pool holds "
                 f"({self.num_kv_blocks * self.block_size} tokens); shorten it or enlarge "
                 "the cache")
         return 0
+
+    def _check_dimensions(self, dimensions: int) -> None:
+        """``dimensions`` keeps an embedding's first values (vLLM's Matryoshka rule): only for
+        a model trained for it, and one of the sizes its config lists, where it lists them.
+        The model's own size is always accepted: nothing is cut."""
+        if dimensions == self.hidden_size:
+            return
+        if not self.is_matryoshka:
+            raise InvalidSamplingParam(
+                "dimensions", f"dimensions={dimensions}: this model's embeddings have "
+                f"{self.hidden_size} values and it is not a Matryoshka model (its config.json "
+                "sets neither is_matryoshka nor matryoshka_dimensions), so they cannot be "
+                f"shortened; leave dimensions unset or {self.hidden_size}")
+        if self.matryoshka_dimensions and dimensions not in self.matryoshka_dimensions:
+            sizes = ", ".join(map(str, self.matryoshka_dimensions))
+            raise InvalidSamplingParam(
+                "dimensions", f"dimensions={dimensions}: this model's Matryoshka sizes are "
+                f"{sizes} (matryoshka_dimensions in its config.json)")
+        if not 1 <= dimensions <= self.hidden_size:
+            raise InvalidSamplingParam(
+                "dimensions", f"dimensions={dimensions} must be from 1 to the model's "
+                f"{self.hidden_size}")
 
     def _check_logprobs(self, params: SamplingParams) -> None:
         # Never past the vocabulary, whatever --max-logprobs says: the sampler's top-k is

@@ -122,6 +122,8 @@ class LLMEngine:
                                                               config.logits_processors)),
                                   runner="pooling" if config.pooling else "generate",
                                   hidden_size=self.arch.hidden_size,
+                                  is_matryoshka=self.arch.is_matryoshka,
+                                  matryoshka_dimensions=self.arch.matryoshka_dimensions,
                                   scheduling_policy=config.scheduling_policy)
         self.adapters = (HostAdapters(config.max_lora_rank, self.arch, config.cpu_loras)
                          if config.enable_lora else None)

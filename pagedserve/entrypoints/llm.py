@@ -124,11 +124,13 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (vLLM's call), in input order; the engine must have been
         made with ``runner="pooling"`` (``pooler_config`` says how it pools).
         ``truncate_prompt_tokens`` keeps each prompt's last k tokens (-1: as many as the
-        context holds), where ``pooling_params`` leave it unset."""
+        context holds), where ``pooling_params`` leave it unset. ``priority`` as
+        ``generate``'s."""
         _check_use_tqdm(use_tqdm)
         prompt_list = _as_prompt_list(prompts)
         params_list = _per_prompt_params(pooling_params, PoolingParams, len(prompt_list),
@@ -137,7 +139,9 @@ class LLM:
             params_list = [p if p.truncate_prompt_tokens is not None else dataclasses.replace(
                 p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
         loras = _per_prompt(lora_request, len(prompt_list))
-        outputs = self._run(self.engine.add_requests(prompt_list, params_list, loras), use_tqdm)
+        priorities = None if priority is None else _priorities(priority, len(prompt_list))
+        outputs = self._run(self.engine.add_requests(prompt_list, params_list, loras,
+                                                     priorities), use_tqdm)
         return [EmbeddingRequestOutput.of(o) for o in outputs]
 
     def beam_search(

@@ -86,6 +86,11 @@ class ModelArchConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Matryoshka embeddings (vLLM reads the same keys): a prefix of the pooled vector is an
+    # embedding too. ``matryoshka_dimensions`` lists the sizes trained, when the config
+    # names them; ``is_matryoshka`` alone allows any size up to hidden_size.
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -178,10 +183,23 @@ class ModelArchConfig:
             **_moe_fields(arch, cfg),
             **phi3,
             **_granite_fields(arch, cfg),
+            **_matryoshka_fields(cfg),
         )
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+
+def _matryoshka_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``is_matryoshka`` and ``matryoshka_dimensions`` as vLLM reads them: a model listing
+    its sizes is Matryoshka whatever ``is_matryoshka`` says."""
+    sizes = cfg.get("matryoshka_dimensions") or ()
+    if not isinstance(sizes, list | tuple) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in sizes):
+        raise UnsupportedModel(f"config.json's matryoshka_dimensions must be a list of "
+                               f"positive integers, got {sizes!r:.80}")
+    return dict(is_matryoshka=bool(sizes) or bool(cfg.get("is_matryoshka", False)),
+                matryoshka_dimensions=tuple(sorted(set(sizes))))
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -468,7 +468,9 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
 
 
 class EmbeddingRequest(StrictModel):
-    """OpenAI's ``POST /v1/embeddings`` body, plus vLLM's ``truncate_prompt_tokens``."""
+    """OpenAI's ``POST /v1/embeddings`` body, plus vLLM's ``truncate_prompt_tokens`` and
+    ``priority``; ``dimensions`` needs a Matryoshka model (the engine's input limits check
+    it)."""
 
     model: str | None = None
     input: PromptInput
@@ -476,6 +478,7 @@ class EmbeddingRequest(StrictModel):
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None  # accepted and ignored, as OpenAI's other endpoints' is
     truncate_prompt_tokens: int | None = None
+    priority: int = 0  # vLLM's, as a completion's
 
     def to_pooling_params(self) -> PoolingParams:
         return PoolingParams(dimensions=self.dimensions,

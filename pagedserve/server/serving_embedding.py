@@ -3,8 +3,10 @@
 
 Each input (a text, token ids, or a list of either) becomes its prompt's pooled final hidden
 state (``--pooler-config``); ``data[i]`` is input ``i``'s. ``encoding_format: base64`` sends
-each vector as OpenAI does: the base64 of its little-endian float32 bytes. ``dimensions`` is
-refused unless it is the model's own size (no Matryoshka truncation).
+each vector as OpenAI does: the base64 of its little-endian float32 bytes. ``dimensions`` keeps
+each vector's first values, normalized after the cut, on a Matryoshka model only (vLLM's rule:
+``is_matryoshka`` or ``matryoshka_dimensions`` in its config.json). ``priority`` is a
+completion's (``--scheduling-policy priority``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ class EmbeddingServing:
         prompts = await model.off_loop(tokenized_prompts, model, request.input, "input")
         token_lists = [model.truncate(p.token_ids, params) for p in prompts]
         streams = await model.client.submit_all(ids.engine, token_lists, params, arrival,
-                                                request.field_name, route.lora)
+                                                request.field_name, route.lora,
+                                                request.priority)
         outputs = await finals(streams)
         data = [EmbeddingData(index=i, embedding=_encoded(o.embedding, request.encoding_format))
                 for i, o in enumerate(outputs)]

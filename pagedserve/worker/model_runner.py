@@ -371,8 +371,7 @@ class ModelRunner:
             samples = HostSamples(queued.samples.token_ids.tolist(), *(
                 None if t is None else t.tolist() for t in queued.samples[1:]),
                 counts=None if queued.num_emitted is None else queued.num_emitted.tolist())
-        pooled = {} if queued.pooled is None else dict(
-            zip(queued.pooled.seqs, queued.pooled.vectors.tolist(), strict=True))
+        pooled = {} if queued.pooled is None else queued.pooled.embeddings()
         return StepOutput(samples, {seq: _host_chunk(first, r)
                                     for seq, (first, r) in queued.prompt.items()}, pooled)
 

@@ -34,10 +34,17 @@ class PoolingChunks(NamedTuple):
 
 
 class Pooled(NamedTuple):
-    """Streams whose prompt a step finished, and their vectors ([n, hidden], float32)."""
+    """Streams whose prompt a step finished, and their vectors ([n, hidden], float32). A
+    stream that asked for ``dimensions`` has its values past them zeroed (``embeddings``
+    drops them)."""
 
     seqs: list[Sequence]
     vectors: torch.Tensor
+
+    def embeddings(self) -> dict[Sequence, list[float]]:
+        """Each stream's embedding on the host, of its ``dimensions`` (None: all)."""
+        return {seq: vector[:seq.pooling.dimensions]
+                for seq, vector in zip(self.seqs, self.vectors.tolist(), strict=True)}
 
 
 def pooling_chunks(scheduled: list[ScheduledSequence]) -> PoolingChunks | None:
@@ -79,7 +86,7 @@ class Pooler:
         if not len(vectors):
             return None
         seqs = [s for s, last in zip(chunks.seqs, chunks.last, strict=True) if last]
-        return Pooled(seqs, self._normalized(vectors, seqs))
+        return Pooled(seqs, self._normalized(self._truncated(vectors, seqs), seqs))
 
     def _rows(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         index = torch.from_numpy(rows).to(self.device, non_blocking=True)
@@ -118,6 +125,16 @@ class Pooler:
         if not done:
             return rows[:0]
         return torch.stack(done)
+
+    def _truncated(self, vectors: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Zero each row past its stream's ``dimensions`` (Matryoshka): the L2 norm is then
+        the kept values' alone, so normalizing after this is normalizing the cut vector."""
+        width = vectors.shape[-1]
+        kept = [s.pooling.dimensions or width for s in seqs]
+        if all(k == width for k in kept):
+            return vectors
+        columns = torch.arange(width, device=self.device)
+        return vectors * (columns < torch.tensor(kept, device=self.device)[:, None])
 
     def _normalized(self, vectors: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         default = self.config.normalize

@@ -4,7 +4,8 @@ state after, and the errors of a request on the wrong runner. Each runs on ``*Fo
 checkpoints and on bare base models (``LlamaModel``, ``MistralModel``, ``Qwen2Model``,
 ``Qwen3Model``: no LM head, tensor names without ``model.``), as embedding models are
 published; then
-sentence-transformers' pooling defaults (``modules.json``, ``1_Pooling/config.json``)."""
+sentence-transformers' pooling defaults (``modules.json``, ``1_Pooling/config.json``),
+Matryoshka ``dimensions`` (cut, then normalized) and request priorities."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from pagedserve import PoolingParams, SamplingParams
 from pagedserve.errors import ConfigError
+from pagedserve.models.config import ModelArchConfig
 from tests.tiny_models import make_llm, random_prompts, write_tiny_model
 
 # float32 engine against a float64 reference, over a 2-layer model of width 64.
@@ -137,7 +139,7 @@ def test_pooling_params(model):
                   _reference(model, [prompts[1][-10:]], "LAST", True))
     text = llm.embed("hello world", use_tqdm=False)[0]
     assert text.outputs.hidden_size == 64
-    with pytest.raises(ValueError, match="dimensions"):
+    with pytest.raises(ValueError, match="dimensions=32: .*not a Matryoshka model"):
         llm.embed(prompts[0], pooling_params=PoolingParams(dimensions=32), use_tqdm=False)
     assert _embeddings(llm, prompts, pooling_params=PoolingParams(dimensions=64))
     _assert_all_blocks_free(llm)
@@ -269,3 +271,74 @@ def test_generate_model_refuses_pooler_config_under_auto(tmp_path):
     folder = write_tiny_model(tmp_path / "m", "llama3", seed=5)
     with pytest.raises(ConfigError, match="--pooler-config needs --runner pooling"):
         make_llm(folder, pooler_config={"pooling_type": "MEAN"})
+
+
+@pytest.fixture(scope="module")
+def matryoshka(tmp_path_factory):
+    """A bare base model whose config.json lists Matryoshka sizes (vLLM's key)."""
+    return write_tiny_model(tmp_path_factory.mktemp("matryoshka") / "m", "qwen2", seed=7,
+                            base_model=True, matryoshka_dimensions=[32, 16, 64])
+
+
+def _cut(vector: torch.Tensor, dimensions: int, normalize: bool) -> torch.Tensor:
+    """vLLM's Matryoshka order: keep the first values, then normalize those."""
+    kept = vector[:dimensions]
+    return torch.nn.functional.normalize(kept, dim=-1) if normalize else kept
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_matryoshka_dimensions(matryoshka, pooling_type):
+    """A batch mixing sizes (and normalize), chunked over steps, against transformers'
+    unnormalized vectors cut and normalized in float64."""
+    prompts = random_prompts(f"mrl{pooling_type}", [6, 40, 70])
+    llm = make_llm(matryoshka, runner="pooling", max_num_batched_tokens=32,
+                   pooler_config={"pooling_type": pooling_type})
+    raw = _reference(matryoshka, prompts, pooling_type, normalize=False)
+    params = [PoolingParams(dimensions=16), PoolingParams(dimensions=32, normalize=False),
+              PoolingParams()]
+    _assert_close(_embeddings(llm, prompts, pooling_params=params),
+                  [_cut(raw[0], 16, True), _cut(raw[1], 32, False), _cut(raw[2], 64, True)])
+    _assert_close(_embeddings(llm, prompts, pooling_params=PoolingParams(dimensions=32)),
+                  [_cut(r, 32, True) for r in raw])
+    _assert_all_blocks_free(llm)
+
+
+def test_matryoshka_sizes_are_checked(matryoshka, tmp_path):
+    listed = make_llm(matryoshka, runner="pooling")
+    for dimensions in (0, 8, 48, 65):
+        with pytest.raises(ValueError, match=f"dimensions={dimensions}: .*16, 32, 64"):
+            listed.embed([[5, 6]], pooling_params=PoolingParams(dimensions=dimensions),
+                         use_tqdm=False)
+    _assert_all_blocks_free(listed)
+    # is_matryoshka alone: any size from 1 to the hidden size.
+    anysize = write_tiny_model(tmp_path / "any", "llama3", seed=7, is_matryoshka=True)
+    llm = make_llm(anysize, runner="pooling")
+    for dimensions in (0, 65):
+        with pytest.raises(ValueError, match=f"dimensions={dimensions} must be from 1 to .*64"):
+            llm.embed([[5, 6]], pooling_params=PoolingParams(dimensions=dimensions),
+                      use_tqdm=False)
+    prompts = random_prompts("any", [5, 12])
+    raw = _reference(anysize, prompts, "LAST", normalize=False)
+    got = _embeddings(llm, prompts, pooling_params=[PoolingParams(dimensions=1),
+                                                    PoolingParams(dimensions=5)])
+    _assert_close(got, [_cut(raw[0], 1, True), _cut(raw[1], 5, True)])
+    config = json.loads((anysize / "config.json").read_text())
+    with pytest.raises(ValueError, match="matryoshka_dimensions must be a list of positive"):
+        ModelArchConfig.from_hf_dict({**config, "matryoshka_dimensions": [16, 0]})
+
+
+def test_embed_priority(matryoshka):
+    """Priorities are served under the priority policy, as ``generate``'s; fcfs refuses any
+    other than 0 with generation's error, and the batch is left out whole."""
+    prompts = random_prompts("priority", [9, 30, 4])
+    llm = make_llm(matryoshka, runner="pooling", scheduling_policy="priority",
+                   max_num_batched_tokens=16)
+    _assert_close(_embeddings(llm, prompts, priority=[3, -2, 0]),
+                  _reference(matryoshka, prompts, "LAST", True))
+    with pytest.raises(ValueError, match="3 prompts but 2 priorities"):
+        llm.embed(prompts, priority=[1, 2], use_tqdm=False)
+    fcfs = make_llm(matryoshka, runner="pooling")
+    with pytest.raises(ValueError, match="priority=1 is only used with priority scheduling"):
+        fcfs.embed(prompts, priority=[0, 1, 0], use_tqdm=False)
+    _assert_all_blocks_free(fcfs)
+    assert len(_embeddings(fcfs, prompts, priority=[0, 0, 0])) == 3

@@ -1,16 +1,20 @@
 """``POST /v1/embeddings`` on a ``--runner pooling`` server, through the OpenAI SDK, against
 the offline engine's ``LLM.embed`` on the same model; the errors, and that the server keeps
-serving after them."""
+serving after them. Matryoshka ``dimensions`` and ``priority`` on a second server (a
+Matryoshka copy of the model, ``--scheduling-policy priority``), against transformers."""
 
 from __future__ import annotations
 
 import base64
+import json
+import shutil
 from collections.abc import Iterator
 
 import numpy as np
 import openai
 import pytest
 
+from tests.engine.test_pooling import _cut, _reference
 from tests.server.conftest import Server, engine_kwargs, launch_server
 from tests.tiny_models import random_prompts
 
@@ -108,3 +112,69 @@ def test_a_client_that_hangs_up_has_its_requests_aborted(embed_server):
         "/v1/embeddings", {"input": random_prompts("hang-up", [4000] * 32)})
     assert after["num_requests_waiting"] == 0
     assert after["prompt_tokens_total"] - before["prompt_tokens_total"] < 32 * 4000
+
+
+@pytest.fixture(scope="module")
+def matryoshka_model(chat_model, tmp_path_factory):
+    """The chat model with vLLM's ``matryoshka_dimensions`` in its config.json."""
+    folder = tmp_path_factory.mktemp("matryoshka") / "model"
+    shutil.copytree(chat_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config,
+                                                    "matryoshka_dimensions": [16, 32]}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def matryoshka_server(matryoshka_model, tmp_path_factory) -> Iterator[Server]:
+    with launch_server(matryoshka_model, tmp_path_factory.mktemp("logs"), "--runner",
+                       "pooling", "--scheduling-policy", "priority") as s:
+        yield s
+
+
+def test_matryoshka_dimensions_against_transformers(matryoshka_server, matryoshka_model):
+    client = matryoshka_server.client()
+    ids = random_prompts("matryoshka", [4, 90])
+    raw = _reference(matryoshka_model, ids, "LAST", normalize=False)
+    for dimensions in (16, 32, 64):  # 64: the model's own size, nothing cut
+        out = client.embeddings.create(model="model", input=ids, dimensions=dimensions,
+                                       encoding_format="float")
+        for d, r in zip(out.data, raw, strict=True):
+            assert len(d.embedding) == dimensions
+            _check(d.embedding, _cut(r, dimensions, normalize=True).tolist())
+    out = client.embeddings.create(model="model", input=ids[1], dimensions=16)  # base64
+    _check(out.data[0].embedding, _cut(raw[1], 16, normalize=True).tolist())
+
+
+@pytest.mark.parametrize("dimensions, message", [
+    (8, "Matryoshka sizes are 16, 32"), (48, "Matryoshka sizes are 16, 32"),
+    (65, "Matryoshka sizes are 16, 32"), (0, "greater than or equal to 1"),
+])
+def test_matryoshka_sizes_not_listed_are_400(matryoshka_server, dimensions, message):
+    r = matryoshka_server.post("/v1/embeddings", json={"input": "hi", "dimensions": dimensions})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "dimensions"
+    assert message in error["message"], error
+    ok = matryoshka_server.client().embeddings.create(model="model", input="hi", dimensions=32)
+    assert len(ok.data[0].embedding) == 32
+
+
+def test_priority_embeddings_equal_transformers(matryoshka_server, matryoshka_model):
+    ids = random_prompts("embed-priority", [7, 20])
+    want = _reference(matryoshka_model, ids, "LAST", normalize=True)
+    for priority in (-5, 0, 7):
+        out = matryoshka_server.client().embeddings.create(
+            model="model", input=ids, encoding_format="float", extra_body={"priority": priority})
+        for d, w in zip(out.data, want, strict=True):
+            _check(d.embedding, w.tolist())
+
+
+def test_fcfs_refuses_an_embedding_priority_and_keeps_serving(embed_server):
+    client = embed_server.client()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.embeddings.create(model="model", input="hi", extra_body={"priority": 2})
+    assert refused.value.body["param"] == "priority"
+    assert "--scheduling-policy priority" in refused.value.body["message"]
+    out = client.embeddings.create(model="model", input="hi", extra_body={"priority": 0})
+    assert len(out.data[0].embedding) == 64
