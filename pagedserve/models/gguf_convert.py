@@ -1,4 +1,5 @@
-"""Turn a llama or qwen3 GGUF file into a Hugging Face folder, once, in the pagedserve cache.
+"""Turn a llama, qwen3, phi3 or granite GGUF file into a Hugging Face folder, once, in the
+pagedserve cache.
 
 The engine only reads Hugging Face folders, so a GGUF becomes safetensors with HF tensor names,
 a ``config.json`` built from its metadata, and a tokenizer. Q4_0, Q4_1 and Q8_0 matrices keep
@@ -41,9 +42,21 @@ _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
                 gguf.GGMLQuantizationType.BF16)
 MAX_SHARD_BYTES = 2 << 30
 
-# GGUF architecture -> (HF architecture, model_type). llama.cpp permutes the Q/K rows of llama
-# models only; its qwen3 tensors keep the Hugging Face order.
-_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+
+class _Arch(NamedTuple):
+    hf_name: str
+    model_type: str
+    # llama.cpp's converter permutes the Q/K rows of LlamaModel and its subclasses (Granite);
+    # its qwen3 and phi3 tensors keep the Hugging Face order.
+    permuted_qk: bool
+
+
+_ARCHITECTURES = {
+    "llama": _Arch("LlamaForCausalLM", "llama", True),
+    "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", False),
+    "phi3": _Arch("Phi3ForCausalLM", "phi3", False),
+    "granite": _Arch("GraniteForCausalLM", "granite", True),
+}
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -62,6 +75,13 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Phi-3 keeps its checkpoint's fused tensors: q, k, v rows in ``attn_qkv`` and gate, up rows in
+# ``ffn_up`` (2 x feed_forward_length rows), the layout Phi3ForCausalLM's loader cuts apart.
+_PHI3_LAYER_TENSORS = {**_LAYER_TENSORS, "attn_qkv": "self_attn.qkv_proj",
+                       "ffn_up": "mlp.gate_up_proj"}
+# Phi-3's longrope frequency factors: tensors in the GGUF, rope_scaling in config.json.
+_ROPE_FACTORS = {"rope_factors_short.weight": "short_factor",
+                 "rope_factors_long.weight": "long_factor"}
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
 
@@ -149,7 +169,8 @@ def open_gguf(gguf_path: Path) -> gguf.GGUFReader:
 
 
 def hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """A LlamaForCausalLM or Qwen3ForCausalLM ``config.json`` from the GGUF metadata."""
+    """A Llama, Qwen3, Phi3 or Granite ``...ForCausalLM`` ``config.json`` from the GGUF
+    metadata."""
     arch = _meta(reader, "general.architecture")
     # llama.cpp stores Mixtral as "llama" with stacked experts (ffn_gate_exps ...).
     if arch == "qwen3moe" or _meta(reader, f"{arch}.expert_count", 0):
@@ -161,13 +182,13 @@ def hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
             f"GGUF architecture {arch!r} is not supported; supported: "
             f"{', '.join(_ARCHITECTURES)}"
         )
-    hf_arch, model_type = _ARCHITECTURES[arch]
+    hf_arch, model_type, _ = _ARCHITECTURES[arch]
     hidden = _meta(reader, f"{arch}.embedding_length")
     heads = _meta(reader, f"{arch}.attention.head_count")
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise GGUFConvertError("the GGUF file has no token_embd.weight tensor")
-    return {
+    config = {
         "architectures": [hf_arch],
         "model_type": model_type,
         # GGUF dims are reversed: token_embd is (hidden, vocab) there.
@@ -190,6 +211,45 @@ def hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "eos_token_id": _eos_token_ids(reader),
         "pad_token_id": _meta(reader, "tokenizer.ggml.padding_token_id", None),
         "torch_dtype": "float32",
+    }
+    if arch == "phi3":
+        config.update(_phi3_config(reader, tensors, config["head_dim"]))
+    elif arch == "granite":
+        config.update(_granite_config(reader, config["head_dim"]))
+    return config
+
+
+def _phi3_config(reader: gguf.GGUFReader, tensors: dict[str, Any],
+                 head_dim: int) -> dict[str, Any]:
+    """Phi-3's partial rotary (``rope.dimension_count`` of ``head_dim``), sliding window (0:
+    none) and longrope: llama.cpp's converter writes no scaling type, only the two factor
+    tensors and ``original_context_length``. The attention factor it stores is the one
+    transformers computes from the two lengths, so it is left to be computed again."""
+    rotary = _meta(reader, "phi3.rope.dimension_count", head_dim)
+    fields: dict[str, Any] = {
+        "partial_rotary_factor": rotary / head_dim,
+        "sliding_window": _meta(reader, "phi3.attention.sliding_window", 0) or None,
+        "original_max_position_embeddings":
+            _meta(reader, "phi3.rope.scaling.original_context_length", None),
+    }
+    factors = {key: [_f32(v) for v in tensors[name].data]
+               for name, key in _ROPE_FACTORS.items() if name in tensors}
+    if factors:
+        if len(factors) != 2 or fields["original_max_position_embeddings"] is None:
+            raise GGUFConvertError("a phi3 GGUF with longrope needs rope_factors_short, "
+                                   "rope_factors_long and rope.scaling.original_context_length")
+        fields["rope_scaling"] = {"type": "longrope", **factors}
+    return fields
+
+
+def _granite_config(reader: gguf.GGUFReader, head_dim: int) -> dict[str, Any]:
+    """Granite's four scalars. llama.cpp's converter writes each only when the config has it
+    (non-zero), and llama.cpp runs a missing one as 1 (the softmax scale as 1/sqrt(head_dim))."""
+    return {
+        "embedding_multiplier": _f32(_meta(reader, "granite.embedding_scale", 1.0)),
+        "residual_multiplier": _f32(_meta(reader, "granite.residual_scale", 1.0)),
+        "attention_multiplier": _f32(_meta(reader, "granite.attention.scale", head_dim ** -0.5)),
+        "logits_scaling": _f32(_meta(reader, "granite.logit_scale", 1.0)),
     }
 
 
@@ -216,10 +276,13 @@ def iter_hf_tensors(
     """Every tensor under its HF name and in HF layout: Q4_0/Q4_1/Q8_0 matrices as their raw
     blocks ``uint8 [rows, row bytes]``, the rest dequantized to float32."""
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    permuted = config["model_type"] == "llama"
+    model_type = config["model_type"]
+    permuted = model_type in {a.model_type for a in _ARCHITECTURES.values() if a.permuted_qk}
     dequantized: dict[str, int] = {}
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        if model_type == "phi3" and tensor.name in _ROPE_FACTORS:
+            continue  # in config.json's rope_scaling
+        name = hf_tensor_name(tensor.name, model_type)
         # GGUF lists dims innermost first; HF (and numpy) outermost first.
         shape = [int(d) for d in reversed(tensor.shape)]
         block_type = BLOCK_TYPES.get(tensor.tensor_type)
@@ -244,18 +307,18 @@ def iter_hf_tensors(
                     ", ".join(f"{kind} ({n})" for kind, n in sorted(dequantized.items())))
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
     base, _, kind = gguf_name.rpartition(".")
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
-        mapped = _LAYER_TENSORS.get(part)
+        mapped = (_PHI3_LAYER_TENSORS if model_type == "phi3" else _LAYER_TENSORS).get(part)
         prefix = f"model.layers.{layer}."
     else:
         mapped, prefix = _GLOBAL_TENSORS.get(base), ""
     if mapped is None:
-        raise UnsupportedModel(f"GGUF tensor {gguf_name!r} has no LlamaForCausalLM or "
-                               "Qwen3ForCausalLM counterpart")
+        raise UnsupportedModel(f"GGUF tensor {gguf_name!r} has no {model_type} Hugging Face "
+                               "counterpart")
     return f"{prefix}{mapped}.{kind}"
 
 

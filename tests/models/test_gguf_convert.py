@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +31,7 @@ from pagedserve.models.loader import (
 )
 from pagedserve.quant.formats import checkpoint_format
 from tests.tiny_models import (
-    ARCH_CONFIGS,
+    assert_greedy_matches,
     hf_greedy,
     hf_model,
     hf_model_of_source,
@@ -252,6 +254,7 @@ def test_losing_a_conversion_race_keeps_the_winner(
 
 # A tiny synthetic llama GGUF: an independent check of the layout rules, and cheap error cases.
 HIDDEN, HEADS, KV_HEADS, VOCAB = 32, 4, 2, 64
+F32 = gguf.GGMLQuantizationType.F32
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
@@ -347,48 +350,200 @@ def test_tiny_gguf_layout_matches_llama_cpp_inverse(tmp_path: Path) -> None:
                                   hf["model.layers.0.mlp.down_proj.weight"])
 
 
-def test_tiny_qwen3_gguf_runs_like_transformers_on_its_source(tmp_path: Path,
-                                                              tiny_model_folder) -> None:
-    """A qwen3 GGUF as llama.cpp writes one (gguf's own name map: ``attn_q_norm``,
-    ``attn_k_norm``; Q/K rows left in the Hugging Face order; head_dim as key_length)
-    converts into a folder that generates transformers' tokens on the source weights."""
-    source = tiny_model_folder("qwen3")
+def write_gguf_like_llama_cpp(source: Path, path: Path, arch: str,
+                              kind: gguf.GGMLQuantizationType = F32) -> None:
+    """The tiny HF folder ``source`` as llama.cpp's convert_hf_to_gguf.py writes it for the
+    GGUF architecture ``arch``: gguf's own tensor-name map (Phi-3's fused ``qkv_proj`` as
+    ``attn_qkv``, its ``gate_up_proj`` as ``ffn_up``), Q/K rows permuted for its LlamaModel
+    subclasses (Granite), the metadata each model class writes (``_ARCH_METADATA``), and the
+    matrices stored as ``kind`` (F32, F16 or Q8_0; norms and factors stay F32)."""
     cfg = json.loads((source / "config.json").read_text())
-    weights = dict(iter_weights(ModelSource(source, "qwen3", "hf-folder")))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, cfg["num_hidden_layers"])
-    path = tmp_path / "tiny-qwen3.gguf"
-    writer = gguf.GGUFWriter(path, "qwen3")
+    weights = dict(iter_weights(ModelSource(source, arch, "hf-folder")))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg["num_hidden_layers"])
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_key_length(cfg["head_dim"])
-    writer.add_value_length(cfg["head_dim"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_freq_base(ARCH_CONFIGS["qwen3"]["rope_theta"])  # transformers 5 nests it
+    rope = cfg.get("rope_parameters") or {}
+    writer.add_rope_freq_base(cfg.get("rope_theta") or rope["rope_theta"])
+    _ARCH_METADATA[arch](writer, cfg, rope)
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
     for name, tensor in weights.items():
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.numpy())
+        values = tensor.numpy()
+        module = name.split(".")[-2]
+        if arch == "granite" and module in heads:
+            values = llama_cpp_permute(values, cfg["num_attention_heads"], heads[module])
+        gguf_name = names.get_name(name, try_suffixes=(".weight",))
+        if values.ndim == 2 and kind != F32:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_name, values)
+    for gguf_name, factors in _rope_factor_tensors(arch, rope):
+        writer.add_tensor(gguf_name, np.array(factors, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
+
+def _qwen3_metadata(writer: gguf.GGUFWriter, cfg: dict, rope: dict) -> None:
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+
+
+def _phi3_metadata(writer: gguf.GGUFWriter, cfg: dict, rope: dict) -> None:
+    """Phi3MiniModel.set_gguf_parameters and, for longrope, its attention factor."""
+    rotary = rope.get("partial_rotary_factor") or 1.0
+    original = rope.get("original_max_position_embeddings") or cfg[
+        "original_max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_rope_dimension_count(int(rotary * cfg["hidden_size"]) // cfg["num_attention_heads"])
+    writer.add_sliding_window(cfg.get("sliding_window") or 0)
+    if rope.get("long_factor"):
+        scale = cfg["max_position_embeddings"] / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+
+
+def _granite_metadata(writer: gguf.GGUFWriter, cfg: dict, rope: dict) -> None:
+    """GraniteModel.set_gguf_parameters: each multiplier under its ``_scale`` name."""
+    writer.add_attention_scale(cfg["attention_multiplier"])
+    writer.add_embedding_scale(cfg["embedding_multiplier"])
+    writer.add_residual_scale(cfg["residual_multiplier"])
+    writer.add_logit_scale(cfg["logits_scaling"])
+
+
+_ARCH_METADATA = {"qwen3": _qwen3_metadata, "phi3": _phi3_metadata,
+                  "granite": _granite_metadata}
+
+
+def _rope_factor_tensors(arch: str, rope: dict) -> list[tuple[str, list[float]]]:
+    if arch != "phi3" or not rope.get("long_factor"):
+        return []
+    return [("rope_factors_long.weight", rope["long_factor"]),
+            ("rope_factors_short.weight", rope["short_factor"])]
+
+
+def convert_with_tokenizer_of(path: Path, source: Path, out: Path) -> dict:
+    """``cached_convert``'s folder of ``path`` (stamped, so the loader reads its blocks), its
+    tokenizer copied from ``source`` (these GGUFs carry none); returns its config."""
     reader = gguf_convert.open_gguf(path)
     config = gguf_convert.hf_config(reader)
-    assert (config["architectures"], config["head_dim"]) == (["Qwen3ForCausalLM"], 32)
-    out = tmp_path / "folder"
     out.mkdir()
     gguf_convert.write_safetensors(gguf_convert.iter_hf_tensors(reader, config), out)
     (out / "config.json").write_text(json.dumps(config))
     for tokenizer_file in source.glob("*token*"):
         (out / tokenizer_file.name).write_bytes(tokenizer_file.read_bytes())
-    llm = make_llm(out)
+    (out / gguf_convert.STAMP_FILE).write_text(json.dumps({"name": path.stem}))
+    return config
+
+
+def test_tiny_qwen3_gguf_runs_like_transformers_on_its_source(tmp_path: Path,
+                                                              tiny_model_folder) -> None:
+    """A qwen3 GGUF as llama.cpp writes one (gguf's own name map: ``attn_q_norm``,
+    ``attn_k_norm``; Q/K rows left in the Hugging Face order; head_dim as key_length)
+    converts into a folder that generates transformers' tokens on the source weights."""
+    source = tiny_model_folder("qwen3")
+    path = tmp_path / "tiny-qwen3.gguf"
+    write_gguf_like_llama_cpp(source, path, "qwen3")
+    config = convert_with_tokenizer_of(path, source, tmp_path / "folder")
+    assert (config["architectures"], config["head_dim"]) == (["Qwen3ForCausalLM"], 32)
+    llm = make_llm(tmp_path / "folder")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = random_prompts("gguf-qwen3", [5, 23])
     for prompt, got in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         assert got.outputs[0].token_ids == hf_greedy(hf_model(source), prompt, 12)
+
+
+def round_tripped_folder(source: Path, out: Path, kind: gguf.GGMLQuantizationType) -> Path:
+    """``source`` with each matrix stored as ``kind`` and read back: the weights a GGUF of
+    that type holds, in a folder transformers reads (the reference for F16 and Q8_0 files)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, out)
+    weights = dict(iter_weights(ModelSource(source, "source", "hf-folder")))
+    for name, tensor in weights.items():
+        if tensor.dim() == 2 and kind != F32:
+            stored = gguf.quants.quantize(tensor.numpy(), kind)
+            weights[name] = torch.from_numpy(gguf.quants.dequantize(stored, kind).copy())
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+# Each file's matrices as F32, F16 or Q8_0; the Q8_0 files keep the fused Phi-3 tensors as
+# blocks, cut into q/k/v and gate/up at load (``--quantization none`` dequantizes them there,
+# so the comparison with transformers stays exact).
+@pytest.mark.parametrize("tiny,kind", [
+    ("phi3", gguf.GGMLQuantizationType.F16),
+    ("phi3-longrope", F32),
+    ("phi3", gguf.GGMLQuantizationType.Q8_0),
+    ("granite", F32),
+    ("granite", gguf.GGMLQuantizationType.Q8_0),
+])
+def test_tiny_phi3_and_granite_ggufs_run_like_transformers(tmp_path: Path, tiny_model_folder,
+                                                           tiny, kind) -> None:
+    source = tiny_model_folder(tiny)
+    arch = tiny.split("-")[0]
+    path = tmp_path / f"tiny-{tiny}.gguf"
+    write_gguf_like_llama_cpp(source, path, arch, kind)
+    config = convert_with_tokenizer_of(path, source, tmp_path / "folder")
+    assert config["architectures"] == json.loads(
+        (source / "config.json").read_text())["architectures"]
+    stored = dict(iter_weights(resolve_model(tmp_path / "folder")))
+    if kind == gguf.GGMLQuantizationType.Q8_0:
+        fused = "self_attn.qkv_proj" if arch == "phi3" else "self_attn.q_proj"
+        assert f"model.layers.0.{fused}.gguf_q8_0" in stored
+    reference = hf_model(round_tripped_folder(source, tmp_path / "reference", kind))
+    llm = make_llm(tmp_path / "folder", quantization="none")
+    prompts = random_prompts(f"gguf-{tiny}", [5, 40])
+    assert assert_greedy_matches(llm, reference, prompts, new_tokens=12) == len(prompts)
+    assert_logprobs_match(llm, reference, random_prompts(f"gguf-{tiny}-logprobs", [30])[0])
+
+
+def test_tiny_phi3_q8_0_weights_equal_transformers_gguf_loading(tmp_path: Path,
+                                                                tiny_model_folder) -> None:
+    """A second reference for the fused tensors: transformers' own phi3 GGUF loader (its
+    name map and dequantizing; its phi3 config drops the partial rotary, so only the
+    weights are compared) reads the same Q8_0 file into the tensors our blocks unpack to."""
+    from transformers import AutoConfig, Phi3ForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    source = tiny_model_folder("phi3")
+    path = tmp_path / "tiny-phi3.gguf"
+    write_gguf_like_llama_cpp(source, path, "phi3", gguf.GGMLQuantizationType.Q8_0)
+    convert_with_tokenizer_of(path, source, tmp_path / "folder")
+    stored = iter_weights(resolve_model(tmp_path / "folder"))
+    ours = dict(checkpoint_format({}, "none", gguf_blocks=True).read(stored))
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    with torch.device("meta"):
+        skeleton = Phi3ForCausalLM(config)  # only its parameter names are used
+    expected = load_gguf_checkpoint(str(path), return_tensors=True,
+                                    model_to_load=skeleton)["tensors"]
+    assert ours.keys() == expected.keys()
+    assert "model.layers.1.mlp.gate_up_proj.weight" in ours
+    for name, tensor in expected.items():
+        assert torch.equal(ours[name], tensor), name
+
+
+def assert_logprobs_match(llm, reference, prompt: list[int]) -> None:
+    """Logits, not just argmaxes (Granite's tiny model is led by its scaled embeddings, so
+    its greedy tokens barely see attention): each prompt and decode position's top-3
+    logprobs equal transformers' log-softmax there."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=3)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    tokens = prompt + out.outputs[0].token_ids
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens[:-1]])).logits[0].double().log_softmax(-1)
+    # Position i holds the logprobs of token i + 1; the first prompt token has none.
+    positions = out.prompt_logprobs[1:] + out.outputs[0].logprobs
+    assert len(positions) == len(tokens) - 1
+    for i, got in enumerate(positions):
+        for token, logprob in got.items():
+            assert logprob.logprob == pytest.approx(expected[i, token].item(), abs=1e-4), i
 
 
 def test_truncated_gguf_is_a_one_line_error(tmp_path: Path,
@@ -413,6 +568,19 @@ def test_tiny_gguf_of_another_architecture_is_unsupported(tmp_path: Path) -> Non
         gguf_convert.hf_config(gguf_convert.open_gguf(path))
 
 
+def test_tiny_granite_gguf_without_multipliers_runs_as_llama_cpp_does(tmp_path: Path) -> None:
+    """llama.cpp's converter writes each Granite scale only when the config sets it, and
+    llama.cpp runs a missing one as 1, the softmax scale as 1/sqrt(head_dim)."""
+    path = tmp_path / "tiny-granite.gguf"
+    write_tiny_gguf(path, {"token_embd.weight": np.zeros((VOCAB, HIDDEN), np.float32)},
+                    "granite")
+    config = gguf_convert.hf_config(gguf_convert.open_gguf(path))
+    assert config["architectures"] == ["GraniteForCausalLM"]
+    scalars = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
+    assert [config[k] for k in scalars] == [1.0, 1.0, 1.0]
+    assert config["attention_multiplier"] == pytest.approx((HIDDEN // HEADS) ** -0.5, rel=1e-7)
+
+
 @pytest.mark.parametrize("arch,experts", [("llama", 8), ("qwen3moe", 128)])
 def test_tiny_gguf_mixture_of_experts_is_refused(tmp_path: Path, arch, experts) -> None:
     """Mixtral (stored as "llama" with ffn_gate_exps and kin) and Qwen3-MoE GGUFs: the
@@ -428,8 +596,7 @@ def test_tiny_gguf_mixture_of_experts_is_refused(tmp_path: Path, arch, experts) 
 def test_unknown_gguf_tensor_is_unsupported() -> None:
     assert gguf_convert.hf_tensor_name("blk.7.ffn_up.weight") == "model.layers.7.mlp.up_proj.weight"
     assert gguf_convert.hf_tensor_name("output.weight") == "lm_head.weight"
-    with pytest.raises(UnsupportedModel, match="'rope_freqs.weight' has no LlamaForCausalLM or "
-                       "Qwen3ForCausalLM"):
+    with pytest.raises(UnsupportedModel, match="'rope_freqs.weight' has no llama Hugging Face"):
         gguf_convert.hf_tensor_name("rope_freqs.weight")
 
 
