@@ -183,6 +183,37 @@ def hf_model(folder: Path):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
+def hf_pooled(folder, prompts, pooling_type: str, normalize: bool) -> list[torch.Tensor]:
+    """transformers' float64 hidden states of the prompts (``AutoModel``: the base model,
+    after the final norm) as one right-padded batch, pooled over each prompt's own tokens (the
+    padding masked out): the reference for ``runner="pooling"``."""
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(folder, dtype=torch.float64).eval()
+    width = max(map(len, prompts))
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    with torch.no_grad():
+        hidden = hf(input_ids=ids, attention_mask=mask).last_hidden_state
+    lengths = mask.sum(1)
+    if pooling_type == "LAST":
+        pooled = hidden[torch.arange(len(prompts)), lengths - 1]
+    elif pooling_type == "CLS":
+        pooled = hidden[:, 0]
+    else:
+        pooled = (hidden * mask[..., None]).sum(1) / lengths[:, None]
+    return list(torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled)
+
+
+def hf_scores(folder, pairs: list[tuple[list[int], list[int]]], pooling_type: str = "LAST"
+              ) -> list[float]:
+    """The cosine similarity of each pair's ``hf_pooled`` embeddings (unnormalized), in
+    float64: the reference for ``LLM.score``, ``/v1/score`` and ``/v1/rerank``."""
+    pooled = hf_pooled(folder, [p for pair in pairs for p in pair], pooling_type, False)
+    return [float(a @ b / (a.norm() * b.norm())) for a, b in zip(pooled[::2], pooled[1::2],
+                                                                 strict=True)]
+
+
 def hf_model_of_source(source):
     """transformers' float32 model of a source whose folder transformers cannot read itself
     (a converted GGUF keeps block tensors): its config, and its weights dequantized."""

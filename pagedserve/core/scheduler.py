@@ -220,7 +220,9 @@ class Scheduler:
         table = self.kv.table_if_it_fits(seq, 1)
         if table is None:
             return False
-        out.scheduled.append(ScheduledSequence(seq, computed, 1, table, 1))
+        # A pooling prompt's last token samples nothing (a chunk stopped one short of it).
+        samples = int(seq.pooling is None)
+        out.scheduled.append(ScheduledSequence(seq, computed, 1, table, samples))
         out.num_prompt_tokens += computed < num_prompt  # a prefill that stopped one short
         return True
 

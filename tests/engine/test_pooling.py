@@ -17,7 +17,7 @@ import torch
 from pagedserve import PoolingParams, SamplingParams
 from pagedserve.errors import ConfigError
 from pagedserve.models.config import ModelArchConfig
-from tests.tiny_models import make_llm, random_prompts, write_tiny_model
+from tests.tiny_models import hf_pooled, make_llm, random_prompts, write_tiny_model
 
 # float32 engine against a float64 reference, over a 2-layer model of width 64.
 ATOL = 2e-5
@@ -36,27 +36,6 @@ def model(request, tmp_path_factory):
 def _is_base_model(folder) -> bool:
     return not json.loads((folder / "config.json").read_text())["architectures"][0].endswith(
         "ForCausalLM")
-
-
-def _reference(folder, prompts, pooling_type: str, normalize: bool) -> list[torch.Tensor]:
-    """transformers' hidden states of the prompts as one right-padded batch, pooled over
-    each prompt's own tokens (the padding masked out)."""
-    from transformers import AutoModel
-
-    hf = AutoModel.from_pretrained(folder, dtype=torch.float64).eval()
-    width = max(map(len, prompts))
-    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
-    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
-    with torch.no_grad():
-        hidden = hf(input_ids=ids, attention_mask=mask).last_hidden_state
-    lengths = mask.sum(1)
-    if pooling_type == "LAST":
-        pooled = hidden[torch.arange(len(prompts)), lengths - 1]
-    elif pooling_type == "CLS":
-        pooled = hidden[:, 0]
-    else:
-        pooled = (hidden * mask[..., None]).sum(1) / lengths[:, None]
-    return list(torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled)
 
 
 def _embeddings(llm, prompts, **kwargs) -> list[torch.Tensor]:
@@ -87,9 +66,18 @@ def test_embed_matches_transformers(model, pooling_type, normalize):
     # A budget of 32 tokens: the longer prompts run in chunks over several steps.
     llm = make_llm(model, runner="pooling", max_num_batched_tokens=32,
                    pooler_config={"pooling_type": pooling_type, "normalize": normalize})
-    want = _reference(model, prompts, pooling_type, normalize)
+    want = hf_pooled(model, prompts, pooling_type, normalize)
     _assert_close(_embeddings(llm, prompts), want)  # all at once
     _assert_close([_embeddings(llm, [p])[0] for p in prompts], want)  # one by one
+    _assert_all_blocks_free(llm)
+
+
+def test_a_chunk_one_short_of_the_prompt_end(model):
+    """32 tokens split 9, 7, 9, 7 leave the first prompt one token: the next step's fast
+    path for that token sampled it (logits from a model with no LM head, a RuntimeError)."""
+    prompts = random_prompts(1, [10, 7, 12, 7])
+    llm = make_llm(model, runner="pooling", max_num_batched_tokens=32)
+    _assert_close(_embeddings(llm, prompts), hf_pooled(model, prompts, "LAST", True))
     _assert_all_blocks_free(llm)
 
 
@@ -114,7 +102,7 @@ def test_prefix_cache_hits_keep_last_pooling_exact(model):
     first = _embeddings(llm, prompts[:1])
     second = _embeddings(llm, prompts[1:])
     assert llm.engine.kv.prefix_stats.hit_tokens > 0
-    _assert_close(first + second, _reference(model, prompts, "LAST", True))
+    _assert_close(first + second, hf_pooled(model, prompts, "LAST", True))
 
 
 def test_mean_and_cls_turn_prefix_caching_off(model):
@@ -123,7 +111,7 @@ def test_mean_and_cls_turn_prefix_caching_off(model):
     llm = make_llm(model, runner="pooling", pooler_config='{"pooling_type": "mean"}')
     got = _embeddings(llm, prompts[:1]) + _embeddings(llm, prompts[1:])
     assert llm.engine.kv.prefix_stats.hit_tokens == 0
-    _assert_close(got, _reference(model, prompts, "MEAN", True))
+    _assert_close(got, hf_pooled(model, prompts, "MEAN", True))
 
 
 def test_pooling_params(model):
@@ -131,12 +119,12 @@ def test_pooling_params(model):
     llm = make_llm(model, runner="pooling")
     raw = _embeddings(llm, prompts, pooling_params=[PoolingParams(normalize=False),
                                                     PoolingParams()])
-    _assert_close(raw[:1], _reference(model, prompts[:1], "LAST", False))
-    _assert_close(raw[1:], _reference(model, prompts[1:], "LAST", True))
+    _assert_close(raw[:1], hf_pooled(model, prompts[:1], "LAST", False))
+    _assert_close(raw[1:], hf_pooled(model, prompts[1:], "LAST", True))
     kept = llm.embed(prompts[1], truncate_prompt_tokens=10, use_tqdm=False)[0]
     assert kept.prompt_token_ids == prompts[1][-10:]
     _assert_close([torch.tensor(kept.outputs.embedding, dtype=torch.float64)],
-                  _reference(model, [prompts[1][-10:]], "LAST", True))
+                  hf_pooled(model, [prompts[1][-10:]], "LAST", True))
     text = llm.embed("hello world", use_tqdm=False)[0]
     assert text.outputs.hidden_size == 64
     with pytest.raises(ValueError, match="dimensions=32: .*not a Matryoshka model"):
@@ -173,7 +161,7 @@ def test_auto_runner(model):
     prompts = random_prompts(19, [6, 30])
     if _is_base_model(model):
         assert llm.engine.config.runner == "pooling"
-        _assert_close(_embeddings(llm, prompts), _reference(model, prompts, "LAST", True))
+        _assert_close(_embeddings(llm, prompts), hf_pooled(model, prompts, "LAST", True))
     else:
         assert llm.engine.config.runner == "generate"
         assert llm.engine.executor.runner.model.lm_head is not None
@@ -245,16 +233,16 @@ def test_sentence_transformers_defaults(tmp_path):
     llm = make_llm(mean)
     assert llm.engine.config.runner == "pooling"
     assert llm.engine.config.pooling.pooling_type == "MEAN"
-    _assert_close(_embeddings(llm, prompts), _reference(mean, prompts, "MEAN", False))
+    _assert_close(_embeddings(llm, prompts), hf_pooled(mean, prompts, "MEAN", False))
     last = make_llm(mean, runner="pooling", pooler_config={"pooling_type": "LAST"})
-    _assert_close(_embeddings(last, prompts), _reference(mean, prompts, "LAST", False))
+    _assert_close(_embeddings(last, prompts), hf_pooled(mean, prompts, "LAST", False))
     both = make_llm(mean, pooler_config={"pooling_type": "cls", "normalize": True})
-    _assert_close(_embeddings(both, prompts), _reference(mean, prompts, "CLS", True))
+    _assert_close(_embeddings(both, prompts), hf_pooled(mean, prompts, "CLS", True))
 
     cls = _sentence_transformers(write_tiny_model(tmp_path / "cls", "qwen2", seed=5,
                                                   base_model=True),
                                  {"pooling_mode_cls_token": True}, normalize=True)
-    _assert_close(_embeddings(make_llm(cls), prompts), _reference(cls, prompts, "CLS", True))
+    _assert_close(_embeddings(make_llm(cls), prompts), hf_pooled(cls, prompts, "CLS", True))
 
 
 def test_sentence_transformers_unsupported_mode(tmp_path):
@@ -264,7 +252,7 @@ def test_sentence_transformers_unsupported_mode(tmp_path):
         make_llm(folder)
     prompts = random_prompts(29, [9])
     llm = make_llm(folder, pooler_config={"pooling_type": "LAST"})
-    _assert_close(_embeddings(llm, prompts), _reference(folder, prompts, "LAST", True))
+    _assert_close(_embeddings(llm, prompts), hf_pooled(folder, prompts, "LAST", True))
 
 
 def test_generate_model_refuses_pooler_config_under_auto(tmp_path):
@@ -293,7 +281,7 @@ def test_matryoshka_dimensions(matryoshka, pooling_type):
     prompts = random_prompts(f"mrl{pooling_type}", [6, 40, 70])
     llm = make_llm(matryoshka, runner="pooling", max_num_batched_tokens=32,
                    pooler_config={"pooling_type": pooling_type})
-    raw = _reference(matryoshka, prompts, pooling_type, normalize=False)
+    raw = hf_pooled(matryoshka, prompts, pooling_type, normalize=False)
     params = [PoolingParams(dimensions=16), PoolingParams(dimensions=32, normalize=False),
               PoolingParams()]
     _assert_close(_embeddings(llm, prompts, pooling_params=params),
@@ -318,7 +306,7 @@ def test_matryoshka_sizes_are_checked(matryoshka, tmp_path):
             llm.embed([[5, 6]], pooling_params=PoolingParams(dimensions=dimensions),
                       use_tqdm=False)
     prompts = random_prompts("any", [5, 12])
-    raw = _reference(anysize, prompts, "LAST", normalize=False)
+    raw = hf_pooled(anysize, prompts, "LAST", normalize=False)
     got = _embeddings(llm, prompts, pooling_params=[PoolingParams(dimensions=1),
                                                     PoolingParams(dimensions=5)])
     _assert_close(got, [_cut(raw[0], 1, True), _cut(raw[1], 5, True)])
@@ -334,7 +322,7 @@ def test_embed_priority(matryoshka):
     llm = make_llm(matryoshka, runner="pooling", scheduling_policy="priority",
                    max_num_batched_tokens=16)
     _assert_close(_embeddings(llm, prompts, priority=[3, -2, 0]),
-                  _reference(matryoshka, prompts, "LAST", True))
+                  hf_pooled(matryoshka, prompts, "LAST", True))
     with pytest.raises(ValueError, match="3 prompts but 2 priorities"):
         llm.embed(prompts, priority=[1, 2], use_tqdm=False)
     fcfs = make_llm(matryoshka, runner="pooling")

@@ -14,9 +14,9 @@ import numpy as np
 import openai
 import pytest
 
-from tests.engine.test_pooling import _cut, _reference
+from tests.engine.test_pooling import _cut
 from tests.server.conftest import Server, engine_kwargs, launch_server
-from tests.tiny_models import random_prompts
+from tests.tiny_models import hf_pooled, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def matryoshka_server(matryoshka_model, tmp_path_factory) -> Iterator[Server]:
 def test_matryoshka_dimensions_against_transformers(matryoshka_server, matryoshka_model):
     client = matryoshka_server.client()
     ids = random_prompts("matryoshka", [4, 90])
-    raw = _reference(matryoshka_model, ids, "LAST", normalize=False)
+    raw = hf_pooled(matryoshka_model, ids, "LAST", normalize=False)
     for dimensions in (16, 32, 64):  # 64: the model's own size, nothing cut
         out = client.embeddings.create(model="model", input=ids, dimensions=dimensions,
                                        encoding_format="float")
@@ -162,7 +162,7 @@ def test_matryoshka_sizes_not_listed_are_400(matryoshka_server, dimensions, mess
 
 def test_priority_embeddings_equal_transformers(matryoshka_server, matryoshka_model):
     ids = random_prompts("embed-priority", [7, 20])
-    want = _reference(matryoshka_model, ids, "LAST", normalize=True)
+    want = hf_pooled(matryoshka_model, ids, "LAST", normalize=True)
     for priority in (-5, 0, 7):
         out = matryoshka_server.client().embeddings.create(
             model="model", input=ids, encoding_format="float", extra_body={"priority": priority})

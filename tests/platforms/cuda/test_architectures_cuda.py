@@ -169,14 +169,14 @@ def test_embeddings_match_transformers_on_gpu(tmp_path, pooling_type):
     """``runner="pooling"`` on the GPU (a bare ``LlamaModel`` checkpoint, float32) against
     transformers' hidden states pooled in float64. The tolerance is wider than the CPU's:
     Triton's float32 dots round their inputs to TF32."""
-    from tests.engine.test_pooling import _reference
+    from tests.tiny_models import hf_pooled
 
     folder = write_tiny_model(tmp_path / "m", "llama3", seed=3, base_model=True)
     llm = make_llm(folder, device="cuda", dtype="float32", runner="pooling",
                    pooler_config={"pooling_type": pooling_type, "normalize": True})
     prompts = random_prompts("cuda-embed", [1, 5, 23, 64, 97])
     outs = llm.embed(prompts, use_tqdm=False)
-    want = _reference(folder, prompts, pooling_type, normalize=True)
+    want = hf_pooled(folder, prompts, pooling_type, normalize=True)
     for out, w in zip(outs, want, strict=True):
         got = torch.tensor(out.outputs.embedding, dtype=torch.float64)
         assert got.shape == w.shape
