@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         CompletionOutput,
         EmbeddingRequestOutput,
         RequestOutput,
+        ScoringRequestOutput,
     )
     from pagedserve.pooling_params import PoolingParams
     from pagedserve.sampling_params import (
@@ -35,6 +36,7 @@ _LAZY = {
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "EmbeddingRequestOutput": "pagedserve.outputs",
+    "ScoringRequestOutput": "pagedserve.outputs",
     "PoolingParams": "pagedserve.pooling_params",
     "EngineConfig": "pagedserve.config",
     "LoRARequest": "pagedserve.lora.request",
@@ -51,4 +53,5 @@ def __getattr__(name: str):
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams",
            "RequestOutput", "CompletionOutput", "BeamSearchOutput", "EngineConfig",
-           "LoRARequest", "PoolingParams", "EmbeddingRequestOutput", "__version__"]
+           "LoRARequest", "PoolingParams", "EmbeddingRequestOutput",
+           "ScoringRequestOutput", "__version__"]

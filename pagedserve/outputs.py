@@ -146,3 +146,21 @@ class EmbeddingRequestOutput:
     def of(cls, output: RequestOutput) -> EmbeddingRequestOutput:
         return cls(output.request_id, EmbeddingOutput(output.embedding),
                    output.prompt_token_ids, output.finished)
+
+
+@dataclass
+class ScoringOutput:
+    """vLLM's: the score of one text pair (the cosine similarity of their embeddings)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's ``LLM.score`` result for one pair: ``prompt_token_ids`` are both texts' tokens,
+    the first's then the second's, as vLLM's; ``request_id`` joins their requests' ids."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -16,9 +16,12 @@ from pagedserve.outputs import (
     BeamSearchSequence,
     EmbeddingRequestOutput,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.scoring import cosine_similarity, score_pairs
 
 if TYPE_CHECKING:
     import torch
@@ -143,6 +146,28 @@ class LLM:
         outputs = self._run(self.engine.add_requests(prompt_list, params_list, loras,
                                                      priorities), use_tqdm)
         return [EmbeddingRequestOutput.of(o) for o in outputs]
+
+    def score(
+        self,
+        data_1: Prompt | Sequence[Prompt],
+        data_2: Prompt | Sequence[Prompt],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's call for an embedding model (``runner="pooling"``): the cosine similarity of
+        ``data_1``'s embedding with each of ``data_2``'s (1:N), or of the i-th with the i-th
+        when both are lists of one length (N:N); one output per pair, in order. Every text is
+        embedded once, all in one batch, as ``embed`` would."""
+        firsts, seconds = _as_prompt_list(data_1), _as_prompt_list(data_2)
+        pairs = score_pairs(len(firsts), len(seconds))
+        embedded = self.embed(firsts + seconds, truncate_prompt_tokens=truncate_prompt_tokens,
+                              use_tqdm=use_tqdm, pooling_params=pooling_params,
+                              lora_request=lora_request)
+        return [_scored(embedded[i], embedded[len(firsts) + j]) for i, j in pairs]
 
     def beam_search(
         self,
@@ -270,6 +295,14 @@ def _list_of(values: Any, kind: type | tuple[type, ...], name: str) -> list:
         raise TypeError(f"{name} must be one or a list of "
                         f"{' or '.join(k.__name__ for k in kinds)}, got {values!r:.80}")
     return list(values)
+
+
+def _scored(first: EmbeddingRequestOutput, second: EmbeddingRequestOutput
+            ) -> ScoringRequestOutput:
+    return ScoringRequestOutput(
+        f"{first.request_id}_{second.request_id}",
+        ScoringOutput(cosine_similarity(first.outputs.embedding, second.outputs.embedding)),
+        first.prompt_token_ids + second.prompt_token_ids)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:

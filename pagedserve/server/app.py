@@ -47,7 +47,9 @@ from pagedserve.server.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    RerankRequest,
     ResponsesRequest,
+    ScoreRequest,
     UnloadLoRAAdapterRequest,
 )
 from pagedserve.server.reasoning_parsers import REASONING_PARSERS, ThinkParser
@@ -59,6 +61,7 @@ from pagedserve.server.serving_embedding import EmbeddingServing
 from pagedserve.server.serving_lora import LoRAServing
 from pagedserve.server.serving_models import ServedModel, ServingModels
 from pagedserve.server.serving_responses import ResponsesServing
+from pagedserve.server.serving_score import ScoreServing
 from pagedserve.server.serving_tokenization import TokenizationServing
 from pagedserve.server.tool_parsers import ToolParser, tool_parser
 
@@ -106,6 +109,7 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     responses = ResponsesServing(chat)
     tokenization = TokenizationServing(models)
     embeddings = EmbeddingServing(models)
+    scores = ScoreServing(models)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -173,6 +177,19 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
         ids = RequestIds.of(raw, "embd")
         return _to_response(await _unless_disconnected(raw, embeddings.create(body, ids)))
+
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def create_score(body: ScoreRequest, raw: Request) -> Response:
+        ids = RequestIds.of(raw, "score")
+        return _to_response(await _unless_disconnected(raw, scores.score(body, ids)))
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankRequest, raw: Request) -> Response:
+        ids = RequestIds.of(raw, "rerank")
+        return _to_response(await _unless_disconnected(raw, scores.rerank(body, ids)))
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, raw: Request) -> Response:

@@ -505,6 +505,81 @@ class EmbeddingResponse(BaseModel):
     data: list[EmbeddingData]
     model: str
     usage: EmbeddingUsage
+
+
+# ---- scoring and reranking with an embedding model (vLLM's) -------------------------------
+# One text, or a list of at least one.
+ScoreTexts = Annotated[str | Annotated[list[str], Field(min_length=1)],
+                       AfterValidator(_unicode_text)]
+
+
+class _ScoringRequest(StrictModel):
+    model: str | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0  # vLLM's, as an embedding request's
+
+    def to_pooling_params(self) -> PoolingParams:
+        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+
+class ScoreRequest(_ScoringRequest):
+    """vLLM's ``POST /v1/score`` body: ``text_1`` against each of ``text_2`` (1:N), or the
+    i-th against the i-th when both are lists of one length (N:N)."""
+
+    text_1: ScoreTexts
+    text_2: ScoreTexts
+
+    def field_name(self, param: str) -> str:
+        return "text_2" if param == "prompt" else param
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankRequest(_ScoringRequest):
+    """``POST /v1/rerank`` (Jina's and Cohere's form, as vLLM serves it): the ``documents``
+    by their score against ``query``, best first; ``top_n`` (None or 0: all) of them."""
+
+    query: Annotated[str, AfterValidator(_unicode_text)]
+    documents: Annotated[list[str], Field(min_length=1), AfterValidator(_unicode_text)]
+    top_n: int | None = Field(default=None, ge=0)
+    return_documents: bool = True
+
+    def field_name(self, param: str) -> str:
+        return "documents" if param == "prompt" else param
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: RerankDocument | None  # None: return_documents was false
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
 # ---- the Responses API -------------------------------------------------------------------
 # Text as the Responses API sends it: checked for lone surrogates, as chat's is.
 _Text = Annotated[str, AfterValidator(_unicode_text)]

@@ -266,6 +266,14 @@ def server(chat_model, tmp_path_factory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
+def embed_server(chat_model, tmp_path_factory) -> Iterator[Server]:
+    """The model served for embeddings, scores and reranking (``--runner pooling``)."""
+    with launch_server(chat_model, tmp_path_factory.mktemp("logs"), "--runner", "pooling",
+                       "--max-num-batched-tokens", "64") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
 def ahead_server(chat_model, tmp_path_factory) -> Iterator[Server]:
     """The server with async scheduling forced on, as it runs by default on GPUs."""
     with launch_server(chat_model, tmp_path_factory.mktemp("logs"), "--async-scheduling") as s:

@@ -20,13 +20,6 @@ from tests.tiny_models import hf_pooled, random_prompts
 
 
 @pytest.fixture(scope="module")
-def embed_server(chat_model, tmp_path_factory) -> Iterator[Server]:
-    with launch_server(chat_model, tmp_path_factory.mktemp("logs"), "--runner", "pooling",
-                       "--max-num-batched-tokens", "64") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
 def reference(chat_model):
     from pagedserve import LLM
 
