@@ -87,6 +87,12 @@ def server_dev_mode() -> bool:
     return os.environ.get("VLLM_SERVER_DEV_MODE", "").strip().lower() in ("1", "true")
 
 
+def responses_store() -> bool:
+    """VLLM_ENABLE_RESPONSES_API_STORE (vLLM's name): 1 or true turns on
+    --enable-responses-store."""
+    return os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "").strip().lower() in ("1", "true")
+
+
 def cuda_home() -> str | None:
     """CUDA_HOME (else CUDA_PATH): the CUDA toolkit whose ``bin/nvcc`` builds the CUDA C++
     kernels; unset, ``nvcc`` on PATH, else /usr/local/cuda."""

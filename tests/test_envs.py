@@ -73,3 +73,10 @@ def test_pdl_modes_and_bad_gpu_switches_at_the_cuda_platforms_start(monkeypatch)
     monkeypatch.setenv("PAGEDSERVE_W4A16_WGMMA", "on")
     with pytest.raises(ConfigError, match="^PAGEDSERVE_W4A16_WGMMA must be 0 or 1, got 'on'$"):
         CudaPlatform.check_available()
+
+
+@pytest.mark.parametrize(("value", "on"), [("1", True), ("true", True), (" TRUE ", True),
+                                           ("0", False), ("", False)])
+def test_vllms_responses_store_variable_turns_the_store_on(monkeypatch, value, on):
+    monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", value)
+    assert envs.responses_store() is on

@@ -54,6 +54,7 @@ from pagedserve.server.protocol import (
 )
 from pagedserve.server.reasoning_parsers import REASONING_PARSERS, ThinkParser
 from pagedserve.server.request_ids import RequestIdHeaders, RequestIds
+from pagedserve.server.responses_store import ResponsesStore
 from pagedserve.server.serving_chat import ChatServing
 from pagedserve.server.serving_completion import CompletionServing
 from pagedserve.server.serving_dev import DevServing
@@ -85,7 +86,7 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
                allowed_origins: Sequence[str] = (),
                request_id_headers: bool = False,
                reasoning_parser: ThinkParser | None = None,
-               dev_mode: bool = False) -> FastAPI:
+               dev_mode: bool = False, responses_store: int = 0) -> FastAPI:
     """An app serving started engine cores, one per model (the first serves requests that
     name none); the app's lifespan reads their outputs and stops them at the end.
     ``enable_docs`` serves FastAPI's /docs, /redoc and /openapi.json, whose pages load their
@@ -98,7 +99,9 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     ``request_id_headers`` echoes each request's id in an ``X-Request-Id`` header, and a
     completion takes its id from the client's header (``request_ids.py``).
     ``reasoning_parser`` returns chat answers' reasoning apart. ``dev_mode`` adds vLLM's
-    development routes (``serving_dev.py``: sleep mode, the prefix-cache reset)."""
+    development routes (``serving_dev.py``: sleep mode, the prefix-cache reset).
+    ``responses_store`` is how many Responses API answers are kept (``responses_store.py``);
+    0 keeps none."""
     # Each core's latest stats, read at every scrape.
     metrics = ServerMetrics({e.facts.model_name: partial(getattr, e, "stats") for e in engines})
     models = ServingModels([ServedModel.of(e, metrics) for e in engines])
@@ -106,7 +109,8 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     loras.add_modules(lora_modules)
     completions = CompletionServing(models)
     chat = ChatServing(models, tool_parser, reasoning_parser)
-    responses = ResponsesServing(chat)
+    responses = ResponsesServing(
+        chat, ResponsesStore(responses_store) if responses_store else None)
     tokenization = TokenizationServing(models)
     embeddings = EmbeddingServing(models)
     scores = ScoreServing(models)
@@ -195,6 +199,14 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     async def create_response(body: ResponsesRequest, raw: Request) -> Response:
         ids = RequestIds.of(raw, "resp", sep="_")
         return _to_response(await _unless_disconnected(raw, responses.create(body, ids)))
+
+    @app.api_route("/v1/responses/{response_id}", methods=READ_METHODS)
+    async def retrieve_response(response_id: str) -> dict:
+        return responses.retrieve(response_id).model_dump()
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        return responses.delete(response_id).model_dump()
 
     if runtime_lora_updating:
         @app.post("/v1/load_lora_adapter")
@@ -294,7 +306,9 @@ def run_server(args: argparse.Namespace) -> None:
                          args.enable_runtime_lora_updating or envs.allow_runtime_lora_updating(),
                          args.allowed_origins, args.enable_request_id_headers,
                          REASONING_PARSERS.get(args.reasoning_parser),
-                         args.enable_server_dev_mode or envs.server_dev_mode())
+                         args.enable_server_dev_mode or envs.server_dev_mode(),
+                         args.responses_store_max
+                         if args.enable_responses_store or envs.responses_store() else 0)
     except (EngineStartError, ConfigError) as exc:  # one line, as the CLI does
         _stop(engines)
         print(f"pagedserve: error: {exc}", file=sys.stderr)

@@ -6,8 +6,9 @@ becomes ``SamplingParams``. vLLM's extra sampling fields (top_k, min_p, ...) are
 Requests are read as strictly as OpenAI reads them: ``"4"``, ``true`` or ``4.0`` is not an
 integer, infinities and NaN are not numbers, and a field this server does not know is refused
 with its name (a field it does not implement, such as ``suffix``, must not be silently ignored).
-A few fields that change nothing in the output are accepted and ignored: ``user``, ``store``,
-``metadata``, ``service_tier``, ``safety_identifier`` and ``prompt_cache_key``. OpenAI fields the
+A few fields that change nothing in the output are accepted and ignored: ``user``, ``store``
+(but by the Responses API's store), ``metadata``, ``service_tier``, ``safety_identifier`` and
+``prompt_cache_key``. OpenAI fields the
 server does not implement are accepted as ``null``, their default (the openai SDK sends
 ``"suffix": null`` for ``suffix=None``), and refused with any other value.
 """
@@ -18,7 +19,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -30,6 +31,7 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    TypeAdapter,
     model_validator,
 )
 
@@ -733,9 +735,9 @@ class ReasoningConfig(StrictModel):
 
 
 class ResponsesRequest(IgnoredFields):
-    """``POST /v1/responses``, read into the chat request it runs as (``to_chat``).
-    Nothing is stored (vLLM's default): ``store`` is accepted, and the response says
-    ``"store": false``; ``previous_response_id`` names a response this server cannot have."""
+    """``POST /v1/responses``, read into the chat request it runs as (``to_chat``), after the
+    conversation of ``previous_response_id`` where one is named (``responses_store.py``).
+    ``store`` is read there too."""
 
     # OpenAI's fields that this server does not implement: refused unless null.
     unimplemented: ClassVar[frozenset[str]] = frozenset({
@@ -759,7 +761,6 @@ class ResponsesRequest(IgnoredFields):
     reasoning: ReasoningConfig | None = None
     stream: bool | None = False
     truncation: Literal["disabled"] | None = None
-    # Refused with why in ``to_chat``: this server stores no responses.
     previous_response_id: str | None = None
     priority: int = 0  # vLLM's, as chat's
 
@@ -773,28 +774,30 @@ class ResponsesRequest(IgnoredFields):
         return {k: v for k, v in data.items() if k not in cls.unimplemented
                 or (v is not None and v != cls._DEFAULTS.get(k, None))}
 
-    def to_chat(self) -> ChatOfResponse:
-        if self.previous_response_id is not None:
-            raise InvalidSamplingParam(
-                "previous_response_id", "previous_response_id is not supported: this server "
-                "stores no responses; send the earlier turns in input instead")
+    def to_chat(self, earlier: Sequence[InputItem] = ()) -> ChatOfResponse:
+        """``earlier``: the items of the conversation before this input (a stored response's)."""
         fmt = self.text.format if self.text is not None else None
         return ChatOfResponse(
-            model=self.model, messages=self.messages(), stream=self.stream,
+            model=self.model, messages=self.messages(earlier), stream=self.stream,
             max_completion_tokens=self.max_output_tokens, temperature=self.temperature,
             top_p=self.top_p, tools=[t.to_chat() for t in self.tools] if self.tools else None,
             tool_choice=_chat_tool_choice(self.tool_choice),
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=None if fmt is None else fmt.to_chat(), priority=self.priority)
 
-    def messages(self) -> list[ChatMessage]:
-        """The conversation as chat has it: ``instructions`` as a system message first;
-        consecutive function calls (after any text of the same turn) one assistant message."""
+    def items(self) -> list[InputItem]:
+        """The input as items: a string is one user message."""
+        if isinstance(self.input, str):
+            return [InputMessage(role="user", content=self.input)]
+        return self.input
+
+    def messages(self, earlier: Sequence[InputItem] = ()) -> list[ChatMessage]:
+        """The conversation as chat has it: ``instructions`` as a system message first, then
+        ``earlier`` and the input; consecutive function calls (after any text of the same turn)
+        one assistant message."""
         messages = [] if self.instructions is None else [
             ChatMessage(role="system", content=self.instructions)]
-        items = [InputMessage(role="user", content=self.input)] \
-            if isinstance(self.input, str) else self.input
-        for item in items:  # a reasoning item is dropped
+        for item in [*earlier, *self.items()]:  # a reasoning item is dropped
             if isinstance(item, FunctionCallItem):
                 if not messages or messages[-1].role != "assistant":
                     messages.append(ChatMessage(role="assistant"))
@@ -809,6 +812,14 @@ class ResponsesRequest(IgnoredFields):
         if not messages:
             raise InvalidSamplingParam("input", "input holds no message")
         return messages
+
+
+_OUTPUT_ITEMS = TypeAdapter(list[InputItem])
+
+
+def replayed(output: list[dict[str, Any]]) -> list[InputItem]:
+    """A response's output items as input items, as a client replays them."""
+    return _OUTPUT_ITEMS.validate_python(output)
 
 
 def _chat_tool_choice(choice: Any) -> Any:
@@ -1053,10 +1064,16 @@ class ResponseObject(BaseModel):
     reasoning: dict[str, Any] | None
     metadata: dict[str, str] | None
     user: str | None
-    store: bool = False  # nothing is stored (vLLM's default)
-    previous_response_id: None = None
+    store: bool = False  # whether the response was stored (--enable-responses-store)
+    previous_response_id: str | None = None
     truncation: Literal["disabled"] = "disabled"
     background: bool = False
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True
 
 
 class ModelCard(BaseModel):

@@ -5,8 +5,10 @@ holds back tool-call markup and tags, and comes out as output items: ``reasoning
 ``message`` and ``function_call``. A whole response is its stream's items, fed the text at
 once.
 
-Nothing is stored, as in vLLM by default: ``store`` is accepted and answered ``false``, and a
-``previous_response_id`` is refused (``protocol.ResponsesRequest``).
+With ``--enable-responses-store``, a finished response of a request with ``store`` true is
+kept (``responses_store.py``): ``previous_response_id`` continues its conversation, and it can
+be read and deleted by id. Without it, nothing is stored, as in vLLM by default: ``store`` is
+answered ``false`` and ``previous_response_id`` is a 400.
 """
 
 from __future__ import annotations
@@ -16,19 +18,25 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 import msgspec
 from fastapi.responses import StreamingResponse
 
 from pagedserve.outputs import RequestOutput
-from pagedserve.server.errors import stream_error
+from pagedserve.sampling_params import InvalidSamplingParam
+from pagedserve.server.errors import APIError, stream_error
 from pagedserve.server.protocol import (
+    InputItem,
+    ResponseDeleted,
     ResponseObject,
     ResponsesRequest,
     ResponsesUsage,
+    replayed,
 )
 from pagedserve.server.request_ids import RequestIds
+from pagedserve.server.responses_store import ResponsesStore, StoredResponse
 from pagedserve.server.serving_chat import ChatRun, ChatServing, RegroupedStream
 
 _json = msgspec.json.Encoder()
@@ -41,11 +49,14 @@ _ID_PREFIX = {"message": "msg", "reasoning": "rs", "function_call": "fc"}
 @dataclass
 class ResponsesServing:
     chat: ChatServing
+    store: ResponsesStore | None = None  # None: --enable-responses-store is off
 
     async def create(self, request: ResponsesRequest,
                      ids: RequestIds) -> ResponseObject | StreamingResponse:
-        run = await self.chat.submit(request.to_chat(), ids)
-        shell = _Shell(request, run, ids.response, int(time.time()))
+        earlier = self._earlier(request.previous_response_id)
+        run = await self.chat.submit(request.to_chat(earlier), ids)
+        shell = _Shell(request, run, ids.response, int(time.time()),
+                       self.store is not None and request.store is not False, earlier)
         if request.stream:
             return StreamingResponse(self._stream(shell, run), media_type="text/event-stream")
         final = await run.final()
@@ -53,6 +64,32 @@ class ResponsesServing:
         (out,) = final.outputs
         items.update(out.text, out.finish_reason)
         return await self._finished(shell, run, items, final)
+
+    def retrieve(self, response_id: str) -> ResponseObject:
+        return self._stored(response_id, "response_id").response
+
+    def delete(self, response_id: str) -> ResponseDeleted:
+        self._stored(response_id, "response_id")
+        self.store.delete(response_id)
+        return ResponseDeleted(id=response_id)
+
+    def _earlier(self, previous_id: str | None) -> list[InputItem]:
+        """The conversation a request continues: that of its ``previous_response_id``."""
+        if previous_id is None:
+            return []
+        if self.store is None:
+            raise InvalidSamplingParam(
+                "previous_response_id", "previous_response_id needs stored responses: start "
+                "the server with --enable-responses-store, or send the earlier turns in input")
+        return self._stored(previous_id, "previous_response_id").conversation
+
+    def _stored(self, response_id: str, param: str) -> StoredResponse:
+        """The stored response, else OpenAI's 404 (also where nothing is stored)."""
+        entry = None if self.store is None else self.store.get(response_id)
+        if entry is None:
+            raise APIError(HTTPStatus.NOT_FOUND, f"Response with id {response_id!r} not found.",
+                           param=param, code="not_found")
+        return entry
 
     async def _stream(self, shell: _Shell, run: ChatRun) -> AsyncIterator[bytes]:
         numbers = itertools.count()
@@ -81,8 +118,12 @@ class ResponsesServing:
     async def _finished(self, shell: _Shell, run: ChatRun, items: OutputItems,
                         final: RequestOutput) -> ResponseObject:
         usage = await self.chat.usage(run, final.outputs, final.metrics.num_generated_tokens)
-        return shell.response(items.status, items.items,
-                              ResponsesUsage.of(usage, final.metrics.num_cached_tokens))
+        response = shell.response(items.status, items.items,
+                                  ResponsesUsage.of(usage, final.metrics.num_cached_tokens))
+        if shell.stored:
+            self.store.put(StoredResponse(response, [
+                *shell.earlier, *shell.request.items(), *replayed(response.output)]))
+        return response
 
 
 @dataclass(frozen=True)
@@ -93,6 +134,8 @@ class _Shell:
     run: ChatRun
     id: str
     created_at: int
+    stored: bool  # kept once finished
+    earlier: list[InputItem]  # the conversation of previous_response_id
 
     def response(self, status: str, output: list[dict] | None = None,
                  usage: ResponsesUsage | None = None) -> ResponseObject:
@@ -112,7 +155,8 @@ class _Shell:
             if request.text and request.text.format else {"format": {"type": "text"}},
             reasoning=None if request.reasoning is None
             else request.reasoning.model_dump(exclude_none=True),
-            metadata=request.metadata or {}, user=request.user)
+            metadata=request.metadata or {}, user=request.user, store=self.stored,
+            previous_response_id=request.previous_response_id)
 
 
 @dataclass

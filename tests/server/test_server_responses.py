@@ -222,7 +222,7 @@ def test_json_schema_format_is_enforced_as_chat_response_format(server):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input", "'input_image'"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "'item_reference'"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "--enable-responses-store"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "schema"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}},
      "tool_choice", "'other'"),
@@ -246,6 +246,15 @@ def test_unsupported_requests_are_openai_400s_and_the_server_keeps_serving(serve
 def test_sdk_raises_bad_request(server):
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         _respond(server, previous_response_id="resp_1")
+
+
+def test_nothing_is_stored_without_the_flag(server):
+    got = _respond(server, input="hi", max_output_tokens=2)
+    assert got.store is False
+    with pytest.raises(openai.NotFoundError):
+        server.client().responses.retrieve(got.id)
+    with pytest.raises(openai.NotFoundError):
+        server.client().responses.delete(got.id)
 
 
 def test_a_client_that_hangs_up_has_its_response_aborted(server):
