@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from pagedserve.lora.request import LoRARequest
     from pagedserve.outputs import (
         BeamSearchOutput,
+        ClassificationRequestOutput,
         CompletionOutput,
         EmbeddingRequestOutput,
         RequestOutput,
@@ -36,6 +37,7 @@ _LAZY = {
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "EmbeddingRequestOutput": "pagedserve.outputs",
+    "ClassificationRequestOutput": "pagedserve.outputs",
     "ScoringRequestOutput": "pagedserve.outputs",
     "PoolingParams": "pagedserve.pooling_params",
     "EngineConfig": "pagedserve.config",
@@ -54,4 +56,4 @@ def __getattr__(name: str):
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams",
            "RequestOutput", "CompletionOutput", "BeamSearchOutput", "EngineConfig",
            "LoRARequest", "PoolingParams", "EmbeddingRequestOutput",
-           "ScoringRequestOutput", "__version__"]
+           "ClassificationRequestOutput", "ScoringRequestOutput", "__version__"]

@@ -231,9 +231,11 @@ class EngineConfig:
     runner: str = option(
         "auto", "what the engine serves: generate, text generation (completions, chat); "
                 "pooling, embeddings of the prompt (/v1/embeddings, LLM.embed) and nothing "
-                "else; auto (vLLM's rule): pooling for a bare base model (architecture "
-                "XModel, no LM head) or a sentence-transformers folder (modules.json with a "
-                "Pooling module), else generate",
+                "else (a sequence classifier: classification, /classify and LLM.classify); "
+                "auto (vLLM's rule): pooling for a bare base model (architecture XModel, no "
+                "LM head), a sequence classifier (XForSequenceClassification) or a "
+                "sentence-transformers folder (modules.json with a Pooling module), else "
+                "generate",
         choices=RUNNERS)
     pooler_config: PoolerConfig | None = option(
         None, "with --runner pooling, how a prompt's final hidden states become its "
@@ -381,7 +383,7 @@ class EngineConfig:
         before its ranks start."""
         runner = self.runner
         if runner == "auto":
-            runner = "pooling" if arch.base_model or st_pooling is not None else "generate"
+            runner = "pooling" if not arch.lm_head or st_pooling is not None else "generate"
         if runner == "generate":
             self._check_generates(arch)
             return dataclasses.replace(self, runner=runner)
@@ -399,10 +401,12 @@ class EngineConfig:
                                    pooler_config=given.with_defaults(model))
 
     def _check_generates(self, arch: ModelArchConfig) -> None:
-        if arch.base_model:
+        if not arch.lm_head:
+            kind, what = (("sequence classifier", "classification") if arch.num_labels
+                          else ("bare base model", "embeddings"))
             raise ConfigError(
-                f"{arch.checkpoint_architecture} is a bare base model with no LM head: it "
-                f"cannot generate text; serve it for embeddings with --runner pooling (or auto)")
+                f"{arch.checkpoint_architecture} is a {kind} with no LM head: it cannot "
+                f"generate text; serve it for {what} with --runner pooling (or auto)")
         if self.pooler_config is not None:
             raise ConfigError(f"--pooler-config needs --runner pooling; {arch.architecture} "
                               "generates with --runner auto")

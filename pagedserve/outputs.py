@@ -149,6 +149,33 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    """vLLM's: one prompt's label probabilities (softmax over the labels; sigmoid for one)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """vLLM's ``LLM.classify`` result for one prompt."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> ClassificationRequestOutput:
+        # A classifier's pooled vector is its probabilities (worker/pooler.py).
+        return cls(output.request_id, ClassificationOutput(output.embedding),
+                   output.prompt_token_ids, output.finished)
+
+
+@dataclass
 class ScoringOutput:
     """vLLM's: the score of one text pair (the cosine similarity of their embeddings)."""
 

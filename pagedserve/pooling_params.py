@@ -20,6 +20,7 @@ from pagedserve.sampling_params import InvalidSamplingParam
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("auto", "generate", "pooling")
+POOLING_TASKS = ("embed", "classify")
 # A sentence-transformers Pooling module's flags (its ``config.json``) -> our pooling type;
 # its other modes (max, mean_sqrt_len_tokens, weightedmean) have no counterpart here.
 SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "LAST",
@@ -109,11 +110,17 @@ class PoolingParams:
     normalize: bool | None = None
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's pooling task: "embed" (LLM.embed, /v1/embeddings) or "classify" (LLM.classify,
+    # /classify); the engine serves the one its model has the head for.
+    task: str = "embed"
 
     def __post_init__(self) -> None:
         wrong = wrong_type(self, _PARAMS_FIELDS)
         if wrong is not None:
             raise InvalidSamplingParam(wrong[0], f"{wrong[0]} {wrong[1]}")
+        if self.task not in POOLING_TASKS:
+            raise InvalidSamplingParam("task", f"task must be one of {', '.join(POOLING_TASKS)}"
+                                       f", got {self.task!r:.40}")
         keep = self.truncate_prompt_tokens
         if keep is not None and keep < 1 and keep != -1:
             raise InvalidSamplingParam(

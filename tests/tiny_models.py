@@ -115,21 +115,32 @@ def _train_tokenizer():
 
 
 def write_tiny_model(folder: Path, arch: str, seed: int = 0, base_model: bool = False,
-                     **overrides) -> Path:
+                     num_labels: int = 0, **overrides) -> Path:
     """A random-weight float32 checkpoint plus a small byte-level BPE tokenizer; ``overrides``
     change the architecture's config (``hidden_size=128``). ``base_model``: saved from
     transformers' bare base class, as embedding models are published (``MistralModel``:
-    no LM head, tensor names without ``model.``)."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    no LM head, tensor names without ``model.``). ``num_labels``: saved from its
+    ``XForSequenceClassification`` (a ``score`` head of that many labels, ``id2label``,
+    ``pad_token_id`` 2)."""
+    from transformers import (
+        AutoConfig,
+        AutoModel,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+    )
 
     folder.mkdir(parents=True, exist_ok=True)
     cfg_dict = {**ARCH_CONFIGS[arch], "vocab_size": VOCAB, "bos_token_id": 0,
                 "eos_token_id": 1, **overrides}
+    if num_labels:
+        cfg_dict.update(num_labels=num_labels, pad_token_id=2,
+                        id2label={i: f"label_{i}" for i in range(num_labels)})
     model_type = cfg_dict.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg_dict)
     torch.manual_seed(seed)
-    model = (AutoModel if base_model else AutoModelForCausalLM).from_config(
-        config, dtype=torch.float32)
+    auto = (AutoModelForSequenceClassification if num_labels
+            else AutoModel if base_model else AutoModelForCausalLM)
+    model = auto.from_config(config, dtype=torch.float32)
     # Larger than the default init so greedy choices are decisive, not near-ties.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -203,6 +214,22 @@ def hf_pooled(folder, prompts, pooling_type: str, normalize: bool) -> list[torch
     else:
         pooled = (hidden * mask[..., None]).sum(1) / lengths[:, None]
     return list(torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled)
+
+
+def hf_classified(folder, prompts) -> list[torch.Tensor]:
+    """transformers' float64 label probabilities of the prompts
+    (``AutoModelForSequenceClassification``'s logits of one right-padded batch, read at each
+    prompt's last non-pad token), softmax over the labels, sigmoid for one: the reference for
+    ``LLM.classify``."""
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float64).eval()
+    pad = hf.config.pad_token_id
+    width = max(map(len, prompts))
+    ids = torch.tensor([p + [pad] * (width - len(p)) for p in prompts])
+    with torch.no_grad():
+        logits = hf(input_ids=ids, attention_mask=(ids != pad).long()).logits
+    return list(logits.sigmoid() if logits.shape[-1] == 1 else logits.softmax(-1))
 
 
 def hf_scores(folder, pairs: list[tuple[list[int], list[int]]], pooling_type: str = "LAST"

@@ -57,6 +57,7 @@ class InputLimits:
     # The model's Matryoshka sizes (ModelArchConfig's): ``dimensions`` may ask for one.
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
+    num_labels: int = 0  # a sequence classifier's: it serves task "classify" alone
     scheduling_policy: str = "fcfs"  # --scheduling-policy: priority takes request priorities
 
     def check_priority(self, priority: int) -> None:
@@ -129,9 +130,11 @@ class InputLimits:
     def _check_pooling(self, token_ids: list[int], params: PoolingParams) -> int:
         """A pooling request computes its prompt, all of it within the context window."""
         if self.runner != "pooling":
+            what = "classification" if params.task == "classify" else "embeddings"
             raise InvalidSamplingParam(
-                "prompt", "this engine generates text; embeddings need an engine started with "
-                "--runner pooling (runner='pooling')")
+                "prompt", f"this engine generates text; {what} need a pooling model on an "
+                "engine started with --runner pooling (runner='pooling')")
+        self._check_task(params.task)
         if not token_ids:
             raise InvalidSamplingParam("prompt", "the prompt is empty")
         if len(token_ids) > self.max_model_len:
@@ -149,6 +152,18 @@ class InputLimits:
                 f"({self.num_kv_blocks * self.block_size} tokens); shorten it or enlarge "
                 "the cache")
         return 0
+
+    def _check_task(self, task: str) -> None:
+        """A classifier classifies and an embedding model embeds (vLLM refuses the others)."""
+        if task == "classify" and not self.num_labels:
+            raise InvalidSamplingParam(
+                "model", "this model is not a sequence classifier (XForSequenceClassification "
+                "with a score head): classification is not supported; it serves embeddings "
+                "(/v1/embeddings, LLM.embed)")
+        if task == "embed" and self.num_labels:
+            raise InvalidSamplingParam(
+                "model", "this model is a sequence classifier: it serves classification "
+                "(/classify, LLM.classify), not embeddings or embedding scores")
 
     def _check_dimensions(self, dimensions: int) -> None:
         """``dimensions`` keeps an embedding's first values (vLLM's Matryoshka rule): only for

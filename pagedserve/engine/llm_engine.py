@@ -124,6 +124,7 @@ class LLMEngine:
                                   hidden_size=self.arch.hidden_size,
                                   is_matryoshka=self.arch.is_matryoshka,
                                   matryoshka_dimensions=self.arch.matryoshka_dimensions,
+                                  num_labels=self.arch.num_labels,
                                   scheduling_policy=config.scheduling_policy)
         self.adapters = (HostAdapters(config.max_lora_rank, self.arch, config.cpu_loras)
                          if config.enable_lora else None)

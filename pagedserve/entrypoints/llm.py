@@ -14,6 +14,7 @@ from pagedserve.models.chat_template import read_chat_template, render_options
 from pagedserve.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     RequestOutput,
     ScoringOutput,
@@ -134,18 +135,42 @@ class LLM:
         ``truncate_prompt_tokens`` keeps each prompt's last k tokens (-1: as many as the
         context holds), where ``pooling_params`` leave it unset. ``priority`` as
         ``generate``'s."""
+        outputs = self._pool(prompts, "embed", truncate_prompt_tokens, use_tqdm,
+                             pooling_params, lora_request, priority)
+        return [EmbeddingRequestOutput.of(o) for o in outputs]
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities (vLLM's call), in input order, from a sequence
+        classifier (``XForSequenceClassification``, ``runner="pooling"``): its score head over
+        the prompt's last token, then softmax (sigmoid for one label). Arguments as
+        ``embed``'s."""
+        outputs = self._pool(prompts, "classify", truncate_prompt_tokens, use_tqdm,
+                             pooling_params, lora_request, priority)
+        return [ClassificationRequestOutput.of(o) for o in outputs]
+
+    def _pool(self, prompts, task: str, truncate_prompt_tokens: int | None, use_tqdm,
+              pooling_params, lora_request, priority) -> list[RequestOutput]:
+        """``embed``'s and ``classify``'s run: every prompt as a pooling request of ``task``."""
         _check_use_tqdm(use_tqdm)
         prompt_list = _as_prompt_list(prompts)
         params_list = _per_prompt_params(pooling_params, PoolingParams, len(prompt_list),
                                          PoolingParams(), "pooling_params")
-        if truncate_prompt_tokens is not None:
-            params_list = [p if p.truncate_prompt_tokens is not None else dataclasses.replace(
-                p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
+        params_list = [dataclasses.replace(p, task=task, truncate_prompt_tokens=(
+            truncate_prompt_tokens if p.truncate_prompt_tokens is None
+            else p.truncate_prompt_tokens)) for p in params_list]
         loras = _per_prompt(lora_request, len(prompt_list))
         priorities = None if priority is None else _priorities(priority, len(prompt_list))
-        outputs = self._run(self.engine.add_requests(prompt_list, params_list, loras,
-                                                     priorities), use_tqdm)
-        return [EmbeddingRequestOutput.of(o) for o in outputs]
+        return self._run(self.engine.add_requests(prompt_list, params_list, loras, priorities),
+                         use_tqdm)
 
     def score(
         self,

@@ -23,18 +23,26 @@ class UnsupportedModel(ValueError):
     """The checkpoint's architecture has no model code here."""
 
 
-def resolve_architecture(names: list[str]) -> tuple[str, bool] | None:
+# The suffixes of a checkpoint's architecture that name a supported ``XForCausalLM``'s decoder
+# under another head: the bare base model (no head) and the sequence classifier.
+BASE_MODEL, CLASSIFIER = "Model", "ForSequenceClassification"
+
+
+def resolve_architecture(names: list[str]) -> tuple[str, str] | None:
     """The supported ``*ForCausalLM`` architecture a checkpoint's ``architectures`` name, and
-    whether the checkpoint is its bare base model: ``XModel`` (e5-mistral's ``MistralModel``,
-    gte's ``Qwen2Model``), the decoder without an LM head, served for embeddings alone. Any
-    ``XModel`` whose ``XForCausalLM`` is supported is, as vLLM's registry maps it. None: no
-    name is supported."""
+    its head: "" (the LM head), ``BASE_MODEL`` for the bare base model ``XModel`` (e5-mistral's
+    ``MistralModel``, gte's ``Qwen2Model``, the decoder without a head, served for embeddings
+    alone) or ``CLASSIFIER`` for ``XForSequenceClassification`` (the decoder and a linear
+    ``score`` head over its last token, served for classification alone). Any ``XModel`` or
+    ``XForSequenceClassification`` whose ``XForCausalLM`` is supported is, as vLLM's registry
+    maps them. None: no name is supported."""
     for name in names:
         if name in SUPPORTED_ARCHITECTURES:
-            return name, False
-        causal = name.removesuffix("Model") + "ForCausalLM"
-        if name.endswith("Model") and causal in SUPPORTED_ARCHITECTURES:
-            return causal, True
+            return name, ""
+        for head in (BASE_MODEL, CLASSIFIER):
+            causal = name.removesuffix(head) + "ForCausalLM"
+            if name.endswith(head) and causal in SUPPORTED_ARCHITECTURES:
+                return causal, head
     return None
 
 
@@ -63,6 +71,13 @@ class ModelArchConfig:
     torch_dtype: str | None = None
     # The checkpoint is the bare base model (``XModel``): no LM head, only --runner pooling.
     base_model: bool = False
+    # A sequence classifier (``XForSequenceClassification``, only --runner pooling): a
+    # ``score`` head [num_labels, hidden] (no bias) over the last token's final hidden state;
+    # 0 for any other checkpoint. ``labels`` are its ``id2label`` names, in label order;
+    # ``problem_type`` picks the activation (``classifier_activation``).
+    num_labels: int = 0
+    labels: tuple[str, ...] = ()
+    problem_type: str | None = None
     # Mixture of experts (Mixtral, Qwen3-MoE): ``num_experts`` SwiGLU experts of
     # ``moe_intermediate_size`` each, ``num_experts_per_tok`` chosen per token by a softmax
     # router, their weights renormalised to sum to 1 where ``norm_topk_prob``. The layers in
@@ -96,9 +111,26 @@ class ModelArchConfig:
     @property
     def checkpoint_architecture(self) -> str:
         """The name as the checkpoint's config says it (``MistralModel`` for a base model)."""
-        if self.base_model:
-            return self.architecture.removesuffix("ForCausalLM") + "Model"
+        if self.base_model or self.num_labels:
+            head = BASE_MODEL if self.base_model else CLASSIFIER
+            return self.architecture.removesuffix("ForCausalLM") + head
         return self.architecture
+
+    @property
+    def lm_head(self) -> bool:
+        """Whether the checkpoint has an LM head, so it can generate."""
+        return not (self.base_model or self.num_labels)
+
+    @property
+    def classifier_activation(self) -> str:
+        """How a classifier's logits become its ``probs``, as vLLM picks (after transformers'
+        loss for the config's ``problem_type``): "identity" for regression, "sigmoid" for
+        multi-label classification or a single label, else "softmax"."""
+        if self.problem_type == "regression":
+            return "identity"
+        if self.problem_type == "multi_label_classification" or self.num_labels < 2:
+            return "sigmoid"
+        return "softmax"
 
     @property
     def rotary_dim(self) -> int:
@@ -123,10 +155,11 @@ class ModelArchConfig:
         if found is None:
             raise UnsupportedModel(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}, and the bare XModel of "
-                "each XForCausalLM (for embeddings, --runner pooling)"
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}, and the bare XModel and "
+                "the XForSequenceClassification of each XForCausalLM (for embeddings and "
+                "classification, --runner pooling)"
             )
-        arch, base_model = found
+        arch, head = found
         num_heads = cfg["num_attention_heads"]
         qwen3 = arch in _QWEN3_ATTENTION
         if qwen3 and cfg.get("attention_bias", False):
@@ -178,8 +211,9 @@ class ModelArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            base_model=base_model,
+            base_model=head == BASE_MODEL,
             raw=cfg,
+            **(_classifier_fields(cfg) if head == CLASSIFIER else {}),
             **_moe_fields(arch, cfg),
             **phi3,
             **_granite_fields(arch, cfg),
@@ -188,6 +222,18 @@ class ModelArchConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+
+def _classifier_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A sequence classifier's labels: transformers saves ``id2label`` (its length is
+    ``num_labels``), older configs ``num_labels`` alone (labels then ``LABEL_i``)."""
+    id2label = cfg.get("id2label") or {}
+    num_labels = len(id2label) or int(cfg.get("num_labels", 2))
+    if num_labels < 1:
+        raise UnsupportedModel(f"a sequence classifier needs num_labels >= 1, got {num_labels}")
+    labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}")))
+                   for i in range(num_labels))
+    return dict(num_labels=num_labels, labels=labels, problem_type=cfg.get("problem_type"))
 
 
 def _matryoshka_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -184,6 +184,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (linears.column(cfg.hidden_size, [linears.tp.padded_part(cfg.vocab_size)],
                                        quantize_at_load=False)
                         if lm_head else None)
+        # A sequence classifier's head, replicated on every rank (rank 0's pooler reads it).
+        self.score = (nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False,
+                                dtype=linears.dtype, device=linears.device)
+                      if cfg.num_labels else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], ctx: ForwardContext
@@ -268,9 +272,10 @@ class LlamaForCausalLM(nn.Module):
         """``weights`` under this class's names: a bare base model's checkpoint (``XModel``,
         saved from transformers' base class) names its tensors ``embed_tokens.weight``,
         ``layers.0...``, ``norm.weight``, without the ``model.`` prefix of ``XForCausalLM``'s
-        (vLLM's pooling adapter maps them alike). Names already prefixed pass unchanged."""
+        (vLLM's pooling adapter maps them alike). Names already prefixed, and a classifier's
+        ``score.weight``, pass unchanged."""
         for name, weight in weights:
-            if not name.startswith(("model.", "lm_head.")):
+            if not name.startswith(("model.", "lm_head.", "score.")):
                 name = "model." + name
             yield name, weight
 
@@ -311,6 +316,8 @@ def checkpoint_shapes(c: ModelArchConfig, lm_head: bool = True) -> dict[str, tup
                                           "model.norm.weight": (c.hidden_size,)}
     if not c.tie_word_embeddings and lm_head:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    if c.num_labels:
+        shapes["score.weight"] = (c.num_labels, c.hidden_size)
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     layer = {"input_layernorm.weight": (c.hidden_size,),
              "post_attention_layernorm.weight": (c.hidden_size,),

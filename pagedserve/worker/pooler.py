@@ -8,6 +8,11 @@ every chunk's rows, until the last chunk; a stream that starts again from its fi
 the engine runs them without prefix caching (``EngineConfig.prefix_caching``). Per step the
 work is a few tensor ops over the pooling rows (one gather, one segment sum); the Python
 loops run per stream, never per token.
+
+A sequence classifier's pooler has its ``score`` head: the pooled row (LAST unless
+``--pooler-config`` says otherwise) goes through it and the model's activation (softmax,
+sigmoid or none, ``ModelArchConfig.classifier_activation``), as vLLM's classify pooler does,
+and those label probabilities are the stream's pooled vector, never normalized.
 """
 
 from __future__ import annotations
@@ -67,10 +72,18 @@ def pooling_chunks(scheduled: list[ScheduledSequence]) -> PoolingChunks | None:
                          np.asarray(last, dtype=bool))
 
 
+_ACTIVATIONS = {"softmax": lambda x: x.softmax(-1), "sigmoid": torch.sigmoid,
+                "identity": lambda x: x}
+
+
 class Pooler:
-    def __init__(self, config: PoolerConfig, device: torch.device) -> None:
+    def __init__(self, config: PoolerConfig, device: torch.device,
+                 classifier: torch.nn.Linear | None = None, activation: str = "softmax"
+                 ) -> None:
         self.config = config
         self.device = device
+        self.classifier = classifier
+        self.activation = _ACTIVATIONS[activation]
         # MEAN: each stream's float32 sum of its rows so far; CLS: its first row.
         self._partial: dict[Sequence, torch.Tensor] = {}
 
@@ -86,7 +99,14 @@ class Pooler:
         if not len(vectors):
             return None
         seqs = [s for s, last in zip(chunks.seqs, chunks.last, strict=True) if last]
+        if self.classifier is not None:
+            return Pooled(seqs, self._classified(vectors))
         return Pooled(seqs, self._normalized(self._truncated(vectors, seqs), seqs))
+
+    def _classified(self, vectors: torch.Tensor) -> torch.Tensor:
+        """Label probabilities (float32) of pooled rows, through the head in its dtype."""
+        logits = self.classifier(vectors.to(self.classifier.weight.dtype)).float()
+        return self.activation(logits)
 
     def _rows(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         index = torch.from_numpy(rows).to(self.device, non_blocking=True)

@@ -93,7 +93,8 @@ class Worker:
         if config.enable_lora:
             self.runner.add_lora(config.max_loras, config.max_lora_rank)
         if config.pooling is not None and self.tp.rank == 0:  # only rank 0 pools
-            self.runner.pooler = Pooler(config.pooling, self.runner.device)
+            self.runner.pooler = Pooler(config.pooling, self.runner.device,
+                                        self.runner.model.score, arch.classifier_activation)
         drafts = config.speculative_config
         # An EAGLE-3 head on rank 0 reads the target's embedding table: under tensor
         # parallelism a gathered copy (the target's own lookup is a collective).
@@ -162,7 +163,7 @@ def _draft_runner(config: EngineConfig, resolved: ResolvedConfig, arch: ModelArc
     dummy = config.load_format == "dummy"
     source = loader.resolve_model(config.speculative_config.model, not dummy)
     draft_arch = loader.load_arch_config(source)
-    if draft_arch.base_model:
+    if not draft_arch.lm_head:
         raise ConfigError(f"--speculative-config: the draft model is a bare "
                           f"{draft_arch.checkpoint_architecture}, without an LM head: it "
                           "cannot draft tokens")

@@ -1,0 +1,87 @@
+"""``LLM.classify`` on sequence classifiers (``LlamaForSequenceClassification``,
+``Qwen2ForSequenceClassification``, ``Qwen3ForSequenceClassification``: transformers' own
+random checkpoints, ``model.*`` and ``score.weight``) against transformers'
+``AutoModelForSequenceClassification`` in float64: softmax over 3 labels, sigmoid over 1, on
+batches of prompts of several lengths, the longer ones in chunks; ``--runner auto`` pools them,
+and the requests a classifier or an embedding model refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import PoolingParams, SamplingParams
+from pagedserve.errors import ConfigError
+from tests.tiny_models import hf_classified, make_llm, random_prompts, write_tiny_model
+
+# float32 engine against a float64 reference, over a 2-layer model of width 64.
+ATOL = 2e-5
+LENGTHS = [1, 5, 23, 64, 97]
+
+
+@pytest.fixture(scope="module", params=["llama3-3", "qwen2-3", "qwen3-1", "llama3-1"])
+def classifier(request, tmp_path_factory):
+    arch, _, labels = request.param.partition("-")
+    return write_tiny_model(tmp_path_factory.mktemp(request.param) / "m", arch, seed=5,
+                            num_labels=int(labels))
+
+
+def _probs(llm, prompts, **kwargs) -> list[torch.Tensor]:
+    outs = llm.classify(prompts, use_tqdm=False, **kwargs)
+    for out, prompt in zip(outs, prompts, strict=True):
+        assert out.prompt_token_ids == prompt and out.finished
+        assert out.outputs.num_classes == llm.engine.arch.num_labels
+    return [torch.tensor(o.outputs.probs, dtype=torch.float64) for o in outs]
+
+
+def _assert_close(got, want) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape, i
+        assert torch.allclose(g, w, atol=ATOL, rtol=0), (i, (g - w).abs().max().item())
+
+
+def test_classify_matches_transformers(classifier):
+    """``--runner auto`` pools a classifier; a budget of 32 tokens runs the longer prompts in
+    chunks over several steps, all at once and one by one."""
+    prompts = random_prompts("classify", LENGTHS)
+    llm = make_llm(classifier, max_num_batched_tokens=32)
+    assert llm.engine.config.runner == "pooling"
+    runner = llm.engine.executor.runner
+    assert runner.model.lm_head is None and runner.model.score is not None
+    want = hf_classified(classifier, prompts)
+    # Random labels are near-uniform: the probabilities differ from prompt to prompt, so a
+    # wrong row read (the first token's, another prompt's) shows.
+    assert max(float((w - want[0]).abs().max()) for w in want) > 1e-3
+    _assert_close(_probs(llm, prompts), want)
+    _assert_close([_probs(llm, [p])[0] for p in prompts], want)
+    if llm.engine.arch.num_labels > 1:
+        assert all(abs(float(p.sum()) - 1) < 1e-5 for p in want)
+    pool = llm.engine.kv.pool
+    assert not llm.engine.has_unfinished_requests() and pool.num_used == 0
+
+
+def test_classifier_refusals(classifier):
+    """A classifier neither embeds nor generates; an embedding model does not classify."""
+    llm = make_llm(classifier)
+    assert llm.engine.arch.checkpoint_architecture.endswith("ForSequenceClassification")
+    with pytest.raises(ValueError, match="sequence classifier.*/classify"):
+        llm.embed([[5, 6]], use_tqdm=False)
+    with pytest.raises(ValueError, match="--runner pooling"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ConfigError, match="sequence classifier with no LM head.*--runner "
+                                          "pooling"):
+        make_llm(classifier, runner="generate")
+    with pytest.raises(ValueError, match="task must be one of"):
+        PoolingParams(task="reward")
+    kept = llm.classify([random_prompts(3, [40])[0]], truncate_prompt_tokens=10,
+                        use_tqdm=False)[0]
+    assert len(kept.prompt_token_ids) == 10
+
+
+def test_embedding_and_generating_models_do_not_classify(tmp_path):
+    folder = write_tiny_model(tmp_path / "m", "llama3", seed=5)
+    with pytest.raises(ValueError, match="not a sequence classifier"):
+        make_llm(folder, runner="pooling").classify([[5, 6]], use_tqdm=False)
+    with pytest.raises(ValueError, match="classification need .*--runner pooling"):
+        make_llm(folder).classify([[5, 6]], use_tqdm=False)
