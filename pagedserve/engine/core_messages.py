@@ -99,6 +99,7 @@ class EngineFacts(msgspec.Struct):
     lora: LoRAFacts | None = None  # None: LoRA is off
     # --generation-config's defaults for the sampling fields a request leaves unset.
     sampling_defaults: dict[str, float | int] = msgspec.field(default_factory=dict)
+    labels: tuple[str, ...] = ()  # a sequence classifier's label names, in label order
 
 
 class CoreReady(msgspec.Struct, tag=True, array_like=True):

@@ -67,7 +67,7 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, ready: Conne
     gc.collect()
     gc.freeze()
     facts = msg.EngineFacts(engine.model_name, engine.limits, _lora_facts(engine),
-                            engine.sampling_defaults)
+                            engine.sampling_defaults, engine.arch.labels)
     # Connected before it says it is ready, so that the server's first command finds it.
     context = zmq.Context()
     commands = context.socket(zmq.PULL)

@@ -43,6 +43,7 @@ from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.models_config import ModelSpec, serve_configs
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
@@ -56,6 +57,7 @@ from pagedserve.server.reasoning_parsers import REASONING_PARSERS, ThinkParser
 from pagedserve.server.request_ids import RequestIdHeaders, RequestIds
 from pagedserve.server.responses_store import ResponsesStore
 from pagedserve.server.serving_chat import ChatServing
+from pagedserve.server.serving_classification import ClassificationServing
 from pagedserve.server.serving_completion import CompletionServing
 from pagedserve.server.serving_dev import DevServing
 from pagedserve.server.serving_embedding import EmbeddingServing
@@ -113,6 +115,7 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
         chat, ResponsesStore(responses_store) if responses_store else None)
     tokenization = TokenizationServing(models)
     embeddings = EmbeddingServing(models)
+    classifications = ClassificationServing(models)
     scores = ScoreServing(models)
 
     @asynccontextmanager
@@ -181,6 +184,12 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
         ids = RequestIds.of(raw, "embd")
         return _to_response(await _unless_disconnected(raw, embeddings.create(body, ids)))
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def create_classification(body: ClassificationRequest, raw: Request) -> Response:
+        ids = RequestIds.of(raw, "classify")
+        return _to_response(await _unless_disconnected(raw, classifications.create(body, ids)))
 
     @app.post("/v1/score")
     @app.post("/score")

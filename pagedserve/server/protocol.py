@@ -469,26 +469,31 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
             raise InvalidSamplingParam(self.field_name(exc.param), str(exc)) from None
 
 
-class EmbeddingRequest(StrictModel):
-    """OpenAI's ``POST /v1/embeddings`` body, plus vLLM's ``truncate_prompt_tokens`` and
-    ``priority``; ``dimensions`` needs a Matryoshka model (the engine's input limits check
-    it)."""
+class _PoolingInputRequest(StrictModel):
+    """The fields of a pooling request over ``input`` (embeddings, classification): vLLM's
+    ``truncate_prompt_tokens`` and ``priority`` (a completion's)."""
 
     model: str | None = None
     input: PromptInput
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None  # accepted and ignored, as OpenAI's other endpoints' is
     truncate_prompt_tokens: int | None = None
-    priority: int = 0  # vLLM's, as a completion's
-
-    def to_pooling_params(self) -> PoolingParams:
-        return PoolingParams(dimensions=self.dimensions,
-                             truncate_prompt_tokens=self.truncate_prompt_tokens)
+    priority: int = 0
 
     def field_name(self, param: str) -> str:
         """The field of this request that an engine parameter came from."""
         return "input" if param == "prompt" else param
+
+
+class EmbeddingRequest(_PoolingInputRequest):
+    """OpenAI's ``POST /v1/embeddings`` body; ``dimensions`` needs a Matryoshka model (the
+    engine's input limits check it)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+
+    def to_pooling_params(self) -> PoolingParams:
+        return PoolingParams(dimensions=self.dimensions,
+                             truncate_prompt_tokens=self.truncate_prompt_tokens)
 
 
 class EmbeddingData(BaseModel):
@@ -507,6 +512,40 @@ class EmbeddingResponse(BaseModel):
     data: list[EmbeddingData]
     model: str
     usage: EmbeddingUsage
+
+
+# ---- classification with a sequence classifier (vLLM's) -----------------------------------
+class ClassificationRequest(_PoolingInputRequest):
+    """vLLM's ``POST /classify`` body: each input's label probabilities."""
+
+    def to_pooling_params(self) -> PoolingParams:
+        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens,
+                             task="classify")
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str  # the most probable label's name (config.json's id2label)
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationUsage(EmbeddingUsage):
+    completion_tokens: int = 0
+
+
+class _ListResponse(BaseModel):
+    """The head of vLLM's pooling responses that list their results in ``data``."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+
+
+class ClassificationResponse(_ListResponse):
+    data: list[ClassificationData]
+    usage: ClassificationUsage
 
 
 # ---- scoring and reranking with an embedding model (vLLM's) -------------------------------
@@ -541,11 +580,7 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=_now)
-    model: str
+class ScoreResponse(_ListResponse):
     data: list[ScoreData]
     usage: EmbeddingUsage
 

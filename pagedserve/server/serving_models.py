@@ -51,6 +51,7 @@ class ServedModel:
     lora: LoRAFacts | None = None  # what its adapters must fit; None: LoRA is off
     # --generation-config's: what a request's unset sampling fields take.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    labels: tuple[str, ...] = ()  # a sequence classifier's label names, in label order
     card: ModelCard = field(init=False)
     _tokenizer_thread: ThreadPoolExecutor = field(init=False, repr=False)
     _token_bytes: TokenBytes | None = field(default=None, init=False, repr=False)
@@ -80,7 +81,7 @@ class ServedModel:
         facts = engine.facts
         return cls(facts.model_name, facts.limits.max_model_len, engine.tokenizer,
                    EngineClient(engine, metrics.of(facts.model_name)), facts.lora,
-                   facts.sampling_defaults)
+                   facts.sampling_defaults, facts.labels)
 
     def check_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None,
                          param: str = "max_tokens") -> None:

@@ -12,11 +12,8 @@ import torch
 
 from pagedserve import PoolingParams, SamplingParams
 from pagedserve.errors import ConfigError
+from tests.engine.test_pooling import LENGTHS, _assert_all_blocks_free, _assert_close
 from tests.tiny_models import hf_classified, make_llm, random_prompts, write_tiny_model
-
-# float32 engine against a float64 reference, over a 2-layer model of width 64.
-ATOL = 2e-5
-LENGTHS = [1, 5, 23, 64, 97]
 
 
 @pytest.fixture(scope="module", params=["llama3-3", "qwen2-3", "qwen3-1", "llama3-1"])
@@ -32,13 +29,6 @@ def _probs(llm, prompts, **kwargs) -> list[torch.Tensor]:
         assert out.prompt_token_ids == prompt and out.finished
         assert out.outputs.num_classes == llm.engine.arch.num_labels
     return [torch.tensor(o.outputs.probs, dtype=torch.float64) for o in outs]
-
-
-def _assert_close(got, want) -> None:
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g.shape == w.shape, i
-        assert torch.allclose(g, w, atol=ATOL, rtol=0), (i, (g - w).abs().max().item())
 
 
 def test_classify_matches_transformers(classifier):
@@ -57,8 +47,7 @@ def test_classify_matches_transformers(classifier):
     _assert_close([_probs(llm, [p])[0] for p in prompts], want)
     if llm.engine.arch.num_labels > 1:
         assert all(abs(float(p.sum()) - 1) < 1e-5 for p in want)
-    pool = llm.engine.kv.pool
-    assert not llm.engine.has_unfinished_requests() and pool.num_used == 0
+    _assert_all_blocks_free(llm)
 
 
 def test_classifier_refusals(classifier):

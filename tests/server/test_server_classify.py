@@ -1,0 +1,90 @@
+"""``POST /classify`` on a sequence classifier served with ``--runner auto`` (which pools it),
+against transformers' ``AutoModelForSequenceClassification`` in float64; the endpoints a
+classifier refuses, ``/classify`` on an embedding and a generating server, and that the
+server keeps serving after every refusal with no KV blocks held."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from tests.server.conftest import MAX_MODEL_LEN, Server, launch_server
+from tests.tiny_models import hf_classified, random_prompts, write_tiny_model
+
+ATOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("classifier") / "model", "qwen2", seed=5,
+                            num_labels=3, max_position_embeddings=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def classify_server(classifier, tmp_path_factory) -> Iterator[Server]:
+    with launch_server(classifier, tmp_path_factory.mktemp("logs"),
+                       "--max-num-batched-tokens", "64") as s:
+        yield s
+
+
+def _assert_held_nothing(server: Server) -> None:
+    values = server.wait_for_metrics(lambda v: v.get("num_requests_running") == 0)
+    assert values["kv_cache_usage_perc"] == 0 and values["num_requests_waiting"] == 0
+
+
+def test_classify_matches_transformers(classify_server, classifier):
+    texts = ["hello world", "the quick brown fox jumps over the lazy dog " * 12]  # chunked
+    r = classify_server.post("/classify", json={"model": "model", "input": texts})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "list" and out["model"] == "model"
+    assert out["id"].startswith("classify-") and isinstance(out["created"], int)
+    tokenizer = AutoTokenizer.from_pretrained(classifier)
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    want = hf_classified(classifier, prompts)
+    assert [d["index"] for d in out["data"]] == [0, 1]
+    for d, w in zip(out["data"], want, strict=True):
+        assert d["num_classes"] == 3
+        np.testing.assert_allclose(d["probs"], w.numpy(), atol=ATOL, rtol=0)
+        assert d["label"] == f"label_{int(w.argmax())}"
+    tokens = sum(map(len, prompts))
+    assert out["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens,
+                            "completion_tokens": 0}
+    single = classify_server.post("/v1/classify", json={"input": texts[0]}).json()
+    np.testing.assert_allclose(single["data"][0]["probs"], want[0].numpy(), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/v1/embeddings", {"input": "hi"}, "sequence classifier.*/classify"),
+    ("/v1/score", {"text_1": "a", "text_2": ["b"]}, "cross-encoder scoring is not supported"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, "--runner pooling"),
+    ("/classify", {"input": [[5] * (MAX_MODEL_LEN + 1)]}, "context length"),
+    ("/classify", {"input": ""}, "empty"),
+])
+def test_refusals_are_400_and_it_keeps_serving(classify_server, path, body, message):
+    r = classify_server.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert re.search(message, r.json()["error"]["message"]), r.text
+    ok = classify_server.post("/classify", json={"input": random_prompts(1, [9])})
+    assert ok.status_code == 200 and len(ok.json()["data"][0]["probs"]) == 3
+    _assert_held_nothing(classify_server)
+
+
+def test_classify_on_an_embedding_server_is_400(embed_server):
+    r = embed_server.post("/classify", json={"input": "hi"})
+    assert r.status_code == 400, r.text
+    assert "not a sequence classifier" in r.json()["error"]["message"]
+    assert embed_server.post("/v1/embeddings", json={"input": "hi"}).status_code == 200
+    _assert_held_nothing(embed_server)
+
+
+def test_classify_on_a_generating_server_names_the_runner(server):
+    r = server.post("/classify", json={"input": "hi"})
+    assert r.status_code == 400, r.text
+    assert "--runner pooling" in r.json()["error"]["message"]
+    assert server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}
+                       ).status_code == 200
