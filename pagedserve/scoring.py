@@ -1,6 +1,8 @@
 """vLLM's scoring of text pairs with an embedding model (``LLM.score``, ``/v1/score``,
 ``/v1/rerank``): which texts are paired, and the score of a pair, the cosine similarity of
-their embeddings.
+their embeddings. With a cross-encoder (a sequence classifier of one label) a pair is one
+prompt instead, the tokenizer's pair encoding of the two texts, and its score the classifier's
+probability.
 
 The cosine is computed in float64 whether or not the pooler normalized the embeddings, so a
 score is the same under ``--pooler-config '{"normalize": false}'``."""
@@ -8,6 +10,7 @@ score is the same under ``--pooler-config '{"normalize": false}'``."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +27,13 @@ def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
         raise ValueError(f"{num_first} first texts against {num_second} second texts: give "
                          "one first text (1:N) or as many as the second texts (N:N)")
     return [(i, i) for i in range(num_first)]
+
+
+def cross_encoder_prompts(tokenizer: Any, firsts: Sequence[str], seconds: Sequence[str],
+                          pairs: list[tuple[int, int]]) -> list[list[int]]:
+    """Each pair's two texts as one prompt, as vLLM's cross-encoder scoring joins them: the
+    tokenizer's pair encoding (its template's special tokens and separators)."""
+    return [list(tokenizer(firsts[i], seconds[j])["input_ids"]) for i, j in pairs]
 
 
 def cosine_similarity(a: Sequence[float], b: Sequence[float]) -> float:

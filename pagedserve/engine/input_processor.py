@@ -163,8 +163,8 @@ class InputLimits:
         if task == "embed" and self.num_labels:
             raise InvalidSamplingParam(
                 "model", "this model is a sequence classifier: it serves classification "
-                "(/classify, LLM.classify) alone; embeddings, and scores and reranking "
-                "(cross-encoder scoring is not supported), need an embedding model")
+                "(/classify, LLM.classify), and scores and reranking when it has one label "
+                "(a cross-encoder); embeddings need an embedding model")
 
     def _check_dimensions(self, dimensions: int) -> None:
         """``dimensions`` keeps an embedding's first values (vLLM's Matryoshka rule): only for

@@ -22,7 +22,7 @@ from pagedserve.outputs import (
 )
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
-from pagedserve.scoring import cosine_similarity, score_pairs
+from pagedserve.scoring import cosine_similarity, cross_encoder_prompts, score_pairs
 
 if TYPE_CHECKING:
     import torch
@@ -186,13 +186,31 @@ class LLM:
         """vLLM's call for an embedding model (``runner="pooling"``): the cosine similarity of
         ``data_1``'s embedding with each of ``data_2``'s (1:N), or of the i-th with the i-th
         when both are lists of one length (N:N); one output per pair, in order. Every text is
-        embedded once, all in one batch, as ``embed`` would."""
+        embedded once, all in one batch, as ``embed`` would. With a cross-encoder (a sequence
+        classifier of one label) each pair of texts is one prompt, the tokenizer's pair
+        encoding, and its score the classifier's probability, as vLLM's."""
         firsts, seconds = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = score_pairs(len(firsts), len(seconds))
+        if self.engine.arch.num_labels == 1:
+            return self._cross_encoder_scores(firsts, seconds, pairs, truncate_prompt_tokens,
+                                              use_tqdm, pooling_params, lora_request)
         embedded = self.embed(firsts + seconds, truncate_prompt_tokens=truncate_prompt_tokens,
                               use_tqdm=use_tqdm, pooling_params=pooling_params,
                               lora_request=lora_request)
         return [_scored(embedded[i], embedded[len(firsts) + j]) for i, j in pairs]
+
+    def _cross_encoder_scores(self, firsts, seconds, pairs, truncate_prompt_tokens, use_tqdm,
+                              pooling_params, lora_request) -> list[ScoringRequestOutput]:
+        """A one-label classifier's scores: each pair classified as one prompt."""
+        if not all(isinstance(t, str) for t in firsts + seconds):
+            raise TypeError("scoring with a cross-encoder (a classifier of one label) takes "
+                            "texts, which its tokenizer joins as a pair")
+        prompts = cross_encoder_prompts(self.engine.tokenizer, firsts, seconds, pairs)
+        outputs = self.classify(prompts, truncate_prompt_tokens=truncate_prompt_tokens,
+                                use_tqdm=use_tqdm, pooling_params=pooling_params,
+                                lora_request=lora_request)
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]),
+                                     o.prompt_token_ids) for o in outputs]
 
     def beam_search(
         self,

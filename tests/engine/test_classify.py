@@ -74,3 +74,28 @@ def test_embedding_and_generating_models_do_not_classify(tmp_path):
         make_llm(folder, runner="pooling").classify([[5, 6]], use_tqdm=False)
     with pytest.raises(ValueError, match="classification need .*--runner pooling"):
         make_llm(folder).classify([[5, 6]], use_tqdm=False)
+
+
+def test_score_with_a_cross_encoder(classifier):
+    """vLLM's cross-encoder scoring with a classifier of one label: each pair joined by the
+    tokenizer's pair encoding, scored by its sigmoid probability; 1:N and N:N. A classifier
+    of several labels scores nothing."""
+    from transformers import AutoTokenizer
+
+    llm = make_llm(classifier)
+    if llm.engine.arch.num_labels != 1:
+        with pytest.raises(ValueError, match="sequence classifier"):
+            llm.score("a", ["b"], use_tqdm=False)
+        return
+    tokenizer = AutoTokenizer.from_pretrained(classifier)
+    query, docs = "what is paged attention", ["a kv cache in blocks", "hello world " * 9]
+    joined = [tokenizer(query, d)["input_ids"] for d in docs]
+    want = [float(p[0]) for p in hf_classified(classifier, joined)]
+    for got in (llm.score(query, docs, use_tqdm=False),
+                llm.score([query, query], docs, use_tqdm=False)):
+        assert [o.prompt_token_ids for o in got] == joined
+        assert [o.outputs.score for o in got] == pytest.approx(want, abs=2e-5)
+    with pytest.raises(TypeError, match="takes texts"):
+        llm.score([5, 6], [[7]], use_tqdm=False)
+    _assert_all_blocks_free(llm)
+

@@ -1,5 +1,6 @@
 """``POST /classify`` on a sequence classifier served with ``--runner auto`` (which pools it),
-against transformers' ``AutoModelForSequenceClassification`` in float64; the endpoints a
+against transformers' ``AutoModelForSequenceClassification`` in float64, and ``/v1/score`` and
+``/v1/rerank`` with a one-label classifier (a cross-encoder) served beside it; the endpoints a
 classifier refuses, ``/classify`` on an embedding and a generating server, and that the
 server keeps serving after every refusal with no KV blocks held."""
 
@@ -25,9 +26,16 @@ def classifier(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def classify_server(classifier, tmp_path_factory) -> Iterator[Server]:
-    with launch_server(classifier, tmp_path_factory.mktemp("logs"),
-                       "--max-num-batched-tokens", "64") as s:
+def cross_encoder(tmp_path_factory):
+    """A classifier of one label, served as "cross"."""
+    return write_tiny_model(tmp_path_factory.mktemp("cross") / "cross", "llama3", seed=6,
+                            num_labels=1, max_position_embeddings=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def classify_server(classifier, cross_encoder, tmp_path_factory) -> Iterator[Server]:
+    with launch_server(None, tmp_path_factory.mktemp("logs"), "--model", str(classifier),
+                       "--model", str(cross_encoder), "--max-num-batched-tokens", "64") as s:
         yield s
 
 
@@ -54,13 +62,36 @@ def test_classify_matches_transformers(classify_server, classifier):
     tokens = sum(map(len, prompts))
     assert out["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens,
                             "completion_tokens": 0}
-    single = classify_server.post("/v1/classify", json={"input": texts[0]}).json()
+    single = classify_server.post("/v1/classify", json={"model": "model",
+                                                        "input": texts[0]}).json()
     np.testing.assert_allclose(single["data"][0]["probs"], want[0].numpy(), atol=ATOL, rtol=0)
+
+
+def test_cross_encoder_score_and_rerank(classify_server, cross_encoder):
+    """A one-label classifier scores each pair joined by the tokenizer's pair encoding (its
+    sigmoid probability), as vLLM's cross-encoders; rerank orders by that score."""
+    tokenizer = AutoTokenizer.from_pretrained(cross_encoder)
+    query, docs = "what is paged attention", ["a kv cache in blocks", "hello world " * 9]
+    joined = [tokenizer(query, d)["input_ids"] for d in docs]
+    want = [float(p[0]) for p in hf_classified(cross_encoder, joined)]
+    r = classify_server.post("/v1/score", json={"model": "cross", "text_1": query,
+                                                "text_2": docs})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [d["score"] for d in out["data"]] == pytest.approx(want, abs=ATOL)
+    assert out["usage"]["prompt_tokens"] == sum(map(len, joined))
+    ranked = classify_server.post("/v1/rerank", json={"model": "cross", "query": query,
+                                                      "documents": docs}).json()["results"]
+    assert [d["index"] for d in ranked] == sorted(range(2), key=lambda i: -want[i])
+    assert [d["relevance_score"] for d in ranked] == pytest.approx(sorted(want)[::-1],
+                                                                   abs=ATOL)
+    probs = classify_server.post("/classify", json={"model": "cross", "input": query}).json()
+    assert probs["data"][0]["num_classes"] == 1
 
 
 @pytest.mark.parametrize("path, body, message", [
     ("/v1/embeddings", {"input": "hi"}, "sequence classifier.*/classify"),
-    ("/v1/score", {"text_1": "a", "text_2": ["b"]}, "cross-encoder scoring is not supported"),
+    ("/v1/score", {"text_1": "a", "text_2": ["b"]}, "sequence classifier.*one label"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, "--runner pooling"),
     ("/classify", {"input": [[5] * (MAX_MODEL_LEN + 1)]}, "context length"),
     ("/classify", {"input": ""}, "empty"),
@@ -69,7 +100,8 @@ def test_refusals_are_400_and_it_keeps_serving(classify_server, path, body, mess
     r = classify_server.post(path, json=body)
     assert r.status_code == 400, r.text
     assert re.search(message, r.json()["error"]["message"]), r.text
-    ok = classify_server.post("/classify", json={"input": random_prompts(1, [9])})
+    ok = classify_server.post("/classify", json={"model": "model",
+                                                 "input": random_prompts(1, [9])})
     assert ok.status_code == 200 and len(ok.json()["data"][0]["probs"]) == 3
     _assert_held_nothing(classify_server)
 
