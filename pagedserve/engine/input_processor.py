@@ -134,7 +134,7 @@ class InputLimits:
             raise InvalidSamplingParam(
                 "prompt", f"this engine generates text; {what} need a pooling model on an "
                 "engine started with --runner pooling (runner='pooling')")
-        self._check_task(params.task)
+        self._check_task(params.task, params.dimensions)
         if not token_ids:
             raise InvalidSamplingParam("prompt", "the prompt is empty")
         if len(token_ids) > self.max_model_len:
@@ -153,13 +153,16 @@ class InputLimits:
                 "the cache")
         return 0
 
-    def _check_task(self, task: str) -> None:
+    def _check_task(self, task: str, dimensions: int | None) -> None:
         """A classifier classifies and an embedding model embeds (vLLM refuses the others)."""
         if task == "classify" and not self.num_labels:
             raise InvalidSamplingParam(
                 "model", "this model is not a sequence classifier (XForSequenceClassification "
                 "with a score head): classification is not supported; it serves embeddings "
                 "(/v1/embeddings, LLM.embed)")
+        if task == "classify" and dimensions is not None:
+            raise InvalidSamplingParam(
+                "dimensions", "dimensions cuts an embedding; a classification has none")
         if task == "embed" and self.num_labels:
             raise InvalidSamplingParam(
                 "model", "this model is a sequence classifier: it serves classification "

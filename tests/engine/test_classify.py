@@ -61,6 +61,8 @@ def test_classifier_refusals(classifier):
     with pytest.raises(ConfigError, match="sequence classifier with no LM head.*--runner "
                                           "pooling"):
         make_llm(classifier, runner="generate")
+    with pytest.raises(ValueError, match="dimensions cuts an embedding"):
+        llm.classify([[5, 6]], pooling_params=PoolingParams(dimensions=2), use_tqdm=False)
     with pytest.raises(ValueError, match="task must be one of"):
         PoolingParams(task="reward")
     kept = llm.classify([random_prompts(3, [40])[0]], truncate_prompt_tokens=10,
