@@ -71,7 +71,7 @@ class ScriptedEngine:
         self.pieces: list[str] = []
         self.finish_reason = "stop"
         self.facts = SimpleNamespace(model_name="r1", limits=LIMITS, lora=None,
-                                     sampling_defaults={})
+                                     sampling_defaults={}, labels=())
         self.tokenizer, self.is_running, self.stats = ScriptedTokenizer(self.pieces), True, None
 
     def script(self, pieces: list[str], finish_reason: str = "stop") -> None:

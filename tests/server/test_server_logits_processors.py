@@ -46,7 +46,7 @@ def _post(path: str, body: dict) -> tuple[httpx.Response, list]:
 
     engine = SimpleNamespace(
         facts=SimpleNamespace(model_name="model", limits=LIMITS, lora=None,
-                              sampling_defaults={}),
+                              sampling_defaults={}, labels=()),
         tokenizer=_Tokenizer(), is_running=True, stats=None, add_requests=add_requests)
 
     async def call():
