@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, ClassVar, Generic, NamedTuple, Protocol, Self, TypeVar
 
 
 class Logprob(NamedTuple):
@@ -15,6 +15,7 @@ class Logprob(NamedTuple):
 
 # One entry per generated (or prompt) token: candidate token id -> its logprob.
 TokenLogprobs = dict[int, Logprob]
+PooledT = TypeVar("PooledT")
 
 
 @dataclass
@@ -134,18 +135,28 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """vLLM's ``LLM.embed`` result for one prompt."""
+class PoolingRequestOutput(Generic[PooledT]):
+    """vLLM's: one prompt's pooled result, ``outputs`` of the task's type (``OUTPUT``)."""
 
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: PooledT
     prompt_token_ids: list[int]
     finished: bool = True
+    OUTPUT: ClassVar[Callable[[list[float]], Any]]
 
     @classmethod
-    def of(cls, output: RequestOutput) -> EmbeddingRequestOutput:
-        return cls(output.request_id, EmbeddingOutput(output.embedding),
-                   output.prompt_token_ids, output.finished)
+    def of(cls, output: RequestOutput) -> Self:
+        # The engine's pooled vector: an embedding, or a classifier's probabilities
+        # (worker/pooler.py).
+        return cls(output.request_id, cls.OUTPUT(output.embedding), output.prompt_token_ids,
+                   output.finished)
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """vLLM's ``LLM.embed`` result for one prompt."""
+
+    OUTPUT = EmbeddingOutput
 
 
 @dataclass
@@ -160,19 +171,10 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
     """vLLM's ``LLM.classify`` result for one prompt."""
 
-    request_id: str
-    outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-
-    @classmethod
-    def of(cls, output: RequestOutput) -> ClassificationRequestOutput:
-        # A classifier's pooled vector is its probabilities (worker/pooler.py).
-        return cls(output.request_id, ClassificationOutput(output.embedding),
-                   output.prompt_token_ids, output.finished)
+    OUTPUT = ClassificationOutput
 
 
 @dataclass
