@@ -513,9 +513,12 @@ class EngineConfig:
     def _check_splits(self, arch: ModelArchConfig) -> None:
         why = check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size,
                               self.tensor_parallel_size)
-        if not why and arch.moe_intermediate_size % self.tensor_parallel_size:
-            why = (f"the model's expert intermediate size {arch.moe_intermediate_size} does "
-                   f"not divide into {self.tensor_parallel_size}")
+        experts = (("expert", arch.moe_intermediate_size),
+                   ("shared expert", arch.shared_expert_intermediate_size))
+        for kind, size in experts:
+            if not why and size % self.tensor_parallel_size:
+                why = (f"the model's {kind} intermediate size {size} does not divide into "
+                       f"{self.tensor_parallel_size}")
         if why:
             raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: {why}")
 

@@ -90,6 +90,17 @@ ARCH_CONFIGS = {
         max_position_embeddings=1024, tie_word_embeddings=True, embedding_multiplier=6.0,
         residual_multiplier=0.3, attention_multiplier=0.4, logits_scaling=5.0,
     ),
+    # Qwen1.5-MoE-A2.7B's layout: Qwen2 attention (q/k/v biases), 8 experts of 32, top 3 as
+    # the softmax left them (norm_topk_prob unset: false), and a shared expert of 48 beside
+    # them, gated per token.
+    "qwen2-moe": dict(
+        architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", hidden_size=64,
+        intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=1024, tie_word_embeddings=False, use_sliding_window=False,
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, decoder_sparse_step=1,
+    ),
     # Qwen3-30B-A3B's layout: Qwen3 attention, 8 experts of 32, top 3 renormalised.
     "qwen3-moe": dict(_QWEN3_MOE, norm_topk_prob=True),
     # Top-k weights as the softmax left them (norm_topk_prob false, transformers' default),

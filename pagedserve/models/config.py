@@ -6,17 +6,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
-                           "Phi3ForCausalLM", "GraniteForCausalLM")
+                           "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                           "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM")
 # Qwen2 and Qwen3 configs carry a sliding_window that only applies with use_sliding_window.
-_WINDOW_FLAG_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_WINDOW_FLAG_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
+                              "Qwen3MoeForCausalLM")
+# Qwen2 attention: q/k/v biases.
+_QWEN2_ATTENTION = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 # Qwen3 attention: per-head q/k norms, no attention biases.
 _QWEN3_ATTENTION = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-# Mixture-of-experts architectures we know and do not run, with the reason.
-_REFUSED_MOE = {
-    "Qwen2MoeForCausalLM": "its shared expert (a dense MLP gated beside the routed experts) "
-                           "is not implemented",
-}
 
 
 class UnsupportedModel(ValueError):
@@ -78,16 +76,19 @@ class ModelArchConfig:
     num_labels: int = 0
     labels: tuple[str, ...] = ()
     problem_type: str | None = None
-    # Mixture of experts (Mixtral, Qwen3-MoE): ``num_experts`` SwiGLU experts of
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): ``num_experts`` SwiGLU experts of
     # ``moe_intermediate_size`` each, ``num_experts_per_tok`` chosen per token by a softmax
     # router, their weights renormalised to sum to 1 where ``norm_topk_prob``. The layers in
     # ``moe_layers`` have the sparse block; the others a dense MLP of ``intermediate_size``
-    # (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``). 0 experts: a dense model.
+    # (Qwen's ``mlp_only_layers`` and ``decoder_sparse_step``). 0 experts: a dense model.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # Qwen2-MoE's shared expert: a dense SwiGLU MLP of this size beside the routed experts of
+    # every sparse block, its output scaled by ``sigmoid(shared_expert_gate(x))``; 0: none.
+    shared_expert_intermediate_size: int = 0
     # Phi-3: checkpoints store q/k/v as one ``self_attn.qkv_proj`` tensor and gate/up as one
     # ``mlp.gate_up_proj`` (rows concatenated in that order); the loader splits them.
     fused_checkpoint: bool = False
@@ -147,11 +148,6 @@ class ModelArchConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelArchConfig:
         archs = cfg.get("architectures") or []
         found = resolve_architecture(archs)
-        refused = next((a for a in archs if a in _REFUSED_MOE), None)
-        if found is None and refused is not None:
-            raise UnsupportedModel(f"{refused} is not supported: {_REFUSED_MOE[refused]}; the "
-                                   "supported mixture-of-experts models are "
-                                   "MixtralForCausalLM and Qwen3MoeForCausalLM")
         if found is None:
             raise UnsupportedModel(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
@@ -171,8 +167,10 @@ class ModelArchConfig:
                                            else cfg["hidden_size"] // num_heads)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        # Qwen2 always has q/k/v biases; Llama exposes it as a flag.
-        bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+        # Qwen2 has q/k/v biases (transformers 5's Qwen2MoeConfig names them qkv_bias, on
+        # unless said); Llama exposes them as a flag.
+        bias = ((arch in _QWEN2_ATTENTION and bool(cfg.get("qkv_bias", True)))
+                or bool(cfg.get("attention_bias", False)))
         # With use_sliding_window the context is kept inside one window (EngineConfig), where
         # windowed and full attention agree.
         window = cfg.get("sliding_window")
@@ -249,11 +247,12 @@ def _matryoshka_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Mixtral or Qwen3-MoE config; {} for a dense model.
-    Mixtral routes every layer, its experts of ``intermediate_size`` and always renormalised;
-    Qwen3-MoE routes layer ``i`` unless it is in ``mlp_only_layers`` or ``i + 1`` is no
-    multiple of ``decoder_sparse_step`` (as transformers builds it)."""
-    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+    """The mixture-of-experts fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config; {} for a
+    dense model. Mixtral routes every layer, its experts of ``intermediate_size`` and always
+    renormalised; the Qwen models route layer ``i`` unless it is in ``mlp_only_layers`` or
+    ``i + 1`` is no multiple of ``decoder_sparse_step`` (as transformers builds them), and
+    Qwen2-MoE's sparse blocks add its shared expert."""
+    if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return {}
     # transformers 5 saves Qwen3-MoE's num_experts under Mixtral's name, num_local_experts.
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
@@ -265,9 +264,16 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     dense = set(cfg.get("mlp_only_layers") or ())
     step = cfg.get("decoder_sparse_step", 1) or 1
     sparse = tuple(i for i in layers if experts > 0 and i not in dense and (i + 1) % step == 0)
-    return dict(num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 8),
-                moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=sparse)
+    qwen2 = arch == "Qwen2MoeForCausalLM"
+    # transformers' defaults: Qwen2MoeConfig routes 4 experts a token, Qwen3MoeConfig 8.
+    fields = dict(num_experts=experts,
+                  num_experts_per_tok=cfg.get("num_experts_per_tok", 4 if qwen2 else 8),
+                  moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
+                  norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=sparse)
+    if qwen2:  # 5632: Qwen2MoeConfig's default (Qwen1.5-MoE-A2.7B's)
+        fields["shared_expert_intermediate_size"] = cfg.get("shared_expert_intermediate_size",
+                                                            5632)
+    return fields
 
 
 def _phi3_fields(arch: str, cfg: dict[str, Any], params: dict[str, Any],

@@ -176,7 +176,8 @@ def hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     if arch == "qwen3moe" or _meta(reader, f"{arch}.expert_count", 0):
         raise UnsupportedModel(
             f"GGUF mixture-of-experts models ({arch}) are not supported; load the Hugging Face "
-            "safetensors checkpoint (MixtralForCausalLM, Qwen3MoeForCausalLM) instead")
+            "safetensors checkpoint (MixtralForCausalLM, Qwen2MoeForCausalLM, "
+            "Qwen3MoeForCausalLM) instead")
     if arch not in _ARCHITECTURES:
         raise UnsupportedModel(
             f"GGUF architecture {arch!r} is not supported; supported: "

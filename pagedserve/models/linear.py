@@ -56,10 +56,11 @@ class LinearFactory:
         """Output shards cut to ``out_parts`` rows; every rank sees the whole input."""
         return Linear(Part.whole(in_features), out_parts, bias, self, quantize_at_load)
 
-    def row(self, in_features: int, out_features: int) -> Linear:
-        """Input columns cut evenly across ranks; outputs summed over ranks."""
+    def row(self, in_features: int, out_features: int, reduce: bool = True) -> Linear:
+        """Input columns cut evenly across ranks; outputs summed over ranks (``reduce=False``:
+        the caller adds this rank's partial output to others' and sums them once)."""
         return Linear(self.tp.even_part(in_features), [Part.whole(out_features)], False, self,
-                      reduce=self.tp.size > 1)
+                      reduce=reduce and self.tp.size > 1)
 
 
 class Linear(nn.Module):

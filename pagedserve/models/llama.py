@@ -1,9 +1,9 @@
 """The Llama family: Llama 2/3 (and SmolLM2), Mistral, Qwen2 (q/k/v biases) and Qwen3 dense
 (an RMSNorm over each head's q and k before the rotation), Phi-3 (fused checkpoint tensors,
 partial rotary), Granite (scaled embeddings, residual branches, softmax and logits), and the
-mixture-of-experts models on the same attention: Mixtral (Mistral's) and Qwen3-MoE (Qwen3's),
-whose layers each have a dense MLP or a sparse MoE block (``models/moe.py``) as the config
-says.
+mixture-of-experts models on the same attention: Mixtral (Mistral's), Qwen2-MoE (Qwen2's, and
+a shared expert in each sparse block) and Qwen3-MoE (Qwen3's), whose layers each have a dense
+MLP or a sparse MoE block (``models/moe.py``) as the config says.
 
 Module names follow Hugging Face checkpoints, except that q/k/v and gate/up projections are
 fused into one matmul each; ``load_weights`` hands the checkpoint's shards to them (a Phi-3
@@ -82,12 +82,16 @@ def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, ops: type[LayerOps],
-                 linears: LinearFactory) -> None:
+    def __init__(self, cfg: ModelArchConfig, ops: type[LayerOps], linears: LinearFactory,
+                 intermediate_size: int | None = None, reduce: bool = True) -> None:
+        """``intermediate_size``: the config's unless given (Qwen2-MoE's shared expert);
+        ``reduce=False``: under tensor parallelism the output is this rank's partial sum,
+        which the caller all-reduces."""
         super().__init__()
-        part = linears.tp.even_part(cfg.intermediate_size)
+        inter = intermediate_size or cfg.intermediate_size
+        part = linears.tp.even_part(inter)
         self.gate_up_proj = linears.column(cfg.hidden_size, [part, part])
-        self.down_proj = linears.row(cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = linears.row(inter, cfg.hidden_size, reduce=reduce)
         self.act = SiluAndMul(ops)
 
     @property
@@ -107,8 +111,7 @@ class LlamaDecoderLayer(nn.Module):
         """``moe``: the layer's MLP is the sparse mixture-of-experts block."""
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, backend, ops, linears)
-        self.mlp = (SparseMoeBlock(cfg, ops, linears) if moe
-                    else LlamaMLP(cfg, ops, linears))
+        self.mlp = _sparse_block(cfg, ops, linears) if moe else LlamaMLP(cfg, ops, linears)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         # Granite scales each branch before the norm after it adds it to the residual.
@@ -129,6 +132,15 @@ class LlamaDecoderLayer(nn.Module):
 
     def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
         return branch if self.branch_scale == 1.0 else branch * self.branch_scale
+
+
+def _sparse_block(cfg: ModelArchConfig, ops: type[LayerOps],
+                  linears: LinearFactory) -> SparseMoeBlock:
+    """A layer's MoE block, with Qwen2-MoE's shared expert: a dense MLP whose partial output
+    the block adds to its experts' before its one all-reduce."""
+    shared = (LlamaMLP(cfg, ops, linears, cfg.shared_expert_intermediate_size, reduce=False)
+              if cfg.shared_expert_intermediate_size else None)
+    return SparseMoeBlock(cfg, ops, linears, shared)
 
 
 class LlamaModel(nn.Module):
@@ -353,7 +365,8 @@ def _mlp_shapes(c: ModelArchConfig) -> dict[str, tuple[int, ...]]:
 
 def _moe_shapes(c: ModelArchConfig) -> dict[str, tuple[int, ...]]:
     """A sparse block's tensors under the checkpoint's names: Mixtral's
-    ``block_sparse_moe.experts.{e}.w1/w3/w2``, Qwen3-MoE's ``mlp.experts.{e}.gate_proj/...``."""
+    ``block_sparse_moe.experts.{e}.w1/w3/w2``, Qwen's ``mlp.experts.{e}.gate_proj/...`` and
+    Qwen2-MoE's ``mlp.shared_expert.gate_proj/...`` and ``mlp.shared_expert_gate``."""
     mixtral = c.architecture == "MixtralForCausalLM"
     block = "block_sparse_moe" if mixtral else "mlp"
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
@@ -362,6 +375,12 @@ def _moe_shapes(c: ModelArchConfig) -> dict[str, tuple[int, ...]]:
     for e in range(c.num_experts):
         for name, shape in zip(names, ((inter, hidden), (inter, hidden), (hidden, inter))):
             shapes[f"{block}.experts.{e}.{name}.weight"] = shape
+    shared = c.shared_expert_intermediate_size
+    if shared:
+        shapes.update({"mlp.shared_expert.gate_proj.weight": (shared, hidden),
+                       "mlp.shared_expert.up_proj.weight": (shared, hidden),
+                       "mlp.shared_expert.down_proj.weight": (hidden, shared),
+                       "mlp.shared_expert_gate.weight": (1, hidden)})
     return shapes
 
 

@@ -1,14 +1,19 @@
-"""The sparse mixture-of-experts block of Mixtral and Qwen3-MoE, in place of a dense MLP.
+"""The sparse mixture-of-experts block of Mixtral, Qwen2-MoE and Qwen3-MoE, in place of a
+dense MLP.
 
 A router (``gate``, hidden -> experts, no bias) scores every expert; the softmax over them is
-taken in float32, the ``top_k`` best kept and, where the config says (Mixtral always,
-Qwen3-MoE with ``norm_topk_prob``), renormalised to sum to 1. The experts are SwiGLU MLPs
+taken in float32, the ``top_k`` best kept and, where the config says (Mixtral always, the
+Qwen models with ``norm_topk_prob``), renormalised to sum to 1. The experts are SwiGLU MLPs
 whose weights are stacked at load into ``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]``, the
-layout the platform's ``LayerOps.fused_moe`` reads.
+layout the platform's ``LayerOps.fused_moe`` reads. Qwen2-MoE adds a shared expert, a dense
+SwiGLU MLP every token goes through, scaled by ``sigmoid(shared_expert_gate(x))`` (a
+hidden -> 1 projection) and added to the routed experts' sum.
 
-Under tensor parallelism every rank holds the whole router and a slice of each expert's
-intermediate dimension (as the dense MLP is cut), so the block's output is a partial sum,
-all-reduced as the dense MLP's down projection is.
+Under tensor parallelism every rank holds the whole router (and the shared expert's gate) and
+a slice of each expert's intermediate dimension (as the dense MLP is cut, the shared expert
+too), so the block's output is a partial sum, all-reduced once as the dense MLP's down
+projection is: the shared expert's down projection leaves its partial output unreduced, and
+its per-token scale, the same on every rank, distributes over the sum.
 """
 
 from __future__ import annotations
@@ -118,8 +123,11 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> RoutedE
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, ops: type[LayerOps],
-                 linears: LinearFactory) -> None:
+    def __init__(self, cfg: ModelArchConfig, ops: type[LayerOps], linears: LinearFactory,
+                 shared_expert: nn.Module | None = None) -> None:
+        """``shared_expert``: Qwen2-MoE's dense MLP (the model's ``LlamaMLP``, called as
+        ``mlp(x, ctx)``, its down projection left unreduced), added to every token's routed
+        sum as scaled by ``shared_expert_gate``."""
         super().__init__()
         # Replicated on every rank, and left in the checkpoint's precision.
         self.gate = linears.column(cfg.hidden_size, [Part.whole(cfg.num_experts)],
@@ -127,6 +135,11 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size,
                                     linears.tp.even_part(cfg.moe_intermediate_size),
                                     linears.dtype, linears.device)
+        self.shared_expert = shared_expert
+        # Replicated, as the router is: each token's scale must be the same on every rank.
+        self.shared_expert_gate = (linears.column(cfg.hidden_size, [Part.whole(1)],
+                                                  quantize_at_load=False)
+                                   if shared_expert is not None else None)
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
         self.ops = ops
@@ -141,4 +154,6 @@ class SparseMoeBlock(nn.Module):
         routed = route(self.gate(x), self.top_k, self.renormalize)
         out = self.ops.fused_moe(x, self.experts.w13, self.experts.w2, routed.ids,
                                  routed.weights)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert_gate(x).sigmoid() * self.shared_expert(x, ctx)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out

@@ -17,6 +17,7 @@ _MODELS = {
     "GraniteForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
     # Mixture of experts on the same attention: the config picks each layer's MLP.
     "MixtralForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
+    "Qwen2MoeForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
 }
 

@@ -30,8 +30,10 @@ PROMPTS = random_prompts("tp", [5, 17, 40, 3])
 # and fewer KV heads than ranks (mistral: 1, replicated); the odd vocabularies pad the last
 # rank's slice of the embedding and the LM head. Mixture of experts: each rank holds half of
 # every expert's intermediate rows and the whole router (mixtral; qwen3-moe-dense1 with a
-# dense layer beside the sparse one). Phi-3's fused checkpoint tensors: each rank its slice of
-# q, of k and of v (1 of 2 KV heads, partial rotary), of gate and of up; Granite's scalars.
+# dense layer beside the sparse one; qwen2-moe's shared expert, cut as the dense MLP is and
+# summed with the experts by one all-reduce, its gate whole on each rank). Phi-3's fused
+# checkpoint tensors: each rank its slice of q, of k and of v (1 of 2 KV heads, partial
+# rotary), of gate and of up; Granite's scalars.
 CASES = {
     "llama3": ("llama3", {}),
     "qwen2-bias-tied-odd-vocab": ("qwen2", {"vocab_size": 385}),
@@ -39,6 +41,7 @@ CASES = {
     "mistral-one-kv-head-odd-vocab": ("mistral", {"vocab_size": 387}),
     "mixtral-experts": ("mixtral", {}),
     "qwen3-moe-dense-layer": ("qwen3-moe-dense1", {}),
+    "qwen2-moe-shared-expert": ("qwen2-moe", {}),
     "phi3-fused-partial-rotary": ("phi3", {}),
     "phi3-longrope": ("phi3-longrope", {}),
     "granite-multipliers": ("granite", {}),

@@ -1,6 +1,7 @@
 """The mixture-of-experts block: the router's choice of experts, the platform op that runs
 them (``LayerOps.fused_moe``, the portable torch version and the CPU platform's, which uses
-its native SwiGLU) against a float64 loop over tokens, and what MoE models refuse."""
+its native SwiGLU) against a float64 loop over tokens, Qwen2-MoE's shared expert against
+transformers in float64, and what MoE models refuse."""
 
 from __future__ import annotations
 
@@ -13,12 +14,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedserve import SamplingParams
 from pagedserve.config import ConfigError, EngineConfig
-from pagedserve.models.config import ModelArchConfig, UnsupportedModel
+from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.layer_ops import LayerOps
 from pagedserve.models.moe import expert_weight, route
 from pagedserve.platforms.cpu.platform import CpuPlatform
-from tests.tiny_models import ARCH_CONFIGS, VOCAB, make_llm
+from tests.tiny_models import (
+    ARCH_CONFIGS,
+    VOCAB,
+    assert_greedy_matches,
+    make_llm,
+    random_prompts,
+)
 
 OPS = [LayerOps, CpuPlatform.layer_ops()]
 
@@ -111,34 +119,86 @@ def test_config_fields_and_sparse_layers():
     assert _arch("llama3").num_experts == 0 and not _arch("llama3").moe_layers
 
 
-def test_tensor_parallelism_needs_the_expert_size_divisible():
-    """Heads, KV heads and the dense intermediate size split 4 ways; 30 expert rows do not."""
-    arch = _arch("qwen3-moe", moe_intermediate_size=30)
-    with pytest.raises(ConfigError, match="--tensor-parallel-size 4: the model's expert "
+@pytest.mark.parametrize("arch,overrides,kind", [
+    ("qwen3-moe", dict(moe_intermediate_size=30), "expert"),
+    ("qwen2-moe", dict(shared_expert_intermediate_size=30), "shared expert")])
+def test_tensor_parallelism_needs_the_expert_sizes_divisible(arch, overrides, kind):
+    """Heads, KV heads and the dense intermediate size split 4 ways; 30 expert rows (routed
+    or shared) do not."""
+    arch = _arch(arch, **overrides)
+    with pytest.raises(ConfigError, match=f"--tensor-parallel-size 4: the model's {kind} "
                                           "intermediate size 30 does not divide into 4"):
         EngineConfig(tensor_parallel_size=4).resolve(arch, CpuPlatform)
     assert EngineConfig(tensor_parallel_size=2).resolve(arch, CpuPlatform)
 
 
-def test_qwen2_moe_is_refused_by_name():
-    cfg = {**ARCH_CONFIGS["qwen3-moe"], "architectures": ["Qwen2MoeForCausalLM"]}
-    with pytest.raises(UnsupportedModel, match="Qwen2MoeForCausalLM is not supported: its "
-                                               "shared expert"):
-        ModelArchConfig.from_hf_dict(cfg)
+def test_qwen2_moe_config_fields():
+    """Qwen2's q/k/v biases (unless transformers 5's qkv_bias says not), the shared expert's
+    size, norm_topk_prob false unless set, and the Qwen sparse-layer rules."""
+    arch = _arch("qwen2-moe")
+    assert (arch.attention_bias, arch.qk_norm, arch.shared_expert_intermediate_size,
+            arch.norm_topk_prob, arch.num_experts_per_tok, arch.moe_layers) == (
+        True, False, 48, False, 3, (0, 1))
+    assert not _arch("qwen2-moe", qkv_bias=False).attention_bias
+    assert _arch("qwen2-moe", num_hidden_layers=4, decoder_sparse_step=2,
+                 mlp_only_layers=[3]).moe_layers == (1,)
+    assert _arch("qwen3-moe").shared_expert_intermediate_size == 0
 
 
+class _OpenGate(torch.nn.Module):
+    """A shared-expert gate of +inf logits: sigmoid 1, as if the model had no gate."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.full((x.shape[0], 1), torch.inf, dtype=x.dtype)
+
+
+def _prompt_logprob_error(llm, hf, prompt: list[int]) -> float:
+    """The largest gap between the engine's prompt logprobs (its top 5 and the actual token
+    at each position) and transformers' float64 log-softmax of the same prompt."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=5)
+    got = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    return max(abs(lp.logprob - reference[i - 1, token].item())
+               for i, position in enumerate(got) if position is not None
+               for token, lp in position.items())
+
+
+def test_qwen2_moe_matches_transformers_in_float64(tiny_model_folder):
+    """The engine in float32 (prefill in chunks of 16 tokens over blocks of 8) against
+    transformers' Qwen2MoeForCausalLM in float64: prompt logprobs and greedy tokens. With the
+    shared expert's gate dropped (its output added unscaled) the logprobs are far off, so the
+    comparison sees the gate."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model_folder("qwen2-moe")
+    # The eager experts: transformers' grouped matmul takes no float64.
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
+                                              experts_implementation="eager").eval()
+    llm = make_llm(folder, block_size=8, max_num_batched_tokens=16,
+                   enable_prefix_caching=False)
+    prompts = random_prompts("qwen2-moe", [45, 9])
+    assert max(_prompt_logprob_error(llm, hf, p) for p in prompts) < 1e-4
+    assert assert_greedy_matches(llm, hf, prompts, new_tokens=12) == len(prompts)
+    for layer in llm.engine.executor.runner.model.model.layers:
+        layer.mlp.shared_expert_gate = _OpenGate()
+    assert _prompt_logprob_error(llm, hf, prompts[0]) > 1e-2
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2-moe"])
 @pytest.mark.parametrize("options,message", [
     (dict(quantization="fp8"), "--quantization fp8 is not supported for mixture-of-experts"),
     (dict(enable_lora=True), "--enable-lora is not supported for mixture-of-experts"),
 ])
-def test_options_moe_models_refuse(tiny_model_folder, options, message):
+def test_options_moe_models_refuse(tiny_model_folder, arch, options, message):
     with pytest.raises(ConfigError, match=message):
-        make_llm(tiny_model_folder("mixtral"), **options)
+        make_llm(tiny_model_folder(arch), **options)
 
 
 # Phi-3's fused q/k/v and gate/up tensors are cut into parts as float rows only.
 @pytest.mark.parametrize("arch,message", [
     ("qwen3-moe", r"quantized mixture-of-experts checkpoints \(awq\) are not supported"),
+    ("qwen2-moe", r"quantized mixture-of-experts checkpoints \(awq\) are not supported"),
     ("phi3", r"quantized checkpoints \(awq\) of fused q/k/v and gate/up tensors")])
 def test_quantized_checkpoint_is_refused(tiny_model_folder, tmp_path: Path, arch, message):
     folder = shutil.copytree(tiny_model_folder(arch), tmp_path / "awq")
