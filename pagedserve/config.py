@@ -554,10 +554,6 @@ class EngineConfig:
         if arch.sliding_window and arch.sliding_window < limit:
             # Sliding-window attention is not implemented: stay inside one window.
             limit = arch.sliding_window
-        scaling = arch.rope_scaling or {}
-        if scaling.get("rope_type") == "longrope":
-            # Only longrope's short factors are implemented (models/rotary.py says why).
-            limit = min(limit, scaling["original_max_position_embeddings"])
         wanted = self.max_model_len or limit
         if wanted > limit:
             raise ConfigError(f"--max-model-len {wanted} exceeds the model's limit of {limit}")

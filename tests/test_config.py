@@ -142,12 +142,14 @@ def test_max_model_len_stays_inside_the_sliding_window():
         EngineConfig(max_model_len=5000).resolve(_arch(32768, 4096), _Cpu)
 
 
-def test_longrope_context_stays_inside_the_original_positions():
-    """Only longrope's short factors are implemented (Phi-3-mini-128k runs 4,096 tokens)."""
+def test_longrope_context_is_the_whole_max_position_embeddings():
+    """Past original_max_position_embeddings longrope's long factors rotate (Phi-3-mini-128k
+    runs 131,072 tokens)."""
     longrope = dict(rope_type="longrope", original_max_position_embeddings=4096)
-    assert EngineConfig().resolve(_arch(131072, None, longrope), _Cpu).max_model_len == 4096
-    with pytest.raises(ConfigError, match="--max-model-len 8192 exceeds the model's limit of 4096"):
-        EngineConfig(max_model_len=8192).resolve(_arch(131072, None, longrope), _Cpu)
+    assert EngineConfig().resolve(_arch(131072, None, longrope), _Cpu).max_model_len == 131072
+    with pytest.raises(ConfigError, match="--max-model-len 131073 exceeds the model's limit "
+                                          "of 131072"):
+        EngineConfig(max_model_len=131073).resolve(_arch(131072, None, longrope), _Cpu)
 
 
 def test_without_chunked_prefill_a_whole_prompt_fits_the_budget():

@@ -205,6 +205,30 @@ def hf_model(folder: Path):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
+def hf_model_float64(folder: Path):
+    """transformers' float64 model of a checkpoint folder (a mixture-of-experts model's
+    experts eager: their grouped matmul takes no float64)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
+                                                experts_implementation="eager").eval()
+
+
+def prompt_logprob_error(llm, hf, prompt: list[int]) -> float:
+    """The largest gap between the engine's prompt logprobs (its top 5 and the actual token
+    at each position) and the log-softmax of ``hf``'s logits for the whole prompt, taken in
+    one forward."""
+    from pagedserve import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=5)
+    got = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+    return max(abs(lp.logprob - reference[i - 1, token].item())
+               for i, position in enumerate(got) if position is not None
+               for token, lp in position.items())
+
+
 def hf_pooled(folder, prompts, pooling_type: str, normalize: bool) -> list[torch.Tensor]:
     """transformers' float64 hidden states of the prompts (``AutoModel``: the base model,
     after the final norm) as one right-padded batch, pooled over each prompt's own tokens (the

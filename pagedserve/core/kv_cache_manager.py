@@ -160,7 +160,7 @@ class KVCacheManager:
 
     def _prefix_hashes(self, seq: Sequence) -> list[BlockHash]:
         return hash_full_blocks(seq.all_token_ids[:-1], self.block_size,
-                                extra_key=seq.cache_key)
+                                extra_key=seq.block_key)
 
     def _device_run(self, hashes: list[BlockHash]) -> list[int]:
         blocks = []
@@ -274,7 +274,7 @@ class KVCacheManager:
         num_cached = self.pool.num_cached
         accepted = seq.all_token_ids[:num_full * self.block_size]
         for i, block_hash in enumerate(
-            hash_full_blocks(accepted, self.block_size, len(hashes), parent, seq.cache_key),
+            hash_full_blocks(accepted, self.block_size, len(hashes), parent, seq.block_key),
             start=len(hashes)
         ):
             hashes.append(block_hash)

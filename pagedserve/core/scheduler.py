@@ -699,7 +699,7 @@ def _order(group: SequenceGroup) -> tuple[int, int]:
 
 
 def _prefix_key(seq: Sequence, end: int) -> tuple[str | None, tuple[int, ...]]:
-    return seq.cache_key, tuple(seq.prompt_token_ids[:end])
+    return seq.block_key, tuple(seq.prompt_token_ids[:end])
 
 
 def _lora_of(group: SequenceGroup) -> LoRARequest | None:

@@ -75,12 +75,24 @@ class Sequence:
     # with: the adapter's content hash, so streams of different adapters never share blocks.
     lora_request: LoRARequest | None = None
     cache_key: str | None = None
+    # Phi-3 longrope: the prompt is longer than original_max_position_embeddings, so every
+    # position rotates by the long factors (models/rotary.py says why per sequence).
+    long_rope: bool = False
     # A pooling (embedding) request's settings: the stream computes its prompt and samples
     # nothing; rank 0 pools its hidden states once the prompt is computed. None: it generates.
     pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def block_key(self) -> str | None:
+        """The key the stream's KV blocks are hashed with: ``cache_key``, set apart for a
+        long-prompt longrope stream, whose keys below the original length are rotated
+        differently from a short-prompt stream's of the same tokens."""
+        if not self.long_rope:
+            return self.cache_key
+        return f"{self.cache_key or ''}#long_rope"
 
     @property
     def num_tokens(self) -> int:

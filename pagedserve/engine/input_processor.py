@@ -59,6 +59,12 @@ class InputLimits:
     matryoshka_dimensions: tuple[int, ...] = ()
     num_labels: int = 0  # a sequence classifier's: it serves task "classify" alone
     scheduling_policy: str = "fcfs"  # --scheduling-policy: priority takes request priorities
+    # Phi-3 longrope's original_max_position_embeddings: a longer prompt's stream rotates by
+    # the long factors (``Sequence.long_rope``). None: the model has no such choice.
+    long_rope_after: int | None = None
+
+    def long_rope(self, token_ids: list[int]) -> bool:
+        return self.long_rope_after is not None and len(token_ids) > self.long_rope_after
 
     def check_priority(self, priority: int) -> None:
         """A request's ``priority`` (vLLM's: lower is served earlier) is an int, and one other
@@ -274,7 +280,8 @@ class InputProcessor:
         seq_params = _beam_params(params) if beam is not None else params
         seqs = [Sequence(token_ids, seq_params, max_tokens, self.limits.eos_token_ids,
                          seed=None if beam is not None else _seed(params, i),
-                         lora_request=lora_request, cache_key=cache_key)
+                         lora_request=lora_request, cache_key=cache_key,
+                         long_rope=self.limits.long_rope(token_ids))
                 for i in range(1 if beam is not None else params.best_of)]
         group = SequenceGroup(request_id, seqs[:1], width=params.best_of,
                               pending_forks=seqs[1:])
@@ -289,7 +296,8 @@ class InputProcessor:
         """One stream that computes its prompt and samples nothing; its output is the pooled
         vector (``RequestOutput.embedding``), once, when it finishes."""
         seq = Sequence(token_ids, POOLING_SAMPLING, 0, lora_request=lora_request,
-                       cache_key=self._lora_key(lora_request), pooling=pooling)
+                       cache_key=self._lora_key(lora_request), pooling=pooling,
+                       long_rope=self.limits.long_rope(token_ids))
         state = RequestState(request_id, text, token_ids, POOLING_SAMPLING,
                              RequestMetrics(arrival_time=time.time()),
                              SequenceGroup(request_id, [seq]))

@@ -53,6 +53,7 @@ from pagedserve.lora.host_adapters import HostAdapters
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models import loader
 from pagedserve.models.generation_defaults import sampling_defaults
+from pagedserve.models.rotary import longrope_original_length
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import resolve_platform
 from pagedserve.pooling_params import PoolingParams
@@ -125,7 +126,9 @@ class LLMEngine:
                                   is_matryoshka=self.arch.is_matryoshka,
                                   matryoshka_dimensions=self.arch.matryoshka_dimensions,
                                   num_labels=self.arch.num_labels,
-                                  scheduling_policy=config.scheduling_policy)
+                                  scheduling_policy=config.scheduling_policy,
+                                  long_rope_after=longrope_original_length(
+                                      self.arch.rope_scaling))
         self.adapters = (HostAdapters(config.max_lora_rank, self.arch, config.cpu_loras)
                          if config.enable_lora else None)
         self.inputs = InputProcessor(self.tokenizer, self.limits,

@@ -38,8 +38,12 @@ class ForwardContext:
     # Per token row: the adapter slot, -1 for none (int32 [num_tokens]); filled by the model
     # runner from the step's adapters (lora/slots.py). None: no adapters in this step.
     lora_slots: torch.Tensor | None = None
+    # Per token row: its sequence rotates by longrope's long factors at every position
+    # (``Sequence.long_rope``; bool [num_tokens]). None: no such sequence in this step.
+    long_rope: torch.Tensor | None = None
 
     @property
     def has_row_extras(self) -> bool:
-        """Whether the step carries any per-row extra (graph runners hold buffers for none)."""
-        return self.lora_slots is not None
+        """Whether the step carries any per-row extra (graph runners hold buffers for LoRA's
+        alone, so a step with a long-prompt longrope sequence runs eagerly)."""
+        return self.lora_slots is not None or self.long_rope is not None

@@ -70,7 +70,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = _norm_heads(self.q_norm, q), _norm_heads(self.k_norm, k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, ctx.long_rope)
         out = self.attn(q, k, v, kv_cache, ctx)
         return self.o_proj(out.reshape(-1, self.q_size), ctx.lora_slots)
 

@@ -64,6 +64,9 @@ class HostInputs:
     lora_requests: list[LoRARequest | None] | None = None
     decode_or_verify: bool = False  # AttentionMetadata.decode_or_verify
     decode: list[bool] | None = None  # AttentionMetadata.decode_cpu
+    # Per row: its sequence rotates by longrope's long factors (ForwardContext.long_rope);
+    # None when no sequence of the step does.
+    long_rope: np.ndarray | None = None
 
     def to_device(self, device: torch.device,
                   in_flight_tokens: torch.Tensor | None = None) -> ModelInputs:
@@ -90,8 +93,9 @@ class HostInputs:
         if len(self.fill_rows):
             input_ids[to_dev(self.fill_rows, torch.int64)] = in_flight_tokens[
                 to_dev(self.fill_sources, torch.int64)]
+        long_rope = None if self.long_rope is None else to_dev(self.long_rope, torch.bool)
         return ModelInputs(input_ids=input_ids, positions=to_dev(self.positions, torch.int64),
-                           ctx=ForwardContext(meta),
+                           ctx=ForwardContext(meta, long_rope=long_rope),
                            logits_indices=to_dev(self.sample_rows, torch.int64))
 
 
@@ -113,12 +117,13 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
     sequences whose keys and values go to block ``pad_block`` (shape_buckets.py states the
     invariants). ``tests/worker/reference_inputs.py`` builds the same arrays chunk by chunk."""
     ids, query_lens, context_lens, tables, sample_ends, sample_counts = [], [], [], [], [], []
-    fill_rows, fill_sources, loras, decode = [], [], [], []
+    fill_rows, fill_sources, loras, decode, long_rope = [], [], [], [], []
     row = 0
     for item in out.scheduled:
         seq, start, n, drafts = (item.seq, item.num_computed_tokens, item.num_new_tokens,
                                  item.draft_token_ids)
         loras.append(seq.lora_request)
+        long_rope.append(seq.long_rope)
         num_known = n - len(drafts)  # the drafts come last
         tokens = seq.all_token_ids[start:start + num_known]
         ids += tokens
@@ -146,6 +151,7 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
             tables.append([pad_block] * max_blocks)
             loras.append(None)
             decode.append(False)
+            long_rope.append(False)
     query_lens_np = np.asarray(query_lens, dtype=np.int64)
     context_np = np.asarray(context_lens, dtype=np.int64)
     seq_lens_np = context_np + query_lens_np
@@ -170,6 +176,7 @@ def pack_inputs(out: SchedulerOutput, block_size: int,
         fill_rows=np.asarray(fill_rows, dtype=np.int64),
         fill_sources=np.asarray(fill_sources, dtype=np.int64),
         lora_requests=loras if any(loras) else None,
+        long_rope=np.repeat(long_rope, query_lens_np) if any(long_rope) else None,
         decode_or_verify=all(decode[:len(out.scheduled)]), decode=decode)
 
 

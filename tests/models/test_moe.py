@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve import SamplingParams
 from pagedserve.config import ConfigError, EngineConfig
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.layer_ops import LayerOps
@@ -24,7 +23,9 @@ from tests.tiny_models import (
     ARCH_CONFIGS,
     VOCAB,
     assert_greedy_matches,
+    hf_model_float64,
     make_llm,
+    prompt_logprob_error,
     random_prompts,
 )
 
@@ -152,37 +153,21 @@ class _OpenGate(torch.nn.Module):
         return torch.full((x.shape[0], 1), torch.inf, dtype=x.dtype)
 
 
-def _prompt_logprob_error(llm, hf, prompt: list[int]) -> float:
-    """The largest gap between the engine's prompt logprobs (its top 5 and the actual token
-    at each position) and transformers' float64 log-softmax of the same prompt."""
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=5)
-    got = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
-    with torch.no_grad():
-        reference = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
-    return max(abs(lp.logprob - reference[i - 1, token].item())
-               for i, position in enumerate(got) if position is not None
-               for token, lp in position.items())
-
-
 def test_qwen2_moe_matches_transformers_in_float64(tiny_model_folder):
     """The engine in float32 (prefill in chunks of 16 tokens over blocks of 8) against
     transformers' Qwen2MoeForCausalLM in float64: prompt logprobs and greedy tokens. With the
     shared expert's gate dropped (its output added unscaled) the logprobs are far off, so the
     comparison sees the gate."""
-    from transformers import AutoModelForCausalLM
-
     folder = tiny_model_folder("qwen2-moe")
-    # The eager experts: transformers' grouped matmul takes no float64.
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
-                                              experts_implementation="eager").eval()
+    hf = hf_model_float64(folder)
     llm = make_llm(folder, block_size=8, max_num_batched_tokens=16,
                    enable_prefix_caching=False)
     prompts = random_prompts("qwen2-moe", [45, 9])
-    assert max(_prompt_logprob_error(llm, hf, p) for p in prompts) < 1e-4
+    assert max(prompt_logprob_error(llm, hf, p) for p in prompts) < 1e-4
     assert assert_greedy_matches(llm, hf, prompts, new_tokens=12) == len(prompts)
     for layer in llm.engine.executor.runner.model.model.layers:
         layer.mlp.shared_expert_gate = _OpenGate()
-    assert _prompt_logprob_error(llm, hf, prompts[0]) > 1e-2
+    assert prompt_logprob_error(llm, hf, prompts[0]) > 1e-2
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2-moe"])
