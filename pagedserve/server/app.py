@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from http import HTTPStatus
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
@@ -123,6 +123,7 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
         for engine in engines:
             engine.run_in(asyncio.get_running_loop())
         yield
+        await responses.shutdown()  # first: their aborts go to running engines
         await _shutdown_all(engines)
 
     app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan,
@@ -210,12 +211,25 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
         return _to_response(await _unless_disconnected(raw, responses.create(body, ids)))
 
     @app.api_route("/v1/responses/{response_id}", methods=READ_METHODS)
-    async def retrieve_response(response_id: str) -> dict:
-        return responses.retrieve(response_id).model_dump()
+    async def retrieve_response(response_id: str, stream: bool = False,
+                                starting_after: Annotated[int | None, Query(ge=0)] = None
+                                ) -> Response:
+        return _to_response(responses.retrieve(response_id, stream, starting_after))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict:
-        return responses.delete(response_id).model_dump()
+        return (await responses.delete(response_id)).model_dump()
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict:
+        return (await responses.cancel(response_id)).model_dump()
+
+    @app.api_route("/v1/responses/{response_id}/input_items", methods=READ_METHODS)
+    async def list_input_items(response_id: str,
+                               limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                               order: Literal["asc", "desc"] = "desc",
+                               after: str | None = None) -> dict:
+        return responses.input_items(response_id, limit, order, after).model_dump()
 
     if runtime_lora_updating:
         @app.post("/v1/load_lora_adapter")

@@ -73,7 +73,9 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     """FastAPI answers 422 with its own shape; OpenAI answers 400 with the first culprit."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = [str(part) for part in first.get("loc", ())]
+    if loc[:1] in (["body"], ["query"], ["path"]):  # where the field was, not its name
+        loc = loc[1:]
     if first.get("type") == "json_invalid":
         message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
         return bad_request(message.rstrip(": ")).response()

@@ -776,11 +776,10 @@ class ResponsesRequest(IgnoredFields):
 
     # OpenAI's fields that this server does not implement: refused unless null.
     unimplemented: ClassVar[frozenset[str]] = frozenset({
-        "conversation", "prompt", "background", "max_tool_calls",
-        "top_logprobs", "include", "stream_options"})
+        "conversation", "prompt", "max_tool_calls", "top_logprobs", "include",
+        "stream_options"})
     # Accepted only with these values, their defaults.
-    _DEFAULTS: ClassVar[dict[str, Any]] = {"background": False, "include": [],
-                                           "top_logprobs": 0}
+    _DEFAULTS: ClassVar[dict[str, Any]] = {"include": [], "top_logprobs": 0}
 
     model: str | None = None
     input: Annotated[_Text | list[InputItem], BeforeValidator(_known_items)] = Field(
@@ -797,6 +796,7 @@ class ResponsesRequest(IgnoredFields):
     stream: bool | None = False
     truncation: Literal["disabled"] | None = None
     previous_response_id: str | None = None
+    background: bool | None = False  # runs on once answered; needs the store
     priority: int = 0  # vLLM's, as chat's
 
     @model_validator(mode="before")
@@ -850,11 +850,30 @@ class ResponsesRequest(IgnoredFields):
 
 
 _OUTPUT_ITEMS = TypeAdapter(list[InputItem])
+# The prefix of an item's id, by its type: output items, and input items sent without one.
+ITEM_ID_PREFIX = {"message": "msg", "reasoning": "rs", "function_call": "fc",
+                  "function_call_output": "fco"}
 
 
 def replayed(output: list[dict[str, Any]]) -> list[InputItem]:
     """A response's output items as input items, as a client replays them."""
     return _OUTPUT_ITEMS.validate_python(output)
+
+
+def listed(items: Sequence[InputItem]) -> list[dict[str, Any]]:
+    """Input items as ``GET /v1/responses/{id}/input_items`` lists them, in OpenAI's shape:
+    each with its ``id`` (a new one where the request gave none) and a ``status``, a message's
+    text as one part."""
+    out = []
+    for item in items:
+        data = item.model_dump(exclude_none=True)
+        if isinstance(item, InputMessage) and isinstance(item.content, str):
+            part = "output_text" if item.role == "assistant" else "input_text"
+            data["content"] = [{"type": part, "text": item.content}]
+        data.setdefault("id", f"{ITEM_ID_PREFIX[item.type]}_{uuid.uuid4().hex}")
+        data.setdefault("status", "completed")
+        out.append(data)
+    return out
 
 
 def _chat_tool_choice(choice: Any) -> Any:
@@ -1075,6 +1094,11 @@ class ResponsesUsage(BaseModel):
                    total_tokens=usage.total_tokens)
 
 
+class ResponseError(BaseModel):
+    code: str  # OpenAI's: "server_error", or "invalid_prompt" for what the request asked
+    message: str
+
+
 class ResponseObject(BaseModel):
     """A response of ``POST /v1/responses``: its output items (dicts, as the stream's events
     carry them) and the request's parameters echoed, as OpenAI's are."""
@@ -1082,8 +1106,8 @@ class ResponseObject(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
-    error: None = None
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+    error: ResponseError | None = None  # why a background response failed
     incomplete_details: dict[str, str] | None = None
     model: str
     output: list[dict[str, Any]] = Field(default_factory=list)
@@ -1109,6 +1133,16 @@ class ResponseDeleted(BaseModel):
     id: str
     object: Literal["response.deleted"] = "response.deleted"
     deleted: bool = True
+
+
+class ResponseItemList(BaseModel):
+    """``GET /v1/responses/{id}/input_items``: a page of a response's input items."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
 
 
 class ModelCard(BaseModel):

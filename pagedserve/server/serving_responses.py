@@ -7,35 +7,48 @@ once.
 
 With ``--enable-responses-store``, a finished response of a request with ``store`` true is
 kept (``responses_store.py``): ``previous_response_id`` continues its conversation, and it can
-be read and deleted by id. Without it, nothing is stored, as in vLLM by default: ``store`` is
-answered ``false`` and ``previous_response_id`` is a 400.
+be read, deleted and its input items listed by id. Without it, nothing is stored, as in vLLM
+by default: ``store`` is answered ``false``, and ``previous_response_id`` and ``background``
+are 400s.
+
+A ``background`` request is answered at once, ``queued``, and runs on in a task
+(``responses_background.py``) that replaces the stored response as it goes: ``in_progress``,
+then ``completed``, ``incomplete`` or ``failed``; ``cancel`` stops it (``cancelled``). The
+invariant the cancel and delete paths lean on: a stored response is ``queued`` or
+``in_progress`` exactly while its task runs, and a task that was stopped writes nothing more.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from fastapi.responses import StreamingResponse
 
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import InvalidSamplingParam
-from pagedserve.server.errors import APIError, stream_error
+from pagedserve.server.errors import SERVER_ERROR, APIError, bad_request, stream_error
 from pagedserve.server.protocol import (
+    ITEM_ID_PREFIX,
     InputItem,
     ResponseDeleted,
+    ResponseError,
+    ResponseItemList,
     ResponseObject,
     ResponsesRequest,
     ResponsesUsage,
+    listed,
     replayed,
 )
 from pagedserve.server.request_ids import RequestIds
+from pagedserve.server.responses_background import BackgroundRun, EventLog
 from pagedserve.server.responses_store import ResponsesStore, StoredResponse
 from pagedserve.server.serving_chat import ChatRun, ChatServing, RegroupedStream
 
@@ -43,35 +56,105 @@ _json = msgspec.json.Encoder()
 # A text item's part, and its events, by the item's type.
 _PART = {"message": "output_text", "reasoning": "reasoning_text"}
 _TEXT_EVENT = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
-_ID_PREFIX = {"message": "msg", "reasoning": "rs", "function_call": "fc"}
+_RUNNING = ("queued", "in_progress")  # a background response's statuses while its task runs
+_SSE = "text/event-stream"
 
 
 @dataclass
 class ResponsesServing:
     chat: ChatServing
     store: ResponsesStore | None = None  # None: --enable-responses-store is off
+    # The background responses whose task has not ended, by id; each task removes its own.
+    _running: dict[str, BackgroundRun] = field(default_factory=dict)
 
     async def create(self, request: ResponsesRequest,
                      ids: RequestIds) -> ResponseObject | StreamingResponse:
+        self._check_background(request)
         earlier = self._earlier(request.previous_response_id)
         run = await self.chat.submit(request.to_chat(earlier), ids)
-        shell = _Shell(request, run, ids.response, int(time.time()),
-                       self.store is not None and request.store is not False, earlier)
+        stored = self.store is not None and request.store is not False
+        shell = _Shell(request, run, ids.response, int(time.time()), stored, earlier,
+                       listed(request.items()) if stored else [],
+                       EventLog() if request.background and request.stream else None)
+        if request.background:
+            return self._start(shell, run)
         if request.stream:
-            return StreamingResponse(self._stream(shell, run), media_type="text/event-stream")
-        final = await run.final()
-        items = OutputItems(self.chat.regrouped(run.plan))
-        (out,) = final.outputs
-        items.update(out.text, out.finish_reason)
-        return await self._finished(shell, run, items, final)
+            return StreamingResponse(self._stream(shell, run), media_type=_SSE)
+        return await self._whole(shell, run)
 
-    def retrieve(self, response_id: str) -> ResponseObject:
-        return self._stored(response_id, "response_id").response
+    def retrieve(self, response_id: str, stream: bool = False,
+                 starting_after: int | None = None) -> ResponseObject | StreamingResponse:
+        """The response as it stands, or (``stream``) a background stream's events past
+        ``starting_after``, as they come."""
+        entry = self._stored(response_id, "response_id")
+        if not stream:
+            return entry.response
+        if entry.events is None:
+            raise bad_request("stream=true replays the events of a response created with "
+                              "background and stream true; this one was not", param="stream")
+        return StreamingResponse(
+            entry.events.after(-1 if starting_after is None else starting_after), media_type=_SSE)
 
-    def delete(self, response_id: str) -> ResponseDeleted:
+    def input_items(self, response_id: str, limit: int, order: Literal["asc", "desc"],
+                    after: str | None) -> ResponseItemList:
+        """A page of the response's own input items (not those of earlier turns), OpenAI's
+        list: ``limit`` of them in ``order``, from past the item ``after``."""
+        items = self._stored(response_id, "response_id").input_items
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            item_ids = [item["id"] for item in items]
+            if after not in item_ids:
+                raise bad_request(f"after: {after!r} is not an input item of response "
+                                  f"{response_id!r}", param="after")
+            items = items[item_ids.index(after) + 1:]
+        page = items[:limit]
+        return ResponseItemList(data=page, first_id=page[0]["id"] if page else None,
+                                last_id=page[-1]["id"] if page else None,
+                                has_more=len(items) > limit)
+
+    async def cancel(self, response_id: str) -> ResponseObject:
+        """Stop a background response that runs (its engine request aborted): ``cancelled``.
+        Cancelling it again returns it, as OpenAI's does; any other is a 400."""
+        entry = self._stored(response_id, "response_id")
+        response = entry.response
+        if not response.background:
+            raise bad_request("Cannot cancel a synchronous response: only a response created "
+                              "with background true can be cancelled", param="response_id")
+        if response.status == "cancelled":
+            return response
+        if response.status not in _RUNNING:
+            raise bad_request(f"Cannot cancel a response that is already {response.status}",
+                              param="response_id")
+        cancelled = response.model_copy(update={"status": "cancelled"})
+        self._keep(entry._replace(response=cancelled))
+        await self._stop(response_id)
+        return cancelled
+
+    async def delete(self, response_id: str) -> ResponseDeleted:
+        """Delete a stored response; a background one that runs is stopped first."""
         self._stored(response_id, "response_id")
         self.store.delete(response_id)
+        await self._stop(response_id)
         return ResponseDeleted(id=response_id)
+
+    async def shutdown(self) -> None:
+        """Stop the background responses that run, before the engines stop: their requests
+        are aborted, and their streams' readers end."""
+        await asyncio.gather(*(run.stopped() for run in list(self._running.values())))
+
+    def _check_background(self, request: ResponsesRequest) -> None:
+        """A background response is read back by its id, so it needs the store (vLLM's and
+        OpenAI's rule)."""
+        if not request.background:
+            return
+        if self.store is None:
+            raise InvalidSamplingParam(
+                "background", "background responses are kept in the responses store: start "
+                "the server with --enable-responses-store (or VLLM_ENABLE_RESPONSES_API_STORE=1)")
+        if request.store is False:
+            raise InvalidSamplingParam(
+                "background", "background can only be used when store is true: a background "
+                "response is read back by its id")
 
     def _earlier(self, previous_id: str | None) -> list[InputItem]:
         """The conversation a request continues: that of its ``previous_response_id``."""
@@ -81,7 +164,12 @@ class ResponsesServing:
             raise InvalidSamplingParam(
                 "previous_response_id", "previous_response_id needs stored responses: start "
                 "the server with --enable-responses-store, or send the earlier turns in input")
-        return self._stored(previous_id, "previous_response_id").conversation
+        entry = self._stored(previous_id, "previous_response_id")
+        if entry.response.status in _RUNNING:
+            raise InvalidSamplingParam(
+                "previous_response_id", f"response {previous_id!r} is still "
+                f"{entry.response.status}: continue it once it has finished")
+        return entry.conversation
 
     def _stored(self, response_id: str, param: str) -> StoredResponse:
         """The stored response, else OpenAI's 404 (also where nothing is stored)."""
@@ -90,6 +178,66 @@ class ResponsesServing:
             raise APIError(HTTPStatus.NOT_FOUND, f"Response with id {response_id!r} not found.",
                            param=param, code="not_found")
         return entry
+
+    def _keep(self, entry: StoredResponse) -> None:
+        """Store ``entry``; a background response the store drops for it is stopped, as no
+        one can read or cancel it any more."""
+        for dropped in self.store.put(entry):
+            run = self._running.get(dropped.response.id)
+            if run is not None:
+                run.stop()
+
+    async def _stop(self, response_id: str) -> None:
+        run = self._running.get(response_id)
+        if run is not None:
+            await run.stopped()
+
+    def _start(self, shell: _Shell, run: ChatRun) -> ResponseObject | StreamingResponse:
+        """Answer a background request: store it queued and start its task (with no await
+        between, so the client's leaving cannot part the run from its task)."""
+        queued = shell.response("queued")
+        self._keep(shell.entry(queued))
+        older = self._running.get(shell.id)
+        if older is not None:  # a client's X-Request-Id again: the newer response has the id
+            older.stop()
+        task = asyncio.create_task(self._background(shell, run))
+        started = self._running[shell.id] = BackgroundRun(task, run.stream, shell.events)
+        task.add_done_callback(lambda _: self._forget(shell.id, started))
+        if shell.events is None:
+            return queued
+        return StreamingResponse(shell.events.after(-1), media_type=_SSE)
+
+    def _forget(self, response_id: str, run: BackgroundRun) -> None:
+        if self._running.get(response_id) is run:
+            del self._running[response_id]
+
+    async def _background(self, shell: _Shell, run: ChatRun) -> None:
+        self._keep(shell.entry(shell.response("in_progress")))
+        try:
+            if shell.events is None:
+                await self._whole(shell, run)
+            else:  # the stream records its own failure
+                async for event in self._stream(shell, run):
+                    shell.events.append(event)
+        except Exception as exc:
+            self._fail(shell, exc)
+        finally:
+            if shell.events is not None:
+                shell.events.close()
+
+    def _fail(self, shell: _Shell, exc: Exception) -> None:
+        """A background response that failed: stored ``failed``, with the error."""
+        error = stream_error(exc).error
+        code = "server_error" if error.type == SERVER_ERROR else "invalid_prompt"
+        self._keep(shell.entry(shell.response(
+            "failed", error=ResponseError(code=code, message=error.message))))
+
+    async def _whole(self, shell: _Shell, run: ChatRun) -> ResponseObject:
+        final = await run.final()
+        items = OutputItems(self.chat.regrouped(run.plan))
+        (out,) = final.outputs
+        items.update(out.text, out.finish_reason)
+        return await self._finished(shell, run, items, final)
 
     async def _stream(self, shell: _Shell, run: ChatRun) -> AsyncIterator[bytes]:
         numbers = itertools.count()
@@ -109,6 +257,8 @@ class ResponsesServing:
             response = await self._finished(shell, run, items, final)
             yield event({"type": f"response.{response.status}", "response": response.model_dump()})
         except Exception as exc:  # OpenAI's error event; the stream ends with it
+            if shell.request.background:
+                self._fail(shell, exc)
             error = stream_error(exc).error
             yield event({"type": "error", "code": error.code or error.type,
                          "message": error.message, "param": error.param})
@@ -121,29 +271,37 @@ class ResponsesServing:
         response = shell.response(items.status, items.items,
                                   ResponsesUsage.of(usage, final.metrics.num_cached_tokens))
         if shell.stored:
-            self.store.put(StoredResponse(response, [
-                *shell.earlier, *shell.request.items(), *replayed(response.output)]))
+            self._keep(shell.entry(response))
         return response
 
 
 @dataclass(frozen=True)
 class _Shell:
-    """What a response says besides its output: ids and the request's parameters."""
+    """What a response says besides its output: ids and the request's parameters; and what
+    is stored with it."""
 
     request: ResponsesRequest
     run: ChatRun
     id: str
     created_at: int
-    stored: bool  # kept once finished
+    stored: bool  # kept in the store (once finished, or from the start in the background)
     earlier: list[InputItem]  # the conversation of previous_response_id
+    input_items: list[dict[str, Any]]  # the request's input as listed, once stored
+    events: EventLog | None  # a background stream's events
+
+    def entry(self, response: ResponseObject) -> StoredResponse:
+        return StoredResponse(
+            response, [*self.earlier, *self.request.items(), *replayed(response.output)],
+            self.input_items, self.events)
 
     def response(self, status: str, output: list[dict] | None = None,
-                 usage: ResponsesUsage | None = None) -> ResponseObject:
+                 usage: ResponsesUsage | None = None,
+                 error: ResponseError | None = None) -> ResponseObject:
         request, params = self.request, self.run.params
         choice = request.tool_choice or "auto"
         return ResponseObject(
-            id=self.id, created_at=self.created_at, status=status, model=self.run.name,
-            output=output or [], usage=usage,
+            id=self.id, created_at=self.created_at, status=status, error=error,
+            model=self.run.name, output=output or [], usage=usage,
             incomplete_details={"reason": "max_output_tokens"} if status == "incomplete"
             else None,
             instructions=request.instructions, max_output_tokens=request.max_output_tokens,
@@ -156,7 +314,8 @@ class _Shell:
             reasoning=None if request.reasoning is None
             else request.reasoning.model_dump(exclude_none=True),
             metadata=request.metadata or {}, user=request.user, store=self.stored,
-            previous_response_id=request.previous_response_id)
+            previous_response_id=request.previous_response_id,
+            background=bool(request.background))
 
 
 @dataclass
@@ -216,7 +375,7 @@ class OutputItems:
         return events
 
     def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        item |= {"id": f"{_ID_PREFIX[item['type']]}_{uuid.uuid4().hex}",
+        item |= {"id": f"{ITEM_ID_PREFIX[item['type']]}_{uuid.uuid4().hex}",
                  "status": "in_progress"}
         self._open = item
         self.items.append(item)

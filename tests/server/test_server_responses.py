@@ -227,7 +227,7 @@ def test_json_schema_format_is_enforced_as_chat_response_format(server):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}},
      "tool_choice", "'other'"),
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "--enable-auto-tool-choice"),
-    ({"background": True}, "background", "not supported"),
+    ({"background": True}, "background", "--enable-responses-store"),
     ({"max_output_tokens": 1 << 20}, "max_output_tokens", "max_output_tokens"),
     ({"input": []}, "input", "no message"),
     ({"frequency": 1}, "frequency", "not supported"),
@@ -255,6 +255,10 @@ def test_nothing_is_stored_without_the_flag(server):
         server.client().responses.retrieve(got.id)
     with pytest.raises(openai.NotFoundError):
         server.client().responses.delete(got.id)
+    with pytest.raises(openai.NotFoundError):
+        server.client().responses.cancel(got.id)
+    with pytest.raises(openai.NotFoundError):
+        server.client().responses.input_items.list(got.id)
 
 
 def test_a_client_that_hangs_up_has_its_response_aborted(server):
