@@ -110,13 +110,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "server can then put it to sleep")
     g.add_argument("--enable-responses-store", action="store_true",
                    help="keep the /v1/responses answers of requests with store true (OpenAI's "
-                        "default) in memory, for previous_response_id and GET and DELETE "
-                        "/v1/responses/ID (also on with VLLM_ENABLE_RESPONSES_API_STORE=1 or "
+                        "default) in memory, for previous_response_id, background: true, and "
+                        "GET, DELETE, input_items and cancel of /v1/responses/ID (also on with "
+                        "VLLM_ENABLE_RESPONSES_API_STORE=1 or "
                         "true); kept until --responses-store-max newer ones push them out or "
                         "the server stops")
     g.add_argument("--responses-store-max", type=positive(int), default=1000,
                    help="responses kept with --enable-responses-store; the oldest created is "
-                        "dropped first")
+                        "dropped first (a background one still running is stopped)")
 
 
 def _lora_module(text: str) -> LoRAModule:
