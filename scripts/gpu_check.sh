@@ -18,7 +18,7 @@
 #                                        attention-vs-base attention-sweep-short fp8-accum
 #                                        fp8-profile fp8-timeline fp8kv-timeline awq-timeline
 #                                        w4a16-wgmma w4a16-wgmma-tests pdl-tests pdl
-#                                        pdl-w4a16 pdl-fp8
+#                                        pdl-w4a16 pdl-fp8 decode-vs-base
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -178,29 +178,35 @@ PY
 # parallelism), 8B shape, 1,000 x 128/128, in one call: base, this tree, base again, this tree
 # again (alternating, so a drift of the machine shows; TP_ROUNDS=1 for one of each).
 # $1 labels the result files; the other arguments go to both runs.
-vs_base() {
-  local label=$1 base=/tmp/tp-base rev=${TP_BASE:-919456f}
-  shift
+# The base tree (TP_BASE, default 919456f) in /tmp/tp-base, and from_base, the command
+# prefix that runs it from its own folder.
+base_tree() {
+  local base=/tmp/tp-base rev=${TP_BASE:-919456f}
   rm -rf $base && mkdir -p $base
   # The device gets the working tree without .git: carry the base as .tp-base, made here by
   # `mkdir -p .tp-base && git archive REV pagedserve | tar -x -C .tp-base`.
   if [ -d .tp-base/pagedserve ]; then
     cp -r .tp-base/pagedserve $base/
   elif ! git archive "$rev" pagedserve | tar -x -C $base; then
-    echo "vs-base: cannot read commit $rev (no git history here?)"; return
+    echo "vs-base: cannot read commit $rev (no git history here?)"; return 1
   fi
+  # The base runs from its own folder: `python3 -m` puts the working directory first on
+  # sys.path, so from the repository root the tree's package would shadow PYTHONPATH's base
+  # (as it did in every *-vs-base run from 2026-11-30 to 2026-12-04: tree against tree).
+  from_base=(env -C $base PYTHONPATH=$base${PYTHONPATH:+:$PYTHONPATH})
+  "${from_base[@]}" python3 -c "import pagedserve, sys; sys.exit(0 if pagedserve.__file__ \
+.startswith('$base/') else 'vs-base: the base run would import ' + pagedserve.__file__)"
+}
+
+vs_base() {
+  local label=$1
+  shift
+  base_tree || return
   local args=(throughput "${common[@]}" --shape llama3-8b --input-len 128 128
               --output-len 128 128 --skip-hf "$@")
   # A Triton cache of each side's own: the first round of both compiles the same (a shared
   # one would hand the tree what the base compiled), the second runs warm.
   local cache_base=$(mktemp -d) cache_tree=$(mktemp -d)
-  # The base runs from its own folder: `python3 -m` puts the working directory first on
-  # sys.path, so from the repository root the tree's package would shadow PYTHONPATH's base
-  # (as it did in every *-vs-base run from 2026-11-30 to 2026-12-04: tree against tree).
-  local from_base=(env -C $base PYTHONPATH=$base${PYTHONPATH:+:$PYTHONPATH})
-  "${from_base[@]}" python3 -c "import pagedserve, sys; sys.exit(0 if pagedserve.__file__ \
-.startswith('$base/') else 'vs-base: the base run would import ' + pagedserve.__file__)" \
-    || return
   for round in $(seq "${TP_ROUNDS:-2}"); do
     TRITON_CACHE_DIR=$cache_base sampled "${label}_base_$round" "${from_base[@]}" \
       python3 -m pagedserve.cli bench "${args[@]}" \
@@ -215,6 +221,33 @@ prefix = f"throughput_h200_llama3-8b_128_{sys.argv[2]}_"
 for path in sorted(Path(sys.argv[1]).glob(f"{prefix}*_[0-9].json")):
     r = json.loads(path.read_text())
     print(f"{path.stem.removeprefix(prefix):7s} {r['pagedserve']['output_tok_s']:10.1f} output tok/s")
+PY
+}
+
+# Decode steps of the 8B shape at DECODE_BATCHES (default 1 8), context 512, for each of
+# VS_WEIGHTS (default awq fp8: dummy weights), base then tree, TP_ROUNDS rounds (default 2),
+# each side with its own Triton cache; a table of ms per step at the end.
+decode_vs_base() {
+  base_tree || return
+  local cache_base=$(mktemp -d) cache_tree=$(mktemp -d) weights round
+  for weights in ${VS_WEIGHTS:-awq fp8}; do
+    local quant=(); [ "$weights" = bf16 ] || quant=(--quantization "$weights")
+    local args=(decode --device cuda --shape llama3-8b --load-format dummy "${quant[@]}"
+                --batch-sizes ${DECODE_BATCHES:-1 8} --context-len 512)
+    for round in $(seq "${TP_ROUNDS:-2}"); do
+      TRITON_CACHE_DIR=$cache_base "${from_base[@]}" python3 -m pagedserve.cli bench \
+        "${args[@]}" --out "$OUT/decode_vs_base_${weights}_base_$round.json" 2>&1 | tail -3
+      TRITON_CACHE_DIR=$cache_tree bench "${args[@]}" \
+        --out "$OUT/decode_vs_base_${weights}_tree_$round.json" 2>&1 | tail -3
+    done
+  done
+  python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+for path in sorted(Path(sys.argv[1]).glob("decode_vs_base_*.json")):
+    rows = json.loads(path.read_text())["rows"]
+    print(path.stem.removeprefix("decode_vs_base_"),
+          " ".join(f"b{r['batch']}={r['step_ms']:.3f}ms" for r in rows))
 PY
 }
 
@@ -609,6 +642,7 @@ for part in $parts; do
           --out "$OUT/attention_h200_sweep_short_$kv.json" \
           2>&1 | tee "$OUT/attention_h200_sweep_short_$kv.log"; done ;;
     tp1-vs-base) vs_base tp1 ;;
+    decode-vs-base) decode_vs_base ;;
     # bf16 and FP8 W8A8 against TP_BASE (set it to the commit before the change measured).
     bf16-vs-base) vs_base bf16 ;;
     fp8-vs-base) vs_base fp8 --load-format dummy --quantization fp8 ;;
