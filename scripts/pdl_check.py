@@ -7,12 +7,9 @@ nothing of theirs reads or writes such memory before ``griddepcontrol.wait``. Ea
 kernel is compiled for sm_90 as the H200 runs it (``PDL=True``; the shapes and settings of
 ``amd_compile_sweep.py``'s cases, which list every kernel of ours), each CUDA C++ kernel by
 the machine's ``nvcc`` to PTX for sm_90a (skipped without one), and the PTX is read: the
-first global load, store, atomic or async copy must come after the wait, and the kernel must
-release its dependents. The exceptions are weights, which no kernel writes: the few-rows W4A16
-kernel's ``cp.async`` copies, and the GEMVs' loads whose addresses derive from their weight
-arguments alone (traced through the PTX's registers from the parameters). The checker itself
-is checked on a kernel that loads before its gate and on one that loads its input beside a
-weight, both of which it must refuse.
+first global load, store, atomic or async copy must come after the wait, but for the few-rows
+W4A16 kernel's weight copies (``cp.async``), and the kernel must release its dependents. The
+checker itself is checked on a kernel that loads before its gate, which it must refuse.
 
     python scripts/pdl_check.py            # a line per kernel
     python scripts/pdl_check.py --check    # the same, for the CPU test suite: exit 1 on a miss
@@ -47,72 +44,19 @@ _MEMORY = re.compile(r"^\s*(@!?%p\d+\s+)?(ld|st|atom|red|cp\.async|prefetch)"
 # writes, by cp.async (the copies' sources are checked by reading the kernel, not here).
 _EARLY_COPIES = {"few_rows_kernel": re.compile(r"^\s*(@!?%p\d+\s+)?cp\.async\.")}
 
-# Triton kernels that load weights before their gate, by the arguments the weights come in.
-WEIGHT_ARGS = {"_w4a16_gemv_kernel": ("qw_ptr", "s_ptr", "z_ptr"),
-               "_fp8_gemv_kernel": ("w_ptr",)}
 
-_REGISTER = re.compile(r"%[a-z]+\d+")
-_PARAM = re.compile(r"\[\s*\w+_param_(\d+)\s*\]")
-_GLOBAL_LOAD = re.compile(r"^\s*(@!?%p\d+\s+)?ld\.global[.\w]*\s+(\{[^}]*\}|%\w+)\s*,"
-                          r"\s*\[\s*(%\w+)")
-
-
-def _weight_loads(lines: list[str], weights: set[int]) -> set[int]:
-    """The lines of ``lines`` (a kernel's PTX before its wait) that are global loads whose
-    address derives from the pointer parameters ``weights`` (by index) alone. Each register's
-    origins are traced forward: a pointer parameter's load gives its index (other parameters,
-    sizes and strides, none), an instruction's destination the union of its sources' origins,
-    and a global load's destinations ``memory``."""
-    pointers = {int(m) for ln in lines for m in re.findall(r"\.ptr\b.*_param_(\d+)", ln)}
-    origins: dict[str, set] = {}
-    safe = set()
-    for i, line in enumerate(lines):
-        code = line.split("//", 1)[0].strip().rstrip(";")
-        if not code or code.startswith((".", "{", "}", "$")):
-            continue
-        code = re.sub(r"^@!?%p\d+\s+", "", code)
-        load = _GLOBAL_LOAD.match(code)
-        if load:
-            source = origins.get(load.group(3), set())
-            if source and source <= weights:
-                safe.add(i)
-            for reg in _REGISTER.findall(load.group(2)):
-                origins[reg] = {"memory"}
-            continue
-        param = _PARAM.search(code)
-        regs = _REGISTER.findall(code)
-        if not regs or code.startswith(("st.", "setp", "bar", "@")):
-            continue
-        if param:
-            index = int(param.group(1))
-            origins[regs[0]] = {index} if index in pointers else set()
-        else:
-            origins[regs[0]] = set().union(*(origins.get(r, set()) for r in regs[1:]))
-    return safe
-
-
-def ptx_problem(ptx: str, allowed: re.Pattern | None = None,
-                weights: set[int] = frozenset()) -> str | None:
+def ptx_problem(ptx: str, allowed: re.Pattern | None = None) -> str | None:
     """Why ``ptx`` (one kernel) is not safe to launch with PDL, or None; ``allowed``: the
-    memory instructions it may run before the wait; ``weights``: the parameters (by index)
-    from which alone it may load before the wait."""
+    memory instructions it may run before the wait."""
     lines = ptx.splitlines()
     wait = next((i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln), None)
     if wait is None:
         return "no griddepcontrol.wait"
     if not any("griddepcontrol.launch_dependents" in ln for ln in lines):
         return "no griddepcontrol.launch_dependents"
-    weight_loads = _weight_loads(lines[:wait], set(weights)) if weights else set()
-    early = next((ln.strip() for i, ln in enumerate(lines[:wait]) if _MEMORY.match(ln)
-                  and i not in weight_loads and not (allowed and allowed.match(ln))), None)
+    early = next((ln.strip() for ln in lines[:wait] if _MEMORY.match(ln)
+                  and not (allowed and allowed.match(ln))), None)
     return None if early is None else f"global memory before the wait: {early}"
-
-
-def weight_params(spec: Spec) -> set[int]:
-    """The PTX parameter indices of ``spec``'s weight arguments (``WEIGHT_ARGS``): its
-    arguments in order, constexprs left out."""
-    names = [n for n in spec.fn.arg_names if n not in spec.constexprs and n != "PDL"]
-    return {names.index(n) for n in WEIGHT_ARGS.get(spec.fn.__name__, ())}
 
 
 def compile_ptx(spec: Spec) -> str:
@@ -128,18 +72,6 @@ def _early_load(x_ptr, out_ptr, PDL: tl.constexpr):
     x = tl.load(x_ptr + tl.arange(0, 128))
     gate(PDL)
     tl.store(out_ptr + tl.arange(0, 128), x)
-
-
-@triton.jit
-def _early_input(w_ptr, x_ptr, out_ptr, PDL: tl.constexpr):
-    """Reads a weight before its gate, which may be allowed, and its input at an address
-    derived from the weight, which may not: the checker must refuse it with ``w_ptr`` a
-    weight (the GEMVs' cases show it passing weight loads alone)."""
-    offs = tl.arange(0, 128)
-    w = tl.load(w_ptr + offs)
-    x = tl.load(x_ptr + w)
-    gate(PDL)
-    tl.store(out_ptr + offs, x)
 
 
 def cuda_kernels_ptx() -> dict[str, str] | None:
@@ -191,11 +123,9 @@ def main() -> None:
     for case in sorted(KERNELS):
         spec = KERNELS[case]("bf16", "gfx950")
         checked.add(f"{spec.fn.__module__.rsplit('.', 1)[-1]}.{spec.fn.__name__}")
-        weights = weight_params(spec)
-        problem = ptx_problem(compile_ptx(spec), weights=weights)
+        problem = ptx_problem(compile_ptx(spec))
         failed |= problem is not None
-        fine = "waits before its first global access" + (" but its weights'" if weights else "")
-        print(f"{case}: {problem or fine}")
+        print(f"{case}: {problem or 'waits before its first global access'}")
     cuda = cuda_kernels_ptx()
     if cuda is None:
         print("no nvcc: the CUDA C++ kernels are not checked")
@@ -214,10 +144,6 @@ def main() -> None:
                    ) is None:
         failed = True
         print("the checker passed a kernel that loads before its gate")
-    gather = Spec(_early_input, {"w_ptr": "i32", "x_ptr": "ACT", "out_ptr": "ACT"}, {}, 4)
-    if ptx_problem(compile_ptx(gather), weights={0}) is None:
-        failed = True
-        print("the checker passed a kernel that loads its input before its gate")
     if failed:
         sys.exit(1 if args.check else 0)
     print("compiled")

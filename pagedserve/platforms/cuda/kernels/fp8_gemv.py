@@ -58,40 +58,23 @@ def _as_float(w):
         return w.to(tl.float32)
 
 
-@triton.jit
-def _weights(w_ptr, offs_n, mask_n, k0, K, stride_wn, BLOCK_K: tl.constexpr):
-    """The ``BLOCK_N x BLOCK_K`` block of the weight from column ``k0``: memory no kernel
-    writes, so a PDL launch may read it before its gate."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                   mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0)
-
-
-@triton.jit
-def _add_block(acc, w, x_row_ptr, k0, K, BLOCK_K: tl.constexpr):
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    x = tl.load(x_row_ptr + offs_k, mask=offs_k < K, other=0.0)
-    return acc + _as_float(w) * x.to(tl.float32)[None, :]
-
-
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                      stride_om, PER_TENSOR: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    gate(PDL)
     pid_m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    # The first block of the weight before the gate: under PDL it streams in while the kernel
-    # before still runs; x only after it.
-    w = _weights(w_ptr, offs_n, mask_n, 0, K, stride_wn, BLOCK_K)
-    gate(PDL)
-    x_row_ptr = x_ptr + pid_m.to(tl.int64) * stride_xm
     # Per-thread partial sums, reduced along K once at the end.
-    acc = _add_block(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), w, x_row_ptr, 0, K,
-                     BLOCK_K)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        w = _weights(w_ptr, offs_n, mask_n, k0, K, stride_wn, BLOCK_K)
-        acc = _add_block(acc, w, x_row_ptr, k0, K, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + offs_k, mask=mask_k, other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc += _as_float(w) * x.to(tl.float32)[None, :]
     if PER_TENSOR:
         scale = tl.load(scale_ptr)
     else:

@@ -534,111 +534,6 @@ def _add_scaled(acc, qx, s, z, x_sum, ZERO_POINT: tl.constexpr):
     return acc + s[None, :] * qx + z[None, :] * x_sum[:, None]
 
 
-@triton.jit
-def _gemv_weights(qw_ptr, s_ptr, z_ptr, k0, N, group_size, offs_n, mask_n,
-                  BLOCK_KW: tl.constexpr, ACC_ROWS: tl.constexpr, EVEN: tl.constexpr,
-                  PAIR_WORDS: tl.constexpr):
-    """The GEMV's block of K from ``k0``: its word rows (with ``PAIR_WORDS`` the even ones,
-    whose odd neighbours are one row of N further: ``words1``), and its group's scale and
-    shift. Only the weight, which no kernel writes: a PDL launch may read it before its
-    gate."""
-    if PAIR_WORDS:
-        rows = k0 // 8 + 2 * tl.arange(0, ACC_ROWS)
-    else:
-        rows = k0 // 8 + tl.arange(0, BLOCK_KW)
-    w_ptrs = qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
-    g_ptrs = ((k0 // _TILE_K) * _TILE_K // group_size) * N + offs_n  # the tile's group
-    if EVEN:
-        words = tl.load(w_ptrs)
-        words1 = tl.load(w_ptrs + N) if PAIR_WORDS else words
-        s = tl.load(s_ptr + g_ptrs).to(tl.float32)
-        z = tl.load(z_ptr + g_ptrs).to(tl.float32)
-    else:
-        words = tl.load(w_ptrs, mask=mask_n[None, :], other=0)
-        words1 = tl.load(w_ptrs + N, mask=mask_n[None, :], other=0) if PAIR_WORDS else words
-        s = tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
-    return rows, words, words1, s, z
-
-
-@triton.jit
-def _gemv_block(acc0, acc1, rows, words, words1, s, z, x_ptr, M, K, stride_xm,
-                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-                ACC_ROWS: tl.constexpr, ZERO_POINT: tl.constexpr, EVEN: tl.constexpr,
-                DECODE: tl.constexpr, PAIR_WORDS: tl.constexpr):
-    """One block of K (``_gemv_weights``') times the rows of x, into the accumulators."""
-    if DECODE == "pairs":
-        if ZERO_POINT:
-            c = (z + 128.0).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            c = (c | (c << 16))[None, :]
-        else:
-            c = tl.full((1, BLOCK_N), 0x43004300, tl.int32)
-        if PAIR_WORDS:
-            pairs = _slice0_pairs(rows, ACC_ROWS)
-            a0, a1, a2, a3, a4, a5, a6, a7, a_sum = _x_word_pairs(
-                x_ptr, 0, M, K, stride_xm, pairs, EVEN, ZERO_POINT)
-            if ROWS == 1:
-                q0 = tl.inline_asm_elementwise(
-                    _PTX_1W2, _CONSTRAINTS_1W2, [words, words1, c, a0, a1, a2, a3, a4, a5,
-                                                 a6, a7],
-                    dtype=tl.float32, is_pure=True, pack=1)
-            else:
-                b0, b1, b2, b3, b4, b5, b6, b7, b_sum = _x_word_pairs(
-                    x_ptr, 1, M, K, stride_xm, pairs, EVEN, ZERO_POINT)
-                q0, q1 = tl.inline_asm_elementwise(
-                    _PTX_2W2, _CONSTRAINTS_2W2,
-                    [words, words1, c, a0, a1, a2, a3, a4, a5, a6, a7,
-                     b0, b1, b2, b3, b4, b5, b6, b7],
-                    dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-                acc1 = _add_scaled(acc1, q1, s, z, b_sum, ZERO_POINT)
-        else:
-            cols = _slice0_cols(rows, BLOCK_KW)
-            a01, a23, a45, a67, a_sum = _x_pairs(x_ptr, 0, M, K, stride_xm, cols, EVEN,
-                                                 ZERO_POINT)
-            if ROWS == 1:
-                q0 = tl.inline_asm_elementwise(_PTX_1, _CONSTRAINTS_1,
-                                               [words, c, a01, a23, a45, a67],
-                                               dtype=tl.float32, is_pure=True, pack=1)
-            else:
-                b01, b23, b45, b67, b_sum = _x_pairs(x_ptr, 1, M, K, stride_xm, cols, EVEN,
-                                                     ZERO_POINT)
-                q0, q1 = tl.inline_asm_elementwise(
-                    _PTX_2, _CONSTRAINTS_2,
-                    [words, c, a01, a23, a45, a67, b01, b23, b45, b67],
-                    dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-                acc1 = _add_scaled(acc1, q1, s, z, b_sum, ZERO_POINT)
-        acc0 = _add_scaled(acc0, q0, s, z, a_sum, ZERO_POINT)
-    else:
-        cols = _slice0_cols(rows, BLOCK_KW)
-        high = words >> 16
-        qx = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
-        x_sum = tl.zeros((BLOCK_KW,), dtype=tl.float32)
-        for i in tl.static_range(8):
-            j = i // 2  # nibble_shift(i): nibble j of the low (even i) or high half-word
-            half = words if i % 2 == 0 else high
-            k = cols + (_TILE_K // 8) * i
-            if EVEN:
-                x = tl.load(x_ptr + k).to(tl.float32)
-            else:
-                x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            if not ZERO_POINT:
-                x_sum += x
-            if DECODE == "subnormal":
-                f = (half & (0xF << (4 * j))).to(tl.float32, bitcast=True)
-                q = f * 1.7014118346046923e38  # 2**127
-                if ZERO_POINT:
-                    q -= (z * (1.0 / (1 << (22 - 4 * j))))[None, :]
-                qx += q * (x * (1 << (22 - 4 * j)))[:, None]
-            else:
-                bits = (half & (0xF << (4 * j))) | ((150 - 4 * j) << 23)
-                q = bits.to(tl.float32, bitcast=True) - (1 << (23 - 4 * j))
-                if ZERO_POINT:
-                    q -= z[None, :]
-                qx += q * x[:, None]
-        acc0 = _add_scaled(acc0, qx, s, z, x_sum, ZERO_POINT)
-    return acc0, acc1
-
-
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr,
@@ -669,6 +564,7 @@ def _w4a16_gemv_kernel(
     single int32 loads (``_x_word_pairs``) instead of two 16-bit loads merged, which the
     K-strided layout otherwise costs the GEMV (it took 17-45% longer than the earlier layout,
     where a word's pairs were adjacent columns)."""
+    gate(PDL)
     BLOCK_KW: tl.constexpr = BLOCK_K // 8
     # With PAIR_WORDS each accumulator row takes two word rows.
     ACC_ROWS: tl.constexpr = BLOCK_KW // 2 if PAIR_WORDS else BLOCK_KW
@@ -676,30 +572,100 @@ def _w4a16_gemv_kernel(
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    # Word rows (as 8 * row) of this slice; the padded tiles make every one exist, and every
-    # slice has at least one block.
+    # Word rows (as 8 * row) of this slice; the padded tiles make every one exist.
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K_PAD)
-    # The first block's weights before the gate: under PDL they stream in while the kernel
-    # before (a norm, the attention's merge, SwiGLU) still runs. x, the partial sums and the
-    # counters, which kernels write, only after it.
-    rows, words, words1, s, z = _gemv_weights(qw_ptr, s_ptr, z_ptr, k_start, N, group_size,
-                                              offs_n, mask_n, BLOCK_KW, ACC_ROWS, EVEN,
-                                              PAIR_WORDS)
-    gate(PDL)
     # One accumulator per row; the second is never read at one row, so it costs nothing.
     acc0 = tl.zeros((ACC_ROWS, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((ACC_ROWS, BLOCK_N), dtype=tl.float32)
-    acc0, acc1 = _gemv_block(acc0, acc1, rows, words, words1, s, z, x_ptr, M, K, stride_xm,
-                             ROWS, BLOCK_N, BLOCK_KW, ACC_ROWS, ZERO_POINT, EVEN, DECODE,
-                             PAIR_WORDS)
-    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        rows, words, words1, s, z = _gemv_weights(qw_ptr, s_ptr, z_ptr, k0, N, group_size,
-                                                  offs_n, mask_n, BLOCK_KW, ACC_ROWS, EVEN,
-                                                  PAIR_WORDS)
-        acc0, acc1 = _gemv_block(acc0, acc1, rows, words, words1, s, z, x_ptr, M, K,
-                                 stride_xm, ROWS, BLOCK_N, BLOCK_KW, ACC_ROWS, ZERO_POINT,
-                                 EVEN, DECODE, PAIR_WORDS)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if PAIR_WORDS:  # the even rows; their odd neighbours are one row of N further
+            rows = k0 // 8 + 2 * tl.arange(0, ACC_ROWS)
+        else:
+            rows = k0 // 8 + tl.arange(0, BLOCK_KW)
+        w_ptrs = qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
+        g_ptrs = ((k0 // _TILE_K) * _TILE_K // group_size) * N + offs_n  # the tile's group
+        if EVEN:
+            words = tl.load(w_ptrs)
+            if PAIR_WORDS:
+                words1 = tl.load(w_ptrs + N)
+            s = tl.load(s_ptr + g_ptrs).to(tl.float32)
+            z = tl.load(z_ptr + g_ptrs).to(tl.float32)
+        else:
+            words = tl.load(w_ptrs, mask=mask_n[None, :], other=0)
+            if PAIR_WORDS:
+                words1 = tl.load(w_ptrs + N, mask=mask_n[None, :], other=0)
+            s = tl.load(s_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+        if DECODE == "pairs":
+            if ZERO_POINT:
+                c = (z + 128.0).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                c = (c | (c << 16))[None, :]
+            else:
+                c = tl.full((1, BLOCK_N), 0x43004300, tl.int32)
+            if PAIR_WORDS:
+                pairs = _slice0_pairs(rows, ACC_ROWS)
+                a0, a1, a2, a3, a4, a5, a6, a7, a_sum = _x_word_pairs(
+                    x_ptr, 0, M, K, stride_xm, pairs, EVEN, ZERO_POINT)
+                if ROWS == 1:
+                    q0 = tl.inline_asm_elementwise(
+                        _PTX_1W2, _CONSTRAINTS_1W2, [words, words1, c, a0, a1, a2, a3, a4, a5,
+                                                     a6, a7],
+                        dtype=tl.float32, is_pure=True, pack=1)
+                else:
+                    b0, b1, b2, b3, b4, b5, b6, b7, b_sum = _x_word_pairs(
+                        x_ptr, 1, M, K, stride_xm, pairs, EVEN, ZERO_POINT)
+                    q0, q1 = tl.inline_asm_elementwise(
+                        _PTX_2W2, _CONSTRAINTS_2W2,
+                        [words, words1, c, a0, a1, a2, a3, a4, a5, a6, a7,
+                         b0, b1, b2, b3, b4, b5, b6, b7],
+                        dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+                    acc1 = _add_scaled(acc1, q1, s, z, b_sum, ZERO_POINT)
+            else:
+                cols = _slice0_cols(rows, BLOCK_KW)
+                a01, a23, a45, a67, a_sum = _x_pairs(x_ptr, 0, M, K, stride_xm, cols, EVEN,
+                                                     ZERO_POINT)
+                if ROWS == 1:
+                    q0 = tl.inline_asm_elementwise(_PTX_1, _CONSTRAINTS_1,
+                                                   [words, c, a01, a23, a45, a67],
+                                                   dtype=tl.float32, is_pure=True, pack=1)
+                else:
+                    b01, b23, b45, b67, b_sum = _x_pairs(x_ptr, 1, M, K, stride_xm, cols, EVEN,
+                                                         ZERO_POINT)
+                    q0, q1 = tl.inline_asm_elementwise(
+                        _PTX_2, _CONSTRAINTS_2,
+                        [words, c, a01, a23, a45, a67, b01, b23, b45, b67],
+                        dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+                    acc1 = _add_scaled(acc1, q1, s, z, b_sum, ZERO_POINT)
+            acc0 = _add_scaled(acc0, q0, s, z, a_sum, ZERO_POINT)
+        else:
+            cols = _slice0_cols(rows, BLOCK_KW)
+            high = words >> 16
+            qx = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+            x_sum = tl.zeros((BLOCK_KW,), dtype=tl.float32)
+            for i in tl.static_range(8):
+                j = i // 2  # nibble_shift(i): nibble j of the low (even i) or high half-word
+                half = words if i % 2 == 0 else high
+                k = cols + (_TILE_K // 8) * i
+                if EVEN:
+                    x = tl.load(x_ptr + k).to(tl.float32)
+                else:
+                    x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                if not ZERO_POINT:
+                    x_sum += x
+                if DECODE == "subnormal":
+                    f = (half & (0xF << (4 * j))).to(tl.float32, bitcast=True)
+                    q = f * 1.7014118346046923e38  # 2**127
+                    if ZERO_POINT:
+                        q -= (z * (1.0 / (1 << (22 - 4 * j))))[None, :]
+                    qx += q * (x * (1 << (22 - 4 * j)))[:, None]
+                else:
+                    bits = (half & (0xF << (4 * j))) | ((150 - 4 * j) << 23)
+                    q = bits.to(tl.float32, bitcast=True) - (1 << (23 - 4 * j))
+                    if ZERO_POINT:
+                        q -= z[None, :]
+                    qx += q * x[:, None]
+            acc0 = _add_scaled(acc0, qx, s, z, x_sum, ZERO_POINT)
     if ROWS == 1:
         y = tl.sum(acc0, axis=0)[None, :]
     else:
