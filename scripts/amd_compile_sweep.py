@@ -244,6 +244,23 @@ def _fp8_quant(dtype: str, arch: str) -> Spec:
                 floats=("fmax", "min_scale"))
 
 
+def _fused_moe(rows_per_expert: int):
+    def spec(dtype: str, arch: str) -> Spec:
+        from pagedserve.platforms.cuda.kernels import fused_moe
+        from pagedserve.platforms.cuda.kernels.prefill_attention import dot_precision
+
+        t = _torch_dtype(dtype)
+        cfg = fused_moe.moe_config(rows_per_expert, t, arch)
+        ptrs = {"a_ptr": "ACT", "w_ptr": "ACT", "c_ptr": "ACT", "route_ptr": "fp32",
+                "sorted_ids_ptr": "i32", "block_experts_ptr": "i64", "total_ptr": "i64"}
+        # The down projection's form (it multiplies the routing weights in).
+        consts = dict(ROUTE_WEIGHT=True, EVEN_K=True, DOT_PREC=dot_precision(t, arch),
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      GROUP_M=cfg.group_m)
+        return Spec(fused_moe._expert_gemm_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages)
+    return spec
+
+
 KERNELS = {
     "prefill_attention": _prefill, "decode_attention": _decode(0),
     "decode_attention_large_batch": _decode(3), "decode_attention_packed_heads": _decode(12),
@@ -254,6 +271,8 @@ KERNELS = {
     "w4a16_m256": _w4a16(256), "w4a16_m1024": _w4a16(1024), "w4a16_dequant": _w4a16_dequant,
     "fp8_quant": _fp8_quant, "rms_norm_fp8": _rms_norm(True), "fp8_gemv": _fp8_gemv,
     "fp8_dequant": _fp8_dequant,
+    # A decode step's tiles (2 rows an expert) and a prefill step's (1,024).
+    "fused_moe_decode": _fused_moe(2), "fused_moe_prefill": _fused_moe(1024),
 }
 # The CI subset leaves out the middle W4A16 configurations (m16 and m1024 bracket them).
 NOT_IN_SUBSET = ("w4a16_m64", "w4a16_m256")

@@ -32,7 +32,7 @@ from tests.tiny_models import (
 OPS = [LayerOps, CpuPlatform.layer_ops()]
 
 
-def _reference(hidden, w13, w2, ids, weights) -> torch.Tensor:
+def reference_moe(hidden, w13, w2, ids, weights) -> torch.Tensor:
     """Token by token, each of its k experts in float64."""
     h, w13, w2, weights = hidden.double(), w13.double(), w2.double(), weights.double()
     out = torch.zeros_like(h)
@@ -43,7 +43,7 @@ def _reference(hidden, w13, w2, ids, weights) -> torch.Tensor:
     return out
 
 
-def _weights(experts: int, hidden: int, inter: int, dtype: torch.dtype):
+def expert_weights(experts: int, hidden: int, inter: int, dtype: torch.dtype):
     g = torch.Generator().manual_seed(experts)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / math.sqrt(hidden)
     w2 = torch.randn(experts, hidden, inter, generator=g) / math.sqrt(inter)
@@ -57,7 +57,7 @@ def test_fused_moe_equals_a_per_token_reference(ops, dtype, tol):
     (two experts of equal score in a token's top-k) in rows 1 and 2, as do their weights."""
     torch.manual_seed(0)
     tokens, hidden, inter = 13, 48, 40
-    w13, w2 = _weights(8, hidden, inter, dtype)
+    w13, w2 = expert_weights(8, hidden, inter, dtype)
     x = torch.randn(tokens, hidden).to(dtype)
     logits = torch.full((tokens, 8), -30.0)
     for t in range(tokens):  # a token picks expert 2 and one of 1, 4, 6, 7
@@ -69,20 +69,20 @@ def test_fused_moe_equals_a_per_token_reference(ops, dtype, tol):
     assert routed.weights[1].tolist() == [0.5, 0.5]
     got = ops.fused_moe(x, w13, w2, routed.ids, routed.weights)
     assert got.dtype == dtype and got.shape == x.shape
-    expected = _reference(x, w13, w2, routed.ids, routed.weights)
+    expected = reference_moe(x, w13, w2, routed.ids, routed.weights)
     torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("ops", OPS, ids=lambda o: o.__name__)
 def test_fused_moe_of_no_tokens_and_of_one(ops):
-    w13, w2 = _weights(4, 16, 8, torch.float32)
+    w13, w2 = expert_weights(4, 16, 8, torch.float32)
     none = ops.fused_moe(torch.empty(0, 16), w13, w2, torch.empty(0, 2, dtype=torch.int64),
                          torch.empty(0, 2))
     assert none.shape == (0, 16)
     x = torch.randn(1, 16)
     ids, weights = torch.tensor([[3, 0]]), torch.tensor([[0.75, 0.25]])
     torch.testing.assert_close(ops.fused_moe(x, w13, w2, ids, weights).double(),
-                               _reference(x, w13, w2, ids, weights), atol=1e-5, rtol=1e-5)
+                               reference_moe(x, w13, w2, ids, weights), atol=1e-5, rtol=1e-5)
 
 
 def test_route_takes_the_softmax_top_k_and_renormalises_where_asked():

@@ -1,7 +1,8 @@
 """The architectures that came after the first CUDA runs, on an NVIDIA GPU: mixture of experts
-(the portable ``fused_moe`` op, eager), Phi-3 (fused projections cut per shard, partial
-rotary) and Granite (its multipliers) against transformers, eager and with CUDA graphs; and
-sleep mode on the GPU (device memory given back, page-locked copies, graphs captured again)."""
+(the Triton ``fused_moe`` kernel, decode steps in CUDA graphs), Phi-3 (fused projections cut
+per shard, partial rotary) and Granite (its multipliers) against transformers, eager and with
+CUDA graphs; and sleep mode on the GPU (device memory given back, page-locked copies, graphs
+captured again)."""
 
 from __future__ import annotations
 
@@ -39,10 +40,11 @@ def arch_folder(request, tmp_path_factory):
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_greedy_matches_transformers_on_gpu(arch_folder, eager):
     """float32 on the GPU against transformers' float32 on the CPU (a near-tie may break
-    either way). Mixture-of-experts models run eagerly either way (the op syncs with the
-    host); the dense ones replay graphs."""
+    either way); without ``enforce_eager`` every model, mixture of experts included, replays
+    graphs."""
     llm = make_llm(arch_folder, device="cuda", dtype="float32", enforce_eager=eager,
                    kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
+    assert (llm.engine.executor.runner.graphs is None) == eager
     assert assert_greedy_matches(llm, hf_model(arch_folder), PROMPTS, NEW) >= len(PROMPTS) - 1
 
 
@@ -67,6 +69,27 @@ def test_bfloat16_logprobs_near_float32(arch_folder):
     config = json.loads((arch_folder / "config.json").read_text())
     if not ({"num_experts", "num_local_experts"} & config.keys()):
         assert max(diffs) < 0.3
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3-moe"])
+def moe_folder(request, tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_graphs_give_the_eager_tokens(moe_folder, dtype):
+    """The Triton experts read their routing on the device, so a mixture-of-experts model's
+    decode steps replay CUDA graphs: the same greedy tokens as eager steps, and in float32
+    transformers' tokens (a near-tie excepted, as above)."""
+    tokens = {}
+    for eager in (True, False):
+        llm = make_llm(moe_folder, device="cuda", dtype=dtype, enforce_eager=eager,
+                       kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
+        assert (llm.engine.executor.runner.graphs is None) == eager
+        tokens[eager] = _tokens(llm)
+    assert tokens[False] == tokens[True]
+    if dtype == "float32":
+        assert assert_greedy_matches(llm, hf_model(moe_folder), PROMPTS, NEW) >= len(PROMPTS) - 1
 
 
 @pytest.fixture(scope="module")

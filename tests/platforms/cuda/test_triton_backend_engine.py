@@ -1,4 +1,4 @@
-"""The whole engine on the Triton kernels (attention and fused layer ops), on the CPU under
+"""The whole engine on the Triton kernels (attention, fused layer ops and experts), on the CPU under
 Triton's interpreter: greedy tokens equal the portable torch ops', with chunked prefill reading
 context back from the cache.
 
@@ -36,8 +36,9 @@ def _greedy(folder) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.skipif(HAS_NVIDIA, reason="covered by the cuda engine tests")
 # qwen3: q/k norms on the Triton RMSNorm; phi3: the rotary kernel on the first 0.75 of each
-# head; granite: its softmax scale (0.4, not 1/sqrt(16)) through both attention kernels.
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "granite"])
+# head; granite: its softmax scale (0.4, not 1/sqrt(16)) through both attention kernels;
+# mixtral: the experts through the fused MoE kernel's grouped GEMMs.
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "granite", "mixtral"])
 def test_engine_on_triton_interpreter_matches_torch_backend(tiny_model_folder, monkeypatch,
                                                             arch):
     if IMPORTED_TOO_LATE:

@@ -22,3 +22,14 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=8)
+def shared_memory_bytes(device: torch.device) -> int | None:
+    """The shared memory one program may use (the opt-in maximum: 227 KiB on the H100, 163 on
+    the A100); None where unknown: the CPU, whose interpreter has no such limit, or a torch
+    without the property."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", None)

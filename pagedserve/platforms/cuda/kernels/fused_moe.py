@@ -1,0 +1,187 @@
+"""The routed experts of a mixture-of-experts layer as two grouped GEMMs (vLLM's ``fused_moe``
+design), with no host sync, so a CUDA graph captures it for any routing.
+
+``LayerOps.fused_moe`` states the contract. Here the ``T * K`` (token, expert) pairs are laid
+out by ``moe_align.align_pairs`` (grouped by expert, each expert's rows padded to whole blocks
+of ``BLOCK_M``). Each program of ``_expert_gemm_kernel`` takes one block of rows, all of one
+expert, and one block of ``BLOCK_N`` output columns: it gathers its rows of ``a`` by pair id,
+multiplies them by that expert's weight in float32 and scatters each row to its pair's row of
+the output. The layer is then
+
+1. ``gate_up[p] = hidden[p // K] @ w13[e_p].T``, ``[T*K, 2I]``;
+2. ``act = silu_and_mul(gate_up)``, ``[T*K, I]`` (``kernels/activation.py``);
+3. ``down[p] = topk_weights[p] * (act[p] @ w2[e_p].T)``, ``[T, K, H]``;
+4. ``out[t] = sum_k down[t, k]``, summed in float32 by a torch reduction.
+
+Every output element is written by one program in a fixed order and no float atomics are used,
+so results are bit-reproducible from run to run. Rounding follows the torch reference: each
+GEMM rounds its float32 result to the activation dtype once (the second after the routing
+weight, where torch rounds before and after it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.platforms.cuda.kernels.activation import silu_and_mul
+from pagedserve.platforms.cuda.kernels.device import gpu_arch, shared_memory_bytes
+from pagedserve.platforms.cuda.kernels.moe_align import AlignedPairs, align_pairs
+from pagedserve.platforms.cuda.kernels.pdl import gate, launch_options
+from pagedserve.platforms.cuda.kernels.prefill_attention import dot_precision
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    block_m: int  # rows of one expert a program takes (the alignment's padding unit)
+    block_n: int
+    block_k: int
+    group_m: int  # blocks of rows that sweep the columns together, for the L2 cache
+    num_warps: int
+    num_stages: int
+
+
+# By the rows an expert gets on average (T * K / E): decode steps stream each expert's weight
+# through few rows; prefill steps reuse each weight tile over many. Taken from vLLM's tables
+# for Mixtral-8x7B and Qwen3-30B-A3B on the H100, regrouped by rows per expert; not yet timed
+# in this kernel (scripts/bench_fused_moe.py --sweep).
+_CONFIGS = (
+    (8, MoeConfig(16, 64, 128, 1, 4, 4)),
+    (32, MoeConfig(32, 128, 128, 8, 8, 4)),
+    (96, MoeConfig(64, 128, 64, 8, 8, 4)),
+    (None, MoeConfig(128, 256, 64, 8, 8, 4)),
+)
+
+
+def moe_config(rows_per_expert: float, dtype: torch.dtype, arch: str | None,
+               shared_bytes: int | None = None) -> MoeConfig:
+    """The tiles for a step whose experts get ``rows_per_expert`` rows on average. float32
+    halves ``block_k`` (the same shared memory per stage). AMD GPUs (``arch``, None on NVIDIA)
+    take 2 stages, within the 64 KiB of LDS of all but gfx950 (compile-only:
+    ``scripts/amd_compile_sweep.py``). On NVIDIA the stages are cut to what ``shared_bytes``
+    (a program's shared memory) holds, a copy of both tiles each: the largest tiles take 192
+    KiB at 4 stages, which fits the H100 and not an A100."""
+    cfg = next(c for bound, c in _CONFIGS if bound is None or rows_per_expert <= bound)
+    if dtype == torch.float32:
+        cfg = replace(cfg, block_k=cfg.block_k // 2)
+    if arch is not None:
+        return replace(cfg, num_stages=2)
+    if shared_bytes is None:
+        return cfg
+    stage = (cfg.block_m + cfg.block_n) * cfg.block_k * dtype.itemsize
+    return replace(cfg, num_stages=max(1, min(cfg.num_stages, shared_bytes // stage)))
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    a_ptr, w_ptr, c_ptr, route_ptr, sorted_ids_ptr, block_experts_ptr, total_ptr,
+    N, K, num_pairs, pairs_per_a_row, num_m_blocks, stride_am, stride_we, stride_wn, stride_cm,
+    ROUTE_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PDL: tl.constexpr,
+):
+    """``c[p] = (route[p] *) a[p // pairs_per_a_row] @ w[expert of p].T`` for the pairs of one
+    block of aligned rows; ``a`` ``[*, K]``, ``w`` ``[E, N, K]``, ``c`` ``[P, N]``, all with
+    contiguous last dimensions."""
+    gate(PDL)
+    pid = tl.program_id(0)
+    # GROUP_M consecutive blocks of rows take each block of columns in turn, so the programs
+    # running together share weight tiles in the L2 cache.
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    group_size = min(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_size
+    pid_n = (pid % (GROUP_M * num_n)) // group_size
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return  # past the padded total: the grid is sized for any routing
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + rows)
+    valid = pairs < num_pairs  # padding rows hold the sentinel num_pairs
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    a_rows = (pairs // pairs_per_a_row).to(tl.int64)
+    # Columns past N wrap to valid ones (loads need no mask); their results are not stored.
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
+    w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=valid[:, None] & (ks[None, :] < left), other=0.0)
+            w = tl.load(w_ptrs, mask=ks[:, None] < left, other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if ROUTE_WEIGHT:
+        acc = acc * tl.load(route_ptr + pairs, mask=valid, other=0.0)[:, None]
+    out_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + out_cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
+             mask=valid[:, None] & (out_cols[None, :] < N))
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``LayerOps.fused_moe``'s contract: ``hidden`` ``[T, H]``, ``w13`` ``[E, 2I, H]``, ``w2``
+    ``[E, H, I]``, ``topk_ids`` ``[T, K]``, ``topk_weights`` ``[T, K]`` -> ``[T, H]``."""
+    num_tokens, top_k = topk_ids.shape
+    cfg = step_config(num_tokens * top_k / w13.shape[0], hidden.dtype, hidden.device)
+    return fused_moe_with(cfg, hidden, w13, w2, topk_ids, topk_weights)
+
+
+def step_config(rows_per_expert: float, dtype: torch.dtype, device: torch.device) -> MoeConfig:
+    """``moe_config`` for the GPU ``device`` (the tiles ``fused_moe`` launches)."""
+    return moe_config(rows_per_expert, dtype, gpu_arch(device), shared_memory_bytes(device))
+
+
+def fused_moe_with(cfg: MoeConfig, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``fused_moe`` with the tiles ``cfg`` (the tests and the benchmark pick them)."""
+    _check(hidden, w13, w2)
+    num_tokens, top_k = topk_ids.shape
+    hidden_size, dtype = hidden.shape[1], hidden.dtype
+    if num_tokens == 0:
+        return torch.empty_like(hidden)
+    aligned = align_pairs(topk_ids, w13.shape[0], cfg.block_m)
+    gate_up = torch.empty(num_tokens * top_k, w13.shape[1], dtype=dtype, device=hidden.device)
+    _gemm(cfg, hidden, w13, gate_up, aligned, top_k, None)
+    down = torch.empty(num_tokens, top_k, hidden_size, dtype=dtype, device=hidden.device)
+    _gemm(cfg, silu_and_mul(gate_up), w2, down.view(-1, hidden_size), aligned, 1,
+          topk_weights.reshape(-1).float())
+    if top_k == 1:
+        return down.view(num_tokens, hidden_size)
+    return down.sum(dim=1, dtype=torch.float32).to(dtype)
+
+
+def _gemm(cfg: MoeConfig, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+          aligned: AlignedPairs, pairs_per_a_row: int, route: torch.Tensor | None) -> None:
+    """One grouped GEMM into ``out`` ``[P, N]``; ``route``: float32 ``[P]`` routing weights
+    multiplied into each row, or None."""
+    num_m_blocks = aligned.block_experts.numel()
+    n, k = w.shape[1], w.shape[2]
+    grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
+    _expert_gemm_kernel[grid](
+        a, w, out, route if route is not None else out, aligned.sorted_ids,
+        aligned.block_experts, aligned.total, n, k, out.shape[0], pairs_per_a_row,
+        num_m_blocks, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        ROUTE_WEIGHT=route is not None, EVEN_K=k % cfg.block_k == 0,
+        DOT_PREC=dot_precision(a.dtype, gpu_arch(a.device)), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(a.device),
+    )
+
+
+def _check(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    if any(t.stride(-1) != 1 for t in (hidden, w13, w2)):
+        raise ValueError("fused_moe needs contiguous rows of hidden and of each expert weight")
+    if hidden.dtype != w13.dtype or w2.dtype != w13.dtype:
+        raise ValueError(f"fused_moe takes one dtype: hidden {hidden.dtype}, w13 {w13.dtype}, "
+                         f"w2 {w2.dtype}")
