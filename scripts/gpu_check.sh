@@ -18,7 +18,7 @@
 #                                        attention-vs-base attention-sweep-short fp8-accum
 #                                        fp8-profile fp8-timeline fp8kv-timeline awq-timeline
 #                                        w4a16-wgmma w4a16-wgmma-tests pdl-tests pdl
-#                                        pdl-w4a16 pdl-fp8 decode-vs-base
+#                                        pdl-w4a16 pdl-fp8 decode-vs-base fused-moe
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -569,6 +569,21 @@ for part in $parts; do
           --load-format dummy --quantization awq --batch-sizes ${DECODE_BATCHES:-32 64 128 256} \
           --context-len 512 --out "$OUT/decode_h200_llama3-8b_awq_wgmma$on.json"
       done ;;
+    # The Triton fused MoE kernel (kernels/fused_moe.py): its tests (bf16, model-sized
+    # shapes, a CUDA graph replayed under new routings; the interpreter-sized ones too), the
+    # tiny Mixtral and Qwen3-MoE through graphs against eager and transformers (~4 min), then
+    # Triton against the torch loop at the Mixtral-8x7B and Qwen3-30B-A3B expert shapes,
+    # T = 1 .. 8,192, with the candidate tiles (FUSED_MOE_SWEEP=0 leaves them out; ~5 min).
+    fused-moe) tag=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 \
+          | grep -oE 'H[0-9]+|A[0-9]+|B[0-9]+|L[0-9]+' | head -1 | tr 'A-Z' 'a-z')
+        tag=${tag:-gpu}
+        timeout 420 python3 -m pytest -q -p no:cacheprovider \
+          tests/platforms/cuda/test_fused_moe.py tests/platforms/cuda/test_architectures_cuda.py \
+          -k "moe or mixtral or qwen3" 2>&1 | tee "$OUT/gpu_fused_moe_tests_$tag.log" \
+          || failed="${failed:-} fused-moe-tests"
+        sweep=(--sweep); [ "${FUSED_MOE_SWEEP:-1}" = 0 ] && sweep=()
+        timeout 540 python3 scripts/bench_fused_moe.py "${sweep[@]}" \
+          --out "$OUT/fused_moe_$tag.json" 2>&1 | tee "$OUT/fused_moe_$tag.log" ;;
     # Programmatic dependent launch (kernels/pdl.py): its GPU test, and the kernels' and
     # graphs' tests with it on.
     pdl-tests) PAGEDSERVE_PDL=1 timeout 420 python3 -m pytest -q -x -p no:cacheprovider \

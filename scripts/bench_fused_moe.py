@@ -1,0 +1,140 @@
+"""Time the Triton fused mixture-of-experts kernel against the portable torch loop on an NVIDIA
+GPU, at the expert shapes of Mixtral-8x7B (8 experts, top 2, hidden 4,096, intermediate
+14,336) and Qwen3-30B-A3B (128, top 8, 2,048, 768), bf16, T = 1 .. 8,192 tokens.
+
+The Triton path is timed under CUDA graphs (``do_bench_cudagraph``: it reads its routing on
+the device); the torch loop reads its per-expert counts on the host, so it is timed with
+events (``do_bench``), host gaps included, as an eager step runs it. Routing: a softmax over
+random router logits, its top k renormalised. The lower bound beside them is the larger of the
+bytes of the experts the routing touches over the device-to-device copy rate and the layer's
+FLOPs over a large bf16 ``torch.mm``'s (cuBLAS) rate, both measured in the same run.
+``--sweep`` also times candidate tile configurations at each point and prints the fastest (the
+table in ``kernels/fused_moe.py`` came from such a run).
+
+    python scripts/bench_fused_moe.py --out benchmarks/results/fused_moe_h100.json [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+# Run as a plain script from anywhere: the package lives one folder up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedserve.bench.common import write_result  # noqa: E402
+from scripts.bench_w4a16 import copy_bandwidth_gbs  # noqa: E402
+
+
+class MoeShape(NamedTuple):
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+
+
+SHAPES = {"mixtral-8x7b": MoeShape(8, 2, 4096, 14336),
+          "qwen3-30b-a3b": MoeShape(128, 8, 2048, 768)}
+TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
+# (block_m, block_n, block_k, group_m, num_warps, num_stages) that --sweep times.
+CANDIDATES = ((16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 8, 5), (16, 128, 128, 1, 4, 3),
+              (32, 128, 128, 8, 8, 4), (32, 256, 128, 1, 8, 3), (64, 128, 128, 1, 8, 4),
+              (64, 128, 64, 8, 8, 4), (64, 256, 64, 1, 8, 5), (128, 128, 64, 1, 4, 5),
+              (128, 256, 64, 8, 8, 4))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="JSON path (default benchmarks/results/fused_moe.json)")
+    p.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    p.add_argument("--sweep", action="store_true", help="time the candidate tiles too")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_fused_moe.py needs an NVIDIA GPU: torch.cuda.is_available() is False")
+    copy_gbs, mm_tflops = copy_bandwidth_gbs(), dense_tflops()
+    print(f"{torch.cuda.get_device_name()}  copy {copy_gbs:.0f} GB/s  "
+          f"bf16 mm {mm_tflops:.0f} TFLOP/s")
+    print(f"{'shape':<14} {'T':>5} {'triton ms':>10} {'torch ms':>10} {'bound ms':>9} "
+          f"{'x torch':>8} {'% bound':>8}  tiles")
+    rows = []
+    for name in args.shapes:
+        shape = SHAPES[name]
+        w13, w2 = weights(shape)
+        for tokens in args.tokens:
+            row = time_point(name, shape, tokens, w13, w2, copy_gbs, mm_tflops, args.sweep)
+            rows.append(row)
+            print(f"{name:<14} {tokens:>5} {row['triton_ms']:>10.4f} {row['torch_ms']:>10.4f} "
+                  f"{row['bound_ms']:>9.4f} {row['speedup']:>8.2f} "
+                  f"{100 * row['bound_ms'] / row['triton_ms']:>8.1f}  {row['tiles']}"
+                  + (f"  fastest {row['fastest']}" if args.sweep else ""), flush=True)
+        del w13, w2
+        torch.cuda.empty_cache()
+    write_result("fused_moe", {"device": torch.cuda.get_device_name(), "dtype": "bf16",
+                               "copy_gbs": copy_gbs, "mm_tflops": mm_tflops, "rows": rows},
+                 args.out)
+
+
+def weights(shape: MoeShape) -> tuple[torch.Tensor, torch.Tensor]:
+    w13 = torch.randn(shape.experts, 2 * shape.inter, shape.hidden, device="cuda",
+                      dtype=torch.bfloat16) / shape.hidden ** 0.5
+    w2 = torch.randn(shape.experts, shape.hidden, shape.inter, device="cuda",
+                     dtype=torch.bfloat16) / shape.inter ** 0.5
+    return w13, w2
+
+
+def time_point(name: str, shape: MoeShape, tokens: int, w13: torch.Tensor, w2: torch.Tensor,
+               copy_gbs: float, mm_tflops: float, sweep: bool) -> dict:
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from pagedserve.models.layer_ops import LayerOps
+    from pagedserve.platforms.cuda.kernels import fused_moe as moe
+
+    x = torch.randn(tokens, shape.hidden, device="cuda", dtype=torch.bfloat16)
+    probs = torch.randn(tokens, shape.experts, device="cuda").softmax(-1)
+    topk_weights, topk_ids = probs.topk(shape.top_k, dim=-1)
+    topk_weights /= topk_weights.sum(-1, keepdim=True)
+    operands = (x, w13, w2, topk_ids, topk_weights)
+    cfg = moe.step_config(tokens * shape.top_k / shape.experts, torch.bfloat16, x.device)
+    moe.fused_moe(*operands)  # compile outside the timing
+    triton_ms = do_bench_cudagraph(lambda: moe.fused_moe(*operands), return_mode="median")
+    torch_ms = do_bench(lambda: LayerOps.fused_moe(*operands), return_mode="median")
+    touched = topk_ids.unique().numel()
+    weight_bytes = touched * (w13[0].numel() + w2[0].numel()) * 2
+    flops = 2 * tokens * shape.top_k * 3 * shape.hidden * shape.inter
+    bound_ms = max(weight_bytes / copy_gbs / 1e6, flops / mm_tflops / 1e9)
+    row = {"shape": name, **shape._asdict(), "tokens": tokens, "experts_touched": touched,
+           "triton_ms": triton_ms, "torch_ms": torch_ms, "bound_ms": bound_ms,
+           "speedup": torch_ms / triton_ms, "tiles": _tiles(cfg)}
+    if sweep:
+        swept = {}
+        for c in CANDIDATES:
+            candidate = moe.MoeConfig(*c)
+            moe.fused_moe_with(candidate, *operands)
+            swept[_tiles(candidate)] = do_bench_cudagraph(
+                lambda cfg=candidate: moe.fused_moe_with(cfg, *operands), return_mode="median")
+        row["sweep_ms"] = swept
+        row["fastest"] = min(swept, key=swept.get)
+    return row
+
+
+def dense_tflops() -> float:
+    """A large bf16 matmul's rate through cuBLAS: the compute side of the bound."""
+    from triton.testing import do_bench
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ a, return_mode="median")
+    return 2 * 8192**3 / ms / 1e9
+
+
+def _tiles(cfg) -> str:
+    return (f"m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}g{cfg.group_m}"
+            f"w{cfg.num_warps}s{cfg.num_stages}")
+
+
+if __name__ == "__main__":
+    main()
