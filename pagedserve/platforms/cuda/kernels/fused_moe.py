@@ -58,13 +58,20 @@ _CONFIGS = (
 
 def moe_config(rows_per_expert: float, dtype: torch.dtype, arch: str | None,
                shared_bytes: int | None = None) -> MoeConfig:
-    """The tiles for a step whose experts get ``rows_per_expert`` rows on average. float32
-    halves ``block_k`` (the same shared memory per stage). AMD GPUs (``arch``, None on NVIDIA)
-    take 2 stages, within the 64 KiB of LDS of all but gfx950 (compile-only:
-    ``scripts/amd_compile_sweep.py``). On NVIDIA the stages are cut to what ``shared_bytes``
-    (a program's shared memory) holds, a copy of both tiles each: the largest tiles take 192
-    KiB at 4 stages, which fits the H100 and not an A100."""
+    """The tiles for a step whose experts get ``rows_per_expert`` rows on average, ``fit``
+    to the dtype and the GPU."""
     cfg = next(c for bound, c in _CONFIGS if bound is None or rows_per_expert <= bound)
+    return fit(cfg, dtype, arch, shared_bytes)
+
+
+def fit(cfg: MoeConfig, dtype: torch.dtype, arch: str | None,
+        shared_bytes: int | None) -> MoeConfig:
+    """A row of the table as launched: float32 halves ``block_k`` (the same shared memory per
+    stage). AMD GPUs (``arch``, None on NVIDIA) take 2 stages, within the 64 KiB of LDS of all
+    but gfx950 (compile-only: ``scripts/amd_compile_sweep.py``). On NVIDIA the stages are cut
+    to what ``shared_bytes`` (a program's shared memory; None: no limit, as under the
+    interpreter) holds, a copy of both tiles each: the largest tiles take 192 KiB at 4 stages,
+    which fits the H100 and not an A100."""
     if dtype == torch.float32:
         cfg = replace(cfg, block_k=cfg.block_k // 2)
     if arch is not None:
