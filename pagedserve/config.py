@@ -523,21 +523,10 @@ class EngineConfig:
             raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: {why}")
 
     def _check_moe(self, arch: ModelArchConfig) -> None:
-        """What mixture-of-experts models do not run with yet: their experts are held in the
-        checkpoint's float precision only, and LoRA has no adapter slots for them."""
-        name = arch.checkpoint_architecture
-        stored = (arch.raw.get("quantization_config") or {}).get("quant_method")
-        if stored:
-            raise ConfigError(f"{name}: quantized mixture-of-experts checkpoints ({stored}) are "
-                              "not supported; load the unquantized (bfloat16/float16/float32) "
-                              "checkpoint")
-        if self.quantization not in ("auto", "none"):
-            raise ConfigError(f"--quantization {self.quantization} is not supported for "
-                              f"mixture-of-experts models ({name}); leave it unset: their "
-                              "weights run unquantized")
+        """LoRA has no adapter slots for a mixture-of-experts model's experts."""
         if self.enable_lora:
             raise ConfigError(f"--enable-lora is not supported for mixture-of-experts models "
-                              f"({name})")
+                              f"({arch.checkpoint_architecture})")
 
     @staticmethod
     def _check_fused(arch: ModelArchConfig) -> None:

@@ -294,11 +294,14 @@ class LlamaForCausalLM(nn.Module):
     def _check_complete(self, loaded: set[str]) -> None:
         missing = [name for name, m in self.named_modules()
                    if isinstance(m, (Linear, VocabEmbedding, FusedExperts)) and not m.loaded]
+        # Experts' parameters, float or quantized stacks: counted through ``loaded`` too.
+        experts = tuple(f"{name}." for name, m in self.named_modules()
+                        if isinstance(m, FusedExperts))
         for name, _ in self.named_parameters():
             owner_name, _, kind = name.rpartition(".")
             owner = self.get_submodule(owner_name)
-            if isinstance(owner, FusedExperts) or (isinstance(owner, (Linear, VocabEmbedding))
-                                                   and kind != "bias"):
+            if name.startswith(experts) or (isinstance(owner, (Linear, VocabEmbedding))
+                                            and kind != "bias"):
                 continue  # weights: counted through ``loaded`` above
             fused = isinstance(owner, Linear) and len(owner.out_sizes) > 1
             shards = range(len(owner.out_sizes)) if fused else [None]

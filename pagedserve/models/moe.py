@@ -5,7 +5,9 @@ A router (``gate``, hidden -> experts, no bias) scores every expert; the softmax
 taken in float32, the ``top_k`` best kept and, where the config says (Mixtral always, the
 Qwen models with ``norm_topk_prob``), renormalised to sum to 1. The experts are SwiGLU MLPs
 whose weights are stacked at load into ``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]``, the
-layout the platform's ``LayerOps.fused_moe`` reads. Qwen2-MoE adds a shared expert, a dense
+layout the platform's ``LayerOps.fused_moe`` reads, or, from a quantized checkpoint (or
+``--quantization fp8``), kept quantized and dequantized per step for the experts the step
+routes tokens to (``models/quantized_experts.py``). Qwen2-MoE adds a shared expert, a dense
 SwiGLU MLP every token goes through, scaled by ``sigmoid(shared_expert_gate(x))`` (a
 hidden -> 1 projection) and added to the routed experts' sum.
 
@@ -19,6 +21,7 @@ its per-token scale, the same on every rank, distributes over the sum.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -29,7 +32,8 @@ from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.forward_context import ForwardContext
 from pagedserve.models.layer_ops import LayerOps
 from pagedserve.models.linear import LinearFactory
-from pagedserve.quant.weights import LoadedWeight
+from pagedserve.models.quantized_experts import QuantizedExperts
+from pagedserve.quant.weights import LoadedWeight, take_columns, take_rows
 
 # ``model.layers.3.mlp.experts.7.up_proj.weight`` (Qwen3-MoE) or, Mixtral's names,
 # ``model.layers.3.block_sparse_moe.experts.7.w3.weight``.
@@ -62,20 +66,29 @@ def moe_module_name(name: str) -> str:
 
 
 class FusedExperts(nn.Module):
-    """Every expert's SwiGLU weights of one layer, stacked: ``w13[e]`` is expert ``e``'s gate
-    rows then its up rows (this rank's ``part`` of each), ``w2[e]`` its down projection's
-    columns of that part. Each checkpoint tensor is copied into its place as it arrives;
+    """Every expert's SwiGLU weights of one layer, this rank's ``part`` of each, held as the
+    checkpoint stores them. Float experts are stacked into ``w13`` ``[E, 2I, H]`` (``w13[e]``:
+    expert ``e``'s gate rows then its up rows) and ``w2`` ``[E, H, I]``, the layout
+    ``LayerOps.fused_moe`` reads; quantized ones into ``quantized``
+    (``models/quantized_experts.py``), dequantized per step. The first weight to arrive decides
+    which, so a quantized checkpoint never allocates the 16-bit stacks. ``quantizer``
+    (``--quantization fp8`` or a dummy load's form) quantizes float experts as it does the
+    dense layers. Each checkpoint tensor is cut and put in its place as it arrives;
     ``loaded`` once all ``3 * E`` have."""
 
     def __init__(self, num_experts: int, hidden: int, part: Part, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device,
+                 quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None) -> None:
         super().__init__()
+        self.num_experts = num_experts
         self.part = part
         self.hidden = hidden
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * part.size, hidden, dtype=dtype,
-                                            device=device), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, part.size, dtype=dtype,
-                                           device=device), requires_grad=False)
+        self.dtype = dtype
+        self.device = device
+        self.quantizer = quantizer
+        self.register_parameter("w13", None)
+        self.register_parameter("w2", None)
+        self.quantized: QuantizedExperts | None = None
         self._missing = {(e, p) for e in range(num_experts) for p in ("gate", "up", "down")}
 
     @property
@@ -83,25 +96,68 @@ class FusedExperts(nn.Module):
         return not self._missing
 
     def load(self, expert: int, proj: str, weight: LoadedWeight) -> None:
-        if not isinstance(weight, torch.Tensor):
-            raise ValueError(f"expert {expert}'s {proj} projection is quantized "
-                             f"({type(weight).__name__}); mixture-of-experts models load "
-                             "unquantized weights only (bfloat16, float16, float32)")
-        if expert >= self.w13.shape[0]:
-            raise ValueError(f"expert {expert} is past the config's {self.w13.shape[0]}")
-        part, size = self.part, self.part.size
-        full = (part.full, self.hidden) if proj != "down" else (self.hidden, part.full)
+        if expert >= self.num_experts:
+            raise ValueError(f"expert {expert} is past the config's {self.num_experts}")
+        full = (self.part.full, self.hidden) if proj != "down" else (self.hidden, self.part.full)
         if tuple(weight.shape) != full:
             raise ValueError(f"expert {expert}'s {proj} projection has shape "
                              f"{tuple(weight.shape)}, expected {full}")
-        if proj == "down":
-            self.w2[expert].copy_(weight[:, part.start:part.start + size])
+        weight = self._rank_part(proj, weight)
+        if self.quantizer is not None and isinstance(weight, torch.Tensor):
+            weight = self.quantizer(weight)
+        if isinstance(weight, torch.Tensor):
+            self._load_float(expert, proj, weight)
         else:
-            offset = 0 if proj == "gate" else size
-            self.w13[expert, offset:offset + size].copy_(weight[part.start:part.start + size])
+            self._load_quantized(expert, proj, weight)
         self._missing.discard((expert, proj))
 
+    def forward(self, ops: type[LayerOps], hidden: torch.Tensor,
+                routed: RoutedExperts) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(ops, hidden, routed.ids, routed.weights)
+        return ops.fused_moe(hidden, self.w13, self.w2, routed.ids, routed.weights)
+
+    def _rank_part(self, proj: str, weight: LoadedWeight) -> LoadedWeight:
+        """Gate and up: this rank's rows; down: its columns (a ``ConfigError`` where the cut
+        would split a quantization group or FP8 block, as for the dense layers)."""
+        part = self.part
+        if part.is_whole:
+            return weight
+        cut = take_columns if proj == "down" else take_rows
+        return cut(weight, part.start, part.size)
+
+    def _load_float(self, expert: int, proj: str, weight: torch.Tensor) -> None:
+        self._refuse_mixed(expert, proj, weight, self.quantized is not None)
+        if self.w13 is None:
+            size = self.part.size
+            self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * size, self.hidden,
+                                                dtype=self.dtype, device=self.device),
+                                    requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(self.num_experts, self.hidden, size,
+                                               dtype=self.dtype, device=self.device),
+                                   requires_grad=False)
+        if proj == "down":
+            self.w2[expert].copy_(weight)
+        else:
+            offset = 0 if proj == "gate" else self.part.size
+            self.w13[expert, offset:offset + self.part.size].copy_(weight)
+
+    def _load_quantized(self, expert: int, proj: str, weight: LoadedWeight) -> None:
+        self._refuse_mixed(expert, proj, weight, self.w13 is not None)
+        if self.quantized is None:
+            self.quantized = QuantizedExperts(self.num_experts, self.device)
+        self.quantized.put(expert, proj, weight)
+
+    @staticmethod
+    def _refuse_mixed(expert: int, proj: str, weight: LoadedWeight, other_kind: bool) -> None:
+        if other_kind:
+            kind = "float" if isinstance(weight, torch.Tensor) else "quantized"
+            raise ValueError(f"expert {expert}'s {proj} projection is {kind}, unlike others "
+                             "of its layer: a layer's experts load all float or all quantized")
+
     def extra_repr(self) -> str:
+        if self.w13 is None:
+            return f"experts={self.num_experts}"
         return f"w13={tuple(self.w13.shape)}, w2={tuple(self.w2.shape)}"
 
 
@@ -134,7 +190,7 @@ class SparseMoeBlock(nn.Module):
                                    quantize_at_load=False)
         self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size,
                                     linears.tp.even_part(cfg.moe_intermediate_size),
-                                    linears.dtype, linears.device)
+                                    linears.dtype, linears.device, linears.quantizer)
         self.shared_expert = shared_expert
         # Replicated, as the router is: each token's scale must be the same on every rank.
         self.shared_expert_gate = (linears.column(cfg.hidden_size, [Part.whole(1)],
@@ -150,10 +206,22 @@ class SparseMoeBlock(nn.Module):
         """The experts read plain activations: the norm before hands over no quantized ones."""
         return None
 
+    @property
+    def syncs_with_host(self) -> bool:
+        """Whether a step through this block reads device values on the host, which a captured
+        graph cannot: the platform's ``fused_moe`` may (``fused_moe_in_graphs`` False), and
+        quantized experts always do (which experts to dequantize)."""
+        return not self.ops.fused_moe_in_graphs or self.experts.quantized is not None
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         routed = route(self.gate(x), self.top_k, self.renormalize)
-        out = self.ops.fused_moe(x, self.experts.w13, self.experts.w2, routed.ids,
-                                 routed.weights)
+        out = self.experts(self.ops, x, routed)
         if self.shared_expert is not None:
             out = out + self.shared_expert_gate(x).sigmoid() * self.shared_expert(x, ctx)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
+
+
+def syncs_with_host(model: nn.Module) -> bool:
+    """Whether any mixture-of-experts block of ``model`` syncs with the host in a step (so its
+    steps run eagerly, never from captured graphs)."""
+    return any(m.syncs_with_host for m in model.modules() if isinstance(m, SparseMoeBlock))

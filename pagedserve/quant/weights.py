@@ -7,6 +7,10 @@ it, and a kernel never knows which format its weight came from.
 - ``torch.Tensor``: a dense weight ``[N, K]``.
 - ``GroupQuantWeight``: integers with a scale and an offset per group of input columns.
 - ``Fp8Weight``: float8 e4m3 values with a scale per output row.
+- ``BlockFp8Weight``: float8 e4m3 values with a scale per tile of rows and columns.
+
+Each form's ``dequantize`` also reads tensors with leading dimensions (a stack of experts'
+weights, ``quant.expert_stack``): ``[..., N, K]`` values with their scales ``[..., ...]``.
 """
 
 from __future__ import annotations
@@ -61,19 +65,19 @@ class GroupQuantWeight:
         return cls(values.contiguous(), scales, -half * scales, bits, group_size)
 
     def group_of_column(self) -> torch.Tensor:
-        return torch.arange(self.values.shape[1]) // self.group_size
+        return torch.arange(self.values.shape[-1], device=self.values.device) // self.group_size
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight in the checkpoint's column order, computed in ``dtype``
         (float32 is exact for every format read here: 8-bit values times fp16 scales)."""
         groups = self.group_of_column()
-        dense = (self.values.to(dtype) * self.scales.to(dtype)[:, groups]
-                 + self.offsets.to(dtype)[:, groups])
+        dense = (self.values.to(dtype) * self.scales.to(dtype)[..., groups]
+                 + self.offsets.to(dtype)[..., groups])
         if self.input_perm is None:
             return dense
-        original = torch.empty_like(dense)
-        original[:, self.input_perm] = dense
-        return original
+        # Column j goes back to column input_perm[j] (a stack: each expert's own order).
+        perm = self.input_perm.unsqueeze(-2).expand(dense.shape)
+        return torch.empty_like(dense).scatter_(-1, perm, dense)
 
 
 @dataclass
@@ -101,10 +105,31 @@ class Fp8Weight:
         return cls(values, scales)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.values.to(dtype) * self.scales.to(dtype)[:, None]
+        return self.values.to(dtype) * self.scales.to(dtype)[..., None]
 
 
-LoadedWeight = torch.Tensor | GroupQuantWeight | Fp8Weight
+@dataclass
+class BlockFp8Weight:
+    """``W[n, k] = float(values[n, k]) * scales[n // block[0], k // block[1]]``: one scale per
+    tile of ``block`` rows and columns (DeepSeek-V3's and Qwen3-FP8's ``weight_scale_inv``,
+    128 x 128); the last tiles of a row or a column may be partial. No platform multiplies by
+    it as it is: dense layers dequantize it at load, experts per step."""
+
+    values: torch.Tensor  # float8_e4m3fn [N, K]
+    scales: torch.Tensor  # float32 [ceil(N / block[0]), ceil(K / block[1])]
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        (n, k), (bn, bk) = self.values.shape[-2:], self.block
+        scales = self.scales.to(dtype).repeat_interleave(bn, dim=-2)[..., :n, :]
+        return self.values.to(dtype) * scales.repeat_interleave(bk, dim=-1)[..., :k]
+
+
+LoadedWeight = torch.Tensor | GroupQuantWeight | Fp8Weight | BlockFp8Weight
 
 
 def dequantize(weight: LoadedWeight) -> torch.Tensor:
@@ -116,7 +141,8 @@ def concat_shards(shards: list[LoadedWeight]) -> LoadedWeight:
 
     Shards of one kind stay quantized: 4-bit and 8-bit shards of one group size meet in 8-bit
     values (a 4-bit value is a valid 8-bit one, its offsets unchanged). Shards that cannot meet
-    (different kinds, group sizes or act-order permutations) are dequantized.
+    (different kinds, group sizes or act-order permutations) are dequantized, as block FP8
+    shards are (no platform keeps a dense layer in block FP8).
     """
     if len(shards) == 1:
         return shards[0]
@@ -148,7 +174,8 @@ def _groups_match(shards: list[GroupQuantWeight]) -> bool:
 
 def take_rows(weight: LoadedWeight, start: int, size: int) -> LoadedWeight:
     """Output rows ``[start, start + size)`` of a weight (a tensor-parallel rank's slice of a
-    column-parallel layer); rows past the end are zeros (a padded vocabulary partition)."""
+    column-parallel layer); rows past the end are zeros (a padded vocabulary partition). Block
+    FP8 weights are cut between their blocks (a ``ConfigError`` where a cut would not be)."""
     if isinstance(weight, torch.Tensor):
         return _rows(weight, start, size)
     if isinstance(weight, GroupQuantWeight):
@@ -156,19 +183,32 @@ def take_rows(weight: LoadedWeight, start: int, size: int) -> LoadedWeight:
                                 _rows(weight.scales, start, size),
                                 _rows(weight.offsets, start, size), weight.bits,
                                 weight.group_size, weight.input_perm)
+    if isinstance(weight, BlockFp8Weight):
+        bn = weight.block[0]
+        _check_block_cut(start, size, weight.shape[0], bn, "output rows of a column-parallel "
+                         "layer")
+        return BlockFp8Weight(_rows(weight.values, start, size),
+                              _rows(weight.scales, start // bn, -(-size // bn)), weight.block)
     return Fp8Weight(_rows(weight.values, start, size), _rows(weight.scales, start, size),
                      weight.input_scale)
 
 
 def take_columns(weight: LoadedWeight, start: int, size: int) -> LoadedWeight:
-    """Input columns ``[start, start + size)`` (a row-parallel rank's slice). Grouped weights
-    are cut between their groups; a ``ConfigError`` where a cut would fall inside a group or
-    the columns are permuted (GPTQ act-order)."""
+    """Input columns ``[start, start + size)`` (a row-parallel rank's slice). Grouped and block
+    FP8 weights are cut between their groups or blocks; a ``ConfigError`` where a cut would
+    fall inside one or the columns are permuted (GPTQ act-order)."""
     if isinstance(weight, torch.Tensor):
         return weight[:, start:start + size]
     if isinstance(weight, Fp8Weight):  # scales are per output row: unchanged
         return Fp8Weight(weight.values[:, start:start + size], weight.scales,
                          weight.input_scale)
+    if isinstance(weight, BlockFp8Weight):
+        bk = weight.block[1]
+        _check_block_cut(start, size, weight.shape[1], bk, "input columns of a row-parallel "
+                         "layer")
+        return BlockFp8Weight(weight.values[:, start:start + size],
+                              weight.scales[:, start // bk:-(-(start + size) // bk)],
+                              weight.block)
     if weight.input_perm is not None:
         raise ConfigError("--tensor-parallel-size: GPTQ act-order (desc_act) weights cannot be "
                           "split across ranks; use --tensor-parallel-size 1")
@@ -184,6 +224,16 @@ def take_columns(weight: LoadedWeight, start: int, size: int) -> LoadedWeight:
                             weight.scales[:, start // g:(start + size) // g],
                             weight.offsets[:, start // g:(start + size) // g],
                             weight.bits, g)
+
+
+def _check_block_cut(start: int, size: int, length: int, block: int, what: str) -> None:
+    """A ``ConfigError`` unless ``[start, start + size)`` begins on an FP8 block and ends on
+    one (or at ``length``): a rank cannot hold part of a block's scale."""
+    if start % block or (size % block and start + size < length):
+        raise ConfigError(
+            f"--tensor-parallel-size: a rank's {size} {what} do not fall on the FP8 blocks of "
+            f"{block} (quantization_config.weight_block_size); use a smaller "
+            f"--tensor-parallel-size")
 
 
 def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:

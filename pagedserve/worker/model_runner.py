@@ -28,6 +28,7 @@ from pagedserve.distributed import TensorParallel, split_heads
 from pagedserve.logger import get_logger
 from pagedserve.lora.adapter import LoRAAdapter
 from pagedserve.lora.slots import LoRASlots, add_lora_layers
+from pagedserve.models import moe
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.linear import LinearFactory
 from pagedserve.models.offload import LayerOffload
@@ -492,10 +493,12 @@ class ModelRunner:
             # would keep whatever its slots held at capture. Eager it is.
             logger.info("cpu offload: decode steps run eagerly (no graphs are captured)")
             return
-        if self.arch.num_experts and not self.platform.layer_ops().fused_moe_in_graphs:
-            # The portable experts op reads its per-expert counts on the host.
+        if moe.syncs_with_host(self.model):
+            # The portable experts op reads its per-expert counts on the host, and quantized
+            # experts which experts to dequantize.
             logger.info("mixture of experts: decode steps run eagerly (this platform's "
-                        "fused_moe syncs with the host; no graphs are captured)")
+                        "fused_moe, or the per-step dequantization of quantized experts, "
+                        "syncs with the host; no graphs are captured)")
             return
         self.graphs = runner_cls(self.model, self.kv_cache.layers, max_num_seqs,
                                  self.max_model_len, self.block_size, verify_len)

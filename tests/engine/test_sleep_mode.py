@@ -98,14 +98,17 @@ def test_level_2_then_load_weights_of_the_same_checkpoint(llm, llama3_folder):
     assert _tokens(llm) == before
 
 
-def test_load_weights_reads_a_quantized_checkpoint_as_the_start_did(llama3_folder, tmp_path):
+@pytest.mark.parametrize("arch", ["llama3", "qwen3-moe"])
+def test_load_weights_reads_a_quantized_checkpoint_as_the_start_did(tiny_model_folder,
+                                                                     tmp_path, arch):
     """The tensors go through the checkpoint's format (GPTQ's packed parts here), as at
-    start-up: level 2 and the packed checkpoint give the tokens of before."""
+    start-up: level 2 and the packed checkpoint give the tokens of before (Qwen3-MoE: its
+    experts' quantized stacks refilled in place)."""
     from tests.quant.packers import write_quantized_pair
 
     gptq = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True,
             "desc_act": False}
-    write_quantized_pair(llama3_folder, tmp_path / "q", tmp_path / "f", gptq)
+    write_quantized_pair(tiny_model_folder(arch), tmp_path / "q", tmp_path / "f", gptq)
     llm = make_llm(tmp_path / "q", enable_sleep_mode=True)
     before = _tokens(llm)
     llm.sleep(level=2)

@@ -18,6 +18,7 @@ import torch
 from pagedserve import SamplingParams
 from pagedserve.config import ConfigError
 from tests.devices import HAS_NVIDIA
+from tests.quant.fp8_ct_checkpoints import write_block_fp8
 from tests.quant.packers import write_quantized_pair
 from tests.sample.ban_token import BanToken, MarkedBanToken
 from tests.tiny_models import make_llm, random_prompts, write_tiny_model
@@ -303,6 +304,23 @@ def test_gptq_checkpoint_splits_by_its_groups(tiny_model_folder, tmp_path):
     write_quantized_pair(tiny_model_folder("llama3"), tmp_path / "q", tmp_path / "f", GPTQ)
     expected = _tokens(make_llm(tmp_path / "q"), PROMPTS, GREEDY)
     with two_ranks(tmp_path / "q") as llm:
+        assert _tokens(llm, PROMPTS, GREEDY) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["gptq", "block-fp8"])
+def test_quantized_experts_split_by_their_groups_and_blocks(tmp_path, fmt):
+    """Qwen3-MoE experts of 64 rows, 32 a rank: GPTQ groups of 32 and FP8 blocks of 32 x 32
+    fall between the ranks, so each rank holds whole groups or blocks of its slice of every
+    expert (kept quantized) and the tokens stay one rank's."""
+    src = write_tiny_model(tmp_path / "m", "qwen3-moe", moe_intermediate_size=64)
+    if fmt == "gptq":
+        write_quantized_pair(src, tmp_path / "q", tmp_path / "f", GPTQ)
+        folder = tmp_path / "q"
+    else:
+        folder = write_block_fp8(src, tmp_path, (32, 32)).quantized
+    expected = _tokens(make_llm(folder), PROMPTS, GREEDY)
+    with two_ranks(folder) as llm:
         assert _tokens(llm, PROMPTS, GREEDY) == expected
 
 

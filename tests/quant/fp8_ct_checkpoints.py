@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.quant.packers import is_decoder_linear
 from tests.tiny_models import assert_greedy_matches, hf_model, random_prompts
 
 E4M3_MAX = 448.0
@@ -27,8 +28,9 @@ class Checkpoint(NamedTuple):
 
 
 def is_linear(name: str, tensor: torch.Tensor) -> bool:
-    """The decoder's linear weights (the LM head and embeddings stay float)."""
-    return name.endswith("proj.weight") and tensor.dim() == 2
+    """The decoder's linear weights, routed experts' too (the LM head, embeddings and MoE
+    routers stay float)."""
+    return is_decoder_linear(name) and tensor.dim() == 2
 
 
 def copy_folder(src: Path, dst: Path, state: dict[str, torch.Tensor],
@@ -77,6 +79,71 @@ def write_fp8(src: Path, dst: Path, static: bool, seed: int = 0) -> Checkpoint:
               "ignored_layers": ["lm_head"]}
     return Checkpoint(copy_folder(src, dst / "fp8", state, config),
                       copy_folder(src, dst / "reference", reference), dequantized)
+
+
+def write_compressed_tensors_fp8(src: Path, dst: Path, ignore: tuple[str, ...]) -> Checkpoint:
+    """llm-compressor's FP8 W8A8 with static per-tensor scales (neuralmagic's Mixtral FP8), its
+    ``float-quantized`` layout written tensor by tensor (the compressed-tensors package
+    quantizes ``nn.Linear`` modules only, and transformers 5 holds a layer's experts as one
+    module of 3-d weights): float8_e4m3fn ``weight``, bfloat16 ``weight_scale`` and
+    ``input_scale`` of shape ``[1]``. The reference multiplies in float64."""
+    state, reference, dequantized = {}, {}, {}
+    for name, w in sorted(load_file(src / "model.safetensors").items()):
+        if not is_linear(name, w):
+            state[name] = reference[name] = w
+            continue
+        module = name.removesuffix(".weight")
+        scale = (w.abs().amax() / E4M3_MAX).to(torch.bfloat16).reshape(1)
+        state[name] = (w / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        state[f"{module}.weight_scale"] = scale
+        state[f"{module}.input_scale"] = torch.tensor([0.0123], dtype=torch.bfloat16)
+        reference[name] = dequantized[module] = (
+            state[name].double() * scale.double()).float()
+    fp8 = dict(type="float", num_bits=8, symmetric=True, strategy="tensor", dynamic=False)
+    config = {"quant_method": "compressed-tensors", "format": "float-quantized",
+              "quantization_status": "compressed", "ignore": list(ignore),
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": fp8,
+                                            "input_activations": fp8}}}
+    return Checkpoint(copy_folder(src, dst / "compressed-tensors", state, config),
+                      copy_folder(src, dst / "reference", reference), dequantized)
+
+
+def write_block_fp8(src: Path, dst: Path, block: tuple[int, int]) -> Checkpoint:
+    """Block-wise FP8 as Qwen3-FP8 (and DeepSeek-V3) store it: float8_e4m3fn ``weight`` and a
+    float32 ``weight_scale_inv`` ``[ceil(N / bn), ceil(K / bk)]``, one scale per tile mapping
+    the tile's largest magnitude to 448 (the last tiles partial where N or K is not a multiple
+    of the block); dynamic activations, the LM head unconverted. The reference multiplies
+    each tile by its scale, tile by tile, in float64."""
+    state, reference, dequantized = {}, {}, {}
+    for name, w in sorted(load_file(src / "model.safetensors").items()):
+        if not is_linear(name, w):
+            state[name] = reference[name] = w
+            continue
+        module = name.removesuffix(".weight")
+        values, scales, exact = _block_quantized(w, block)
+        state[name], state[f"{module}.weight_scale_inv"] = values, scales
+        reference[name] = dequantized[module] = exact.float()
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": list(block), "modules_to_not_convert": ["lm_head"]}
+    return Checkpoint(copy_folder(src, dst / "block-fp8", state, config),
+                      copy_folder(src, dst / "reference", reference), dequantized)
+
+
+def _block_quantized(w: torch.Tensor, block: tuple[int, int]):
+    """``(values, scales, float64 dequantized)`` of one weight in tiles of ``block``."""
+    (n, k), (bn, bk) = w.shape, block
+    values = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(-(-n // bn), -(-k // bk))
+    exact = torch.empty(n, k, dtype=torch.float64)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+            scale = (w[rows, cols].abs().amax() / E4M3_MAX).float()
+            values[rows, cols] = (w[rows, cols] / scale).clamp(-E4M3_MAX, E4M3_MAX).to(
+                torch.float8_e4m3fn)
+            scales[i, j] = scale
+            exact[rows, cols] = values[rows, cols].double() * scale.double()
+    return values, scales, exact
 
 
 def write_fp8_at_load_reference(src: Path, dst: Path) -> Checkpoint:

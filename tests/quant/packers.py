@@ -15,6 +15,7 @@ and checks the packers against those packages' own code on random weights, act-o
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import zlib
 from dataclasses import dataclass
@@ -139,6 +140,18 @@ def spec_zeros(method: str, qzeros: torch.Tensor, bits: int, v1: bool = False):
 
 # --- whole checkpoints -------------------------------------------------------------------
 
+_MIXTRAL_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+
+
+def is_decoder_linear(name: str) -> bool:
+    """A decoder layer's projection: attention's, an MLP's, a shared expert's, or a routed
+    expert's (Qwen's ``experts.N.gate_proj``, Mixtral's ``experts.N.w1``). Routers
+    (``mlp.gate``, ``block_sparse_moe.gate``) stay float, as quantized MoE checkpoints keep
+    them."""
+    return ".layers." in name and (name.endswith("_proj.weight")
+                                   or _MIXTRAL_EXPERT.search(name) is not None)
+
+
 _FUSED_INPUTS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
                  "up_proj": "gate_up"}
 
@@ -164,8 +177,7 @@ def write_quantized_pair(source: Path, quant_dir: Path, float_dir: Path,
     packed, dense = {}, {}
     for name, tensor in load_file(source / "model.safetensors").items():
         module = name.removesuffix(".weight")
-        if not (name.endswith("_proj.weight") and ".layers." in name) or any(
-                s in module for s in skip):
+        if not is_decoder_linear(name) or any(s in module for s in skip):
             packed[name] = dense[name] = tensor
             continue
         perm = act_order_perm(module, tensor.shape[1]) if act_order else None

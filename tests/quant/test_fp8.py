@@ -115,7 +115,7 @@ def test_quantization_flag_mismatches_are_one_line_errors(fp8_checkpoints):
 
 
 @pytest.mark.parametrize("field,value,needle", [
-    ("weight_block_size", [128, 128], "quantization_config.weight_block_size: [128, 128]"),
+    ("weight_block_size", [128], "quantization_config.weight_block_size: [128] is not two"),
     ("activation_scheme", "per-token", "quantization_config.activation_scheme: 'per-token'"),
     ("fmt", "e5m2", "quantization_config.fmt: 'e5m2'"),
 ])
@@ -148,3 +148,15 @@ def test_a_module_listed_as_unconverted_must_be_stored_float(fp8_checkpoints):
     with pytest.raises(QuantConfigError, match=r"model\.layers\.0\.mlp\.down_proj is in "
                                                r"quantization_config\.modules_to_not_convert"):
         dict(fmt.read(iter_weights(resolve_model(str(folder)))))
+
+
+def test_block_fp8_reads_dynamic_activations_and_a_scale_per_tile():
+    block = {"quant_method": "fp8", "weight_block_size": [32, 32]}
+    with pytest.raises(QuantConfigError, match="activation_scheme: 'static' is not supported"):
+        checkpoint_format({"quantization_config": {**block, "activation_scheme": "static"}},
+                          "auto", False)
+    fmt = checkpoint_format({"quantization_config": block}, "auto", False)
+    weight = torch.zeros(48, 64, dtype=torch.float8_e4m3fn)  # 2 x 2 tiles, the last rows partial
+    with pytest.raises(QuantConfigError, match=r"m\.weight_scale_inv has shape \(2, 1\); "
+                                               r"m\.weight \(48, 64\) .* needs \(2, 2\)"):
+        dict(fmt.read([("m.weight", weight), ("m.weight_scale_inv", torch.ones(2, 1))]))

@@ -13,6 +13,7 @@ import torch
 from pagedserve import SamplingParams
 from pagedserve.errors import ConfigError
 from pagedserve.platforms.interface import WeightStream
+from tests.quant.fp8_ct_checkpoints import write_block_fp8
 from tests.quant.packers import write_quantized_pair
 from tests.tiny_models import make_llm, random_prompts, write_tiny_model
 
@@ -93,16 +94,20 @@ def test_qwen2_biases_and_a_tied_head_offload_too(tiny_model_folder):
     assert greedy(llm, prompts) == greedy(base, prompts)
 
 
-def test_mixtral_experts_offload_with_their_layers(tiny_model_folder):
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "block-fp8"])
+def test_mixtral_experts_offload_with_their_layers(tiny_model_folder, tmp_path, quantized):
     """A layer's stacked experts (made from Mixtral's ``block_sparse_moe`` tensors, counted
-    under the checkpoint's names) leave with it; the router too."""
+    under the checkpoint's names), float or kept quantized, leave with it; the router too."""
     folder = tiny_model_folder("mixtral")
+    if quantized:
+        folder = write_block_fp8(folder, tmp_path, (32, 32)).quantized
     base = engine(folder)
     llm = engine(folder, cpu_offload_gb=1.0)
     runner = llm.engine.executor.runner
     assert runner.offload.chosen == range(0, 2)
     block = runner.model.model.layers[1].mlp
-    assert runner.offload.holds(block.experts.w13) and runner.offload.holds(block.gate.weight)
+    experts = block.experts.quantized.down.values if quantized else block.experts.w13
+    assert runner.offload.holds(experts) and runner.offload.holds(block.gate.weight)
     prompts = random_prompts("offload-mixtral", PROMPT_LENS)
     assert greedy(llm, prompts) == greedy(base, prompts)
 

@@ -1,0 +1,117 @@
+"""One projection (gate, up or down) of every expert of a mixture-of-experts layer, held in its
+checkpoint's quantized form: each tensor of a ``quant.weights`` form stacked along a leading
+expert dimension, as parameters (so sleep mode and CPU offload move them as any weight).
+
+The first expert's weight to arrive fixes the form, its dtypes and shapes; every expert's
+weight is then copied into its row. ``take(ids)`` gives the same form over those experts
+(tensors ``[len(ids), ...]``), whose ``dequantize`` is ``[len(ids), N, K]``.
+
+Two things differ from the loaded forms. 4-bit values are held two to a byte (a form holds
+one a byte), so a 4-bit checkpoint's experts take about half a byte a weight with their scales.
+An FP8 expert's static ``input_scale`` is dropped: experts multiply 16-bit activations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.quant.weights import Fp8Weight, GroupQuantWeight, LoadedWeight
+
+_PACKED = "values"  # the field held two values a byte when the form's bits are 4 or fewer
+
+
+class ExpertStack(nn.Module):
+    def __init__(self, num_experts: int, device: torch.device) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.device = device
+        self.form: type | None = None  # the quant.weights class every expert's weight is
+        self.static: dict[str, Any] = {}  # the form's non-tensor fields (bits, block, ...)
+        self.columns = 0  # K: unpacking 4-bit values drops the pad of an odd K
+
+    @property
+    def packs_nibbles(self) -> bool:
+        return self.form is GroupQuantWeight and self.static["bits"] <= 4
+
+    def put(self, expert: int, weight: LoadedWeight) -> None:
+        if isinstance(weight, Fp8Weight):
+            weight = dataclasses.replace(weight, input_scale=None)
+        tensors, static = _fields(weight)
+        if self.form is None:
+            self._make(weight, tensors, static)
+        elif type(weight) is not self.form or static != self.static:
+            raise ValueError(f"expert {expert} is {_describe(type(weight), static)}, another "
+                             f"expert of its layer {_describe(self.form, self.static)}")
+        if self.form is GroupQuantWeight:
+            self._put_perm(expert, weight.input_perm)
+        for name, tensor in tensors.items():
+            if name == _PACKED and self.packs_nibbles:
+                tensor = pack_nibbles(tensor)
+            stacked = getattr(self, name)
+            if tensor.shape != stacked.shape[1:]:
+                raise ValueError(f"expert {expert}'s {name} has shape {tuple(tensor.shape)}, "
+                                 f"another expert's {tuple(stacked.shape[1:])}")
+            stacked[expert].copy_(tensor)
+
+    def take(self, ids: torch.Tensor) -> LoadedWeight:
+        """The experts ``ids`` (an int64 tensor on the stack's device) in their form."""
+        tensors = {name: p[ids] for name, p in self.named_parameters(recurse=False)}
+        if self.packs_nibbles:
+            tensors[_PACKED] = unpack_nibbles(tensors[_PACKED], self.columns)
+        return self.form(**tensors, **self.static)
+
+    def _make(self, weight: LoadedWeight, tensors: dict[str, torch.Tensor],
+              static: dict[str, Any]) -> None:
+        self.form, self.static, self.columns = type(weight), static, weight.shape[-1]
+        for name, tensor in tensors.items():
+            shape = tensor.shape
+            if name == _PACKED and self.packs_nibbles:
+                shape = (*shape[:-1], -(-shape[-1] // 2))
+            self.register_parameter(name, nn.Parameter(
+                torch.empty((self.num_experts, *shape), dtype=tensor.dtype, device=self.device),
+                requires_grad=False))
+
+    def _put_perm(self, expert: int, perm: torch.Tensor | None) -> None:
+        """GPTQ act-order: every expert of a stack that has a permutation holds one, the
+        identity for an expert whose columns came in order (made when the first arrives)."""
+        has = "input_perm" in self._parameters
+        if perm is None and not has:
+            return
+        identity = torch.arange(self.columns, device=self.device)
+        if not has:
+            self.register_parameter("input_perm", nn.Parameter(
+                identity.repeat(self.num_experts, 1), requires_grad=False))
+        self.input_perm[expert].copy_(identity if perm is None else perm)
+
+
+def _fields(weight: LoadedWeight) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A form's tensor fields (an absent act-order permutation left out, ``_put_perm`` holds
+    that one) and its other fields."""
+    tensors, static = {}, {}
+    for field in dataclasses.fields(weight):
+        value = getattr(weight, field.name)
+        if field.name == "input_perm":
+            continue
+        (tensors if isinstance(value, torch.Tensor) else static)[field.name] = value
+    return tensors, static
+
+
+def _describe(form: type, static: dict[str, Any]) -> str:
+    details = ", ".join(f"{k} {v}" for k, v in static.items() if v is not None)
+    return f"{form.__name__} ({details})" if details else form.__name__
+
+
+def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., K]`` of values 0..15 -> ``[..., ceil(K / 2)]``: column ``2j`` in the low
+    nibble of byte ``j``, column ``2j + 1`` in its high nibble (an odd K padded with 0)."""
+    if values.shape[-1] % 2:
+        values = torch.nn.functional.pad(values, (0, 1))
+    return values[..., 0::2] | (values[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)[..., :columns]
