@@ -224,21 +224,21 @@ for path in sorted(Path(sys.argv[1]).glob(f"{prefix}*_[0-9].json")):
 PY
 }
 
-# Decode steps of the 8B shape at DECODE_BATCHES (default 1 8), context 512, for each of
-# VS_WEIGHTS (default awq fp8: dummy weights), base then tree, TP_ROUNDS rounds (default 2),
-# each side with its own Triton cache; a table of ms per step at the end.
+# Decode steps of VS_SHAPE (default llama3-8b) at DECODE_BATCHES (default 1 8), context 512,
+# for each of VS_WEIGHTS (default awq fp8: dummy weights), base then tree, TP_ROUNDS rounds
+# (default 2), each side with its own Triton cache; a table of ms per step at the end.
 decode_vs_base() {
   base_tree || return
   local cache_base=$(mktemp -d) cache_tree=$(mktemp -d) weights round
   for weights in ${VS_WEIGHTS:-awq fp8}; do
     local quant=(); [ "$weights" = bf16 ] || quant=(--quantization "$weights")
-    local args=(decode --device cuda --shape llama3-8b --load-format dummy "${quant[@]}"
+    local args=(decode --device cuda --shape "${VS_SHAPE:-llama3-8b}" --load-format dummy "${quant[@]}"
                 --batch-sizes ${DECODE_BATCHES:-1 8} --context-len 512)
     for round in $(seq "${TP_ROUNDS:-2}"); do
       TRITON_CACHE_DIR=$cache_base "${from_base[@]}" python3 -m pagedserve.cli bench \
-        "${args[@]}" --out "$OUT/decode_vs_base_${weights}_base_$round.json" 2>&1 | tail -3
+        "${args[@]}" --out "$OUT/decode_vs_base_${VS_SHAPE:-llama3-8b}_${weights}_base_$round.json" 2>&1 | tail -3
       TRITON_CACHE_DIR=$cache_tree bench "${args[@]}" \
-        --out "$OUT/decode_vs_base_${weights}_tree_$round.json" 2>&1 | tail -3
+        --out "$OUT/decode_vs_base_${VS_SHAPE:-llama3-8b}_${weights}_tree_$round.json" 2>&1 | tail -3
     done
   done
   python3 - "$OUT" <<'PY'

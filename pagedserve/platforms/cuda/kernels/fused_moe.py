@@ -45,12 +45,15 @@ class MoeConfig:
 
 
 # By the rows an expert gets on average (T * K / E): decode steps stream each expert's weight
-# through few rows; prefill steps reuse each weight tile over many. Taken from vLLM's tables
-# for Mixtral-8x7B and Qwen3-30B-A3B on the H100, regrouped by rows per expert; not yet timed
-# in this kernel (scripts/bench_fused_moe.py --sweep).
+# through few rows; prefill steps reuse each weight tile over many. Started from vLLM's tables
+# for Mixtral-8x7B and Qwen3-30B-A3B on the H100, regrouped by rows per expert; then swept on
+# an H100 (2026-12-05, scripts/bench_fused_moe.py --sweep, benchmarks/results/issue30/s52/
+# fused_moe_sweep_h100.json): each row was the fastest candidate or within 3% of it, but for
+# 9-32 rows, where blocks of 64 rows and no grouping took 1,030 against 1,059 us (Mixtral, 128
+# tokens) and 533 against 572 (Qwen3-30B-A3B, 512 tokens) for vLLM's 32-row tiles.
 _CONFIGS = (
     (8, MoeConfig(16, 64, 128, 1, 4, 4)),
-    (32, MoeConfig(32, 128, 128, 8, 8, 4)),
+    (32, MoeConfig(64, 128, 128, 1, 8, 4)),
     (96, MoeConfig(64, 128, 64, 8, 8, 4)),
     (None, MoeConfig(128, 256, 64, 8, 8, 4)),
 )
