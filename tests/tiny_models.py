@@ -4,6 +4,7 @@ transformers' model as the reference."""
 
 from __future__ import annotations
 
+import copy
 import random
 from functools import cache
 from pathlib import Path
@@ -141,7 +142,10 @@ def write_tiny_model(folder: Path, arch: str, seed: int = 0, base_model: bool = 
     )
 
     folder.mkdir(parents=True, exist_ok=True)
-    cfg_dict = {**ARCH_CONFIGS[arch], "vocab_size": VOCAB, "bos_token_id": 0,
+    # A deep copy: transformers' config writes into nested dicts it is given (rope_scaling
+    # gains original_max_position_embeddings), which would change ARCH_CONFIGS for every
+    # later test of the process.
+    cfg_dict = {**copy.deepcopy(ARCH_CONFIGS[arch]), "vocab_size": VOCAB, "bos_token_id": 0,
                 "eos_token_id": 1, **overrides}
     if num_labels:
         cfg_dict.update(num_labels=num_labels, pad_token_id=2,
