@@ -206,6 +206,17 @@ class SparseMoeBlock(nn.Module):
         """The experts read plain activations: the norm before hands over no quantized ones."""
         return None
 
+    def expert_bytes(self) -> int:
+        """Bytes of this rank's experts, however they are held."""
+        return sum(p.numel() * p.element_size() for p in self.experts.parameters())
+
+    def expected_experts(self, tokens: int) -> float:
+        """How many experts ``tokens`` tokens are routed to on average if each picks its
+        ``top_k`` uniformly: each expert is missed by a token with probability
+        ``(E - top_k) / E``."""
+        experts = self.experts.num_experts
+        return experts * (1 - ((experts - self.top_k) / experts) ** tokens)
+
     @property
     def syncs_with_host(self) -> bool:
         """Whether a step through this block reads device values on the host, which a captured

@@ -31,6 +31,25 @@ def test_decode_weight_bytes_leave_out_an_untied_embedding_table(tiny_model_fold
         assert runner.weight_bytes_read_per_token_step() == runner.weight_bytes() - skipped > 0
 
 
+
+def test_decode_weight_bytes_count_the_experts_a_batch_touches(tiny_model_folder):
+    """Of a mixture of experts a decode step reads the experts its tokens are routed to: with
+    uniform routing each of E experts is missed by a token with probability (E - k) / E, so
+    a batch of b leaves E * ((E - k) / E) ** b of them unread per layer. The expert bytes are
+    counted from the config, not from the module."""
+    cfg = ARCH_CONFIGS["mixtral"]
+    llm = make_llm(tiny_model_folder("mixtral"), kv_cache_memory_bytes=1 << 20)
+    runner = llm.engine.executor.runner
+    table = runner.model.get_input_embeddings().weight
+    dense = runner.weight_bytes() - table.numel() * table.element_size()
+    experts, k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+    expert_bytes = (cfg["num_hidden_layers"] * experts * 3 * cfg["hidden_size"]
+                    * cfg["intermediate_size"] * table.element_size())
+    for batch in (1, 3, 1000):
+        unread = expert_bytes * ((experts - k) / experts) ** batch
+        assert runner.weight_bytes_read_per_token_step(batch) == round(dense - unread)
+    assert runner.weight_bytes_read_per_token_step(1) < dense * 0.75
+
 def test_memory_profile_runs_a_mixed_step_and_a_prompt_step(llama3_folder, monkeypatch):
     """Both forms a step's attention can take (one-row sequences beside prompt chunks, and
     prompts alone) run at start-up, so their kernels compile there and not in a served step."""
