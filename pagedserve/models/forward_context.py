@@ -44,6 +44,6 @@ class ForwardContext:
 
     @property
     def has_row_extras(self) -> bool:
-        """Whether the step carries any per-row extra (graph runners hold buffers for LoRA's
-        alone, so a step with a long-prompt longrope sequence runs eagerly)."""
+        """Whether the step carries any per-row extra (CUDA graphs hold buffers for both;
+        a graph runner that holds none runs such a step eagerly)."""
         return self.lora_slots is not None or self.long_rope is not None

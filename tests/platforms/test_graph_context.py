@@ -26,11 +26,13 @@ def _decode_context(num_seqs: int) -> ForwardContext:
         seq_lens_cpu=[5] * num_seqs))
 
 
-# CUDA graphs hold a buffer for the LoRA slots (graphs.py); Gaudi's hold none.
-@pytest.mark.parametrize("module,name,replays_lora", [("cuda", "CudaGraphRunner", True),
-                                                       ("hpu", "HpuGraphRunner", False)])
+# CUDA graphs hold buffers for the LoRA slots and longrope's flags (graphs.py); Gaudi's hold
+# none.
+@pytest.mark.parametrize("module,name,replays_extras", [("cuda", "CudaGraphRunner", True),
+                                                         ("hpu", "HpuGraphRunner", False)])
+@pytest.mark.parametrize("extra", ["lora_slots", "long_rope"])
 def test_graph_runners_leave_steps_with_row_extras_to_the_eager_path(module, name,
-                                                                     replays_lora):
+                                                                     replays_extras, extra):
     import importlib
 
     runner_cls = getattr(importlib.import_module(f"pagedserve.platforms.{module}.graphs"), name)
@@ -38,8 +40,49 @@ def test_graph_runners_leave_steps_with_row_extras_to_the_eager_path(module, nam
                         max_model_len=BLOCK * WIDTH, block_size=BLOCK)
     ctx = _decode_context(3)
     assert runner.can_run(ctx)
-    ctx.lora_slots = torch.tensor([0, -1, 1], dtype=torch.int32)
-    assert runner.can_run(ctx) == replays_lora
+    value = {"lora_slots": torch.tensor([0, -1, 1], dtype=torch.int32),
+             "long_rope": torch.tensor([True, False, True])}[extra]
+    setattr(ctx, extra, value)
+    assert runner.can_run(ctx) == replays_extras
+
+
+class _ContextRecorder(torch.nn.Module):
+    """A model that keeps a copy of each forward's per-row extras and returns its positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[list[int], list[bool]]] = []
+
+    def forward(self, input_ids, positions, kv_caches, ctx):
+        self.seen.append((ctx.lora_slots.tolist(), ctx.long_rope.tolist()))
+        return positions[:, None].float()
+
+
+class _ReplayEagerly:
+    """In place of a captured graph: replay runs the captured forward over the buffers."""
+
+    def __init__(self, forward) -> None:
+        self.forward = forward
+
+    def replay(self) -> None:
+        self.forward()
+
+
+def test_cuda_graph_replay_carries_each_steps_long_rope_flags_and_clears_them():
+    """A replayed step sees its rows' longrope flags in the graph's buffer, the padded row
+    False, and the next step without long prompts sees none left over."""
+    from pagedserve.platforms.cuda.graphs import CudaGraphRunner
+
+    model = _ContextRecorder()
+    runner = CudaGraphRunner(model, [torch.zeros(1)], max_num_seqs=4,
+                             max_model_len=BLOCK * WIDTH, block_size=BLOCK)
+    runner.graphs[4, 1] = (_ReplayEagerly(lambda: runner._forward(4, 1)), torch.zeros(4, 1))
+    ctx = _decode_context(3)
+    ctx.long_rope = torch.tensor([True, False, True])
+    runner.run(torch.zeros(3, dtype=torch.int64), torch.tensor([70, 8, 65]), ctx)
+    runner.run(torch.zeros(3, dtype=torch.int64), torch.tensor([71, 9, 66]), _decode_context(3))
+    assert [long for _, long in model.seen] == [[True, False, True, False], [False] * 4]
+    assert all(slots == [-1] * 4 for slots, _ in model.seen)
 
 
 def _verify_context(query_lens: list[int], context: int = 20) -> ForwardContext:

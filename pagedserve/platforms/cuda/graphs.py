@@ -11,15 +11,15 @@ rows, so the varlen attention kernel runs at one shape per batch size. A sequenc
 at row ``i * Q + r``; the rows past its own tokens sit after them (positions past its end,
 slot -1, never written), so causal attention keeps them out of its real rows, and their
 outputs are dropped. The graphs are captured
-with a ``ForwardContext`` over those buffers, LoRA slots included (a buffer of -1 where a row
-or a whole step has no adapter: plain linear layers ignore it, LoRA layers group its rows
-inside the graph), so steps with adapters replay too; a step with any other per-row extra runs
-eagerly (models/forward_context.py).
+with a ``ForwardContext`` over those buffers, both per-row extras included: LoRA slots (a
+buffer of -1 where a row or a whole step has no adapter: plain linear layers ignore it, LoRA
+layers group its rows inside the graph) and Phi-3 longrope's long-prompt flags (False where a
+row's sequence has a short prompt; rotary tables without long factors ignore it), so steps
+with adapters or long prompts replay too (models/forward_context.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np
@@ -70,6 +70,7 @@ class CudaGraphRunner:
         self.query_start_loc = {q: torch.arange(0, q * (n + 1), q, dtype=torch.int32,
                                                 device=device) for q in self.query_lens}
         self.lora_slots = torch.full((rows,), -1, dtype=torch.int32, device=device)
+        self.long_rope = torch.zeros(rows, dtype=torch.bool, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph,
                                                  torch.Tensor | tuple[torch.Tensor, ...]]] = {}
 
@@ -85,7 +86,8 @@ class CudaGraphRunner:
     def _forward(self, bs: int, q: int) -> torch.Tensor:
         rows = bs * q
         return self.model(self.input_ids[:rows], self.positions[:rows], self.kv_caches,
-                          ForwardContext(self._meta(bs, q), lora_slots=self.lora_slots[:rows]))
+                          ForwardContext(self._meta(bs, q), lora_slots=self.lora_slots[:rows],
+                                         long_rope=self.long_rope[:rows]))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -110,9 +112,8 @@ class CudaGraphRunner:
                     time.perf_counter() - start)
 
     def can_run(self, ctx: ForwardContext) -> bool:
-        meta = ctx.attn
-        extras = dataclasses.replace(ctx, lora_slots=None).has_row_extras  # others than LoRA's
-        if extras or meta.num_seqs > self.sizes[-1]:
+        meta = ctx.attn  # the graphs hold buffers for every per-row extra
+        if meta.num_seqs > self.sizes[-1]:
             return False
         return meta.is_decode_only or (meta.max_query_len <= self.query_lens[-1] and all(
             q < s for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu)))  # verify steps
@@ -143,6 +144,9 @@ class CudaGraphRunner:
         self.lora_slots[:bs * q].fill_(-1)
         if ctx.lora_slots is not None:
             self.lora_slots[rows] = ctx.lora_slots
+        self.long_rope[:bs * q].fill_(False)
+        if ctx.long_rope is not None:
+            self.long_rope[rows] = ctx.long_rope
         graph, out = self.graphs[bs, q]
         graph.replay()
         # A model may also return the auxiliary hidden states an EAGLE-3 head reads.
