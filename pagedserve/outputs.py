@@ -161,7 +161,8 @@ class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
 
 @dataclass
 class ClassificationOutput:
-    """vLLM's: one prompt's label probabilities (softmax over the labels; sigmoid for one)."""
+    """vLLM's: one prompt's label probabilities (softmax over the labels; sigmoid for one),
+    or its raw logits where the request's ``use_activation`` was false."""
 
     probs: list[float]
 

@@ -101,15 +101,19 @@ def json_object(value: Any, flag: str, known: set[str]) -> dict[str, Any]:
 
 @dataclass
 class PoolingParams:
-    """One embedding request's settings (vLLM's names). ``normalize`` None takes the
+    """One pooling request's settings (vLLM's names). ``normalize`` None takes the
     engine's ``pooler_config``; ``dimensions`` keeps the embedding's first values, then
     normalizes them (Matryoshka models only: the engine checks it against the model's
     ``is_matryoshka`` / ``matryoshka_dimensions``); ``truncate_prompt_tokens`` keeps the
-    prompt's last k tokens (-1: as many as the context holds)."""
+    prompt's last k tokens (-1: as many as the context holds). ``use_activation`` (classify
+    only) false returns a classifier's raw logits instead of its probabilities; None or true
+    applies the model's activation (``ModelArchConfig.classifier_activation``)."""
 
     normalize: bool | None = None
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's current name; its older ``activation`` and ``softmax`` were removed in v0.15.
+    use_activation: bool | None = None
     # vLLM's pooling task: "embed" (LLM.embed, /v1/embeddings) or "classify" (LLM.classify,
     # /classify); the engine serves the one its model has the head for.
     task: str = "embed"

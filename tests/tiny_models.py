@@ -256,10 +256,16 @@ def hf_pooled(folder, prompts, pooling_type: str, normalize: bool) -> list[torch
 
 
 def hf_classified(folder, prompts) -> list[torch.Tensor]:
-    """transformers' float64 label probabilities of the prompts
-    (``AutoModelForSequenceClassification``'s logits of one right-padded batch, read at each
-    prompt's last non-pad token), softmax over the labels, sigmoid for one: the reference for
-    ``LLM.classify``."""
+    """transformers' float64 label probabilities of the prompts (``hf_logits``), softmax over
+    the labels, sigmoid for one: the reference for ``LLM.classify``."""
+    logits = torch.stack(hf_logits(folder, prompts))
+    return list(logits.sigmoid() if logits.shape[-1] == 1 else logits.softmax(-1))
+
+
+def hf_logits(folder, prompts) -> list[torch.Tensor]:
+    """transformers' float64 raw logits of the prompts (``AutoModelForSequenceClassification``
+    on one right-padded batch, read at each prompt's last non-pad token): the reference for
+    ``use_activation=False``."""
     from transformers import AutoModelForSequenceClassification
 
     hf = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float64).eval()
@@ -267,8 +273,7 @@ def hf_classified(folder, prompts) -> list[torch.Tensor]:
     width = max(map(len, prompts))
     ids = torch.tensor([p + [pad] * (width - len(p)) for p in prompts])
     with torch.no_grad():
-        logits = hf(input_ids=ids, attention_mask=(ids != pad).long()).logits
-    return list(logits.sigmoid() if logits.shape[-1] == 1 else logits.softmax(-1))
+        return list(hf(input_ids=ids, attention_mask=(ids != pad).long()).logits)
 
 
 def hf_scores(folder, pairs: list[tuple[list[int], list[int]]], pooling_type: str = "LAST"

@@ -140,7 +140,7 @@ class InputLimits:
             raise InvalidSamplingParam(
                 "prompt", f"this engine generates text; {what} need a pooling model on an "
                 "engine started with --runner pooling (runner='pooling')")
-        self._check_task(params.task, params.dimensions)
+        self._check_task(params)
         if not token_ids:
             raise InvalidSamplingParam("prompt", "the prompt is empty")
         if len(token_ids) > self.max_model_len:
@@ -159,8 +159,10 @@ class InputLimits:
                 "the cache")
         return 0
 
-    def _check_task(self, task: str, dimensions: int | None) -> None:
-        """A classifier classifies and an embedding model embeds (vLLM refuses the others)."""
+    def _check_task(self, params: PoolingParams) -> None:
+        """A classifier classifies and an embedding model embeds (vLLM refuses the others),
+        each with its own parameters."""
+        task, dimensions = params.task, params.dimensions
         if task == "classify" and not self.num_labels:
             raise InvalidSamplingParam(
                 "model", "this model is not a sequence classifier (XForSequenceClassification "
@@ -174,6 +176,10 @@ class InputLimits:
                 "model", "this model is a sequence classifier: it serves classification "
                 "(/classify, LLM.classify), and scores and reranking when it has one label "
                 "(a cross-encoder); embeddings need an embedding model")
+        if task == "embed" and params.use_activation is not None:
+            raise InvalidSamplingParam(
+                "use_activation", "use_activation is a classifier's (its logits or their "
+                "probabilities); an embedding takes normalize")
 
     def _check_dimensions(self, dimensions: int) -> None:
         """``dimensions`` keeps an embedding's first values (vLLM's Matryoshka rule): only for

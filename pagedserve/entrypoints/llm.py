@@ -151,8 +151,8 @@ class LLM:
     ) -> list[ClassificationRequestOutput]:
         """Each prompt's label probabilities (vLLM's call), in input order, from a sequence
         classifier (``XForSequenceClassification``, ``runner="pooling"``): its score head over
-        the prompt's last token, then softmax (sigmoid for one label). Arguments as
-        ``embed``'s."""
+        the prompt's last token, then softmax (sigmoid for one label); the raw logits where
+        ``pooling_params`` say ``use_activation=False``. Arguments as ``embed``'s."""
         outputs = self._pool(prompts, "classify", truncate_prompt_tokens, use_tqdm,
                              pooling_params, lora_request, priority)
         return [ClassificationRequestOutput.of(o) for o in outputs]
@@ -188,7 +188,8 @@ class LLM:
         when both are lists of one length (N:N); one output per pair, in order. Every text is
         embedded once, all in one batch, as ``embed`` would. With a cross-encoder (a sequence
         classifier of one label) each pair of texts is one prompt, the tokenizer's pair
-        encoding, and its score the classifier's probability, as vLLM's."""
+        encoding, and its score the classifier's probability (its raw logit with
+        ``PoolingParams(use_activation=False)``), as vLLM's."""
         firsts, seconds = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = score_pairs(len(firsts), len(seconds))
         if self.engine.arch.num_labels == 1:

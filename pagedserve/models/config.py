@@ -72,10 +72,12 @@ class ModelArchConfig:
     # A sequence classifier (``XForSequenceClassification``, only --runner pooling): a
     # ``score`` head [num_labels, hidden] (no bias) over the last token's final hidden state;
     # 0 for any other checkpoint. ``labels`` are its ``id2label`` names, in label order;
-    # ``problem_type`` picks the activation (``classifier_activation``).
+    # ``problem_type`` picks the activation (``classifier_activation``); where it names none,
+    # ``saved_activation`` may: a cross-encoder's as sentence-transformers saves it.
     num_labels: int = 0
     labels: tuple[str, ...] = ()
     problem_type: str | None = None
+    saved_activation: str | None = None
     # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): ``num_experts`` SwiGLU experts of
     # ``moe_intermediate_size`` each, ``num_experts_per_tok`` chosen per token by a softmax
     # router, their weights renormalised to sum to 1 where ``norm_topk_prob``. The layers in
@@ -126,12 +128,16 @@ class ModelArchConfig:
     def classifier_activation(self) -> str:
         """How a classifier's logits become its ``probs``, as vLLM picks (after transformers'
         loss for the config's ``problem_type``): "identity" for regression, "sigmoid" for
-        multi-label classification or a single label, else "softmax"."""
+        multi-label classification; where ``problem_type`` is unset, the saved
+        sentence-transformers activation if any; else "sigmoid" for a single label and
+        "softmax" for several."""
         if self.problem_type == "regression":
             return "identity"
-        if self.problem_type == "multi_label_classification" or self.num_labels < 2:
+        if self.problem_type == "multi_label_classification":
             return "sigmoid"
-        return "softmax"
+        if self.saved_activation is not None:
+            return self.saved_activation
+        return "sigmoid" if self.num_labels < 2 else "softmax"
 
     @property
     def rotary_dim(self) -> int:
@@ -231,7 +237,35 @@ def _classifier_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedModel(f"a sequence classifier needs num_labels >= 1, got {num_labels}")
     labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}")))
                    for i in range(num_labels))
-    return dict(num_labels=num_labels, labels=labels, problem_type=cfg.get("problem_type"))
+    problem_type = cfg.get("problem_type")
+    saved = None if problem_type in _PROBLEM_TYPES else _saved_activation(cfg)
+    return dict(num_labels=num_labels, labels=labels, problem_type=problem_type,
+                saved_activation=saved)
+
+
+_PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+# The torch.nn.modules activations a saved cross-encoder may name (the class's last name):
+# Sigmoid and Softmax are the default's (vLLM runs either as sigmoid for one label, softmax
+# for several); other modules are refused.
+_SAVED_ACTIVATIONS = {"Identity": "identity", "Tanh": "tanh", "Sigmoid": None, "Softmax": None}
+
+
+def _saved_activation(cfg: dict[str, Any]) -> str | None:
+    """A cross-encoder's activation as vLLM reads it from config.json: sentence-transformers
+    v4's ``sentence_transformers.activation_fn``, else older versions'
+    ``sbert_ce_default_activation_function``; a qualified name under ``torch.nn.modules``.
+    None: the default."""
+    saved = cfg.get("sentence_transformers")
+    name = (saved["activation_fn"] if isinstance(saved, dict) and "activation_fn" in saved
+            else cfg.get("sbert_ce_default_activation_function"))
+    if name is None:
+        return None
+    module, _, cls = str(name).rpartition(".")
+    if not module.startswith("torch.nn.modules") or cls not in _SAVED_ACTIVATIONS:
+        raise UnsupportedModel(
+            f"config.json's cross-encoder activation {name!r} is not one pagedserve runs: "
+            f"torch.nn.modules' {', '.join(_SAVED_ACTIVATIONS)}")
+    return _SAVED_ACTIVATIONS[cls]
 
 
 def _matryoshka_fields(cfg: dict[str, Any]) -> dict[str, Any]:

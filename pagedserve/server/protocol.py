@@ -515,12 +515,20 @@ class EmbeddingResponse(BaseModel):
 
 
 # ---- classification with a sequence classifier (vLLM's) -----------------------------------
-class ClassificationRequest(_PoolingInputRequest):
+class _ActivationField(StrictModel):
+    """vLLM's switch on classification and scoring requests: false returns a classifier's raw
+    logits (as ``probs``, or as a cross-encoder's score), None or true its probabilities.
+    Only this name: vLLM removed the older ``activation`` and ``softmax`` in v0.15."""
+
+    use_activation: bool | None = None
+
+
+class ClassificationRequest(_PoolingInputRequest, _ActivationField):
     """vLLM's ``POST /classify`` body: each input's label probabilities."""
 
     def to_pooling_params(self) -> PoolingParams:
         return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens,
-                             task="classify")
+                             use_activation=self.use_activation, task="classify")
 
 
 class ClassificationData(BaseModel):
@@ -554,13 +562,15 @@ ScoreTexts = Annotated[str | Annotated[list[str], Field(min_length=1)],
                        AfterValidator(_unicode_text)]
 
 
-class _ScoringRequest(StrictModel):
+class _ScoringRequest(_ActivationField):
     model: str | None = None
     truncate_prompt_tokens: int | None = None
     priority: int = 0  # vLLM's, as an embedding request's
 
     def to_pooling_params(self) -> PoolingParams:
-        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens)
+        """``use_activation`` is a cross-encoder's: the engine refuses it on embeddings."""
+        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens,
+                             use_activation=self.use_activation)
 
 
 class ScoreRequest(_ScoringRequest):

@@ -11,8 +11,9 @@ loops run per stream, never per token.
 
 A sequence classifier's pooler has its ``score`` head: the pooled row (LAST unless
 ``--pooler-config`` says otherwise) goes through it and the model's activation (softmax,
-sigmoid or none, ``ModelArchConfig.classifier_activation``), as vLLM's classify pooler does,
-and those label probabilities are the stream's pooled vector, never normalized.
+sigmoid, tanh or none, ``ModelArchConfig.classifier_activation``), as vLLM's classify pooler
+does, and those label probabilities (the raw logits where the request's ``use_activation`` is
+false) are the stream's pooled vector, never normalized.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def pooling_chunks(scheduled: list[ScheduledSequence]) -> PoolingChunks | None:
 
 
 _ACTIVATIONS = {"softmax": lambda x: x.softmax(-1), "sigmoid": torch.sigmoid,
-                "identity": lambda x: x}
+                "tanh": torch.tanh, "identity": lambda x: x}
 
 
 class Pooler:
@@ -100,13 +101,20 @@ class Pooler:
             return None
         seqs = [s for s, last in zip(chunks.seqs, chunks.last, strict=True) if last]
         if self.classifier is not None:
-            return Pooled(seqs, self._classified(vectors))
+            return Pooled(seqs, self._classified(vectors, seqs))
         return Pooled(seqs, self._normalized(self._truncated(vectors, seqs), seqs))
 
-    def _classified(self, vectors: torch.Tensor) -> torch.Tensor:
-        """Label probabilities (float32) of pooled rows, through the head in its dtype."""
+    def _classified(self, vectors: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Label probabilities (float32) of pooled rows, through the head in its dtype; the
+        raw logits for streams that asked ``use_activation=False``."""
         logits = self.classifier(vectors.to(self.classifier.weight.dtype)).float()
-        return self.activation(logits)
+        raw = [s.pooling.use_activation is False for s in seqs]
+        if not any(raw):
+            return self.activation(logits)
+        if all(raw):
+            return logits
+        mask = torch.tensor(raw, device=self.device)
+        return torch.where(mask[:, None], logits, self.activation(logits))
 
     def _rows(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         index = torch.from_numpy(rows).to(self.device, non_blocking=True)
