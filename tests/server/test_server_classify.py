@@ -1,6 +1,7 @@
 """``POST /classify`` on a sequence classifier served with ``--runner auto`` (which pools it),
 against transformers' ``AutoModelForSequenceClassification`` in float64, and ``/v1/score`` and
-``/v1/rerank`` with a one-label classifier (a cross-encoder) served beside it; the endpoints a
+``/v1/rerank`` with a one-label classifier (a cross-encoder) served beside it, and their raw
+logits with ``use_activation: false``; the endpoints a
 classifier refuses, ``/classify`` on an embedding and a generating server, and that the
 server keeps serving after every refusal with no KV blocks held."""
 
@@ -14,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.server.conftest import MAX_MODEL_LEN, Server, launch_server
-from tests.tiny_models import hf_classified, random_prompts, write_tiny_model
+from tests.tiny_models import hf_classified, hf_logits, random_prompts, write_tiny_model
 
 ATOL = 2e-5
 
@@ -89,6 +90,57 @@ def test_cross_encoder_score_and_rerank(classify_server, cross_encoder):
     assert probs["data"][0]["num_classes"] == 1
 
 
+def test_use_activation_false_returns_raw_logits(classify_server, classifier):
+    """vLLM's ``use_activation``: false returns transformers' raw logits as ``probs`` (the
+    label still the largest); true and unset the probabilities."""
+    texts = ["hello world", "paged attention keeps the kv cache in blocks " * 6]
+    tokenizer = AutoTokenizer.from_pretrained(classifier)
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    logits, probs = hf_logits(classifier, prompts), hf_classified(classifier, prompts)
+    for flag, want in ((False, logits), (True, probs), (None, probs)):
+        r = classify_server.post("/v1/classify", json={"model": "model", "input": texts,
+                                                       "use_activation": flag})
+        assert r.status_code == 200, r.text
+        for d, w in zip(r.json()["data"], want, strict=True):
+            np.testing.assert_allclose(d["probs"], w.numpy(), atol=ATOL, rtol=0)
+            assert d["label"] == f"label_{int(w.argmax())}" and d["num_classes"] == 3
+
+
+def test_cross_encoder_raw_scores(classify_server, cross_encoder):
+    """``use_activation: false`` on ``/v1/score`` and ``/v1/rerank``: each pair's raw logit,
+    reranked by it."""
+    tokenizer = AutoTokenizer.from_pretrained(cross_encoder)
+    query, docs = "what is paged attention", ["a kv cache in blocks", "hello world " * 9]
+    joined = [tokenizer(query, d)["input_ids"] for d in docs]
+    want = [float(w[0]) for w in hf_logits(cross_encoder, joined)]
+    assert want != pytest.approx([float(p[0]) for p in hf_classified(cross_encoder, joined)],
+                                 abs=0.05)
+    r = classify_server.post("/v1/score", json={"model": "cross", "text_1": query,
+                                                "text_2": docs, "use_activation": False})
+    assert r.status_code == 200, r.text
+    assert [d["score"] for d in r.json()["data"]] == pytest.approx(want, abs=ATOL)
+    ranked = classify_server.post("/v1/rerank", json={
+        "model": "cross", "query": query, "documents": docs, "use_activation": False})
+    assert ranked.status_code == 200, ranked.text
+    results = ranked.json()["results"]
+    assert [d["relevance_score"] for d in results] == pytest.approx(sorted(want)[::-1],
+                                                                    abs=ATOL)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/classify", {"model": "model", "input": "hi"}),
+    ("/v1/score", {"model": "cross", "text_1": "a", "text_2": ["b"]}),
+    ("/v1/rerank", {"model": "cross", "query": "a", "documents": ["b"]}),
+])
+@pytest.mark.parametrize("value", ["false", 0, [False]])
+def test_use_activation_of_a_wrong_type_is_400(classify_server, path, body, value):
+    r = classify_server.post(path, json={**body, "use_activation": value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "use_activation"
+    assert "use_activation" in error["message"] and "boolean" in error["message"], error
+
+
 @pytest.mark.parametrize("path, body, message", [
     ("/v1/embeddings", {"input": "hi"}, "sequence classifier.*/classify"),
     ("/v1/score", {"text_1": "a", "text_2": ["b"]}, "sequence classifier.*one label"),
@@ -110,6 +162,10 @@ def test_classify_on_an_embedding_server_is_400(embed_server):
     r = embed_server.post("/classify", json={"input": "hi"})
     assert r.status_code == 400, r.text
     assert "not a sequence classifier" in r.json()["error"]["message"]
+    r = embed_server.post("/v1/score", json={"text_1": "a", "text_2": ["b"],
+                                             "use_activation": False})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "use_activation"
     assert embed_server.post("/v1/embeddings", json={"input": "hi"}).status_code == 200
     _assert_held_nothing(embed_server)
 
