@@ -141,6 +141,14 @@ def test_use_activation_of_a_wrong_type_is_400(classify_server, path, body, valu
     assert "use_activation" in error["message"] and "boolean" in error["message"], error
 
 
+def test_vllms_removed_spellings_are_400(classify_server):
+    """vLLM 0.15 removed ``activation`` and ``softmax``; they are unknown fields here."""
+    for old in ("activation", "softmax"):
+        r = classify_server.post("/classify", json={"model": "model", "input": "hi",
+                                                    old: False})
+        assert r.status_code == 400 and r.json()["error"]["param"] == old, r.text
+
+
 @pytest.mark.parametrize("path, body, message", [
     ("/v1/embeddings", {"input": "hi"}, "sequence classifier.*/classify"),
     ("/v1/score", {"text_1": "a", "text_2": ["b"]}, "sequence classifier.*one label"),
