@@ -80,9 +80,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help='allow tool_choice "auto": the model\'s output is parsed for tool calls '
                         "by --tool-call-parser")
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
-                   help="the tool-call format of the model family (hermes: <tool_call> JSON "
-                        "blocks, as Hermes, Qwen and SmolLM use; llama3_json: Llama 3.1+ "
-                        "JSON calls)")
+                   help="the tool-call format of the model family, with vLLM's names "
+                        "(hermes: <tool_call> JSON blocks, as Hermes, Qwen and SmolLM use; "
+                        "llama3_json: Llama 3.1+ JSON calls; pythonic: Llama 3.2 / 4's Python "
+                        "list of calls, [f(a=1)]; mistral: [TOOL_CALLS] and a JSON list, or "
+                        "name[ARGS]{...} per call (tokenizer v11+); granite: Granite 3.x's "
+                        "<|tool_call|> or <tool_call> and a JSON list; phi4_mini_json: "
+                        "Phi-4-mini's functools[...] JSON list)")
     g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                    help="return a chat answer's reasoning apart, as message.reasoning_content "
                         "and .reasoning (streamed: delta.reasoning_content and .reasoning), "

@@ -163,8 +163,10 @@ class ToolCallStream:
         parsed = self.plan.parse(text)
         delta = {}
         if self.plan.mode == "auto":  # a required output is all calls, even cut short
-            end = self.plan.parser.content_length(text) if parsed.calls else len(text)
-            delta = self._content(text, end)
+            # The rest of a whole response's content, which extends what was streamed (and
+            # may go on after the calls).
+            rest = (parsed.content or "")[self.num_sent:]
+            delta = {"content": rest} if rest else {}
         if parsed.calls:
             self.called = True
             delta["tool_calls"] = [_call_delta(i, c.name, c.arguments)

@@ -1,10 +1,12 @@
 """The auto tool-call parsers on outputs in the formats real tool-calling models write
-(Hermes 2 Pro / Qwen2.5 for ``hermes``, Llama 3.1 / 3.2 for ``llama3_json``), whole and fed to
-a stream a few characters at a time."""
+(Hermes 2 Pro / Qwen2.5 for ``hermes``, Llama 3.1 / 3.2 for ``llama3_json``; Mistral, Llama
+3.2 / 4 pythonic, Granite 3.x and Phi-4-mini in their chat templates' formats), whole and fed
+to a stream in every split."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -51,8 +53,80 @@ RECORDED = [
     ("llama3_json", "It is sunny in Dallas today.", "It is sunny in Dallas today.", []),
 ]
 
+# Written in the formats of the models' chat templates (and vLLM's parsers), not recorded.
+SEARCH = {"query": {"text": "café ☕ \"quoted\"", "filters": {"lang": ["fr", "日本語"],
+                                                                "max": 3.5, "on": None}}}
+SEARCH_JSON = json.dumps(SEARCH, ensure_ascii=False)
+WEATHER_JSON = json.dumps(WEATHER)
+TIME = ("get_current_time", {"city": "Orlando"})
+FORMATS = [
+    # Mistral 7B v0.3 / Nemo: one JSON list after [TOOL_CALLS].
+    ("mistral", f'[TOOL_CALLS][{{"name": "get_current_weather", "arguments": {WEATHER_JSON}}}]',
+     None, [("get_current_weather", WEATHER)]),
+    ("mistral", 'Let me check both.[TOOL_CALLS] [{"name": "get_current_time", "arguments": '
+     f'{{"city": "Orlando"}}}}, {{"name": "search", "arguments": {SEARCH_JSON}}}]',
+     "Let me check both.", [TIME, ("search", SEARCH)]),
+    # [TOOL_CALLS] dropped as a special token: the bare list.
+    ("mistral", '[{"name": "get_current_time", "arguments": {"city": "Orlando"}}]', None, [TIME]),
+    # Tokenizer v11+ (Mistral Small 3.1+): a marker per call, [CALL_ID] optional, and the
+    # arguments after [ARGS] (or straight after the name, if [ARGS] was dropped).
+    ("mistral", f"[TOOL_CALLS]get_current_weather[ARGS]{WEATHER_JSON}[TOOL_CALLS]search"
+     f"[CALL_ID]a1B2c3D4e[ARGS]{SEARCH_JSON}[TOOL_CALLS]get_current_time{{\"city\": "
+     '"Orlando"}', None, [("get_current_weather", WEATHER), ("search", SEARCH), TIME]),
+    ("mistral", '\nSure.\n[TOOL_CALLS]get_current_time[ARGS]{"city": "Orlando"}\nI will tell '
+     "you.", "\nSure.\nI will tell you.", [TIME]),
+    ("mistral", "It is sunny [1].", "It is sunny [1].", []),
+    ("mistral", "[1] says it is sunny.", "[1] says it is sunny.", []),
+    ("mistral", '[TOOL_CALLS][{"name": "get_current_time", "arguments": {', None, []),
+    ("mistral", '[TOOL_CALLS]get_current_time[ARGS]{"city": ', None, []),
+    ("mistral", '[TOOL_CALLS][{"arguments": {}}]', None, []),  # no name
+    # Llama 3.2: the whole output a Python list of calls; Llama 4 between its tags.
+    ("pythonic", '[get_current_weather(city="Dallas", state="TX", unit="fahrenheit")]', None,
+     [("get_current_weather", WEATHER)]),
+    ("pythonic", '<|python_start|>[get_current_time(city="Orlando"), search(query={"text": '
+     '"café ☕ \\"quoted\\"", "filters": {"lang": ("fr", "日本語"), "max": 3.5, "on": None}})]'
+     "<|python_end|>", None, [TIME, ("search", SEARCH)]),
+    ("pythonic", " \n[get_current_time()]\n", None, [("get_current_time", {})]),
+    ("pythonic", "It is sunny in Dallas today.", "It is sunny in Dallas today.", []),
+    # Not the whole output, not literals, positional, unclosed, not calls: content.
+    ("pythonic", 'Sure: [get_current_time(city="Orlando")]', None, []),
+    ("pythonic", '[get_current_time(city=__import__("os").system("ls"))]', None, []),
+    ("pythonic", '[get_current_time(city=ORLANDO)]', None, []),
+    ("pythonic", '[get_current_time("Orlando")]', None, []),
+    ("pythonic", '[get_current_time(**{"city": "Orlando"})]', None, []),
+    ("pythonic", '[os.system(cmd="ls")]', None, []),
+    ("pythonic", '[get_current_time(city="Orlando")', None, []),
+    ("pythonic", "[1, 2, 3]", None, []),
+    ("pythonic", "[f(x=1e999)]", None, []),  # infinity is no JSON
+    ("pythonic", "[f(x={1, 2})]", None, []),  # nor is a set
+    # Granite 3.0 (<|tool_call|>, or nothing once skipped as a special token), 3.1+
+    # (<tool_call>).
+    ("granite", f'<|tool_call|>[{{"name": "get_current_weather", "arguments": {WEATHER_JSON}}}]',
+     None, [("get_current_weather", WEATHER)]),
+    ("granite", '[{"name": "get_current_time", "arguments": {"city": "Orlando"}}, {"name": '
+     f'"search", "arguments": {SEARCH_JSON}}}]', None, [TIME, ("search", SEARCH)]),
+    ("granite", 'Checking.\n<tool_call>[{"name": "get_current_time", "arguments": {"city": '
+     '"Orlando"}}] I will report back.', "Checking. I will report back.", [TIME]),
+    ("granite", "The weather in Dallas is sunny.", "The weather in Dallas is sunny.", []),
+    ("granite", '<|tool_call|>[{"name": "get_current_time", "arguments": {"city": ]', None, []),
+    # A Hermes-style block is not Granite's list: content.
+    ("granite", '<tool_call>{"name": "get_current_time", "arguments": {}}</tool_call>', None,
+     []),
+    # Phi-4-mini: functools is plain text, so prose may mention it.
+    ("phi4_mini_json", f'functools[{{"name": "get_current_weather", "arguments": '
+     f'{WEATHER_JSON}}}]', None, [("get_current_weather", WEATHER)]),
+    ("phi4_mini_json", 'Both, then. functools[{"name": "get_current_time", "parameters": '
+     f'{{"city": "Orlando"}}}}, {{"name": "search", "arguments": {SEARCH_JSON}}}]\nDone.',
+     "Both, then.\nDone.", [TIME, ("search", SEARCH)]),
+    ("phi4_mini_json", "Python's functools has lru_cache; functools [] is no call.",
+     "Python's functools has lru_cache; functools [] is no call.", []),
+    ("phi4_mini_json", "Use functools.", "Use functools.", []),
+    ("phi4_mini_json", 'functools[{"name": "get_current_time"', None, []),
+]
+ALL = RECORDED + FORMATS
 
-@pytest.mark.parametrize(("name", "text", "content", "calls"), RECORDED)
+
+@pytest.mark.parametrize(("name", "text", "content", "calls"), ALL)
 def test_parser_on_recorded_output(name, text, content, calls):
     parsed = tool_parser(name).parse(text)
     if not calls and content is None:  # unparseable: the whole text stays content
@@ -61,7 +135,7 @@ def test_parser_on_recorded_output(name, text, content, calls):
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == calls
 
 
-@pytest.mark.parametrize(("name", "text", "content", "calls"), RECORDED)
+@pytest.mark.parametrize(("name", "text", "content", "calls"), ALL)
 def test_streamed_deltas_add_up_to_the_parse(name, text, content, calls):
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[
         {"type": "function", "function": {"name": "get_current_weather"}}])
@@ -79,6 +153,50 @@ def test_streamed_deltas_add_up_to_the_parse(name, text, content, calls):
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in streamed_calls)
 
 
+def _stream(name: str, text: str, ends: list[int]) -> tuple[list[str], list[dict]]:
+    """The content deltas and calls of ``text`` streamed up to each of ``ends`` (the last is
+    the whole text, which finishes it)."""
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[
+        {"type": "function", "function": {"name": "get_current_weather"}}])
+    stream = ToolCallStream(ToolPlan.of(request, tool_parser(name)))
+    contents, calls = [], []
+    for end in ends:
+        delta = stream.delta(text[:end], finished=end == len(text))
+        contents.append(delta.get("content", ""))
+        calls += delta.get("tool_calls", [])
+    return contents, calls
+
+
+def _splits(text: str):
+    yield list(range(1, len(text) + 1))  # a character at a time
+    for cut in range(len(text)):  # two pieces, cut anywhere
+        yield [cut, len(text)]
+
+
+@pytest.mark.parametrize(("name", "text", "content", "calls"), ALL)
+def test_stream_in_every_split_sends_no_part_of_a_call(name, text, content, calls):
+    parsed = tool_parser(name).parse(text)
+    # The text before the first call: the part of the content a stream may send early.
+    before = os.path.commonprefix([text, parsed.content or ""]) if parsed.calls else text
+    for ends in _splits(text):
+        contents, streamed_calls = _stream(name, text, ends)
+        early = "".join(contents[:-1])
+        assert before.startswith(early), (ends, early)
+        assert "".join(contents) == (parsed.content or ""), ends
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in streamed_calls] == calls, ends
+
+
+def test_plain_content_streams_as_it_comes():
+    """What cannot start a call is not held back to the end."""
+    for name, text in [("mistral", "It is sunny, I read [1] today."),
+                       ("granite", "Sunny <tool today."),
+                       ("phi4_mini_json", "Use functools, it helps."),
+                       ("pythonic", "It is sunny.")]:
+        contents, _ = _stream(name, text, list(range(1, len(text) + 1)))
+        assert len("".join(contents[:-1])) >= len(text) - len("functools"), name
+
+
 def test_stream_holds_back_what_may_start_a_call():
     stream = ToolCallStream(ToolPlan.of(ChatCompletionRequest(
         messages=[{"role": "user", "content": "hi"}],
@@ -90,4 +208,4 @@ def test_stream_holds_back_what_may_start_a_call():
 
 def test_unknown_parser_lists_the_valid_ones():
     with pytest.raises(ValueError, match="hermes"):
-        tool_parser("mistral")
+        tool_parser("nonesuch")
