@@ -11,6 +11,10 @@ from typing import NamedTuple, Protocol
 
 from pagedserve.server.stream_markers import held_back
 
+# What a model may write that breaks a parse: bad JSON or Python (ValueError, SyntaxError),
+# nesting deeper than the parser recurses, a Python literal JSON cannot hold (TypeError).
+_UNPARSEABLE = (ValueError, SyntaxError, RecursionError, MemoryError, TypeError)
+
 
 class ParsedCall(NamedTuple):
     name: str
@@ -55,7 +59,7 @@ class HermesParser:
         try:
             calls = [_call(json.loads(body), ("arguments", "parameters"))
                      for body in self._BLOCK.findall(text, start)]
-        except ValueError:  # json.JSONDecodeError is one
+        except _UNPARSEABLE:
             return ParsedOutput(text, [])
         return ParsedOutput(text[:start].rstrip() or None, calls)
 
@@ -86,7 +90,7 @@ class Llama3JsonParser:
                 calls.append(_call(obj, ("parameters", "arguments")))
                 while i < len(body) and body[i] in "; \n\t":
                     i += 1
-        except ValueError:
+        except _UNPARSEABLE:
             return ParsedOutput(text, [])
         return ParsedOutput(None, calls)
 
@@ -98,9 +102,6 @@ class Llama3JsonParser:
 
 
 _decoder = json.JSONDecoder()
-# What a model may write that breaks a parse: bad JSON or Python (ValueError, SyntaxError),
-# nesting deeper than the parser recurses, a Python literal JSON cannot hold (TypeError).
-_UNPARSEABLE = (ValueError, SyntaxError, RecursionError, MemoryError, TypeError)
 
 
 def _skip_space(text: str, i: int) -> int:
