@@ -81,7 +81,8 @@ class ChatServing:
         model = route.model
         plan = ToolPlan.of(request, self.tool_parser)
         token_ids = await model.off_loop(_render, model, request, plan)
-        params = _with_tool_constraint(request.to_sampling_params(model.sampling_defaults), plan)
+        params = _with_tool_markers(_with_tool_constraint(
+            request.to_sampling_params(model.sampling_defaults), plan), plan)
         if self.reasoning_parser is not None and params.structured_outputs is not None:
             params = await self._after_reasoning(model, params, request, plan)
         token_ids = model.truncate(token_ids, params)
@@ -320,6 +321,12 @@ def _finish_reason(plan: ToolPlan, out: CompletionOutput, called: bool) -> str |
     stays "stop", with the string as ``stop_reason``."""
     cut = isinstance(out.stop_reason, str) and plan.mode in ("named", "required")
     return "tool_calls" if called and out.finish_reason == "stop" and not cut else out.finish_reason
+
+
+def _with_tool_markers(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+    if plan.mode == "auto" and plan.parser.keeps_special_tokens:
+        return dataclasses.replace(params, skip_special_tokens=False)
+    return params
 
 
 def _with_tool_constraint(params: SamplingParams, plan: ToolPlan) -> SamplingParams:

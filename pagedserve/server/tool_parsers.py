@@ -27,6 +27,11 @@ class ParsedOutput(NamedTuple):
 
 
 class ToolParser(Protocol):
+    # Its marker is a special token it cannot do without (Mistral v11's [TOOL_CALLS]name[ARGS]
+    # has nothing else to tell it from prose): an auto request keeps special tokens, as vLLM's
+    # parser has it.
+    keeps_special_tokens: bool
+
     def parse(self, text: str) -> ParsedOutput:
         """The content and calls of a finished output; no calls if none parses."""
 
@@ -50,6 +55,7 @@ class HermesParser:
     at the end of it)."""
 
     START = "<tool_call>"
+    keeps_special_tokens = False
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str) -> ParsedOutput:
@@ -77,6 +83,7 @@ class Llama3JsonParser:
     {..}}`` objects separated by ``;``, optionally after ``<|python_tag|>``."""
 
     TAG = "<|python_tag|>"
+    keeps_special_tokens = False
     _decoder = json.JSONDecoder()
 
     def parse(self, text: str) -> ParsedOutput:
@@ -133,6 +140,7 @@ class _MarkedCallsParser:
     ``skip_special_tokens``)."""
 
     MARKERS: tuple[str, ...] = ()
+    keeps_special_tokens = False
     BARE = False
 
     def _opens(self, rest: str) -> bool:
@@ -182,12 +190,12 @@ class MistralParser(_MarkedCallsParser):
     """Mistral: ``[TOOL_CALLS][{"name": .., "arguments": {..}}, ..]`` (7B v0.3, Nemo, Small
     before 3.1), or, from tokenizer v11 (Small 3.1+, Ministral, Devstral), a call per marker:
     ``[TOOL_CALLS]name[ARGS]{..}`` (``[CALL_ID]id`` may precede ``[ARGS]``, and ``[ARGS]``
-    may be missing). ``[TOOL_CALLS]`` is a special token: the server keeps it only for a
-    request with ``skip_special_tokens: false``; without it, an output that is a JSON list
-    of calls is still calls, the v11 form is not."""
+    may be missing). ``[TOOL_CALLS]`` and ``[ARGS]`` are special tokens, which an auto request
+    keeps; an output that lost them anyway is calls only as a bare JSON list."""
 
     MARKERS = ("[TOOL_CALLS]",)
     BARE = True
+    keeps_special_tokens = True
     _NAME = re.compile(r"\s*([A-Za-z0-9_.\-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?(?:\[ARGS\])?")
 
     def _opens(self, rest: str) -> bool:
@@ -235,6 +243,7 @@ class PythonicParser:
     (a variable, an expression, a positional argument) leaves the output content."""
 
     START, END = "<|python_start|>", "<|python_end|>"
+    keeps_special_tokens = False
 
     def parse(self, text: str) -> ParsedOutput:
         body = text.strip().removeprefix(self.START).removesuffix(self.END).strip()

@@ -74,3 +74,18 @@ def test_hostile_output_is_content(text):
             scripted_app(engine, reasoning=None, tool_parser=tool_parser(parser)), _both)
         assert (choice.message.content, choice.message.tool_calls) == (text, []), parser
         assert choice.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(("parser", "choice", "kept"), [
+    ("mistral", "auto", True), ("mistral", "none", False), ("hermes", "auto", False),
+    ("granite", "auto", False)])
+def test_mistral_auto_request_keeps_special_tokens(parser, choice, kept):
+    """[TOOL_CALLS] and [ARGS] are special tokens the mistral parser reads (vLLM's rule)."""
+    engine = ScriptedEngine()
+    engine.script(["Hi."])
+
+    async def work(client):
+        await client.chat.completions.create(model="r1", messages=USER, tools=TOOLS,
+                                             tool_choice=choice)
+    run_with_client(scripted_app(engine, reasoning=None, tool_parser=tool_parser(parser)), work)
+    assert engine.requests[0].params.skip_special_tokens is not kept
