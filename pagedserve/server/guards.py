@@ -211,6 +211,9 @@ class GuardedH11Protocol(H11Protocol):
     an HTTP/1.1 client accepts before any response (RFC 9110 15.2); after, the response's own
     bytes are. An HTTP/1.0 client, which must not be sent a 1xx, is taken as gone, as uvicorn
     takes it.
+
+    Stopping: a stream still being written ends when the server is told to stop, rather than
+    holding the shutdown for uvicorn's graceful timeout.
     """
 
     def __init__(self, *args, read_timeout: float, write_timeout: float, max_connections: int,
@@ -272,6 +275,18 @@ class GuardedH11Protocol(H11Protocol):
             self._stop_peer_check()
             self.transport.close()  # no request can follow
         self._follow_request()  # a pipelined request may be half read already
+
+    def shutdown(self) -> None:
+        """The server stopping: a response still streaming ends at once, as a hang-up (its
+        handler aborts a foreground request; a background response runs on until the server
+        stops it). uvicorn would wait up to its graceful timeout for the stream, then cancel
+        the handler, which it logs as a traceback. A request not yet answered keeps that time
+        to finish; idle connections close as uvicorn closes them."""
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started and not cycle.response_complete:
+            self.transport.abort()  # connection_lost follows, as for any hang-up
+        else:
+            super().shutdown()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_deadline()
