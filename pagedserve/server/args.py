@@ -93,8 +93,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "with content the answer alone (deepseek_r1: the output starts in "
                         "the reasoning, which ends at </think>, as with DeepSeek-R1 distills "
                         "and Qwen3 thinking models whose template opens <think>; qwen3: only "
-                        "an output that opens with <think> reasons). Tool calls are parsed "
-                        "from the answer; structured output is refused")
+                        "an output that opens with <think> reasons; granite: Granite 3.2/3.3 "
+                        "with thinking on, from 'Here is my thought process:' (or 'Here's') "
+                        "to 'Here is my response:'; mistral: Magistral's [THINK] ... "
+                        "[/THINK] special tokens, which requests then keep). Tool calls are "
+                        "parsed from the answer; structured output applies after the "
+                        "reasoning")
     g.add_argument("--lora-modules", type=_lora_module, nargs="+", action="extend", default=[],
                    metavar="NAME=PATH",
                    help="LoRA adapters served from the start (needs --enable-lora), each as "

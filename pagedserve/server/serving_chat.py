@@ -81,8 +81,9 @@ class ChatServing:
         model = route.model
         plan = ToolPlan.of(request, self.tool_parser)
         token_ids = await model.off_loop(_render, model, request, plan)
-        params = _with_tool_markers(_with_tool_constraint(
-            request.to_sampling_params(model.sampling_defaults), plan), plan)
+        params = _with_markers(_with_tool_constraint(
+            request.to_sampling_params(model.sampling_defaults), plan), plan,
+            self.reasoning_parser)
         if self.reasoning_parser is not None and params.structured_outputs is not None:
             params = await self._after_reasoning(model, params, request, plan)
         token_ids = model.truncate(token_ids, params)
@@ -124,8 +125,9 @@ class ChatServing:
                 "tools" if plan.constraint() is not None else
                 request.field_name("structured_outputs"),
                 "structured output (response_format, structured_outputs, guided_*, or a "
-                "required or named tool_choice) with this --reasoning-parser needs <think> to "
-                "be one token of the model's tokenizer")
+                "required or named tool_choice) with this --reasoning-parser needs "
+                f"{' or '.join(self.reasoning_parser.starts)} to be one token of the model's "
+                "tokenizer, and one end marker")
         structured = dataclasses.replace(params.structured_outputs,
                                          reasoning_end_token_ids=ids.end,
                                          reasoning_start_token_id=ids.start)
@@ -323,8 +325,12 @@ def _finish_reason(plan: ToolPlan, out: CompletionOutput, called: bool) -> str |
     return "tool_calls" if called and out.finish_reason == "stop" and not cut else out.finish_reason
 
 
-def _with_tool_markers(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
-    if plan.mode == "auto" and plan.parser.keeps_special_tokens:
+def _with_markers(params: SamplingParams, plan: ToolPlan,
+                  reasoning: ThinkParser | None) -> SamplingParams:
+    """Special tokens kept in the text where a parser reads markers that are special tokens
+    (an auto tool call's, or the reasoning's), as vLLM's parsers have them."""
+    if (plan.mode == "auto" and plan.parser.keeps_special_tokens) or \
+            (reasoning is not None and reasoning.keeps_special_tokens):
         return dataclasses.replace(params, skip_special_tokens=False)
     return params
 

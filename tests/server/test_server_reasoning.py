@@ -18,6 +18,9 @@ from tests.server.scripted_engine import (
 
 USER = [{"role": "user", "content": "Which is greater, 9.11 or 9.8?"}]
 R1 = "Compare the tenths: 8 > 1.\n</think>\n\n9.8 is greater."
+GRANITE = ("Here is my thought process:\nCompare the tenths: 8 > 1.\nHere is my response:\n"
+           "9.8 is greater.")
+MAGISTRAL = "[THINK]Compare the tenths: 8 > 1.[/THINK]9.8 is greater."
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -55,6 +58,13 @@ def _joined(deltas: list[dict], key: str) -> str | None:
     ("deepseek_r1", "<think></think>Yes.", None, "Yes."),
     ("qwen3", "<think>\nA greeting.\n</think>\n\nHello!", "\nA greeting.\n", "\n\nHello!"),
     ("qwen3", "Hello!", None, "Hello!"),
+    ("granite", GRANITE, "\nCompare the tenths: 8 > 1.\n", "\n9.8 is greater."),
+    ("granite", "Here's my thought process: Hmm. Here's my response: Yes.", " Hmm. ", " Yes."),
+    ("granite", "9.8 is greater.", None, "9.8 is greater."),
+    ("granite", "Here is my thought process: cut short", " cut short", None),
+    ("mistral", MAGISTRAL, "Compare the tenths: 8 > 1.", "9.8 is greater."),
+    ("mistral", "9.8 is greater.", None, "9.8 is greater."),
+    ("mistral", "[THINK]cut short", "cut short", None),
 ])
 def test_message_has_the_reasoning_apart(reasoning, text, expected_reasoning,
                                          expected_content):
@@ -67,13 +77,18 @@ def test_message_has_the_reasoning_apart(reasoning, text, expected_reasoning,
     assert choice.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("text", [R1, "<think>Hmm.</think>Yes.", "Compare </thi", "</think>",
-                                  "<think>x</think>"])
-def test_streamed_cut_anywhere_adds_up_to_the_message(text):
+@pytest.mark.parametrize(("reasoning", "text"), [
+    *(("deepseek_r1", t) for t in [R1, "<think>Hmm.</think>Yes.", "Compare </thi", "</think>",
+                                   "<think>x</think>"]),
+    *(("granite", t) for t in [GRANITE, "Here's my thought process: a Here's my response: b",
+                               "Here is my thought process: cut at Here is my",
+                               "Here is my", "Hello!"]),
+    *(("mistral", t) for t in [MAGISTRAL, "[THINK]cut at [/THI", "[THI", "Hello!"])])
+def test_streamed_cut_anywhere_adds_up_to_the_message(reasoning, text):
     """Two deltas cut at each point, a tag split across them at most, and a delta per
     character: reasoning deltas, then content deltas, adding up to the whole message."""
     engine = ScriptedEngine()
-    app = scripted_app(engine)
+    app = scripted_app(engine, reasoning)
 
     async def work(client):
         engine.script([text])
@@ -180,3 +195,40 @@ def test_without_a_reasoning_parser_the_tags_are_content():
     choice = run_with_client(scripted_app(engine, reasoning=None), _message)
     assert choice.message.content == R1 and choice.message.model_extra == {}
 
+
+
+@pytest.mark.parametrize(("reasoning", "kept"), [
+    ("mistral", True), ("granite", False), ("qwen3", False), ("deepseek_r1", False)])
+def test_mistral_requests_keep_special_tokens(reasoning, kept):
+    """[THINK] and [/THINK] are special tokens: without them in the text the mistral parser
+    would see the reasoning as content."""
+    engine = ScriptedEngine()
+    engine.script([MAGISTRAL])
+    run_with_client(scripted_app(engine, reasoning=reasoning), _message)
+    assert engine.requests[0].params.skip_special_tokens is not kept
+
+
+def test_structured_output_follows_magistral_markers_by_their_ids(monkeypatch):
+    monkeypatch.setattr(ScriptedTokenizer, "tags", {"[THINK]": [5], "[/THINK]": [6]})
+    engine = ScriptedEngine()
+    engine.script(["[THINK]", "Hmm.", "[/THINK]", "{}"])
+    choice = run_with_client(scripted_app(engine, reasoning="mistral"), lambda client: _message(
+        client, response_format={"type": "json_object"}))
+    structured = engine.requests[0].params.structured_outputs
+    assert (structured.reasoning_end_token_ids, structured.reasoning_start_token_id) == ([6], 5)
+    assert (choice.message.model_extra["reasoning"], choice.message.content) == ("Hmm.", "{}")
+
+
+def test_structured_output_is_refused_with_granite():
+    """Granite's markers are plain text of several tokens, in two spellings: the engine cannot
+    tell by token ids where the reasoning ends."""
+    engine = ScriptedEngine()
+    engine.script(["{}"])
+
+    async def work(client):
+        with pytest.raises(openai.BadRequestError) as exc:
+            await _message(client, response_format={"type": "json_object"})
+        return exc.value
+
+    error = run_with_client(scripted_app(engine, reasoning="granite"), work)
+    assert error.body["param"] == "response_format" and "one token" in error.body["message"]

@@ -342,6 +342,32 @@ def test_output_cut_inside_the_reasoning_is_incomplete_and_all_reasoning():
     assert got.usage.output_tokens_details.reasoning_tokens == len("Still thinking")
 
 
+@pytest.mark.parametrize("by_char", [False, True], ids=["whole", "by-char"])
+@pytest.mark.parametrize(("reasoning", "text", "thought", "answer"), [
+    ("granite", "Here is my thought process:\nParis.\nHere is my response:\nSunny.",
+     "\nParis.\n", "\nSunny."),
+    ("mistral", "[THINK]Paris.[/THINK]Sunny.", "Paris.", "Sunny.")])
+def test_granite_and_magistral_reasoning_are_reasoning_items(reasoning, text, thought, answer,
+                                                             by_char):
+    engine = ScriptedEngine()
+    engine.script(list(text) if by_char else [text])
+
+    async def work(client):
+        whole = await client.responses.create(model="r1", input="hi")
+        stream = await client.responses.create(model="r1", input="hi", stream=True)
+        return whole, [e async for e in stream]
+    whole, events = run_with_client(scripted_app(engine, reasoning=reasoning), work)
+    assert [i.type for i in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == thought
+    assert whole.output_text == answer
+    assert whole.usage.output_tokens_details.reasoning_tokens == \
+        (len(text) - len(answer) if by_char else 1)
+    joined = {kind: "".join(e.delta for e in events if e.type == kind) for kind in (
+        "response.reasoning_text.delta", "response.output_text.delta")}
+    assert joined == {"response.reasoning_text.delta": thought,
+                      "response.output_text.delta": answer}
+
+
 def test_an_error_mid_stream_is_an_error_event():
     """A grammar the engine refuses once it runs fails the stream after its 200 went out."""
     from pagedserve.sampling_params import InvalidSamplingParam
