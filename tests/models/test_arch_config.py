@@ -3,6 +3,8 @@ architecture, checked against transformers' own models of the same configs."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -18,7 +20,10 @@ def _hf_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """The shapes of transformers' model of ``cfg``, built on the meta device (no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dict(cfg)
+    # A deep copy: transformers' config writes into the nested dicts it is given (longrope's
+    # rope_scaling gains original_max_position_embeddings), which would change the shared
+    # ARCH_CONFIGS and SHAPES for every later test of the process.
+    cfg = copy.deepcopy(cfg)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
