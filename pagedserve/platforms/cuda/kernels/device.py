@@ -33,3 +33,14 @@ def shared_memory_bytes(device: torch.device) -> int | None:
         return None
     props = torch.cuda.get_device_properties(device)
     return getattr(props, "shared_memory_per_block_optin", None)
+
+
+@functools.lru_cache(maxsize=8)
+def converts_e4m3fn(device: torch.device) -> bool:
+    """Whether Triton converts float8_e4m3fn values on ``device``: NVIDIA from sm_89, AMD's
+    gfx950 and the interpreter. Elsewhere kernels read the bits as uint8 and decode them with
+    integer operations (``fp8_gemv.fp8_as_float``)."""
+    arch = gpu_arch(device)
+    if arch is not None:
+        return arch.startswith("gfx95")
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)

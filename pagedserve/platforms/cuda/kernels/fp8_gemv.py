@@ -43,7 +43,7 @@ def _config(m: int) -> _Config:
 
 
 @triton.jit
-def _as_float(w):
+def fp8_as_float(w):
     """FP8 weights as float32: FP8 types by conversion; uint8 as e4m3fn bits (sign, 4-bit
     exponent of bias 7, 3-bit mantissa; exponent 0 is subnormal: ``mantissa * 2**-9``).
     e4m3fn's one NaN pattern per sign (0x7F/0xFF) never occurs in a quantized weight."""
@@ -74,7 +74,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, strid
         x = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + offs_k, mask=mask_k, other=0.0)
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc += _as_float(w) * x.to(tl.float32)[None, :]
+        acc += fp8_as_float(w) * x.to(tl.float32)[None, :]
     if PER_TENSOR:
         scale = tl.load(scale_ptr)
     else:
@@ -120,7 +120,7 @@ def _fp8_dequant_kernel(w_ptr, scale_ptr, out_ptr, N, K, stride_wn, PER_TENSOR: 
     else:
         scale = tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)[:, None]
     tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
-             (_as_float(w) * scale).to(out_ptr.dtype.element_ty), mask=mask)
+             (fp8_as_float(w) * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, out_features: int, in_features: int,

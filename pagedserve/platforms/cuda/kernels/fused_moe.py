@@ -17,21 +17,40 @@ Every output element is written by one program in a fixed order and no float ato
 so results are bit-reproducible from run to run. Rounding follows the torch reference: each
 GEMM rounds its float32 result to the activation dtype once (the second after the routing
 weight, where torch rounds before and after it).
+
+FP8 experts (W8A16, ``LayerOps.fused_moe_fp8``): ``w13`` and ``w2`` may instead be stacked
+``Fp8Weight`` (values ``[E, N, K]`` float8_e4m3fn, a scale per output row ``[E, N]``, a
+per-tensor scale repeated per row) or ``BlockFp8Weight`` (scales ``[E, ceil(N / bn),
+ceil(K / bk)]`` for blocks of ``bn x bk``). The same kernel, specialised by ``SCALES``, loads
+the FP8 tiles, converts them exactly to the activation dtype in registers and multiplies the
+16-bit activations by them; row scales multiply the accumulator once at the end, block scales
+each K tile's partial product as it is added (``BLOCK_K`` divides ``bk``, so a tile lies in
+one block). No step dequantizes a weight or reads anything on the host.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from pagedserve.platforms.cuda.kernels.activation import silu_and_mul
-from pagedserve.platforms.cuda.kernels.device import gpu_arch, shared_memory_bytes
+from pagedserve.platforms.cuda.kernels.device import (
+    converts_e4m3fn,
+    gpu_arch,
+    shared_memory_bytes,
+)
+from pagedserve.platforms.cuda.kernels.fp8_gemv import fp8_as_float
 from pagedserve.platforms.cuda.kernels.moe_align import AlignedPairs, align_pairs
 from pagedserve.platforms.cuda.kernels.pdl import gate, launch_options
 from pagedserve.platforms.cuda.kernels.prefill_attention import dot_precision
+from pagedserve.quant.weights import BlockFp8Weight, Fp8Weight
+
+# An expert stack as the kernel reads it: 16-bit ``[E, N, K]``, or FP8 with its scales.
+ExpertWeights = torch.Tensor | Fp8Weight | BlockFp8Weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,15 +106,19 @@ def fit(cfg: MoeConfig, dtype: torch.dtype, arch: str | None,
 
 @triton.jit
 def _expert_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, route_ptr, sorted_ids_ptr, block_experts_ptr, total_ptr,
+    a_ptr, w_ptr, c_ptr, route_ptr, sorted_ids_ptr, block_experts_ptr, total_ptr, scale_ptr,
     N, K, num_pairs, pairs_per_a_row, num_m_blocks, stride_am, stride_we, stride_wn, stride_cm,
+    stride_se, stride_sn, stride_sk,
     ROUTE_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    SCALES: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """``c[p] = (route[p] *) a[p // pairs_per_a_row] @ w[expert of p].T`` for the pairs of one
     block of aligned rows; ``a`` ``[*, K]``, ``w`` ``[E, N, K]``, ``c`` ``[P, N]``, all with
-    contiguous last dimensions."""
+    contiguous last dimensions. ``SCALES``: "none" (``w`` in ``a``'s dtype), "row" (FP8,
+    ``scale[e, n]``) or "block" (FP8, ``scale[e, n // SCALE_ROWS, k // SCALE_COLS]``); FP8
+    weights come as float8_e4m3fn or as its bits in uint8."""
     gate(PDL)
     pid = tl.program_id(0)
     # GROUP_M consecutive blocks of rows take each block of columns in turn, so the programs
@@ -118,6 +141,8 @@ def _expert_gemm_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
     w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    # Each column's scales: its row of the block grid (SCALE_ROWS is 1 for row scales).
+    scale_ptrs = scale_ptr + expert * stride_se + (cols // SCALE_ROWS) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -127,9 +152,19 @@ def _expert_gemm_kernel(
             left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=valid[:, None] & (ks[None, :] < left), other=0.0)
             w = tl.load(w_ptrs, mask=ks[:, None] < left, other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        if w.dtype == tl.uint8:
+            w = fp8_as_float(w)
+        w = w.to(a.dtype)  # exact from e4m3 to any 16-bit float
+        if SCALES == "block":
+            # BLOCK_K divides SCALE_COLS: this tile's columns share one scale per column.
+            s = tl.load(scale_ptrs + (k * BLOCK_K // SCALE_COLS) * stride_sk)
+            acc += tl.dot(a, w, input_precision=DOT_PREC) * s[None, :]
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SCALES == "row":
+        acc = acc * tl.load(scale_ptrs)[None, :]
     if ROUTE_WEIGHT:
         acc = acc * tl.load(route_ptr + pairs, mask=valid, other=0.0)[:, None]
     out_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -138,10 +173,11 @@ def _expert_gemm_kernel(
              mask=valid[:, None] & (out_cols[None, :] < N))
 
 
-def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+def fused_moe(hidden: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights,
               topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """``LayerOps.fused_moe``'s contract: ``hidden`` ``[T, H]``, ``w13`` ``[E, 2I, H]``, ``w2``
-    ``[E, H, I]``, ``topk_ids`` ``[T, K]``, ``topk_weights`` ``[T, K]`` -> ``[T, H]``."""
+    """``LayerOps.fused_moe``'s contract, and ``LayerOps.fused_moe_fp8``'s where ``w13`` and
+    ``w2`` are FP8: ``hidden`` ``[T, H]``, ``w13`` ``[E, 2I, H]``, ``w2`` ``[E, H, I]``,
+    ``topk_ids`` ``[T, K]``, ``topk_weights`` ``[T, K]`` -> ``[T, H]``."""
     num_tokens, top_k = topk_ids.shape
     cfg = step_config(num_tokens * top_k / w13.shape[0], hidden.dtype, hidden.device)
     return fused_moe_with(cfg, hidden, w13, w2, topk_ids, topk_weights)
@@ -152,46 +188,78 @@ def step_config(rows_per_expert: float, dtype: torch.dtype, device: torch.device
     return moe_config(rows_per_expert, dtype, gpu_arch(device), shared_memory_bytes(device))
 
 
-def fused_moe_with(cfg: MoeConfig, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+def fused_moe_with(cfg: MoeConfig, hidden: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights,
                    topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """``fused_moe`` with the tiles ``cfg`` (the tests and the benchmark pick them)."""
-    _check(hidden, w13, w2)
+    first, second = _operand(w13, hidden, cfg), _operand(w2, hidden, cfg)
     num_tokens, top_k = topk_ids.shape
     hidden_size, dtype = hidden.shape[1], hidden.dtype
     if num_tokens == 0:
         return torch.empty_like(hidden)
     aligned = align_pairs(topk_ids, w13.shape[0], cfg.block_m)
     gate_up = torch.empty(num_tokens * top_k, w13.shape[1], dtype=dtype, device=hidden.device)
-    _gemm(cfg, hidden, w13, gate_up, aligned, top_k, None)
+    _gemm(cfg, hidden, first, gate_up, aligned, top_k, None)
     down = torch.empty(num_tokens, top_k, hidden_size, dtype=dtype, device=hidden.device)
-    _gemm(cfg, silu_and_mul(gate_up), w2, down.view(-1, hidden_size), aligned, 1,
+    _gemm(cfg, silu_and_mul(gate_up), second, down.view(-1, hidden_size), aligned, 1,
           topk_weights.reshape(-1).float())
     if top_k == 1:
         return down.view(num_tokens, hidden_size)
     return down.sum(dim=1, dtype=torch.float32).to(dtype)
 
 
-def _gemm(cfg: MoeConfig, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+class _Operand(NamedTuple):
+    """An expert stack as one launch reads it."""
+    values: torch.Tensor  # [E, N, K]: 16-bit, float8_e4m3fn or its bits as uint8
+    scales: torch.Tensor  # float32 [E, N] or [E, N blocks, K blocks]; unread for 16-bit
+    mode: str  # the kernel's SCALES
+    block: tuple[int, int]  # SCALE_ROWS, SCALE_COLS
+    block_k: int  # the K tile: the config's, or less to fit in a block of scales
+
+
+def _operand(w: ExpertWeights, hidden: torch.Tensor, cfg: MoeConfig) -> _Operand:
+    if isinstance(w, torch.Tensor):
+        _check_rows(hidden, w)
+        if w.dtype != hidden.dtype:
+            raise ValueError(f"fused_moe takes one dtype: hidden {hidden.dtype}, experts "
+                             f"{w.dtype}")
+        return _Operand(w, w, "none", (1, 1), cfg.block_k)
+    values = w.values
+    _check_rows(hidden, values)
+    if values.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fused_moe's FP8 experts are float8_e4m3fn, not {values.dtype}")
+    if not converts_e4m3fn(values.device):
+        values = values.view(torch.uint8)
+    scales = w.scales.float()
+    if isinstance(w, Fp8Weight):
+        return _Operand(values, scales, "row", (1, 1), cfg.block_k)
+    block_k = min(cfg.block_k, w.block[1] & -w.block[1])  # the largest power of 2 dividing it
+    if block_k < 16:
+        raise ValueError(f"fused_moe reads FP8 blocks {w.block[1]} columns wide in tiles of "
+                         f"16 or more columns that divide them: {w.block[1]} has none")
+    return _Operand(values, scales, "block", w.block, block_k)
+
+
+def _gemm(cfg: MoeConfig, a: torch.Tensor, w: _Operand, out: torch.Tensor,
           aligned: AlignedPairs, pairs_per_a_row: int, route: torch.Tensor | None) -> None:
     """One grouped GEMM into ``out`` ``[P, N]``; ``route``: float32 ``[P]`` routing weights
     multiplied into each row, or None."""
     num_m_blocks = aligned.block_experts.numel()
-    n, k = w.shape[1], w.shape[2]
+    values, scales = w.values, w.scales
+    n, k = values.shape[1], values.shape[2]
+    scale_strides = (*scales.stride(), 0)[:3]  # row scales have no K dimension
     grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
     _expert_gemm_kernel[grid](
-        a, w, out, route if route is not None else out, aligned.sorted_ids,
-        aligned.block_experts, aligned.total, n, k, out.shape[0], pairs_per_a_row,
-        num_m_blocks, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        ROUTE_WEIGHT=route is not None, EVEN_K=k % cfg.block_k == 0,
-        DOT_PREC=dot_precision(a.dtype, gpu_arch(a.device)), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        a, values, out, route if route is not None else out, aligned.sorted_ids,
+        aligned.block_experts, aligned.total, scales, n, k, out.shape[0], pairs_per_a_row,
+        num_m_blocks, a.stride(0), values.stride(0), values.stride(1), out.stride(0),
+        *scale_strides, ROUTE_WEIGHT=route is not None, EVEN_K=k % w.block_k == 0,
+        DOT_PREC=dot_precision(a.dtype, gpu_arch(a.device)), SCALES=w.mode,
+        SCALE_ROWS=w.block[0], SCALE_COLS=w.block[1], BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=w.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(a.device),
     )
 
 
-def _check(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
-    if any(t.stride(-1) != 1 for t in (hidden, w13, w2)):
+def _check_rows(hidden: torch.Tensor, values: torch.Tensor) -> None:
+    if hidden.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("fused_moe needs contiguous rows of hidden and of each expert weight")
-    if hidden.dtype != w13.dtype or w2.dtype != w13.dtype:
-        raise ValueError(f"fused_moe takes one dtype: hidden {hidden.dtype}, w13 {w13.dtype}, "
-                         f"w2 {w2.dtype}")
