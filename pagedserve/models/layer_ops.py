@@ -10,6 +10,7 @@ small batches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -20,6 +21,10 @@ class LayerOps:
     # ``fused_moe`` runs inside a captured graph (no host sync); False: decode steps of a
     # mixture-of-experts model run eagerly.
     fused_moe_in_graphs: ClassVar[bool] = False
+    # ``fused_moe``'s contract with FP8 experts: ``w13`` and ``w2`` stacked ``Fp8Weight`` or
+    # ``BlockFp8Weight`` (values ``[E, N, K]``), multiplied as they are; None: a platform
+    # without it runs FP8 experts by dequantizing the routed ones each step.
+    fused_moe_fp8: ClassVar[Callable[..., torch.Tensor] | None] = None
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -6,10 +6,12 @@ taken in float32, the ``top_k`` best kept and, where the config says (Mixtral al
 Qwen models with ``norm_topk_prob``), renormalised to sum to 1. The experts are SwiGLU MLPs
 whose weights are stacked at load into ``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]``, the
 layout the platform's ``LayerOps.fused_moe`` reads, or, from a quantized checkpoint (or
-``--quantization fp8``), kept quantized and dequantized per step for the experts the step
-routes tokens to (``models/quantized_experts.py``). Qwen2-MoE adds a shared expert, a dense
-SwiGLU MLP every token goes through, scaled by ``sigmoid(shared_expert_gate(x))`` (a
-hidden -> 1 projection) and added to the routed experts' sum.
+``--quantization fp8``), kept quantized: FP8 experts read as they are by the platform's
+``LayerOps.fused_moe_fp8`` where it has one (``models/fp8_experts.py``), others dequantized
+per step for the experts the step routes tokens to (``models/quantized_experts.py``).
+Qwen2-MoE adds a shared expert, a dense SwiGLU MLP every token goes through, scaled by
+``sigmoid(shared_expert_gate(x))`` (a hidden -> 1 projection) and added to the routed
+experts' sum.
 
 Under tensor parallelism every rank holds the whole router (and the shared expert's gate) and
 a slice of each expert's intermediate dimension (as the dense MLP is cut, the shared expert
@@ -30,6 +32,7 @@ from torch import nn
 from pagedserve.distributed import Part
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.forward_context import ForwardContext
+from pagedserve.models.fp8_experts import Fp8Experts, fuses
 from pagedserve.models.layer_ops import LayerOps
 from pagedserve.models.linear import LinearFactory
 from pagedserve.models.quantized_experts import QuantizedExperts
@@ -70,15 +73,17 @@ class FusedExperts(nn.Module):
     checkpoint stores them. Float experts are stacked into ``w13`` ``[E, 2I, H]`` (``w13[e]``:
     expert ``e``'s gate rows then its up rows) and ``w2`` ``[E, H, I]``, the layout
     ``LayerOps.fused_moe`` reads; quantized ones into ``quantized``
-    (``models/quantized_experts.py``), dequantized per step. The first weight to arrive decides
-    which, so a quantized checkpoint never allocates the 16-bit stacks. ``quantizer``
-    (``--quantization fp8`` or a dummy load's form) quantizes float experts as it does the
-    dense layers. Each checkpoint tensor is cut and put in its place as it arrives;
-    ``loaded`` once all ``3 * E`` have."""
+    (``models/quantized_experts.py``), dequantized per step, or, FP8 ones with ``reads_fp8``
+    (the platform has ``LayerOps.fused_moe_fp8``), turned into ``Fp8Experts`` once the last
+    has arrived. The first weight to arrive decides which, so a quantized checkpoint never
+    allocates the 16-bit stacks. ``quantizer`` (``--quantization fp8`` or a dummy load's form)
+    quantizes float experts as it does the dense layers. Each checkpoint tensor is cut and put
+    in its place as it arrives; ``loaded`` once all ``3 * E`` have."""
 
     def __init__(self, num_experts: int, hidden: int, part: Part, dtype: torch.dtype,
                  device: torch.device,
-                 quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None) -> None:
+                 quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None,
+                 reads_fp8: bool = False) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.part = part
@@ -86,14 +91,21 @@ class FusedExperts(nn.Module):
         self.dtype = dtype
         self.device = device
         self.quantizer = quantizer
+        self.reads_fp8 = reads_fp8
         self.register_parameter("w13", None)
         self.register_parameter("w2", None)
-        self.quantized: QuantizedExperts | None = None
+        self.quantized: QuantizedExperts | Fp8Experts | None = None
         self._missing = {(e, p) for e in range(num_experts) for p in ("gate", "up", "down")}
 
     @property
     def loaded(self) -> bool:
         return not self._missing
+
+    @property
+    def syncs_with_host(self) -> bool:
+        """Whether a step reads device values on the host (quantized experts dequantized per
+        step do: which experts)."""
+        return self.quantized is not None and self.quantized.syncs_with_host
 
     def load(self, expert: int, proj: str, weight: LoadedWeight) -> None:
         if expert >= self.num_experts:
@@ -110,6 +122,9 @@ class FusedExperts(nn.Module):
         else:
             self._load_quantized(expert, proj, weight)
         self._missing.discard((expert, proj))
+        if self.loaded and self.reads_fp8 and isinstance(self.quantized, QuantizedExperts) \
+                and fuses(self.quantized):
+            self.quantized = Fp8Experts(self.quantized)  # the stacks go
 
     def forward(self, ops: type[LayerOps], hidden: torch.Tensor,
                 routed: RoutedExperts) -> torch.Tensor:
@@ -190,7 +205,8 @@ class SparseMoeBlock(nn.Module):
                                    quantize_at_load=False)
         self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size,
                                     linears.tp.even_part(cfg.moe_intermediate_size),
-                                    linears.dtype, linears.device, linears.quantizer)
+                                    linears.dtype, linears.device, linears.quantizer,
+                                    reads_fp8=ops.fused_moe_fp8 is not None)
         self.shared_expert = shared_expert
         # Replicated, as the router is: each token's scale must be the same on every rank.
         self.shared_expert_gate = (linears.column(cfg.hidden_size, [Part.whole(1)],
@@ -221,8 +237,9 @@ class SparseMoeBlock(nn.Module):
     def syncs_with_host(self) -> bool:
         """Whether a step through this block reads device values on the host, which a captured
         graph cannot: the platform's ``fused_moe`` may (``fused_moe_in_graphs`` False), and
-        quantized experts always do (which experts to dequantize)."""
-        return not self.ops.fused_moe_in_graphs or self.experts.quantized is not None
+        quantized experts dequantized per step do (which experts); FP8 experts read by
+        ``fused_moe_fp8`` do not."""
+        return not self.ops.fused_moe_in_graphs or self.experts.syncs_with_host
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         routed = route(self.gate(x), self.top_k, self.renormalize)

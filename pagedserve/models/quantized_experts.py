@@ -7,11 +7,15 @@ only those into 16-bit ``w13`` ``[A, 2I, H]`` and ``w2`` ``[A, H, I]`` (dequanti
 then rounded once to the activations' dtype, as the dense layers are at load), renumbers the
 routing ids ``0 .. A-1`` and runs the platform's ``LayerOps.fused_moe`` on them. So memory is
 the quantized checkpoint's plus one step's active experts in 16 bits; speed is a dequantize pass
-over those experts per layer and step, not yet a kernel reading the quantized weights. The
-sync keeps these layers out of captured graphs (``SparseMoeBlock.syncs_with_host``).
+over those experts per layer and step. The sync keeps these layers out of captured graphs
+(``SparseMoeBlock.syncs_with_host``). FP8 experts, on a platform with ``LayerOps.fused_moe_fp8``,
+leave this path once loaded (``models/fp8_experts.py``); 4- and 8-bit integer experts, and
+every quantized expert on the CPU, stay on it.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -25,6 +29,9 @@ class QuantizedExperts(nn.Module):
     """Every expert's gate, up and down projections (this rank's part of each), one
     ``ExpertStack`` a projection: gate and up may differ in form (GPTQ act-order orders each
     projection's columns its own way), so they meet in ``w13`` only once dequantized."""
+
+    # Each step reads which experts it routes to on the host.
+    syncs_with_host: ClassVar[bool] = True
 
     def __init__(self, num_experts: int, device: torch.device) -> None:
         super().__init__()

@@ -4,7 +4,9 @@ expert dimension, as parameters (so sleep mode and CPU offload move them as any 
 
 The first expert's weight to arrive fixes the form, its dtypes and shapes; every expert's
 weight is then copied into its row. ``take(ids)`` gives the same form over those experts
-(tensors ``[len(ids), ...]``), whose ``dequantize`` is ``[len(ids), N, K]``.
+(tensors ``[len(ids), ...]``), whose ``dequantize`` is ``[len(ids), N, K]``; ``whole()`` the
+form over every expert, its tensors the stack's own. ``holding(form)`` makes a stack of a form
+whose tensors are stacked already (an FP8 layout made from other stacks at load).
 
 Two things differ from the loaded forms. 4-bit values are held two to a byte (a form holds
 one a byte), so a 4-bit checkpoint's experts take about half a byte a weight with their scales.
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.quant.weights import Fp8Weight, GroupQuantWeight, LoadedWeight
+from pagedserve.quant.weights import BlockFp8Weight, Fp8Weight, GroupQuantWeight, LoadedWeight
 
 _PACKED = "values"  # the field held two values a byte when the form's bits are 4 or fewer
 
@@ -57,9 +59,29 @@ class ExpertStack(nn.Module):
                                  f"another expert's {tuple(stacked.shape[1:])}")
             stacked[expert].copy_(tensor)
 
+    @classmethod
+    def holding(cls, weight: LoadedWeight) -> ExpertStack:
+        """A stack of ``weight``, an FP8 form whose tensors have a leading expert dimension;
+        the tensors become its parameters as they are."""
+        if not isinstance(weight, (Fp8Weight, BlockFp8Weight)):  # no values to pack
+            raise ValueError(f"ExpertStack.holding takes FP8 forms, not {type(weight).__name__}")
+        tensors, static = _fields(weight)
+        stack = cls(weight.shape[0], weight.values.device)
+        stack.form, stack.static, stack.columns = type(weight), static, weight.shape[-1]
+        for name, tensor in tensors.items():
+            stack.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+        return stack
+
     def take(self, ids: torch.Tensor) -> LoadedWeight:
         """The experts ``ids`` (an int64 tensor on the stack's device) in their form."""
-        tensors = {name: p[ids] for name, p in self.named_parameters(recurse=False)}
+        return self._form({name: p[ids] for name, p in self.named_parameters(recurse=False)})
+
+    def whole(self) -> LoadedWeight:
+        """Every expert in the stack's form, the tensors its parameters (4-bit values are
+        unpacked: a copy)."""
+        return self._form(dict(self.named_parameters(recurse=False)))
+
+    def _form(self, tensors: dict[str, torch.Tensor]) -> LoadedWeight:
         if self.packs_nibbles:
             tensors[_PACKED] = unpack_nibbles(tensors[_PACKED], self.columns)
         return self.form(**tensors, **self.static)

@@ -15,8 +15,11 @@ import torch
 from pagedserve.config import ConfigError
 from pagedserve.distributed import Part
 from pagedserve.models import moe
+from pagedserve.models.fp8_experts import Fp8Experts
 from pagedserve.models.layer_ops import LayerOps
 from pagedserve.models.moe import FusedExperts, RoutedExperts
+from pagedserve.models.quantized_experts import QuantizedExperts
+from pagedserve.platforms.cpu.platform import CpuPlatform
 from pagedserve.quant.expert_stack import ExpertStack, pack_nibbles, unpack_nibbles
 from pagedserve.quant.weights import BlockFp8Weight, Fp8Weight, GroupQuantWeight
 from tests.graph_stubs import record_graphs
@@ -218,3 +221,107 @@ def test_quantized_experts_keep_graphs_off_where_the_platform_op_would_not(
         runner.capture_graphs(max_num_seqs=4)
         assert bool(made) == (name == "float")
         runner.graphs = None
+
+
+class ReadsFp8(LayerOps):
+    """A platform whose ops read FP8 experts as they are: here by dequantizing the forms they
+    are given (the Triton kernel is checked against float64 in
+    tests/platforms/cuda/test_fused_moe_fp8.py)."""
+    fused_moe_in_graphs = True
+    seen: dict = {}
+
+    @staticmethod
+    def fused_moe_fp8(hidden, w13, w2, ids, weights):
+        ReadsFp8.seen.update(w13=w13, w2=w2)
+        return LayerOps.fused_moe(hidden, w13.dequantize(), w2.dequantize(), ids, weights)
+
+
+def _fp8_expert(form: str, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    values = (torch.randn(n, k, generator=g) * 32).to(torch.float8_e4m3fn)
+    if form == "per-row":
+        return Fp8Weight(values, torch.rand(n, generator=g) / 32 + 1e-3)
+    block = (32, 32) if form == "block-32" else (16, 32)
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    return BlockFp8Weight(values, torch.rand(grid, generator=g) / 32 + 1e-3, block)
+
+
+@pytest.mark.parametrize("form", ["per-row", "block-32", "block-16"])
+def test_fp8_experts_are_fused_once_for_a_platform_that_reads_them(form):
+    """48 expert rows: blocks of 32 straddle the gate/up seam (a row of scales per row), blocks
+    of 16 do not (the grids concatenate); the fused forms dequantize to each expert's gate
+    rows then up rows, and the layer gives the dequantize path's result without the stacks;
+    weights loaded again later (``LLM.load_weights``) land in the fused layout."""
+    loaded = {}
+    layers = [FusedExperts(4, 64, Part.whole(48), torch.float32, torch.device("cpu"),
+                           reads_fp8=reads) for reads in (True, False)]
+
+    def load_all(seed):
+        for e in range(4):
+            for i, (proj, n, k) in enumerate((("gate", 48, 64), ("up", 48, 64),
+                                              ("down", 64, 48))):
+                loaded[e, proj] = _fp8_expert(form, n, k, seed=seed + 3 * e + i)
+                for layer in layers:
+                    layer.load(e, proj, loaded[e, proj])
+
+    load_all(0)
+    fused, per_step = layers
+    assert isinstance(fused.quantized, Fp8Experts) and not fused.syncs_with_host
+    assert isinstance(per_step.quantized, QuantizedExperts) and per_step.syncs_with_host
+    assert {n for n, _ in fused.named_parameters()} == {
+        "quantized.w13.values", "quantized.w13.scales", "quantized.w2.values",
+        "quantized.w2.scales"}
+    ids = torch.tensor([[3, 1], [1, 0], [2, 3]])
+    routed = RoutedExperts(torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.5, 0.5]]), ids)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
+    out = fused(ReadsFp8, x, routed)
+    for e in range(4):
+        assert torch.equal(ReadsFp8.seen["w13"].dequantize()[e], torch.cat(
+            [loaded[e, "gate"].dequantize(), loaded[e, "up"].dequantize()]))
+        assert torch.equal(ReadsFp8.seen["w2"].dequantize()[e], loaded[e, "down"].dequantize())
+    torch.testing.assert_close(out, per_step(LayerOps, x, routed))
+    load_all(100)
+    changed = fused(ReadsFp8, x, routed)
+    torch.testing.assert_close(changed, per_step(LayerOps, x, routed))
+    assert not torch.allclose(changed, out)
+
+
+def test_integer_experts_stay_on_the_dequantize_path():
+    experts = FusedExperts(2, 64, Part.whole(32), torch.float32, torch.device("cpu"),
+                           reads_fp8=True)
+    for e in range(2):
+        for proj, n, k in (("gate", 32, 64), ("up", 32, 64), ("down", 64, 32)):
+            experts.load(e, proj, random_weight(n, k, 4, 32, seed=e))
+    assert isinstance(experts.quantized, QuantizedExperts) and experts.syncs_with_host
+
+
+@pytest.mark.parametrize("fmt", ["block-fp8", "fp8-static"])
+def test_fp8_experts_read_as_they_are_give_transformers_tokens_and_graphs(
+        tiny_model_folder, tmp_path, monkeypatch, fmt):
+    """Through the engine on a platform whose ops read FP8 experts (Mixtral's 48 expert rows
+    in blocks of 32: partial blocks at every edge of the block grids): the layers take graphs,
+    and give transformers' tokens on the dequantized weights, which a neighbour's scales
+    move far off."""
+    quantized, reference = _write(fmt, tiny_model_folder("mixtral"), tmp_path)
+
+    class Ops(CpuPlatform.layer_ops(), ReadsFp8):
+        pass
+
+    monkeypatch.setattr(CpuPlatform, "layer_ops", classmethod(lambda cls: Ops))
+    llm = make_llm(quantized, dtype="float32", enable_prefix_caching=False,
+                   kv_cache_memory_bytes=1 << 20)
+    runner = llm.engine.executor.runner
+    experts = [m for m in runner.model.modules() if isinstance(m, FusedExperts)]
+    assert experts and all(isinstance(m.quantized, Fp8Experts) for m in experts)
+    assert not moe.syncs_with_host(runner.model)
+    hf = hf_model_float64(reference)
+    prompts = random_prompts(f"fused-{fmt}", [29, 7])
+    assert max(prompt_logprob_error(llm, hf, p) for p in prompts) < 1e-4
+    assert assert_greedy_matches(llm, hf, prompts, new_tokens=8) >= 1
+    made = record_graphs(monkeypatch, runner.platform)
+    runner.capture_graphs(max_num_seqs=4)
+    assert made
+    runner.graphs = None
+    for m in experts:  # each expert given its neighbour's down-projection scales
+        m.quantized.w2.scales.copy_(m.quantized.w2.scales.roll(1, dims=0))
+    assert prompt_logprob_error(llm, hf, prompts[0]) > 1e-2

@@ -92,6 +92,42 @@ def test_moe_graphs_give_the_eager_tokens(moe_folder, dtype):
         assert assert_greedy_matches(llm, hf_model(moe_folder), PROMPTS, NEW) >= len(PROMPTS) - 1
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fmt", ["block-fp8", "fp8-static", "fp8-at-load"])
+def test_fp8_moe_graphs_give_the_eager_and_dequantized_tokens(moe_folder, tmp_path, monkeypatch,
+                                                              fmt, dtype):
+    """FP8 experts read as they are by the Triton kernel (block FP8 in blocks of 32, partial
+    at Mixtral's 48 expert rows; per tensor; ``--quantization fp8``'s per row): decode steps
+    replay CUDA graphs and give the eager steps' greedy tokens, and the per-step dequantize
+    path's (the platform's ops without ``fused_moe_fp8``; a near-tie may break either way)."""
+    from pagedserve.models.fp8_experts import Fp8Experts
+    from pagedserve.models.moe import FusedExperts
+    from pagedserve.platforms.cuda.layer_ops import TritonLayerOps
+    from tests.quant.fp8_ct_checkpoints import write_block_fp8, write_fp8
+
+    folder, options = moe_folder, {"quantization": "fp8"}
+    if fmt != "fp8-at-load":
+        options = {}
+        folder = (write_block_fp8(moe_folder, tmp_path, (32, 32)) if fmt == "block-fp8"
+                  else write_fp8(moe_folder, tmp_path, static=True)).quantized
+    tokens = {}
+    for path in ("eager", "graphs", "dequantize"):
+        if path == "dequantize":
+            monkeypatch.setattr(TritonLayerOps, "fused_moe_fp8", None)
+        llm = make_llm(folder, device="cuda", dtype=dtype, enforce_eager=path == "eager",
+                       kv_cache_memory_bytes=64 << 20, max_num_seqs=8, **options)
+        runner = llm.engine.executor.runner
+        experts = [m.quantized for m in runner.model.modules() if isinstance(m, FusedExperts)]
+        assert experts and all(isinstance(q, Fp8Experts) == (path != "dequantize")
+                               for q in experts)
+        assert (runner.graphs is not None) == (path == "graphs")
+        tokens[path] = _tokens(llm)
+        del llm, runner, experts
+    assert tokens["graphs"] == tokens["eager"]
+    same = sum(a == b for a, b in zip(tokens["eager"], tokens["dequantize"]))
+    assert same >= len(PROMPTS) - 1
+
+
 @pytest.fixture(scope="module")
 def llama3_cuda_folder(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("llama3"), "llama3")
