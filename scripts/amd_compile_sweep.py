@@ -244,19 +244,26 @@ def _fp8_quant(dtype: str, arch: str) -> Spec:
                 floats=("fmax", "min_scale"))
 
 
-def _fused_moe(rows_per_expert: int):
+def _fused_moe(rows_per_expert: int, scales: str = "none"):
+    """``scales``: "none" (16-bit experts), "row" or "block" (FP8 experts, W8A16; 128 x 128
+    blocks as Qwen3-30B-A3B-FP8's)."""
     def spec(dtype: str, arch: str) -> Spec:
         from pagedserve.platforms.cuda.kernels import fused_moe
         from pagedserve.platforms.cuda.kernels.prefill_attention import dot_precision
 
         t = _torch_dtype(dtype)
         cfg = fused_moe.moe_config(rows_per_expert, t, arch)
-        ptrs = {"a_ptr": "ACT", "w_ptr": "ACT", "c_ptr": "ACT", "route_ptr": "fp32",
-                "sorted_ids_ptr": "i32", "block_experts_ptr": "i64", "total_ptr": "i64"}
+        # FP8 experts as the launch passes them: e4m3fn where Triton converts it, else bits.
+        weight = "ACT" if scales == "none" else "fp8e4nv" if arch.startswith("gfx95") else "u8"
+        ptrs = {"a_ptr": "ACT", "w_ptr": weight, "c_ptr": "ACT", "route_ptr": "fp32",
+                "sorted_ids_ptr": "i32", "block_experts_ptr": "i64", "total_ptr": "i64",
+                "scale_ptr": "fp32" if scales != "none" else "ACT"}
+        block = (128, 128) if scales == "block" else (1, 1)
         # The down projection's form (it multiplies the routing weights in).
         consts = dict(ROUTE_WEIGHT=True, EVEN_K=True, DOT_PREC=dot_precision(t, arch),
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      GROUP_M=cfg.group_m)
+                      SCALES=scales, SCALE_ROWS=block[0], SCALE_COLS=block[1],
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      BLOCK_K=min(cfg.block_k, 128), GROUP_M=cfg.group_m)
         return Spec(fused_moe._expert_gemm_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages)
     return spec
 
@@ -273,6 +280,10 @@ KERNELS = {
     "fp8_dequant": _fp8_dequant,
     # A decode step's tiles (2 rows an expert) and a prefill step's (1,024).
     "fused_moe_decode": _fused_moe(2), "fused_moe_prefill": _fused_moe(1024),
+    # FP8 experts (W8A16): scales per row at decode, 128 x 128 blocks at decode and prefill.
+    "fused_moe_fp8_rows_decode": _fused_moe(2, "row"),
+    "fused_moe_fp8_block_decode": _fused_moe(2, "block"),
+    "fused_moe_fp8_block_prefill": _fused_moe(1024, "block"),
 }
 # The CI subset leaves out the middle W4A16 configurations (m16 and m1024 bracket them).
 NOT_IN_SUBSET = ("w4a16_m64", "w4a16_m256")

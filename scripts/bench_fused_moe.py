@@ -11,7 +11,14 @@ FLOPs over a large bf16 ``torch.mm``'s (cuBLAS) rate, both measured in the same 
 ``--sweep`` also times candidate tile configurations at each point and prints the fastest (the
 table in ``kernels/fused_moe.py`` came from such a run).
 
+``--weights fp8`` times, at the same shapes and routings, the kernel reading FP8 experts
+(W8A16; scales per row, as ``--quantization fp8`` makes them, and in 128 x 128 blocks, as
+Qwen3-30B-A3B-FP8 stores them) against the bf16 kernel and against the per-step dequantize
+path those experts took before (``QuantizedExperts``: the routed experts dequantized to bf16,
+a host sync, then the bf16 kernel; timed with events). The weights are the bf16 ones quantized.
+
     python scripts/bench_fused_moe.py --out benchmarks/results/fused_moe_h100.json [--sweep]
+    python scripts/bench_fused_moe.py --weights fp8 --out benchmarks/results/fused_moe_fp8.json
 """
 
 from __future__ import annotations
@@ -53,9 +60,13 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     p.add_argument("--sweep", action="store_true", help="time the candidate tiles too")
+    p.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+                   help="fp8: the FP8 kernel against bf16 and the dequantize path")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_fused_moe.py needs an NVIDIA GPU: torch.cuda.is_available() is False")
+    if args.weights == "fp8":
+        return fp8_main(args)
     copy_gbs, mm_tflops = copy_bandwidth_gbs(), dense_tflops()
     print(f"{torch.cuda.get_device_name()}  copy {copy_gbs:.0f} GB/s  "
           f"bf16 mm {mm_tflops:.0f} TFLOP/s")
@@ -120,6 +131,95 @@ def time_point(name: str, shape: MoeShape, tokens: int, w13: torch.Tensor, w2: t
         row["sweep_ms"] = swept
         row["fastest"] = min(swept, key=swept.get)
     return row
+
+
+def fp8_main(args: argparse.Namespace) -> None:
+    print(f"{torch.cuda.get_device_name()}")
+    print(f"{'shape':<14} {'T':>5} {'scales':>6} {'fp8 ms':>9} {'bf16 ms':>9} "
+          f"{'dequant ms':>10} {'x bf16':>7} {'x dequant':>9}")
+    rows = []
+    for name in args.shapes:
+        shape = SHAPES[name]
+        w13, w2 = weights(shape)
+        for scales in ("row", "block"):
+            per_step, fused = fp8_experts(w13, w2, scales)
+            for tokens in args.tokens:
+                row = time_fp8_point(name, shape, tokens, w13, w2, per_step, fused)
+                rows.append({**row, "scales": scales})
+                print(f"{name:<14} {tokens:>5} {scales:>6} {row['fp8_ms']:>9.4f} "
+                      f"{row['bf16_ms']:>9.4f} {row['dequant_ms']:>10.4f} "
+                      f"{row['bf16_ms'] / row['fp8_ms']:>7.2f} "
+                      f"{row['dequant_ms'] / row['fp8_ms']:>9.2f}", flush=True)
+            del per_step, fused
+        del w13, w2
+        torch.cuda.empty_cache()
+    write_result("fused_moe_fp8", {"device": torch.cuda.get_device_name(),
+                                   "activations": "bf16", "rows": rows}, args.out)
+
+
+def fp8_experts(w13: torch.Tensor, w2: torch.Tensor, scales: str):
+    """The experts quantized to FP8 (``scales``: row or block, 128 x 128) as the engine holds
+    them: ``QuantizedExperts`` stacks (the dequantize path) and the ``Fp8Experts`` made of
+    them (the kernel's layout)."""
+    from pagedserve.models.fp8_experts import Fp8Experts
+    from pagedserve.models.quantized_experts import QuantizedExperts
+    from pagedserve.quant.expert_stack import ExpertStack
+
+    inter = w2.shape[2]
+    quantize = _fp8_rows if scales == "row" else _fp8_blocks
+    stacks = QuantizedExperts(w13.shape[0], w13.device)
+    stacks.gate = ExpertStack.holding(quantize(w13[:, :inter]))
+    stacks.up = ExpertStack.holding(quantize(w13[:, inter:]))
+    stacks.down = ExpertStack.holding(quantize(w2))
+    return stacks, Fp8Experts(stacks)
+
+
+def _fp8_rows(w: torch.Tensor):
+    from pagedserve.quant.weights import Fp8Weight
+
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    scales = w.float().abs().amax(dim=-1) / fmax
+    return Fp8Weight((w.float() / scales[..., None]).to(torch.float8_e4m3fn), scales)
+
+
+def _fp8_blocks(w: torch.Tensor, block: int = 128):
+    from pagedserve.quant.weights import BlockFp8Weight
+
+    e, n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    padded = torch.nn.functional.pad(w.float(), (0, kb * block - k, 0, nb * block - n))
+    tiles = padded.view(e, nb, block, kb, block)
+    scales = tiles.abs().amax(dim=(2, 4)) / torch.finfo(torch.float8_e4m3fn).max
+    values = (tiles / scales[:, :, None, :, None]).view(e, nb * block, kb * block)[:, :n, :k]
+    return BlockFp8Weight(values.to(torch.float8_e4m3fn).contiguous(), scales,
+                          (block, block))
+
+
+def time_fp8_point(name: str, shape: MoeShape, tokens: int, w13: torch.Tensor,
+                   w2: torch.Tensor, per_step, fused) -> dict:
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from pagedserve.platforms.cuda.kernels import fused_moe as moe
+    from pagedserve.platforms.cuda.layer_ops import TritonLayerOps
+
+    x = torch.randn(tokens, shape.hidden, device="cuda", dtype=torch.bfloat16)
+    probs = torch.randn(tokens, shape.experts, device="cuda").softmax(-1)
+    topk_weights, topk_ids = probs.topk(shape.top_k, dim=-1)
+    topk_weights /= topk_weights.sum(-1, keepdim=True)
+    routing = (topk_ids, topk_weights)
+    timed = {"fp8_ms": lambda: fused(TritonLayerOps, x, *routing),
+             "bf16_ms": lambda: moe.fused_moe(x, w13, w2, *routing)}
+    out = {key: _graph_ms(fn, do_bench_cudagraph) for key, fn in timed.items()}
+    per_step(TritonLayerOps, x, *routing)  # compile outside the timing
+    out["dequant_ms"] = do_bench(lambda: per_step(TritonLayerOps, x, *routing),
+                                 return_mode="median")
+    return {"shape": name, **shape._asdict(), "tokens": tokens,
+            "experts_touched": topk_ids.unique().numel(), **out}
+
+
+def _graph_ms(fn, do_bench_cudagraph) -> float:
+    fn()  # compile outside the capture
+    return do_bench_cudagraph(fn, return_mode="median")
 
 
 def dense_tflops() -> float:

@@ -19,6 +19,7 @@
 #                                        fp8-profile fp8-timeline fp8kv-timeline awq-timeline
 #                                        w4a16-wgmma w4a16-wgmma-tests pdl-tests pdl
 #                                        pdl-w4a16 pdl-fp8 decode-vs-base fused-moe
+#                                        fused-moe-fp8
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -584,6 +585,20 @@ for part in $parts; do
         sweep=(--sweep); [ "${FUSED_MOE_SWEEP:-1}" = 0 ] && sweep=()
         timeout 540 python3 scripts/bench_fused_moe.py "${sweep[@]}" \
           --out "$OUT/fused_moe_$tag.json" 2>&1 | tee "$OUT/fused_moe_$tag.log" ;;
+    # FP8 experts read by the fused MoE kernel (W8A16): its tests (bf16 and model-sized shapes
+    # join on the GPU) and the tiny Mixtral and Qwen3-MoE with FP8 experts (block, per tensor,
+    # --quantization fp8) through graphs against eager and the dequantize path (~3 min), then
+    # the FP8 kernel against the bf16 one and the per-step dequantize path, scales per row and
+    # in 128 x 128 blocks, at the Mixtral-8x7B and Qwen3-30B-A3B shapes (~4 min).
+    fused-moe-fp8) tag=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 \
+          | grep -oE 'H[0-9]+|A[0-9]+|B[0-9]+|L[0-9]+' | head -1 | tr 'A-Z' 'a-z')
+        tag=${tag:-gpu}
+        timeout 360 python3 -m pytest -q -p no:cacheprovider \
+          tests/platforms/cuda/test_fused_moe_fp8.py tests/platforms/cuda/test_architectures_cuda.py \
+          -k "fp8" 2>&1 | tee "$OUT/gpu_fused_moe_fp8_tests_$tag.log" \
+          || failed="${failed:-} fused-moe-fp8-tests"
+        timeout 420 python3 scripts/bench_fused_moe.py --weights fp8 \
+          --out "$OUT/fused_moe_fp8_$tag.json" 2>&1 | tee "$OUT/fused_moe_fp8_$tag.log" ;;
     # Programmatic dependent launch (kernels/pdl.py): its GPU test, and the kernels' and
     # graphs' tests with it on.
     pdl-tests) PAGEDSERVE_PDL=1 timeout 420 python3 -m pytest -q -x -p no:cacheprovider \

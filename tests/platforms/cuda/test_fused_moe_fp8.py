@@ -6,7 +6,8 @@ experts, on weights dequantized here by indexing each element's scale (not by th
 Block scales come in grids with partial edge blocks (sizes no block divides) and in blocks
 narrower than the config's K tile; the scales vary by a factor of 20 between blocks, so a grid
 read the wrong way round, or a scale per row applied where it is per block, fails the same
-check. Without an NVIDIA GPU the kernel runs under Triton's interpreter in float32 and float16.
+check. Without an NVIDIA GPU the kernel runs under Triton's interpreter in float32 and float16;
+with one, bf16 and model-sized shapes join.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ SHAPES = [
     (33, 8, 2, 160, 96, "one_takes_all", (128, 128)),
     (9, 16, 8, 96, 80, "half_idle", (32, 64)),
     (3, 4, 1, 256, 64, "random", (1, 128)),
-]
+] + ([(1, 8, 2, 4096, 1000, "random", None), (300, 128, 8, 2048, 768, "random", (128, 128)),
+      (2048, 8, 2, 1024, 1792, "one_takes_all", (128, 128))] if HAS_NVIDIA else [])
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_NVIDIA else [])
 
 
