@@ -66,6 +66,7 @@ from pagedserve.server.serving_models import ServedModel, ServingModels
 from pagedserve.server.serving_responses import ResponsesServing
 from pagedserve.server.serving_score import ScoreServing
 from pagedserve.server.serving_tokenization import TokenizationServing
+from pagedserve.server.tls import tls_options
 from pagedserve.server.tool_parsers import ToolParser, tool_parser
 
 logger = get_logger(__name__)
@@ -316,6 +317,11 @@ def run_server(args: argparse.Namespace) -> None:
               "start the server with --enable-lora", file=sys.stderr)
         sys.exit(2)
     _check_listen_address(args.host, args.port)
+    try:
+        tls = tls_options(args)
+    except ConfigError as exc:
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     # The environment keeps the key out of the process list, where --api-key shows it.
     api_key = args.api_key or envs.api_key()
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
@@ -342,10 +348,10 @@ def run_server(args: argparse.Namespace) -> None:
     if not loopback and not api_key:
         logger.warning("listening on %s without an API key: anyone who can reach this address "
                        "can use the model", args.host)
-    logger.info("serving %s at http://%s:%d/v1", ", ".join(e.facts.model_name for e in engines),
-                args.host, args.port)
+    logger.info("serving %s at %s://%s:%d%s/v1", ", ".join(e.facts.model_name for e in engines),
+                "https" if tls else "http", args.host, args.port, args.root_path)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=args.enable_log_requests,
+                access_log=args.enable_log_requests, root_path=args.root_path, **tls,
                 timeout_graceful_shutdown=5,
                 http=partial(GuardedH11Protocol, read_timeout=args.request_read_timeout,
                              write_timeout=args.response_write_timeout,

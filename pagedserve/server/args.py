@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from pagedserve.arg_types import non_empty, port, positive
 from pagedserve.server.reasoning_parsers import REASONING_PARSERS
+from pagedserve.server.tls import CERT_REQS
 from pagedserve.server.tool_parsers import TOOL_PARSERS
 
 # uvicorn's levels: another failed in uvicorn with a KeyError once the models had loaded.
@@ -54,6 +55,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "a loopback --host answers only those names, so that a web page cannot "
                         "reach it through a domain resolving to 127.0.0.1 (DNS rebinding); on "
                         "another --host, the check is on when this flag is given")
+    g.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="serve HTTPS with this certificate (PEM; its chain may follow it, and "
+                        "its private key too, without --ssl-keyfile)")
+    g.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                   help="the --ssl-certfile certificate's private key (PEM, unencrypted)")
+    g.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                   help="CA certificates (PEM) that client certificates are checked against, "
+                        "with --ssl-cert-reqs")
+    g.add_argument("--ssl-cert-reqs", type=int, choices=CERT_REQS, default=CERT_REQS[0],
+                   help="client certificates over HTTPS: 0 not asked for, 1 checked if sent, "
+                        "2 required (Python's ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED)")
+    g.add_argument("--root-path", type=_root_path, default="", metavar="PREFIX",
+                   help="the URL path a reverse proxy serves the API under and strips before "
+                        "passing requests on (e.g. /llm): the generated /docs and "
+                        "/openapi.json name it; routes stay where they are")
     g.add_argument("--max-request-bytes", type=positive(int), default=4 * 1024 * 1024,
                    help="reject request bodies larger than this with 413")
     g.add_argument("--request-read-timeout", type=positive(float), default=30.0,
@@ -146,6 +162,12 @@ def _lora_module(text: str) -> LoRAModule:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH or JSON, got {text!r}")
     return LoRAModule(name, path)
+
+
+def _root_path(text: str) -> str:
+    if text and not text.startswith("/"):
+        raise argparse.ArgumentTypeError(f"must be a URL path starting with /, got {text!r}")
+    return text.rstrip("/")
 
 
 def _names(text: str) -> list[str]:

@@ -78,6 +78,13 @@ def _host_name(host: bytes) -> str | None:
     return match.group(1).decode("latin-1").lower() if match else None
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes see: uvicorn puts ``--root-path`` in front of the request's, and
+    Starlette's router takes it off again."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 class BearerAuth:
     """Requires ``Authorization: Bearer <key>`` on every path but ``public`` ones; the scheme
     is case-insensitive (RFC 9110), the key is not."""
@@ -88,7 +95,7 @@ class BearerAuth:
         self.public = frozenset(public)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.public \
+        if scope["type"] == "http" and route_path(scope) not in self.public \
                 and scope["method"] != "OPTIONS":
             scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             # Constant-time comparison: response timing must not reveal the key's prefix.
@@ -247,7 +254,7 @@ class GuardedH11Protocol(H11Protocol):
                                "Transfer-Encoding headers")
         # /health is answered over the cap: a liveness probe must not restart a server that is
         # only busy, and its answer costs nothing.
-        if len(self.connections) > self.max_connections and scope.get("path") != "/health":
+        if len(self.connections) > self.max_connections and route_path(scope) != "/health":
             return APIError(HTTPStatus.SERVICE_UNAVAILABLE,
                             f"the server is at its limit of {self.max_connections} connections;"
                             " retry later", type=SERVER_ERROR, code=TOO_MANY_CONNECTIONS)

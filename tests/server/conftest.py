@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -195,10 +196,11 @@ def _free_port() -> int:
 @contextmanager
 def launch_server(model: Path | str | None, log_dir: Path, *extra: str,
                   api_key: str | None = None, env: dict[str, str] | None = None,
-                  own_group: bool = False) -> Iterator[Server]:
+                  own_group: bool = False, tls_ca: Path | None = None) -> Iterator[Server]:
     """``model`` None: ``extra`` names the models (``--model`` repeated, ``--models-config``).
     ``own_group``: the server leads a process group of its own, as in a terminal, where
-    Ctrl-C reaches every process of the group."""
+    Ctrl-C reaches every process of the group. ``tls_ca``: the server serves HTTPS
+    (``extra`` has its ``--ssl-*`` flags), and its certificate is checked against this file."""
     port = _free_port()
     log = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "pagedserve.cli", "serve", *([str(model)] if model else []),
@@ -210,9 +212,9 @@ def launch_server(model: Path | str | None, log_dir: Path, *extra: str,
         process = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=own_group,
             env={**os.environ, "PAGEDSERVE_LOG_LEVEL": "WARNING", **(env or {})})
-    server = Server(f"http://127.0.0.1:{port}", process, log, api_key)
+    server = Server(f"{'https' if tls_ca else 'http'}://127.0.0.1:{port}", process, log, api_key)
     try:
-        _wait_healthy(server)
+        _wait_healthy(server, ssl.create_default_context(cafile=tls_ca) if tls_ca else True)
         yield server
     finally:
         process.terminate()
@@ -223,14 +225,14 @@ def launch_server(model: Path | str | None, log_dir: Path, *extra: str,
             process.wait()
 
 
-def _wait_healthy(server: Server) -> None:
+def _wait_healthy(server: Server, verify: ssl.SSLContext | bool = True) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
             pytest.fail(f"server exited with {server.process.returncode}:\n"
                         f"{server.log.read_text()}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+            if httpx.get(f"{server.url}/health", timeout=5, verify=verify).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
