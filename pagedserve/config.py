@@ -11,6 +11,7 @@ naming the flag to change.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from pagedserve.errors import KV_CACHE_DTYPES, ConfigError
 from pagedserve.field_types import plain_fields, wrong_type
 from pagedserve.models.chat_template import read_chat_template
 from pagedserve.models.generation_defaults import check_setting as check_generation_setting
+from pagedserve.models.generation_defaults import generation_overrides
 from pagedserve.platforms import DEVICE_NAMES
 from pagedserve.pooling_params import RUNNERS, PoolerConfig
 from pagedserve.quant.formats import QUANTIZATION_CHOICES
@@ -61,6 +63,19 @@ def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
 def flag_name(option_name: str) -> str:
     """``max_num_seqs`` -> ``--max-num-seqs``."""
     return "--" + option_name.replace("_", "-")
+
+
+def json_object(option_name: str, value: str | dict[str, Any] | None) -> dict[str, Any] | None:
+    """An option that holds a JSON object: the dict itself, or parsed from its text."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag_name(option_name)}: not JSON ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{flag_name(option_name)} must be a JSON object, got {value!r}")
+    return parsed
 
 
 @dataclass(frozen=True)
@@ -192,6 +207,13 @@ class EngineConfig:
                 "top_k, min_p, repetition_penalty, max_tokens from max_new_tokens): auto, "
                 "the model's generation_config.json; vllm, the API's own (temperature 1, no "
                 "truncation); or a folder holding a generation_config.json")
+    override_generation_config: dict[str, Any] | None = option(
+        None, "sampling defaults over those --generation-config gives, as JSON with "
+              "generation_config.json's keys (temperature, top_p, top_k, min_p, "
+              "repetition_penalty, max_new_tokens); e.g. '{\"temperature\": 0.5}'")
+    hf_overrides: dict[str, Any] | None = option(
+        None, "changes to the model's config.json, as JSON whose keys replace the file's "
+              "top-level ones; e.g. '{\"max_position_embeddings\": 65536}'")
     chat_template: str | None = option(
         None, "a Jinja chat template, or the path of a file holding one, used instead of the "
               "model's own (for a model without one, or to change it)")
@@ -284,6 +306,12 @@ class EngineConfig:
             raise ConfigError(f"--max-logprobs must be -1 (the vocabulary size) or at least 0, "
                               f"got {self.max_logprobs}")
         check_generation_setting(self.generation_config)
+        # The Python API passes dicts, the command line JSON text.
+        object.__setattr__(self, "hf_overrides", json_object("hf_overrides", self.hf_overrides))
+        object.__setattr__(self, "override_generation_config",
+                           json_object("override_generation_config",
+                                       self.override_generation_config))
+        generation_overrides(self.override_generation_config)  # a bad key fails at once
         if self.chat_template is not None:  # the text from here on, not the file's path
             object.__setattr__(self, "chat_template", read_chat_template(self.chat_template))
         if self.speculative_config is not None:

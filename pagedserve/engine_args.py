@@ -70,9 +70,10 @@ def _argument(f: dataclasses.Field, hint: Any) -> tuple[str, dict[str, Any]]:
         return flag, {"action": argparse.BooleanOptionalAction, "help": help_text}
     if f.default is not None:
         help_text += " (default: %(default)s)"
-    # A structured option (a config dataclass) is JSON text, which EngineConfig parses, so
-    # its errors read as the config's own.
-    parse = str if dataclasses.is_dataclass(value_type) else value_type
+    # A structured option (a config dataclass or a dict) is JSON text, which EngineConfig
+    # parses, so its errors read as the config's own.
+    structured = dataclasses.is_dataclass(value_type) or typing.get_origin(value_type) is dict
+    parse = str if structured else value_type
     return flag, {"type": parse, "choices": f.metadata["choices"], "help": help_text}
 
 

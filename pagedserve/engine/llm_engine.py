@@ -86,14 +86,15 @@ class LLMEngine:
         source = loader.resolve_model(config.model, config.load_format != "dummy",
                                       revision=config.revision, gguf_file=config.gguf_file)
         self.model_name = config.served_model_name or source.name
-        self.arch = loader.load_arch_config(source)
+        self.arch = loader.load_arch_config(source, config.hf_overrides)
         # --runner auto and --pooler-config resolved for this checkpoint, once, for every rank.
         config = self.config = config.for_checkpoint(
             self.arch, loader.sentence_transformers_pooling(source))
         self.tokenizer = loader.load_model_tokenizer(source, self.arch, config.tokenizer,
                                                      config.tokenizer_revision,
                                                      config.chat_template)
-        self.sampling_defaults = sampling_defaults(config.generation_config, source.path)
+        self.sampling_defaults = sampling_defaults(config.generation_config, source.path,
+                                                   config.override_generation_config)
         if config.speculative_config is not None:
             check_draft_tokenizer(config.speculative_config, self.tokenizer, config.load_format)
         self.resolved = config.resolve(self.arch, self.platform)

@@ -36,10 +36,39 @@ def check_setting(setting: str) -> None:
                           f"holding a {FILE_NAME}")
 
 
-def sampling_defaults(setting: str, model_folder: Path) -> dict[str, float | int]:
+def generation_overrides(raw: dict[str, object] | None) -> dict[str, float | int] | None:
+    """``--override-generation-config``'s object as SamplingParams fields; ``ConfigError`` for
+    a key that is none of generation_config.json's sampling keys or a value unusable there.
+    Unlike a model's file, these are the user's own words, so nothing is left out quietly."""
+    if raw is None:
+        return None
+    overrides = {}
+    for key, value in raw.items():
+        if key not in _FIELDS:
+            raise ConfigError(f"--override-generation-config: {key!r} is not one of "
+                              f"{', '.join(_FIELDS)}")
+        usable = _usable(_FIELDS[key], value)
+        if usable is None:
+            raise ConfigError(f"--override-generation-config: {key} {value!r} is not a usable "
+                              "sampling default")
+        overrides[_FIELDS[key]] = usable
+    return overrides
+
+
+def sampling_defaults(setting: str, model_folder: Path,
+                      overrides: dict[str, object] | None = None) -> dict[str, float | int]:
     """The SamplingParams fields that ``setting`` (``check_setting``'d) gives defaults, for a
-    model in ``model_folder``. A value of the wrong kind or out of range is left out with a
-    warning: a model's file must not stop it from serving."""
+    model in ``model_folder``, with ``overrides`` (``--override-generation-config``'s object)
+    over them. A file's value of the wrong kind or out of range is left out with a warning: a
+    model's file must not stop it from serving."""
+    defaults = _file_defaults(setting, model_folder) | (generation_overrides(overrides) or {})
+    if defaults:
+        logger.info("sampling defaults for requests that leave them unset: %s "
+                    "(--generation-config vllm turns the model's off)", defaults)
+    return defaults
+
+
+def _file_defaults(setting: str, model_folder: Path) -> dict[str, float | int]:
     if setting == "vllm":
         return {}
     path = (model_folder if setting == "auto" else expand_user(setting)) / FILE_NAME
@@ -60,9 +89,6 @@ def sampling_defaults(setting: str, model_folder: Path) -> dict[str, float | int
             logger.warning("%s: %s %r is not a usable default; left out", path, key, raw[key])
         else:
             defaults[name] = value
-    if defaults:
-        logger.info("sampling defaults from %s for requests that leave them unset: %s "
-                    "(--generation-config vllm turns them off)", path, defaults)
     return defaults
 
 

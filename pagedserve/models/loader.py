@@ -133,10 +133,12 @@ def _gguf_source(path: Path) -> ModelSource:
     return ModelSource(result.path, result.name, origin, gguf=True)
 
 
-def load_arch_config(source: ModelSource) -> ModelArchConfig:
-    """The architecture facts; UnsupportedModel propagates for architectures we cannot run."""
+def load_arch_config(source: ModelSource,
+                     overrides: dict[str, Any] | None = None) -> ModelArchConfig:
+    """The architecture facts, ``overrides`` (``--hf-overrides``) replacing config.json's
+    top-level keys; UnsupportedModel propagates for architectures we cannot run."""
     path = source.path / "config.json"
-    cfg = _read_json(path)
+    cfg = _read_json(path) | (overrides or {})
     try:
         return ModelArchConfig.from_hf_dict(cfg)
     except KeyError as exc:

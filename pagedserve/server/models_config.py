@@ -175,14 +175,19 @@ def _value(where: str, name: str, value: Any) -> Any:
             continue
         if kind is float and isinstance(value, int | float):
             return float(value)
-        if dataclasses.is_dataclass(kind) and isinstance(value, dict | str):
-            # A structured option (speculative_config): a mapping, or its JSON text as the
-            # flag takes it; EngineConfig parses and checks either.
+        if _structured(kind) and isinstance(value, dict | str):
+            # A structured option (speculative_config, hf_overrides): a mapping, or its JSON
+            # text as the flag takes it; EngineConfig parses and checks either.
             return value
         if isinstance(value, kind):
             return value
     wanted = " or ".join("null" if k is type(None) else
-                         "a mapping" if dataclasses.is_dataclass(k) else k.__name__
+                         "a mapping" if _structured(k) else k.__name__
                          for k in kinds)
     raise ConfigError(f"{where}: {name} must be {wanted}, got {value!r}")
 
+
+
+def _structured(kind: Any) -> bool:
+    """A config dataclass or a dict: options given as a mapping."""
+    return dataclasses.is_dataclass(kind) or typing.get_origin(kind) is dict

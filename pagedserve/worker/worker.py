@@ -73,7 +73,7 @@ class Worker:
         dummy = config.load_format == "dummy"
         source = loader.resolve_model(config.model, not dummy, revision=config.revision,
                                       gguf_file=config.gguf_file)
-        arch = loader.load_arch_config(source)
+        arch = loader.load_arch_config(source, config.hf_overrides)
         resolved = config.resolve(arch, self.platform)
         # Checked before any weight is read, so a bad quantization_config fails at once.
         fmt = None if dummy else checkpoint_format(arch.raw, config.quantization, source.gguf)

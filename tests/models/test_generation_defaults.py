@@ -54,6 +54,31 @@ def test_an_unreadable_file_keeps_the_api_defaults(tmp_path):
     assert sampling_defaults("auto", _folder(tmp_path, "list", "[1, 2]")) == {}
 
 
+def test_overrides_go_over_the_file_or_stand_alone(tmp_path):
+    model = _folder(tmp_path, "model", SHIPPED)
+    overrides = {"temperature": 0.3, "max_new_tokens": 7, "top_k": 0}
+    assert sampling_defaults("auto", model, overrides) == {
+        "temperature": 0.3, "top_p": 0.9, "top_k": -1, "min_p": 0.05,
+        "repetition_penalty": 1.1, "max_tokens": 7}
+    assert sampling_defaults("vllm", model, overrides) == {
+        "temperature": 0.3, "top_k": -1, "max_tokens": 7}
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ({"temp": 0.5}, "'temp' is not one of temperature, top_p"),
+    ({"do_sample": True}, "'do_sample' is not one of"),
+    ({"temperature": -1.0}, "temperature -1.0 is not a usable sampling default"),
+    ({"max_new_tokens": 0}, "max_new_tokens 0 is not a usable"),
+    ({"top_p": "high"}, "top_p 'high' is not a usable"),
+    ("[1]", "must be a JSON object"),
+    ("{temperature: 1}", "not JSON"),
+])
+def test_an_override_unusable_as_a_default_fails_at_start(overrides, says):
+    """Unlike a model's file, the user's own words: refused, not left out."""
+    with pytest.raises(ConfigError, match=f"^--override-generation-config.*{says}"):
+        EngineConfig(model="m", override_generation_config=overrides)
+
+
 def test_a_setting_that_names_nothing_fails_at_start(tmp_path):
     with pytest.raises(ConfigError, match="^--generation-config: .* is neither auto, vllm nor "
                                           "a folder holding a generation_config.json"):
@@ -74,3 +99,6 @@ def test_llm_generate_without_params_samples_with_the_model_defaults(tmp_path, l
     plain = make_llm(llama3_folder, generation_config="vllm")
     assert plain.get_default_sampling_params().max_tokens == 16
     assert plain.get_default_sampling_params().temperature == 1.0
+    overridden = make_llm(llama3_folder, generation_config=str(defaults),
+                          override_generation_config='{"max_new_tokens": 3}')
+    assert overridden.generate(prompt, use_tqdm=False)[0].outputs[0].token_ids == got[:3]
