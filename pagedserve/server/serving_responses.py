@@ -1,9 +1,9 @@
 """``POST /v1/responses``, OpenAI's Responses API, run as the chat request it reads as
 (``ResponsesRequest.to_chat``): the same chat template, tools, structured output and
 reasoning split. The answer goes through chat's stream regrouping (``RegroupedStream``), which
-holds back tool-call markup and tags, and comes out as output items: ``reasoning``,
-``message`` and ``function_call``. A whole response is its stream's items, fed the text at
-once.
+holds back tool-call markup and tags and sends calls as they are written, and comes out as
+output items: ``reasoning``, ``message`` and ``function_call``. A whole response is its
+stream's items, fed the text at once.
 
 With ``--enable-responses-store``, a finished response of a request with ``store`` true is
 kept (``responses_store.py``): ``previous_response_id`` continues its conversation, and it can
@@ -332,17 +332,28 @@ class OutputItems:
     _open: dict[str, Any] | None = None  # the item being written
 
     def update(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
-        delta = self.regrouped.delta(text, finish_reason is not None)
+        # The text as written, then (a second delta) its end, which sends the text after the
+        # calls: so that is a message after the calls even when they come in the last output.
+        events = self._events(self.regrouped.delta(text, False))
+        if finish_reason is not None:  # an output cut by max_tokens is an incomplete response
+            events += self._events(self.regrouped.delta(text, True))
+            self.status = "incomplete" if finish_reason == "length" else "completed"
+            events += self._close(self.status)
+        return events
+
+    def _events(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         events = []
         if "reasoning" in delta:
             events += self._text("reasoning", delta["reasoning"])
-        if "content" in delta:
+        # A delta's text comes before its calls; but while a call is open, it is the text
+        # after the calls, and the rest of them come first.
+        after = self._open is not None and self._open["type"] == "function_call"
+        if "content" in delta and not after:
             events += self._text("message", delta["content"])
         for call in delta.get("tool_calls", ()):
             events += self._call(call)
-        if finish_reason is not None:  # an output cut by max_tokens is an incomplete response
-            self.status = "incomplete" if finish_reason == "length" else "completed"
-            events += self._close(self.status)
+        if "content" in delta and after:
+            events += self._text("message", delta["content"])
         return events
 
     def _text(self, kind: str, piece: str) -> list[dict[str, Any]]:

@@ -8,14 +8,22 @@ server's ``--tool-call-parser``. ``none`` changes nothing.
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.sampling_params import InvalidSamplingParam, StructuredOutputsParams
+from pagedserve.server.partial_json import JsonReader, partial_value
 from pagedserve.server.protocol import ChatCompletionRequest, ChatTool, FunctionDefinition
-from pagedserve.server.tool_parsers import ParsedCall, ParsedOutput, ToolParser, _call
+from pagedserve.server.tool_parsers import (
+    DECODER,
+    ParsedCall,
+    ParsedOutput,
+    ToolParser,
+    parse_call,
+    partial_call,
+    partial_call_list,
+)
 
 # The arguments of a function declared without parameters.
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -89,45 +97,37 @@ class ToolPlan:
             return parsed if self.parallel else ParsedOutput(parsed.content, parsed.calls[:1])
         return ParsedOutput(text, [])
 
+    def partial_calls(self, text: str, reader: JsonReader) -> list[ParsedCall]:
+        """The calls a partial output has begun, as far as they are certain (as a parser's
+        ``partial_calls``): a named function's arguments are the text itself."""
+        if self.mode == "named":
+            return self.parse(text).calls
+        if self.mode == "required":
+            return partial_call_list(text, 0, _REQUIRED_ARGUMENTS, reader)
+        if self.mode == "auto":
+            calls = self.parser.partial_calls(text, reader)
+            return calls if self.parallel else calls[:1]
+        return []
 
-_decoder = json.JSONDecoder()
+
+_REQUIRED_ARGUMENTS = ("parameters",)
 
 
 def _required_calls(text: str) -> list[ParsedCall]:
     """The calls of a ``required`` output, ``[{"name": .., "parameters": {..}}, ..]``, or of
-    as much of it as was generated: the complete calls, then the cut one if its name is."""
+    as much of it as was generated: the complete calls, then the cut one if its name is, with
+    its arguments as far as they are certain (``partial_call``, as a stream sent them)."""
     calls, i = [], 0
     try:
         i = _skip(text, 0, "[")
         while i < len(text):
-            call, i = _decoder.raw_decode(text, i)
-            calls.append(_call(call, ("parameters",)))
+            call, i = DECODER.raw_decode(text, i)
+            calls.append(parse_call(call, _REQUIRED_ARGUMENTS))
             i = _skip(text, i, ",]")
-    except ValueError:  # cut short at text[i]
-        calls += _cut_call(text, i)
+    except (ValueError, RecursionError):  # cut short at text[i] (or nested past parsing)
+        cut = partial_call(partial_value(text, i), _REQUIRED_ARGUMENTS)
+        calls += [] if cut is None else [cut]
     return calls
-
-
-def _cut_call(text: str, i: int) -> list[ParsedCall]:
-    """The call cut short after ``text[i]``, with its arguments as far as they were generated;
-    none if its name was not complete."""
-    name, arguments = None, ""
-    try:
-        i = _skip(text, i, "{")
-        while True:
-            key, i = _decoder.raw_decode(text, i)
-            i = _skip(text, i, ":")
-            if key == "parameters":
-                arguments = text[i:]
-            value, end = _decoder.raw_decode(text, i)
-            if key == "parameters":
-                arguments = text[i:end]
-            elif key == "name":
-                name = value
-            i = _skip(text, end, ",")
-    except ValueError:
-        pass
-    return [ParsedCall(name, arguments)] if isinstance(name, str) else []
 
 
 def _skip(text: str, i: int, chars: str) -> int:
@@ -145,44 +145,70 @@ def call_id() -> str:
 
 class ToolCallStream:
     """One streamed choice of a request with tools: ``content`` deltas while the text is surely
-    content, tool-call deltas as OpenAI streams them (the first delta of a call carries its
-    index, id, type and name; later ones more ``arguments`` text). A named function's
-    arguments stream as they are generated; other calls are known, and sent, at the end."""
+    content, and tool-call deltas as OpenAI streams them, as the calls are written: a call's
+    first delta carries its index, id, type and name, once the name is whole; later ones more
+    ``arguments`` text, only what is certain (``ToolPlan.partial_calls``), so that a call's
+    pieces add up to a whole response's arguments. The rest comes when the output ends: the
+    rest of each call, the calls not begun, and the content after the calls.
+
+    A call begun is never taken back. If the finished output does not parse to the calls
+    begun (cut by ``max_tokens`` inside an ``auto`` call, or not valid after all), they end as
+    they were sent, with nothing more: a whole response would have the text as content."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self.num_sent = 0  # characters of the text passed on (as content or arguments)
-        self.called = False
+        self.num_content = 0  # characters of the text passed on as content
+        self.sent: list[ParsedCall] = []  # the calls begun, with their arguments sent so far
+        self.called = False  # the finished output's calls are those sent
+        self.reader = JsonReader()  # the text's JSON, read on from where it was at each delta
 
     def delta(self, text: str, finished: bool) -> dict[str, Any]:
-        if self.plan.mode == "named":
-            return self._named(text)
-        if not finished:
-            parser = self.plan.parser
-            return self._content(text, parser.content_length(text) if parser else 0)
+        if finished:
+            return self._finish(text)
+        parser = self.plan.parser
+        delta = self._content(text, parser.content_length(text) if parser else 0)
+        calls = self._calls(self.plan.partial_calls(text, self.reader))
+        return (delta | {"tool_calls": calls}) if calls else delta
+
+    def _finish(self, text: str) -> dict[str, Any]:
         parsed = self.plan.parse(text)
+        if len(parsed.calls) < len(self.sent) or \
+                not all(map(_extends, parsed.calls, self.sent)):
+            return {}
+        self.called = bool(parsed.calls)
         delta = {}
-        if self.plan.mode == "auto":  # a required output is all calls, even cut short
+        if self.plan.mode == "auto":  # a required or named output is all calls, even cut short
             # The rest of a whole response's content, which extends what was streamed (and
             # may go on after the calls).
-            rest = (parsed.content or "")[self.num_sent:]
-            delta = {"content": rest} if rest else {}
-        if parsed.calls:
-            self.called = True
-            delta["tool_calls"] = [_call_delta(i, c.name, c.arguments)
-                                   for i, c in enumerate(parsed.calls)]
-        return delta
+            delta = self._content(parsed.content or "", len(parsed.content or ""))
+        calls = self._calls(parsed.calls)
+        return (delta | {"tool_calls": calls}) if calls else delta
 
     def _content(self, text: str, end: int) -> dict[str, Any]:
-        piece, self.num_sent = text[self.num_sent:end], max(self.num_sent, end)
+        piece, self.num_content = text[self.num_content:end], max(self.num_content, end)
         return {"content": piece} if piece else {}
 
-    def _named(self, text: str) -> dict[str, Any]:
-        piece, self.num_sent = text[self.num_sent:], len(text)
-        if not self.called:
-            self.called = True
-            return {"tool_calls": [_call_delta(0, self.plan.named.name, piece)]}
-        return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else {}
+    def _calls(self, calls: list[ParsedCall]) -> list[dict[str, Any]]:
+        """The deltas from the calls sent to ``calls``: the arguments added to those begun, and
+        the calls new. Where one does not extend what was sent (the output is not turning out
+        as calls), nothing more is."""
+        deltas = []
+        for index, call in enumerate(calls):
+            if index == len(self.sent):
+                deltas.append(_call_delta(index, call.name, call.arguments))
+                self.sent.append(call)
+                continue
+            if not _extends(call, self.sent[index]):
+                break
+            piece = call.arguments[len(self.sent[index].arguments):]
+            if piece:
+                deltas.append({"index": index, "function": {"arguments": piece}})
+                self.sent[index] = call
+        return deltas
+
+
+def _extends(call: ParsedCall, sent: ParsedCall) -> bool:
+    return call.name == sent.name and call.arguments.startswith(sent.arguments)
 
 
 def _call_delta(index: int, name: str, arguments: str) -> dict[str, Any]:

@@ -1,6 +1,14 @@
 """Tool calls in a model's own output format (``tool_choice: "auto"``), chosen by
 ``--tool-call-parser``: a parser finds the calls in the finished text, and tells a stream how
-much of the text so far is surely plain content (the rest is held back until the end)."""
+much of the text so far is surely plain content (the rest is held back), and which calls it
+has begun, as far as they are certain (``partial_calls``).
+
+A call's arguments are the canonical JSON of the arguments written (``json.dumps``), so a
+stream can send them as they are written: ``partial_json`` reads the part of that form that
+no continuation changes. For that, a call object that names a key twice, or gives both
+``arguments`` and ``parameters``, is no call: which one counts would be a guess while it is
+written.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ import json
 import re
 from typing import NamedTuple, Protocol
 
+from pagedserve.server.partial_json import JsonReader, Partial
 from pagedserve.server.stream_markers import held_back
 
 # What a model may write that breaks a parse: bad JSON or Python (ValueError, SyntaxError),
@@ -18,7 +27,7 @@ _UNPARSEABLE = (ValueError, SyntaxError, RecursionError, MemoryError, TypeError)
 
 class ParsedCall(NamedTuple):
     name: str
-    arguments: str  # JSON text
+    arguments: str  # JSON text; for a call still being written, the start of it
 
 
 class ParsedOutput(NamedTuple):
@@ -38,15 +47,79 @@ class ToolParser(Protocol):
     def content_length(self, text: str) -> int:
         """How many leading characters of a partial output are surely content."""
 
+    def partial_calls(self, text: str, reader: JsonReader) -> list[ParsedCall]:
+        """The calls a partial output has begun, as far as they are certain: if a longer text
+        parses, its first calls have these names and arguments that start with these.
+        ``reader`` has read the stream's shorter texts (a fresh one for a text alone)."""
 
-def _call(obj, arguments_keys: tuple[str, ...]) -> ParsedCall:
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        raise ValueError("a key is repeated")
+    return obj
+
+
+# json.loads, but an object that repeats a key is no JSON (``partial_json`` says why).
+DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
+# The keys a call object may give its arguments under (one of them at most).
+ARGUMENTS = ("arguments", "parameters")
+
+
+def parse_call(obj, arguments_keys: tuple[str, ...]) -> ParsedCall:
     """A call from ``{"name": ..., <arguments key>: {...}}``; ValueError if it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         raise ValueError("not a tool call")
-    arguments = next((obj[k] for k in arguments_keys if k in obj), {})
-    if isinstance(arguments, str):
-        arguments = json.loads(arguments)
-    return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+    given = [obj[k] for k in arguments_keys if k in obj]
+    if len(given) > 1:
+        raise ValueError("tool arguments given twice")
+    return ParsedCall(obj["name"], _arguments_json(given[0] if given else {}))
+
+
+def _arguments_json(arguments) -> str:
+    if isinstance(arguments, str):  # JSON written as a JSON string
+        arguments = DECODER.decode(arguments)
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+def partial_call(obj: Partial, arguments_keys: tuple[str, ...]) -> ParsedCall | None:
+    """``parse_call`` of a call object still being written: None until its name is whole
+    (and for what is no call); its arguments as far as they are certain (with none given,
+    ``{}`` once the object is whole)."""
+    members = obj.members or {}
+    name = members.get("name")
+    given = [members[k] for k in arguments_keys if k in members]
+    if name is None or name.end is None or not name.json.startswith('"') or len(given) > 1:
+        return None
+    if given:
+        arguments = _partial_arguments(given[0])
+    else:
+        arguments = "{}" if obj.end is not None else ""
+    return ParsedCall(json.loads(name.json), arguments)
+
+
+def _partial_arguments(value: Partial) -> str:
+    if not value.json.startswith('"'):
+        return value.json
+    if value.end is None:  # JSON written as a JSON string: known once the string is whole
+        return ""
+    try:
+        return _arguments_json(json.loads(value.json))
+    except _UNPARSEABLE:  # no call: the finished parse fails too
+        return ""
+
+
+def partial_call_list(text: str, i: int, arguments_keys: tuple[str, ...],
+                      reader: JsonReader) -> list[ParsedCall]:
+    """The calls begun in the JSON array of call objects at ``text[i:]`` (whitespace first
+    skipped), as far as they are certain."""
+    calls = []
+    for item in reader.value(text, _skip_space(text, i)).items or ():
+        call = partial_call(item, arguments_keys)
+        if call is None:
+            break
+        calls.append(call)
+    return calls
 
 
 class HermesParser:
@@ -63,7 +136,7 @@ class HermesParser:
         if start < 0:
             return ParsedOutput(text, [])
         try:
-            calls = [_call(json.loads(body), ("arguments", "parameters"))
+            calls = [parse_call(DECODER.decode(body), ARGUMENTS)
                      for body in self._BLOCK.findall(text, start)]
         except _UNPARSEABLE:
             return ParsedOutput(text, [])
@@ -77,6 +150,17 @@ class HermesParser:
         # stream cannot know yet whether a call will come.
         return len(text[:end].rstrip())
 
+    def partial_calls(self, text: str, reader: JsonReader) -> list[ParsedCall]:
+        calls, start = [], text.find(self.START)
+        while start >= 0:
+            obj = reader.value(text, start + len(self.START))
+            call = partial_call(obj, ARGUMENTS)
+            if call is None:
+                break
+            calls.append(call)
+            start = -1 if obj.end is None else text.find(self.START, obj.end)
+        return calls
+
 
 class Llama3JsonParser:
     """Llama 3.1 / 3.2 JSON tool calls: the whole output is ``{"name": .., "parameters":
@@ -84,7 +168,7 @@ class Llama3JsonParser:
 
     TAG = "<|python_tag|>"
     keeps_special_tokens = False
-    _decoder = json.JSONDecoder()
+    KEYS = ("parameters", "arguments")
 
     def parse(self, text: str) -> ParsedOutput:
         body = text.strip().removeprefix(self.TAG).lstrip()
@@ -93,22 +177,38 @@ class Llama3JsonParser:
         calls, i = [], 0
         try:
             while i < len(body):
-                obj, i = self._decoder.raw_decode(body, i)
-                calls.append(_call(obj, ("parameters", "arguments")))
-                while i < len(body) and body[i] in "; \n\t":
-                    i += 1
+                obj, i = DECODER.raw_decode(body, i)
+                calls.append(parse_call(obj, self.KEYS))
+                i = self._next(body, i)
         except _UNPARSEABLE:
             return ParsedOutput(text, [])
         return ParsedOutput(None, calls)
+
+    def partial_calls(self, text: str, reader: JsonReader) -> list[ParsedCall]:
+        calls, i = [], _skip_space(text, 0)
+        if text.startswith(self.TAG, i):
+            i = _skip_space(text, i + len(self.TAG))
+        while i is not None:
+            obj = reader.value(text, i)
+            call = partial_call(obj, self.KEYS)
+            if call is None:
+                break
+            calls.append(call)
+            i = None if obj.end is None else self._next(text, obj.end)
+        return calls
+
+    @staticmethod
+    def _next(text: str, i: int) -> int:
+        """Past the separators after a call."""
+        while i < len(text) and text[i] in "; \n\t":
+            i += 1
+        return i
 
     def content_length(self, text: str) -> int:
         head = text.lstrip()
         if not head or head.startswith("{") or self.TAG.startswith(head[:len(self.TAG)]):
             return 0  # it may still become a tool call
         return len(text)
-
-
-_decoder = json.JSONDecoder()
 
 
 def _skip_space(text: str, i: int) -> int:
@@ -118,10 +218,10 @@ def _skip_space(text: str, i: int) -> int:
 def _json_calls(text: str, i: int) -> tuple[list[ParsedCall], int]:
     """The non-empty JSON array of ``{"name", "arguments"}`` calls at ``text[i:]`` (whitespace
     first skipped) and the index after it; ValueError if there is none."""
-    calls, end = _decoder.raw_decode(text, _skip_space(text, i))
+    calls, end = DECODER.raw_decode(text, _skip_space(text, i))
     if not isinstance(calls, list) or not calls:
         raise ValueError("not a list of tool calls")
-    return [_call(c, ("arguments", "parameters")) for c in calls], end
+    return [parse_call(c, ARGUMENTS) for c in calls], end
 
 
 def _around(text: str, start: int, end: int) -> str | None:
@@ -150,6 +250,9 @@ class _MarkedCallsParser:
     def _calls(self, text: str, i: int) -> tuple[list[ParsedCall], int]:
         return _json_calls(text, i)
 
+    def _partial_calls(self, text: str, i: int, reader: JsonReader) -> list[ParsedCall]:
+        return partial_call_list(text, i, ARGUMENTS, reader)
+
     def _find(self, text: str) -> tuple[int, int] | None:
         """Where the calls start, and where the text after their marker does; None if no
         marker (or, with ``BARE``, no opening ``[``) is there yet."""
@@ -177,6 +280,13 @@ class _MarkedCallsParser:
             end = len(text) - max(held_back(text, m) for m in self.MARKERS)
         # As with Hermes: the whitespace before a call is not content, leading whitespace is.
         return len(text[:end].rstrip())
+
+    def partial_calls(self, text: str, reader: JsonReader) -> list[ParsedCall]:
+        # The calls' start, once found, stays: what follows an earlier marker is written.
+        # (A bare list is the exception: a marker written after it would win, but a model
+        # that lost its marker as a special token does not write it later.)
+        found = self._find(text)
+        return [] if found is None else self._partial_calls(text, found[1], reader)
 
 
 def _occurrences(text: str, marker: str):
@@ -209,14 +319,35 @@ class MistralParser(_MarkedCallsParser):
             name = self._NAME.match(text, i)
             if name is None:
                 raise ValueError("no tool name after [TOOL_CALLS]")
-            arguments, i = _decoder.raw_decode(text, _skip_space(text, name.end()))
+            arguments, end = DECODER.raw_decode(text, _skip_space(text, name.end()))
             if not isinstance(arguments, dict):
                 raise ValueError("tool arguments are not an object")
             calls.append(ParsedCall(name[1], json.dumps(arguments, ensure_ascii=False)))
-            following = _skip_space(text, i)
-            if not text.startswith(self.MARKERS[0], following):
-                return calls, i
-            i = following + len(self.MARKERS[0])
+            i = self._next_call(text, end)
+            if i is None:
+                return calls, end
+
+    def _partial_calls(self, text: str, i: int, reader: JsonReader) -> list[ParsedCall]:
+        if text[i:].lstrip().startswith("["):
+            return partial_call_list(text, i, ARGUMENTS, reader)
+        calls, start = [], i
+        while start is not None:
+            name = self._NAME.match(text, start)
+            if name is None or name.end(1) == len(text):  # the name may go on
+                break
+            arguments = reader.value(text, _skip_space(text, name.end()))
+            calls.append(ParsedCall(name[1], arguments.json if arguments.members is not None
+                                    else ""))
+            start = None if arguments.end is None else self._next_call(text, arguments.end)
+        return calls
+
+    def _next_call(self, text: str, end: int) -> int | None:
+        """Where the next call's name starts, after the marker that follows the arguments
+        ending at ``end``; None if no marker does."""
+        following = _skip_space(text, end)
+        if not text.startswith(self.MARKERS[0], following):
+            return None
+        return following + len(self.MARKERS[0])
 
 
 class GraniteParser(_MarkedCallsParser):
@@ -246,16 +377,36 @@ class PythonicParser:
     keeps_special_tokens = False
 
     def parse(self, text: str) -> ParsedOutput:
-        body = text.strip().removeprefix(self.START).removesuffix(self.END).strip()
+        body = self._body(text)
         if not body.startswith("["):
             return ParsedOutput(text, [])
         try:
-            tree = ast.parse(body, mode="eval").body
-            if not isinstance(tree, ast.List) or not tree.elts:
-                raise ValueError("not a list of calls")
-            return ParsedOutput(None, [self._call(node) for node in tree.elts])
+            return ParsedOutput(None, self._calls(body))
         except _UNPARSEABLE:
             return ParsedOutput(text, [])
+
+    def partial_calls(self, text: str, reader: JsonReader) -> list[ParsedCall]:
+        """Each call once it is whole: the JSON of a Python literal is known only then (a
+        string's quotes, a tuple that becomes a list, a number's digits). A call is whole at
+        the ``)`` that ends it, as nothing after it keeps it a call (``f(x=1)(y=2)``,
+        ``f(x=1).y``, ``f(x=1) if a else b`` are none): the list closed there holds the calls
+        written. Each try parses the text again, only where it ends at a ``)``."""
+        body = self._body(text).removesuffix("]").rstrip().removesuffix(",").rstrip()
+        if not (body.startswith("[") and body.endswith(")")):
+            return []
+        try:
+            return self._calls(body + "]")
+        except _UNPARSEABLE:
+            return []
+
+    def _body(self, text: str) -> str:
+        return text.strip().removeprefix(self.START).removesuffix(self.END).strip()
+
+    def _calls(self, body: str) -> list[ParsedCall]:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            raise ValueError("not a list of calls")
+        return [self._call(node) for node in tree.elts]
 
     @staticmethod
     def _call(node: ast.expr) -> ParsedCall:

@@ -15,6 +15,7 @@ from tests.server.scripted_engine import (
     run_with_client,
     scripted_app,
 )
+from tests.server.tool_call_deltas import add_up
 
 USER = [{"role": "user", "content": "Which is greater, 9.11 or 9.8?"}]
 R1 = "Compare the tenths: 8 > 1.\n</think>\n\n9.8 is greater."
@@ -129,9 +130,7 @@ def test_tool_calls_are_parsed_from_the_answer_alone():
         ("get_weather", '{"city": "Paris"}')]
     assert reason == "tool_calls" and _joined(deltas, "reasoning") == "The user wants Paris.\n"
     assert _joined(deltas, "content") is None
-    calls = [c for d in deltas for c in d.get("tool_calls", [])]
-    assert [c["function"] for c in calls] == [{"name": "get_weather",
-                                               "arguments": '{"city": "Paris"}'}]
+    assert add_up(deltas).calls == [("get_weather", '{"city": "Paris"}')]
     # A call written inside the reasoning is reasoning, not a call.
     assert answered.message.tool_calls == [] and answered.finish_reason == "stop"
     assert (answered.message.model_extra["reasoning"], answered.message.content) == (

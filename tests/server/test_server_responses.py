@@ -323,6 +323,35 @@ def test_reasoning_text_and_auto_call_are_items_in_order(pieces):
     assert final.usage == whole.usage
 
 
+@pytest.mark.parametrize("by_char", [False, True], ids=["whole", "by-char"])
+@pytest.mark.parametrize("parser", ["granite", "mistral"])
+def test_auto_calls_stream_their_arguments_and_text_after_them_is_a_message(parser, by_char):
+    """A call's arguments come in deltas as they are written; text after the calls is a
+    message item after them, whole and streamed."""
+    marker = {"granite": "<tool_call>", "mistral": "[TOOL_CALLS]"}[parser]
+    text = (f'Checking.{marker}[{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}, '
+            '{"name": "get_weather", "arguments": {"city": "Lyon"}}] Back soon.')
+    engine = ScriptedEngine()
+    engine.script(list(text) if by_char else [text])
+    whole, events = run_with_client(
+        scripted_app(engine, reasoning=None, tool_parser=tool_parser(parser)), _scripted_both)
+    assert [i.type for i in whole.output] == ["message", "function_call", "function_call",
+                                              "message"]
+    assert [i.arguments for i in whole.output[1:3]] == ['{"city": "Paris"}', '{"city": "Lyon"}']
+    assert (whole.output[0].content[0].text, whole.output[3].content[0].text) == (
+        "Checking.", " Back soon.")
+    final = events[-1].response
+    assert [i.model_dump(exclude={"id", "call_id"}) for i in final.output] == \
+        [i.model_dump(exclude={"id", "call_id"}) for i in whole.output]
+    deltas = {}
+    for e in events:
+        if e.type == "response.function_call_arguments.delta":
+            deltas.setdefault(e.output_index, []).append(e.delta)
+    assert {i: "".join(d) for i, d in deltas.items()} == {1: '{"city": "Paris"}',
+                                                          2: '{"city": "Lyon"}'}
+    assert min(map(len, deltas.values())) > (5 if by_char else 0)
+
+
 def test_reasoning_tokens_count_in_chat_usage_too():
     async def work(client):
         return await client.chat.completions.create(

@@ -19,6 +19,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.server.conftest import HTTP_TIMEOUT_S, launch_server
+from tests.server.tool_call_deltas import add_up
 
 # Room for every sequence of the concurrent schema run.
 KV_BYTES = str(256 << 20)
@@ -263,17 +264,16 @@ def test_auto_tool_choice_parses_hermes_calls(smol):
     (call,) = message.message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == \
         ("get_weather", {"city": "Paris", "unit": "C"})
-    content, calls, reason = "", [], None
-    for chunk in client.chat.completions.create(model=MODEL, **request, stream=True):
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        calls += delta.tool_calls or []
-        reason = chunk.choices[0].finish_reason or reason
+    chunks = list(client.chat.completions.create(model=MODEL, **request, stream=True))
+    added = add_up([c.choices[0].delta.model_dump(exclude_none=True) for c in chunks],
+                   [(call.function.name, call.function.arguments)])
     # The same content, whitespace and all: the stream had the space before the call too.
-    assert content == message.message.content
-    assert reason == "tool_calls" and len(calls) == 1
-    assert calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
-    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "unit": "C"}
+    assert "".join(added.contents) == message.message.content
+    # The call came as it was written: its arguments in pieces that add up to the whole
+    # response's, exactly (add_up checked every piece against them as it came).
+    assert added.calls == [(call.function.name, call.function.arguments)]
+    assert added.pieces[0] > 3, added
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # Plain text stays content.
     free = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=8,
                                           temperature=0)
@@ -281,8 +281,8 @@ def test_auto_tool_choice_parses_hermes_calls(smol):
 
 
 def test_auto_tool_choice_streams_the_logprobs_a_whole_response_has(smol):
-    """Streamed through the tool parser, no chunk carried logprobs; now their chunks' add up
-    to the whole response's, those of the held-back call on the last chunk."""
+    """Streamed through the tool parser, the chunks' logprobs add up to the whole response's
+    (a held-back token's come with the chunk that sends its text)."""
     client = smol.client()
     request = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=150,
                    temperature=0, logprobs=True, top_logprobs=2,

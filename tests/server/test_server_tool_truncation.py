@@ -121,18 +121,23 @@ PARIS = '{"city": "Paris", "unit": "C"}'
     (WHOLE, [("get_weather", PARIS), ("get_time", '{"tz": "UTC"}')]),
 ])
 def test_required_output_cut_anywhere_parses_to_its_calls(text, calls):
+    """And streamed, split anywhere, the calls come as they are written and add up to the
+    same (``add_up`` checks that no piece is wrong)."""
     from pagedserve.server.protocol import ChatCompletionRequest
     from pagedserve.server.tool_choice import ToolCallStream, ToolPlan
+    from tests.server.tool_call_deltas import add_up
 
     plan = ToolPlan.of(ChatCompletionRequest(messages=ASK, tools=TOOLS, tool_choice="required"),
                        None)
     assert plan.parse(text) == (None, calls)
-    stream = ToolCallStream(plan)
-    assert stream.delta(text[:len(text) // 2], finished=False) == {}
-    delta = stream.delta(text, finished=True)
-    assert "content" not in delta
-    assert [(d["function"]["name"], d["function"]["arguments"])
-            for d in delta.get("tool_calls", [])] == calls
+    for ends in [range(1, len(text) + 1), *([cut, len(text)] for cut in range(len(text)))]:
+        stream = ToolCallStream(plan)
+        added = add_up([stream.delta(text[:end], finished=end == len(text)) for end in ends],
+                       plan.parse(text).calls)
+        assert (added.calls, "".join(added.contents)) == (plan.parse(text).calls, "")
+    if len(calls) == 2:  # the first call came whole before the second was written
+        early = ToolCallStream(plan).delta(text[:text.index('"get_time"')], finished=False)
+        assert add_up([early]).calls == calls[:1]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

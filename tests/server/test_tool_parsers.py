@@ -1,7 +1,7 @@
 """The auto tool-call parsers on outputs in the formats real tool-calling models write
 (Hermes 2 Pro / Qwen2.5 for ``hermes``, Llama 3.1 / 3.2 for ``llama3_json``; Mistral, Llama
 3.2 / 4 pythonic, Granite 3.x and Phi-4-mini in their chat templates' formats), whole and fed
-to a stream in every split."""
+to a stream in every split, which sends the calls as they are written."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from pagedserve.server.protocol import ChatCompletionRequest
 from pagedserve.server.tool_choice import ToolCallStream, ToolPlan
 from pagedserve.server.tool_parsers import tool_parser
+from tests.server.tool_call_deltas import add_up
 
 WEATHER = {"city": "Dallas", "state": "TX", "unit": "fahrenheit"}
 
@@ -51,6 +52,15 @@ RECORDED = [
      '"parameters": {"city": "Orlando"}}', None,
      [("get_current_weather", WEATHER), ("get_current_time", {"city": "Orlando"})]),
     ("llama3_json", "It is sunny in Dallas today.", "It is sunny in Dallas today.", []),
+]
+
+# Written as a model may write JSON, not in its canonical form (``json.dumps``), which calls'
+# arguments are in: a stream must not send a number, or an escaped character, early.
+CANONICAL_ONLY_AT_THE_END = [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"lo":-0.5,"hi" : 1E-2, "n": 10, '
+     '"s": "\\u00e9\\ud83d\\ude00\\/", "t": [true, null]}}</tool_call>', None,
+     [("f", {"lo": -0.5, "hi": 0.01, "n": 10, "s": "é😀/", "t": [True, None]})]),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"lo":-0.0,"hi":2e1}', None, [("f", {"lo": -0.0, "hi": 20.0})]),
 ]
 
 # Written in the formats of the models' chat templates (and vLLM's parsers), not recorded.
@@ -123,7 +133,7 @@ FORMATS = [
     ("phi4_mini_json", "Use functools.", "Use functools.", []),
     ("phi4_mini_json", 'functools[{"name": "get_current_time"', None, []),
 ]
-ALL = RECORDED + FORMATS
+ALL = RECORDED + CANONICAL_ONLY_AT_THE_END + FORMATS
 
 
 @pytest.mark.parametrize(("name", "text", "content", "calls"), ALL)
@@ -135,36 +145,18 @@ def test_parser_on_recorded_output(name, text, content, calls):
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == calls
 
 
-@pytest.mark.parametrize(("name", "text", "content", "calls"), ALL)
-def test_streamed_deltas_add_up_to_the_parse(name, text, content, calls):
+def _plan(name: str, parallel: bool = True) -> ToolPlan:
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[
-        {"type": "function", "function": {"name": "get_current_weather"}}])
-    stream = ToolCallStream(ToolPlan.of(request, tool_parser(name)))
-    streamed_content, streamed_calls = "", []
-    for end in [*range(0, len(text), 3), len(text)]:
-        delta = stream.delta(text[:end], finished=end == len(text))
-        streamed_content += delta.get("content", "")
-        streamed_calls += delta.get("tool_calls", [])
-    expected = tool_parser(name).parse(text)
-    # The same content as a whole response's: the whitespace before a call was streamed.
-    assert streamed_content == (expected.content or "")
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]), c["index"])
-            for c in streamed_calls] == [(n, a, i) for i, (n, a) in enumerate(calls)]
-    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in streamed_calls)
+        {"type": "function", "function": {"name": "get_current_weather"}}],
+        parallel_tool_calls=parallel)
+    return ToolPlan.of(request, tool_parser(name))
 
 
-def _stream(name: str, text: str, ends: list[int]) -> tuple[list[str], list[dict]]:
-    """The content deltas and calls of ``text`` streamed up to each of ``ends`` (the last is
-    the whole text, which finishes it)."""
-    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[
-        {"type": "function", "function": {"name": "get_current_weather"}}])
-    stream = ToolCallStream(ToolPlan.of(request, tool_parser(name)))
-    contents, calls = [], []
-    for end in ends:
-        delta = stream.delta(text[:end], finished=end == len(text))
-        contents.append(delta.get("content", ""))
-        calls += delta.get("tool_calls", [])
-    return contents, calls
+def _stream(plan: ToolPlan, text: str, ends) -> tuple[list[dict], ToolCallStream]:
+    """The deltas of ``text`` streamed up to each of ``ends`` (the last is the whole text,
+    which finishes it)."""
+    stream = ToolCallStream(plan)
+    return [stream.delta(text[:end], finished=end == len(text)) for end in ends], stream
 
 
 def _splits(text: str):
@@ -174,17 +166,69 @@ def _splits(text: str):
 
 
 @pytest.mark.parametrize(("name", "text", "content", "calls"), ALL)
-def test_stream_in_every_split_sends_no_part_of_a_call(name, text, content, calls):
+def test_stream_in_every_split_adds_up_to_the_parse(name, text, content, calls):
+    """Split anywhere, a stream sends the content before the calls as it comes, and the calls
+    as they are written; each call's pieces add up to a whole response's arguments, exactly,
+    and no piece is ever wrong (``add_up`` checks each against them). An output that breaks
+    off inside a call begun (these are cut short) ends with it as sent."""
     parsed = tool_parser(name).parse(text)
     # The text before the first call: the part of the content a stream may send early.
     before = os.path.commonprefix([text, parsed.content or ""]) if parsed.calls else text
     for ends in _splits(text):
-        contents, streamed_calls = _stream(name, text, ends)
-        early = "".join(contents[:-1])
+        deltas, stream = _stream(_plan(name), text, ends)
+        added = add_up(deltas, parsed.calls)
+        early = "".join(added.contents[:-1])
         assert before.startswith(early), (ends, early)
-        assert "".join(contents) == (parsed.content or ""), ends
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
-                for c in streamed_calls] == calls, ends
+        if parsed.calls or not added.calls:
+            assert "".join(added.contents) == (parsed.content or ""), ends
+            assert added.calls == parsed.calls, ends
+        else:
+            assert "".join(added.contents) == early and not calls, ends
+        assert stream.called == bool(parsed.calls)
+
+
+@pytest.mark.parametrize(("name", "text", "content", "calls"), [c for c in ALL if c[3]])
+def test_calls_stream_as_they_are_written(name, text, content, calls):
+    """A character at a time, every call has begun before the output ends, and the JSON
+    formats' arguments come in pieces as they are written (Hermes 2 Pro writes them before
+    the name: they come with it); a pythonic call comes whole, once written."""
+    deltas, _ = _stream(_plan(name), text, range(1, len(text) + 1))
+    added = add_up(deltas[:-1])
+    assert len(added.calls) == len(calls)
+    if name == "pythonic":
+        assert added.calls == tool_parser(name).parse(text).calls
+    elif '{"arguments"' not in text:
+        assert all(n > 1 for n, (_, arguments) in zip(added.pieces, calls) if arguments), added
+
+
+def test_without_parallel_tool_calls_only_the_first_call_streams():
+    text = RECORDED[1][1]  # a sentence, then two calls
+    plan = _plan("hermes", parallel=False)
+    for ends in _splits(text):
+        deltas, stream = _stream(plan, text, ends)
+        assert add_up(deltas).calls == plan.parse(text).calls, ends
+        assert len(plan.parse(text).calls) == 1
+
+
+@pytest.mark.parametrize("body", [
+    '{"name": "f", "parameters": {"a": 1}, "arguments": {"a": 2}}',
+    '{"name": "f", "arguments": {"a": 1, "a": 2}}',
+    '{"name": "f", "name": "g", "arguments": {}}',
+])
+def test_a_call_that_gives_a_key_twice_is_no_call(body):
+    """Which one would count is unknown while the call is written (json.loads keeps the
+    last, a stream has sent the first)."""
+    for name, text in [("hermes", f"<tool_call>{body}</tool_call>"), ("llama3_json", body),
+                       ("granite", f"<tool_call>[{body}]")]:
+        assert tool_parser(name).parse(text) == (text, []), name
+
+
+def test_arguments_written_as_a_json_string_stream_once_the_string_is_whole():
+    text = '<tool_call>{"name": "f", "arguments": "{\\"a\\": [1, 2]}"}</tool_call>'
+    (call,) = tool_parser("hermes").parse(text).calls
+    assert call.arguments == '{"a": [1, 2]}'
+    deltas, _ = _stream(_plan("hermes"), text, range(1, len(text) + 1))
+    assert add_up(deltas).calls == [call]
 
 
 def test_plain_content_streams_as_it_comes():
@@ -193,8 +237,9 @@ def test_plain_content_streams_as_it_comes():
                        ("granite", "Sunny <tool today."),
                        ("phi4_mini_json", "Use functools, it helps."),
                        ("pythonic", "It is sunny.")]:
-        contents, _ = _stream(name, text, list(range(1, len(text) + 1)))
-        assert len("".join(contents[:-1])) >= len(text) - len("functools"), name
+        deltas, _ = _stream(_plan(name), text, list(range(1, len(text) + 1)))
+        early = "".join(d.get("content", "") for d in deltas[:-1])
+        assert len(early) >= len(text) - len("functools"), name
 
 
 def test_stream_holds_back_what_may_start_a_call():
