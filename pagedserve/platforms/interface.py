@@ -6,6 +6,7 @@ kernels and memory facts and never checks which device it runs on.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol
 
 import torch
@@ -167,11 +168,32 @@ class Platform:
     # dropped and allocated again, the graphs captured again); release_cached_memory then
     # hands the freed memory back to the device.
     supports_sleep_mode: ClassVar[bool] = True
+    # The environment variable that limits which of the host's devices a process sees
+    # (CUDA_VISIBLE_DEVICES and its kin): data-parallel replicas are each given theirs through
+    # it. None: every process shares the one device (the CPU).
+    visible_devices_env: ClassVar[str | None] = None
 
     @classmethod
     def check_available(cls) -> None:
         """Raise ``PlatformUnavailable`` with a one-line reason if this device cannot be used."""
         raise NotImplementedError
+
+    @classmethod
+    def device_count(cls) -> int:
+        """The devices this process sees (only where ``visible_devices_env`` is set)."""
+        raise NotImplementedError
+
+    @classmethod
+    def visible_devices(cls, environ: Mapping[str, str]) -> list[str] | None:
+        """The ids a process started with ``environ`` sees its devices by, as
+        ``visible_devices_env`` lists them: its value split at commas, else ``0 ..
+        device_count() - 1``; None where the platform has no such variable."""
+        if cls.visible_devices_env is None:
+            return None
+        listed = environ.get(cls.visible_devices_env)
+        if listed is None:
+            return [str(i) for i in range(cls.device_count())]
+        return [d.strip() for d in listed.split(",") if d.strip()]
 
     @classmethod
     def device(cls) -> torch.device:

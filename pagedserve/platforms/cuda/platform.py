@@ -31,6 +31,7 @@ class CudaPlatform(Platform):
     runs_ahead: ClassVar[bool] = True
     dist_backend: ClassVar[str] = "nccl"  # ROCm's torch maps it to RCCL
     ray_resource: ClassVar[str] = "GPU"
+    visible_devices_env: ClassVar[str | None] = "CUDA_VISIBLE_DEVICES"
 
     @classmethod
     def check_available(cls) -> None:
@@ -49,6 +50,10 @@ class CudaPlatform(Platform):
         except ImportError as exc:
             raise PlatformUnavailable(
                 f"the {cls.name} platform needs triton: {how_to_install}") from exc
+
+    @classmethod
+    def device_count(cls) -> int:
+        return torch.cuda.device_count()
 
     @classmethod
     def device(cls) -> torch.device:

@@ -45,11 +45,16 @@ class HpuPlatform(Platform):
     default_block_size: ClassVar[int] = 128
     dist_backend: ClassVar[str] = "hccl"
     ray_resource: ClassVar[str] = "HPU"
+    visible_devices_env: ClassVar[str | None] = "HABANA_VISIBLE_MODULES"
 
     @classmethod
     def check_available(cls) -> None:
         if not habana_module("hpu").is_available():
             raise PlatformUnavailable("no Gaudi device: habana_frameworks sees no HPU")
+
+    @classmethod
+    def device_count(cls) -> int:
+        return habana_module("hpu").device_count()
 
     @classmethod
     def bind_device(cls, index: int, ranks_on_host: int) -> None:

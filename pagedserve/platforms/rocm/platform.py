@@ -19,6 +19,8 @@ from pagedserve.platforms.interface import PlatformUnavailable
 
 class RocmPlatform(CudaPlatform):
     name: ClassVar[str] = "rocm"
+    # HIP's own name; ROCR_VISIBLE_DEVICES, below it, is left to the user.
+    visible_devices_env: ClassVar[str | None] = "HIP_VISIBLE_DEVICES"
 
     @classmethod
     def check_available(cls) -> None:
