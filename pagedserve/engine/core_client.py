@@ -43,7 +43,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any, Protocol
 
 import msgspec
 
@@ -117,6 +119,72 @@ class RequestStream:
             self._client.abort(self.request_id)
 
 
+class CoreClient(Protocol):
+    """What the API server uses of a model's engine: one core (``EngineCoreClient``), or
+    replicas of it behind one face (``dp_client.DataParallelClient``)."""
+
+    facts: msg.EngineFacts | None
+    tokenizer: Any
+
+    def start(self) -> None: ...
+
+    def run_in(self, loop: asyncio.AbstractEventLoop) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def dead_reason(self) -> str: ...
+
+    @property
+    def sleeping(self) -> bool: ...
+
+    def add_requests(self, requests: Sequence[msg.NewRequest]) -> list[RequestStream]: ...
+
+    def remove_lora(self, lora_int_id: int) -> None: ...
+
+    def lora_in_use(self, lora_int_id: int) -> bool: ...
+
+    async def control(self, make: Callable[[int], msg.Control]) -> msg.ControlDone: ...
+
+    def engine_stats(self) -> list[EngineStats | None]:
+        """Each engine's latest stats (None: none yet), in engine order (``/metrics``'
+        ``engine`` label)."""
+        ...
+
+
+@dataclass(frozen=True)
+class CoreLaunch:
+    """What the API server resolves once for a model's engine cores: the config they run (the
+    local folder the model id found: a GGUF converted, a hub model downloaded, under the name
+    it would have had) and the folder the server's tokenizer loads from, which the cores read
+    too (a hub id fetched once)."""
+
+    config: EngineConfig
+    tokenizer_path: Path
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> CoreLaunch:
+        from pagedserve.models import loader
+
+        source = loader.resolve_model(config.model, config.load_format != "dummy",
+                                      revision=config.revision, gguf_file=config.gguf_file)
+        tokenizer_path = loader.tokenizer_folder(source, config.tokenizer,
+                                                 config.tokenizer_revision)
+        return cls(dataclasses.replace(
+            config, model=str(source.path), revision=None, gguf_file=None,
+            served_model_name=config.served_model_name or source.name,
+            tokenizer=None if config.tokenizer is None else str(tokenizer_path),
+            tokenizer_revision=None), tokenizer_path)
+
+    def load_tokenizer(self) -> Any:
+        from pagedserve.models import loader
+
+        return loader.load_tokenizer(self.tokenizer_path, self.config.chat_template)
+
+
 class EngineCoreClient:
     """``env``: variables the core process (and its tensor-parallel ranks) runs with on top of
     this process's environment, such as ``CUDA_VISIBLE_DEVICES`` to place it on a GPU."""
@@ -138,6 +206,7 @@ class EngineCoreClient:
         self._call_ids = itertools.count()
         self.sleeping = False
         self._process: multiprocessing.Process | None = None
+        self._ready: Connection | None = None  # the spawned core says on it when it is up
         self._ipc_dir: Path | None = None
         self._dead: str | None = None  # why the core is gone, once it is
         self._receiver: asyncio.Task | None = None
@@ -149,24 +218,20 @@ class EngineCoreClient:
         """Spawn the core and block until its engine is ready; ``EngineStartError`` if it
         cannot start (bad model, device or flag). The API server's tokenizer loads while the
         core starts."""
+        launch = CoreLaunch.of(self.config)
+        self.spawn(launch.config)
+        with ThreadPoolExecutor(1) as pool:
+            # The core checks --tokenizer's files and vocabulary, and fails to start first.
+            loading = pool.submit(launch.load_tokenizer)
+            self.wait_ready()
+            self.tokenizer = loading.result()
+
+    def spawn(self, core_config: EngineConfig) -> None:
+        """Start the core process on ``core_config`` (a ``CoreLaunch``'s) and return at once;
+        ``wait_ready`` waits for its engine."""
         import zmq
         import zmq.asyncio
 
-        from pagedserve.models import loader
-
-        # Resolved here, once: the core loads the local folder this found (a GGUF converted, a
-        # hub model downloaded) under the name it would have had.
-        source = loader.resolve_model(
-            self.config.model, self.config.load_format != "dummy",
-            revision=self.config.revision, gguf_file=self.config.gguf_file)
-        # Resolved here once (a hub id fetched), so that both processes read the same folder.
-        tokenizer_path = loader.tokenizer_folder(source, self.config.tokenizer,
-                                                 self.config.tokenizer_revision)
-        core_config = dataclasses.replace(
-            self.config, model=str(source.path), revision=None, gguf_file=None,
-            served_model_name=self.config.served_model_name or source.name,
-            tokenizer=None if self.config.tokenizer is None else str(tokenizer_path),
-            tokenizer_revision=None)
         self._ipc_dir = _socket_folder(getattr(zmq, "IPC_PATH_MAX_LEN", 103))
         addresses = CoreAddresses(*(f"ipc://{self._ipc_dir}/{name}" for name in _SOCKET_NAMES))
         self._zmq = zmq.asyncio.Context()
@@ -185,11 +250,18 @@ class EngineCoreClient:
         with _environment(self.env):
             self._process.start()
         ready_writer.close()
-        with ThreadPoolExecutor(1) as pool:
-            # The core checks --tokenizer's files and vocabulary, and fails to start first.
-            loading = pool.submit(loader.load_tokenizer, tokenizer_path, self.config.chat_template)
-            self.facts = self._wait_ready(ready_reader)
-            self.tokenizer = loading.result()
+        self._ready = ready_reader
+
+    def wait_ready(self) -> None:
+        """Block until the spawned core's engine is up; ``EngineStartError`` if it cannot
+        start."""
+        self.facts = self._wait_ready(self._ready)
+
+    def kill(self) -> None:
+        """End the core at once, however far its start got (another replica of the model
+        failed to start): a ``wait_ready`` under way raises ``EngineStartError``."""
+        if self._process is not None:
+            self._process.kill()
 
     def _wait_ready(self, reader) -> msg.EngineFacts:
         while not reader.poll(0.5) and self._process.is_alive():
@@ -229,9 +301,14 @@ class EngineCoreClient:
         self._close_transport()
 
     def _close_transport(self) -> None:
+        """Once only: a core that failed to start closed it already when it is shut down
+        with the other replicas of its model."""
+        if self._zmq is None:
+            return
         self._commands.close(linger=0)
         self._outputs.close(linger=0)
         self._zmq.term()
+        self._zmq = None
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     @property
@@ -241,6 +318,19 @@ class EngineCoreClient:
     @property
     def dead_reason(self) -> str:
         return self._dead or "it has not started"
+
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests sent and not yet ended (finished, failed or aborted)."""
+        return len(self._pending)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._pending
+
+    def engine_stats(self) -> list[EngineStats | None]:
+        """The core's latest stats snapshot (None before its first step), as the only engine
+        of ``CoreClient.engine_stats``."""
+        return [self.stats]
 
     # ---- requests -----------------------------------------------------------------------
     def add_requests(self, requests: Sequence[msg.NewRequest]) -> list[RequestStream]:
