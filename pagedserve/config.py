@@ -195,6 +195,11 @@ class EngineConfig:
               "per shape: Gaudi)")
     tensor_parallel_size: int = option(
         1, "devices that split the model (Megatron-style tensor parallelism), one rank each")
+    data_parallel_size: int = option(
+        1, "replicas of the whole engine (data parallelism), each on its own "
+           "--tensor-parallel-size devices: replica r takes the visible devices r*TP .. "
+           "(r+1)*TP-1; the server sends each request to the replica with the fewest in "
+           "flight (pagedserve serve only; on the CPU each replica is a process of its own)")
     distributed_executor_backend: str = option(
         "mp", "how ranks other than the first run with --tensor-parallel-size > 1: mp, a "
               "process per device on this host; ray, actors of the Ray cluster (several "
@@ -294,6 +299,7 @@ class EngineConfig:
         self._check_offloading()
         if self.tensor_parallel_size < 1:
             raise ConfigError("--tensor-parallel-size must be at least 1")
+        self._check_data_parallel()
         if not _INT64_MIN <= self.seed <= _INT64_MAX - 1:  # a draft model seeds with seed + 1
             raise ConfigError(f"--seed must be in [-2**63, 2**63 - 1), got {self.seed}")
         if self.grammar_compile_workers < 1:
@@ -505,6 +511,22 @@ class EngineConfig:
         if why is not None:
             shown = str(self.kv_offloading_disk) or "''"
             raise ConfigError(f"--kv-offloading-disk {shown} {why}")
+
+    def _check_data_parallel(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ConfigError(
+                f"--data-parallel-size must be at least 1, got {self.data_parallel_size}")
+        if self.data_parallel_size == 1:
+            return
+        if self.kv_offloading_disk is not None:
+            # Every replica would delete the others' block files at start.
+            raise ConfigError("--kv-offloading-disk works with one replica only, not "
+                              f"--data-parallel-size {self.data_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "ray":
+            # Ray hands out its cluster's devices itself: the devices a replica is given on
+            # this host would not hold its other ranks.
+            raise ConfigError("--data-parallel-size runs its replicas' ranks with "
+                              "--distributed-executor-backend mp only, not ray")
 
     @property
     def cpu_loras(self) -> int:

@@ -65,6 +65,12 @@ def test_bad_choice_names_the_flag_and_the_choices(field, flag):
     ({"kv_offloading_size": 1.0, "kv_offloading_disk_size": 1.0}, "--kv-offloading-disk-size"),
     ({"kv_offloading_disk": "/tmp/kv", "kv_offloading_size": 1.0,
       "kv_offloading_disk_size": 1.0, "tensor_parallel_size": 2}, "--kv-offloading-disk"),
+    ({"data_parallel_size": 0}, "--data-parallel-size"),
+    # Every replica would delete the others' block files in the one folder.
+    ({"kv_offloading_disk": "/tmp/kv", "kv_offloading_size": 1.0,
+      "kv_offloading_disk_size": 1.0, "data_parallel_size": 2}, "--kv-offloading-disk"),
+    ({"data_parallel_size": 2, "tensor_parallel_size": 2,
+      "distributed_executor_backend": "ray"}, "--data-parallel-size"),
     ({"max_loras": 0}, "--max-loras"),
     ({"max_lora_rank": 0}, "--max-lora-rank"),
     ({"max_loras": 4, "max_cpu_loras": 3}, "--max-cpu-loras"),

@@ -80,6 +80,13 @@ _DISK_WAIT_S = 0.02
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.data_parallel_size > 1:
+            # vLLM's offline data parallelism is one process per replica, each its own LLM;
+            # the server runs the replicas itself.
+            raise ConfigError(
+                f"--data-parallel-size {config.data_parallel_size}: an in-process engine (LLM, "
+                "the benchmarks) is one replica; serve the replicas with `pagedserve serve "
+                "--data-parallel-size N`, or run one LLM per process, each given its devices")
         self.config = config
         start = time.perf_counter()
         self.platform = resolve_platform(config.device)

@@ -3,8 +3,8 @@
 Request logic lives in ``serving_*.py``; the wire format in ``protocol.py``; what refuses a
 request before a route sees it (Host, API key, body size and type, read deadline, connection
 cap) in ``guards.py``. One engine core process serves each model (``--model`` repeated, or
-``--models-config``); a request's ``model`` picks it, or a LoRA adapter of one
-(``serving_lora.py``).
+``--models-config``), or ``--data-parallel-size`` of them (``engine/dp_client.py``); a
+request's ``model`` picks it, or a LoRA adapter of one (``serving_lora.py``).
 FastAPI and uvicorn are imported only here and below, so ``import pagedserve`` works without
 them.
 """
@@ -26,7 +26,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
 from pagedserve import __version__, envs
-from pagedserve.engine.core_client import EngineCoreClient, EngineStartError
+from pagedserve.engine.core_client import CoreClient, EngineStartError
+from pagedserve.engine.dp_client import core_client
 from pagedserve.errors import ConfigError
 from pagedserve.logger import get_logger
 from pagedserve.server.args import LoRAModule
@@ -80,7 +81,7 @@ PUBLIC_PATHS = ("/health", "/metrics")
 READ_METHODS = ["GET", "HEAD"]
 
 
-def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
+def create_app(engines: Sequence[CoreClient], api_key: str | None = None,
                max_request_bytes: int = 4 << 20, enable_docs: bool = False,
                tool_parser: ToolParser | None = None,
                allowed_hosts: list[str] | None = None,
@@ -105,8 +106,8 @@ def create_app(engines: Sequence[EngineCoreClient], api_key: str | None = None,
     development routes (``serving_dev.py``: sleep mode, the prefix-cache reset).
     ``responses_store`` is how many Responses API answers are kept (``responses_store.py``);
     0 keeps none."""
-    # Each core's latest stats, read at every scrape.
-    metrics = ServerMetrics({e.facts.model_name: partial(getattr, e, "stats") for e in engines})
+    # Each engine's latest stats, read at every scrape.
+    metrics = ServerMetrics({e.facts.model_name: e.engine_stats for e in engines})
     models = ServingModels([ServedModel.of(e, metrics) for e in engines])
     loras = LoRAServing(models)
     loras.add_modules(lora_modules)
@@ -327,7 +328,7 @@ def run_server(args: argparse.Namespace) -> None:
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
     hosts = [*LOOPBACK_HOSTS, *args.allowed_hosts] \
         if not api_key and (loopback or args.allowed_hosts) else None
-    engines: list[EngineCoreClient] = []
+    engines: list[CoreClient] = []
     try:
         _start_engines(specs, engines)
         app = create_app(engines, api_key, args.max_request_bytes, args.enable_docs, parser,
@@ -374,13 +375,14 @@ def _check_listen_address(host: str, port: int) -> None:
         sys.exit(2)
 
 
-def _start_engines(specs: Sequence[ModelSpec], started: list[EngineCoreClient]) -> None:
-    """Start an engine core per model, each once the one before is up, appending each to
-    ``started`` as it starts. One after another, so that each sizes its KV cache with the
-    memory of the ones before already taken (the GPU platforms count other processes' memory
-    against ``gpu_memory_utilization``)."""
-    for config, env in specs:
-        engine = EngineCoreClient(config, env)
+def _start_engines(specs: Sequence[ModelSpec], started: list[CoreClient]) -> None:
+    """Start each model's engine (a core, or its data-parallel replicas side by side), each
+    once the one before is up, appending each to ``started`` as it starts. One after another,
+    so that each sizes its KV cache with the memory of the ones before already taken (the GPU
+    platforms count other processes' memory against ``gpu_memory_utilization``). Every
+    model's replicas are checked to have their devices before any model loads."""
+    clients = [core_client(config, env) for config, env in specs]
+    for (config, _), engine in zip(specs, clients, strict=True):
         try:
             engine.start()
         except EngineStartError as exc:  # a bad model, device or flag
@@ -389,10 +391,10 @@ def _start_engines(specs: Sequence[ModelSpec], started: list[EngineCoreClient]) 
         started.append(engine)
 
 
-def _stop(engines: Sequence[EngineCoreClient]) -> None:
+def _stop(engines: Sequence[CoreClient]) -> None:
     """Stop the cores that started when another could not (the server never ran)."""
     asyncio.run(_shutdown_all(engines))
 
 
-async def _shutdown_all(engines: Sequence[EngineCoreClient]) -> None:
+async def _shutdown_all(engines: Sequence[CoreClient]) -> None:
     await asyncio.gather(*(engine.shutdown() for engine in engines))

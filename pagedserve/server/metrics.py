@@ -4,13 +4,15 @@ Engine state (queues, KV blocks, token counters, the core process's CPU time) is
 each engine core's latest ``EngineStats`` snapshot when scraped. Latencies are what clients
 see: they are timed in the handlers, from the moment a request arrives to the moment its
 tokens reach the handler. Every sample carries the served model's name as ``model_name``, as
-vLLM's do, so that a server of several models reports each.
+vLLM's do, so that a server of several models reports each; engine state carries the engine's
+index as ``engine`` too, as vLLM's does ("0" for a model of one engine; with
+``--data-parallel-size``, one series per replica: ``sum by (model_name)`` adds them up).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -28,26 +30,27 @@ from pagedserve.engine.stats import EngineStats
 
 PREFIX = "pagedserve:"
 MODEL_LABEL = "model_name"
+ENGINE_LABEL = "engine"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Mapping[str, Callable[[], EngineStats | None]]) -> None:
-        self._stats = stats  # by model name
+    def __init__(self, stats: Mapping[str, Callable[[], Sequence[EngineStats | None]]]) -> None:
+        self._stats = stats  # by model name, each engine's
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
         for model, stats in self._stats.items():
-            s = stats()
-            if s is None:  # this engine core has not reported yet
-                continue
-            for kind, name, doc, labels, value in _samples(s):
-                family = families.get(name)
-                if family is None:
-                    family = families[name] = kind(PREFIX + name, doc,
-                                                   labels=[MODEL_LABEL, *labels])
-                family.add_metric([model, *labels.values()], value)
+            for engine, s in enumerate(stats()):
+                if s is None:  # this engine core has not reported yet
+                    continue
+                for kind, name, doc, labels, value in _samples(s):
+                    family = families.get(name)
+                    if family is None:
+                        family = families[name] = kind(
+                            PREFIX + name, doc, labels=[MODEL_LABEL, ENGINE_LABEL, *labels])
+                    family.add_metric([model, str(engine), *labels.values()], value)
         yield from families.values()
 
 
@@ -55,7 +58,8 @@ Sample = tuple[type, str, str, dict[str, str], float]  # kind, name, help, label
 
 
 def _samples(s: EngineStats) -> Iterator[Sample]:
-    """Each metric one engine's stats give (the model's label is the collector's)."""
+    """Each metric one engine's stats give (the model's and engine's labels are the
+    collector's)."""
     hit_rate = s.prefix_hit_tokens / s.prefix_queried_tokens if s.prefix_queried_tokens \
         else 0.0
     gauges = [
@@ -130,10 +134,11 @@ def _spec_decode_samples(s: EngineStats) -> Iterator[Sample]:
 
 
 class ServerMetrics:
-    """The server's registry; ``stats`` gives each served model's latest engine stats, by
+    """The server's registry; ``stats`` gives each served model's engines' latest stats, by
     the model's name."""
 
-    def __init__(self, stats: Mapping[str, Callable[[], EngineStats | None]]) -> None:
+    def __init__(self, stats: Mapping[str, Callable[[], Sequence[EngineStats | None]]]
+                 ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats))
         # CPU seconds and memory of the server process (``bench serve`` reads the CPU time).

@@ -14,7 +14,7 @@ from http import HTTPStatus
 from typing import Any, NamedTuple, TypeVar
 
 from pagedserve.engine.core_client import (
-    EngineCoreClient,
+    CoreClient,
     EngineDeadError,
     EngineStepError,
     RequestStream,
@@ -76,7 +76,7 @@ class ServedModel:
         return self._token_bytes
 
     @classmethod
-    def of(cls, engine: EngineCoreClient, metrics: ServerMetrics) -> ServedModel:
+    def of(cls, engine: CoreClient, metrics: ServerMetrics) -> ServedModel:
         """The model a started engine core serves."""
         facts = engine.facts
         return cls(facts.model_name, facts.limits.max_model_len, engine.tokenizer,
@@ -240,9 +240,10 @@ class ServingModels:
 
 @dataclass
 class EngineClient:
-    """Submits requests to one model's engine core and maps its failures to API errors."""
+    """Submits requests to one model's engine (a core, or its data-parallel replicas) and
+    maps its failures to API errors."""
 
-    engine: EngineCoreClient
+    engine: CoreClient
     metrics: ModelMetrics
 
     async def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,

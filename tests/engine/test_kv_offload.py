@@ -197,12 +197,13 @@ def test_swap_preemption_shares_the_host_pool_with_the_tier(llama3_folder):
 def test_metrics_split_the_prefix_cache_by_tier(llama3_folder):
     llm = make_llm(llama3_folder, num_blocks=POOL, kv_offloading_size=_gib(llama3_folder, 200))
     _conversations(llm, GREEDY, turns=2, num=3)
-    body = ServerMetrics({"m": llm.engine.stats}).render()[0].decode()
+    body = ServerMetrics({"m": lambda: [llm.engine.stats()]}).render()[0].decode()
     stats = llm.engine.stats()
-    assert (f'pagedserve:kv_offload_hits_total{{model_name="m",tier="host"}} '
+    assert (f'pagedserve:kv_offload_hits_total{{engine="0",model_name="m",tier="host"}} '
             f'{stats.offload_host_hits}.0') in body
-    assert 'pagedserve:kv_offload_bytes_total{direction="to_device",model_name="m"}' in body
+    assert ('pagedserve:kv_offload_bytes_total{direction="to_device",engine="0",'
+            'model_name="m"}') in body
     host_rate = stats.prefix_hit_rate_of("host")
-    assert (f'pagedserve:prefix_cache_hit_rate_by_tier{{model_name="m",tier="host"}} '
+    assert (f'pagedserve:prefix_cache_hit_rate_by_tier{{engine="0",model_name="m",tier="host"}} '
             f'{host_rate}') in body
     assert host_rate > 0

@@ -82,10 +82,12 @@ class Server:
         headers = {**self.headers, **kwargs.pop("headers", {})}
         return httpx.post(self.url + path, headers=headers, **kwargs)
 
-    def metrics(self, model: str | None = None) -> dict[str, float]:
+    def metrics(self, model: str | None = None, engine: int | None = None) -> dict[str, float]:
         """One model's samples (``model``: its name; None: a server of one model), by name,
         and request_finished_total by reason, e.g.
-        ``{"num_requests_running": 0.0, "request_finished_total{abort}": 2.0}``."""
+        ``{"num_requests_running": 0.0, "request_finished_total{abort}": 2.0}``. Engine state
+        is one data-parallel replica's (``engine``: its index), or the sum over them (None;
+        with one engine, its own)."""
         text = httpx.get(f"{self.url}/metrics", timeout=HTTP_TIMEOUT_S).text
         values = {}
         for name, labels, v in re.findall(r"^pagedserve:(\w+)\{(.*)\} (\S+)$", text, re.M):
@@ -93,8 +95,11 @@ class Server:
             if model is not None and labels.pop("model_name") != model:
                 continue
             labels.pop("model_name", None)
+            if engine is not None and labels.get("engine", str(engine)) != str(engine):
+                continue
+            labels.pop("engine", None)
             if labels == {}:
-                values[name] = float(v)
+                values[name] = values.get(name, 0.0) + float(v)
             elif set(labels) == {"finished_reason"}:
                 values[f"{name}{{{labels['finished_reason']}}}"] = float(v)
         return values

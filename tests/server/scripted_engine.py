@@ -72,7 +72,10 @@ class ScriptedEngine:
         self.finish_reason = "stop"
         self.facts = SimpleNamespace(model_name="r1", limits=LIMITS, lora=None,
                                      sampling_defaults={}, labels=())
-        self.tokenizer, self.is_running, self.stats = ScriptedTokenizer(self.pieces), True, None
+        self.tokenizer, self.is_running = ScriptedTokenizer(self.pieces), True
+
+    def engine_stats(self) -> list:
+        return [None]  # no engine reports to /metrics
 
     def script(self, pieces: list[str], finish_reason: str = "stop") -> None:
         self.pieces[:] = pieces

@@ -54,6 +54,15 @@ def test_entries_override_the_flags(tmp_path: Path, suffix):
     assert isinstance(configs[0].gpu_memory_utilization, float)
 
 
+def test_an_entry_takes_its_own_data_parallel_size(tmp_path: Path):
+    path = tmp_path / "models.yaml"
+    path.write_text("models:\n  - {model: /m/a, data_parallel_size: 2, env: {A: x}}\n"
+                    "  - {model: /m/b}\n")
+    specs = serve_configs(parse_args(["serve", "--models-config", str(path),
+                                      "--data-parallel-size", "3"]))
+    assert [(s.config.data_parallel_size, s.env) for s in specs] == [(2, {"A": "x"}), (3, {})]
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("models: []", "expected 'models:', a non-empty list"),
     ("- model: a", "expected 'models:', a non-empty list"),
@@ -65,6 +74,7 @@ def test_entries_override_the_flags(tmp_path: Path, suffix):
     ("models: [{max_num_seqs: true}]", "entry 1: max_num_seqs must be int, got True"),
     ("models: [{device: tpu}]", "entry 1: --device must be one of"),
     ("models: [{max_model_len: 0}]", "entry 1: --max-model-len must be at least 1"),
+    ("models: [{data_parallel_size: 0}]", "entry 1: --data-parallel-size must be at least 1"),
     ("models: [{model: a", "not valid YAML"),
     ("models: [{env: [CUDA_VISIBLE_DEVICES]}]", "entry 1: env must map variable names to"),
     ("models: [{env: {A: [1]}}]", "entry 1: env must map variable names to strings"),

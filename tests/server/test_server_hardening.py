@@ -123,7 +123,7 @@ def _in_process_app(tokenizer=None, **options):
     engine = SimpleNamespace(
         facts=SimpleNamespace(model_name="model", limits=LIMITS, lora=None,
                               sampling_defaults={}, labels=()),
-        tokenizer=tokenizer, is_running=True, stats=None, add_requests=_refuse)
+        tokenizer=tokenizer, is_running=True, engine_stats=lambda: [None], add_requests=_refuse)
     return create_app([engine], **options)
 
 

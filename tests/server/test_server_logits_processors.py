@@ -47,7 +47,8 @@ def _post(path: str, body: dict) -> tuple[httpx.Response, list]:
     engine = SimpleNamespace(
         facts=SimpleNamespace(model_name="model", limits=LIMITS, lora=None,
                               sampling_defaults={}, labels=()),
-        tokenizer=_Tokenizer(), is_running=True, stats=None, add_requests=add_requests)
+        tokenizer=_Tokenizer(), is_running=True, engine_stats=lambda: [None],
+        add_requests=add_requests)
 
     async def call():
         transport = httpx.ASGITransport(app=create_app([engine]))

@@ -68,7 +68,8 @@ def test_speculative_chat_equals_the_plain_engine_and_counts_its_drafts(default_
     assert metrics["spec_decode_num_drafts_total"] > 0 and 0 < accepted <= drafts
     text = httpx.get(f"{spec_server.url}/metrics", timeout=HTTP_TIMEOUT_S).text
     first = re.search(r'^pagedserve:spec_decode_num_accepted_tokens_per_pos_total\{'
-                      r'model_name="SmolLM2-135M-Instruct",position="0"\} (\S+)$', text, re.M)
+                      r'engine="0",model_name="SmolLM2-135M-Instruct",position="0"\} (\S+)$',
+                      text, re.M)
     assert first is not None and 0 < float(first.group(1)) <= accepted
 
 
