@@ -17,6 +17,13 @@ class AttentionBackend(ABC):
     values at ``meta.slot_mapping``, then returns causal attention of ``q`` over each sequence's
     whole context, shaped like ``q``: ``[num_tokens, num_heads, head_size]``. Grouped-query
     attention maps query head ``h`` to kv head ``h // (num_heads // num_kv_heads)``.
+
+    Two per-layer options change which keys a query sees and how it scores them (Gemma's
+    layers, Mistral's window): ``window`` (None: the whole context) lets a query at position
+    ``p`` see only keys ``p - window + 1 .. p``, itself and the ``window - 1`` before it, as
+    transformers' sliding-window mask does; ``softcap`` (None: none) replaces each scaled
+    score ``s`` by ``softcap * tanh(s / softcap)`` before the mask and the softmax. Both are
+    plain Python values fixed per layer, so a captured graph bakes them in.
     """
 
     def __init__(
@@ -40,4 +47,6 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...

@@ -15,6 +15,8 @@ whether its prefix came from the cache.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -79,37 +81,45 @@ class TorchPagedAttention(AttentionBackend):
         shape = (block_tables.shape[0], num_tokens, num_kv_heads, head_size)
         return gathered[:n].view(shape), gathered[n:].view(shape)
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
+        keys_seen = _KeysSeen(window, softcap)
         if meta.is_decode_only:
-            return self._decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len)
+            return self._decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
+                                keys_seen)
         out = torch.empty_like(q)
         short = [i for i, (n, total) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu))
                  if n == 1 or n <= SHORT_QUERY and n < total]
         if short:
-            self._short_queries(q, kv_cache, meta, short, out)
-        self._prefill(q, k, v, kv_cache, meta, out, skip=set(short))
+            self._short_queries(q, kv_cache, meta, short, out, keys_seen)
+        self._prefill(q, k, v, kv_cache, meta, out, set(short), keys_seen)
         return out
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """q ``[B, Lq, H, D]``, keys/values ``[B, Lk, Hkv, D]`` -> ``[B, Lq, H, D]``."""
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=mask, is_causal=causal, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
+                mask: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+        """q ``[B, Lq, H, D]``, keys/values ``[B, Lk, Hkv, D]`` -> ``[B, Lq, H, D]``; ``mask``
+        None: causal over ``Lq == Lk`` rows."""
+        q, keys, values = (x.transpose(1, 2) for x in (q, keys, values))
+        if softcap is not None:  # no fused kernel caps scores: spelled out
+            out = _capped_attention(q, keys, values, mask, self.scale, softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2)
 
-    def _decode(self, q, kv_cache, block_tables, seq_lens, max_seq_len: int) -> torch.Tensor:
+    def _decode(self, q, kv_cache, block_tables, seq_lens, max_seq_len: int,
+                keys_seen: _KeysSeen) -> torch.Tensor:
         """One query row per sequence, all sequences in one padded, masked attention."""
         keys, values = self._gather(kv_cache, block_tables, seq_lens, max_seq_len, q.dtype)
         positions = torch.arange(max_seq_len, device=q.device)
-        valid = positions[None, :] < seq_lens[:, None]
-        return self._attend(q[:, None], keys, values, valid[:, None, None, :], causal=False)[:, 0]
+        valid = keys_seen.mask(positions[None, :], (seq_lens - 1)[:, None])
+        return self._attend(q[:, None], keys, values, valid[:, None, None, :],
+                            keys_seen.softcap)[:, 0]
 
     def _short_queries(self, q, kv_cache, meta: AttentionMetadata, seqs: list[int],
-                       out: torch.Tensor) -> None:
+                       out: torch.Tensor, keys_seen: _KeysSeen) -> None:
         """Sequences ``seqs``' queries, padded to the longest of them, in one masked attention:
         query row r of a sequence of ``seq_len`` sits at ``seq_len - q_len + r`` and sees the
         keys up to it (a padded row repeats the last one; its result is dropped)."""
@@ -119,7 +129,7 @@ class TorchPagedAttention(AttentionBackend):
         starts = meta.query_start_loc[index].long()
         if width == 1:  # decodes only
             out[starts] = self._decode(q[starts], kv_cache, meta.block_tables[index],
-                                       meta.seq_lens[index], max_seq_len)
+                                       meta.seq_lens[index], max_seq_len, keys_seen)
             return
         seq_lens, lens = meta.seq_lens[index].long(), torch.tensor(q_lens, device=q.device)
         r = torch.arange(width, device=q.device)
@@ -128,13 +138,13 @@ class TorchPagedAttention(AttentionBackend):
                                     q.dtype)
         query_pos = (seq_lens - lens)[:, None] + r  # [B, width]
         key_pos = torch.arange(max_seq_len, device=q.device)
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, width, keys]
-        result = self._attend(q[rows], keys, values, mask[:, None], causal=False)
+        mask = keys_seen.mask(key_pos[None, None, :], query_pos[:, :, None])  # [B, width, keys]
+        result = self._attend(q[rows], keys, values, mask[:, None], keys_seen.softcap)
         valid = r[None, :] < lens[:, None]
         out[rows[valid]] = result[valid]
 
     def _prefill(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor,
-                 skip: set[int]) -> None:
+                 skip: set[int], keys_seen: _KeysSeen) -> None:
         """The other sequences, one attention call each."""
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
@@ -142,19 +152,46 @@ class TorchPagedAttention(AttentionBackend):
             start += q_len
             if i in skip:
                 continue
-            if q_len == seq_len:
-                # No cached context: attend over the fresh keys directly, as the cache holds
-                # them.
-                keys, values = (_as_cached(x[None, rows], kv_cache.dtype) for x in (k, v))
-                out[rows] = self._attend(q[None, rows], keys, values, None, causal=True)[0]
-                continue
-            keys, values = self._gather(kv_cache, meta.block_tables[i:i + 1],
-                                        meta.seq_lens[i:i + 1], seq_len, q.dtype)
-            # Query row r sits at position seq_len - q_len + r and sees keys up to it.
+            # Query row r sits at position seq_len - q_len + r.
             key_pos = torch.arange(seq_len, device=q.device)
             query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = key_pos[None, :] <= query_pos[:, None]
-            out[rows] = self._attend(q[None, rows], keys, values, mask, causal=False)[0]
+            mask = keys_seen.mask(key_pos[None, :], query_pos[:, None])
+            if q_len == seq_len:
+                # No cached context: attend over the fresh keys directly, as the cache holds
+                # them (plain causal attention needs no mask).
+                keys, values = (_as_cached(x[None, rows], kv_cache.dtype) for x in (k, v))
+                mask = mask if keys_seen.window is not None else None
+            else:
+                keys, values = self._gather(kv_cache, meta.block_tables[i:i + 1],
+                                            meta.seq_lens[i:i + 1], seq_len, q.dtype)
+            out[rows] = self._attend(q[None, rows], keys, values, mask, keys_seen.softcap)[0]
+
+
+class _KeysSeen(NamedTuple):
+    """A layer's window and score cap (``AttentionBackend``)."""
+
+    window: int | None
+    softcap: float | None
+
+    def mask(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+        """Which keys each query sees (broadcast): those up to its position, and within
+        its window."""
+        seen = key_pos <= query_pos
+        return seen if self.window is None else seen & (key_pos > query_pos - self.window)
+
+
+def _capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor | None, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with scores ``softcap * tanh(scale * q.k / softcap)``, in float32; q
+    ``[B, H, Lq, D]``, keys/values ``[B, Hkv, Lk, D]``, mask broadcast to ``[B, H, Lq, Lk]``
+    (None: causal)."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = (x.float().repeat_interleave(group, dim=1) for x in (keys, values))
+    scores = torch.tanh(q.float() @ keys.transpose(-1, -2) * (scale / softcap)) * softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (probs @ values).to(q.dtype)
 
 
 def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:

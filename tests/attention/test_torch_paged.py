@@ -11,8 +11,11 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.torch_paged import TorchPagedAttention
 
 
-def reference(q, keys, values, context_lens, query_lens, scale, group):
-    """Dense causal attention per sequence in float64; keys/values are whole sequences."""
+def reference(q, keys, values, context_lens, query_lens, scale, group, window=None,
+              softcap=None):
+    """Dense causal attention per sequence in float64; keys/values are whole sequences. With
+    ``window`` a row at position p sees keys p - window + 1 .. p; ``softcap`` caps the scaled
+    scores (``AttentionBackend``)."""
     outs, start = [], 0
     for ctx, n, k, v in zip(context_lens, query_lens, keys, values):
         qs = q[start:start + n].double()
@@ -20,8 +23,13 @@ def reference(q, keys, values, context_lens, query_lens, scale, group):
         k = k.double().repeat_interleave(group, dim=1)
         v = v.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        pos_q = torch.arange(ctx, ctx + n)[:, None]
-        scores = scores.masked_fill(torch.arange(ctx + n)[None, :] > pos_q, float("-inf"))
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos_q, pos_k = torch.arange(ctx, ctx + n)[:, None], torch.arange(ctx + n)[None, :]
+        hidden = pos_k > pos_q
+        if window is not None:
+            hidden |= pos_k <= pos_q - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
     return torch.cat(outs)
 
@@ -32,6 +40,19 @@ def reference(q, keys, values, context_lens, query_lens, scale, group):
 @pytest.mark.parametrize("shape", ["decode", "prefill", "chunked", "mixed"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_matches_dense_reference(block_size, heads, kv_heads, head_dim, shape, kv_dtype):
+    check(block_size, heads, kv_heads, head_dim, shape, kv_dtype)
+
+
+@pytest.mark.parametrize("shape", ["decode", "prefill", "chunked", "mixed"])
+@pytest.mark.parametrize("window,softcap", [(6, None), (None, 2.0), (11, 3.0)], ids=str)
+def test_window_and_softcap_match_dense_reference(shape, window, softcap):
+    """Windows shorter than the contexts and prompts, not multiples of the block size, and
+    caps that bend the scores, through every path (decode batch, short queries, prompts with
+    and without cached context)."""
+    check(4, 8, 2, 32, shape, torch.float32, window, softcap)
+
+
+def check(block_size, heads, kv_heads, head_dim, shape, kv_dtype, window=None, softcap=None):
     torch.manual_seed(0)
     cases = {  # (context already cached, new query rows) per sequence
         "decode": [(5, 1), (17, 1), (1, 1), (30, 1)],
@@ -75,9 +96,10 @@ def test_matches_dense_reference(block_size, heads, kv_heads, head_dim, shape, k
     q = torch.cat(q_rows)
     scale = head_dim ** -0.5
     backend = TorchPagedAttention(heads, head_dim, kv_heads, scale)
-    out = backend.forward(q, torch.cat(new_k), torch.cat(new_v), cache, meta)
+    out = backend.forward(q, torch.cat(new_k), torch.cat(new_v), cache, meta, window, softcap)
     expected = reference(q, [k.to(kv_dtype) for k in full_k], [v.to(kv_dtype) for v in full_v],
-                         [c for c, _ in cases], query_lens, scale, heads // kv_heads)
+                         [c for c, _ in cases], query_lens, scale, heads // kv_heads, window,
+                         softcap)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
     # The new keys landed in their slots, rounded as torch rounds them.

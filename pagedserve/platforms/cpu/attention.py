@@ -49,11 +49,12 @@ class CpuPagedAttention(TorchPagedAttention):
         self._meta: AttentionMetadata | None = None
         self._plan: _Plan | None = None
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         if meta is not self._meta:
             self._meta, self._plan = meta, _plan(meta)
         if self._plan is None or not _native_layout(q, k, v, kv_cache):
-            return super().forward(q, k, v, kv_cache, meta)
+            return super().forward(q, k, v, kv_cache, meta, window, softcap)
         out = torch.empty(q.shape, dtype=F32)
         num_blocks, block_size = kv_cache.shape[1:3]
         lib = layer_ops.library()
@@ -63,7 +64,8 @@ class CpuPagedAttention(TorchPagedAttention):
                 v.data_ptr(), v.stride(0), v.stride(1), kv_cache.data_ptr(),
                 kv_cache.dtype == torch.bfloat16, num_blocks,
                 *meta_args, self.num_heads, self.num_kv_heads, self.head_size, block_size,
-                self.scale, out.data_ptr(), torch.get_num_threads())
+                self.scale, window or 0, softcap or 0.0, out.data_ptr(),
+                torch.get_num_threads())
         return out
 
 

@@ -40,9 +40,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "lo_silu_and_mul": [p, i64, p, i64, i32, i32, i32],
         "lo_rotary": [p, p, i64, i64, i32, p, i64, i64, i32, p, p, i32, i32, i32],
         "lo_paged_decode": [p, i64, i64, p, i64, i64, p, i64, i64, p, i32, i64, p, p, i64,
-                            p, p, i32, i32, i32, i32, i32, f32, p, i32],
+                            p, p, i32, i32, i32, i32, i32, f32, i32, f32, p, i32],
         "lo_paged_prefill": [p, i64, i64, p, i64, i64, p, i64, i64, p, i32, i64, p, p, i64,
-                             p, p, i32, p, i32, i32, i32, i32, i32, f32, p, i32],
+                             p, p, i32, p, i32, i32, i32, i32, i32, f32, i32, f32, p, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

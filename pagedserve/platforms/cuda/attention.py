@@ -78,20 +78,24 @@ class TritonAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         self._check_cache_dtype(kv_cache)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         k_scale, v_scale = self._scales_on(kv_cache.device)
         reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
+        # The fp8 scales, and the layer's window and score cap.
+        layer = dict(k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap)
         if meta.is_decode_only:
             return decode_attention(
                 q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
-                max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale)
+                max_seq_len=meta.max_seq_len, **layer)
         if meta.decode_or_verify and meta.num_seqs <= _ROW_BY_ROW_MAX_SEQS:
             tables, row_lens = self._per_step(meta, _rows_of)
             return decode_attention(
                 q, key_cache, value_cache, tables, row_lens, self.scale,
-                max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale)
+                max_seq_len=meta.max_seq_len, **layer)
         split = self._per_step(meta, _one_row_split)
         out = None
         if split is not None:
@@ -99,11 +103,11 @@ class TritonAttentionBackend(AttentionBackend):
             out = torch.empty_like(q)
             out.index_copy_(0, rows, decode_attention(
                 q[rows], key_cache, value_cache, tables, lens, self.scale,
-                max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale))
+                max_seq_len=meta.max_seq_len, **layer))
         return prefill_attention(
             q, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            self.scale, max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale,
-            out=out, seq_ids=None if split is None else others)
+            self.scale, max_query_len=meta.max_query_len, out=out,
+            seq_ids=None if split is None else others, **layer)
 
     def _per_step(self, meta: AttentionMetadata, derive):
         """``derive(meta)``, once a step: one backend serves every layer, and the step's

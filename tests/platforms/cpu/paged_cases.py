@@ -104,17 +104,24 @@ def prefill_case(block_size: int, heads: int, kv_heads: int, dim: int, contexts:
 
 
 def causal_reference(q, keys, values, contexts: list[int], scale: float, group: int,
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     dtype: torch.dtype = torch.float32, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Float64 attention of each new row of sequence i (row j at position contexts[i] + j)
-    over keys 0 .. its position, as a cache of ``dtype`` holds them."""
+    over keys 0 .. its position (with ``window``, the last ``window`` of them), as a cache of
+    ``dtype`` holds them; ``softcap`` caps the scaled scores (``AttentionBackend``)."""
     outs, start = [], 0
     for k, v, c in zip(keys, values, contexts):
         n = k.shape[0] - c
         k = k.to(dtype).double().repeat_interleave(group, dim=1)
         v = v.to(dtype).double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:start + n].double(), k) * scale
-        future = torch.arange(k.shape[0])[None, :] > torch.arange(c, c + n)[:, None]
-        probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        key_pos, query_pos = torch.arange(k.shape[0])[None, :], torch.arange(c, c + n)[:, None]
+        hidden = key_pos > query_pos
+        if window is not None:
+            hidden |= key_pos <= query_pos - window
+        probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
         outs.append(torch.einsum("hqk,khd->qhd", probs, v))
         start += n
     return torch.cat(outs)

@@ -38,16 +38,17 @@ def native_only(monkeypatch):
     monkeypatch.setattr(TorchPagedAttention, "forward", None)
 
 
-def attend(heads, kv_heads, dim, contexts, news, kv_dtype, block_size=16, seed=0):
+def attend(heads, kv_heads, dim, contexts, news, kv_dtype, block_size=16, seed=0, window=None,
+           softcap=None):
     """(the kernel's output, the float64 reference, the pool's rows at the step's slots, the
     step's k and v)."""
     cache, q, k, v, meta, keys, values = prefill_case(block_size, heads, kv_heads, dim,
                                                       contexts, news, seed, kv_dtype)
     attention = CpuPagedAttention(heads, dim, kv_heads, dim ** -0.5)
-    out = attention.forward(q, k, v, cache, meta)
+    out = attention.forward(q, k, v, cache, meta, window, softcap)
     assert [name for name, _ in attention._plan.calls] == ["lo_paged_prefill"]
     expected = causal_reference(q, keys, values, contexts, dim ** -0.5, heads // kv_heads,
-                                kv_dtype)
+                                kv_dtype, window, softcap)
     written = cache.view(2, -1, kv_heads, dim)[:, meta.slot_mapping]
     return out, expected, written, k, v
 
@@ -58,10 +59,12 @@ def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def check_prefill(dims=(64, 20)) -> None:
-    """Both cache dtypes, GQA 3, prefixes 0 / 17 / 300: the kernel within TOL of float64."""
+    """Both cache dtypes, GQA 3, prefixes 0 / 17 / 300, and a window of 40 with scores capped
+    at 3: the kernel within TOL of float64."""
     for kv_dtype in KV_DTYPES:
-        for dim in dims:
-            out, expected, _, _, _ = attend(9, 3, dim, [0, 17, 300], [45, 1, 33], kv_dtype)
+        for dim, window, softcap in [(dim, None, None) for dim in dims] + [(dims[0], 40, 3.0)]:
+            out, expected, _, _, _ = attend(9, 3, dim, [0, 17, 300], [45, 1, 33], kv_dtype,
+                                            window=window, softcap=softcap)
             close(out, expected)
 
 
@@ -91,6 +94,22 @@ def test_chunks_across_tile_edges(poisoned, native_only, monkeypatch, block_size
         close(out, expected)
 
 
+@pytest.mark.parametrize("window,softcap", [(7, None), (45, 20.0), (None, 3.0)], ids=str)
+def test_window_and_softcap_in_both_kernels(poisoned, native_only, window, softcap):
+    """Windows shorter than a key tile and across several, and caps that bend the scores:
+    prompt chunks past the window (one starting mid-window after its cached prefix) through
+    ``lo_paged_prefill``, decode rows and a verify chunk through ``lo_paged_decode``, over
+    blocks of 5 (windows start mid-block)."""
+    contexts, news = [0, 40, 100, 33, 17, 64], [70, 1, 65, 3, 1, 2]
+    cache, q, k, v, meta, keys, values = prefill_case(5, 9, 3, 64, contexts, news, 11)
+    meta.decode_cpu = [False, True, False, True, True, False]
+    attention = CpuPagedAttention(9, 64, 3, 0.125)
+    out = attention.forward(q, k, v, cache, meta, window, softcap)
+    assert [name for name, _ in attention._plan.calls] == ["lo_paged_prefill", "lo_paged_decode"]
+    close(out, causal_reference(q, keys, values, contexts, 0.125, 3, window=window,
+                                softcap=softcap))
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_large_scores(native_only, kv_dtype):
     """Every query aligned with one key among random ones: scores far apart exercise the
@@ -101,12 +120,14 @@ def test_large_scores(native_only, kv_dtype):
     close(out, causal_reference(q, keys, values, [150], 1.0, 2, kv_dtype))
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_a_prompt_gets_the_same_numbers_however_chunked(native_only, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,window", [(torch.float32, None), (torch.bfloat16, None),
+                                             (torch.float32, 45)])
+def test_a_prompt_gets_the_same_numbers_however_chunked(native_only, kv_dtype, window):
     """A 300-token prompt in one chunk, and as chunks of 100, 77 and 123 after their cached
-    prefix: bit for bit the same output rows."""
+    prefix: bit for bit the same output rows (with a window too, whose first tile then
+    differs between a chunk's first and last rows)."""
     cache, q, k, v, meta, keys, values = prefill_case(16, 9, 3, 64, [0], [300], 7, kv_dtype)
-    whole = CpuPagedAttention(9, 64, 3, 0.125).forward(q, k, v, cache.clone(), meta)
+    whole = CpuPagedAttention(9, 64, 3, 0.125).forward(q, k, v, cache.clone(), meta, window)
     start = 0
     for n in (100, 77, 123):
         part, pq, pk, pv, pmeta, _, _ = prefill_case(16, 9, 3, 64, [start], [n], 7, kv_dtype)
@@ -116,7 +137,8 @@ def test_a_prompt_gets_the_same_numbers_however_chunked(native_only, kv_dtype):
         slots = (table[torch.arange(start) // 16] * 16 + torch.arange(start) % 16)
         flat[0, slots], flat[1, slots] = k[:start].to(kv_dtype), v[:start].to(kv_dtype)
         rows = slice(start, start + n)
-        out = CpuPagedAttention(9, 64, 3, 0.125).forward(q[rows], k[rows], v[rows], part, pmeta)
+        out = CpuPagedAttention(9, 64, 3, 0.125).forward(q[rows], k[rows], v[rows], part, pmeta,
+                                                         window)
         assert torch.equal(out, whole[rows])
         start += n
 
@@ -127,7 +149,9 @@ def test_a_prompt_gets_the_same_numbers_however_chunked(native_only, kv_dtype):
     # The last tile reads one key past the chunk (a poisoned slot).
     {"int M = tokens * group, kv_end = p0 + tokens;":
      "int M = tokens * group, kv_end = p0 + tokens + 1;"},
-], ids=["causal-off-by-one", "reads-past-the-end"])
+    # Off by one at the window's edge: each row sees one key more.
+    {"p0 + r / group - window + 1 - j0 : 0;": "p0 + r / group - window - j0 : 0;"},
+], ids=["causal-off-by-one", "reads-past-the-end", "window-off-by-one"])
 def test_check_catches_a_broken_kernel(tmp_path, monkeypatch, edit):
     lib = build_variant(layer_ops.SOURCE, tmp_path, monkeypatch, edit)
     monkeypatch.setattr(layer_ops, "library", lambda: layer_ops.declare(lib))

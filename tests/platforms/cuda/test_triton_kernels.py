@@ -135,8 +135,11 @@ def make_batch(
                  ref_k, ref_v)
 
 
-def ref_attention(batch: Batch, scale: float) -> torch.Tensor:
-    """Causal float64 attention of each sequence's queries over its reference keys."""
+def ref_attention(batch: Batch, scale: float, window: int | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
+    """Causal float64 attention of each sequence's queries over its reference keys; with
+    ``window`` a query at position p sees keys p - window + 1 .. p only, with ``softcap`` the
+    scaled scores are capped (``AttentionBackend``)."""
     q = batch.q.double().cpu()
     out = torch.empty_like(q)
     group = q.shape[1] // batch.ref_k[0].shape[1]
@@ -146,7 +149,13 @@ def ref_attention(batch: Batch, scale: float) -> torch.Tensor:
         ctx = k.shape[0] - qi.shape[0]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         s = torch.einsum("qhd,khd->hqk", qi, k) * scale
-        visible = torch.arange(k.shape[0])[None, :] <= ctx + torch.arange(qi.shape[0])[:, None]
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        key_pos = torch.arange(k.shape[0])[None, :]
+        query_pos = ctx + torch.arange(qi.shape[0])[:, None]
+        visible = key_pos <= query_pos
+        if window is not None:
+            visible &= key_pos > query_pos - window
         p = s.masked_fill(~visible, -math.inf).softmax(-1)
         out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", p, v)
     return out
@@ -226,7 +235,8 @@ PREFILL_CPU_CASES = [
 ]
 
 
-def _run_prefill(case, query_lens, context_lens, cache_dtype=None, scales=(1.0, 1.0), seed=0):
+def _run_prefill(case, query_lens, context_lens, cache_dtype=None, scales=(1.0, 1.0), seed=0,
+                 window=None, softcap=None):
     block_size, kvh, group, head_size, dtype, block_m, block_n = case
     batch = make_batch(query_lens, context_lens, kvh * group, kvh, head_size, block_size, dtype,
                        cache_dtype, scales, seed)
@@ -237,8 +247,9 @@ def _run_prefill(case, query_lens, context_lens, cache_dtype=None, scales=(1.0, 
     prefill_mod.prefill_attention(
         batch.q, batch.kv_cache[0], batch.kv_cache[1], batch.meta.block_tables,
         batch.meta.query_start_loc, batch.meta.seq_lens, scale, batch.meta.max_query_len,
-        k_scale, v_scale, out=out, block_m=block_m, block_n=block_n)
-    assert_close(out, ref_attention(batch, scale), dtype, cache_dtype == FP8)
+        k_scale, v_scale, out=out, block_m=block_m, block_n=block_n, window=window,
+        softcap=softcap)
+    assert_close(out, ref_attention(batch, scale, window, softcap), dtype, cache_dtype == FP8)
 
 
 @pytest.mark.parametrize("case", PREFILL_CPU_CASES, ids=str)
@@ -268,7 +279,8 @@ DECODE_CPU_CASES = [
 ]
 
 
-def _run_decode(case, seq_lens, cache_dtype=None, scales=(1.0, 1.0), seed=0):
+def _run_decode(case, seq_lens, cache_dtype=None, scales=(1.0, 1.0), seed=0, window=None,
+                softcap=None):
     block_size, kvh, group, head_size, dtype, partition_size, block_n = case
     batch = make_batch([1] * len(seq_lens), [s - 1 for s in seq_lens], kvh * group, kvh,
                        head_size, block_size, dtype, cache_dtype, scales, seed)
@@ -284,8 +296,9 @@ def _run_decode(case, seq_lens, cache_dtype=None, scales=(1.0, 1.0), seed=0):
         q, batch.kv_cache[0], batch.kv_cache[1], tables, seq_lens_t, scale,
         batch.meta.max_seq_len, k_scale, v_scale, out=out, partition_size=partition_size,
         config=decode_mod.DecodeConfig(*block_n) if isinstance(block_n, tuple) else
-        block_n and decode_mod.DecodeConfig(block_n))
-    assert_close(out[:-1], ref_attention(batch, scale), dtype, cache_dtype == FP8)
+        block_n and decode_mod.DecodeConfig(block_n), window=window, softcap=softcap)
+    assert_close(out[:-1], ref_attention(batch, scale, window, softcap), dtype,
+                 cache_dtype == FP8)
     assert torch.equal(out[-1].cpu(), torch.zeros_like(out[-1].cpu()))
 
 
@@ -326,6 +339,49 @@ def test_prefill_restricted_to_some_sequences():
     assert out.cpu()[~computed].isnan().all()
 
 
+# ------------------------------------------------------------- sliding window and score cap
+
+# (window, softcap): windows shorter than a key tile and than a block, not multiples of the
+# block size, and a cap small enough (scores of a few units) to bend every score.
+WINDOWS = [(5, None), (20, 3.0), (None, 2.0)]
+
+
+@pytest.mark.parametrize("window,softcap", WINDOWS, ids=str)
+def test_prefill_window_and_softcap(window, softcap):
+    """Prompts past the window, a chunk whose first row's window starts inside the cached
+    context (21 cached, window 20), a decode row and a prefix-cache hit, over tiles of 16
+    queries and 16 keys: every tile of the window's edge, the unmasked middle and the
+    diagonal."""
+    _run_prefill((8, 2, 2, 16, torch.float32, 16, 16), [13, 9, 1, 20, 40], [0, 21, 30, 16, 3],
+                 window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("window,softcap", WINDOWS, ids=str)
+def test_decode_window_over_many_blocks_and_partitions(window, softcap):
+    """Contexts of up to 17 blocks of 8 in partitions of 16 keys: the window (not a multiple
+    of the block) starts mid-block and mid-partition, and the merge counts only the window's
+    partitions."""
+    _run_decode((8, 2, 2, 16, torch.float32, 16, 16), [1, 17, 70, 45, 133], window=window,
+                softcap=softcap)
+
+
+def test_decode_window_and_softcap_fp8_packed_heads():
+    """The fp8 cache's word-pair tiles and two kv heads a program, windowed and capped."""
+    _run_decode((16, 4, 2, 32, torch.float16, 32, (16, 4, 2, 2)), [50, 3, 32, 61], FP8,
+                scales=(0.03, 0.4), window=21, softcap=2.5)
+
+
+@pytest.mark.parametrize("decode_or_verify", [False, True])
+def test_backend_window_and_softcap(decode_or_verify):
+    """A mixed step (its one-row sequences through the decode kernel) and a verify step (row
+    by row through it), windowed and capped, against the float64 reference."""
+    query_lens, context_lens = [1, 6, 1, 9], [40, 10, 3, 30]
+    batch = make_batch(query_lens, context_lens, 4, 2, 32, 8, torch.float16, seed=6)
+    batch.meta.decode_or_verify = decode_or_verify
+    assert_close(_backend_step(batch, "auto", window=13, softcap=2.0),
+                 ref_attention(batch, 32**-0.5, 13, 2.0), torch.float16, False)
+
+
 def test_partition_size_heuristic_fills_the_gpu():
     pick = decode_mod.pick_partition_size
     # Batch 1, 8 kv heads, 32k context on 132 SMs: enough programs for every SM.
@@ -337,12 +393,14 @@ def test_partition_size_heuristic_fills_the_gpu():
 
 # ---------------------------------------------------------------------------- backend
 
-def _backend_step(batch: Batch, kv_cache_dtype: str, scales=(1.0, 1.0)) -> torch.Tensor:
+def _backend_step(batch: Batch, kv_cache_dtype: str, scales=(1.0, 1.0), window=None,
+                  softcap=None) -> torch.Tensor:
     num_heads, head_size = batch.q.shape[1:]
     backend = TritonAttentionBackend(num_heads, head_size, batch.k.shape[1], head_size**-0.5,
                                      kv_cache_dtype=kv_cache_dtype)
     backend.set_kv_scales(*scales)
-    return backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.meta)
+    return backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.meta, window,
+                           softcap)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e4m3"])

@@ -9,7 +9,12 @@
    its key at key_cache + (s * num_kv_heads + kv_head) * head_dim, its value likewise. Its
    elements are float32 or bfloat16 (the upper half of a float32: the same exponent range);
    bfloat16 rows are widened to float32 as a chunk of them is read, so attention runs in
-   float32 either way. */
+   float32 either way.
+
+   The attention kernels take a layer's window and score cap (pagedserve/attention/backend.py):
+   window > 0 lets a query at position p see keys p - window + 1 .. p only (0: every key up
+   to p); softcap > 0 replaces each scaled score s by softcap * tanh(s / softcap) before the
+   softmax (0: none). */
 
 #include <math.h>
 #include <stdint.h>
@@ -41,6 +46,12 @@ static inline float exp_approx(float x) {
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     return p * two_n;
+}
+
+/* s[c] = softcap * tanh(scale * s[c] / softcap): Gemma 2's attention score cap. libm's
+   tanhf, which does not vectorise, but only capped layers pay for it. */
+static inline void cap_scores(float *s, int n, float scale, float softcap) {
+    for (int c = 0; c < n; c++) s[c] = softcap * tanhf(scale * s[c] / softcap);
 }
 
 /* residual != NULL: residual += x, out = weight * normalise(residual).
@@ -255,25 +266,27 @@ static inline void chunk_values(float *acc, const float *const *vrow, const floa
 #endif
 
 /* One sequence, query heads h0 .. h0 + nh - 1 (q rows q_s1 apart, out rows dim apart), all
-   reading kv head kv_head: online softmax over the keys, CHUNK keys per rescale. Each chunk's
+   reading kv head kv_head: online softmax over keys start .. seq_len - 1 (start > 0: the
+   row's window begins there), CHUNK keys per rescale. Each chunk's
    keys and values serve every head of the group while they are in L1. Always inlined, so
    the calls below with a constant dim unroll the loops over it, and a constant bf16 picks
    how chunk_rows reads the cache. */
 static ALWAYS_INLINE void attend_heads(
         const float *q, long q_s1, int nh, const void *key_cache, const void *value_cache,
-        const int32_t *table, int seq_len, int block_size, int kv_heads, int kv_head, int dim,
-        int bf16, float scale, float *out) {
+        const int32_t *table, int start, int seq_len, int block_size, int kv_heads,
+        int kv_head, int dim, int bf16, float scale, float softcap, float *out) {
     float acc[nh * dim], m[nh], l[nh], scores[CHUNK], widened[bf16 ? 2 * CHUNK * dim : 1];
     const float *krow[CHUNK], *vrow[CHUNK];
     for (int d = 0; d < nh * dim; d++) acc[d] = 0.f;
     for (int h = 0; h < nh; h++) m[h] = -INFINITY, l[h] = 0.f;
-    for (int j0 = 0; j0 < seq_len; j0 += CHUNK) {
+    for (int j0 = start; j0 < seq_len; j0 += CHUNK) {
         int n = seq_len - j0 < CHUNK ? seq_len - j0 : CHUNK;
         chunk_rows(key_cache, value_cache, table, j0, n, block_size, kv_heads, kv_head, dim,
                    bf16, widened, krow, vrow);
         for (int h = 0; h < nh; h++) {
             float *a = acc + h * dim;
             chunk_scores(q + h * q_s1, krow, n, dim, scale, scores);
+            if (softcap > 0.f) cap_scores(scores, n, 1.f, softcap);
             float chunk_max = -INFINITY, sum = 0.f;
             for (int c = 0; c < n; c++) chunk_max = scores[c] > chunk_max ? scores[c] : chunk_max;
             if (chunk_max > m[h]) {
@@ -299,12 +312,12 @@ static ALWAYS_INLINE void attend_heads(
 }
 
 static void attend_heads_any(const float *q, long q_s1, int nh, const void *key_cache,
-                             const void *value_cache, const int32_t *table, int seq_len,
-                             int block_size, int kv_heads, int kv_head, int dim, int bf16,
-                             float scale, float *out) {
+                             const void *value_cache, const int32_t *table, int start,
+                             int seq_len, int block_size, int kv_heads, int kv_head, int dim,
+                             int bf16, float scale, float softcap, float *out) {
 #define ATTEND(D, B)                                                                         \
-    attend_heads(q, q_s1, nh, key_cache, value_cache, table, seq_len, block_size, kv_heads,  \
-                 kv_head, D, B, scale, out)
+    attend_heads(q, q_s1, nh, key_cache, value_cache, table, start, seq_len, block_size,     \
+                 kv_heads, kv_head, D, B, scale, softcap, out)
 #define CASE(D)                                                                              \
     case D:                                                                                  \
         if (bf16) ATTEND(D, 1);                                                              \
@@ -328,13 +341,15 @@ static void attend_heads_any(const float *q, long q_s1, int nh, const void *key_
    sequence's seq_lens[i] cached tokens. Query head h reads kv head h / (heads / kv_heads).
    With `rows` (else NULL), sequence i's row of q, k, v, slot_mapping and out is rows[i]
    instead of i: the one-row sequences of a step whose other rows lo_paged_prefill takes. A
-   row's arithmetic depends on its sequence alone, never on the others of the call. */
+   row's arithmetic depends on its sequence alone, never on the others of the call. Its
+   query sits at position seq_lens[i] - 1; window and softcap as at the top of this file. */
 void lo_paged_decode(const float *q, long q_s0, long q_s1, const float *k, long k_s0,
                      long k_s1, const float *v, long v_s0, long v_s1, void *kv_cache,
                      int kv_bf16, long num_blocks, const int64_t *slot_mapping,
                      const int32_t *block_tables, long bt_stride, const int32_t *seq_lens,
                      const int64_t *rows, int seqs, int heads, int kv_heads, int dim,
-                     int block_size, float scale, float *out, int threads) {
+                     int block_size, float scale, int window, float softcap, float *out,
+                     int threads) {
     void *key_cache = kv_cache;
     void *value_cache = (char *)kv_cache
                         + num_blocks * block_size * kv_heads * dim * (kv_bf16 ? 2 : 4);
@@ -360,9 +375,10 @@ void lo_paged_decode(const float *q, long q_s0, long q_s1, const float *k, long 
         int i = w / (kv_heads * splits), g = w / splits % kv_heads, part = w % splits;
         int h0 = g * group + part * per, nh = group - part * per < per ? group - part * per : per;
         long r = rows ? rows[i] : i;
+        int start = window > 0 && seq_lens[i] > window ? seq_lens[i] - window : 0;
         attend_heads_any(q + r * q_s0 + h0 * q_s1, q_s1, nh, key_cache, value_cache,
-                         block_tables + i * bt_stride, seq_lens[i], block_size, kv_heads, g,
-                         dim, kv_bf16, scale, out + (r * heads + h0) * dim);
+                         block_tables + i * bt_stride, start, seq_lens[i], block_size, kv_heads,
+                         g, dim, kv_bf16, scale, softcap, out + (r * heads + h0) * dim);
     }
 }
 
@@ -372,7 +388,9 @@ void lo_paged_decode(const float *q, long q_s0, long q_s1, const float *k, long 
    bf16, widened) once for all the rows, the scores are a small matrix product, and each row
    keeps its own online softmax. Key tiles start at multiples of KV_TILE from position 0 and a
    row's arithmetic never depends on the other rows of its tile, so a row's result is the
-   same however its prompt was chunked or whether its prefix came from the cache. */
+   same however its prompt was chunked or whether its prefix came from the cache. With a
+   window the walk starts at the tile holding the first row's first key; a tile a row sees
+   nothing of adds exactly nothing to it, so that still holds. */
 #define KV_TILE 32
 /* 96 rows ran ~10% faster than 48 and as fast as 192 (4 x 512 tokens, 9 / 3 heads of 64,
    2 threads); fewer rows re-read each key tile more often, more grow the stack buffers. */
@@ -513,12 +531,13 @@ static ALWAYS_INLINE void tile_values(float *acc, int M, const float *p,
 /* One work item: tokens t0 .. t0 + tokens - 1 of a sequence (q and out point at token t0's
    first query head of the group, out rows heads * dim apart), the first of them at position
    p0, and the `group` query heads that read kv head kv_head. Row r is token r / group, head
-   r % group; it sees keys 0 .. p0 + r / group. Always inlined with a constant dim and bf16,
-   as attend_heads is. */
+   r % group; it sees keys 0 .. p0 + r / group (with a window, the last `window` of them).
+   Always inlined with a constant dim and bf16, as attend_heads is. */
 static ALWAYS_INLINE void prefill_tile(
         const float *q, long q_s0, long q_s1, int tokens, int group, int p0,
         const void *key_cache, const void *value_cache, const int32_t *table, int block_size,
-        int kv_heads, int kv_head, int dim, int bf16, float scale, float *out, long out_s0) {
+        int kv_heads, int kv_head, int dim, int bf16, float scale, int window, float softcap,
+        float *out, long out_s0) {
     int M = tokens * group, kv_end = p0 + tokens;
     float qs[M * dim], acc[M * dim], s[M * KV_TILE], kt[dim * KV_TILE], m[M], l[M];
     float widened[bf16 ? 2 * KV_TILE * dim : 1];
@@ -528,23 +547,28 @@ static ALWAYS_INLINE void prefill_tile(
         m[r] = -INFINITY, l[r] = 0.f;
     }
     for (int d = 0; d < M * dim; d++) acc[d] = 0.f;
-    for (int j0 = 0; j0 < kv_end; j0 += KV_TILE) {
+    int first_key = window > 0 && p0 >= window ? p0 - window + 1 : 0;
+    for (int j0 = first_key / KV_TILE * KV_TILE; j0 < kv_end; j0 += KV_TILE) {
         int n = kv_end - j0 < KV_TILE ? kv_end - j0 : KV_TILE;
         load_kv_tile(key_cache, value_cache, table, j0, n, block_size, kv_heads, kv_head, dim,
                      bf16, kt, widened, vrow);
         tile_scores(qs, M, kt, dim, s);
         for (int r = 0; r < M; r++) {
-            /* Keys past the row's position (or past the tile's n) get probability 0: exp_approx
-               never returns 0, so the mask cannot be a score of -inf. */
+            /* Keys past the row's position (or past the tile's n), and before its window, get
+               probability 0: exp_approx never returns 0, so the mask cannot be a score of
+               -inf. Columns from..seen - 1 are the row's. */
             float *sr = s + r * KV_TILE, row_max = -INFINITY, sum = 0.f;
             int seen = p0 + r / group - j0 + 1;
             seen = seen < n ? seen : n;
+            int from = window > 0 ? p0 + r / group - window + 1 - j0 : 0;
+            if (softcap > 0.f) cap_scores(sr, KV_TILE, scale, softcap);
+            float mul = softcap > 0.f ? 1.f : scale;  /* capped scores are scaled already */
             /* All KV_TILE lanes with a select, not a loop to `seen`: that one stays scalar,
                and was as slow as the two matrix products together. */
 #pragma omp simd reduction(max : row_max)
             for (int c = 0; c < KV_TILE; c++) {
-                sr[c] *= scale;
-                float x = c < seen ? sr[c] : -INFINITY;
+                sr[c] *= mul;
+                float x = c >= from && c < seen ? sr[c] : -INFINITY;
                 row_max = x > row_max ? x : row_max;
             }
             if (row_max > m[r]) {  /* never on a tile the row sees nothing of */
@@ -556,7 +580,7 @@ static ALWAYS_INLINE void prefill_tile(
             float mr = m[r];
 #pragma omp simd reduction(+ : sum)
             for (int c = 0; c < KV_TILE; c++) {
-                sr[c] = c < seen ? exp_approx(sr[c] - mr) : 0.f;
+                sr[c] = c >= from && c < seen ? exp_approx(sr[c] - mr) : 0.f;
                 sum += sr[c];
             }
             l[r] += sum;
@@ -572,10 +596,11 @@ static ALWAYS_INLINE void prefill_tile(
 static void prefill_tile_any(const float *q, long q_s0, long q_s1, int tokens, int group,
                              int p0, const void *key_cache, const void *value_cache,
                              const int32_t *table, int block_size, int kv_heads, int kv_head,
-                             int dim, int bf16, float scale, float *out, long out_s0) {
+                             int dim, int bf16, float scale, int window, float softcap,
+                             float *out, long out_s0) {
 #define TILE(D, B)                                                                           \
     prefill_tile(q, q_s0, q_s1, tokens, group, p0, key_cache, value_cache, table,            \
-                 block_size, kv_heads, kv_head, D, B, scale, out, out_s0)
+                 block_size, kv_heads, kv_head, D, B, scale, window, softcap, out, out_s0)
 #define CASE(D)                                                                              \
     case D:                                                                                  \
         if (bf16) TILE(D, 1);                                                                \
@@ -607,15 +632,17 @@ static int last_at_most(const int *starts, int count, int n) {
    last of its seq_lens[i] tokens (those before them are cached). q/k/v [rows, heads or
    kv_heads, dim], kv_cache and block tables as in lo_paged_decode. Writes every row's key and
    value to slot_mapping[row], then out [rows, heads, dim] (contiguous) is causal attention:
-   a row at position p sees the sequence's keys 0 .. p. With `seq_ids` (else NULL), only
-   sequences seq_ids[0 .. count - 1] are written and attended (their rows of out alone). */
+   a row at position p sees the sequence's keys 0 .. p (window and softcap as at the top of
+   this file). With `seq_ids` (else NULL), only sequences seq_ids[0 .. count - 1] are
+   written and attended (their rows of out alone). */
 void lo_paged_prefill(const float *q, long q_s0, long q_s1, const float *k, long k_s0,
                       long k_s1, const float *v, long v_s0, long v_s1, void *kv_cache,
                       int kv_bf16, long num_blocks, const int64_t *slot_mapping,
                       const int32_t *block_tables, long bt_stride,
                       const int32_t *query_start_loc, const int32_t *seq_lens, int seqs,
                       const int32_t *seq_ids, int count, int heads, int kv_heads, int dim,
-                      int block_size, float scale, float *out, int threads) {
+                      int block_size, float scale, int window, float softcap, float *out,
+                      int threads) {
     void *key_cache = kv_cache;
     void *value_cache = (char *)kv_cache
                         + num_blocks * block_size * kv_heads * dim * (kv_bf16 ? 2 : 4);
@@ -657,6 +684,7 @@ void lo_paged_prefill(const float *q, long q_s0, long q_s1, const float *k, long
         prefill_tile_any(q + r0 * q_s0 + (long)g * group * q_s1, q_s0, q_s1, tokens, group,
                          seq_lens[i] - len + t0, key_cache, value_cache,
                          block_tables + i * bt_stride, block_size, kv_heads, g, dim, kv_bf16,
-                         scale, out + (r0 * heads + (long)g * group) * dim, (long)heads * dim);
+                         scale, window, softcap, out + (r0 * heads + (long)g * group) * dim,
+                         (long)heads * dim);
     }
 }

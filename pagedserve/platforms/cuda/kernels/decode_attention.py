@@ -17,6 +17,12 @@ with a 32k context still spreads over every SM. It writes the
 partition's normalized output and its log2-sum-exp. Stage 2, grid ``(S, H)``, merges the
 partitions of each head with those weights. When the whole context fits one partition, stage 1
 writes the final output and stage 2 is skipped.
+
+With a window (``SLIDING``, the layer's ``window`` as an argument) a sequence's keys start at
+``max(seq_len - window, 0)``, every one of them visible to its one query row: the partitions
+cover those keys alone, so a windowed layer's decode reads ``window`` keys however long the
+context, and needs no mask beyond the ragged end. A score cap (``SOFTCAP``) as in
+``prefill_attention``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pagedserve.platforms.cuda.kernels.prefill_attention import (
     LOG2E,
     NEG_BIG,
     attend_tile,
+    capped,
     check_cache_pair,
     dot_precision,
     fp8_compute_dtype,
@@ -50,7 +57,7 @@ def _attend_tile_e4m3(
     acc_even, acc_odd, m_i, l_i, q_even, q_odd, n0, kv_end,
     k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs, stride_ch, qk_scale, offs_w,
     w_mask, row_head, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    PTX: tl.constexpr, HEADS: tl.constexpr,
+    PTX: tl.constexpr, HEADS: tl.constexpr, SOFTCAP: tl.constexpr, softcap,
 ):
     """``attend_tile`` for an fp8 cache read as int16 words (``e4m3_pairs``): element pairs
     split into even and odd halves, two dots per matmul, one accumulator per half."""
@@ -65,6 +72,8 @@ def _attend_tile_e4m3(
         k_words = tl.load(k_ptrs, mask=w_mask[:, None], other=0)
     k_even, k_odd = split_e4m3_pairs(k_words, PTX)
     s = (tl.dot(q_even, k_even) + tl.dot(q_odd, k_odd)) * qk_scale
+    if SOFTCAP:
+        s = capped(s, softcap)
     if HEADS > 1:
         mine = col_head[None, :] == row_head[:, None]
         s = tl.where(mine & n_valid[None, :] if MASKED else mine, s, float("-inf"))
@@ -89,6 +98,7 @@ def _attend_partition(
     stride_cb, stride_cs, stride_ch, stride_cd, qk_scale, offs_d, d_mask, row_head,
     GROUP_PAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, HEADS: tl.constexpr,
+    SOFTCAP: tl.constexpr, softcap,
 ):
     """Unnormalized output, running max and sum over keys ``start .. end`` of a 16- or 32-bit
     cache; ``BLOCK_N // HEADS`` keys a step."""
@@ -101,12 +111,14 @@ def _attend_partition(
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, n0, end, k_ptr, v_ptr, bt_row_ptr, stride_btn,
             stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, False, DOT_PREC, HEADS, stride_ch, row_head)
+            BLOCK_SIZE, BLOCK_N, False, DOT_PREC, HEADS, stride_ch, row_head,
+            SOFTCAP=SOFTCAP, softcap=softcap)
     if full_end < end:  # the ragged last tile of the sequence
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, full_end, end, k_ptr, v_ptr, bt_row_ptr, stride_btn,
             stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, True, DOT_PREC, HEADS, stride_ch, row_head)
+            BLOCK_SIZE, BLOCK_N, True, DOT_PREC, HEADS, stride_ch, row_head,
+            SOFTCAP=SOFTCAP, softcap=softcap)
     return acc, m_i, l_i
 
 
@@ -115,7 +127,7 @@ def _attend_partition_e4m3(
     q, start, end, k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs, stride_ch,
     qk_scale, row_head, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr,
-    HEADS: tl.constexpr,
+    HEADS: tl.constexpr, SOFTCAP: tl.constexpr, softcap,
 ):
     """``_attend_partition`` over an fp8 cache; the output's even and odd columns are
     accumulated apart and interleaved at the end."""
@@ -132,12 +144,12 @@ def _attend_partition_e4m3(
         acc_even, acc_odd, m_i, l_i = _attend_tile_e4m3(
             acc_even, acc_odd, m_i, l_i, q_even, q_odd, n0, end, k_ptr, v_ptr, bt_row_ptr,
             stride_btn, stride_cb, stride_cs, stride_ch, qk_scale, offs_w, w_mask, row_head,
-            BLOCK_SIZE, BLOCK_N, False, PTX, HEADS)
+            BLOCK_SIZE, BLOCK_N, False, PTX, HEADS, SOFTCAP, softcap)
     if full_end < end:  # the ragged last tile of the sequence
         acc_even, acc_odd, m_i, l_i = _attend_tile_e4m3(
             acc_even, acc_odd, m_i, l_i, q_even, q_odd, full_end, end, k_ptr, v_ptr,
             bt_row_ptr, stride_btn, stride_cb, stride_cs, stride_ch, qk_scale, offs_w, w_mask,
-            row_head, BLOCK_SIZE, BLOCK_N, True, PTX, HEADS)
+            row_head, BLOCK_SIZE, BLOCK_N, True, PTX, HEADS, SOFTCAP, softcap)
     acc = tl.reshape(tl.join(acc_even, acc_odd), (GROUP_PAD, HEAD_PAD))
     return acc, m_i, l_i
 
@@ -145,12 +157,13 @@ def _attend_partition_e4m3(
 # Ints that change from step to step (block-table width, partition count) are not specialised
 # on (Triton compiles a variant per "== 1" / "divisible by 16" pattern), so a new batch shape
 # never pays a compile mid-run.
-@triton.jit(do_not_specialize=["partition_size", "stride_bt", "stride_ps", "stride_ph"])
+@triton.jit(do_not_specialize=["partition_size", "stride_bt", "stride_ps", "stride_ph",
+                               "window"])
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, seq_lens_ptr,
     k_scale_ptr, v_scale_ptr,
-    sm_scale, partition_size,
+    sm_scale, partition_size, window, softcap,
     stride_qs, stride_qh, stride_qd,
     stride_os, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,
@@ -160,7 +173,7 @@ def _decode_partition_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PREC: tl.constexpr,
-    PTX: tl.constexpr, PDL: tl.constexpr,
+    PTX: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
 ):
     gate(PDL)
     seq = tl.program_id(0)
@@ -168,6 +181,8 @@ def _decode_partition_kernel(
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = part * partition_size
+    if SLIDING:
+        start += tl.maximum(seq_len - window, 0)
 
     rows = tl.arange(0, GROUP_PAD)
     row_head = rows // GROUP  # which of the program's kv heads a query row attends with
@@ -191,7 +206,7 @@ def _decode_partition_kernel(
     if HAS_SCALES:
         q = fp8_compute_dtype(q)
     q_pos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (seq_len - 1)
-    qk_scale = sm_scale * LOG2E
+    qk_scale = sm_scale if SOFTCAP else sm_scale * LOG2E
     if HAS_SCALES:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     k_ptr = k_cache_ptr + kv_head * stride_ch
@@ -203,12 +218,12 @@ def _decode_partition_kernel(
         acc, m_i, l_i = _attend_partition_e4m3(
             q, start, end, k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs,
             stride_ch, qk_scale, row_head, GROUP_PAD, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N,
-            PTX, HEADS)
+            PTX, HEADS, SOFTCAP, softcap)
     else:
         acc, m_i, l_i = _attend_partition(
             q, q_pos, start, end, k_ptr, v_ptr, bt_row_ptr, stride_btn, stride_cb, stride_cs,
             stride_ch, stride_cd, qk_scale, offs_d, d_mask, row_head, GROUP_PAD, HEAD_PAD,
-            BLOCK_SIZE, BLOCK_N, DOT_PREC, HEADS)
+            BLOCK_SIZE, BLOCK_N, DOT_PREC, HEADS, SOFTCAP, softcap)
 
     out = acc / l_i[:, None]
     if SINGLE_PARTITION:
@@ -222,19 +237,21 @@ def _decode_partition_kernel(
         tl.store(part_lse_ptr + p_off, m_i + tl.log2(l_i), mask=rows < GROUP * HEADS)
 
 
-@triton.jit(do_not_specialize=["partition_size", "stride_ps", "stride_ph"])
+@triton.jit(do_not_specialize=["partition_size", "stride_ps", "stride_ph", "window"])
 def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, v_scale_ptr,
-    partition_size,
+    partition_size, window,
     stride_os, stride_oh, stride_od,
     stride_ps, stride_ph, stride_pp,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
-    HAS_SCALES: tl.constexpr, PDL: tl.constexpr,
+    HAS_SCALES: tl.constexpr, SLIDING: tl.constexpr, PDL: tl.constexpr,
 ):
     gate(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    if SLIDING:  # the keys stage 1 attended: the window's
+        seq_len = tl.minimum(seq_len, window)
     num_parts = tl.cdiv(seq_len, partition_size)
     offs_d = tl.arange(0, HEAD_PAD)
     base = seq.to(tl.int64) * stride_ps + head * stride_ph
@@ -336,8 +353,11 @@ def decode_attention(
     out: torch.Tensor | None = None,
     partition_size: int | None = None,
     config: DecodeConfig | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """One decode step of attention; layouts in the module docstring.
+    """One decode step of attention; layouts in the module docstring. ``window``/``softcap``:
+    the layer's (``AttentionBackend``), None for none.
 
     ``max_seq_len`` sizes the grid and must be at least every ``seq_lens`` entry (an upper bound
     is fine, e.g. under CUDA graphs). ``partition_size`` (a power of two, multiple of the
@@ -367,6 +387,8 @@ def decode_attention(
                          f"size and contiguous heads, not {head_size} and stride "
                          f"{key_cache.stride(3)}")
     num_sms = sm_count(q.device)
+    if window is not None:  # no sequence attends more keys than its window
+        max_seq_len = min(max_seq_len, window)
     if partition_size is None:
         # The default tiles (at most 128 keys) never raise the heuristic's floor of 128.
         partition_size = pick_partition_size(num_seqs, num_kv_heads, max_seq_len, num_sms,
@@ -400,7 +422,7 @@ def decode_attention(
     _decode_partition_kernel[(num_seqs, num_kv_heads // heads, num_parts)](
         q, key_cache, value_cache, out, part_out, part_lse,
         block_tables, seq_lens, *scales,
-        scale, partition_size,
+        scale, partition_size, window or 0, softcap or 1.0,
         *q.stride(), *out.stride(), *key_cache.stride(), *block_tables.stride(),
         *part_strides,
         GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
@@ -408,16 +430,17 @@ def decode_attention(
         SINGLE_PARTITION=single, HAS_SCALES=has_scales,
         DOT_PREC=dot_precision(q.dtype, gpu_arch(q.device)),
         PTX=q.device.type == "cuda" and gpu_arch(q.device) is None,
+        SLIDING=window is not None, SOFTCAP=softcap is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(q.device),
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, seq_lens, scales[1],
-            partition_size,
+            partition_size, window or 0,
             *out.stride(), *part_strides,
             HEAD_SIZE=head_size, HEAD_PAD=head_pad,
             BLOCK_P=min(32, triton.next_power_of_2(num_parts)),
-            HAS_SCALES=has_scales,
+            HAS_SCALES=has_scales, SLIDING=window is not None,
             num_warps=4, **launch_options(q.device),
         )
     return out

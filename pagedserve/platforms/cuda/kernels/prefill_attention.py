@@ -18,6 +18,11 @@ Grid ``(cdiv(max_query_len, BLOCK_M // GROUP_PAD), num_seqs, KVH)``: one program
 share one kv head, so each K/V tile is loaded once per GQA group and a decode row (query_len 1)
 in a mixed batch still fills ``GROUP`` rows of the tile. Key tiles that every row may see run
 without a mask; only the diagonal tiles pay for it.
+
+A layer's window and score cap (``AttentionBackend``) are compile-time switches
+(``SLIDING``, ``SOFTCAP``) with their values as arguments, so a layer without them compiles to
+the same kernel as before. With a window, a program walks only the tiles its rows' windows
+reach: those the window's lower edge cuts through take the mask, the rest run without it.
 """
 
 from __future__ import annotations
@@ -77,6 +82,15 @@ def softmax_step(s, m_i, l_i):
 
 
 @triton.jit
+def capped(s, softcap):
+    """``softcap * tanh(s / softcap)`` for scaled scores ``s``, returned in the log2 domain
+    (times log2(e)). tanh as ``1 - 2 / (e^2x + 1)``, which saturates to +-1 where e^2x
+    overflows or vanishes, never NaN."""
+    tanh = 1.0 - 2.0 / (tl.exp2(s * (2.0 * LOG2E / softcap)) + 1.0)
+    return tanh * (softcap * LOG2E)
+
+
+@triton.jit
 def attend_tile(
     acc, m_i, l_i, q, q_pos,
     n0, kv_end,
@@ -86,13 +100,16 @@ def attend_tile(
     offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     DOT_PREC: tl.constexpr, HEADS: tl.constexpr = 1, stride_ch=0, row_head=0,
+    SLIDING: tl.constexpr = False, window=0, SOFTCAP: tl.constexpr = False, softcap=1.0,
 ):
     """One online-softmax step over keys ``n0 .. n0 + BLOCK_N`` of one sequence and kv head.
 
     ``k_ptr``/``v_ptr`` already point at the kv head; ``bt_row_ptr`` at the sequence's block
-    table row. Scores are in the log2 domain (``qk_scale`` includes log2(e)). With ``MASKED``
-    keys at or past ``kv_end`` and keys after a row's ``q_pos`` are dropped; without it every
-    key in the tile must be valid and visible to every row.
+    table row. Scores are in the log2 domain (``qk_scale`` includes log2(e), except with
+    ``SOFTCAP``, where ``capped`` applies it). With ``MASKED`` keys at or past ``kv_end`` and
+    keys after a row's ``q_pos`` are dropped, and with ``SLIDING`` too those at or before
+    ``q_pos - window``; without ``MASKED`` every key in the tile must be valid and visible to
+    every row.
 
     ``HEADS > 1`` (decode): the tile's columns are ``HEADS`` kv heads (``stride_ch`` apart) of
     ``BLOCK_N // HEADS`` keys each, ``n0 ..``; row ``r`` attends only to kv head
@@ -109,8 +126,12 @@ def attend_tile(
         k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
 
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * qk_scale
+    if SOFTCAP:
+        s = capped(s, softcap)
     if MASKED:
         visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible &= offs_n[None, :] > q_pos[:, None] - window
         if HEADS > 1:
             visible &= col_head[None, :] == row_head[:, None]
         s = tl.where(visible, s, float("-inf"))
@@ -138,12 +159,12 @@ def fp8_compute_dtype(q):
 
 
 # The block-table width changes from step to step: not specialised on, so no mid-run compiles.
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, seq_ids_ptr,
     k_scale_ptr, v_scale_ptr,
-    sm_scale,
+    sm_scale, window, softcap,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,
@@ -152,7 +173,7 @@ def _prefill_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SCALES: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
-    PDL: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
 ):
     gate(PDL)
     q_block = tl.program_id(0)
@@ -184,7 +205,7 @@ def _prefill_kernel(
         q = fp8_compute_dtype(q)
     q_pos = ctx_len + tok
 
-    qk_scale = sm_scale * LOG2E
+    qk_scale = sm_scale if SOFTCAP else sm_scale * LOG2E
     if HAS_SCALES:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     k_ptr = k_cache_ptr + kv_head * stride_ch
@@ -196,17 +217,32 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # Keys 0..ctx_len + tok0 are visible to every row of this tile: no mask.
     full_end = (ctx_len + tok0 + 1) // BLOCK_N * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
+    kv_end = tl.minimum(seq_len, ctx_len + tok0 + BLOCK_Q)
+    first = 0
+    if SLIDING:
+        # The first row's window starts at ctx_len + tok0 - window + 1, the last row's at
+        # kv_end - window: tiles before that edge's tile hold no visible key, tiles from it
+        # to the last one its tile cuts take the mask, and only the rest run without.
+        lo = tl.maximum(ctx_len + tok0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        first = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N,
+                           full_end)
+        for n0 in range(lo, first, BLOCK_N):
+            acc, m_i, l_i = attend_tile(
+                acc, m_i, l_i, q, q_pos, n0, seq_len, k_ptr, v_ptr, bt_row_ptr, stride_btn,
+                stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
+                BLOCK_SIZE, BLOCK_N, True, DOT_PREC, SLIDING=True, window=window,
+                SOFTCAP=SOFTCAP, softcap=softcap)
+    for n0 in range(first, full_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, n0, seq_len, k_ptr, v_ptr, bt_row_ptr, stride_btn,
             stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, False, DOT_PREC)
-    kv_end = tl.minimum(seq_len, ctx_len + tok0 + BLOCK_Q)
+            BLOCK_SIZE, BLOCK_N, False, DOT_PREC, SOFTCAP=SOFTCAP, softcap=softcap)
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, n0, kv_end, k_ptr, v_ptr, bt_row_ptr, stride_btn,
             stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, True, DOT_PREC)
+            BLOCK_SIZE, BLOCK_N, True, DOT_PREC, SLIDING=SLIDING, window=window,
+            SOFTCAP=SOFTCAP, softcap=softcap)
 
     out = acc / l_i[:, None]
     if HAS_SCALES:
@@ -262,8 +298,11 @@ def prefill_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     seq_ids: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` over the paged cache; layouts in the module docstring.
+    ``window``/``softcap``: the layer's (``AttentionBackend``), None for none.
 
     ``k_scale``/``v_scale`` are one-element float32 tensors, required for an fp8 cache.
     ``block_m``/``block_n`` override the tile shape (tests use them to cover tile edges).
@@ -293,12 +332,13 @@ def prefill_attention(
         q, key_cache, value_cache, out,
         block_tables, query_start_loc, seq_lens, seq_lens if seq_ids is None else seq_ids,
         k_scale if has_scales else seq_lens, v_scale if has_scales else seq_lens,
-        scale,
+        scale, window or 0, softcap or 1.0,
         *q.stride(), *out.stride(), *key_cache.stride(), *block_tables.stride(),
         GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_SCALES=has_scales, DOT_PREC=dot_precision(q.dtype, gpu_arch(q.device)),
-        HAS_SEQ_IDS=seq_ids is not None, num_warps=num_warps, num_stages=num_stages,
+        HAS_SEQ_IDS=seq_ids is not None, SLIDING=window is not None,
+        SOFTCAP=softcap is not None, num_warps=num_warps, num_stages=num_stages,
         **launch_options(q.device),
     )
     return out
