@@ -110,8 +110,8 @@ class EngineConfig:
         None, "tokens computed in one step, at most (default: 2048; without chunked prefill "
               "at least --max-model-len)")
     max_model_len: int | None = option(
-        None, "context length (default: the model's, or its sliding window if smaller, "
-              "lowered to what the KV cache holds)")
+        None, "context length (default: the model's, lowered to what the KV cache holds; a "
+              "Qwen model with use_sliding_window: its window)")
     kv_cache_memory_bytes: int | None = option(
         None, "bytes for the KV cache (default: sized from --gpu-memory-utilization)",
         exclusive="kv_cache_size")
@@ -590,9 +590,6 @@ class EngineConfig:
 
     def _max_model_len(self, arch: ModelArchConfig) -> int:
         limit = arch.max_position_embeddings
-        if arch.sliding_window and arch.sliding_window < limit:
-            # Sliding-window attention is not implemented: stay inside one window.
-            limit = arch.sliding_window
         wanted = self.max_model_len or limit
         if wanted > limit:
             raise ConfigError(f"--max-model-len {wanted} exceeds the model's limit of {limit}")

@@ -142,10 +142,12 @@ def test_resolve_explicit_values_win():
             resolved.async_scheduling) == (torch.bfloat16, 1000, 512, False)
 
 
-def test_max_model_len_stays_inside_the_sliding_window():
-    assert EngineConfig().resolve(_arch(32768, 4096), _Cpu).max_model_len == 4096
-    with pytest.raises(ConfigError, match="--max-model-len 5000 exceeds the model's limit of 4096"):
-        EngineConfig(max_model_len=5000).resolve(_arch(32768, 4096), _Cpu)
+def test_a_sliding_window_does_not_limit_the_context():
+    """The attention honours the window (Mistral-7B-v0.1: 4,096 within 32,768 positions)."""
+    assert EngineConfig().resolve(_arch(32768, 4096), _Cpu).max_model_len == 32768
+    with pytest.raises(ConfigError,
+                       match="--max-model-len 32769 exceeds the model's limit of 32768"):
+        EngineConfig(max_model_len=32769).resolve(_arch(32768, 4096), _Cpu)
 
 
 def test_longrope_context_is_the_whole_max_position_embeddings():

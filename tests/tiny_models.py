@@ -104,6 +104,30 @@ ARCH_CONFIGS = {
     ),
     # Qwen3-30B-A3B's layout: Qwen3 attention, 8 experts of 32, top 3 renormalised.
     "qwen3-moe": dict(_QWEN3_MOE, norm_topk_prob=True),
+    # Gemma 2's layout at a window of 8 (layers 0 and 2 local, transformers' default rule):
+    # head_dim 24 (not hidden / heads), softmax scale 20 ** -0.5 (not head_dim's), GQA 2:1,
+    # tied; caps small enough to bend the random model's scores (about 0.5) and logits.
+    "gemma2": dict(
+        architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_size=64,
+        intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=1024, query_pre_attn_scalar=20, sliding_window=8,
+        attn_logit_softcapping=1.0, final_logit_softcapping=1.5,
+    ),
+    # Gemma 3's layout at a window of 8: layers 0 and 2 local (rotated with base 1e4), layer 1
+    # global (base 1e6, linear scaling x4, as the 4B's); q/k norms, head_dim 32, GQA 4:1,
+    # tied. attn_logit_softcapping is set to show it stays unapplied, as transformers'
+    # Gemma 3 leaves it.
+    "gemma3": dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=64,
+        intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=1024,
+        query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=1.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0,
+                                                rope_theta=1000000.0),
+                         "sliding_attention": dict(rope_type="default", rope_theta=10000.0)},
+    ),
     # Top-k weights as the softmax left them (norm_topk_prob false, transformers' default),
     # and layer 1 a dense MLP of intermediate_size (mlp_only_layers).
     "qwen3-moe-dense1": dict(_QWEN3_MOE, norm_topk_prob=False, mlp_only_layers=[1]),
@@ -163,6 +187,8 @@ def write_tiny_model(folder: Path, arch: str, seed: int = 0, base_model: bool = 
                 p.normal_(0.0, 0.08)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)  # not all ones: a swapped or skipped load shows
+            elif name.endswith("norm.weight") and "gemma" in config.model_type:
+                p.uniform_(-0.5, 0.5)  # Gemma's 1 + w: zeros (its init) would hide a swap
     model.save_pretrained(folder)
     _train_tokenizer().save_pretrained(folder)
     return folder

@@ -7,10 +7,12 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                           "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM")
+                           "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Qwen2 and Qwen3 configs carry a sliding_window that only applies with use_sliding_window.
 _WINDOW_FLAG_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
                               "Qwen3MoeForCausalLM")
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Qwen2 attention: q/k/v biases.
 _QWEN2_ATTENTION = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 # Qwen3 attention: per-head q/k norms, no attention biases.
@@ -63,7 +65,11 @@ class ModelArchConfig:
     # Qwen3's ``self_attn.q_norm`` / ``k_norm``.
     qk_norm: bool = False
     rope_scaling: dict[str, Any] | None = None
+    # Sliding-window attention: a query sees itself and the ``sliding_window - 1`` keys before
+    # it (``AttentionBackend``), in the layers of ``sliding_layers`` (Gemma's local layers),
+    # or in every layer where that is None (Mistral, Phi-3). None: no window.
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -104,6 +110,16 @@ class ModelArchConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Gemma 2 and 3 (``models/gemma.py``): each sublayer's output is normalised too
+    # (``post_attention_layernorm`` on attention's, ``pre_/post_feedforward_layernorm`` around
+    # the MLP's). Gemma 2 caps attention scores (``attn_logit_softcap``, ``AttentionBackend``)
+    # and logits (``final_logit_softcap``: ``cap * tanh(logits / cap)``); None: no cap. Gemma 3's
+    # local layers rotate with ``rope_local_theta`` and no scaling, its global layers with
+    # ``rope_theta`` and ``rope_scaling``; None: every layer as the global ones.
+    sandwich_norms: bool = False
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    rope_local_theta: float | None = None
     # Matryoshka embeddings (vLLM reads the same keys): a prefix of the pooled vector is an
     # embedding too. ``matryoshka_dimensions`` lists the sizes trained, when the config
     # names them; ``is_matryoshka`` alone allows any size up to hidden_size.
@@ -143,6 +159,12 @@ class ModelArchConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer``'s attention; None: the whole context."""
+        if self.sliding_layers is not None and layer not in self.sliding_layers:
+            return None
+        return self.sliding_window
+
     @property
     def attention_scale(self) -> float:
         """The softmax scale every attention backend is given."""
@@ -167,20 +189,25 @@ class ModelArchConfig:
         if qwen3 and cfg.get("attention_bias", False):
             raise UnsupportedModel("Qwen3 with attention_bias (biases on q/k/v and o_proj) is "
                                    "not supported; the released Qwen3 models have none")
-        # transformers' Qwen3Config defaults head_dim to 128, whatever hidden/heads is
-        # (Qwen3MoeConfig has no default: hidden / heads).
-        head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM"
-                                           else cfg["hidden_size"] // num_heads)
+        # transformers' Qwen3Config defaults head_dim to 128 and Gemma's to 256, whatever
+        # hidden/heads is (Qwen3MoeConfig has no default: hidden / heads).
+        head_dim = cfg.get("head_dim") or _DEFAULT_HEAD_DIMS.get(
+            arch, cfg["hidden_size"] // num_heads)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         # Qwen2 has q/k/v biases (transformers 5's Qwen2MoeConfig names them qkv_bias, on
         # unless said); Llama exposes them as a flag.
         bias = ((arch in _QWEN2_ATTENTION and bool(cfg.get("qkv_bias", True)))
                 or bool(cfg.get("attention_bias", False)))
-        # With use_sliding_window the context is kept inside one window (EngineConfig), where
-        # windowed and full attention agree.
-        window = cfg.get("sliding_window")
-        if arch in _WINDOW_FLAG_ARCHITECTURES and not cfg.get("use_sliding_window", False):
+        window, max_positions = cfg.get("sliding_window"), cfg.get("max_position_embeddings", 2048)
+        if arch in _WINDOW_FLAG_ARCHITECTURES:
+            # transformers' rules for which Qwen layers slide differ by model and version
+            # (Qwen2: from max_window_layers on; Qwen2-MoE: alternate layers below it;
+            # Qwen3-MoE: all), and no released Qwen model turns use_sliding_window on: with it
+            # the context stays inside one window, where every rule agrees, and no layer
+            # needs one.
+            if cfg.get("use_sliding_window", False) and window:
+                max_positions = min(max_positions, window)
             window = None
         if cfg.get("mlp_bias", False):
             raise UnsupportedModel(f"{arch} with mlp_bias (biases on the MLP projections) is "
@@ -195,6 +222,10 @@ class ModelArchConfig:
                 rope_scaling = params
         phi3 = _phi3_fields(arch, cfg, params, rope_scaling)
         rope_scaling = phi3.pop("rope_scaling", rope_scaling)
+        gemma = _gemma_fields(arch, cfg, rope_theta, rope_scaling)
+        rope_theta = gemma.pop("rope_theta", rope_theta)
+        rope_scaling = gemma.pop("rope_scaling", rope_scaling)
+        window = gemma.pop("sliding_window", window)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -206,10 +237,11 @@ class ModelArchConfig:
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=max_positions,
+            # Gemma's configs leave it out: tied, as transformers' defaults say.
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in _GEMMA)),
             attention_bias=bias,
-            qk_norm=qwen3,
+            qk_norm=qwen3 or arch == "Gemma3ForCausalLM",
             rope_scaling=rope_scaling,
             sliding_window=window,
             bos_token_id=cfg.get("bos_token_id"),
@@ -221,6 +253,7 @@ class ModelArchConfig:
             **_moe_fields(arch, cfg),
             **phi3,
             **_granite_fields(arch, cfg),
+            **gemma,
             **_matryoshka_fields(cfg),
         )
 
@@ -328,6 +361,68 @@ def _phi3_fields(arch: str, cfg: dict[str, Any], params: dict[str, Any],
                                   "max_position_embeddings":
                                       cfg.get("max_position_embeddings", 2048)}
     return fields
+
+
+_DEFAULT_HEAD_DIMS = {"Qwen3ForCausalLM": 128, "Gemma2ForCausalLM": 256,
+                      "Gemma3ForCausalLM": 256}
+
+
+def _gemma_fields(arch: str, cfg: dict[str, Any], rope_theta: float,
+                  rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """Gemma 2's and 3's fields, with transformers' defaults where a config leaves them out:
+    the softmax scale ``query_pre_attn_scalar ** -0.5``, the window's layers, the caps, and
+    Gemma 3's two rotations. Configs saved by transformers 5 list ``layer_types`` and nest
+    Gemma 3's rope settings by layer type (``rope_parameters``); older ones give
+    ``sliding_window_pattern`` (Gemma 3: every layer but each 6th slides; Gemma 2: every
+    other layer, from the first) and ``rope_theta`` / ``rope_local_base_freq`` /
+    ``rope_scaling``."""
+    if arch not in _GEMMA:
+        return {}
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedModel(f"{arch} with hidden_activation {act!r}: only "
+                               "gelu_pytorch_tanh (every released Gemma 2 and 3) is supported")
+    if cfg.get("use_bidirectional_attention") or cfg.get("attention_bias"):
+        raise UnsupportedModel(f"{arch} with use_bidirectional_attention or attention_bias "
+                               "(EmbeddingGemma's) is not supported")
+    gemma3 = arch == "Gemma3ForCausalLM"
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        every = cfg.get("sliding_window_pattern", 6) if gemma3 else 2
+        types = ["sliding_attention" if (i + 1) % every else "full_attention"
+                 for i in range(layers)]
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if len(types) != layers or unknown:
+        raise UnsupportedModel(f"{arch}: layer_types must name sliding_attention or "
+                               f"full_attention for each of {layers} layers, got {types!r:.120}")
+    fields: dict[str, Any] = dict(
+        sandwich_norms=True,
+        sliding_window=cfg.get("sliding_window", 4096),
+        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        attention_multiplier=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        final_logit_softcap=cfg.get("final_logit_softcapping", None if gemma3 else 30.0),
+        # transformers' Gemma 3 reads attn_logit_softcapping but never applies it.
+        attn_logit_softcap=None if gemma3 else cfg.get("attn_logit_softcapping", 50.0))
+    if gemma3:
+        fields.update(_gemma3_rope(cfg, rope_theta, rope_scaling))
+    return fields
+
+
+def _gemma3_rope(cfg: dict[str, Any], rope_theta: float,
+                 rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """Gemma 3's global rotation (``rope_theta``, default 1e6, and its scaling) and its local
+    layers' base (``rope_local_base_freq``, default 1e4), from either config form."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5: settings by layer type
+        full = params["full_attention"]
+        local = params.get("sliding_attention") or {}
+        scaling = full if full.get("rope_type", "default") != "default" else None
+        return dict(rope_theta=full.get("rope_theta", 1e6), rope_scaling=scaling,
+                    rope_local_theta=float(local.get("rope_theta", 1e4)))
+    theta = cfg.get("rope_theta")
+    return dict(rope_theta=1e6 if theta is None else theta, rope_scaling=rope_scaling,
+                rope_local_theta=float(cfg.get("rope_local_base_freq", 1e4)))
 
 
 def _granite_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention.backend import AttentionBackend
@@ -29,6 +30,22 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: its weight is an offset from one, ``x * (1 + weight)``, multiplied in
+    float32 before the cast back (Llama's casts first), as transformers computes it. Plain
+    torch ops: the platforms' fused norms compute Llama's."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                into: Linear | None = None):
+        """As ``RMSNorm.forward``; ``into`` is ignored (the next layer quantizes, if it does)."""
+        if residual is not None:
+            x = residual = x + residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (h * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
 class SiluAndMul(nn.Module):
     """SwiGLU on a fused gate/up projection: silu(gate) * up."""
 
@@ -45,12 +62,25 @@ class SiluAndMul(nn.Module):
         return self.ops.silu_and_mul(x)
 
 
-class PagedAttention(nn.Module):
-    """Runs the platform's attention backend against this layer's slice of the KV cache."""
+class GeluAndMul(nn.Module):
+    """GeGLU on a fused gate/up projection: gelu(gate) * up, gelu in its tanh approximation
+    (transformers' ``gelu_pytorch_tanh``)."""
 
-    def __init__(self, backend: AttentionBackend) -> None:
+    def forward(self, x: torch.Tensor, into: Linear | None = None) -> torch.Tensor:
+        """``into`` is ignored (the next layer quantizes, if it does)."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+class PagedAttention(nn.Module):
+    """Runs the platform's attention backend against this layer's slice of the KV cache, with
+    the layer's sliding window and score cap (``AttentionBackend``; None: none)."""
+
+    def __init__(self, backend: AttentionBackend, window: int | None = None,
+                 softcap: float | None = None) -> None:
         super().__init__()
         self.backend = backend
+        self.window, self.softcap = window, softcap
 
     def forward(self, q, k, v, kv_cache: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.backend.forward(q, k, v, kv_cache, ctx.attn)
+        return self.backend.forward(q, k, v, kv_cache, ctx.attn, self.window, self.softcap)

@@ -42,10 +42,12 @@ _STACKED = {
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding,
                  backend: AttentionBackend, ops: type[LayerOps], linears: LinearFactory,
-                 input_size: int | None = None) -> None:
+                 input_size: int | None = None, window: int | None = None,
+                 norm: type[RMSNorm] = RMSNorm) -> None:
         """``input_size``: the width q/k/v are projected from, the hidden size unless given
         (an EAGLE-3 head's layer reads a token's embedding and a hidden state side by
-        side)."""
+        side). ``window``: the layer's sliding window (``ModelArchConfig.layer_window``);
+        ``norm``: the q/k norms' kind (Gemma 3's scale by one plus their weight)."""
         super().__init__()
         heads = split_heads(cfg.num_heads, cfg.num_kv_heads, linears.tp)
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -57,10 +59,10 @@ class LlamaAttention(nn.Module):
                                        bias=cfg.attention_bias)
         self.o_proj = linears.row(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
         # Qwen3: one weight of head_dim each, shared by all heads, so every rank holds it whole.
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
+        self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
+        self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = PagedAttention(backend)
+        self.attn = PagedAttention(backend, window, cfg.attn_logit_softcap)
 
     def forward(self, positions, hidden: torch.Tensor | QuantizedActivation, kv_cache,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -83,16 +85,18 @@ def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelArchConfig, ops: type[LayerOps], linears: LinearFactory,
-                 intermediate_size: int | None = None, reduce: bool = True) -> None:
+                 intermediate_size: int | None = None, reduce: bool = True,
+                 act: nn.Module | None = None) -> None:
         """``intermediate_size``: the config's unless given (Qwen2-MoE's shared expert);
         ``reduce=False``: under tensor parallelism the output is this rank's partial sum,
-        which the caller all-reduces."""
+        which the caller all-reduces. ``act``: the gated activation, SwiGLU unless given
+        (Gemma's GeGLU)."""
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
         part = linears.tp.even_part(inter)
         self.gate_up_proj = linears.column(cfg.hidden_size, [part, part])
         self.down_proj = linears.row(inter, cfg.hidden_size, reduce=reduce)
-        self.act = SiluAndMul(ops)
+        self.act = act or SiluAndMul(ops)
 
     @property
     def input_linear(self) -> Linear:
@@ -107,10 +111,11 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding,
                  backend: AttentionBackend, ops: type[LayerOps],
-                 linears: LinearFactory, moe: bool = False) -> None:
-        """``moe``: the layer's MLP is the sparse mixture-of-experts block."""
+                 linears: LinearFactory, moe: bool = False, window: int | None = None) -> None:
+        """``moe``: the layer's MLP is the sparse mixture-of-experts block; ``window``: its
+        attention's sliding window."""
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, backend, ops, linears)
+        self.self_attn = LlamaAttention(cfg, rotary, backend, ops, linears, window=window)
         self.mlp = _sparse_block(cfg, ops, linears) if moe else LlamaMLP(cfg, ops, linears)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
@@ -144,27 +149,41 @@ def _sparse_block(cfg: ModelArchConfig, ops: type[LayerOps],
 
 
 class LlamaModel(nn.Module):
+    # The final norm's kind (Gemma's scales by one plus its weight).
+    norm_class: type[RMSNorm] = RMSNorm
+
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
                  ops: type[LayerOps], linears: LinearFactory) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
-                                 ops, rotary_dim=cfg.rotary_dim)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, linears.dtype,
                                            linears.device, linears.tp)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary, backend, ops, linears, moe=cfg.is_moe_layer(i))
-            for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.layers = nn.ModuleList(self.make_layers(cfg, backend, max_positions, ops, linears))
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.embedding_multiplier = cfg.embedding_multiplier  # Granite's; 1 elsewhere
         # Layers whose input (the residual stream entering them) an EAGLE-3 head reads
         # (``models/eagle3.py``); empty: none, and the forward returns the hidden states alone.
         self.aux_layers: tuple[int, ...] = ()
 
-    def forward(self, input_ids, positions, kv_caches, ctx: ForwardContext
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.embed_tokens(input_ids), None
+    @staticmethod
+    def make_layers(cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
+                    ops: type[LayerOps], linears: LinearFactory) -> list[nn.Module]:
+        """The decoder layers, each taking ``(positions, hidden, residual, kv_cache, ctx)``
+        and returning the next ``(hidden, residual)``."""
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+                                 ops, rotary_dim=cfg.rotary_dim)
+        return [LlamaDecoderLayer(cfg, rotary, backend, ops, linears, moe=cfg.is_moe_layer(i),
+                                  window=cfg.layer_window(i))
+                for i in range(cfg.num_layers)]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:
             hidden = hidden * self.embedding_multiplier
+        return hidden
+
+    def forward(self, input_ids, positions, kv_caches, ctx: ForwardContext
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.embed(input_ids), None
         aux = []
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if i in self.aux_layers:  # a copy: the fused norms add into the residual in place
@@ -181,6 +200,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # Where the decoder layers are: CPU weight offload (models/offload.py) streams them.
     layers_prefix = "model.layers"
+    # The decoder (Gemma's has its own layers, norms and embedding scale).
+    model_class: type[LlamaModel] = LlamaModel
 
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
                  ops: type[LayerOps], linears: LinearFactory, lm_head: bool = True) -> None:
@@ -188,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
         head at all, so a checkpoint's ``lm_head.weight`` is skipped, never held."""
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend, max_positions, ops, linears)
+        self.model = self.model_class(cfg, backend, max_positions, ops, linears)
         self.tp = linears.tp
         # Each rank holds a slice of the vocabulary, as the embedding does (so a tied head
         # shares its table). The head stays in the checkpoint's precision under at-load
@@ -222,6 +243,9 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.config.logits_scaling != 1.0:  # Granite's
             logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcap  # Gemma 2's
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         if self.tp.size == 1:
             return logits
         logits = self.tp.gather_to_first(logits)
@@ -336,6 +360,9 @@ def checkpoint_shapes(c: ModelArchConfig, lm_head: bool = True) -> dict[str, tup
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     layer = {"input_layernorm.weight": (c.hidden_size,),
              "post_attention_layernorm.weight": (c.hidden_size,),
+             **({"pre_feedforward_layernorm.weight": (c.hidden_size,),
+                 "post_feedforward_layernorm.weight": (c.hidden_size,)}
+                if c.sandwich_norms else {}),
              "self_attn.q_proj.weight": (q, c.hidden_size),
              "self_attn.k_proj.weight": (kv, c.hidden_size),
              "self_attn.v_proj.weight": (kv, c.hidden_size),

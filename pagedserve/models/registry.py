@@ -19,6 +19,9 @@ _MODELS = {
     "MixtralForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
     "Qwen2MoeForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "pagedserve.models.llama:LlamaForCausalLM",
+    # Llama's attention and loading, Gemma's norms, MLP, embedding scale and windows.
+    "Gemma2ForCausalLM": "pagedserve.models.gemma:GemmaForCausalLM",
+    "Gemma3ForCausalLM": "pagedserve.models.gemma:GemmaForCausalLM",
 }
 
 

@@ -1,9 +1,9 @@
 """Speculative decoding through the engine (n-gram drafts, verified by the rejection sampler):
-greedy output equals transformers' own greedy output on random Llama, Qwen2 and Qwen3 models, with
-drafts that are partly right, whatever else the engine does meanwhile (prefix-cache hits,
-chunked prefill, preemption by swap and by recompute, n=3, stop strings inside an accepted
-run); on the default model with real copy-heavy prompts the n-gram drafts are accepted and
-the text equals the engine's without speculation."""
+greedy output equals transformers' own greedy output on random Llama, Qwen2, Qwen3 and Gemma
+models, with drafts that are partly right, whatever else the engine does meanwhile
+(prefix-cache hits, chunked prefill, preemption by swap and by recompute, n=3, stop strings
+inside an accepted run); on the default model with real copy-heavy prompts the n-gram
+drafts are accepted and the text equals the engine's without speculation."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ def _counters(llm):
     return llm.engine.speculation.counters
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
+# Gemma 2 and 3: verify steps past the sliding window (of 8) of their local layers.
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_greedy_with_drafts_equals_transformers(tiny_model_folder, arch):
     folder = tiny_model_folder(arch)
     prompts = random_prompts(arch, [5, 17, 33, 9])

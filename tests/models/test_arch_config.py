@@ -69,10 +69,84 @@ def test_qwen3_reads_its_head_dim_and_q_k_norms():
     assert not ModelArchConfig.from_hf_dict({**ARCH_CONFIGS["qwen2"], "vocab_size": 8}).qk_norm
 
 
-def test_qwen3_sliding_window_applies_only_with_use_sliding_window():
-    assert ModelArchConfig.from_hf_dict({**QWEN3, "sliding_window": 512}).sliding_window is None
+def test_qwen3_sliding_window_keeps_the_context_inside_it():
+    """Only with use_sliding_window; then the context stays inside one window (whichever
+    layers slide: transformers' rules differ), and no layer needs one."""
+    arch = ModelArchConfig.from_hf_dict({**QWEN3, "sliding_window": 512})
+    assert (arch.sliding_window, arch.max_position_embeddings) == (None, 1024)
     windowed = {**QWEN3, "sliding_window": 512, "use_sliding_window": True}
-    assert ModelArchConfig.from_hf_dict(windowed).sliding_window == 512
+    arch = ModelArchConfig.from_hf_dict(windowed)
+    assert (arch.sliding_window, arch.max_position_embeddings) == (None, 512)
+
+
+def test_mistral_window_applies_to_every_layer():
+    arch = ModelArchConfig.from_hf_dict({**ARCH_CONFIGS["mistral"], "vocab_size": VOCAB,
+                                         "sliding_window": 4096})
+    assert [arch.layer_window(i) for i in range(2)] == [4096, 4096]
+    assert arch.max_position_embeddings == 1024  # not capped at the window
+
+
+def _gemma(arch: str, **cfg) -> ModelArchConfig:
+    return ModelArchConfig.from_hf_dict({**ARCH_CONFIGS[arch], "vocab_size": VOCAB, **cfg})
+
+
+def _hf_saved(cfg: dict) -> dict:
+    """``cfg`` as transformers 5 saves it (``layer_types``, rope settings by layer type)."""
+    from transformers import AutoConfig
+
+    cfg = copy.deepcopy(cfg)
+    return AutoConfig.for_model(cfg.pop("model_type"), **cfg).to_dict()
+
+
+# The keys of Gemma 2 2B's and Gemma 3 4B's config.json as published (before transformers 5):
+# no layer_types, tie_word_embeddings or rope_parameters; Gemma 3's rope_theta,
+# rope_local_base_freq, rope_scaling and sliding_window_pattern.
+GEMMA2_RELEASED = dict(
+    architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_size=64,
+    intermediate_size=128, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+    rope_theta=10000.0, query_pre_attn_scalar=32, sliding_window=4096,
+    final_logit_softcapping=30.0, attn_logit_softcapping=50.0, vocab_size=VOCAB)
+GEMMA3_RELEASED = dict(
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=64,
+    intermediate_size=128, num_hidden_layers=13, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+    rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window=1024,
+    sliding_window_pattern=6, query_pre_attn_scalar=168, final_logit_softcapping=None,
+    attn_logit_softcapping=None, vocab_size=VOCAB)
+
+
+def _gemma_facts(arch: ModelArchConfig) -> tuple:
+    scaling = arch.rope_scaling and (arch.rope_scaling["rope_type"], arch.rope_scaling["factor"])
+    return (arch.sliding_window, arch.sliding_layers, arch.attention_scale,
+            arch.attn_logit_softcap, arch.final_logit_softcap, arch.rope_theta,
+            arch.rope_local_theta, scaling, arch.tie_word_embeddings, arch.qk_norm,
+            arch.sandwich_norms)
+
+
+@pytest.mark.parametrize("released", [GEMMA2_RELEASED, GEMMA3_RELEASED],
+                         ids=["gemma2", "gemma3"])
+def test_gemma_configs_read_alike_as_released_and_as_transformers_5_saves_them(released):
+    """Each layer's window, the caps, the softmax scale and Gemma 3's two rotations: the
+    same from the published keys and from transformers' own reading of them."""
+    facts = _gemma_facts(ModelArchConfig.from_hf_dict(released))
+    assert facts == _gemma_facts(ModelArchConfig.from_hf_dict(_hf_saved(released)))
+    if released is GEMMA2_RELEASED:  # every other layer from the first
+        assert facts == (4096, (0, 2, 4), 32 ** -0.5, 50.0, 30.0, 10000.0, None, None, True,
+                         False, True)
+    else:  # all but every sixth; Gemma 3 never applies attn_logit_softcapping
+        assert facts == (1024, (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12), 168 ** -0.5, None, None,
+                         1e6, 1e4, ("linear", 8.0), True, True, True)
+
+
+def test_gemma_configs_beyond_the_released_models_are_refused():
+    with pytest.raises(UnsupportedModel, match="hidden_activation 'gelu'"):
+        _gemma("gemma2", hidden_activation="gelu")
+    with pytest.raises(UnsupportedModel, match="use_bidirectional_attention"):
+        _gemma("gemma3", use_bidirectional_attention=True)
+    with pytest.raises(UnsupportedModel, match="layer_types"):
+        _gemma("gemma3", layer_types=["sliding_attention", "chunked_attention",
+                                      "full_attention"])
 
 
 def test_qwen3_with_attention_biases_is_refused():
