@@ -67,6 +67,24 @@ SHAPES: dict[str, dict] = {
         tie_word_embeddings=False, bos_token_id=100257, eos_token_id=100265,
         pad_token_id=100349,
     ),
+    # Gemma 2 9B: windows of 4,096 in every other layer, heads of 256, score and logit caps.
+    "gemma2-9b": dict(
+        architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab_size=256000,
+        hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, rms_norm_eps=1e-6,
+        rope_theta=10000.0, max_position_embeddings=8192, query_pre_attn_scalar=256,
+        sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    ),
+    # Gemma 3 1B: windows of 512 in five layers of six, one kv head of 256, q/k norms.
+    "gemma3-1b": dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144,
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0, max_position_embeddings=32768,
+        query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    ),
     # Mixture of experts. Mixtral-8x7B: 8 experts of 14336, top 2 (47B parameters, 13B a
     # token; 94 GB in bf16, tensor parallelism's shape on 80 GB cards).
     "mixtral-8x7b": dict(
