@@ -1,8 +1,8 @@
 """The architectures that came after the first CUDA runs, on an NVIDIA GPU: mixture of experts
 (the Triton ``fused_moe`` kernel, decode steps in CUDA graphs), Phi-3 (fused projections cut
-per shard, partial rotary) and Granite (its multipliers) against transformers, eager and with
-CUDA graphs; and sleep mode on the GPU (device memory given back, page-locked copies, graphs
-captured again)."""
+per shard, partial rotary), Granite (its multipliers) and Gemma 2 and 3 (sliding windows,
+caps) against transformers, eager and with CUDA graphs; and sleep mode on the GPU (device
+memory given back, page-locked copies, graphs captured again)."""
 
 from __future__ import annotations
 
@@ -42,10 +42,23 @@ def test_greedy_matches_transformers_on_gpu(arch_folder, eager):
     """float32 on the GPU against transformers' float32 on the CPU (a near-tie may break
     either way); without ``enforce_eager`` every model, mixture of experts included, replays
     graphs."""
-    llm = make_llm(arch_folder, device="cuda", dtype="float32", enforce_eager=eager,
+    _assert_greedy_on_gpu(arch_folder, eager)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_sliding_windows_match_transformers_on_gpu(tiny_model_folder, arch, eager):
+    """Gemma's windows of 8 (tests/tiny_models.py) under prompts of up to 129 tokens, eager
+    and in replayed decode graphs (the window and the cap are kernel arguments fixed per
+    layer)."""
+    _assert_greedy_on_gpu(tiny_model_folder(arch), eager)
+
+
+def _assert_greedy_on_gpu(folder, eager: bool) -> None:
+    llm = make_llm(folder, device="cuda", dtype="float32", enforce_eager=eager,
                    kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
     assert (llm.engine.executor.runner.graphs is None) == eager
-    assert assert_greedy_matches(llm, hf_model(arch_folder), PROMPTS, NEW) >= len(PROMPTS) - 1
+    assert assert_greedy_matches(llm, hf_model(folder), PROMPTS, NEW) >= len(PROMPTS) - 1
 
 
 def test_bfloat16_logprobs_near_float32(arch_folder):
