@@ -190,8 +190,13 @@ def write_tiny_model(folder: Path, arch: str, seed: int = 0, base_model: bool = 
             elif name.endswith("norm.weight") and "gemma" in config.model_type:
                 p.uniform_(-0.5, 0.5)  # Gemma's 1 + w: zeros (its init) would hide a swap
     model.save_pretrained(folder)
-    _train_tokenizer().save_pretrained(folder)
+    save_tokenizer(folder)
     return folder
+
+
+def save_tokenizer(folder: Path) -> None:
+    """The small byte-level BPE tokenizer every tiny checkpoint ships."""
+    _train_tokenizer().save_pretrained(folder)
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:

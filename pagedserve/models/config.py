@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,9 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 _WINDOW_FLAG_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
                               "Qwen3MoeForCausalLM")
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Multimodal checkpoints served as their language model, text only: the supported
+# architecture of their ``text_config`` (Gemma 3 4B-27B are published only as these).
+LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 # Qwen2 attention: q/k/v biases.
 _QWEN2_ATTENTION = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 # Qwen3 attention: per-head q/k norms, no attention biases.
@@ -175,6 +179,9 @@ class ModelArchConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelArchConfig:
         archs = cfg.get("architectures") or []
+        if any(name in LANGUAGE_MODELS for name in archs):
+            cfg = _language_model_config(cfg)
+            archs = cfg["architectures"]
         found = resolve_architecture(archs)
         if found is None:
             raise UnsupportedModel(
@@ -361,6 +368,20 @@ def _phi3_fields(arch: str, cfg: dict[str, Any], params: dict[str, Any],
                                   "max_position_embeddings":
                                       cfg.get("max_position_embeddings", 2048)}
     return fields
+
+
+def _language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's ``text_config`` as its language model's own config: the keys
+    the published configs leave out filled with transformers' ``Gemma3TextConfig`` defaults
+    (Gemma 3 4B lists five), the stop tokens, dtype and quantization of the top level."""
+    from transformers import Gemma3TextConfig  # only for these checkpoints: it is slow to load
+
+    name = next(n for n in cfg["architectures"] if n in LANGUAGE_MODELS)
+    text = Gemma3TextConfig(**copy.deepcopy(cfg.get("text_config") or {})).to_dict()
+    top = {key: cfg[key] for key in ("bos_token_id", "eos_token_id", "torch_dtype", "dtype",
+                                     "quantization_config", "tie_word_embeddings")
+           if cfg.get(key) is not None}
+    return {**text, **top, "architectures": [LANGUAGE_MODELS[name]]}
 
 
 _DEFAULT_HEAD_DIMS = {"Qwen3ForCausalLM": 128, "Gemma2ForCausalLM": 256,

@@ -20,6 +20,8 @@ tensor parallelism and LoRA are Llama's (``LlamaForCausalLM``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 from torch import nn
 
@@ -31,6 +33,7 @@ from pagedserve.models.layers import GeluAndMul, GemmaRMSNorm
 from pagedserve.models.linear import LinearFactory
 from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 from pagedserve.models.rotary import RotaryEmbedding
+from pagedserve.quant.weights import LoadedWeight
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -87,3 +90,30 @@ class GemmaModel(LlamaModel):
 
 class GemmaForCausalLM(LlamaForCausalLM):
     model_class = GemmaModel
+
+    @staticmethod
+    def canonical_weights(weights: Iterable[tuple[str, LoadedWeight]]
+                          ) -> Iterator[tuple[str, LoadedWeight]]:
+        """``LlamaForCausalLM.canonical_weights``, and a ``Gemma3ForConditionalGeneration``
+        checkpoint's language model under this class's names: ``language_model.model.X`` (as
+        published) or ``model.language_model.X`` (as transformers 5 saves it) is
+        ``model.X``, its ``language_model.lm_head`` the (tied) ``lm_head``; the vision tower
+        and the projector are skipped, never held (``config.LANGUAGE_MODELS``)."""
+        def renamed():
+            for name, weight in weights:
+                if name.startswith(_VISION_PREFIXES):
+                    continue
+                for prefix, to in _LANGUAGE_MODEL_PREFIXES:
+                    if name.startswith(prefix):
+                        name = to + name.removeprefix(prefix)
+                        break
+                yield name, weight
+
+        return LlamaForCausalLM.canonical_weights(renamed())
+
+
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."),
+                            ("language_model.lm_head.", "lm_head."),
+                            ("model.language_model.", "model."))

@@ -187,3 +187,23 @@ def test_granite_scalars_and_mlp_bias_refused():
     with pytest.raises(UnsupportedModel, match="mlp_bias"):
         ModelArchConfig.from_hf_dict({**ARCH_CONFIGS["granite"], "vocab_size": VOCAB,
                                       "mlp_bias": True})
+
+
+def test_gemma3_multimodal_config_is_its_language_model():
+    """A Gemma3ForConditionalGeneration config shaped as Gemma 3 4B's: a text_config of the
+    keys that differ from transformers' defaults, the stop tokens and dtype at the top. Served
+    as its Gemma3ForCausalLM, the rest from transformers' Gemma3TextConfig defaults."""
+    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "eos_token_id": [1, 106], "torch_dtype": "bfloat16", "image_token_index": 262144,
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                           "model_type": "gemma3_text", "num_hidden_layers": 34,
+                           "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}}
+    arch = ModelArchConfig.from_hf_dict(cfg)
+    assert (arch.architecture, arch.vocab_size, arch.num_heads, arch.num_kv_heads,
+            arch.head_dim, arch.num_layers, arch.eos_token_ids, arch.torch_dtype) == (
+        "Gemma3ForCausalLM", 262208, 8, 4, 256, 34, (1, 106), "bfloat16")
+    assert (arch.sliding_window, len(arch.sliding_layers), arch.rope_theta,
+            arch.rope_local_theta, arch.rope_scaling["factor"]) == (1024, 29, 1e6, 1e4, 8.0)
+    assert 5 not in arch.sliding_layers and arch.tie_word_embeddings

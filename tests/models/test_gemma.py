@@ -3,20 +3,28 @@ transformers' float64 model of the same random weights (tests/tiny_models.py). W
 under prompts of up to 77 tokens, run in chunks of 16 over blocks of 8, so chunks start
 mid-window and windows mid-block; with a cached prefix, and decode steps reading the window
 out of the paged cache. The engine computes in float32: within 1e-4 of float64 in every
-logprob, where the same model without its window is off by far more."""
+logprob, where the same model without its window is off by far more. And the language model
+of a Gemma3ForConditionalGeneration checkpoint, as transformers saves it and as Gemma 3
+4B-27B are published."""
 
 from __future__ import annotations
+
+import copy
+import json
 
 import pytest
 import torch
 
 from pagedserve import SamplingParams
 from tests.tiny_models import (
+    ARCH_CONFIGS,
+    VOCAB,
     assert_greedy_matches,
     hf_model_float64,
     make_llm,
     prompt_logprob_error,
     random_prompts,
+    save_tokenizer,
     write_tiny_model,
 )
 
@@ -82,3 +90,67 @@ def test_decode_past_the_window_from_a_cached_prefix(windowed, hf64):
     assert _decode_logprob_error(llm, hf64, second, 20) < TOL
     assert llm.engine.kv.prefix_stats.hit_tokens >= 32
     assert assert_greedy_matches(llm, hf64, [first, second], new_tokens=20) == 2
+
+
+def _write_multimodal_gemma3(folder, published: bool):
+    """A random Gemma3ForConditionalGeneration (a tiny SigLIP vision tower, tiny_models'
+    gemma3 as its language model) saved by transformers; ``published``: rewritten as the
+    Gemma 3 4B-27B checkpoints are published, their ``text_config`` listing only what differs
+    from transformers' defaults and their tensors named ``language_model.model.*``,
+    ``vision_tower.*``, ``multi_modal_projector.*``."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig
+
+    text = {**copy.deepcopy(ARCH_CONFIGS["gemma3"]), "vocab_size": VOCAB, "bos_token_id": 0,
+            "eos_token_id": 1}
+    del text["architectures"], text["model_type"]
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=16)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3,
+                          eoi_token_index=VOCAB - 2, eos_token_id=1, bos_token_id=0)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    model.save_pretrained(folder)
+    if published:
+        cfg = json.loads((folder / "config.json").read_text())
+        defaults = Gemma3TextConfig().to_dict()
+        text = {k: v for k, v in cfg["text_config"].items()
+                if k == "model_type" or defaults.get(k) != v}
+        del text["layer_types"], text["rope_parameters"]  # transformers 5's forms
+        cfg["text_config"] = {**text, "sliding_window_pattern": 2,
+                              "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+        (folder / "config.json").write_text(json.dumps(cfg))
+        tensors = load_file(folder / "model.safetensors")
+        renamed = {(name.replace("model.language_model.", "language_model.model.")
+                    .replace("model.vision_tower.", "vision_tower.")
+                    .replace("model.multi_modal_projector.", "multi_modal_projector.")): t
+                   for name, t in tensors.items()}
+        assert any(n.startswith("language_model.model.layers.") for n in renamed)
+        save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
+    save_tokenizer(folder)
+    return folder
+
+
+@pytest.mark.parametrize("published", [False, True], ids=["saved", "published"])
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, published):
+    """The text part of a Gemma3ForConditionalGeneration checkpoint: prompt and decode
+    logprobs within TOL of transformers' multimodal model (float64) on text alone, its
+    vision tensors never loaded."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    folder = _write_multimodal_gemma3(tmp_path / "gemma3-mm", published)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float64).eval()
+    llm = _engine(folder)
+    arch = llm.engine.executor.runner.arch
+    assert (arch.architecture, arch.sliding_layers, arch.rope_local_theta) == (
+        "Gemma3ForCausalLM", (0, 2), 1e4)
+    prompt = random_prompts("multimodal", [45])[0]
+    assert prompt_logprob_error(llm, hf, prompt) < TOL
+    assert _decode_logprob_error(llm, hf, prompt, 8) < TOL
