@@ -75,19 +75,25 @@ def _attention_pointers(decode: bool) -> dict[str, str]:
     return ptrs
 
 
-def _prefill(dtype: str, arch: str) -> Spec:
-    from pagedserve.platforms.cuda.kernels import prefill_attention as pa
+def _prefill(windowed: bool = False):
+    """``windowed``: a Gemma 2 local layer's form (a sliding window and capped scores)."""
+    def spec(dtype: str, arch: str) -> Spec:
+        from pagedserve.platforms.cuda.kernels import prefill_attention as pa
 
-    block_m, block_n, warps, stages = pa._prefill_config(HEAD, _torch_dtype(dtype))
-    consts = dict(GROUP=GROUP, GROUP_PAD=GROUP, HEAD_SIZE=HEAD, HEAD_PAD=HEAD,
-                  BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=block_m, BLOCK_N=block_n, HAS_SCALES=False,
-                  HAS_SEQ_IDS=True,  # a mixed step's form: the decode rows go elsewhere
-                  DOT_PREC=pa.dot_precision(_torch_dtype(dtype), arch))
-    return Spec(pa._prefill_kernel, _attention_pointers(False), consts, warps, stages,
-                ("sm_scale",))
+        block_m, block_n, warps, stages = pa._prefill_config(HEAD, _torch_dtype(dtype))
+        consts = dict(GROUP=GROUP, GROUP_PAD=GROUP, HEAD_SIZE=HEAD, HEAD_PAD=HEAD,
+                      BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=block_m, BLOCK_N=block_n,
+                      HAS_SCALES=False,
+                      HAS_SEQ_IDS=True,  # a mixed step's form: the decode rows go elsewhere
+                      DOT_PREC=pa.dot_precision(_torch_dtype(dtype), arch),
+                      SLIDING=windowed, SOFTCAP=windowed)
+        return Spec(pa._prefill_kernel, _attention_pointers(False), consts, warps, stages,
+                    ("sm_scale", "softcap"))
+
+    return spec
 
 
-def _decode(fills: int):
+def _decode(fills: int, windowed: bool = False):
     def spec(dtype: str, arch: str) -> Spec:
         from pagedserve.platforms.cuda.kernels import decode_attention as da
 
@@ -101,9 +107,10 @@ def _decode(fills: int):
         consts = dict(GROUP=GROUP, GROUP_PAD=max(16, GROUP * heads), HEAD_SIZE=HEAD,
                       HEAD_PAD=HEAD, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, HEADS=heads,
                       SINGLE_PARTITION=False,
-                      HAS_SCALES=False, DOT_PREC=da.dot_precision(t, arch), PTX=False)
+                      HAS_SCALES=False, DOT_PREC=da.dot_precision(t, arch), PTX=False,
+                      SLIDING=windowed, SOFTCAP=windowed)
         return Spec(da._decode_partition_kernel, _attention_pointers(True), consts, warps,
-                    stages, ("sm_scale",))
+                    stages, ("sm_scale", "softcap"))
 
     return spec
 
@@ -113,7 +120,7 @@ def _decode_reduce(dtype: str, arch: str) -> Spec:
 
     ptrs = {"out_ptr": "ACT", "part_out_ptr": "fp32", "part_lse_ptr": "fp32",
             "seq_lens_ptr": "i32", "v_scale_ptr": "i32"}
-    consts = dict(HEAD_SIZE=HEAD, HEAD_PAD=HEAD, BLOCK_P=32, HAS_SCALES=False)
+    consts = dict(HEAD_SIZE=HEAD, HEAD_PAD=HEAD, BLOCK_P=32, HAS_SCALES=False, SLIDING=False)
     return Spec(da._decode_reduce_kernel, ptrs, consts, 4)
 
 
@@ -269,7 +276,10 @@ def _fused_moe(rows_per_expert: int, scales: str = "none"):
 
 
 KERNELS = {
-    "prefill_attention": _prefill, "decode_attention": _decode(0),
+    "prefill_attention": _prefill(), "decode_attention": _decode(0),
+    # A Gemma 2 local layer's: a sliding window and capped scores.
+    "prefill_attention_window": _prefill(windowed=True),
+    "decode_attention_window": _decode(0, windowed=True),
     "decode_attention_large_batch": _decode(3), "decode_attention_packed_heads": _decode(12),
     "decode_reduce": _decode_reduce, "reshape_and_cache": _reshape_and_cache,
     "rms_norm": _rms_norm(False), "rotary": _rotary, "silu_and_mul": _activation,

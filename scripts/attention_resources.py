@@ -34,6 +34,7 @@ UNIT = {"stride_qd", "stride_od", "stride_cd", "stride_btn"}
 POINTERS = {"q_ptr": "bf16", "k_cache_ptr": "CACHE", "v_cache_ptr": "CACHE", "out_ptr": "bf16",
             "part_out_ptr": "fp32", "part_lse_ptr": "fp32", "block_tables_ptr": "i32",
             "seq_lens_ptr": "i32", "k_scale_ptr": "fp32", "v_scale_ptr": "fp32"}
+FLOATS = {"sm_scale", "softcap"}
 # An H100/H200 multiprocessor: 64k 32-bit registers, 228 KB of shared memory.
 REGISTERS, SHARED = 65536, 228 * 1024
 
@@ -49,7 +50,7 @@ def compile_tile(cache: str, block_n: int, warps: int, stages: int, heads: int =
     plain = {param.name for param in fn.params if param.do_not_specialize}
     consts = dict(GROUP=4, GROUP_PAD=max(16, 4 * heads), HEAD_SIZE=128, HEAD_PAD=128,
                   BLOCK_SIZE=16, BLOCK_N=block_n, HEADS=heads, SINGLE_PARTITION=True,
-                  HAS_SCALES=cache == "fp8e4nv",
+                  HAS_SCALES=cache == "fp8e4nv", SLIDING=False, SOFTCAP=False,
                   DOT_PREC="tf32", PTX=True, PDL=True, **{name: 1 for name in UNIT})
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -59,8 +60,8 @@ def compile_tile(cache: str, block_n: int, warps: int, stages: int, heads: int =
             signature[name] = "*" + POINTERS[name].replace("CACHE", cache)
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            signature[name] = "fp32" if name == "sm_scale" else "i32"
-            if name not in plain and name != "sm_scale":
+            signature[name] = "fp32" if name in FLOATS else "i32"
+            if name not in plain and name not in FLOATS:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, signature, consts, attrs),
                           target=GPUTarget("cuda", 90, 32),

@@ -217,14 +217,15 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # Keys 0..ctx_len + tok0 are visible to every row of this tile: no mask.
     full_end = (ctx_len + tok0 + 1) // BLOCK_N * BLOCK_N
-    kv_end = tl.minimum(seq_len, ctx_len + tok0 + BLOCK_Q)
     first = 0
     if SLIDING:
-        # The first row's window starts at ctx_len + tok0 - window + 1, the last row's at
-        # kv_end - window: tiles before that edge's tile hold no visible key, tiles from it
-        # to the last one its tile cuts take the mask, and only the rest run without.
+        # The first row's window starts at ctx_len + tok0 - window + 1, the last row's (at
+        # rows_end - 1) at rows_end - window: tiles before the first edge's tile hold no
+        # visible key, tiles from it to the last one the second edge cuts take the mask, and
+        # only the rest run without.
+        rows_end = tl.minimum(seq_len, ctx_len + tok0 + BLOCK_Q)
         lo = tl.maximum(ctx_len + tok0 - window + 1, 0) // BLOCK_N * BLOCK_N
-        first = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N,
+        first = tl.minimum(tl.cdiv(tl.maximum(rows_end - window, 0), BLOCK_N) * BLOCK_N,
                            full_end)
         for n0 in range(lo, first, BLOCK_N):
             acc, m_i, l_i = attend_tile(
@@ -237,6 +238,7 @@ def _prefill_kernel(
             acc, m_i, l_i, q, q_pos, n0, seq_len, k_ptr, v_ptr, bt_row_ptr, stride_btn,
             stride_cb, stride_cs, stride_cd, qk_scale, offs_d, d_mask,
             BLOCK_SIZE, BLOCK_N, False, DOT_PREC, SOFTCAP=SOFTCAP, softcap=softcap)
+    kv_end = tl.minimum(seq_len, ctx_len + tok0 + BLOCK_Q)
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, n0, kv_end, k_ptr, v_ptr, bt_row_ptr, stride_btn,
