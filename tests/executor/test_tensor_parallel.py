@@ -34,7 +34,8 @@ PROMPTS = random_prompts("tp", [5, 17, 40, 3])
 # dense layer beside the sparse one; qwen2-moe's shared expert, cut as the dense MLP is and
 # summed with the experts by one all-reduce, its gate whole on each rank). Phi-3's fused
 # checkpoint tensors: each rank its slice of q, of k and of v (1 of 2 KV heads, partial
-# rotary), of gate and of up; Granite's scalars.
+# rotary), of gate and of up; Granite's scalars. Gemma 2: windows, caps (the logit cap on each
+# rank's slice of the vocabulary) and norms every rank holds whole, an odd vocabulary.
 CASES = {
     "llama3": ("llama3", {}),
     "qwen2-bias-tied-odd-vocab": ("qwen2", {"vocab_size": 385}),
@@ -46,6 +47,7 @@ CASES = {
     "phi3-fused-partial-rotary": ("phi3", {}),
     "phi3-longrope": ("phi3-longrope", {}),
     "granite-multipliers": ("granite", {}),
+    "gemma2-windows-caps-odd-vocab": ("gemma2", {"vocab_size": 387}),
 }
 
 
