@@ -11,6 +11,10 @@ The cache may hold a narrower type than the queries (a bfloat16 pool under a flo
 keys and values are rounded into it and widened back as they are gathered, and a prompt
 without cached context attends over its rounded keys too, so its numbers do not depend on
 whether its prefix came from the cache.
+
+A layer's window is part of each mask (decodes still gather the whole context), and a layer
+that caps its scores attends in float32 spelled out (``_capped_attention``): no fused
+attention caps scores.
 """
 
 from __future__ import annotations
@@ -152,18 +156,19 @@ class TorchPagedAttention(AttentionBackend):
             start += q_len
             if i in skip:
                 continue
-            # Query row r sits at position seq_len - q_len + r.
-            key_pos = torch.arange(seq_len, device=q.device)
-            query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = keys_seen.mask(key_pos[None, :], query_pos[:, None])
-            if q_len == seq_len:
+            fresh = q_len == seq_len
+            if fresh:
                 # No cached context: attend over the fresh keys directly, as the cache holds
-                # them (plain causal attention needs no mask).
+                # them.
                 keys, values = (_as_cached(x[None, rows], kv_cache.dtype) for x in (k, v))
-                mask = mask if keys_seen.window is not None else None
             else:
                 keys, values = self._gather(kv_cache, meta.block_tables[i:i + 1],
                                             meta.seq_lens[i:i + 1], seq_len, q.dtype)
+            # Query row r sits at position seq_len - q_len + r; a fresh prompt without a window
+            # is plain causal attention, which needs no mask.
+            mask = None if fresh and keys_seen.window is None else keys_seen.mask(
+                torch.arange(seq_len, device=q.device)[None, :],
+                torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None])
             out[rows] = self._attend(q[None, rows], keys, values, mask, keys_seen.softcap)[0]
 
 
