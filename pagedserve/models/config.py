@@ -229,7 +229,7 @@ class ModelArchConfig:
                 rope_scaling = params
         phi3 = _phi3_fields(arch, cfg, params, rope_scaling)
         rope_scaling = phi3.pop("rope_scaling", rope_scaling)
-        gemma = _gemma_fields(arch, cfg, rope_theta, rope_scaling)
+        gemma = _gemma_fields(arch, cfg, rope_scaling)
         rope_theta = gemma.pop("rope_theta", rope_theta)
         rope_scaling = gemma.pop("rope_scaling", rope_scaling)
         window = gemma.pop("sliding_window", window)
@@ -388,7 +388,7 @@ _DEFAULT_HEAD_DIMS = {"Qwen3ForCausalLM": 128, "Gemma2ForCausalLM": 256,
                       "Gemma3ForCausalLM": 256}
 
 
-def _gemma_fields(arch: str, cfg: dict[str, Any], rope_theta: float,
+def _gemma_fields(arch: str, cfg: dict[str, Any],
                   rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
     """Gemma 2's and 3's fields, with transformers' defaults where a config leaves them out:
     the softmax scale ``query_pre_attn_scalar ** -0.5``, the window's layers, the caps, and
@@ -404,8 +404,8 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], rope_theta: float,
         raise UnsupportedModel(f"{arch} with hidden_activation {act!r}: only "
                                "gelu_pytorch_tanh (every released Gemma 2 and 3) is supported")
     if cfg.get("use_bidirectional_attention") or cfg.get("attention_bias"):
-        raise UnsupportedModel(f"{arch} with use_bidirectional_attention or attention_bias "
-                               "(EmbeddingGemma's) is not supported")
+        raise UnsupportedModel(f"{arch} with use_bidirectional_attention (EmbeddingGemma's) or "
+                               "attention_bias is not supported")
     gemma3 = arch == "Gemma3ForCausalLM"
     layers = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
@@ -426,12 +426,11 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], rope_theta: float,
         # transformers' Gemma 3 reads attn_logit_softcapping but never applies it.
         attn_logit_softcap=None if gemma3 else cfg.get("attn_logit_softcapping", 50.0))
     if gemma3:
-        fields.update(_gemma3_rope(cfg, rope_theta, rope_scaling))
+        fields.update(_gemma3_rope(cfg, rope_scaling))
     return fields
 
 
-def _gemma3_rope(cfg: dict[str, Any], rope_theta: float,
-                 rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+def _gemma3_rope(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
     """Gemma 3's global rotation (``rope_theta``, default 1e6, and its scaling) and its local
     layers' base (``rope_local_base_freq``, default 1e4), from either config form."""
     params = cfg.get("rope_parameters") or {}
