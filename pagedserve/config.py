@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedserve import envs
 from pagedserve.core.scheduler import SCHEDULING_POLICIES, SchedulerConfig
-from pagedserve.distributed import check_divisible
+from pagedserve.distributed import check_divisible, split_layers
 from pagedserve.errors import KV_CACHE_DTYPES, ConfigError
 from pagedserve.field_types import plain_fields, wrong_type
 from pagedserve.models.chat_template import read_chat_template
@@ -195,15 +196,21 @@ class EngineConfig:
               "per shape: Gaudi)")
     tensor_parallel_size: int = option(
         1, "devices that split the model (Megatron-style tensor parallelism), one rank each")
+    pipeline_parallel_size: int = option(
+        1, "stages that split the decoder layers (pipeline parallelism), each of "
+           "--tensor-parallel-size ranks; one step at a time passes through them, so they add "
+           "memory, not speed (docs/pipeline_parallel.md)")
     data_parallel_size: int = option(
         1, "replicas of the whole engine (data parallelism), each on its own "
-           "--tensor-parallel-size devices: replica r takes the visible devices r*TP .. "
-           "(r+1)*TP-1; the server sends each request to the replica with the fewest in "
-           "flight (pagedserve serve only; on the CPU each replica is a process of its own)")
+           "--tensor-parallel-size x --pipeline-parallel-size devices: replica r takes the "
+           "visible devices r*TP*PP .. (r+1)*TP*PP-1; the server sends each request to the "
+           "replica with the fewest in flight (pagedserve serve only; on the CPU each replica "
+           "is a process of its own)")
     distributed_executor_backend: str = option(
-        "mp", "how ranks other than the first run with --tensor-parallel-size > 1: mp, a "
-              "process per device on this host; ray, actors of the Ray cluster (several "
-              "hosts) that RAY_ADDRESS names, else a local one", choices=EXECUTOR_BACKENDS)
+        "mp", "how the ranks other than the driver's run with --tensor-parallel-size or "
+              "--pipeline-parallel-size above 1: mp, a process per device on this host; ray, "
+              "actors of the Ray cluster (several hosts) that RAY_ADDRESS names, else a local "
+              "one", choices=EXECUTOR_BACKENDS)
     seed: int = option(0, "random seed for sampling and dummy weights")
     served_model_name: str | None = option(
         None, "the model's name in the API (default: the model folder's or file's name)")
@@ -299,6 +306,7 @@ class EngineConfig:
         self._check_offloading()
         if self.tensor_parallel_size < 1:
             raise ConfigError("--tensor-parallel-size must be at least 1")
+        self._check_pipeline_parallel()
         self._check_data_parallel()
         if not _INT64_MIN <= self.seed <= _INT64_MAX - 1:  # a draft model seeds with seed + 1
             raise ConfigError(f"--seed must be in [-2**63, 2**63 - 1), got {self.seed}")
@@ -504,9 +512,9 @@ class EngineConfig:
         if not self.kv_offloading_size or not self.kv_offloading_disk_size:
             raise ConfigError("--kv-offloading-disk needs --kv-offloading-size and "
                               "--kv-offloading-disk-size above 0")
-        if self.tensor_parallel_size > 1:
+        if self.world_size > 1:
             raise ConfigError("--kv-offloading-disk works with one rank only, not "
-                              f"--tensor-parallel-size {self.tensor_parallel_size}")
+                              f"{self.ranks_flags()}")
         why = _not_a_folder_to_write(self.kv_offloading_disk)
         if why is not None:
             shown = str(self.kv_offloading_disk) or "''"
@@ -522,11 +530,35 @@ class EngineConfig:
             # Every replica would delete the others' block files at start.
             raise ConfigError("--kv-offloading-disk works with one replica only, not "
                               f"--data-parallel-size {self.data_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "ray":
+        if self.world_size > 1 and self.distributed_executor_backend == "ray":
             # Ray hands out its cluster's devices itself: the devices a replica is given on
             # this host would not hold its other ranks.
             raise ConfigError("--data-parallel-size runs its replicas' ranks with "
                               "--distributed-executor-backend mp only, not ray")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine: every stage's tensor-parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def ranks_flags(self) -> str:
+        """The flags that make this engine's ranks, for messages."""
+        return parallel_flags(self.tensor_parallel_size, self.pipeline_parallel_size)
+
+    def layer_split(self, arch: ModelArchConfig) -> tuple[int, ...]:
+        """Each pipeline stage's number of decoder layers. Read in the driver alone and sent
+        to the ranks: Ray ranks on other hosts do not see its environment."""
+        return split_layers(arch.num_layers, self.pipeline_parallel_size,
+                            envs.pp_layer_partition())
+
+    def _check_pipeline_parallel(self) -> None:
+        """What the stages cannot run yet: a draft model or an EAGLE-3 head reads the target
+        on the driver's device (the head reads hidden states of layers on other stages)."""
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError("--pipeline-parallel-size must be at least 1")
+        if self.pipeline_parallel_size > 1 and self.speculative_config is not None:
+            raise ConfigError(f"--speculative-config is not supported with "
+                              f"--pipeline-parallel-size {self.pipeline_parallel_size}")
 
     @property
     def cpu_loras(self) -> int:
@@ -604,6 +636,14 @@ class EngineConfig:
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than "
                 f"--max-model-len ({max_model_len}); enable chunked prefill or raise it")
         return self.max_num_batched_tokens
+
+
+def parallel_flags(tensor_parallel_size: int, pipeline_parallel_size: int) -> str:
+    """``--tensor-parallel-size T``, and `` x --pipeline-parallel-size P`` where P > 1."""
+    flags = f"--tensor-parallel-size {tensor_parallel_size}"
+    if pipeline_parallel_size > 1:
+        flags += f" x --pipeline-parallel-size {pipeline_parallel_size}"
+    return flags
 
 
 def _not_a_folder_to_write(path: str | os.PathLike) -> str | None:

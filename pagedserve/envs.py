@@ -53,6 +53,21 @@ def dist_timeout_s() -> float:
                    lambda value: value > 0)
 
 
+def pp_layer_partition() -> tuple[int, ...] | None:
+    """PAGEDSERVE_PP_LAYER_PARTITION (else vLLM's VLLM_PP_LAYER_PARTITION, so that its
+    deployments work unchanged): each pipeline stage's number of decoder layers, e.g. ``5,7``,
+    instead of the even split. None where neither is set."""
+    for name in ("PAGEDSERVE_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION"):
+        text = os.environ.get(name, "").strip()
+        if text:
+            try:
+                return tuple(int(part) for part in text.split(","))
+            except ValueError:
+                raise ConfigError(f"{name} must be layer counts separated by commas "
+                                  f"(e.g. 5,7), got {text!r}") from None
+    return None
+
+
 def w4a16_wgmma() -> bool:
     """PAGEDSERVE_W4A16_WGMMA: 1, the default, lets the W4A16 layers on Hopper take the wgmma
     kernel for the rows where the H200 measured it fastest (``kernels/w4a16.py``,

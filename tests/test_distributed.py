@@ -75,6 +75,6 @@ def test_rank_0_stops_waiting_when_a_peer_is_reported_dead():
 
 
 def test_rank_0_gives_up_when_no_peer_joins_in_time():
-    with pytest.raises(RuntimeError, match=r"0 of 1 tensor-parallel ranks joined within 0.3s "
+    with pytest.raises(RuntimeError, match=r"0 of 1 other ranks joined within 0.3s "
                                            r"\(PAGEDSERVE_DIST_TIMEOUT_S\)"):
         distributed.init("gloo", _free_address(), 0, 2, 0.3, lambda wait_s: None)

@@ -28,7 +28,7 @@ def test_a_bad_dist_timeout_fails_before_any_rank_starts(monkeypatch, value):
     monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", value)
     with pytest.raises(ConfigError, match="^PAGEDSERVE_DIST_TIMEOUT_S must be a number of "
                                           "seconds above 0"):
-        Executor(EngineConfig(device="cpu", tensor_parallel_size=2))
+        Executor(EngineConfig(device="cpu", tensor_parallel_size=2), (2,))
 
 
 def test_good_values_and_defaults(monkeypatch):

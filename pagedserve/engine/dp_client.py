@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, parallel_flags
 from pagedserve.engine import core_messages as msg
 from pagedserve.engine.core_client import (
     CoreClient,
@@ -50,30 +50,32 @@ def core_client(config: EngineConfig, env: Mapping[str, str]) -> CoreClient:
     except PlatformUnavailable as exc:
         raise EngineStartError(str(exc)) from None
     one = dataclasses.replace(config, data_parallel_size=1)
-    envs = replica_envs(platform, config.data_parallel_size, config.tensor_parallel_size, env)
+    envs = replica_envs(platform, config.data_parallel_size, config.tensor_parallel_size, env,
+                        pipeline_parallel_size=config.pipeline_parallel_size)
     return DataParallelClient([EngineCoreClient(one, e) for e in envs])
 
 
 def replica_envs(platform: type[Platform], num_replicas: int, tensor_parallel_size: int,
-                 env: Mapping[str, str],
-                 environ: Mapping[str, str] = os.environ) -> list[dict[str, str]]:
+                 env: Mapping[str, str], environ: Mapping[str, str] = os.environ, *,
+                 pipeline_parallel_size: int = 1) -> list[dict[str, str]]:
     """Each replica's additions to its core's environment: ``env`` (the model's own, from
     ``--models-config``), and the devices it takes of those the server sees (``environ`` with
-    ``env`` over it), TP consecutive ones each; on a platform whose processes share the device
-    (the CPU), ``env`` alone."""
+    ``env`` over it), TP x PP consecutive ones each; on a platform whose processes share the
+    device (the CPU), ``env`` alone."""
     var = platform.visible_devices_env
     devices = platform.visible_devices({**environ, **env})
     if var is None or devices is None:
         return [dict(env) for _ in range(num_replicas)]
-    needed = num_replicas * tensor_parallel_size
+    ranks = tensor_parallel_size * pipeline_parallel_size
+    needed = num_replicas * ranks
     if len(devices) < needed:
         listed = f" ({var}={','.join(devices)})" if var in {**environ, **env} else ""
         raise ConfigError(
-            f"--data-parallel-size {num_replicas} x --tensor-parallel-size "
-            f"{tensor_parallel_size} needs {needed} {platform.name} devices; this host shows "
-            f"{len(devices)}{listed}: lower either, or make more devices visible")
-    return [{**env, var: ",".join(devices[r * tensor_parallel_size:
-                                          (r + 1) * tensor_parallel_size])}
+            f"--data-parallel-size {num_replicas} x "
+            f"{parallel_flags(tensor_parallel_size, pipeline_parallel_size)} needs {needed} "
+            f"{platform.name} devices; this host shows {len(devices)}{listed}: lower them, or "
+            "make more devices visible")
+    return [{**env, var: ",".join(devices[r * ranks:(r + 1) * ranks])}
             for r in range(num_replicas)]
 
 

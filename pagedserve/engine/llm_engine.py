@@ -107,7 +107,7 @@ class LLMEngine:
         self.resolved = config.resolve(self.arch, self.platform)
         self.dtype = self.resolved.dtype
         self.max_model_len = self.resolved.max_model_len
-        self.executor = Executor(config)
+        self.executor = Executor(config, config.layer_split(self.arch))
         sizes = self.executor.kv_sizes
         fitted = config.fit_kv_cache(self.resolved, sizes.num_blocks * self.resolved.block_size)
         if fitted.max_model_len < self.max_model_len:

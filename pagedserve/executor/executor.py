@@ -1,11 +1,12 @@
 """The driver's handle on every rank.
 
-Rank 0 runs in the driver's process. With ``--tensor-parallel-size`` above 1, a backend
-(``mp``: processes on this host, ``ray``: actors of a Ray cluster) starts the other ranks; each
-step the driver plans the step once (plain data), sends it to them, and runs its own share.
-With one rank there is no backend and a step is the model runner's, nothing added. Either way
-the step is one ``worker.step_api.StepAPI`` (``LocalStep``, ``TensorParallelStep``), and the
-executor forwards each call to it once.
+The driver's rank (``distributed.Layout.driver``: the last pipeline stage's first rank) runs in
+the driver's process. With ``--tensor-parallel-size`` or ``--pipeline-parallel-size`` above 1,
+a backend (``mp``: processes on this host, ``ray``: actors of a Ray cluster) starts the other
+ranks; each step the driver plans the step once (plain data), sends it to them, and runs its
+own share. With one rank there is no backend and a step is the model runner's, nothing added.
+Either way the step is one ``worker.step_api.StepAPI`` (``LocalStep``, ``MultiRankStep``),
+and the executor forwards each call to it once.
 
 A rank that dies makes the step in flight fail with ``WorkerDiedError`` (its peers see the
 collective break, or time out after ``PAGEDSERVE_DIST_TIMEOUT_S``), and ``dead_reason`` says
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import socket
 import weakref
 from collections.abc import Iterator, Sequence
@@ -26,8 +28,10 @@ from pagedserve import distributed, envs
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.distributed import Layout
 from pagedserve.errors import ConfigError
 from pagedserve.lora.adapter import LoRAAdapter
+from pagedserve.platforms import resolve_platform
 from pagedserve.worker.cache_sizing import CacheSizes
 from pagedserve.worker.model_runner import ModelRunner, PromptSpan, RankControl, StepInput
 from pagedserve.worker.sleep import check_level, wake_tags
@@ -39,17 +43,17 @@ _BACKENDS = {"mp": "pagedserve.executor.mp", "ray": "pagedserve.executor.ray_act
 
 
 class WorkerDiedError(RuntimeError):
-    """A tensor-parallel rank is gone, or a step failed part-way through its collectives; the
-    engine cannot run another step."""
+    """A rank is gone, or a step failed part-way through its collectives; the engine cannot
+    run another step."""
 
 
 class RemoteRanks(Protocol):
-    """Ranks 1 .. N-1, started by a backend module's ``start(config, dist_address)``; the
-    module also says which address rank 0 listens on (``driver_ip``) and how many ranks share
-    a host with it (``ranks_on_host``)."""
+    """Every rank but the driver's, started by a backend module's ``start(config,
+    dist_address, layer_split)``; the module also says which address the driver listens on
+    (``driver_ip``) and how many ranks share a host with it (``ranks_on_host``)."""
 
     def driver_device_index(self) -> int:
-        """Which of its host's devices rank 0 (in the driver's process) takes."""
+        """Which of its host's devices the driver's rank takes."""
 
     def wait_ready(self) -> None:
         """Block until every rank has built its model; raise if one could not."""
@@ -59,7 +63,7 @@ class RemoteRanks(Protocol):
 
     def dead_reason(self, wait_s: float = 0.0) -> str | None:
         """Why a rank is gone, or None while all run (after waiting up to ``wait_s`` for
-        one to be reported gone). A rank that failed to start counts as gone: rank 0 asks
+        one to be reported gone). A rank that failed to start counts as gone: the driver asks
         this while it waits for the others to join the process group."""
 
     def stop(self) -> None:
@@ -71,7 +75,7 @@ class RemoteRanks(Protocol):
 
 
 class _RankGroup:
-    """The other ranks and rank 0's membership of their process group: what must be torn
+    """The other ranks and the driver's membership of their process group: what must be torn
     down together, once. Held by the executor's finalizer (which must not hold the executor),
     so that ``Executor.shutdown``, the executor's collection and the interpreter's exit all
     come here."""
@@ -92,7 +96,7 @@ class _RankGroup:
         alive = self.dead_reason() is None
         if alive:
             self.remote.stop()
-        if self.driver is None:  # failed while building rank 0
+        if self.driver is None:  # failed while building the driver's rank
             distributed.shutdown(peers_alive=alive)
         else:
             self.driver.leave(peers_alive=alive)
@@ -100,10 +104,11 @@ class _RankGroup:
         self.dead = self.dead or "the engine was shut down"
 
 
-class TensorParallelStep(StepAPI):
-    """Rank 0's step with the other ranks following: each call that runs the model sends the
-    planned step to them first (they run it as ``ModelRunner.follow``), then runs rank 0's
-    share, in the same collectives."""
+class MultiRankStep(StepAPI):
+    """The driver's step with the other ranks following: each call that runs the model sends
+    the planned step to them first (they run it as ``ModelRunner.follow``), then runs the
+    driver's share, in the same collectives (as the last pipeline stage, after the stages
+    before it)."""
 
     def __init__(self, runner: ModelRunner, group: _RankGroup) -> None:
         self.runner = runner
@@ -164,36 +169,40 @@ class TensorParallelStep(StepAPI):
             # that a moment, to name the rank that died.
             self.group.dead = (
                 self.group.remote.dead_reason(wait_s=5.0)
-                or f"a tensor-parallel step failed: {type(exc).__name__}: {exc}")
+                or f"a step of several ranks failed: {type(exc).__name__}: {exc}")
             raise WorkerDiedError(self.group.dead) from exc
 
 
 class Executor:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, layer_split: tuple[int, ...]) -> None:
+        """``layer_split``: each pipeline stage's decoder layers (``EngineConfig.layer_split``,
+        decided in the driver)."""
         self.remote: RemoteRanks | None = None
         self.driver: Worker | None = None
         self._group: _RankGroup | None = None
         self.step: StepAPI  # every step call goes to it, whichever ranks are behind it
-        size = config.tensor_parallel_size
-        if size == 1:
-            self.driver = Worker(WorkerSpec(config, 0, "", 0, 1))
+        layout = Layout(config.tensor_parallel_size, config.pipeline_parallel_size)
+        if layout.size == 1:
+            self.driver = Worker(WorkerSpec(config, 0, "", 0, 1, layer_split))
             self.step = LocalStep(self.driver.runner)
             return
         envs.dist_timeout_s()  # a bad value fails here, not in every rank
+        if config.distributed_executor_backend == "mp":
+            _check_devices(config, layout)
         backend = _backend(config.distributed_executor_backend)
         host = backend.driver_ip()
         address = f"{host}:{_free_port(host)}"
-        self.remote = backend.start(config, address)
+        self.remote = backend.start(config, address, layer_split)
         self._group = _RankGroup(self.remote)
         # The ranks must leave the process group together, also when the engine is dropped or
         # the driver just exits (a finalizer runs at exit too).
         self._finalizer = weakref.finalize(self, self._group.close)
         try:
             self.driver = self._group.driver = Worker(WorkerSpec(
-                config, 0, address, self.remote.driver_device_index(),
-                backend.ranks_on_host(size)), self.remote.dead_reason)
+                config, layout.driver, address, self.remote.driver_device_index(),
+                backend.ranks_on_host(layout.size), layer_split), self.remote.dead_reason)
             self.remote.wait_ready()
-            self.step = TensorParallelStep(self.driver.runner, self._group)
+            self.step = MultiRankStep(self.driver.runner, self._group)
         except Exception as exc:
             # A bad setting fails every rank alike; anything else may be a peer that failed
             # first, whose own reason says more than the broken collective here.
@@ -205,8 +214,8 @@ class Executor:
 
     @property
     def runner(self) -> ModelRunner:
-        """Rank 0's model runner (the whole model where there is one rank), for benchmarks and
-        tests that look inside it; the engine goes through the step calls only."""
+        """The driver's model runner (the whole model where there is one rank), for benchmarks
+        and tests that look inside it; the engine goes through the step calls only."""
         return self.driver.runner
 
     def execute(self, out: SchedulerOutput, sampling: SamplingInputs | None) -> StepResult:
@@ -255,7 +264,7 @@ class Executor:
 
     def stored_disk_blocks(self) -> list[bytes]:
         """Hashes of the KV offloading tier's block files found at start (one rank only, so
-        rank 0's are all)."""
+        the driver's are all)."""
         disk = self.runner.kv_cache.disk
         return disk.stored_hashes() if disk is not None else []
 
@@ -269,7 +278,7 @@ class Executor:
         return self.driver.sizes
 
     def kv_copy_seconds(self) -> float:
-        """Host time rank 0 has spent queuing and waiting on KV block moves."""
+        """Host time the driver has spent queuing and waiting on KV block moves."""
         return self.runner.kv_cache.copy_seconds
 
     def dead_reason(self) -> str | None:
@@ -290,6 +299,18 @@ def _backend(name: str):
             raise
         raise ConfigError(f"--distributed-executor-backend {name} needs the {name} package: "
                           f"pip install 'pagedserve[{name}]'") from exc
+
+
+def _check_devices(config: EngineConfig, layout: Layout) -> None:
+    """The mp backend runs every rank on this host, rank r on device r: refuse more ranks
+    than the host shows before any starts (a rank past them failed to bind its device)."""
+    platform = resolve_platform(config.device)
+    devices = platform.visible_devices(os.environ)
+    if devices is not None and len(devices) < layout.size:
+        raise ConfigError(f"{config.ranks_flags()} needs {layout.size} {platform.name} devices "
+                          f"on this host (--distributed-executor-backend mp); it shows "
+                          f"{len(devices)}: lower them, make more devices visible, or spread "
+                          "the ranks over hosts with --distributed-executor-backend ray")
 
 
 def _free_port(host: str) -> int:

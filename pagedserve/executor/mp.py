@@ -1,4 +1,5 @@
-"""Ranks 1 .. N-1 as processes on this host, one per device.
+"""Every rank but the driver's as a process on this host, one per device (rank r takes
+device r).
 
 Each rank is a fresh interpreter (``python -m pagedserve.executor.mp FD``, so it works from the
 engine-core process, which as a daemon may not use ``multiprocessing`` children) that talks to
@@ -17,6 +18,7 @@ import time
 from multiprocessing.connection import Connection
 
 from pagedserve.config import EngineConfig
+from pagedserve.distributed import Layout
 from pagedserve.worker.model_runner import StepInput
 from pagedserve.worker.worker import Worker, WorkerSpec
 
@@ -31,34 +33,37 @@ def ranks_on_host(size: int) -> int:
     return size
 
 
-def start(config: EngineConfig, dist_address: str) -> MpRanks:
-    return MpRanks(config, dist_address)
+def start(config: EngineConfig, dist_address: str, layer_split: tuple[int, ...]) -> MpRanks:
+    return MpRanks(config, dist_address, layer_split)
 
 
 class MpRanks:
-    def __init__(self, config: EngineConfig, dist_address: str) -> None:
-        size = config.tensor_parallel_size
+    def __init__(self, config: EngineConfig, dist_address: str,
+                 layer_split: tuple[int, ...]) -> None:
+        self.layout = Layout(config.tensor_parallel_size, config.pipeline_parallel_size)
+        self.ranks = self.layout.others()  # procs[i] and conns[i] are rank ranks[i]
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
-        self._answers: dict[int, str | None] = {}  # rank -> None (started) or why not
-        for rank in range(1, size):
+        self._answers: dict[int, str | None] = {}  # index -> None (started) or why not
+        for rank in self.ranks:
             ours, theirs = socket.socketpair()
             fd = theirs.fileno()
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "pagedserve.executor.mp", str(fd)], pass_fds=(fd,)))
             theirs.close()
             conn = Connection(ours.detach())
-            conn.send(WorkerSpec(config, rank, dist_address, rank, size))
+            conn.send(WorkerSpec(config, rank, dist_address, rank, self.layout.size,
+                                 layer_split))
             self.conns.append(conn)
 
     def driver_device_index(self) -> int:
-        return 0  # rank r takes device r
+        return self.layout.driver  # rank r takes device r
 
     def wait_ready(self) -> None:
-        for rank, proc in enumerate(self.procs, 1):
-            while rank not in self._answers and proc.poll() is None:
-                self.conns[rank - 1].poll(0.5)
-                self._read_answer(rank)
+        for i, proc in enumerate(self.procs):
+            while i not in self._answers and proc.poll() is None:
+                self.conns[i].poll(0.5)
+                self._read_answer(i)
         reason = self.dead_reason()
         if reason is not None:
             raise RuntimeError(reason)
@@ -73,29 +78,29 @@ class MpRanks:
         driver, waiting for it to join, hears its reason at once."""
         deadline = time.monotonic() + wait_s
         while True:
-            for rank, proc in enumerate(self.procs, 1):
+            for i, proc in enumerate(self.procs):
                 exited = proc.poll() is not None  # before the read: its answer came first
-                failed = self._read_answer(rank)
+                failed = self._read_answer(i)
                 if failed is not None:
                     return failed
                 if exited:
-                    return (f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
-                            f"{proc.returncode}")
+                    return (f"{self.layout.name(self.ranks[i])} (pid {proc.pid}) exited with "
+                            f"code {proc.returncode}")
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
 
-    def _read_answer(self, rank: int) -> str | None:
-        """Why the rank could not start; None if it started or has not answered."""
-        if rank not in self._answers:
+    def _read_answer(self, i: int) -> str | None:
+        """Why the ``i``-th rank could not start; None if it started or has not answered."""
+        if i not in self._answers:
             try:
-                if self.conns[rank - 1].poll(0):
-                    status, message = self.conns[rank - 1].recv()
-                    self._answers[rank] = (None if status == "ready" else
-                                           f"tensor-parallel rank {rank} failed: {message}")
+                if self.conns[i].poll(0):
+                    status, message = self.conns[i].recv()
+                    self._answers[i] = (None if status == "ready" else
+                                        f"{self.layout.name(self.ranks[i])} failed: {message}")
             except (EOFError, OSError):
                 pass  # gone without an answer
-        return self._answers.get(rank)
+        return self._answers.get(i)
 
     def stop(self) -> None:
         for conn in self.conns:

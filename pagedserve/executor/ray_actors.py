@@ -1,8 +1,12 @@
-"""Ranks 1 .. N-1 as Ray actors, for tensor parallelism across the hosts of a Ray cluster.
+"""Every rank but the driver's as a Ray actor, for tensor and pipeline parallelism across the
+hosts of a Ray cluster.
 
 The driver joins the cluster ``RAY_ADDRESS`` names (else Ray starts a local one), reserves one
 device (``Platform.ray_resource``) per rank in a placement group, packed onto as few hosts as
-possible, and starts an actor in each bundle. A Ray connection the engine opened is closed by
+possible, and starts an actor in each bundle. Ranks are given out once Ray has placed the
+actors (``assign_ranks``): the driver's own stage first to the actors on its host, then the
+other stages host by host, so that each stage's tensor-parallel all-reduces stay on one host
+where the devices allow it. A Ray connection the engine opened is closed by
 the last engine shut down on it, so a local cluster it started stops with it. Each step is put
 in the object store once and queued on every actor without waiting. Every actor also runs a
 ``watch`` call that never returns, in a concurrency group of its own: when the actor dies,
@@ -20,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedserve import envs
 from pagedserve.config import EngineConfig
+from pagedserve.distributed import Layout
 from pagedserve.logger import get_logger
 from pagedserve.platforms import resolve_platform
 from pagedserve.worker.model_runner import StepInput
@@ -50,11 +55,11 @@ def ranks_on_host(size: int) -> int:
     return size
 
 
-def start(config: EngineConfig, dist_address: str) -> RayRanks:
+def start(config: EngineConfig, dist_address: str, layer_split: tuple[int, ...]) -> RayRanks:
     global _num_users
     _num_users += 1
     try:
-        return RayRanks(config, dist_address)
+        return RayRanks(config, dist_address, layer_split)
     except BaseException:
         _release_connection()
         raise
@@ -89,7 +94,7 @@ class RankActor:
             self.worker.runner.follow(step)
         except BaseException:
             # Die, so the driver's collective breaks and ``watch`` reports it.
-            logger.exception("tensor-parallel rank failed in a step")
+            logger.exception("a rank failed in a step")
             os._exit(1)
 
     def leave(self) -> None:
@@ -103,24 +108,30 @@ class RankActor:
 
 
 class RayRanks:
-    def __init__(self, config: EngineConfig, dist_address: str) -> None:
-        size = config.tensor_parallel_size
+    def __init__(self, config: EngineConfig, dist_address: str,
+                 layer_split: tuple[int, ...]) -> None:
+        self.layout = layout = Layout(config.tensor_parallel_size,
+                                      config.pipeline_parallel_size)
+        count = layout.size - 1
         resource = resolve_platform(config.device).ray_resource
-        self.group = placement_group([{resource: 1}] * (size - 1), strategy="PACK")
+        self.group = placement_group([{resource: 1}] * count, strategy="PACK")
         ready, _ = ray.wait([self.group.ready()], timeout=envs.dist_timeout_s())
         if not ready:
             remove_placement_group(self.group)
-            raise RuntimeError(f"the Ray cluster has no room for {size - 1} more ranks of one "
+            raise RuntimeError(f"the Ray cluster has no room for {count} more ranks of one "
                                f"{resource} each")
         self.actors = [
             RankActor.options(**_reservation(resource), scheduling_strategy=(
                 PlacementGroupSchedulingStrategy(self.group,
                                                  placement_group_bundle_index=i))).remote()
-            for i in range(size - 1)]
+            for i in range(count)]
         self.placements = ray.get([a.placement.remote(resource) for a in self.actors])
+        here = ray.get_runtime_context().get_node_id()
+        self.ranks = assign_ranks(layout, [node for node, _ in self.placements], here)
         # Ray shows each actor only its own device, so every rank's device is index 0.
-        self._building = [a.build.remote(WorkerSpec(config, rank, dist_address, 0, size))
-                          for rank, a in enumerate(self.actors, 1)]
+        self._building = [a.build.remote(WorkerSpec(config, rank, dist_address, 0, layout.size,
+                                                    layer_split))
+                          for rank, a in zip(self.ranks, self.actors)]
         self._watches = [a.watch.remote() for a in self.actors]
 
     def driver_device_index(self) -> int:
@@ -130,11 +141,11 @@ class RayRanks:
         return first_free_device([ids for node, ids in self.placements if node == here])
 
     def wait_ready(self) -> None:
-        for rank, ref in enumerate(self._building, 1):
+        for rank, ref in zip(self.ranks, self._building):
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as exc:
-                raise RuntimeError(_build_failure(rank, exc)) from exc
+                raise RuntimeError(self._build_failure(rank, exc)) from exc
         self._building = []  # all built: nothing more to learn from these calls
 
     def send(self, step: StepInput) -> None:
@@ -151,12 +162,12 @@ class RayRanks:
         done, _ = ray.wait(self._watches, num_returns=1, timeout=wait_s)
         if not done:
             return None
-        rank = self._watches.index(done[0]) + 1
+        name = self.layout.name(self.ranks[self._watches.index(done[0])])
         try:
             ray.get(done[0])
         except ray.exceptions.RayError as exc:
-            return f"tensor-parallel rank {rank} (a Ray actor) died: {type(exc).__name__}"
-        return f"tensor-parallel rank {rank} (a Ray actor) stopped"
+            return f"{name} (a Ray actor) died: {type(exc).__name__}"
+        return f"{name} (a Ray actor) stopped"
 
     def _failed_build(self) -> str | None:
         """Until every rank is built, one whose ``build`` failed counts as gone (its actor
@@ -168,7 +179,7 @@ class RayRanks:
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as exc:
-                return _build_failure(self._building.index(ref) + 1, exc)
+                return self._build_failure(self.ranks[self._building.index(ref)], exc)
         return None
 
     def stop(self) -> None:
@@ -184,9 +195,23 @@ class RayRanks:
             remove_placement_group(self.group)
         _release_connection()
 
+    def _build_failure(self, rank: int, exc: ray.exceptions.RayError) -> str:
+        return f"{self.layout.name(rank)} failed: {exc}"
 
-def _build_failure(rank: int, exc: ray.exceptions.RayError) -> str:
-    return f"tensor-parallel rank {rank} failed: {exc}"
+
+def assign_ranks(layout: Layout, nodes: list[str], driver_node: str) -> list[int]:
+    """The rank of each actor, given the node each was placed on: the driver's stage's other
+    ranks go to the actors on the driver's node first, then every other rank in order to the
+    actors node by node (the nodes in the order their first actor came)."""
+    stage = layout.driver // layout.tp_size
+    ranks = sorted(layout.others(), key=lambda r: r // layout.tp_size != stage)
+    order = {node: i for i, node in enumerate(dict.fromkeys(nodes))}
+    actors = sorted(range(len(nodes)),
+                    key=lambda i: (nodes[i] != driver_node, order[nodes[i]]))
+    assigned = [0] * len(nodes)
+    for actor, rank in zip(actors, ranks):
+        assigned[actor] = rank
+    return assigned
 
 
 def _reservation(resource: str) -> dict:

@@ -104,8 +104,8 @@ def add_lora_layers(model: nn.Module, ops: type[LoRAOps], max_loras: int, max_ra
     """Wrap every q/k/v, o, gate/up and down projection of a loaded model in a ``LoRALinear``
     with ``max_loras`` empty slots; ``pin``: keep host adapters in page-locked memory. Slots
     that would not fit the device's ``free_bytes`` are refused before any is allocated."""
-    bases = [(i, projection, getattr(decoder, owner_name))
-             for i, decoder in enumerate(model.model.layers)
+    bases = [(i, projection, getattr(model.model.layers[i], owner_name))
+             for i in model.model.layer_range  # a pipeline stage's own layers
              for projection, owner_name in _PROJECTIONS.items()]
     needed = sum(slot_bytes(getattr(owner, projection), max_loras, max_rank)
                  for _, projection, owner in bases)

@@ -20,12 +20,13 @@ tensor parallelism and LoRA are Llama's (``LlamaForCausalLM``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from pagedserve.attention.backend import AttentionBackend
+from pagedserve.distributed import PipelineStage
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.forward_context import ForwardContext
 from pagedserve.models.layer_ops import LayerOps
@@ -67,22 +68,22 @@ class GemmaModel(LlamaModel):
     norm_class = GemmaRMSNorm
 
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
-                 ops: type[LayerOps], linears: LinearFactory) -> None:
-        super().__init__(cfg, backend, max_positions, ops, linears)
+                 ops: type[LayerOps], linears: LinearFactory,
+                 stage: PipelineStage = PipelineStage()) -> None:
+        super().__init__(cfg, backend, max_positions, ops, linears, stage)
         # As transformers scales: by the factor rounded to the dtype, the product rounded.
         self.normalizer = torch.tensor(cfg.hidden_size ** 0.5, dtype=linears.dtype).item()
 
     @staticmethod
-    def make_layers(cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
-                    ops: type[LayerOps], linears: LinearFactory) -> list[nn.Module]:
+    def layer_factory(cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
+                      ops: type[LayerOps], linears: LinearFactory) -> Callable[[int], nn.Module]:
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                  ops)
         local = rotary if cfg.rope_local_theta is None else RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_local_theta, None, ops)
         sliding = cfg.sliding_layers or ()
-        return [GemmaDecoderLayer(cfg, local if i in sliding else rotary, backend, ops,
-                                  linears, cfg.layer_window(i))
-                for i in range(cfg.num_layers)]
+        return lambda i: GemmaDecoderLayer(cfg, local if i in sliding else rotary, backend, ops,
+                                           linears, cfg.layer_window(i))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.normalizer

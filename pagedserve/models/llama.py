@@ -10,17 +10,23 @@ fused into one matmul each; ``load_weights`` hands the checkpoint's shards to th
 checkpoint's fused tensors cut back into their shards first, so each tensor-parallel rank
 takes its slice of q, of k and of v). Linear
 layers come from a ``LinearFactory``, so their weights may be dense or quantized.
+
+Under pipeline parallelism a model is one stage's (``distributed.PipelineStage``): its decoder
+layers alone, under their checkpoint numbers (the others' places hold empty ``nn.Identity``
+modules), the embedding on the first stage, the final norm and the heads on the last (a tied
+LM head reads the checkpoint's embedding table there); ``load_weights`` skips the tensors of
+other stages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from pagedserve.attention.backend import AttentionBackend
-from pagedserve.distributed import Part, split_heads
+from pagedserve.distributed import Intermediate, Part, PipelineStage, split_heads
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.embedding import VocabEmbedding
 from pagedserve.models.forward_context import ForwardContext
@@ -153,27 +159,33 @@ class LlamaModel(nn.Module):
     norm_class: type[RMSNorm] = RMSNorm
 
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
-                 ops: type[LayerOps], linears: LinearFactory) -> None:
+                 ops: type[LayerOps], linears: LinearFactory,
+                 stage: PipelineStage = PipelineStage()) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, linears.dtype,
-                                           linears.device, linears.tp)
-        self.layers = nn.ModuleList(self.make_layers(cfg, backend, max_positions, ops, linears))
-        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.layer_range = stage.layer_range(cfg.num_layers)
+        self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, linears.dtype,
+                                            linears.device, linears.tp)
+                             if stage.is_first else None)
+        layer = self.layer_factory(cfg, backend, max_positions, ops, linears)
+        self.layers = nn.ModuleList(layer(i) if i in self.layer_range else nn.Identity()
+                                    for i in range(cfg.num_layers))
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, ops) \
+            if stage.is_last else None
         self.embedding_multiplier = cfg.embedding_multiplier  # Granite's; 1 elsewhere
         # Layers whose input (the residual stream entering them) an EAGLE-3 head reads
         # (``models/eagle3.py``); empty: none, and the forward returns the hidden states alone.
         self.aux_layers: tuple[int, ...] = ()
 
     @staticmethod
-    def make_layers(cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
-                    ops: type[LayerOps], linears: LinearFactory) -> list[nn.Module]:
-        """The decoder layers, each taking ``(positions, hidden, residual, kv_cache, ctx)``
-        and returning the next ``(hidden, residual)``."""
+    def layer_factory(cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
+                      ops: type[LayerOps], linears: LinearFactory) -> Callable[[int], nn.Module]:
+        """What makes decoder layer ``i`` (only this stage's are made), each taking
+        ``(positions, hidden, residual, kv_cache, ctx)`` and returning the next
+        ``(hidden, residual)``."""
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                  ops, rotary_dim=cfg.rotary_dim)
-        return [LlamaDecoderLayer(cfg, rotary, backend, ops, linears, moe=cfg.is_moe_layer(i),
-                                  window=cfg.layer_window(i))
-                for i in range(cfg.num_layers)]
+        return lambda i: LlamaDecoderLayer(cfg, rotary, backend, ops, linears,
+                                           moe=cfg.is_moe_layer(i), window=cfg.layer_window(i))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -181,14 +193,21 @@ class LlamaModel(nn.Module):
             hidden = hidden * self.embedding_multiplier
         return hidden
 
-    def forward(self, input_ids, positions, kv_caches, ctx: ForwardContext
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.embed(input_ids), None
+    def forward(self, input_ids, positions, kv_caches, ctx: ForwardContext,
+                incoming: Intermediate | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | Intermediate:
+        """``kv_caches``: this stage's layers' pools; ``incoming``: the previous stage's
+        output (None on the first stage, which embeds ``input_ids``). A stage before the last
+        returns its ``Intermediate`` for the next."""
+        hidden, residual = (self.embed(input_ids), None) if incoming is None else incoming
         aux = []
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+        layers = self.layers[self.layer_range.start:self.layer_range.stop]
+        for i, layer, kv_cache in zip(self.layer_range, layers, kv_caches):
             if i in self.aux_layers:  # a copy: the fused norms add into the residual in place
                 aux.append(hidden.clone() if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, kv_cache, ctx)
+        if self.norm is None:
+            return Intermediate(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         if not self.aux_layers:
             return hidden
@@ -204,39 +223,46 @@ class LlamaForCausalLM(nn.Module):
     model_class: type[LlamaModel] = LlamaModel
 
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int,
-                 ops: type[LayerOps], linears: LinearFactory, lm_head: bool = True) -> None:
+                 ops: type[LayerOps], linears: LinearFactory, lm_head: bool = True,
+                 stage: PipelineStage = PipelineStage()) -> None:
         """``lm_head=False`` (``--runner pooling``, and always for a bare base model): no
-        head at all, so a checkpoint's ``lm_head.weight`` is skipped, never held."""
+        head at all, so a checkpoint's ``lm_head.weight`` is skipped, never held. ``stage``:
+        the pipeline stage this model is (the whole model by default)."""
         super().__init__()
         self.config = cfg
-        self.model = self.model_class(cfg, backend, max_positions, ops, linears)
+        self.stage = stage
+        self.model = self.model_class(cfg, backend, max_positions, ops, linears, stage)
         self.tp = linears.tp
         # Each rank holds a slice of the vocabulary, as the embedding does (so a tied head
         # shares its table). The head stays in the checkpoint's precision under at-load
         # quantization.
         self.lm_head = (linears.column(cfg.hidden_size, [linears.tp.padded_part(cfg.vocab_size)],
                                        quantize_at_load=False)
-                        if lm_head else None)
-        # A sequence classifier's head, replicated on every rank (rank 0's pooler reads it).
+                        if lm_head and stage.is_last else None)
+        # A sequence classifier's head, replicated on every rank of the last stage (the
+        # driver's pooler reads it).
         self.score = (nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False,
                                 dtype=linears.dtype, device=linears.device)
-                      if cfg.num_labels else None)
+                      if cfg.num_labels and stage.is_last else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], ctx: ForwardContext
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                kv_caches: list[torch.Tensor], ctx: ForwardContext,
+                incoming: Intermediate | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | Intermediate:
         """Hidden states ``[num_tokens, hidden]`` for a packed batch of tokens; ``ctx`` is the
         step's attention metadata and per-row extras, handed to every layer. With
         ``model.aux_layers`` set, also the inputs of those layers side by side
-        (``[num_tokens, len(aux_layers) * hidden]``)."""
-        return self.model(input_ids, positions, kv_caches, ctx)
+        (``[num_tokens, len(aux_layers) * hidden]``). A pipeline stage after the first starts
+        from ``incoming``; one before the last returns what the next starts from."""
+        return self.model(input_ids, positions, kv_caches, ctx, incoming)
 
-    def get_input_embeddings(self) -> VocabEmbedding:
+    def get_input_embeddings(self) -> VocabEmbedding | None:
+        """The token embedding table (None on a pipeline stage after the first)."""
         return self.model.embed_tokens
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits over the whole vocabulary; under tensor parallelism only rank 0, which
-        samples, gets them (the other ranks get None)."""
+        """Logits over the whole vocabulary; under tensor parallelism only the stage's first
+        rank, which samples, gets them (the other ranks get None)."""
         if self.lm_head is None:
             raise RuntimeError("this model was built without an LM head (--runner pooling): "
                                "it computes hidden states, never logits")
@@ -252,8 +278,26 @@ class LlamaForCausalLM(nn.Module):
         return None if logits is None else logits[:, :self.config.vocab_size]
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor a Hugging Face checkpoint of this model holds, with its shape."""
-        return checkpoint_shapes(self.config, lm_head=self.lm_head is not None)
+        """Every tensor of a Hugging Face checkpoint this model (this stage) reads, with its
+        shape."""
+        shapes = checkpoint_shapes(self.config, lm_head=self.lm_head is not None)
+        return {name: shape for name, shape in shapes.items() if self._reads(name)}
+
+    def _reads(self, name: str) -> bool:
+        """Whether this pipeline stage holds checkpoint tensor ``name`` (a canonical name): its
+        layers' tensors, the embedding on the first stage (and on the last, for a tied LM
+        head), the final norm and the heads on the last."""
+        if name.startswith(self.layers_prefix + "."):
+            return int(name.split(".")[2]) in self.model.layer_range
+        if name.startswith("model.embed_tokens."):
+            return self.stage.is_first or (self.stage.is_last and self._reads_tied_head)
+        if name.startswith(("model.norm.", "lm_head.", "score.")):
+            return self.stage.is_last
+        return True
+
+    @property
+    def _reads_tied_head(self) -> bool:
+        return self.config.tie_word_embeddings and self.lm_head is not None
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
@@ -265,10 +309,13 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())  # norms and biases; weights come later
         loaded: set[str] = set()
         for name, weight in self.canonical_weights(weights):
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or not self._reads(name):
                 continue
             if name.startswith("lm_head.") and (self.lm_head is None
                                                 or self.config.tie_word_embeddings):
+                continue
+            if name.startswith("model.embed_tokens.") and self.model.embed_tokens is None:
+                self.lm_head.load_shard(0, weight)  # a last stage's tied head: the table
                 continue
             expert = expert_weight(name)
             if expert is not None:
@@ -291,7 +338,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
             loaded.add(f"{target}#{shard}")
-        if self.config.tie_word_embeddings and self.lm_head is not None:
+        if self._reads_tied_head and self.model.embed_tokens is not None:
             self.lm_head.set_weight(self.model.embed_tokens.as_weight())
         self._check_complete(loaded)
 

@@ -79,14 +79,16 @@ class _HostLayer:
 
 
 class LayerOffload:
-    """Offloads decoder layers of ``model`` (the ``nn.ModuleList`` at ``prefix``), from the
-    last one down, until ``budget_bytes`` are in host memory.
+    """Offloads decoder layers of ``model`` (those of ``indices`` in the ``nn.ModuleList`` at
+    ``prefix``: a pipeline stage's own), from the last one down, until ``budget_bytes`` are in
+    host memory.
 
     Use: wrap the checkpoint's tensors in ``while_loading``, then call ``finish`` once."""
 
-    def __init__(self, model: nn.Module, prefix: str, budget_bytes: int,
+    def __init__(self, model: nn.Module, prefix: str, indices: range, budget_bytes: int,
                  platform: type[Platform]) -> None:
         self.layers: nn.ModuleList = model.get_submodule(prefix)
+        self.indices = indices
         self.prefix = prefix
         self.budget_bytes = budget_bytes
         self.platform = platform
@@ -98,7 +100,7 @@ class LayerOffload:
         self._seen: dict[int, set[str]] = {}
         # A tensor that several layers hold stays resident. Counted before loading, when the
         # layers hold only what their modules made (norms, biases); weights arrive per layer.
-        counts = Counter(id(t) for layer in self.layers for t in _tensors(layer))
+        counts = Counter(id(t) for i in indices for t in _tensors(self.layers[i]))
         self._shared = {i for i, n in counts.items() if n > 1}
         self.chosen: range | None = None  # the offloaded layers' indices
         self.stream: WeightStream | None = None
@@ -119,7 +121,7 @@ class LayerOffload:
         """After loading: offload what was not yet, allocate the slots, bind every offloaded
         tensor to its slot, and install the schedule's hooks on the layers."""
         if self.chosen is None:
-            self._choose(self.layers[-1])
+            self._choose(self.layers[self.indices[-1]])
         for index in self.chosen:
             if index not in self._host:
                 self._offload(index)
@@ -134,7 +136,7 @@ class LayerOffload:
         self._install_hooks()
         logger.info("cpu offload: decoder layers %d-%d (%d of %d, %.2f GiB) in host memory%s, "
                     "%d staging slots of %.1f MiB on the device", self.chosen.start,
-                    self.chosen.stop - 1, len(self.chosen), len(self.layers),
+                    self.chosen.stop - 1, len(self.chosen), len(self.indices),
                     self.host_bytes / 2**30, " (pinned)" * self.stream.pin_memory,
                     len(self.slots), size / 2**20)
 
@@ -173,8 +175,8 @@ class LayerOffload:
 
     def _choose(self, layer: nn.Module) -> None:
         layer_bytes = sum(_nbytes(t) for t in self._own(layer))
-        count = min(len(self.layers), math.ceil(self.budget_bytes / max(1, layer_bytes)))
-        self.chosen = range(len(self.layers) - count, len(self.layers))
+        count = min(len(self.indices), math.ceil(self.budget_bytes / max(1, layer_bytes)))
+        self.chosen = range(self.indices.stop - count, self.indices.stop)
         self.stream = self.platform.weight_stream(min(_SLOTS, count))
 
     def _own(self, layer: nn.Module) -> list[torch.Tensor]:
@@ -196,7 +198,7 @@ class LayerOffload:
     def _install_hooks(self) -> None:
         # Registered first: when the first decoder layer is offloaded too, its slot is loaded
         # before its own hook waits for it.
-        self.layers[0].register_forward_pre_hook(lambda *_: self._start())
+        self.layers[self.indices[0]].register_forward_pre_hook(lambda *_: self._start())
         for k, index in enumerate(self.chosen):
             self.layers[index].register_forward_pre_hook(
                 lambda *_, k=k: self.stream.wait(k % len(self.slots)))

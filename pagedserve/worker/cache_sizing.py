@@ -74,13 +74,13 @@ def _check_host_pools(config: EngineConfig, rank_bytes: int) -> None:
     """Refuse host pools (swap's, the offloading tier's) that every rank on this host cannot
     have at once: pinned ones fail to allocate, and pageable ones would be filled until the
     kernel's out-of-memory killer stopped the process mid-serving."""
-    needed = rank_bytes * config.tensor_parallel_size
+    needed = rank_bytes * config.world_size
     available = host_memory.available_bytes()
     if needed > available:
         raise ConfigError(
             f"the host pools need {needed / 2**30:.1f} GiB of host memory "
             f"(--swap-space {config.swap_space} and --kv-offloading-size "
-            f"{config.kv_offloading_size} GiB per rank, {config.tensor_parallel_size} "
+            f"{config.kv_offloading_size} GiB per rank, {config.world_size} "
             f"rank(s)), but {available / 2**30:.1f} GiB is available: lower them")
 
 

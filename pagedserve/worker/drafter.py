@@ -1,4 +1,4 @@
-"""The draft model of speculative decoding (``method: draft_model``), run by rank 0 inside the
+"""The draft model of speculative decoding (``method: draft_model``), run by the driver inside the
 step that verifies its drafts.
 
 The scheduler gives each drafting sequence ``d_i`` draft slots filled with

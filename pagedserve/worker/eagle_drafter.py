@@ -1,4 +1,4 @@
-"""EAGLE-3 drafting (``method: eagle3``), run by rank 0: a one-layer head
+"""EAGLE-3 drafting (``method: eagle3``), run by the driver: a one-layer head
 (``models/eagle3.py``) that drafts from the target's hidden states.
 
 The head at position q reads the target's fused hidden state at q and the token at q + 1, so

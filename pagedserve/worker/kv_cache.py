@@ -1,6 +1,7 @@
-"""One rank's KV pool: the device pool every layer attends over, the host pool that preempted
-sequences swap to and the offloading tier keeps evicted prefix blocks in, the tier's files on
-disk, and the block moves between them that a step's ``BlockOps`` ask for."""
+"""One rank's KV pool: the device pool every layer of its pipeline stage attends over, the host
+pool that preempted sequences swap to and the offloading tier keeps evicted prefix blocks in,
+the tier's files on disk, and the block moves between them that a step's ``BlockOps`` ask
+for."""
 
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
 
-    def bytes_per_block(self, arch: ModelArchConfig, num_kv_heads: int) -> int:
-        """Keys and values of every layer for ``num_kv_heads`` heads (one rank's)."""
-        return (2 * arch.num_layers * num_kv_heads * arch.head_dim * self.block_size
+    def bytes_per_block(self, arch: ModelArchConfig, num_kv_heads: int,
+                        num_layers: int | None = None) -> int:
+        """Keys and values of ``num_layers`` layers (default: all; a pipeline stage's own)
+        for ``num_kv_heads`` heads (one rank's)."""
+        layers = arch.num_layers if num_layers is None else num_layers
+        return (2 * layers * num_kv_heads * arch.head_dim * self.block_size
                 * torch.empty(0, dtype=self.dtype).element_size())
 
 
@@ -37,10 +41,12 @@ class KVCache:
     files."""
 
     def __init__(self, platform: type[Platform], arch: ModelArchConfig, num_kv_heads: int,
-                 spec: KVCacheSpec) -> None:
+                 spec: KVCacheSpec, num_layers: int | None = None) -> None:
+        """``num_layers``: the layers this rank runs (default: all; a pipeline stage's own)."""
         self.platform = platform
+        layers = arch.num_layers if num_layers is None else num_layers
         self.pool = platform.allocate_kv_cache(
-            (arch.num_layers, 2, spec.num_blocks, spec.block_size, num_kv_heads, arch.head_dim),
+            (layers, 2, spec.num_blocks, spec.block_size, num_kv_heads, arch.head_dim),
             spec.dtype)
         self.layers = list(self.pool.unbind(0))
         self.host_pool: torch.Tensor | None = None

@@ -2,14 +2,16 @@
 step of the model.
 
 Under tensor parallelism there is one runner per rank, each holding its slice of the weights
-and of the KV heads. Rank 0's runner (the driver's) plans a step (``plan``: the packed inputs,
-as plain data every rank can read) and runs it (``forward``, then ``sample``; driven through
+and of the KV heads; under pipeline parallelism each holds its stage's layers alone, and the
+KV pool of those layers. The driver's runner plans a step (``plan``: the packed inputs, as
+plain data every rank can read) and runs it (``forward``, then ``sample``; driven through
 ``step_api.StepAPI``); the other ranks run the same step (``follow``) so that every collective
-inside the forward pass has all its ranks. Only rank 0 samples: the sampler's state
-(``sampling_batch``: each row's settings and generator, kept across steps) lives in the
-driver, so gathering the logits to rank 0 moves less than keeping that state identical on
-every rank; rank 0 then broadcasts the sampled tokens, which the other ranks need as inputs
-under async scheduling.
+inside the forward pass has all its ranks, and every stage receives the hidden states of the
+one before it. Only the driver (the last stage's first rank, where the logits are) samples:
+the sampler's state (``sampling_batch``: each row's settings and generator, kept across
+steps) lives there, so gathering the logits to it moves less than keeping that state
+identical on every rank; it then broadcasts the sampled tokens, which the first stage needs
+as inputs under async scheduling.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
 from pagedserve.core.sequence import Sequence
-from pagedserve.distributed import TensorParallel, split_heads
+from pagedserve.distributed import PipelineStage, TensorParallel, split_heads
 from pagedserve.logger import get_logger
 from pagedserve.lora.adapter import LoRAAdapter
 from pagedserve.lora.slots import LoRASlots, add_lora_layers
@@ -90,7 +92,7 @@ class _QueuedStep(NamedTuple):
 
 
 class _Ran(NamedTuple):
-    """What a step's forward pass leaves on rank 0."""
+    """What a step's forward pass leaves on the driver."""
 
     logits: torch.Tensor | None  # the sampling rows'
     prompt: dict[Sequence, tuple[int, LogprobsTensors]]
@@ -102,7 +104,7 @@ class _Ran(NamedTuple):
 
 
 class _Forwarded(NamedTuple):
-    """What a step's first half leaves for its second, on rank 0."""
+    """What a step's first half leaves for its second, on the driver."""
 
     step_id: int
     ran: _Ran
@@ -141,14 +143,17 @@ class ModelRunner:
                  tp: TensorParallel = TensorParallel(), cpu_offload_bytes: int = 0,
                  numerics: MatmulNumerics = MatmulNumerics(),
                  logits_processors: Iterable[LogitsProcessor] = (),
-                 lm_head: bool = True) -> None:
+                 lm_head: bool = True, stage: PipelineStage = PipelineStage()) -> None:
         """``lm_head=False``: the model is built without its LM head (``--runner pooling``,
-        which never computes logits), so a checkpoint's head is never held."""
+        which never computes logits), so a checkpoint's head is never held. ``stage``: the
+        decoder layers this rank runs, and its neighbours (the whole model by default)."""
         self.platform = platform
         self.arch = arch
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.tp = tp
+        self.stage = stage
+        self.num_layers = len(stage.layer_range(arch.num_layers))  # this stage's
         self.device = platform.device()
         self.kv_dtype = platform.kv_cache_torch_dtype(kv_cache_dtype, dtype)
         heads = split_heads(arch.num_heads, arch.num_kv_heads, tp)
@@ -160,33 +165,35 @@ class ModelRunner:
         with torch.device(self.device):
             model = model_class(arch.architecture)(arch, backend, max_model_len,
                                                     platform.layer_ops(), linears,
-                                                    lm_head=lm_head)
+                                                    lm_head=lm_head, stage=stage)
         self.model = model.to(dtype=dtype).eval()
         # --cpu-offload-gb: decoder layers in host memory, streamed in per forward pass.
-        self.offload = (LayerOffload(self.model, self.model.layers_prefix, cpu_offload_bytes,
+        self.offload = (LayerOffload(self.model, self.model.layers_prefix,
+                                     stage.layer_range(arch.num_layers), cpu_offload_bytes,
                                      platform) if cpu_offload_bytes else None)
         self.sampler = Sampler()
-        # Used by rank 0 alone, but every rank makes its own processors (--logits-processors).
+        # Used by the driver alone, but every rank makes its own processors
+        # (--logits-processors).
         self.sampling = SamplingBatch(arch.vocab_size, self.device,
                                       processors=logits_processors)
         self.kv_cache: KVCache | None = None
         self.block_size = 16
         self.graphs: GraphRunner | None = None
         # The last step's sampled tokens, on the device: the inputs of a step scheduled
-        # before the host has seen them. Rank 0 knows whose they are; the other ranks are
-        # told which to read (``HostInputs.fill_sources``).
-        self._in_flight: InFlightTokens | None = None  # rank 0
-        self._last_tokens: torch.Tensor | None = None  # ranks > 0
-        # Rank 0, between a step's halves: its logits and prompt logprobs, by step id.
+        # before the host has seen them. The driver knows whose they are; the other ranks
+        # are told which to read (``HostInputs.fill_sources``).
+        self._in_flight: InFlightTokens | None = None  # the driver
+        self._last_tokens: torch.Tensor | None = None  # the other ranks
+        # The driver, between a step's halves: its logits and prompt logprobs, by step id.
         self._step_id = 0
         self._forwarded: _Forwarded | None = None
         self._queued: dict[int, _QueuedStep] = {}  # steps sampled, not yet fetched
         self.buckets = buckets  # pad every step to these shapes (shape_buckets.py)
         self.pad_block = 0  # with buckets: the pool's last block, written by padded rows only
         self.lora: LoRASlots | None = None  # with --enable-lora: the adapters' device slots
-        # Rank 0, with a draft model or an EAGLE-3 head (speculative decoding).
+        # The driver, with a draft model or an EAGLE-3 head (speculative decoding).
         self.drafter: Drafter | EagleDrafter | None = None
-        self.pooler: Pooler | None = None  # rank 0, with --runner pooling
+        self.pooler: Pooler | None = None  # the driver, with --runner pooling
         # Sleep mode: the pool's spec and the graphs' sizes, to make them again on wake-up;
         # the weights while they are asleep.
         self._kv_spec: KVCacheSpec | None = None
@@ -245,9 +252,10 @@ class ModelRunner:
             drafter.head.share_embedding(self.model.get_input_embeddings())
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        """Device bytes of one KV block of this rank: the model's and its draft model's."""
+        """Device bytes of one KV block of this rank (its stage's layers): the model's and its
+        draft model's."""
         spec = KVCacheSpec(1, block_size, self.kv_dtype)
-        own = spec.bytes_per_block(self.arch, self.num_kv_heads)
+        own = spec.bytes_per_block(self.arch, self.num_kv_heads, self.num_layers)
         return own if self.drafter is None else own + self.drafter.kv_bytes_per_block(spec)
 
     def weight_bytes(self) -> int:
@@ -270,7 +278,8 @@ class ModelRunner:
         routed to, as many as uniform routing touches on average (``moe.expected_experts``):
         8 of Qwen3-30B-A3B's 128 at batch 1."""
         head = set() if self.model.lm_head is None else set(self.model.lm_head.parameters())
-        table = [p for p in self.model.get_input_embeddings().parameters() if p not in head]
+        embedding = self.model.get_input_embeddings()  # None past the first stage
+        table = [] if embedding is None else [p for p in embedding.parameters() if p not in head]
         untouched = sum(block.expert_bytes() * (1 - block.expected_experts(batch)
                                                 / block.experts.num_experts)
                         for block in self.model.modules() if isinstance(block, moe.SparseMoeBlock))
@@ -285,12 +294,13 @@ class ModelRunner:
         self.pad_block = spec.num_blocks
         padded = KVCacheSpec(spec.num_blocks + (self.buckets is not None), spec.block_size,
                              spec.dtype)
-        self.kv_cache = KVCache(self.platform, self.arch, self.num_kv_heads, padded)
+        self.kv_cache = KVCache(self.platform, self.arch, self.num_kv_heads, padded,
+                                self.num_layers)
         if self.drafter is not None:  # the same block ids address both pools
             self.drafter.allocate_kv_cache(padded)
 
     def plan(self, out: SchedulerOutput) -> tuple[StepInput, list[PromptSpan]]:
-        """The step every rank runs, and (for rank 0 alone) which rows score prompts."""
+        """The step every rank runs, and (for the driver alone) which rows score prompts."""
         if out.is_empty:
             return StepInput(out.block_ops, None, []), []
         inputs = pack_inputs(out, self.block_size, self._in_flight and self._in_flight.rows,
@@ -301,7 +311,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput, step: StepInput, spans: list[PromptSpan]
                 ) -> Forward:
-        """Rank 0's part of a planned step, up to its sampling: block moves, the forward pass,
+        """The driver's part of a planned step, up to its sampling: block moves, the forward pass,
         the logits, kept here until ``sample``. The sampling metadata can be built while the
         device computes."""
         ran = self._run(step, self._in_flight and self._in_flight.token_ids, spans,
@@ -328,8 +338,8 @@ class ModelRunner:
                 sampler_output, num_emitted = self._verify(logits, meta, sampled, drafts)
             else:
                 sampler_output = self.sampler(logits, meta)
-            if self.tp.size > 1:
-                self.tp.broadcast_from_first(sampler_output.token_ids)
+            if self.stage.layout.size > 1:
+                self.stage.layout.broadcast_from_driver(sampler_output.token_ids)
             self._keep_in_flight(seqs, counts, sampler_output.token_ids)
             # Where the host runs ahead, the copy lands later: ``ready`` marks when.
             host_output, host_emitted = _to_host(self.platform, sampler_output, num_emitted)
@@ -401,16 +411,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def follow(self, step: StepInput) -> None:
-        """A rank other than 0 runs the step rank 0 planned, and keeps its sampled tokens."""
+        """A rank other than the driver runs the step the driver planned, and keeps its
+        sampled tokens."""
         if step.control is not None:
             self.control(step.control)
             return
         self._run(step, self._last_tokens, [])
         if step.inputs is not None and len(step.inputs.sample_rows):
-            counts = step.inputs.sample_counts  # rank 0 sends [num_sampling, max_positions]
+            counts = step.inputs.sample_counts  # the driver sends [num_sampling, max_positions]
             tokens = torch.empty((len(counts), int(counts.max())), dtype=torch.int64,
                                  device=self.device)
-            self._last_tokens = self.tp.broadcast_from_first(tokens).view(-1)
+            self._last_tokens = self.stage.layout.broadcast_from_driver(tokens).view(-1)
         elif step.inputs is not None:
             self._last_tokens = None
 
@@ -419,10 +430,10 @@ class ModelRunner:
              ) -> _Ran:
         """Block moves, the draft model's drafts, the forward pass, the logits of the sampling
         rows, and each prompt span's logprobs, one span's logits at a time (on ranks other
-        than 0, which get no logits and no ``scheduled``, ``spans`` is empty); with an
-        EAGLE-3 head, what its pass after the sampling reads: the step's inputs and the
-        auxiliary hidden states; with a pooler, the pooled vectors of the streams whose
-        prompt the step finished (rank 0)."""
+        than the driver, which get no logits and no ``scheduled``, ``spans`` is empty; a stage
+        before the last computes no logits at all); with an EAGLE-3 head, what its pass after
+        the sampling reads: the step's inputs and the auxiliary hidden states; with a pooler,
+        the pooled vectors of the streams whose prompt the step finished (the driver)."""
         self.kv_cache.apply_block_ops(step.block_ops)
         if self.drafter is not None and step.block_ops.copies:
             self.drafter.copy_blocks(step.block_ops.copies)
@@ -438,6 +449,8 @@ class ModelRunner:
             inputs.ctx.lora_slots = self.lora.row_slots(step.inputs.lora_requests,
                                                         step.inputs.query_lens, self.device)
         hidden, aux = self._forward_pass(inputs)
+        if hidden is None:  # a stage before the last: its share went to the next stage
+            return _Ran(None, {}, drafts, None)
         sample_logits = None
         if len(step.inputs.sample_rows):
             sample_logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -459,8 +472,8 @@ class ModelRunner:
 
     def _fill_drafts(self, host: HostInputs, input_ids: torch.Tensor,
                      scheduled: list[ScheduledSequence] | None) -> DeviceDrafts | None:
-        """Draw the draft model's drafts (rank 0) into the step's draft slots, and hand them
-        to the other ranks, which read the same slots from the same inputs."""
+        """Draw the draft model's drafts (the driver) into the step's draft slots, and hand
+        them to the other ranks, which read the same slots from the same inputs."""
         rows = np.flatnonzero(host.input_ids == DRAFTED_ON_DEVICE)
         if not len(rows):
             return None
@@ -470,21 +483,30 @@ class ModelRunner:
             tokens = drafts.flat
         else:
             tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
-        if self.tp.size > 1:
-            self.tp.broadcast_from_first(tokens)
+        if self.stage.layout.size > 1:
+            self.stage.layout.broadcast_from_driver(tokens)
         input_ids[torch.from_numpy(rows).to(self.device, non_blocking=True)] = tokens
         return drafts
 
-    def run_model(self, inputs: ModelInputs) -> torch.Tensor:
+    def run_model(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """The final hidden states; None on a stage before the last."""
         return self._forward_pass(inputs)[0]
 
-    def _forward_pass(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The hidden states, and the auxiliary ones an EAGLE-3 head reads (None: none)."""
+    def _forward_pass(self, inputs: ModelInputs
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The hidden states, and the auxiliary ones an EAGLE-3 head reads (None: none). A
+        stage after the first starts from the previous stage's hidden states; one before the
+        last sends its own to the next and returns None."""
         if self.graphs is not None and self.graphs.can_run(inputs.ctx):
             out = self.graphs.run(inputs.input_ids, inputs.positions, inputs.ctx)
         else:
+            incoming = None if self.stage.is_first else self.stage.recv(
+                len(inputs.input_ids), self.arch.hidden_size, self.dtype, self.device)
             out = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers,
-                             inputs.ctx)
+                             inputs.ctx, incoming)
+            if not self.stage.is_last:
+                self.stage.send(out)
+                out = None
         self.platform.end_forward()
         return out if isinstance(out, tuple) else (out, None)
 
@@ -499,6 +521,11 @@ class ModelRunner:
             # The offload's copies are issued per pass by hooks, on the host: a replayed graph
             # would keep whatever its slots held at capture. Eager it is.
             logger.info("cpu offload: decode steps run eagerly (no graphs are captured)")
+            return
+        if self.stage.layout.pp_size > 1:
+            # Each stage's pass waits on the stage before it, outside any graph; the graph
+            # runners replay a whole model's pass from its input tokens.
+            logger.info("pipeline parallelism: steps run eagerly (no graphs are captured)")
             return
         if moe.syncs_with_host(self.model):
             # The portable experts op reads its per-expert counts on the host, and quantized
@@ -522,7 +549,7 @@ class ModelRunner:
     # ---- sleep mode (worker/sleep.py) ---------------------------------------------------
     @torch.no_grad()
     def control(self, c: RankControl) -> None:
-        """Sleep, wake up or load weights, as rank 0 told every rank (``RankControl``)."""
+        """Sleep, wake up or load weights, as the driver told every rank (``RankControl``)."""
         if c.sleep_level:
             self.sleep(c.sleep_level)
         if c.wake_tags:

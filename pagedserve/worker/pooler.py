@@ -1,4 +1,4 @@
-"""Pooling on rank 0: a pooling stream's final hidden states (after the model's final norm)
+"""Pooling on the driver: a pooling stream's final hidden states (after the model's final norm)
 become its embedding once its prompt is computed.
 
 A prompt may take several steps (chunked prefill). ``LAST`` reads only the prompt's last row,

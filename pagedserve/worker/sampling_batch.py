@@ -1,4 +1,4 @@
-"""Rank 0's sampling rows, kept across steps (the sampling part of vLLM V1's persistent batch).
+"""The driver's sampling rows, kept across steps (the sampling part of vLLM V1's persistent batch).
 
 A sequence gets a row the first time it samples: its settings go into per-row tensors on the
 device, with host flags saying which optional stages a step needs, and a seeded sequence gets

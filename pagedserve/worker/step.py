@@ -3,7 +3,7 @@ the engine hands back for the sampling half of a step (``Forward``), what a step
 (``StepResult``: which sequences sampled, and a ticket for the tokens), and the tokens
 themselves once they have reached the host (``StepOutput``). What a step leaves on the device
 (its logits between the halves, its sampled tokens, which the next step may read as inputs
-under async scheduling) stays in rank 0's runner."""
+under async scheduling) stays in the driver's runner."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 class SamplingInputs(NamedTuple):
     """What the engine adds to a step's sampling: the rest (each row's settings, generator
-    and token history) rank 0's ``sampling_batch.SamplingBatch`` reads from the sequences."""
+    and token history) the driver's ``sampling_batch.SamplingBatch`` reads from the sequences."""
 
     grammar_mask: GrammarMask | None  # a row per sampling sequence with a grammar, on the host
     min_num_logprobs: int  # top-k logprobs the beams read their candidates from (0: none)

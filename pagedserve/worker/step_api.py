@@ -1,4 +1,4 @@
-"""The step as rank 0 drives it, defined once: the executor forwards each call to one
+"""The step as the driver drives it, defined once: the executor forwards each call to one
 ``StepAPI``, whichever ranks stand behind it.
 
 A step is ``forward`` (plan the packed inputs, apply the block moves, run the forward pass,
@@ -9,12 +9,12 @@ grammar masks while the device computes. ``move_blocks`` is a step that computes
 the swaps and copies of preempted blocks; ``add_lora`` and ``remove_lora`` change which
 adapters the ranks hold in host memory, between steps; ``control`` puts every rank to sleep,
 wakes it, or loads new weights (sleep mode, ``worker/sleep.py``). What crosses back to the
-engine is host data (``step``'s types); a step's device tensors stay in rank 0's runner.
+engine is host data (``step``'s types); a step's device tensors stay in the driver's runner.
 
-``LocalStep`` is rank 0 alone. The tensor-parallel implementation (``executor``) is the same
-calls with the planned step sent to the other ranks first; they follow it
-(``ModelRunner.follow``) so that every collective of the forward pass, and the broadcast of
-the sampled tokens, has all its ranks.
+``LocalStep`` is the driver alone. The implementation for several ranks (``executor``) is the
+same calls with the planned step sent to the other ranks first; they follow it
+(``ModelRunner.follow``) so that every collective of the forward pass, every pipeline stage's
+hand-over, and the broadcast of the sampled tokens, has all its ranks.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from pagedserve.worker.step import Forward, SamplingInputs, StepOutput, StepResu
 
 
 class StepAPI(ABC):
-    """Rank 0's step. Each call queues device work and returns without waiting for it."""
+    """The driver's step. Each call queues device work and returns without waiting for it."""
 
-    runner: ModelRunner  # rank 0's
+    runner: ModelRunner  # the driver's
 
     @abstractmethod
     def forward(self, out: SchedulerOutput) -> Forward:
@@ -63,7 +63,7 @@ class StepAPI(ABC):
         return self.sample(self.forward(out), sampling)
 
     def fetch(self, result: StepResult) -> StepOutput:
-        """A step's samples and prompt logprobs on the host (rank 0 alone holds them)."""
+        """A step's samples and prompt logprobs on the host (the driver alone holds them)."""
         return self.runner.fetch(result)
 
 

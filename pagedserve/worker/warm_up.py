@@ -66,7 +66,7 @@ def profile_peak_memory(runner: ModelRunner, num_tokens: int, max_num_seqs: int,
     # Without an LM head (--runner pooling) no step computes logits.
     logits = (None if runner.model.lm_head is None
               else runner.model.compute_logits(hidden[-1:].expand(max_num_seqs, -1)))
-    if logits is not None:  # rank 0 alone samples (and gathers the logits)
+    if logits is not None:  # the driver alone samples (and gathers the logits)
         logits.float().softmax(-1)
     runner.run_model(_inputs(runner, SchedulerOutput([ScheduledSequence(
         Sequence([0] * 2, SamplingParams(), max_tokens=1), 0, 2, alone,

@@ -1,4 +1,5 @@
-"""One tensor-parallel rank: its device, its slice of the model, its KV pool.
+"""One rank: its device, its slice of the model (its tensor-parallel share of its pipeline
+stage's layers), its KV pool (of those layers).
 
 Every rank builds the same way, in the same order, because the steps that follow are
 collectives: the process group, the weights (each rank keeps its slice), the memory profile
@@ -16,7 +17,7 @@ import torch
 
 from pagedserve import distributed, envs
 from pagedserve.config import EngineConfig, ResolvedConfig
-from pagedserve.distributed import DeadPeer, TensorParallel, split_heads
+from pagedserve.distributed import DeadPeer, Layout, TensorParallel, split_heads
 from pagedserve.errors import ConfigError
 from pagedserve.logger import get_logger
 from pagedserve.models import loader
@@ -52,23 +53,28 @@ class WorkerSpec:
 
     config: EngineConfig
     rank: int
-    dist_address: str  # host:port of rank 0's rendezvous store
+    dist_address: str  # host:port of the driver's rendezvous store
     device_index: int  # among the devices this process sees
     ranks_on_host: int
+    layer_split: tuple[int, ...]  # each pipeline stage's decoder layers (EngineConfig's)
 
 
 class Worker:
     def __init__(self, spec: WorkerSpec, dead_peer: DeadPeer | None = None) -> None:
-        """``dead_peer``: rank 0's way to learn that another rank died before joining (it
-        stays in the driver's process; the spec is sent to the other ranks)."""
+        """``dead_peer``: the driver's way to learn that another rank died before joining
+        (it stays in the driver's process; the spec is sent to the other ranks)."""
         config = spec.config
         start = time.perf_counter()
         self.platform = resolve_platform(config.device)
-        self.tp = TensorParallel(spec.rank, config.tensor_parallel_size)
-        if self.tp.size > 1:
+        self.layout = Layout(config.tensor_parallel_size, config.pipeline_parallel_size)
+        self.is_driver = spec.rank == self.layout.driver
+        if self.layout.size > 1:
             self.platform.bind_device(spec.device_index, spec.ranks_on_host)
             distributed.init(self.platform.dist_backend, spec.dist_address, spec.rank,
-                             self.tp.size, envs.dist_timeout_s(), dead_peer)
+                             self.layout.size, envs.dist_timeout_s(), dead_peer,
+                             self.layout.driver)
+        self.tp = self.layout.tensor_parallel(spec.rank)
+        stage = self.layout.stage(spec.rank, spec.layer_split)
         self.platform.seed_everything(config.seed)
         dummy = config.load_format == "dummy"
         source = loader.resolve_model(config.model, not dummy, revision=config.revision,
@@ -84,7 +90,7 @@ class Worker:
                                   int(config.cpu_offload_gb * 2**30), config.matmul_numerics(),
                                   [cls(config, self.platform.device())
                                    for cls in config.logits_processors],
-                                  lm_head=config.pooling is None)
+                                  lm_head=config.pooling is None, stage=stage)
         if dummy:
             self.runner.init_dummy_weights(config.seed)
         else:
@@ -92,16 +98,16 @@ class Worker:
             self.runner.checkpoint_format = fmt  # LLM.load_weights reads its tensors alike
         if config.enable_lora:
             self.runner.add_lora(config.max_loras, config.max_lora_rank)
-        if config.pooling is not None and self.tp.rank == 0:  # only rank 0 pools
+        if config.pooling is not None and self.is_driver:  # only the driver pools
             self.runner.pooler = Pooler(config.pooling, self.runner.device,
                                         self.runner.model.score, arch.classifier_activation)
         drafts = config.speculative_config
-        # An EAGLE-3 head on rank 0 reads the target's embedding table: under tensor
+        # An EAGLE-3 head on the driver reads the target's embedding table: under tensor
         # parallelism a gathered copy (the target's own lookup is a collective).
         table = (self.runner.model.get_input_embeddings().gathered_to_first()
                  if drafts is not None and drafts.method == "eagle3" and self.tp.size > 1
                  else None)
-        if drafts is not None and drafts.method in DEVICE_METHODS and self.tp.rank == 0:
+        if drafts is not None and drafts.method in DEVICE_METHODS and self.is_driver:
             self.runner.add_drafter(
                 _eagle_drafter(config, resolved, arch, self.platform, table)
                 if drafts.method == "eagle3" else
@@ -121,9 +127,9 @@ class Worker:
         # After graph capture: HPU graphs record each bucket at its first run. Every rank
         # warms up the same shapes in the same order (the forwards hold collectives).
         warm_up(self.runner)
-        if self.tp.size > 1:
-            logger.info("tensor-parallel rank %d/%d ready in %.1fs", spec.rank, self.tp.size,
-                        time.perf_counter() - start)
+        if self.layout.size > 1:
+            logger.info("%s of %d ready in %.1fs", self.layout.name(spec.rank),
+                        self.layout.size, time.perf_counter() - start)
 
     def _disk_tier(self, config: EngineConfig, resolved: ResolvedConfig,
                    source: loader.ModelSource) -> DiskTier:
@@ -146,9 +152,10 @@ class Worker:
         distributed.shutdown(peers_alive)
 
     def _agree(self, sizes: CacheSizes) -> CacheSizes:
-        if self.tp.size == 1:
+        """The smallest pools over every rank: stages of more layers hold fewer blocks."""
+        if self.layout.size == 1:
             return sizes
-        blocks, host_blocks, offload_blocks = self.tp.min_over_ranks(
+        blocks, host_blocks, offload_blocks = self.layout.min_over_ranks(
             [sizes.num_blocks, sizes.num_host_blocks, sizes.num_offload_blocks],
             self.runner.device)
         return CacheSizes(blocks, host_blocks, sizes.bytes_per_block, offload_blocks,
@@ -157,7 +164,7 @@ class Worker:
 
 def _draft_runner(config: EngineConfig, resolved: ResolvedConfig, arch: ModelArchConfig,
                   platform: type[Platform]) -> ModelRunner:
-    """The draft model of ``speculative_config``, on rank 0's device, in the target's dtype
+    """The draft model of ``speculative_config``, on the driver's device, in the target's dtype
     and KV cache dtype; read like the target (any format the loader reads), or random with
     ``--load-format dummy`` (its config still read, for its shapes)."""
     dummy = config.load_format == "dummy"
@@ -184,7 +191,7 @@ def _draft_runner(config: EngineConfig, resolved: ResolvedConfig, arch: ModelArc
 
 def _eagle_drafter(config: EngineConfig, resolved: ResolvedConfig, arch: ModelArchConfig,
                    platform: type[Platform], table: torch.Tensor | None) -> EagleDrafter:
-    """The EAGLE-3 head of ``speculative_config``, on rank 0's device in the target's dtype:
+    """The EAGLE-3 head of ``speculative_config``, on the driver's device in the target's dtype:
     read from its folder (safetensors or the public heads' ``pytorch_model.bin``; a hub id
     as any model, safetensors only), or random of its config's shapes with
     ``--load-format dummy``. Without a table of its own it shares the target's, or takes

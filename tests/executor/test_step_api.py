@@ -10,7 +10,7 @@ import pytest
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.executor.executor import (
     Executor,
-    TensorParallelStep,
+    MultiRankStep,
     WorkerDiedError,
     _RankGroup,
 )
@@ -71,7 +71,7 @@ class FakeRemote:
 
 
 def test_both_implementations_are_the_one_interface():
-    for cls in (LocalStep, TensorParallelStep):
+    for cls in (LocalStep, MultiRankStep):
         assert issubclass(cls, StepAPI) and not inspect.isabstract(cls)
     assert sorted(StepAPI.__abstractmethods__) == ["add_lora", "control", "forward",
                                                    "move_blocks", "remove_lora", "sample"]
@@ -111,7 +111,7 @@ def test_local_step_is_the_runner_alone():
 def _tensor_parallel(log: list, dead: str | None = None, fail: str | None = None):
     runner = Recorder(log, "runner", fail)
     runner.kv_cache = Recorder(log, "kv")
-    return TensorParallelStep(runner, _RankGroup(FakeRemote(log, dead)))
+    return MultiRankStep(runner, _RankGroup(FakeRemote(log, dead)))
 
 
 def test_tensor_parallel_step_sends_the_plan_before_rank_0_runs_it():
