@@ -286,6 +286,9 @@ def test_each_replica_takes_its_own_group_of_devices():
     assert envs == [{"OTHER": "x", "GPU_VISIBLE": "0,1"}, {"OTHER": "x", "GPU_VISIBLE": "2,3"}]
     assert replica_envs(FourGpus, 4, 1, {}, environ={}) == [
         {"GPU_VISIBLE": str(i)} for i in range(4)]
+    # A replica's pipeline stages take consecutive devices too.
+    assert replica_envs(FourGpus, 2, 1, {}, environ={}, pipeline_parallel_size=2) == [
+        {"GPU_VISIBLE": "0,1"}, {"GPU_VISIBLE": "2,3"}]
 
 
 def test_the_devices_are_those_the_server_or_the_model_sees():
@@ -303,6 +306,9 @@ def test_too_few_devices_is_a_config_error():
         replica_envs(FourGpus, 3, 2, {}, environ={})
     with pytest.raises(ConfigError, match=r"shows 1 \(GPU_VISIBLE=6\)"):
         replica_envs(FourGpus, 2, 1, {}, environ={"GPU_VISIBLE": "6"})
+    with pytest.raises(ConfigError, match=r"--data-parallel-size 2 x --tensor-parallel-size 2 "
+                                          r"x --pipeline-parallel-size 2 needs 8 gpu devices"):
+        replica_envs(FourGpus, 2, 2, {}, environ={}, pipeline_parallel_size=2)
 
 
 def test_a_model_whose_replicas_do_not_fit_fails_before_anything_starts(monkeypatch):

@@ -70,12 +70,14 @@ def test_prefixes_that_left_the_device_come_back_from_the_host(llama3_folder, re
 
 
 @pytest.mark.slow
-def test_two_tensor_parallel_ranks_restore_the_same_prefixes(llama3_folder, references):
-    """TP=2 over gloo: each rank offloads and loads back its own heads' halves of the same
-    blocks (one KV head each, 2 KiB a block), in the same steps; the greedy tokens are one
-    rank's without the tier."""
-    llm = make_llm(llama3_folder, tensor_parallel_size=2, kv_cache_memory_bytes=POOL * 2048,
-                   kv_offloading_size=_gib(llama3_folder, 200))
+@pytest.mark.parametrize("ranks", [dict(tensor_parallel_size=2),
+                                   dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
+def test_two_ranks_restore_the_same_prefixes(llama3_folder, references, ranks):
+    """Two ranks over gloo: each offloads and loads back its own part of the same blocks
+    (TP: its heads' half, one KV head each; PP: its stage's layer; 2 KiB a block either way),
+    in the same steps; the greedy tokens are one rank's without the tier."""
+    llm = make_llm(llama3_folder, kv_cache_memory_bytes=POOL * 2048,
+                   kv_offloading_size=_gib(llama3_folder, 200), **ranks)
     try:
         assert llm.engine.kv.num_blocks == POOL
         assert _conversations(llm, GREEDY) == references["greedy"]

@@ -183,23 +183,23 @@ def test_constrained_requests_with_two_ranks_running_ahead(tmp_path):
 def test_a_dead_rank_fails_the_step_at_once(tmp_path):
     folder = write_tiny_model(tmp_path / "mistral", "mistral")
     with two_ranks(folder) as llm:
-        _kill_rank_and_expect_failure(llm.engine, llm.engine.executor.remote.procs[0].kill)
+        kill_rank_and_expect_failure(llm.engine, llm.engine.executor.remote.procs[0].kill)
 
 
-def _kill_rank_and_expect_failure(engine, kill) -> None:
-    """Rank 1 dies mid-request: within a bounded time the step fails naming it, and the
-    engine reports itself dead."""
+def kill_rank_and_expect_failure(engine, kill, name: str = "rank 1") -> None:
+    """A rank (rank 1 unless ``name`` says) dies mid-request: within a bounded time the step
+    fails naming it, and the engine reports itself dead."""
     from pagedserve.executor.executor import WorkerDiedError
 
     engine.add_request(PROMPTS[0], GREEDY)
     engine.step()
     kill()
     start = time.monotonic()
-    with pytest.raises(WorkerDiedError, match="rank 1"):
+    with pytest.raises(WorkerDiedError, match=re.escape(name)):
         while engine.has_unfinished_requests():
             engine.step()
     assert time.monotonic() - start < 10.0
-    assert "rank 1" in engine.dead_reason()
+    assert name in engine.dead_reason()
 
 
 # A driver script whose logits processor lives in its own ``__main__``: rank 1's process has
@@ -257,7 +257,7 @@ def test_ray_ranks_on_a_two_node_cluster(tmp_path, monkeypatch):
             ((actor_node, devices),) = llm.engine.executor.remote.placements
             assert actor_node != cluster.head_node.node_id and devices == []
             assert _tokens(llm, PROMPTS, GREEDY) == expected
-            _kill_rank_and_expect_failure(llm.engine, lambda: ray.kill(
+            kill_rank_and_expect_failure(llm.engine, lambda: ray.kill(
                 llm.engine.executor.remote.actors[0]))
     finally:
         ray.shutdown()
