@@ -552,8 +552,9 @@ class EngineConfig:
                             envs.pp_layer_partition())
 
     def _check_pipeline_parallel(self) -> None:
-        """What the stages cannot run yet: a draft model or an EAGLE-3 head reads the target
-        on the driver's device (the head reads hidden states of layers on other stages)."""
+        """What stages do not run: speculative decoding (a draft model and an EAGLE-3 head
+        run on the driver and read the target's embedding table, the head also the hidden
+        states of layers on other stages; n-gram drafts were not tried with stages)."""
         if self.pipeline_parallel_size < 1:
             raise ConfigError("--pipeline-parallel-size must be at least 1")
         if self.pipeline_parallel_size > 1 and self.speculative_config is not None:

@@ -201,9 +201,9 @@ def split_layers(num_layers: int, pp_size: int,
         shown = ",".join(map(str, partition))
         if len(partition) != pp_size or sum(partition) != num_layers or min(partition) < 1:
             raise ConfigError(
-                f"PAGEDSERVE_PP_LAYER_PARTITION {shown} must give each of the "
-                f"--pipeline-parallel-size {pp_size} stages at least one layer, "
-                f"{num_layers} in all")
+                f"the layer partition {shown} (PAGEDSERVE_PP_LAYER_PARTITION or "
+                f"VLLM_PP_LAYER_PARTITION) must give each of the --pipeline-parallel-size "
+                f"{pp_size} stages at least one layer, {num_layers} in all")
         return partition
     counts = [num_layers // pp_size] * pp_size
     for i in range(2, num_layers % pp_size + 2):

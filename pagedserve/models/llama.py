@@ -20,6 +20,7 @@ other stages.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -201,7 +202,7 @@ class LlamaModel(nn.Module):
         returns its ``Intermediate`` for the next."""
         hidden, residual = (self.embed(input_ids), None) if incoming is None else incoming
         aux = []
-        layers = self.layers[self.layer_range.start:self.layer_range.stop]
+        layers = itertools.islice(self.layers, self.layer_range.start, self.layer_range.stop)
         for i, layer, kv_cache in zip(self.layer_range, layers, kv_caches):
             if i in self.aux_layers:  # a copy: the fused norms add into the residual in place
                 aux.append(hidden.clone() if residual is None else hidden + residual)
