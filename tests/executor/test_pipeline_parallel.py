@@ -78,7 +78,8 @@ def test_the_partition_comes_from_the_environment(monkeypatch, name):
     config = EngineConfig(device="cpu", pipeline_parallel_size=2)
     assert config.layer_split(arch) == (1, 1)
     monkeypatch.setenv(name, "2,0")
-    with pytest.raises(ConfigError, match="2,0 must give each"):
+    with pytest.raises(ConfigError, match=r"2,0 \(PAGEDSERVE_PP_LAYER_PARTITION or "
+                                          r"VLLM_PP_LAYER_PARTITION\) must give each"):
         config.layer_split(arch)
     monkeypatch.setenv(name, "1;1")
     with pytest.raises(ConfigError, match=f"^{name} must be layer counts"):

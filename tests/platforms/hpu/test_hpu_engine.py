@@ -66,13 +66,13 @@ class ForwardLog:
         self.mark_steps_before: list[int] = []
         forward = model.forward
 
-        def logged(input_ids, positions, kv_caches, ctx):
+        def logged(input_ids, positions, kv_caches, ctx, incoming=None):
             meta = ctx.attn
             self.mark_steps_before.append(fake.core.mark_steps)
             self.shapes.append(tuple(tuple(t.shape) for t in (
                 input_ids, positions, meta.query_start_loc, meta.seq_lens, meta.context_lens,
                 meta.block_tables, meta.slot_mapping)) + (meta.max_seq_len,))
-            return forward(input_ids, positions, kv_caches, ctx)
+            return forward(input_ids, positions, kv_caches, ctx, incoming)
 
         model.forward = logged
 
