@@ -238,9 +238,14 @@ def test_a_rank_that_cannot_start_fails_the_start_at_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_ray_ranks_on_a_two_node_cluster(tmp_path, monkeypatch):
-    """Rank 1 is a Ray actor on the second node of a two-node cluster on this machine (the
-    head node offers no CPU to actors, so the placement group must use the other)."""
+@pytest.mark.parametrize("ranks,actor", [
+    (dict(tensor_parallel_size=2), "rank 1"),
+    # Two pipeline stages: the driver is stage 1, the actor stage 0.
+    (dict(pipeline_parallel_size=2), "rank 0 (pipeline stage 0, tensor-parallel rank 0)"),
+], ids=["tp2", "pp2"])
+def test_ray_ranks_on_a_two_node_cluster(tmp_path, monkeypatch, ranks, actor):
+    """The other rank is a Ray actor on the second node of a two-node cluster on this machine
+    (the head node offers no CPU to actors, so the placement group must use the other)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -253,12 +258,15 @@ def test_ray_ranks_on_a_two_node_cluster(tmp_path, monkeypatch):
     try:
         cluster.add_node(num_cpus=1)
         monkeypatch.setenv("RAY_ADDRESS", cluster.address)
-        with two_ranks(folder, distributed_executor_backend="ray") as llm:
+        llm = make_llm(folder, distributed_executor_backend="ray", **ranks)
+        try:
             ((actor_node, devices),) = llm.engine.executor.remote.placements
             assert actor_node != cluster.head_node.node_id and devices == []
             assert _tokens(llm, PROMPTS, GREEDY) == expected
             kill_rank_and_expect_failure(llm.engine, lambda: ray.kill(
-                llm.engine.executor.remote.actors[0]))
+                llm.engine.executor.remote.actors[0]), actor)
+        finally:
+            llm.engine.shutdown()
     finally:
         ray.shutdown()
         cluster.shutdown()
