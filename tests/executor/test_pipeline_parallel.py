@@ -128,7 +128,9 @@ def test_each_stage_holds_its_own_layers_and_their_kv(tmp_path):
     ("qwen3-moe", {}, {}),
     # Both: each stage's two tensor-parallel ranks all-reduce among themselves.
     ("llama3", {}, dict(tensor_parallel_size=2)),
-], ids=["llama3-async", "qwen3-moe", "llama3-tp2-pp2"])
+    # Gemma's own decoder (norms, embedding scale, windowed layers on both stages), tied head.
+    ("gemma3", {}, {}),
+], ids=["llama3-async", "qwen3-moe", "llama3-tp2-pp2", "gemma3"])
 def test_stages_give_one_ranks_tokens_and_prompt_logprobs(tmp_path, arch, overrides, options):
     folder = write_tiny_model(tmp_path / arch, arch, **overrides)
     expected = _run(make_llm(folder))
