@@ -249,6 +249,22 @@ def hf_model_float64(folder: Path):
                                                 experts_implementation="eager").eval()
 
 
+def decode_logprob_error(llm, hf, prompt: list[int], new_tokens: int) -> float:
+    """The largest gap between the engine's logprobs of ``new_tokens`` greedy tokens (its top 3
+    at each step; no prompt logprobs, so the prompt may come from the prefix cache) and the
+    log-softmax of ``hf``'s logits for the whole sequence, taken in one forward."""
+    from pagedserve import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=3)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out.token_ids[:-1]])).logits[0]
+    reference = logits[len(prompt) - 1:].double().log_softmax(-1)
+    return max(abs(lp.logprob - reference[step, token].item())
+               for step, position in enumerate(out.logprobs) for token, lp in position.items())
+
+
 def prompt_logprob_error(llm, hf, prompt: list[int]) -> float:
     """The largest gap between the engine's prompt logprobs (its top 5 and the actual token
     at each position) and the log-softmax of ``hf``'s logits for the whole prompt, taken in

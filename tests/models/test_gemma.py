@@ -15,11 +15,11 @@ import json
 import pytest
 import torch
 
-from pagedserve import SamplingParams
 from tests.tiny_models import (
     ARCH_CONFIGS,
     VOCAB,
     assert_greedy_matches,
+    decode_logprob_error,
     hf_model_float64,
     make_llm,
     prompt_logprob_error,
@@ -67,27 +67,14 @@ def test_prompt_logprobs_match_float64_and_need_the_window(windowed, hf64):
     assert prompt_logprob_error(llm, unwindowed, prompts[1]) > 1e-2
 
 
-def _decode_logprob_error(llm, hf, prompt: list[int], new_tokens: int) -> float:
-    """The largest gap between the engine's logprobs of ``new_tokens`` greedy tokens (its
-    top 3 at each step) and transformers' forward of the whole sequence."""
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
-                            logprobs=3)
-    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt + out.token_ids[:-1]])).logits[0]
-    reference = logits[len(prompt) - 1:].double().log_softmax(-1)
-    return max(abs(lp.logprob - reference[step, token].item())
-               for step, position in enumerate(out.logprobs) for token, lp in position.items())
-
-
 def test_decode_past_the_window_from_a_cached_prefix(windowed, hf64):
     """Two prompts sharing 37 tokens, the second's prefix from the cache: 20 greedy tokens
     each equal transformers' (float64) and their logprobs are within TOL."""
     shared = random_prompts("window-shared", [37])[0]
     first, second = (shared + tail for tail in random_prompts("window-tails", [5, 12]))
     llm = _engine(windowed)
-    assert _decode_logprob_error(llm, hf64, first, 20) < TOL
-    assert _decode_logprob_error(llm, hf64, second, 20) < TOL
+    assert decode_logprob_error(llm, hf64, first, 20) < TOL
+    assert decode_logprob_error(llm, hf64, second, 20) < TOL
     assert llm.engine.kv.prefix_stats.hit_tokens >= 32
     assert assert_greedy_matches(llm, hf64, [first, second], new_tokens=20) == 2
 
@@ -153,4 +140,4 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, publis
         "Gemma3ForCausalLM", (0, 2), 1e4)
     prompt = random_prompts("multimodal", [45])[0]
     assert prompt_logprob_error(llm, hf, prompt) < TOL
-    assert _decode_logprob_error(llm, hf, prompt, 8) < TOL
+    assert decode_logprob_error(llm, hf, prompt, 8) < TOL

@@ -21,6 +21,7 @@ from tests.tiny_models import (
     ARCH_CONFIGS,
     VOCAB,
     assert_greedy_matches,
+    decode_logprob_error,
     hf_model_float64,
     make_llm,
     prompt_logprob_error,
@@ -131,19 +132,6 @@ def test_prompt_shorter_than_the_original_length(longrope_folder, hf64):
         assert logprobs[token].logprob == pytest.approx(reference[step, token].item(), abs=1e-4)
 
 
-def _sampled_logprob_error(llm, hf, prompt: list[int]) -> float:
-    """The largest gap between the engine's logprobs of 4 greedy tokens (no prompt logprobs:
-    the prompt may come from the prefix cache) and transformers' forward of the whole
-    sequence."""
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
-    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt + out.token_ids[:-1]])).logits[0]
-    reference = logits[len(prompt) - 1:].double().log_softmax(-1)
-    return max(abs(lp.logprob - reference[step, token].item())
-               for step, position in enumerate(out.logprobs) for token, lp in position.items())
-
-
 def test_long_and_short_prompts_never_share_kv_blocks(longrope_folder, hf64):
     """A short prompt's blocks are cached; a long prompt starting with its tokens rotates them
     by the long factors, so it must not reuse them (and stays equal to transformers), while a
@@ -152,8 +140,8 @@ def test_long_and_short_prompts_never_share_kv_blocks(longrope_folder, hf64):
     first, second = (short + tail for tail in random_prompts("longrope-tails", [52, 60]))
     llm = make_llm(longrope_folder, block_size=8, max_num_batched_tokens=24)
     stats = llm.engine.kv.prefix_stats
-    assert _sampled_logprob_error(llm, hf64, short) < 1e-4
-    assert _sampled_logprob_error(llm, hf64, first) < 1e-4
+    assert decode_logprob_error(llm, hf64, short, 4) < 1e-4
+    assert decode_logprob_error(llm, hf64, first, 4) < 1e-4
     assert stats.hit_tokens == 0
-    assert _sampled_logprob_error(llm, hf64, second) < 1e-4
+    assert decode_logprob_error(llm, hf64, second, 4) < 1e-4
     assert stats.hit_tokens >= 40
