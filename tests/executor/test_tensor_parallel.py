@@ -25,6 +25,7 @@ from tests.tiny_models import make_llm, random_prompts, write_tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = random_prompts("tp", [5, 17, 40, 3])
+DIST_TIMEOUT_S = "60"  # Ray's engines: a failure ends in a minute, not the default five
 
 # (architecture, config overrides): KV heads per rank 1 (llama3: 2 of 8 heads; qwen2: 2 of 4,
 # with q/k/v biases and a tied head; qwen3: 2 of 4, with q/k norms every rank holds whole),
@@ -237,31 +238,49 @@ def test_a_rank_that_cannot_start_fails_the_start_at_once(tmp_path):
                      r"engine's options: AttributeError: .*MainOnly", done.stdout), done.stdout
 
 
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """A Ray cluster of two nodes on this machine, shared by this file's Ray tests (each start
+    takes seconds): the head node offers no CPU to actors, so a placement group must use the
+    other. Its nodes' workers inherit DIST_TIMEOUT_S."""
+    from ray.cluster_utils import Cluster
+
+    with pytest.MonkeyPatch.context() as patch:  # while the nodes start
+        patch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", DIST_TIMEOUT_S)
+        cluster = Cluster(initialize_head=True,
+                          head_node_args={"num_cpus": 0, "include_dashboard": False})
+        cluster.add_node(num_cpus=1)
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture
+def ray_cluster(two_node_cluster, monkeypatch):
+    """The shared cluster, for this test's engines (whose driver waits DIST_TIMEOUT_S too)."""
+    monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", DIST_TIMEOUT_S)
+    monkeypatch.setenv("RAY_ADDRESS", two_node_cluster.address)
+    return two_node_cluster
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks,actor", [
     (dict(tensor_parallel_size=2), "rank 1"),
     # Two pipeline stages: the driver is stage 1, the actor stage 0.
     (dict(pipeline_parallel_size=2), "rank 0 (pipeline stage 0, tensor-parallel rank 0)"),
 ], ids=["tp2", "pp2"])
-def test_ray_ranks_on_a_two_node_cluster(tmp_path, monkeypatch, ranks, actor):
-    """The other rank is a Ray actor on the second node of a two-node cluster on this machine
-    (the head node offers no CPU to actors, so the placement group must use the other)."""
+def test_ray_ranks_on_a_two_node_cluster(tmp_path, ray_cluster, ranks, actor):
+    """The other rank is a Ray actor on the cluster's second node."""
     import ray
-    from ray.cluster_utils import Cluster
 
     folder = write_tiny_model(tmp_path / "qwen2", "qwen2", vocab_size=385)
     expected = _tokens(make_llm(folder), PROMPTS, GREEDY)
-    # A failure ends in a minute, not the default five; the nodes' workers inherit it.
-    monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", "60")
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 0, "include_dashboard": False})
     try:
-        cluster.add_node(num_cpus=1)
-        monkeypatch.setenv("RAY_ADDRESS", cluster.address)
         llm = make_llm(folder, distributed_executor_backend="ray", **ranks)
         try:
             ((actor_node, devices),) = llm.engine.executor.remote.placements
-            assert actor_node != cluster.head_node.node_id and devices == []
+            assert actor_node != ray_cluster.head_node.node_id and devices == []
             assert _tokens(llm, PROMPTS, GREEDY) == expected
             kill_rank_and_expect_failure(llm.engine, lambda: ray.kill(
                 llm.engine.executor.remote.actors[0]), actor)
@@ -269,11 +288,11 @@ def test_ray_ranks_on_a_two_node_cluster(tmp_path, monkeypatch, ranks, actor):
             llm.engine.shutdown()
     finally:
         ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.mark.slow
-def test_a_ray_rank_that_cannot_start_fails_the_start_at_once(tmp_path, monkeypatch):
+def test_a_ray_rank_that_cannot_start_fails_the_start_at_once(tmp_path, monkeypatch,
+                                                             ray_cluster):
     """The processor's module is on the driver's path only, so rank 1's actor cannot read its
     options (Ray pickles an importable class by reference): its failed ``build`` is reported
     while the driver waits for it to join."""
@@ -288,9 +307,6 @@ def test_a_ray_rank_that_cannot_start_fails_the_start_at_once(tmp_path, monkeypa
     monkeypatch.syspath_prepend(str(tmp_path))
     from driver_only_processor import DriverOnly
 
-    # The old wait lasted this long; the placement group's wait is bounded by it too.
-    monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", "60")
-    ray.init(num_cpus=1, include_dashboard=False)
     try:
         start = time.monotonic()
         # Ray's text of the failed call spans lines: the actor's traceback follows.

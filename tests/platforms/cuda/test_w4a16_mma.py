@@ -26,15 +26,15 @@ needs_cuda = pytest.mark.skipif(not HAS_NVIDIA, reason=NVIDIA_REASON)
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which(native_build.nvcc()) is None, reason="no nvcc here")
 @pytest.mark.parametrize("sweep", [False, True])
-def test_source_builds_for_sm90(sweep, tmp_path, monkeypatch):
+def test_source_builds_for_sm90(sweep, check_build):
     """What only nvcc rejects (PTX operands, templates) fails here, not on the GPU machine.
     The library loads without a GPU: its CUDA runtime is linked in and starts at first use."""
-    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     lib = native_build.load_library(w4a16_mma.SOURCE, (9, 0),
                                     ("W4A16_MMA_SWEEP",) if sweep else ())
     assert lib is not None
     assert lib.w4a16_mma_variants() == (4 if sweep else 1)
-    assert [p.name.split("-")[0] for p in (tmp_path / "cuda_kernels").iterdir()] == ["w4a16_mma"]
+    assert [p.name.split("-")[0] for p in (check_build / "cuda_kernels").iterdir()] == [
+        "w4a16_mma"]
 
 
 def test_ctypes_args_mirror_the_struct():

@@ -1,8 +1,9 @@
 """Our Triton kernels compile for AMD GPUs, checked on the CPU through Triton's AMD backend.
 
-The CI subset of ``scripts/amd_compile_sweep.py`` (each kernel once, fp16 and bf16, spread over
-gfx90a, gfx942, gfx950 and gfx1100) runs in its own process, away from the interpreter that the
-CUDA kernel tests switch on; the script checks each kernel's LDS use against the target's limit.
+The CI subset of ``scripts/amd_compile_sweep.py`` (each kernel once, in fp16 or bf16 by turns,
+on gfx90a, gfx942, gfx950 and gfx1100 by turns) runs in its own process, away from the
+interpreter that the CUDA kernel tests switch on; the script checks each kernel's LDS use
+against the target's limit.
 The full sweep is ``python scripts/amd_compile_sweep.py``.
 """
 
