@@ -13,7 +13,7 @@ a cycle), to set against the ~32 4-bit weights per SM cycle that the H200's copy
 (4.2 TB/s over 132 SMs at 1.98 GHz).
 
     python scripts/w4a16_sass.py [--out FILE.json]   # every variant, a table
-    python scripts/w4a16_sass.py --check             # compile only (the CPU test suite)
+    python scripts/w4a16_sass.py --check             # what launches use, compiled (CPU suite)
     python scripts/w4a16_sass.py --wgmma [--out FILE.json]  # csrc/w4a16_wgmma.cu (nvcc)
 
 ``--wgmma`` builds the CUDA C++ Hopper kernel for sm_90a with the machine's ``nvcc`` (as the
@@ -125,16 +125,22 @@ def variants() -> list[Variant]:
 
 
 def check_variants() -> list[Variant]:
-    """Besides ``variants``: the other dtypes, offsets, groups per slice and masks that the
-    launches can ask for, compiled only (what only the real compiler rejects)."""
+    """What the launches can ask for, compiled only (what only the real compiler rejects):
+    each tile configuration of ``_TILE_CONFIGS`` and the GEMV's, with the dtypes, offsets,
+    groups per slice, masks and flags the launches use. The sweep's other tile shapes
+    (``variants``) compile where the sweep runs."""
     from pagedserve.platforms.cuda.kernels import w4a16
 
+    tiles = [("bf16", "fp16", 1, 2), ("bf16", "fp32", 30, 2), ("fp16", "fp32", 40, 1),
+             ("fp16", "fp16", 100, 1), ("bf16", "fp16", 200, 8), ("fp32", "fp32", 1000, 4),
+             ("fp16", "fp16", 16, 8)]
+    missed = ({cfg for _, cfg in w4a16._TILE_CONFIGS}
+              - {w4a16._config(m) for _, _, m, _ in tiles})
+    assert not missed, f"no M of the check takes {missed}"
     out = [tile_variant(f"tiles m{m} {act} {scale} slices {slices}",
                         w4a16._config(m)._replace(prefetch=True), act, scale, slices,
                         split=m <= 16)
-           for act, scale, m, slices in [("bf16", "fp16", 1, 2), ("fp16", "fp32", 40, 1),
-                                         ("bf16", "fp16", 200, 8), ("fp32", "fp32", 1000, 4),
-                                         ("fp16", "fp16", 16, 8)]]
+           for act, scale, m, slices in tiles]
     swapped = w4a16._TileConfig(64, 128, 4, 3, 2, False, False, True)
     out += [tile_variant(f"tiles swap {act} {scale} slices {slices} bias={b:d} scale_a={sa:d} "
                          f"ptx={ptx:d}", swapped._replace(bias=b, scale_a=sa, ptx_decode=ptx),
@@ -312,14 +318,15 @@ def wgmma_rows() -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="compile every variant, count nothing")
+    p.add_argument("--check", action="store_true",
+                   help="compile what the launches use, count nothing")
     p.add_argument("--wgmma", action="store_true",
                    help="read csrc/w4a16_wgmma.cu's instantiations instead (built by nvcc)")
     p.add_argument("--out", help="JSON of the table")
     p.add_argument("--base", help="an earlier kernels/w4a16.py (2cbeaf3's) to read beside")
     args = p.parse_args()
     if args.check:
-        for v in variants() + check_variants():
+        for v in check_variants():
             compile_variant(v)
         print("compiled")
         return

@@ -606,9 +606,9 @@ def test_engine_matches_transformers(config, tiny_model_folder, tmp_path, monkey
     assert assert_greedy_matches(llm, hf_model(reference_dir), prompts) >= 1
 
 
-# Compiles every kernel variant for an H100/H200 (sm_90) with Triton's bundled toolchain, no GPU
-# needed (scripts/w4a16_sass.py --check): catches what only the real compiler rejects. Run in
-# its own process, away from the interpreter this module switches on.
+# Compiles every configuration the launches use for an H100/H200 (sm_90) with Triton's bundled
+# toolchain, no GPU needed (scripts/w4a16_sass.py --check): catches what only the real compiler
+# rejects. Run in its own process, away from the interpreter this module switches on.
 @pytest.mark.slow
 def test_compiles_for_sm90():
     run_check("w4a16_sass.py")
