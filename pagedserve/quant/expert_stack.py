@@ -21,7 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.quant.weights import BlockFp8Weight, Fp8Weight, GroupQuantWeight, LoadedWeight
+from pagedserve.quant.weights import (
+    BlockFp8Weight,
+    Fp8Weight,
+    GroupQuantWeight,
+    LoadedWeight,
+    pack_nibbles,
+    unpack_nibbles,
+)
 
 _PACKED = "values"  # the field held two values a byte when the form's bits are 4 or fewer
 
@@ -125,15 +132,3 @@ def _fields(weight: LoadedWeight) -> tuple[dict[str, torch.Tensor], dict[str, An
 def _describe(form: type, static: dict[str, Any]) -> str:
     details = ", ".join(f"{k} {v}" for k, v in static.items() if v is not None)
     return f"{form.__name__} ({details})" if details else form.__name__
-
-
-def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[..., K]`` of values 0..15 -> ``[..., ceil(K / 2)]``: column ``2j`` in the low
-    nibble of byte ``j``, column ``2j + 1`` in its high nibble (an odd K padded with 0)."""
-    if values.shape[-1] % 2:
-        values = torch.nn.functional.pad(values, (0, 1))
-    return values[..., 0::2] | (values[..., 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor, columns: int) -> torch.Tensor:
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)[..., :columns]

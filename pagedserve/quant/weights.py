@@ -8,6 +8,9 @@ it, and a kernel never knows which format its weight came from.
 - ``GroupQuantWeight``: integers with a scale and an offset per group of input columns.
 - ``Fp8Weight``: float8 e4m3 values with a scale per output row.
 - ``BlockFp8Weight``: float8 e4m3 values with a scale per tile of rows and columns.
+- ``PackedIntWeight``: a ``GroupQuantWeight`` whose offsets are integer zero points, its codes
+  packed along K as the fused MoE kernel reads them (made at load from the grouped form,
+  never by a format).
 
 Each form's ``dequantize`` also reads tensors with leading dimensions (a stack of experts'
 weights, ``quant.expert_stack``): ``[..., N, K]`` values with their scales ``[..., ...]``.
@@ -127,6 +130,67 @@ class BlockFp8Weight:
         (n, k), (bn, bk) = self.values.shape[-2:], self.block
         scales = self.scales.to(dtype).repeat_interleave(bn, dim=-2)[..., :n, :]
         return self.values.to(dtype) * scales.repeat_interleave(bk, dim=-1)[..., :k]
+
+
+@dataclass
+class PackedIntWeight:
+    """``W[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g]``, ``g = k // group_size``: a
+    ``GroupQuantWeight`` whose offsets are ``-zeros * scales`` with integer zero points in
+    ``0 .. 2**bits - 1`` (AWQ, GPTQ, compressed-tensors int4, GGUF Q4_0 and Q8_0; not GGUF
+    Q4_1's minimum, nor act-order's permuted columns), its codes ``q`` packed along K:
+    4-bit two a byte (``pack_nibbles``), 8-bit one a byte. So ``q - z`` is an integer of at
+    most 8 bits, exact in any 16-bit float, and the scale can multiply a sum of products."""
+
+    values: torch.Tensor  # uint8 [N, ceil(K * bits / 8)]
+    scales: torch.Tensor  # float32 [N, ceil(K / group_size)]
+    zeros: torch.Tensor  # uint8 [N, ceil(K / group_size)]
+    bits: int
+    group_size: int
+    columns: int  # K
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.values.shape[:-1], self.columns))
+
+    @classmethod
+    def from_group(cls, weight: GroupQuantWeight) -> PackedIntWeight | None:
+        """``weight`` (or a stack of them) in this form, or None where it has none."""
+        if weight.input_perm is not None or weight.bits not in (4, 8):
+            return None
+        zeros = zero_points(weight.scales, weight.offsets, weight.bits)
+        if zeros is None:
+            return None
+        values = pack_nibbles(weight.values) if weight.bits == 4 else weight.values
+        return cls(values.contiguous(), weight.scales.float().contiguous(), zeros, weight.bits,
+                   weight.group_size, weight.shape[-1])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        q = unpack_nibbles(self.values, self.columns) if self.bits == 4 else self.values
+        groups = torch.arange(self.columns, device=q.device) // self.group_size
+        return ((q.to(dtype) - self.zeros.to(dtype)[..., groups])
+                * self.scales.to(dtype)[..., groups])
+
+
+def zero_points(scales: torch.Tensor, offsets: torch.Tensor, bits: int) -> torch.Tensor | None:
+    """uint8 ``z`` with ``offsets == -z * scales`` exactly, each in ``0 .. 2**bits - 1`` (any
+    ``z`` where a scale is 0 and its offset too: 0), or None where there is none."""
+    safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+    z = (-offsets / safe).round().clamp(0, 2**bits - 1)
+    if not torch.equal(-z * scales, offsets):
+        return None
+    return z.to(torch.uint8)
+
+
+def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., K]`` of values 0..15 -> ``[..., ceil(K / 2)]``: column ``2j`` in the low
+    nibble of byte ``j``, column ``2j + 1`` in its high nibble (an odd K padded with 0)."""
+    if values.shape[-1] % 2:
+        values = torch.nn.functional.pad(values, (0, 1))
+    return values[..., 0::2] | (values[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)[..., :columns]
 
 
 LoadedWeight = torch.Tensor | GroupQuantWeight | Fp8Weight | BlockFp8Weight

@@ -26,6 +26,14 @@ the FP8 tiles, converts them exactly to the activation dtype in registers and mu
 16-bit activations by them; row scales multiply the accumulator once at the end, block scales
 each K tile's partial product as it is added (``BLOCK_K`` divides ``bk``, so a tile lies in
 one block). No step dequantizes a weight or reads anything on the host.
+
+Integer experts (W4A16 and W8A16, ``LayerOps.fused_moe_int``): ``PackedIntWeight`` stacks,
+codes ``[E, N, ceil(K * bits / 8)]`` (4-bit: two a byte along K), float32 scales and uint8
+zero points ``[E, N, ceil(K / G)]``. The kernel (``INT_BITS`` 4 or 8) takes each tile's
+codes out of their bytes and makes ``q - z`` in the activation dtype, exact (integers of at
+most 8 bits), so the dot multiplies the checkpoint's integers; the group's scale then
+multiplies the tile's partial product as block scales do (``SCALE_COLS`` = ``G``, ``BLOCK_K``
+a divisor of it), or, with one group a row (per channel), the accumulator once at the end.
 """
 
 from __future__ import annotations
@@ -47,10 +55,11 @@ from pagedserve.platforms.cuda.kernels.fp8_gemv import fp8_as_float
 from pagedserve.platforms.cuda.kernels.moe_align import AlignedPairs, align_pairs
 from pagedserve.platforms.cuda.kernels.pdl import gate, launch_options
 from pagedserve.platforms.cuda.kernels.prefill_attention import dot_precision
-from pagedserve.quant.weights import BlockFp8Weight, Fp8Weight
+from pagedserve.quant.weights import BlockFp8Weight, Fp8Weight, PackedIntWeight
 
-# An expert stack as the kernel reads it: 16-bit ``[E, N, K]``, or FP8 with its scales.
-ExpertWeights = torch.Tensor | Fp8Weight | BlockFp8Weight
+# An expert stack as the kernel reads it: 16-bit ``[E, N, K]``, or FP8 or integer codes with
+# their scales.
+ExpertWeights = torch.Tensor | Fp8Weight | BlockFp8Weight | PackedIntWeight
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,21 +114,44 @@ def fit(cfg: MoeConfig, dtype: torch.dtype, arch: str | None,
 
 
 @triton.jit
+def _int_weights(q, ks, z, DTYPE: tl.constexpr, INT_BITS: tl.constexpr):
+    """A ``[BLOCK_K, BLOCK_N]`` tile of uint8 codes (4-bit: the byte of each pair of rows,
+    row ``k`` in its ``k % 2`` nibble) less each column's zero point ``z``, in ``DTYPE``,
+    exact. 16-bit types take the code under the exponent of 1024 (float16, ``0x6400``) or 128
+    (bfloat16, 4-bit only: ``0x4300``), which reads ``1024 + q`` or ``128 + q`` with integer
+    ops alone, less ``1024 + z`` or ``128 + z`` (one binade: exact) in place of a conversion
+    per code, a quarter-rate instruction."""
+    q = q.to(tl.int32)
+    if INT_BITS == 4:
+        q = (q >> ((ks % 2) * 4)[:, None]) & 0xF
+    z = z.to(tl.float32)[None, :]
+    if DTYPE == tl.float16:
+        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (z + 1024.0).to(DTYPE)
+    elif DTYPE == tl.bfloat16 and INT_BITS == 4:
+        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (z + 128.0).to(DTYPE)
+    else:
+        return q.to(DTYPE) - z.to(DTYPE)
+
+
+@triton.jit
 def _expert_gemm_kernel(
     a_ptr, w_ptr, c_ptr, route_ptr, sorted_ids_ptr, block_experts_ptr, total_ptr, scale_ptr,
-    N, K, num_pairs, pairs_per_a_row, num_m_blocks, stride_am, stride_we, stride_wn, stride_cm,
-    stride_se, stride_sn, stride_sk,
+    zero_ptr, N, K, num_pairs, pairs_per_a_row, num_m_blocks, stride_am, stride_we, stride_wn,
+    stride_cm, stride_se, stride_sn, stride_sk,
     ROUTE_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     SCALES: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    INT_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """``c[p] = (route[p] *) a[p // pairs_per_a_row] @ w[expert of p].T`` for the pairs of one
     block of aligned rows; ``a`` ``[*, K]``, ``w`` ``[E, N, K]``, ``c`` ``[P, N]``, all with
-    contiguous last dimensions. ``SCALES``: "none" (``w`` in ``a``'s dtype), "row" (FP8,
-    ``scale[e, n]``) or "block" (FP8, ``scale[e, n // SCALE_ROWS, k // SCALE_COLS]``); FP8
-    weights come as float8_e4m3fn or as its bits in uint8."""
+    contiguous last dimensions. ``SCALES``: "none" (``w`` in ``a``'s dtype), "row"
+    (``scale[e, n]``) or "block" (``scale[e, n // SCALE_ROWS, k // SCALE_COLS]``). ``INT_BITS``
+    0: ``w`` holds floats, FP8 ones as float8_e4m3fn or as its bits in uint8; 4 or 8: integer
+    codes (4-bit two a byte along K, ``w`` ``[E, N, ceil(K / 2)]``) less ``zero[e, n, g]``,
+    ``zero`` in the scales' layout and strides."""
     gate(PDL)
+    PACK: tl.constexpr = 2 if INT_BITS == 4 else 1  # codes a byte
     pid = tl.program_id(0)
     # GROUP_M consecutive blocks of rows take each block of columns in turn, so the programs
     # running together share weight tiles in the L2 cache.
@@ -140,9 +172,13 @@ def _expert_gemm_kernel(
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
-    w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
-    # Each column's scales: its row of the block grid (SCALE_ROWS is 1 for row scales).
-    scale_ptrs = scale_ptr + expert * stride_se + (cols // SCALE_ROWS) * stride_sn
+    w_ptrs = (w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
+              + (ks // PACK)[:, None])
+    # Each column's scales (and zero points): its row of the block grid (SCALE_ROWS is 1 for
+    # row scales and integer groups).
+    scale_offs = expert * stride_se + (cols // SCALE_ROWS) * stride_sn
+    if INT_BITS and SCALES == "row":
+        z = tl.load(zero_ptr + scale_offs)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -152,19 +188,26 @@ def _expert_gemm_kernel(
             left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=valid[:, None] & (ks[None, :] < left), other=0.0)
             w = tl.load(w_ptrs, mask=ks[:, None] < left, other=0.0)
-        if w.dtype == tl.uint8:
-            w = fp8_as_float(w)
-        w = w.to(a.dtype)  # exact from e4m3 to any 16-bit float
         if SCALES == "block":
             # BLOCK_K divides SCALE_COLS: this tile's columns share one scale per column.
-            s = tl.load(scale_ptrs + (k * BLOCK_K // SCALE_COLS) * stride_sk)
+            group_offs = scale_offs + (k * BLOCK_K // SCALE_COLS) * stride_sk
+            s = tl.load(scale_ptr + group_offs)
+            if INT_BITS:
+                z = tl.load(zero_ptr + group_offs)
+        if INT_BITS:
+            w = _int_weights(w, ks, z, a.dtype, INT_BITS)
+        else:
+            if w.dtype == tl.uint8:
+                w = fp8_as_float(w)
+            w = w.to(a.dtype)  # exact from e4m3 to any 16-bit float
+        if SCALES == "block":
             acc += tl.dot(a, w, input_precision=DOT_PREC) * s[None, :]
         else:
             acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // PACK
     if SCALES == "row":
-        acc = acc * tl.load(scale_ptrs)[None, :]
+        acc = acc * tl.load(scale_ptr + scale_offs)[None, :]
     if ROUTE_WEIGHT:
         acc = acc * tl.load(route_ptr + pairs, mask=valid, other=0.0)[:, None]
     out_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -175,9 +218,10 @@ def _expert_gemm_kernel(
 
 def fused_moe(hidden: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights,
               topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """``LayerOps.fused_moe``'s contract, and ``LayerOps.fused_moe_fp8``'s where ``w13`` and
-    ``w2`` are FP8: ``hidden`` ``[T, H]``, ``w13`` ``[E, 2I, H]``, ``w2`` ``[E, H, I]``,
-    ``topk_ids`` ``[T, K]``, ``topk_weights`` ``[T, K]`` -> ``[T, H]``."""
+    """``LayerOps.fused_moe``'s contract, and ``LayerOps.fused_moe_fp8``'s and
+    ``fused_moe_int``'s where ``w13`` and ``w2`` are FP8 or integer: ``hidden`` ``[T, H]``,
+    ``w13`` ``[E, 2I, H]``, ``w2`` ``[E, H, I]``, ``topk_ids`` ``[T, K]``, ``topk_weights``
+    ``[T, K]`` -> ``[T, H]``."""
     num_tokens, top_k = topk_ids.shape
     cfg = step_config(num_tokens * top_k / w13.shape[0], hidden.dtype, hidden.device)
     return fused_moe_with(cfg, hidden, w13, w2, topk_ids, topk_weights)
@@ -209,11 +253,14 @@ def fused_moe_with(cfg: MoeConfig, hidden: torch.Tensor, w13: ExpertWeights, w2:
 
 class _Operand(NamedTuple):
     """An expert stack as one launch reads it."""
-    values: torch.Tensor  # [E, N, K]: 16-bit, float8_e4m3fn or its bits as uint8
+    values: torch.Tensor  # [E, N, K]: 16-bit, float8_e4m3fn or its bits as uint8; or codes
     scales: torch.Tensor  # float32 [E, N] or [E, N blocks, K blocks]; unread for 16-bit
+    zeros: torch.Tensor  # uint8 zero points in the scales' layout; unread but for integers
     mode: str  # the kernel's SCALES
     block: tuple[int, int]  # SCALE_ROWS, SCALE_COLS
     block_k: int  # the K tile: the config's, or less to fit in a block of scales
+    int_bits: int  # the kernel's INT_BITS
+    columns: int  # K
 
 
 def _operand(w: ExpertWeights, hidden: torch.Tensor, cfg: MoeConfig) -> _Operand:
@@ -222,21 +269,43 @@ def _operand(w: ExpertWeights, hidden: torch.Tensor, cfg: MoeConfig) -> _Operand
         if w.dtype != hidden.dtype:
             raise ValueError(f"fused_moe takes one dtype: hidden {hidden.dtype}, experts "
                              f"{w.dtype}")
-        return _Operand(w, w, "none", (1, 1), cfg.block_k)
+        return _Operand(w, w, w, "none", (1, 1), cfg.block_k, 0, w.shape[2])
     values = w.values
     _check_rows(hidden, values)
+    if isinstance(w, PackedIntWeight):
+        return _int_operand(w, cfg)
     if values.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fused_moe's FP8 experts are float8_e4m3fn, not {values.dtype}")
     if not converts_e4m3fn(values.device):
         values = values.view(torch.uint8)
     scales = w.scales.float()
+    k = w.shape[2]
     if isinstance(w, Fp8Weight):
-        return _Operand(values, scales, "row", (1, 1), cfg.block_k)
-    block_k = min(cfg.block_k, w.block[1] & -w.block[1])  # the largest power of 2 dividing it
+        return _Operand(values, scales, scales, "row", (1, 1), cfg.block_k, 0, k)
+    block_k = _tile_in(w.block[1], cfg, "FP8 blocks")
+    return _Operand(values, scales, scales, "block", w.block, block_k, 0, k)
+
+
+def _int_operand(w: PackedIntWeight, cfg: MoeConfig) -> _Operand:
+    if w.scales.dtype != torch.float32 or w.zeros.dtype != torch.uint8:
+        raise ValueError(f"fused_moe's integer experts have float32 scales and uint8 zero "
+                         f"points, not {w.scales.dtype} and {w.zeros.dtype}")
+    if w.scales.shape[-1] == 1:  # one group a row: scaled once at the end
+        return _Operand(w.values, w.scales, w.zeros, "row", (1, 1), cfg.block_k, w.bits,
+                        w.columns)
+    block_k = _tile_in(w.group_size, cfg, "integer groups")
+    return _Operand(w.values, w.scales, w.zeros, "block", (1, w.group_size), block_k, w.bits,
+                    w.columns)
+
+
+def _tile_in(width: int, cfg: MoeConfig, what: str) -> int:
+    """The K tile for scales that change every ``width`` columns: the config's, or the largest
+    power of 2 dividing ``width`` where that is less."""
+    block_k = min(cfg.block_k, width & -width)
     if block_k < 16:
-        raise ValueError(f"fused_moe reads FP8 blocks {w.block[1]} columns wide in tiles of "
-                         f"16 or more columns that divide them: {w.block[1]} has none")
-    return _Operand(values, scales, "block", w.block, block_k)
+        raise ValueError(f"fused_moe reads {what} {width} columns wide in tiles of 16 or more "
+                         f"columns that divide them: {width} has none")
+    return block_k
 
 
 def _gemm(cfg: MoeConfig, a: torch.Tensor, w: _Operand, out: torch.Tensor,
@@ -245,17 +314,23 @@ def _gemm(cfg: MoeConfig, a: torch.Tensor, w: _Operand, out: torch.Tensor,
     multiplied into each row, or None."""
     num_m_blocks = aligned.block_experts.numel()
     values, scales = w.values, w.scales
-    n, k = values.shape[1], values.shape[2]
+    n, k = values.shape[1], w.columns
+    if w.int_bits and w.mode == "row":  # [E, N, 1]: no K dimension, as FP8 row scales
+        scales, zeros = scales[..., 0], w.zeros[..., 0]
+    else:
+        zeros = w.zeros
     scale_strides = (*scales.stride(), 0)[:3]  # row scales have no K dimension
+    if w.int_bits and zeros.stride() != scales.stride():
+        raise ValueError("fused_moe reads integer experts' zero points in their scales' strides")
     grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
     _expert_gemm_kernel[grid](
         a, values, out, route if route is not None else out, aligned.sorted_ids,
-        aligned.block_experts, aligned.total, scales, n, k, out.shape[0], pairs_per_a_row,
-        num_m_blocks, a.stride(0), values.stride(0), values.stride(1), out.stride(0),
-        *scale_strides, ROUTE_WEIGHT=route is not None, EVEN_K=k % w.block_k == 0,
-        DOT_PREC=dot_precision(a.dtype, gpu_arch(a.device)), SCALES=w.mode,
-        SCALE_ROWS=w.block[0], SCALE_COLS=w.block[1], BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=w.block_k, GROUP_M=cfg.group_m,
+        aligned.block_experts, aligned.total, scales, zeros, n, k, out.shape[0],
+        pairs_per_a_row, num_m_blocks, a.stride(0), values.stride(0), values.stride(1),
+        out.stride(0), *scale_strides, ROUTE_WEIGHT=route is not None,
+        EVEN_K=k % w.block_k == 0, DOT_PREC=dot_precision(a.dtype, gpu_arch(a.device)),
+        SCALES=w.mode, SCALE_ROWS=w.block[0], SCALE_COLS=w.block[1], INT_BITS=w.int_bits,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=w.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(a.device),
     )
 
