@@ -25,6 +25,10 @@ class LayerOps:
     # ``BlockFp8Weight`` (values ``[E, N, K]``), multiplied as they are; None: a platform
     # without it runs FP8 experts by dequantizing the routed ones each step.
     fused_moe_fp8: ClassVar[Callable[..., torch.Tensor] | None] = None
+    # The same with integer experts: ``w13`` and ``w2`` stacked ``PackedIntWeight`` (4- or
+    # 8-bit codes, a scale and an integer zero point per group); None: a platform without it
+    # dequantizes the routed ones each step.
+    fused_moe_int: ClassVar[Callable[..., torch.Tensor] | None] = None
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

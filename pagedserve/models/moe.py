@@ -6,9 +6,10 @@ taken in float32, the ``top_k`` best kept and, where the config says (Mixtral al
 Qwen models with ``norm_topk_prob``), renormalised to sum to 1. The experts are SwiGLU MLPs
 whose weights are stacked at load into ``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]``, the
 layout the platform's ``LayerOps.fused_moe`` reads, or, from a quantized checkpoint (or
-``--quantization fp8``), kept quantized: FP8 experts read as they are by the platform's
-``LayerOps.fused_moe_fp8`` where it has one (``models/fp8_experts.py``), others dequantized
-per step for the experts the step routes tokens to (``models/quantized_experts.py``).
+``--quantization fp8``), kept quantized: FP8 and grouped integer experts read as they are by
+the platform's ``LayerOps.fused_moe_fp8`` and ``fused_moe_int`` where it has them
+(``models/kernel_experts.py``), others dequantized per step for the experts the step routes
+tokens to (``models/quantized_experts.py``).
 Qwen2-MoE adds a shared expert, a dense SwiGLU MLP every token goes through, scaled by
 ``sigmoid(shared_expert_gate(x))`` (a hidden -> 1 projection) and added to the routed
 experts' sum.
@@ -32,7 +33,9 @@ from torch import nn
 from pagedserve.distributed import Part
 from pagedserve.models.config import ModelArchConfig
 from pagedserve.models.forward_context import ForwardContext
-from pagedserve.models.fp8_experts import Fp8Experts, fuses
+from pagedserve.models.fp8_experts import Fp8Experts
+from pagedserve.models.int_experts import IntExperts
+from pagedserve.models.kernel_experts import KernelExperts
 from pagedserve.models.layer_ops import LayerOps
 from pagedserve.models.linear import LinearFactory
 from pagedserve.models.quantized_experts import QuantizedExperts
@@ -73,17 +76,18 @@ class FusedExperts(nn.Module):
     checkpoint stores them. Float experts are stacked into ``w13`` ``[E, 2I, H]`` (``w13[e]``:
     expert ``e``'s gate rows then its up rows) and ``w2`` ``[E, H, I]``, the layout
     ``LayerOps.fused_moe`` reads; quantized ones into ``quantized``
-    (``models/quantized_experts.py``), dequantized per step, or, FP8 ones with ``reads_fp8``
-    (the platform has ``LayerOps.fused_moe_fp8``), turned into ``Fp8Experts`` once the last
-    has arrived. The first weight to arrive decides which, so a quantized checkpoint never
-    allocates the 16-bit stacks. ``quantizer`` (``--quantization fp8`` or a dummy load's form)
-    quantizes float experts as it does the dense layers. Each checkpoint tensor is cut and put
-    in its place as it arrives; ``loaded`` once all ``3 * E`` have."""
+    (``models/quantized_experts.py``), dequantized per step, or, once the last has arrived,
+    turned into the first of the kernel layouts ``reads`` (those the platform's ops have an
+    entry for: ``kernel_layouts``) that takes them. The first weight to arrive decides which,
+    so a quantized checkpoint never allocates the 16-bit stacks. ``quantizer``
+    (``--quantization fp8`` or a dummy load's form) quantizes float experts as it does the
+    dense layers. Each checkpoint tensor is cut and put in its place as it arrives; ``loaded``
+    once all ``3 * E`` have."""
 
     def __init__(self, num_experts: int, hidden: int, part: Part, dtype: torch.dtype,
                  device: torch.device,
                  quantizer: Callable[[torch.Tensor], LoadedWeight] | None = None,
-                 reads_fp8: bool = False) -> None:
+                 reads: tuple[type[KernelExperts], ...] = ()) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.part = part
@@ -91,10 +95,10 @@ class FusedExperts(nn.Module):
         self.dtype = dtype
         self.device = device
         self.quantizer = quantizer
-        self.reads_fp8 = reads_fp8
+        self.reads = reads
         self.register_parameter("w13", None)
         self.register_parameter("w2", None)
-        self.quantized: QuantizedExperts | Fp8Experts | None = None
+        self.quantized: QuantizedExperts | KernelExperts | None = None
         self._missing = {(e, p) for e in range(num_experts) for p in ("gate", "up", "down")}
 
     @property
@@ -122,9 +126,10 @@ class FusedExperts(nn.Module):
         else:
             self._load_quantized(expert, proj, weight)
         self._missing.discard((expert, proj))
-        if self.loaded and self.reads_fp8 and isinstance(self.quantized, QuantizedExperts) \
-                and fuses(self.quantized):
-            self.quantized = Fp8Experts(self.quantized)  # the stacks go
+        if self.loaded and isinstance(self.quantized, QuantizedExperts):
+            layout = next((c for c in self.reads if c.takes(self.quantized)), None)
+            if layout is not None:
+                self.quantized = layout(self.quantized)  # the stacks go
 
     def forward(self, ops: type[LayerOps], hidden: torch.Tensor,
                 routed: RoutedExperts) -> torch.Tensor:
@@ -176,6 +181,11 @@ class FusedExperts(nn.Module):
         return f"w13={tuple(self.w13.shape)}, w2={tuple(self.w2.shape)}"
 
 
+def kernel_layouts(ops: type[LayerOps]) -> tuple[type[KernelExperts], ...]:
+    """The quantized expert layouts whose entry points the platform's ops have."""
+    return tuple(c for c in (Fp8Experts, IntExperts) if c.reads(ops))
+
+
 class RoutedExperts(NamedTuple):
     weights: torch.Tensor  # float32 [T, K]
     ids: torch.Tensor  # int64 [T, K]
@@ -206,7 +216,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size,
                                     linears.tp.even_part(cfg.moe_intermediate_size),
                                     linears.dtype, linears.device, linears.quantizer,
-                                    reads_fp8=ops.fused_moe_fp8 is not None)
+                                    reads=kernel_layouts(ops))
         self.shared_expert = shared_expert
         # Replicated, as the router is: each token's scale must be the same on every rank.
         self.shared_expert_gate = (linears.column(cfg.hidden_size, [Part.whole(1)],
@@ -237,8 +247,8 @@ class SparseMoeBlock(nn.Module):
     def syncs_with_host(self) -> bool:
         """Whether a step through this block reads device values on the host, which a captured
         graph cannot: the platform's ``fused_moe`` may (``fused_moe_in_graphs`` False), and
-        quantized experts dequantized per step do (which experts); FP8 experts read by
-        ``fused_moe_fp8`` do not."""
+        quantized experts dequantized per step do (which experts); experts read as they are
+        (``KernelExperts``) do not."""
         return not self.ops.fused_moe_in_graphs or self.experts.syncs_with_host
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -8,9 +8,10 @@ then rounded once to the activations' dtype, as the dense layers are at load), r
 routing ids ``0 .. A-1`` and runs the platform's ``LayerOps.fused_moe`` on them. So memory is
 the quantized checkpoint's plus one step's active experts in 16 bits; speed is a dequantize pass
 over those experts per layer and step. The sync keeps these layers out of captured graphs
-(``SparseMoeBlock.syncs_with_host``). FP8 experts, on a platform with ``LayerOps.fused_moe_fp8``,
-leave this path once loaded (``models/fp8_experts.py``); 4- and 8-bit integer experts, and
-every quantized expert on the CPU, stay on it.
+(``SparseMoeBlock.syncs_with_host``). FP8 and grouped integer experts, on a platform with
+``LayerOps.fused_moe_fp8`` or ``fused_moe_int``, leave this path once loaded
+(``models/kernel_experts.py``); GPTQ act-order, GGUF Q4_1 and every quantized expert on the
+CPU stay on it.
 """
 
 from __future__ import annotations

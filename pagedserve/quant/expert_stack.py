@@ -6,7 +6,8 @@ The first expert's weight to arrive fixes the form, its dtypes and shapes; every
 weight is then copied into its row. ``take(ids)`` gives the same form over those experts
 (tensors ``[len(ids), ...]``), whose ``dequantize`` is ``[len(ids), N, K]``; ``whole()`` the
 form over every expert, its tensors the stack's own. ``holding(form)`` makes a stack of a form
-whose tensors are stacked already (an FP8 layout made from other stacks at load).
+whose tensors are stacked already (a kernel's layout made from other stacks at load, gate and
+up in one stack: ``put_half`` writes one expert's half of its rows).
 
 Two things differ from the loaded forms. 4-bit values are held two to a byte (a form holds
 one a byte), so a 4-bit checkpoint's experts take about half a byte a weight with their scales.
@@ -22,13 +23,16 @@ import torch
 from torch import nn
 
 from pagedserve.quant.weights import (
-    BlockFp8Weight,
     Fp8Weight,
     GroupQuantWeight,
     LoadedWeight,
+    PackedIntWeight,
     pack_nibbles,
     unpack_nibbles,
 )
+
+# What a stack holds: a checkpoint's form, or a kernel's layout made of such stacks at load.
+Stacked = LoadedWeight | PackedIntWeight
 
 _PACKED = "values"  # the field held two values a byte when the form's bits are 4 or fewer
 
@@ -46,7 +50,25 @@ class ExpertStack(nn.Module):
     def packs_nibbles(self) -> bool:
         return self.form is GroupQuantWeight and self.static["bits"] <= 4
 
-    def put(self, expert: int, weight: LoadedWeight) -> None:
+    def put(self, expert: int, weight: Stacked) -> None:
+        tensors = self._fields_of(expert, weight)
+        if self.form is GroupQuantWeight:
+            self._put_perm(expert, weight.input_perm)
+        self._copy(expert, tensors, slice(None))
+
+    def put_half(self, expert: int, weight: Stacked, second: bool) -> None:
+        """One expert's gate (``second`` False) or up projection in a stack of both, made by
+        ``holding``: each tensor of ``weight`` fills the first or the second half of that
+        expert's rows of the stacked tensor (its rows, or its rows of scale blocks)."""
+        if self.form is None:
+            raise ValueError("put_half writes into a stack made by holding")
+        for name, tensor in self._fields_of(expert, weight).items():
+            rows = tensor.shape[0]
+            self._copy(expert, {name: tensor}, slice(rows * second, rows * (second + 1)))
+
+    def _fields_of(self, expert: int, weight: Stacked) -> dict[str, torch.Tensor]:
+        """``weight``'s tensors as the stack holds them (4-bit values packed), after checking
+        its form against the stack's (or, for the first, making the stack's tensors)."""
         if isinstance(weight, Fp8Weight):
             weight = dataclasses.replace(weight, input_scale=None)
         tensors, static = _fields(weight)
@@ -55,45 +77,50 @@ class ExpertStack(nn.Module):
         elif type(weight) is not self.form or static != self.static:
             raise ValueError(f"expert {expert} is {_describe(type(weight), static)}, another "
                              f"expert of its layer {_describe(self.form, self.static)}")
-        if self.form is GroupQuantWeight:
-            self._put_perm(expert, weight.input_perm)
+        if self.packs_nibbles:
+            tensors[_PACKED] = pack_nibbles(tensors[_PACKED])
+        return tensors
+
+    def _copy(self, expert: int, tensors: dict[str, torch.Tensor], rows: slice) -> None:
         for name, tensor in tensors.items():
-            if name == _PACKED and self.packs_nibbles:
-                tensor = pack_nibbles(tensor)
-            stacked = getattr(self, name)
-            if tensor.shape != stacked.shape[1:]:
+            stacked = getattr(self, name)[expert, rows]
+            if tensor.shape != stacked.shape:
                 raise ValueError(f"expert {expert}'s {name} has shape {tuple(tensor.shape)}, "
-                                 f"another expert's {tuple(stacked.shape[1:])}")
-            stacked[expert].copy_(tensor)
+                                 f"another expert's {tuple(stacked.shape)}")
+            stacked.copy_(tensor)
 
     @classmethod
-    def holding(cls, weight: LoadedWeight) -> ExpertStack:
-        """A stack of ``weight``, an FP8 form whose tensors have a leading expert dimension;
-        the tensors become its parameters as they are."""
-        if not isinstance(weight, (Fp8Weight, BlockFp8Weight)):  # no values to pack
-            raise ValueError(f"ExpertStack.holding takes FP8 forms, not {type(weight).__name__}")
+    def holding(cls, weight: Stacked) -> ExpertStack:
+        """A stack of ``weight``, a form whose tensors have a leading expert dimension; the
+        tensors become its parameters as they are (4-bit grouped values: packed, a copy)."""
+        if isinstance(weight, torch.Tensor):
+            raise ValueError("ExpertStack.holding takes a quantized form, not a tensor")
         tensors, static = _fields(weight)
         stack = cls(weight.shape[0], weight.values.device)
         stack.form, stack.static, stack.columns = type(weight), static, weight.shape[-1]
+        if stack.packs_nibbles:
+            tensors[_PACKED] = pack_nibbles(tensors[_PACKED])
+        if getattr(weight, "input_perm", None) is not None:
+            tensors["input_perm"] = weight.input_perm
         for name, tensor in tensors.items():
             stack.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
         return stack
 
-    def take(self, ids: torch.Tensor) -> LoadedWeight:
+    def take(self, ids: torch.Tensor) -> Stacked:
         """The experts ``ids`` (an int64 tensor on the stack's device) in their form."""
         return self._form({name: p[ids] for name, p in self.named_parameters(recurse=False)})
 
-    def whole(self) -> LoadedWeight:
+    def whole(self) -> Stacked:
         """Every expert in the stack's form, the tensors its parameters (4-bit values are
         unpacked: a copy)."""
         return self._form(dict(self.named_parameters(recurse=False)))
 
-    def _form(self, tensors: dict[str, torch.Tensor]) -> LoadedWeight:
+    def _form(self, tensors: dict[str, torch.Tensor]) -> Stacked:
         if self.packs_nibbles:
             tensors[_PACKED] = unpack_nibbles(tensors[_PACKED], self.columns)
         return self.form(**tensors, **self.static)
 
-    def _make(self, weight: LoadedWeight, tensors: dict[str, torch.Tensor],
+    def _make(self, weight: Stacked, tensors: dict[str, torch.Tensor],
               static: dict[str, Any]) -> None:
         self.form, self.static, self.columns = type(weight), static, weight.shape[-1]
         for name, tensor in tensors.items():
@@ -117,7 +144,7 @@ class ExpertStack(nn.Module):
         self.input_perm[expert].copy_(identity if perm is None else perm)
 
 
-def _fields(weight: LoadedWeight) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _fields(weight: Stacked) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A form's tensor fields (an absent act-order permutation left out, ``_put_perm`` holds
     that one) and its other fields."""
     tensors, static = {}, {}

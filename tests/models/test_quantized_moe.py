@@ -3,7 +3,9 @@ per-tensor FP8 in vLLM's and compressed-tensors' layouts, AWQ and GPTQ 4-bit) an
 ``--quantization fp8``: the experts stay quantized in memory, and the engine in float32 gives
 transformers' greedy tokens and prompt logprobs on the same weights dequantized independently,
 in float64. An expert given its neighbour's scales, or a block grid read the wrong way round,
-moves the logprobs far off, so the comparisons see the experts' scales."""
+moves the logprobs far off, so the comparisons see the experts' scales. FP8 and integer experts
+that a platform reads as they are (``models/kernel_experts.py``) are checked through a stand-in
+platform whose entry points dequantize the layouts they are given."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pagedserve.config import ConfigError
 from pagedserve.distributed import Part
 from pagedserve.models import moe
 from pagedserve.models.fp8_experts import Fp8Experts
+from pagedserve.models.int_experts import IntExperts
 from pagedserve.models.layer_ops import LayerOps
 from pagedserve.models.moe import FusedExperts, RoutedExperts
 from pagedserve.models.quantized_experts import QuantizedExperts
@@ -47,6 +50,12 @@ AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
        "version": "gemm"}
 GPTQ_ACT_ORDER = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False,
                   "desc_act": True, "checkpoint_format": "gptq"}
+# Read as they are by a platform with ``fused_moe_int`` (GPTQ's symmetric 4-bit groups, and
+# asymmetric 8-bit with one group a row in the v2 layout).
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False,
+        "checkpoint_format": "gptq"}
+GPTQ_8BIT = {"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": False,
+             "desc_act": False, "checkpoint_format": "gptq_v2"}
 ROUTERS = ("re:.*block_sparse_moe\\.gate$", "re:.*mlp\\.gate$")
 FORMATS = ["block-fp8", "fp8-static", "compressed-tensors-fp8", "awq", "gptq-act-order"]
 # The form every expert stack holds, by format.
@@ -64,7 +73,7 @@ def _write(fmt: str, src: Path, dst: Path) -> tuple[Path, Path]:
     elif fmt == "compressed-tensors-fp8":
         ckpt = write_compressed_tensors_fp8(src, dst, ("lm_head", *ROUTERS))
     else:
-        config = AWQ if fmt == "awq" else GPTQ_ACT_ORDER
+        config = {"awq": AWQ, "gptq": GPTQ, "gptq-8bit": GPTQ_8BIT}.get(fmt, GPTQ_ACT_ORDER)
         write_quantized_pair(src, dst / fmt, dst / "reference", config)
         return dst / fmt, dst / "reference"
     return ckpt.quantized, ckpt.reference
@@ -170,6 +179,11 @@ def test_four_bit_expert_values_are_held_two_to_a_byte():
         assert torch.equal(got, w.dequantize())
     values = torch.randint(0, 16, (4, 9), dtype=torch.uint8)
     assert torch.equal(unpack_nibbles(pack_nibbles(values), 9), values)
+    stacked = GroupQuantWeight(*(torch.stack([getattr(w, f) for w in weights])
+                                 for f in ("values", "scales", "offsets")), 4, 32)
+    held = ExpertStack.holding(stacked)  # a stack made whole: the same bytes
+    assert torch.equal(held.values, stack.values) and torch.equal(
+        held.whole().dequantize(), stack.whole().dequantize())
 
 
 def test_experts_of_different_forms_in_one_layer_are_refused():
@@ -223,17 +237,19 @@ def test_quantized_experts_keep_graphs_off_where_the_platform_op_would_not(
         runner.graphs = None
 
 
-class ReadsFp8(LayerOps):
-    """A platform whose ops read FP8 experts as they are: here by dequantizing the forms they
-    are given (the Triton kernel is checked against float64 in
-    tests/platforms/cuda/test_fused_moe_fp8.py)."""
+def _dequantizing(hidden, w13, w2, ids, weights):
+    ReadsAsStored.seen.update(w13=w13, w2=w2)
+    return LayerOps.fused_moe(hidden, w13.dequantize(), w2.dequantize(), ids, weights)
+
+
+class ReadsAsStored(LayerOps):
+    """A platform whose ops read FP8 and integer experts as they are: here by dequantizing the
+    forms they are given (the Triton kernel is checked against float64 in
+    tests/platforms/cuda/test_fused_moe_fp8.py and test_fused_moe_int.py)."""
     fused_moe_in_graphs = True
     seen: dict = {}
-
-    @staticmethod
-    def fused_moe_fp8(hidden, w13, w2, ids, weights):
-        ReadsFp8.seen.update(w13=w13, w2=w2)
-        return LayerOps.fused_moe(hidden, w13.dequantize(), w2.dequantize(), ids, weights)
+    fused_moe_fp8 = staticmethod(_dequantizing)
+    fused_moe_int = staticmethod(_dequantizing)
 
 
 def _fp8_expert(form: str, n: int, k: int, seed: int):
@@ -254,7 +270,7 @@ def test_fp8_experts_are_fused_once_for_a_platform_that_reads_them(form):
     weights loaded again later (``LLM.load_weights``) land in the fused layout."""
     loaded = {}
     layers = [FusedExperts(4, 64, Part.whole(48), torch.float32, torch.device("cpu"),
-                           reads_fp8=reads) for reads in (True, False)]
+                           reads=(Fp8Experts,) if reads else ()) for reads in (True, False)]
 
     def load_all(seed):
         for e in range(4):
@@ -274,45 +290,123 @@ def test_fp8_experts_are_fused_once_for_a_platform_that_reads_them(form):
     ids = torch.tensor([[3, 1], [1, 0], [2, 3]])
     routed = RoutedExperts(torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.5, 0.5]]), ids)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
-    out = fused(ReadsFp8, x, routed)
+    out = fused(ReadsAsStored, x, routed)
     for e in range(4):
-        assert torch.equal(ReadsFp8.seen["w13"].dequantize()[e], torch.cat(
+        assert torch.equal(ReadsAsStored.seen["w13"].dequantize()[e], torch.cat(
             [loaded[e, "gate"].dequantize(), loaded[e, "up"].dequantize()]))
-        assert torch.equal(ReadsFp8.seen["w2"].dequantize()[e], loaded[e, "down"].dequantize())
+        assert torch.equal(ReadsAsStored.seen["w2"].dequantize()[e], loaded[e, "down"].dequantize())
     torch.testing.assert_close(out, per_step(LayerOps, x, routed))
     load_all(100)
-    changed = fused(ReadsFp8, x, routed)
+    changed = fused(ReadsAsStored, x, routed)
     torch.testing.assert_close(changed, per_step(LayerOps, x, routed))
     assert not torch.allclose(changed, out)
 
 
-def test_integer_experts_stay_on_the_dequantize_path():
-    experts = FusedExperts(2, 64, Part.whole(32), torch.float32, torch.device("cpu"),
-                           reads_fp8=True)
-    for e in range(2):
-        for proj, n, k in (("gate", 32, 64), ("up", 32, 64), ("down", 64, 32)):
-            experts.load(e, proj, random_weight(n, k, 4, 32, seed=e))
+def _load_layer(layers, make, experts, rows, hidden, seed=0, part=None):
+    """Every expert's gate, up (``[rows, hidden]``) and down projection made by ``make(n, k,
+    seed)``, loaded into each of ``layers``; the weights by ``(expert, proj)``."""
+    loaded = {}
+    for e in range(experts):
+        for i, (proj, n, k) in enumerate((("gate", rows, hidden), ("up", rows, hidden),
+                                          ("down", hidden, rows))):
+            loaded[e, proj] = make(n, k, seed + 3 * e + i)
+            for layer in layers:
+                layer.load(e, proj, loaded[e, proj])
+    return loaded
+
+
+@pytest.mark.parametrize("why,make", [
+    ("no integer zero points (GGUF Q4_1)", lambda n, k, seed: random_weight(n, k, 4, 32, seed)),
+    ("act-order", lambda n, k, seed: random_weight(n, k, 4, 32, seed, act_order=True,
+                                                   zero_points=True)),
+    ("groups of 24", lambda n, k, seed: random_weight(n, k, 4, 24, seed, zero_points=True)),
+])
+def test_integer_experts_that_the_kernel_cannot_read_stay_on_the_dequantize_path(why, make):
+    experts = FusedExperts(2, 48, Part.whole(48), torch.float32, torch.device("cpu"),
+                           reads=(Fp8Experts, IntExperts))
+    _load_layer([experts], make, 2, 48, 48)
     assert isinstance(experts.quantized, QuantizedExperts) and experts.syncs_with_host
 
 
-@pytest.mark.parametrize("fmt", ["block-fp8", "fp8-static"])
-def test_fp8_experts_read_as_they_are_give_transformers_tokens_and_graphs(
-        tiny_model_folder, tmp_path, monkeypatch, fmt):
-    """Through the engine on a platform whose ops read FP8 experts (Mixtral's 48 expert rows
-    in blocks of 32: partial blocks at every edge of the block grids): the layers take graphs,
-    and give transformers' tokens on the dequantized weights, which a neighbour's scales
-    move far off."""
-    quantized, reference = _write(fmt, tiny_model_folder("mixtral"), tmp_path)
+ROUTED = RoutedExperts(torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.5, 0.5]]),
+                       torch.tensor([[3, 1], [1, 0], [2, 3]]))
 
-    class Ops(CpuPlatform.layer_ops(), ReadsFp8):
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 16), (4, -1)])
+def test_int_experts_are_fused_once_for_a_platform_that_reads_them(bits, group):
+    """AWQ/GPTQ-style experts (integer zero points; ``-1``: one group a row): the fused forms
+    dequantize to each expert's gate rows then up rows, exactly, and the layer gives the
+    dequantize path's result without the stacks; weights loaded again later
+    (``LLM.load_weights``) land in the fused layout."""
+    layers = [FusedExperts(4, 64, Part.whole(48), torch.float32, torch.device("cpu"),
+                           reads=reads) for reads in ((Fp8Experts, IntExperts), ())]
+
+    def make(n, k, seed):
+        return random_weight(n, k, bits, k if group == -1 else group, seed, zero_points=True)
+
+    loaded = _load_layer(layers, make, 4, 48, 64)
+    fused, per_step = layers
+    assert isinstance(fused.quantized, IntExperts) and not fused.syncs_with_host
+    assert isinstance(per_step.quantized, QuantizedExperts)
+    assert {n for n, _ in fused.named_parameters()} == {
+        f"quantized.{w}.{t}" for w in ("w13", "w2") for t in ("values", "scales", "zeros")}
+    assert fused.quantized.w13.values.shape == (4, 96, 64 * bits // 8)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
+    out = fused(ReadsAsStored, x, ROUTED)
+    for e in range(4):
+        assert torch.equal(ReadsAsStored.seen["w13"].dequantize()[e], torch.cat(
+            [loaded[e, "gate"].dequantize(), loaded[e, "up"].dequantize()]))
+        assert torch.equal(ReadsAsStored.seen["w2"].dequantize()[e],
+                           loaded[e, "down"].dequantize())
+    torch.testing.assert_close(out, per_step(LayerOps, x, ROUTED))
+    _load_layer(layers, make, 4, 48, 64, seed=100)
+    changed = fused(ReadsAsStored, x, ROUTED)
+    torch.testing.assert_close(changed, per_step(LayerOps, x, ROUTED))
+    assert not torch.allclose(changed, out)
+
+
+@pytest.mark.parametrize("group", [32, -1])
+def test_int_experts_of_a_tensor_parallel_rank(group):
+    """Rank 1 of 2 of 64 expert rows: gate and up cut by rows, down by columns on the groups'
+    bounds (one group a row: a group of the rank's 32 columns); the rank's fused experts give
+    its dequantize path's partial sum."""
+    layers = [FusedExperts(4, 64, Part(64, 32, 32), torch.float32, torch.device("cpu"),
+                           reads=reads) for reads in ((IntExperts,), ())]
+
+    def make(n, k, seed):
+        return random_weight(n, k, 4, k if group == -1 else group, seed, zero_points=True)
+
+    _load_layer(layers, make, 4, 64, 64)
+    fused, per_step = layers
+    assert isinstance(fused.quantized, IntExperts)
+    assert fused.quantized.w2.whole().shape == (4, 64, 32)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(fused(ReadsAsStored, x, ROUTED), per_step(LayerOps, x, ROUTED))
+
+
+@pytest.mark.parametrize("arch,fmt,layout", [
+    ("mixtral", "block-fp8", Fp8Experts), ("mixtral", "fp8-static", Fp8Experts),
+    ("mixtral", "awq", IntExperts), ("qwen3-moe", "gptq", IntExperts),
+    ("mixtral", "gptq-8bit", IntExperts)])
+def test_experts_read_as_they_are_give_transformers_tokens_and_graphs(
+        tiny_model_folder, tmp_path, monkeypatch, arch, fmt, layout):
+    """Through the engine on a platform whose ops read FP8 and integer experts (Mixtral's 48
+    expert rows in FP8 blocks of 32: partial blocks at every edge of the block grids; in AWQ
+    groups of 32: a partial last group of the down projections): the layers take graphs, and
+    give transformers' tokens on the dequantized weights, which a neighbour's scales move far
+    off."""
+    quantized, reference = _write(fmt, tiny_model_folder(arch), tmp_path)
+
+    class Ops(CpuPlatform.layer_ops(), ReadsAsStored):
         pass
 
     monkeypatch.setattr(CpuPlatform, "layer_ops", classmethod(lambda cls: Ops))
+    # The dense integer layers in float32 (the CPU's default quantizes their activations).
     llm = make_llm(quantized, dtype="float32", enable_prefix_caching=False,
-                   kv_cache_memory_bytes=1 << 20)
+                   kv_cache_memory_bytes=1 << 20, int8_activations=False)
     runner = llm.engine.executor.runner
     experts = [m for m in runner.model.modules() if isinstance(m, FusedExperts)]
-    assert experts and all(isinstance(m.quantized, Fp8Experts) for m in experts)
+    assert experts and all(isinstance(m.quantized, layout) for m in experts)
     assert not moe.syncs_with_host(runner.model)
     hf = hf_model_float64(reference)
     prompts = random_prompts(f"fused-{fmt}", [29, 7])

@@ -141,6 +141,45 @@ def test_fp8_moe_graphs_give_the_eager_and_dequantized_tokens(moe_folder, tmp_pa
     assert same >= len(PROMPTS) - 1
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq-8bit", "gptq-act-order"])
+def test_int_moe_graphs_give_the_eager_and_dequantized_tokens(moe_folder, tmp_path, monkeypatch,
+                                                              fmt, dtype):
+    """Integer experts read as they are by the Triton kernel (AWQ in groups of 32, partial at
+    Mixtral's 48 expert rows; GPTQ symmetric in groups of 32; GPTQ 8-bit asymmetric, one group
+    a row): decode steps replay CUDA graphs and give the eager steps' greedy tokens, and the
+    per-step dequantize path's (the platform's ops without ``fused_moe_int``; a near-tie may
+    break either way). GPTQ act-order stays on the dequantize path, without graphs."""
+    from pagedserve.models.int_experts import IntExperts
+    from pagedserve.models.moe import FusedExperts
+    from pagedserve.platforms.cuda.layer_ops import TritonLayerOps
+    from tests.models.test_quantized_moe import AWQ, GPTQ, GPTQ_8BIT, GPTQ_ACT_ORDER
+    from tests.quant.packers import write_quantized_pair
+
+    config = {"awq": AWQ, "gptq": GPTQ, "gptq-8bit": GPTQ_8BIT,
+              "gptq-act-order": GPTQ_ACT_ORDER}[fmt]
+    folder = tmp_path / fmt
+    write_quantized_pair(moe_folder, folder, tmp_path / "reference", config)
+    fused = fmt != "gptq-act-order"
+    tokens = {}
+    for path in ("eager", "graphs", "dequantize") if fused else ("dequantize",):
+        if path == "dequantize" and fused:
+            monkeypatch.setattr(TritonLayerOps, "fused_moe_int", None)
+        llm = make_llm(folder, device="cuda", dtype=dtype, enforce_eager=path == "eager",
+                       kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
+        runner = llm.engine.executor.runner
+        experts = [m.quantized for m in runner.model.modules() if isinstance(m, FusedExperts)]
+        assert experts and all(isinstance(q, IntExperts) == (path != "dequantize")
+                               for q in experts)
+        assert (runner.graphs is not None) == (path == "graphs")
+        tokens[path] = _tokens(llm)
+        del llm, runner, experts
+    if fused:
+        assert tokens["graphs"] == tokens["eager"]
+        same = sum(a == b for a, b in zip(tokens["eager"], tokens["dequantize"]))
+        assert same >= len(PROMPTS) - 1
+
+
 @pytest.fixture(scope="module")
 def llama3_cuda_folder(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("llama3"), "llama3")

@@ -27,7 +27,9 @@ IMPORTED_TOO_LATE = choose_triton_interpreter()
 pytest.importorskip("triton")
 
 if not IMPORTED_TOO_LATE:
+    from pagedserve.models.layer_ops import LayerOps
     from pagedserve.platforms.cuda.kernels import fused_moe as moe
+    from pagedserve.platforms.cuda.layer_ops import TritonLayerOps
     from pagedserve.quant.weights import GroupQuantWeight, PackedIntWeight
     from tests.platforms.cuda.test_fused_moe import routing
     from tests.platforms.cuda.test_fused_moe_fp8 import close, rounded_reference
@@ -166,3 +168,7 @@ def test_groups_no_tile_fits_are_refused():
     args, _ = problem(3, 4, 2, 48, 24, "random", 4, 24, "awq", torch.float32)
     with pytest.raises(ValueError, match="integer groups 24 columns wide"):
         moe.fused_moe(*args)
+
+
+def test_the_platform_reads_integer_experts_with_the_kernel():
+    assert TritonLayerOps.fused_moe_int is moe.fused_moe and LayerOps.fused_moe_int is None
