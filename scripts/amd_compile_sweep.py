@@ -251,9 +251,11 @@ def _fp8_quant(dtype: str, arch: str) -> Spec:
                 floats=("fmax", "min_scale"))
 
 
-def _fused_moe(rows_per_expert: int, scales: str = "none"):
+def _fused_moe(rows_per_expert: int, scales: str = "none", int_bits: int = 0,
+               group: int = 128):
     """``scales``: "none" (16-bit experts), "row" or "block" (FP8 experts, W8A16; 128 x 128
-    blocks as Qwen3-30B-A3B-FP8's)."""
+    blocks as Qwen3-30B-A3B-FP8's). ``int_bits`` 4 or 8: integer experts (W4A16, W8A16) with
+    zero points, "block" their groups of ``group`` columns, "row" one group a row."""
     def spec(dtype: str, arch: str) -> Spec:
         from pagedserve.platforms.cuda.kernels import fused_moe
         from pagedserve.platforms.cuda.kernels.prefill_attention import dot_precision
@@ -262,15 +264,17 @@ def _fused_moe(rows_per_expert: int, scales: str = "none"):
         cfg = fused_moe.moe_config(rows_per_expert, t, arch)
         # FP8 experts as the launch passes them: e4m3fn where Triton converts it, else bits.
         weight = "ACT" if scales == "none" else "fp8e4nv" if arch.startswith("gfx95") else "u8"
-        ptrs = {"a_ptr": "ACT", "w_ptr": weight, "c_ptr": "ACT", "route_ptr": "fp32",
-                "sorted_ids_ptr": "i32", "block_experts_ptr": "i64", "total_ptr": "i64",
-                "scale_ptr": "fp32" if scales != "none" else "ACT"}
-        block = (128, 128) if scales == "block" else (1, 1)
+        scale = "fp32" if scales != "none" else "ACT"
+        ptrs = {"a_ptr": "ACT", "w_ptr": "u8" if int_bits else weight, "c_ptr": "ACT",
+                "route_ptr": "fp32", "sorted_ids_ptr": "i32", "block_experts_ptr": "i64",
+                "total_ptr": "i64", "scale_ptr": scale, "zero_ptr": "u8" if int_bits else scale}
+        block = (1, group) if int_bits else (128, 128) if scales == "block" else (1, 1)
         # The down projection's form (it multiplies the routing weights in).
         consts = dict(ROUTE_WEIGHT=True, EVEN_K=True, DOT_PREC=dot_precision(t, arch),
                       SCALES=scales, SCALE_ROWS=block[0], SCALE_COLS=block[1],
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      BLOCK_K=min(cfg.block_k, 128), GROUP_M=cfg.group_m)
+                      INT_BITS=int_bits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      BLOCK_K=min(cfg.block_k, block[1] if scales == "block" else 128),
+                      GROUP_M=cfg.group_m)
         return Spec(fused_moe._expert_gemm_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages)
     return spec
 
@@ -294,6 +298,12 @@ KERNELS = {
     "fused_moe_fp8_rows_decode": _fused_moe(2, "row"),
     "fused_moe_fp8_block_decode": _fused_moe(2, "block"),
     "fused_moe_fp8_block_prefill": _fused_moe(1024, "block"),
+    # Integer experts: AWQ/GPTQ 4-bit in groups of 128 at decode and prefill and of 32 at
+    # decode (K tiles of 32), GPTQ 8-bit one group a row at decode.
+    "fused_moe_int4_g128_decode": _fused_moe(2, "block", 4),
+    "fused_moe_int4_g128_prefill": _fused_moe(1024, "block", 4),
+    "fused_moe_int4_g32_decode": _fused_moe(2, "block", 4, 32),
+    "fused_moe_int8_rows_decode": _fused_moe(2, "row", 8),
 }
 # The CI subset leaves out the middle W4A16 configurations (m16 and m1024 bracket them).
 NOT_IN_SUBSET = ("w4a16_m64", "w4a16_m256")

@@ -16,9 +16,13 @@ table in ``kernels/fused_moe.py`` came from such a run).
 Qwen3-30B-A3B-FP8 stores them) against the bf16 kernel and against the per-step dequantize
 path those experts took before (``QuantizedExperts``: the routed experts dequantized to bf16,
 a host sync, then the bf16 kernel; timed with events). The weights are the bf16 ones quantized.
+``--weights awq`` does the same for 4-bit integer experts with AWQ's zero points (W4A16; groups
+of 128, as most AWQ and GPTQ checkpoints, and of 32, whose K tiles are a quarter as long),
+read by the kernel as ``IntExperts`` holds them.
 
     python scripts/bench_fused_moe.py --out benchmarks/results/fused_moe_h100.json [--sweep]
     python scripts/bench_fused_moe.py --weights fp8 --out benchmarks/results/fused_moe_fp8.json
+    python scripts/bench_fused_moe.py --weights awq --out benchmarks/results/fused_moe_int.json
 """
 
 from __future__ import annotations
@@ -60,13 +64,13 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     p.add_argument("--sweep", action="store_true", help="time the candidate tiles too")
-    p.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
-                   help="fp8: the FP8 kernel against bf16 and the dequantize path")
+    p.add_argument("--weights", choices=("bf16", *VARIANTS), default="bf16",
+                   help="fp8, awq: the quantized kernel against bf16 and the dequantize path")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_fused_moe.py needs an NVIDIA GPU: torch.cuda.is_available() is False")
-    if args.weights == "fp8":
-        return fp8_main(args)
+    if args.weights != "bf16":
+        return quantized_main(args)
     copy_gbs, mm_tflops = copy_bandwidth_gbs(), dense_tflops()
     print(f"{torch.cuda.get_device_name()}  copy {copy_gbs:.0f} GB/s  "
           f"bf16 mm {mm_tflops:.0f} TFLOP/s")
@@ -133,45 +137,78 @@ def time_point(name: str, shape: MoeShape, tokens: int, w13: torch.Tensor, w2: t
     return row
 
 
-def fp8_main(args: argparse.Namespace) -> None:
+def quantized_main(args: argparse.Namespace) -> None:
+    kind = args.weights
     print(f"{torch.cuda.get_device_name()}")
-    print(f"{'shape':<14} {'T':>5} {'scales':>6} {'fp8 ms':>9} {'bf16 ms':>9} "
+    print(f"{'shape':<14} {'T':>5} {'scales':>6} {kind + ' ms':>9} {'bf16 ms':>9} "
           f"{'dequant ms':>10} {'x bf16':>7} {'x dequant':>9}")
     rows = []
     for name in args.shapes:
         shape = SHAPES[name]
         w13, w2 = weights(shape)
-        for scales in ("row", "block"):
-            per_step, fused = fp8_experts(w13, w2, scales)
+        for variant in VARIANTS[kind]:
+            per_step, fused = quantized_experts(kind, variant, w13, w2)
             for tokens in args.tokens:
-                row = time_fp8_point(name, shape, tokens, w13, w2, per_step, fused)
-                rows.append({**row, "scales": scales})
-                print(f"{name:<14} {tokens:>5} {scales:>6} {row['fp8_ms']:>9.4f} "
-                      f"{row['bf16_ms']:>9.4f} {row['dequant_ms']:>10.4f} "
-                      f"{row['bf16_ms'] / row['fp8_ms']:>7.2f} "
-                      f"{row['dequant_ms'] / row['fp8_ms']:>9.2f}", flush=True)
+                row = time_quantized_point(name, shape, tokens, w13, w2, per_step, fused)
+                rows.append({**row, "scales": variant})
+                ms = row["quantized_ms"]
+                print(f"{name:<14} {tokens:>5} {variant:>6} {ms:>9.4f} {row['bf16_ms']:>9.4f} "
+                      f"{row['dequant_ms']:>10.4f} {row['bf16_ms'] / ms:>7.2f} "
+                      f"{row['dequant_ms'] / ms:>9.2f}", flush=True)
             del per_step, fused
         del w13, w2
         torch.cuda.empty_cache()
-    write_result("fused_moe_fp8", {"device": torch.cuda.get_device_name(),
-                                   "activations": "bf16", "rows": rows}, args.out)
+    for row in rows:  # the key earlier FP8 results have
+        row[f"{kind}_ms"] = row.pop("quantized_ms")
+    write_result(f"fused_moe_{'int' if kind == 'awq' else kind}",
+                 {"device": torch.cuda.get_device_name(), "activations": "bf16", "rows": rows},
+                 args.out)
 
 
-def fp8_experts(w13: torch.Tensor, w2: torch.Tensor, scales: str):
-    """The experts quantized to FP8 (``scales``: row or block, 128 x 128) as the engine holds
-    them: ``QuantizedExperts`` stacks (the dequantize path) and the ``Fp8Experts`` made of
-    them (the kernel's layout)."""
+# The quantized forms --weights times: FP8 scales per row and in 128 x 128 blocks; AWQ's
+# 4-bit groups of 128 and 32 columns.
+VARIANTS = {"fp8": ("row", "block"), "awq": ("g128", "g32")}
+
+
+def quantized_experts(kind: str, variant: str, w13: torch.Tensor, w2: torch.Tensor):
+    """The experts quantized (``kind`` fp8 or awq, ``variant`` of ``VARIANTS``) as the engine
+    holds them: ``QuantizedExperts`` stacks (the dequantize path) and the ``Fp8Experts`` or
+    ``IntExperts`` made of them (the kernel's layout)."""
     from pagedserve.models.fp8_experts import Fp8Experts
+    from pagedserve.models.int_experts import IntExperts
     from pagedserve.models.quantized_experts import QuantizedExperts
     from pagedserve.quant.expert_stack import ExpertStack
 
     inter = w2.shape[2]
-    quantize = _fp8_rows if scales == "row" else _fp8_blocks
+    if kind == "fp8":
+        quantize = _fp8_rows if variant == "row" else _fp8_blocks
+    else:
+        def quantize(w):
+            return _awq(w, int(variant[1:]))
     stacks = QuantizedExperts(w13.shape[0], w13.device)
     stacks.gate = ExpertStack.holding(quantize(w13[:, :inter]))
     stacks.up = ExpertStack.holding(quantize(w13[:, inter:]))
     stacks.down = ExpertStack.holding(quantize(w2))
-    return stacks, Fp8Experts(stacks)
+    layout = Fp8Experts if kind == "fp8" else IntExperts
+    if not layout.takes(stacks):
+        raise ValueError(f"{layout.__name__} does not take the {kind} {variant} experts")
+    return stacks, layout(stacks)
+
+
+def _awq(w: torch.Tensor, group: int):
+    """AWQ's asymmetric round-to-nearest per group of ``group`` columns (K a multiple of it):
+    scale ``(max - min) / 15`` in float16, zero point ``round(-min / scale)``."""
+    from pagedserve.quant.weights import GroupQuantWeight
+
+    e, n, k = w.shape
+    blocks = w.float().reshape(e, n, k // group, group)
+    lo = blocks.amin(-1).clamp(max=0)
+    hi = blocks.amax(-1).clamp(min=0)
+    scales = ((hi - lo) / 15).clamp(min=1e-5).half().float()
+    zeros = (-lo / scales).round().clamp(0, 15)
+    codes = (blocks / scales[..., None]).round() + zeros[..., None]
+    values = codes.clamp(0, 15).to(torch.uint8).view(e, n, k)
+    return GroupQuantWeight(values, scales, -zeros * scales, 4, group)
 
 
 def _fp8_rows(w: torch.Tensor):
@@ -195,8 +232,8 @@ def _fp8_blocks(w: torch.Tensor, block: int = 128):
                           (block, block))
 
 
-def time_fp8_point(name: str, shape: MoeShape, tokens: int, w13: torch.Tensor,
-                   w2: torch.Tensor, per_step, fused) -> dict:
+def time_quantized_point(name: str, shape: MoeShape, tokens: int, w13: torch.Tensor,
+                         w2: torch.Tensor, per_step, fused) -> dict:
     from triton.testing import do_bench, do_bench_cudagraph
 
     from pagedserve.platforms.cuda.kernels import fused_moe as moe
@@ -207,7 +244,7 @@ def time_fp8_point(name: str, shape: MoeShape, tokens: int, w13: torch.Tensor,
     topk_weights, topk_ids = probs.topk(shape.top_k, dim=-1)
     topk_weights /= topk_weights.sum(-1, keepdim=True)
     routing = (topk_ids, topk_weights)
-    timed = {"fp8_ms": lambda: fused(TritonLayerOps, x, *routing),
+    timed = {"quantized_ms": lambda: fused(TritonLayerOps, x, *routing),
              "bf16_ms": lambda: moe.fused_moe(x, w13, w2, *routing)}
     out = {key: _graph_ms(fn, do_bench_cudagraph) for key, fn in timed.items()}
     per_step(TritonLayerOps, x, *routing)  # compile outside the timing

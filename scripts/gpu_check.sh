@@ -19,7 +19,7 @@
 #                                        fp8-profile fp8-timeline fp8kv-timeline awq-timeline
 #                                        w4a16-wgmma w4a16-wgmma-tests pdl-tests pdl
 #                                        pdl-w4a16 pdl-fp8 decode-vs-base fused-moe
-#                                        fused-moe-fp8
+#                                        fused-moe-fp8 fused-moe-int
 # Results: JSON and logs under $OUT (the device tool's output folder) or benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -599,6 +599,21 @@ for part in $parts; do
           || failed="${failed:-} fused-moe-fp8-tests"
         timeout 420 python3 scripts/bench_fused_moe.py --weights fp8 \
           --out "$OUT/fused_moe_fp8_$tag.json" 2>&1 | tee "$OUT/fused_moe_fp8_$tag.log" ;;
+    # Integer experts read by the fused MoE kernel (W4A16, W8A16): its tests (bf16 and
+    # model-sized shapes join on the GPU) and the tiny Mixtral and Qwen3-MoE with AWQ, GPTQ
+    # and GPTQ 8-bit experts through graphs against eager and the dequantize path (GPTQ
+    # act-order: the dequantize path only), then the kernel against the bf16 one and the
+    # per-step dequantize path, AWQ groups of 128 and 32, at the Mixtral-8x7B and
+    # Qwen3-30B-A3B shapes.
+    fused-moe-int) tag=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 \
+          | grep -oE 'H[0-9]+|A[0-9]+|B[0-9]+|L[0-9]+' | head -1 | tr 'A-Z' 'a-z')
+        tag=${tag:-gpu}
+        timeout 420 python3 -m pytest -q -p no:cacheprovider \
+          tests/platforms/cuda/test_fused_moe_int.py tests/platforms/cuda/test_architectures_cuda.py \
+          -k "int" 2>&1 | tee "$OUT/gpu_fused_moe_int_tests_$tag.log" \
+          || failed="${failed:-} fused-moe-int-tests"
+        timeout 420 python3 scripts/bench_fused_moe.py --weights awq \
+          --out "$OUT/fused_moe_int_$tag.json" 2>&1 | tee "$OUT/fused_moe_int_$tag.log" ;;
     # Programmatic dependent launch (kernels/pdl.py): its GPU test, and the kernels' and
     # graphs' tests with it on.
     pdl-tests) PAGEDSERVE_PDL=1 timeout 420 python3 -m pytest -q -x -p no:cacheprovider \
