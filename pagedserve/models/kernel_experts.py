@@ -29,7 +29,7 @@ from pagedserve.quant.weights import LoadedWeight
 class KernelExperts(nn.Module):
     # Nothing in a step reads the device on the host (``SparseMoeBlock.syncs_with_host``).
     syncs_with_host: ClassVar[bool] = False
-    op: ClassVar[str]  # the ``LayerOps`` entry that reads the layout (None: it has none)
+    op: ClassVar[str]  # the name of the ``LayerOps`` entry that reads the layout
 
     def __init__(self, experts: QuantizedExperts) -> None:
         """``experts``: complete stacks that ``takes`` accepts."""

@@ -172,3 +172,38 @@ def test_groups_no_tile_fits_are_refused():
 
 def test_the_platform_reads_integer_experts_with_the_kernel():
     assert TritonLayerOps.fused_moe_int is moe.fused_moe and LayerOps.fused_moe_int is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(HAS_NVIDIA, reason="the CPU engine runs the kernel under the interpreter; "
+                    "on a GPU, test_architectures_cuda.py's integer MoE test does")
+def test_the_kernel_in_the_engine_gives_transformers_logprobs(tiny_model_folder, tmp_path,
+                                                              monkeypatch):
+    """The chain from an AWQ checkpoint to the kernel on the CPU: a tiny Mixtral's experts
+    loaded into ``IntExperts`` and read by this kernel (under the interpreter) through the
+    platform's ops, against transformers in float64 on the dequantized checkpoint."""
+    from pagedserve.models.int_experts import IntExperts
+    from pagedserve.models.moe import FusedExperts
+    from pagedserve.platforms.cpu.platform import CpuPlatform
+    from tests.models.test_quantized_moe import AWQ
+    from tests.quant.packers import write_quantized_pair
+    from tests.tiny_models import (
+        hf_model_float64,
+        make_llm,
+        prompt_logprob_error,
+        random_prompts,
+    )
+
+    write_quantized_pair(tiny_model_folder("mixtral"), tmp_path / "awq", tmp_path / "ref", AWQ)
+
+    class Ops(CpuPlatform.layer_ops()):
+        fused_moe_int = staticmethod(moe.fused_moe)
+
+    monkeypatch.setattr(CpuPlatform, "layer_ops", classmethod(lambda cls: Ops))
+    llm = make_llm(tmp_path / "awq", dtype="float32", enable_prefix_caching=False,
+                   int8_activations=False)
+    experts = [m.quantized for m in llm.engine.executor.runner.model.modules()
+               if isinstance(m, FusedExperts)]
+    assert experts and all(isinstance(q, IntExperts) for q in experts)
+    prompt = random_prompts("int-kernel", [13])[0]
+    assert prompt_logprob_error(llm, hf_model_float64(tmp_path / "ref"), prompt) < 1e-4
