@@ -39,8 +39,9 @@ class IntExperts(KernelExperts):
         packed = (PackedIntWeight.from_group(weight) if isinstance(weight, GroupQuantWeight)
                   else None)
         if packed is None:
-            raise ValueError(f"a layer of integer experts read as they are was given "
-                             f"{type(weight).__name__} without integer zero points in order")
+            raise ValueError(f"a layer of integer experts read as they are was given a "
+                             f"{type(weight).__name__} that is not 4- or 8-bit groups with "
+                             f"integer zero points and columns in order (no act-order)")
         return packed
 
 

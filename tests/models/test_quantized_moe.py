@@ -363,6 +363,8 @@ def test_int_experts_are_fused_once_for_a_platform_that_reads_them(bits, group):
     changed = fused(ReadsAsStored, x, ROUTED)
     torch.testing.assert_close(changed, per_step(LayerOps, x, ROUTED))
     assert not torch.allclose(changed, out)
+    with pytest.raises(ValueError, match="integer zero points"):  # reloaded: no such layout
+        fused.load(0, "up", random_weight(48, 64, bits, 32, seed=1))
 
 
 @pytest.mark.parametrize("group", [32, -1])
