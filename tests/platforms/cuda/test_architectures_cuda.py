@@ -111,8 +111,8 @@ def test_fp8_moe_graphs_give_the_eager_and_dequantized_tokens(moe_folder, tmp_pa
                                                               fmt, dtype):
     """FP8 experts read as they are by the Triton kernel (block FP8 in blocks of 32, partial
     at Mixtral's 48 expert rows; per tensor; ``--quantization fp8``'s per row): decode steps
-    replay CUDA graphs and give the eager steps' greedy tokens, and the per-step dequantize
-    path's (the platform's ops without ``fused_moe_fp8``; a near-tie may break either way)."""
+    replay CUDA graphs and give the eager steps' greedy tokens, and agree with the per-step
+    dequantize path (the platform's ops without ``fused_moe_fp8``; ``_assert_paths_agree``)."""
     from pagedserve.models.fp8_experts import Fp8Experts
     from pagedserve.models.moe import FusedExperts
     from pagedserve.platforms.cuda.layer_ops import TritonLayerOps
@@ -123,7 +123,7 @@ def test_fp8_moe_graphs_give_the_eager_and_dequantized_tokens(moe_folder, tmp_pa
         options = {}
         folder = (write_block_fp8(moe_folder, tmp_path, (32, 32)) if fmt == "block-fp8"
                   else write_fp8(moe_folder, tmp_path, static=True)).quantized
-    tokens = {}
+    tokens, logprobs = {}, {}
     for path in ("eager", "graphs", "dequantize"):
         if path == "dequantize":
             monkeypatch.setattr(TritonLayerOps, "fused_moe_fp8", None)
@@ -134,11 +134,10 @@ def test_fp8_moe_graphs_give_the_eager_and_dequantized_tokens(moe_folder, tmp_pa
         assert experts and all(isinstance(q, Fp8Experts) == (path != "dequantize")
                                for q in experts)
         assert (runner.graphs is not None) == (path == "graphs")
-        tokens[path] = _tokens(llm)
+        tokens[path], logprobs[path] = _tokens(llm), _prompt_logprobs(llm)
         del llm, runner, experts
     assert tokens["graphs"] == tokens["eager"]
-    same = sum(a == b for a, b in zip(tokens["eager"], tokens["dequantize"]))
-    assert same >= len(PROMPTS) - 1
+    _assert_paths_agree(tokens, logprobs, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -147,9 +146,9 @@ def test_int_moe_graphs_give_the_eager_and_dequantized_tokens(moe_folder, tmp_pa
                                                               fmt, dtype):
     """Integer experts read as they are by the Triton kernel (AWQ in groups of 32, partial at
     Mixtral's 48 expert rows; GPTQ symmetric in groups of 32; GPTQ 8-bit asymmetric, one group
-    a row): decode steps replay CUDA graphs and give the eager steps' greedy tokens, and the
-    per-step dequantize path's (the platform's ops without ``fused_moe_int``; a near-tie may
-    break either way). GPTQ act-order stays on the dequantize path, without graphs."""
+    a row): decode steps replay CUDA graphs and give the eager steps' greedy tokens, and agree
+    with the per-step dequantize path (the platform's ops without ``fused_moe_int``;
+    ``_assert_paths_agree``). GPTQ act-order stays on the dequantize path, without graphs."""
     from pagedserve.models.int_experts import IntExperts
     from pagedserve.models.moe import FusedExperts
     from pagedserve.platforms.cuda.layer_ops import TritonLayerOps
@@ -161,7 +160,7 @@ def test_int_moe_graphs_give_the_eager_and_dequantized_tokens(moe_folder, tmp_pa
     folder = tmp_path / fmt
     write_quantized_pair(moe_folder, folder, tmp_path / "reference", config)
     fused = fmt != "gptq-act-order"
-    tokens = {}
+    tokens, logprobs = {}, {}
     for path in ("eager", "graphs", "dequantize") if fused else ("dequantize",):
         if path == "dequantize" and fused:
             monkeypatch.setattr(TritonLayerOps, "fused_moe_int", None)
@@ -172,12 +171,11 @@ def test_int_moe_graphs_give_the_eager_and_dequantized_tokens(moe_folder, tmp_pa
         assert experts and all(isinstance(q, IntExperts) == (path != "dequantize")
                                for q in experts)
         assert (runner.graphs is not None) == (path == "graphs")
-        tokens[path] = _tokens(llm)
+        tokens[path], logprobs[path] = _tokens(llm), _prompt_logprobs(llm)
         del llm, runner, experts
     if fused:
         assert tokens["graphs"] == tokens["eager"]
-        same = sum(a == b for a, b in zip(tokens["eager"], tokens["dequantize"]))
-        assert same >= len(PROMPTS) - 1
+        _assert_paths_agree(tokens, logprobs, dtype)
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +186,30 @@ def llama3_cuda_folder(tmp_path_factory):
 def _tokens(llm) -> list[list[int]]:
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def _prompt_logprobs(llm) -> list[float]:
+    """The prompts teacher-forced: each prompt token's logprob after the tokens before it."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [d[t].logprob for o, prompt in zip(outs, PROMPTS)
+            for d, t in zip(o.prompt_logprobs[1:], prompt[1:])]
+
+
+def _assert_paths_agree(tokens: dict, logprobs: dict, dtype: str) -> None:
+    """The fused kernel's eager path against the per-step dequantize path. In float32 and
+    float16 their greedy tokens (a near-tie may break either way). In bfloat16 the two round
+    differently (the dequantized weight to 8 bits of mantissa, the kernel's products not), and
+    a tiny random model's greedy path turns on near-ties: on an H100 one, two or none of the
+    four continuations stayed equal. There the teacher-forced prompt logprobs are compared,
+    their mean gap within bfloat16's noise (as test_bfloat16_logprobs_near_float32 bounds it
+    for mixtures of experts, whose routing may flip on a near-tie)."""
+    if dtype != "bfloat16":
+        same = sum(a == b for a, b in zip(tokens["eager"], tokens["dequantize"]))
+        assert same >= len(PROMPTS) - 1
+        return
+    gaps = [abs(a - b) for a, b in zip(logprobs["eager"], logprobs["dequantize"], strict=True)]
+    assert sum(gaps) / len(gaps) < 0.05, (max(gaps), sum(gaps) / len(gaps))
 
 
 def _allocated() -> int:
