@@ -379,6 +379,14 @@ timeline() {
     --out "$OUT/throughput_h200_llama3-8b_${label}_timeline.json"
 }
 
+# The GPU's model for file names (h100, h200, ...; gpu if none matches).
+gpu_tag() {
+  local tag
+  tag=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 \
+    | grep -oE 'H[0-9]+|A[0-9]+|B[0-9]+|L[0-9]+' | head -1 | tr 'A-Z' 'a-z')
+  echo "${tag:-gpu}"
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 for part in $parts; do
@@ -575,9 +583,7 @@ for part in $parts; do
     # tiny Mixtral and Qwen3-MoE through graphs against eager and transformers (~4 min), then
     # Triton against the torch loop at the Mixtral-8x7B and Qwen3-30B-A3B expert shapes,
     # T = 1 .. 8,192, with the candidate tiles (FUSED_MOE_SWEEP=0 leaves them out; ~5 min).
-    fused-moe) tag=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 \
-          | grep -oE 'H[0-9]+|A[0-9]+|B[0-9]+|L[0-9]+' | head -1 | tr 'A-Z' 'a-z')
-        tag=${tag:-gpu}
+    fused-moe) tag=$(gpu_tag)
         timeout 420 python3 -m pytest -q -p no:cacheprovider \
           tests/platforms/cuda/test_fused_moe.py tests/platforms/cuda/test_architectures_cuda.py \
           -k "moe or mixtral or qwen3" 2>&1 | tee "$OUT/gpu_fused_moe_tests_$tag.log" \
@@ -590,9 +596,7 @@ for part in $parts; do
     # --quantization fp8) through graphs against eager and the dequantize path (~3 min), then
     # the FP8 kernel against the bf16 one and the per-step dequantize path, scales per row and
     # in 128 x 128 blocks, at the Mixtral-8x7B and Qwen3-30B-A3B shapes (~4 min).
-    fused-moe-fp8) tag=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 \
-          | grep -oE 'H[0-9]+|A[0-9]+|B[0-9]+|L[0-9]+' | head -1 | tr 'A-Z' 'a-z')
-        tag=${tag:-gpu}
+    fused-moe-fp8) tag=$(gpu_tag)
         timeout 360 python3 -m pytest -q -p no:cacheprovider \
           tests/platforms/cuda/test_fused_moe_fp8.py tests/platforms/cuda/test_architectures_cuda.py \
           -k "fp8" 2>&1 | tee "$OUT/gpu_fused_moe_fp8_tests_$tag.log" \
@@ -605,9 +609,7 @@ for part in $parts; do
     # act-order: the dequantize path only), then the kernel against the bf16 one and the
     # per-step dequantize path, AWQ groups of 128 and 32, at the Mixtral-8x7B and
     # Qwen3-30B-A3B shapes.
-    fused-moe-int) tag=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 \
-          | grep -oE 'H[0-9]+|A[0-9]+|B[0-9]+|L[0-9]+' | head -1 | tr 'A-Z' 'a-z')
-        tag=${tag:-gpu}
+    fused-moe-int) tag=$(gpu_tag)
         timeout 420 python3 -m pytest -q -p no:cacheprovider \
           tests/platforms/cuda/test_fused_moe_int.py tests/platforms/cuda/test_architectures_cuda.py \
           -k "int" 2>&1 | tee "$OUT/gpu_fused_moe_int_tests_$tag.log" \
