@@ -387,6 +387,20 @@ gpu_tag() {
   echo "${tag:-gpu}"
 }
 
+# `quantized_experts LABEL WEIGHTS`: the fused MoE kernel's tests on LABEL experts (fp8, int:
+# test_fused_moe_LABEL.py, and the engine's tests named for LABEL), then bench_fused_moe.py
+# --weights WEIGHTS.
+quantized_experts() {
+  local label=$1 weights=$2 tag
+  tag=$(gpu_tag)
+  timeout 420 python3 -m pytest -q -p no:cacheprovider \
+    "tests/platforms/cuda/test_fused_moe_$label.py" tests/platforms/cuda/test_architectures_cuda.py \
+    -k "$label" 2>&1 | tee "$OUT/gpu_fused_moe_${label}_tests_$tag.log" \
+    || failed="${failed:-} fused-moe-$label-tests"
+  timeout 420 python3 scripts/bench_fused_moe.py --weights "$weights" \
+    --out "$OUT/fused_moe_${label}_$tag.json" 2>&1 | tee "$OUT/fused_moe_${label}_$tag.log"
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 for part in $parts; do
@@ -596,26 +610,14 @@ for part in $parts; do
     # --quantization fp8) through graphs against eager and the dequantize path (~3 min), then
     # the FP8 kernel against the bf16 one and the per-step dequantize path, scales per row and
     # in 128 x 128 blocks, at the Mixtral-8x7B and Qwen3-30B-A3B shapes (~4 min).
-    fused-moe-fp8) tag=$(gpu_tag)
-        timeout 360 python3 -m pytest -q -p no:cacheprovider \
-          tests/platforms/cuda/test_fused_moe_fp8.py tests/platforms/cuda/test_architectures_cuda.py \
-          -k "fp8" 2>&1 | tee "$OUT/gpu_fused_moe_fp8_tests_$tag.log" \
-          || failed="${failed:-} fused-moe-fp8-tests"
-        timeout 420 python3 scripts/bench_fused_moe.py --weights fp8 \
-          --out "$OUT/fused_moe_fp8_$tag.json" 2>&1 | tee "$OUT/fused_moe_fp8_$tag.log" ;;
+    fused-moe-fp8) quantized_experts fp8 fp8 ;;
     # Integer experts read by the fused MoE kernel (W4A16, W8A16): its tests (bf16 and
     # model-sized shapes join on the GPU) and the tiny Mixtral and Qwen3-MoE with AWQ, GPTQ
     # and GPTQ 8-bit experts through graphs against eager and the dequantize path (GPTQ
     # act-order: the dequantize path only), then the kernel against the bf16 one and the
     # per-step dequantize path, AWQ groups of 128 and 32, at the Mixtral-8x7B and
     # Qwen3-30B-A3B shapes.
-    fused-moe-int) tag=$(gpu_tag)
-        timeout 420 python3 -m pytest -q -p no:cacheprovider \
-          tests/platforms/cuda/test_fused_moe_int.py tests/platforms/cuda/test_architectures_cuda.py \
-          -k "int" 2>&1 | tee "$OUT/gpu_fused_moe_int_tests_$tag.log" \
-          || failed="${failed:-} fused-moe-int-tests"
-        timeout 420 python3 scripts/bench_fused_moe.py --weights awq \
-          --out "$OUT/fused_moe_int_$tag.json" 2>&1 | tee "$OUT/fused_moe_int_$tag.log" ;;
+    fused-moe-int) quantized_experts int awq ;;
     # Programmatic dependent launch (kernels/pdl.py): its GPU test, and the kernels' and
     # graphs' tests with it on.
     pdl-tests) PAGEDSERVE_PDL=1 timeout 420 python3 -m pytest -q -x -p no:cacheprovider \
