@@ -114,7 +114,6 @@ def test_fp8_moe_graphs_give_the_eager_and_dequantized_tokens(moe_folder, tmp_pa
     replay CUDA graphs and give the eager steps' greedy tokens, and agree with the per-step
     dequantize path (the platform's ops without ``fused_moe_fp8``; ``_assert_paths_agree``)."""
     from pagedserve.models.fp8_experts import Fp8Experts
-    from pagedserve.models.moe import FusedExperts
     from pagedserve.platforms.cuda.layer_ops import TritonLayerOps
     from tests.quant.fp8_ct_checkpoints import write_block_fp8, write_fp8
 
@@ -127,15 +126,8 @@ def test_fp8_moe_graphs_give_the_eager_and_dequantized_tokens(moe_folder, tmp_pa
     for path in ("eager", "graphs", "dequantize"):
         if path == "dequantize":
             monkeypatch.setattr(TritonLayerOps, "fused_moe_fp8", None)
-        llm = make_llm(folder, device="cuda", dtype=dtype, enforce_eager=path == "eager",
-                       kv_cache_memory_bytes=64 << 20, max_num_seqs=8, **options)
-        runner = llm.engine.executor.runner
-        experts = [m.quantized for m in runner.model.modules() if isinstance(m, FusedExperts)]
-        assert experts and all(isinstance(q, Fp8Experts) == (path != "dequantize")
-                               for q in experts)
-        assert (runner.graphs is not None) == (path == "graphs")
-        tokens[path], logprobs[path] = _tokens(llm), _prompt_logprobs(llm)
-        del llm, runner, experts
+        tokens[path], logprobs[path] = _run_experts_path(folder, dtype, path, Fp8Experts,
+                                                         **options)
     assert tokens["graphs"] == tokens["eager"]
     _assert_paths_agree(tokens, logprobs, dtype)
 
@@ -150,7 +142,6 @@ def test_int_moe_graphs_give_the_eager_and_dequantized_tokens(moe_folder, tmp_pa
     with the per-step dequantize path (the platform's ops without ``fused_moe_int``;
     ``_assert_paths_agree``). GPTQ act-order stays on the dequantize path, without graphs."""
     from pagedserve.models.int_experts import IntExperts
-    from pagedserve.models.moe import FusedExperts
     from pagedserve.platforms.cuda.layer_ops import TritonLayerOps
     from tests.models.test_quantized_moe import AWQ, GPTQ, GPTQ_8BIT, GPTQ_ACT_ORDER
     from tests.quant.packers import write_quantized_pair
@@ -164,15 +155,7 @@ def test_int_moe_graphs_give_the_eager_and_dequantized_tokens(moe_folder, tmp_pa
     for path in ("eager", "graphs", "dequantize") if fused else ("dequantize",):
         if path == "dequantize" and fused:
             monkeypatch.setattr(TritonLayerOps, "fused_moe_int", None)
-        llm = make_llm(folder, device="cuda", dtype=dtype, enforce_eager=path == "eager",
-                       kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
-        runner = llm.engine.executor.runner
-        experts = [m.quantized for m in runner.model.modules() if isinstance(m, FusedExperts)]
-        assert experts and all(isinstance(q, IntExperts) == (path != "dequantize")
-                               for q in experts)
-        assert (runner.graphs is not None) == (path == "graphs")
-        tokens[path], logprobs[path] = _tokens(llm), _prompt_logprobs(llm)
-        del llm, runner, experts
+        tokens[path], logprobs[path] = _run_experts_path(folder, dtype, path, IntExperts)
     if fused:
         assert tokens["graphs"] == tokens["eager"]
         _assert_paths_agree(tokens, logprobs, dtype)
@@ -186,6 +169,23 @@ def llama3_cuda_folder(tmp_path_factory):
 def _tokens(llm) -> list[list[int]]:
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def _run_experts_path(folder, dtype: str, path: str, kernel_form: type,
+                      **options) -> tuple[list[list[int]], list[float]]:
+    """One path of a quantized mixture of experts (``eager`` or ``graphs`` through the fused
+    kernel, whose experts are ``kernel_form``; ``dequantize`` per step): its greedy tokens and
+    prompt logprobs, after checking that the experts and the graphs are the path's."""
+    from pagedserve.models.moe import FusedExperts
+
+    llm = make_llm(folder, device="cuda", dtype=dtype, enforce_eager=path == "eager",
+                   kv_cache_memory_bytes=64 << 20, max_num_seqs=8, **options)
+    runner = llm.engine.executor.runner
+    experts = [m.quantized for m in runner.model.modules() if isinstance(m, FusedExperts)]
+    assert experts and all(isinstance(q, kernel_form) == (path != "dequantize")
+                           for q in experts)
+    assert (runner.graphs is not None) == (path == "graphs")
+    return _tokens(llm), _prompt_logprobs(llm)
 
 
 def _prompt_logprobs(llm) -> list[float]:
