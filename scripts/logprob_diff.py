@@ -30,11 +30,8 @@ PROMPTS = random_prompts("cuda-archs", [5, 33, 70, 129])  # test_architectures_c
 NEW_TOKENS = 24
 
 
-def reference(folder: Path, sequences: list[list[int]]) -> list[list[float]]:
+def reference(model, sequences: list[list[int]]) -> list[list[float]]:
     """transformers' float64 logprob of each token of each sequence after the ones before."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
     out = []
     for seq in sequences:
         with torch.no_grad():
@@ -60,6 +57,8 @@ def engine(folder: Path, device: str, eager: bool):
 
 
 def main() -> None:
+    from transformers import AutoModelForCausalLM
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="gemma2", help="a tests/tiny_models.py architecture")
     p.add_argument("--device", default="cuda")
@@ -71,8 +70,9 @@ def main() -> None:
     for i, text in enumerate(args.variant or ["{}"]):
         folder = write_tiny_model(root / f"v{i}", args.arch, **json.loads(text))
         prefill, tokens, decode = engine(folder, args.device, not args.graphs)
-        ref_prefill = reference(folder, PROMPTS)
-        ref_full = reference(folder, [p + t for p, t in zip(PROMPTS, tokens)])
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+        ref_prefill = reference(model, PROMPTS)
+        ref_full = reference(model, [p + t for p, t in zip(PROMPTS, tokens)])
         cells = []
         for p, ours, ref, dec, full in zip(PROMPTS, prefill, ref_prefill, decode, ref_full):
             gaps = [abs(a - b) for a, b in zip(dec, full[len(p) - 1:])]
