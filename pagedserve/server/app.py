@@ -317,7 +317,7 @@ def run_server(args: argparse.Namespace) -> None:
         print(f"pagedserve: error: --lora-modules {args.lora_modules[0].name}: LoRA is off; "
               "start the server with --enable-lora", file=sys.stderr)
         sys.exit(2)
-    _check_listen_address(args.host, args.port)
+    listeners = _bind_listen_address(args.host, args.port)
     try:
         tls = tls_options(args)
     except ConfigError as exc:
@@ -350,29 +350,46 @@ def run_server(args: argparse.Namespace) -> None:
         logger.warning("listening on %s without an API key: anyone who can reach this address "
                        "can use the model", args.host)
     logger.info("serving %s at %s://%s:%d%s/v1", ", ".join(e.facts.model_name for e in engines),
-                "https" if tls else "http", args.host, args.port, args.root_path)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=args.enable_log_requests, root_path=args.root_path, **tls,
-                timeout_graceful_shutdown=5,
-                http=partial(GuardedH11Protocol, read_timeout=args.request_read_timeout,
-                             write_timeout=args.response_write_timeout,
-                             max_connections=args.max_concurrent_connections))
-
-
-def _check_listen_address(host: str, port: int) -> None:
-    """Exit in one line unless the server can listen at ``host:port``: uvicorn's bind fails
-    only once every model has loaded. Each address is bound as asyncio's ``create_server``
-    binds it for uvicorn, and let go at once."""
+                "https" if tls else "http", args.host, listeners[0].getsockname()[1],
+                args.root_path)
+    server = uvicorn.Server(uvicorn.Config(
+        app, log_level=args.log_level, access_log=args.enable_log_requests,
+        root_path=args.root_path, **tls, timeout_graceful_shutdown=5,
+        http=partial(GuardedH11Protocol, read_timeout=args.request_read_timeout,
+                     write_timeout=args.response_write_timeout,
+                     max_connections=args.max_concurrent_connections)))
     try:
-        for family, kind, proto, _, address in socket.getaddrinfo(
-                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
-            with socket.socket(family, kind, proto) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                probe.bind(address)
+        server.run(sockets=listeners)
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        sys.exit(1)
+
+
+def _bind_listen_address(host: str, port: int) -> list[socket.socket]:
+    """The sockets the server will listen on, bound before any model loads, or an exit in one
+    line if ``host:port`` is taken. Holding them through the load keeps the port ours: a
+    port free when the server started could otherwise go to any process that binds during
+    the minutes a model takes (the engine's own sockets among them). Bound as asyncio's
+    ``create_server`` binds an address; not yet listening, so a client is refused, not
+    kept waiting, until the server can answer."""
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
     except OSError as exc:  # socket.gaierror for a name that does not resolve
+        for sock in sockets:
+            sock.close()
         print(f"pagedserve: error: cannot listen at --host {host} --port {port}: "
               f"{exc.strerror or exc}", file=sys.stderr)
         sys.exit(2)
+    return sockets
 
 
 def _start_engines(specs: Sequence[ModelSpec], started: list[CoreClient]) -> None:

@@ -3,6 +3,7 @@ template, and the offline engine on the same model for reference outputs."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -35,6 +36,8 @@ KV_BYTES = 4 << 20
 LONG_TOKENS = MAX_MODEL_LEN - 96
 # Generous: other processes may share the two cores with the test run.
 STARTUP_TIMEOUT_S = 180
+PORT_ATTEMPTS = 3
+PORT_TAKEN = f"--port {{}}: {os.strerror(errno.EADDRINUSE)}"  # the server's own error line
 HTTP_TIMEOUT_S = 120
 # Fixtures that start a server subprocess (seconds each, once per session or module).
 SERVER_FIXTURES = {"server", "ahead_server", "served", "keyed_server", "smol", "embed_server",
@@ -206,39 +209,50 @@ def launch_server(model: Path | str | None, log_dir: Path, *extra: str,
     ``own_group``: the server leads a process group of its own, as in a terminal, where
     Ctrl-C reaches every process of the group. ``tls_ca``: the server serves HTTPS
     (``extra`` has its ``--ssl-*`` flags), and its certificate is checked against this file."""
-    port = _free_port()
-    log = log_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", *([str(model)] if model else []),
-           "--port", str(port), "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
-           "--kv-cache-memory-bytes", str(KV_BYTES), "--log-level", "warning", *extra]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=own_group,
-            env={**os.environ, "PAGEDSERVE_LOG_LEVEL": "WARNING", **(env or {})})
-    server = Server(f"{'https' if tls_ca else 'http'}://127.0.0.1:{port}", process, log, api_key)
-    try:
-        _wait_healthy(server, ssl.create_default_context(cafile=tls_ca) if tls_ca else True)
-        yield server
-    finally:
-        process.terminate()
+    # The port is free when picked, but another process (the other test worker's engines)
+    # may bind it before the server does: a server that exits for that gets a new port.
+    for attempt in range(PORT_ATTEMPTS):
+        port = _free_port()
+        log = log_dir / f"server-{port}.log"
+        cmd = [sys.executable, "-m", "pagedserve.cli", "serve", *([str(model)] if model else []),
+               "--port", str(port), "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
+               "--kv-cache-memory-bytes", str(KV_BYTES), "--log-level", "warning", *extra]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        with log.open("w") as out:
+            process = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=own_group,
+                env={**os.environ, "PAGEDSERVE_LOG_LEVEL": "WARNING", **(env or {})})
+        server = Server(f"{'https' if tls_ca else 'http'}://127.0.0.1:{port}", process, log,
+                        api_key)
         try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            if _wait_healthy(server, ssl.create_default_context(cafile=tls_ca) if tls_ca else True,
+                             last_attempt=attempt == PORT_ATTEMPTS - 1):
+                yield server
+                return
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
-def _wait_healthy(server: Server, verify: ssl.SSLContext | bool = True) -> None:
+def _wait_healthy(server: Server, verify: ssl.SSLContext | bool, last_attempt: bool) -> bool:
+    """True once the server answers; False if it exited because its port was taken first
+    (and this is not the last attempt); a test failure for anything else."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
+            taken = PORT_TAKEN.format(urlsplit(server.url).port) in server.log.read_text()
+            if taken and not last_attempt:
+                return False
             pytest.fail(f"server exited with {server.process.returncode}:\n"
                         f"{server.log.read_text()}")
         try:
             if httpx.get(f"{server.url}/health", timeout=5, verify=verify).status_code == 200:
-                return
+                return True
         except httpx.HTTPError:
             pass
         time.sleep(0.2)

@@ -82,3 +82,22 @@ def test_a_port_in_use_fails_before_any_model_loads(tmp_path, capsys):
     assert exc.value.code == 2
     assert capsys.readouterr().err == (f"pagedserve: error: cannot listen at --host 127.0.0.1 "
                                        f"--port {port}: {os.strerror(errno.EADDRINUSE)}\n")
+
+
+def test_the_port_is_held_from_before_the_models_load_but_refuses_until_serving():
+    """The port was only probed and let go, and a process binding during the model load
+    (in CI, the other test worker's engine) took it: uvicorn then failed to bind."""
+    from pagedserve.server.app import _bind_listen_address
+
+    listeners = _bind_listen_address("127.0.0.1", 0)
+    try:
+        port = listeners[0].getsockname()[1]
+        with socket.socket() as rival:
+            with pytest.raises(OSError) as exc:
+                rival.bind(("127.0.0.1", port))
+            assert exc.value.errno == errno.EADDRINUSE
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        for sock in listeners:
+            sock.close()
