@@ -9,11 +9,16 @@ gap passes 1e-3 (``-`` if none).
     python scripts/logprob_diff.py --arch gemma2 --device cuda \\
         --variant '{}' --variant '{"attn_logit_softcapping": null}' \\
         --variant '{"final_logit_softcapping": null}' --variant '{"head_dim": 32}'
+
+``--ops`` bisects the CUDA platform's own pieces: ``torch-attention`` runs the torch paged
+attention (the CPU platform's) in place of the Triton kernels, ``torch-layers`` the torch
+norms, activations and rotary in place of the fused Triton ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -28,6 +33,8 @@ from tests.tiny_models import make_llm, random_prompts, write_tiny_model  # noqa
 
 PROMPTS = random_prompts("cuda-archs", [5, 33, 70, 129])  # test_architectures_cuda.py's
 NEW_TOKENS = 24
+OPS = ["triton", "torch-attention", "torch-layers"]
+_TRITON: dict = {}
 
 
 def reference(model, sequences: list[list[int]]) -> list[list[float]]:
@@ -56,6 +63,21 @@ def engine(folder: Path, device: str, eager: bool):
     return prefill, tokens, decode
 
 
+def use_torch_ops(which: str) -> None:
+    """The CUDA platform's attention or layer ops replaced by the torch reference ones."""
+    from pagedserve.attention.torch_paged import TorchPagedAttention
+    from pagedserve.models.layer_ops import LayerOps
+    from pagedserve.platforms.cuda.platform import CudaPlatform
+
+    # The platform's own (bound) methods, kept from the first call.
+    attention, layers = _TRITON.setdefault(
+        "cuda", (CudaPlatform.attention_backend, CudaPlatform.layer_ops))
+    CudaPlatform.attention_backend = classmethod(
+        lambda cls: TorchPagedAttention if which == "torch-attention" else attention())
+    CudaPlatform.layer_ops = classmethod(
+        lambda cls: LayerOps if which == "torch-layers" else layers())
+
+
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
@@ -65,10 +87,15 @@ def main() -> None:
     p.add_argument("--graphs", action="store_true", help="replay CUDA graphs (default eager)")
     p.add_argument("--variant", action="append", default=None,
                    help="JSON config overrides, repeatable (default: one, none)")
+    p.add_argument("--ops", action="append", choices=OPS, default=None,
+                   help="whose kernels run, repeatable (default: triton)")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp())
-    for i, text in enumerate(args.variant or ["{}"]):
+    for (i, text), ops in itertools.product(enumerate(args.variant or ["{}"]),
+                                            args.ops or OPS[:1]):
         folder = write_tiny_model(root / f"v{i}", args.arch, **json.loads(text))
+        if args.device == "cuda":
+            use_torch_ops(ops)
         prefill, tokens, decode = engine(folder, args.device, not args.graphs)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
         ref_prefill = reference(model, PROMPTS)
@@ -79,7 +106,7 @@ def main() -> None:
             first = next((str(j) for j, g in enumerate(gaps) if g > 1e-3), "-")
             cells.append(f"{max(abs(a - b) for a, b in zip(ours, ref)):.1e} "
                          f"{max(gaps):.1e}@{first}")
-        print(f"{text:<40} prefill, decode@first: " + " | ".join(cells), flush=True)
+        print(f"{ops:<15} {text:<40} prefill, decode@first: " + " | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
