@@ -29,7 +29,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedserve import SamplingParams  # noqa: E402
-from tests.tiny_models import make_llm, random_prompts, write_tiny_model  # noqa: E402
+from tests.tiny_models import (  # noqa: E402
+    hf_model_float64,
+    make_llm,
+    random_prompts,
+    write_tiny_model,
+)
 
 PROMPTS = random_prompts("cuda-archs", [5, 33, 70, 129])  # test_architectures_cuda.py's
 NEW_TOKENS = 24
@@ -79,8 +84,6 @@ def use_torch_ops(which: str) -> None:
 
 
 def main() -> None:
-    from transformers import AutoModelForCausalLM
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="gemma2", help="a tests/tiny_models.py architecture")
     p.add_argument("--device", default="cuda")
@@ -97,7 +100,7 @@ def main() -> None:
         if args.device == "cuda":
             use_torch_ops(ops)
         prefill, tokens, decode = engine(folder, args.device, not args.graphs)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+        model = hf_model_float64(folder)
         ref_prefill = reference(model, PROMPTS)
         ref_full = reference(model, [p + t for p, t in zip(PROMPTS, tokens)])
         cells = []

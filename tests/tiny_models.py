@@ -231,13 +231,19 @@ def _kv_bytes_per_block(folder: Path, block_size: int) -> int:
     return probe.engine.kv_bytes_per_block
 
 
+# transformers' own attention, the reference: its SDPA path may drop what SDPA lacks
+# (transformers 5.17 ran Gemma 2 there without attn_logit_softcapping; 5.24 turned it off).
+REFERENCE_ATTENTION = "eager"
+
+
 @cache
 def hf_model(folder: Path):
     """transformers' float32 model of a checkpoint folder, loaded once per test process. Shared:
     callers pass generation options to ``generate`` rather than change the model."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation=REFERENCE_ATTENTION).eval()
 
 
 def hf_model_float64(folder: Path):
@@ -246,6 +252,7 @@ def hf_model_float64(folder: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
+                                                attn_implementation=REFERENCE_ATTENTION,
                                                 experts_implementation="eager").eval()
 
 

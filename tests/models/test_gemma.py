@@ -17,6 +17,7 @@ import torch
 
 from tests.tiny_models import (
     ARCH_CONFIGS,
+    REFERENCE_ATTENTION,
     VOCAB,
     assert_greedy_matches,
     decode_logprob_error,
@@ -62,8 +63,9 @@ def test_prompt_logprobs_match_float64_and_need_the_window(windowed, hf64):
     prompts = random_prompts("window-prompts", [30, 77])
     for prompt in prompts:
         assert prompt_logprob_error(llm, hf64, prompt) < TOL
-    unwindowed = AutoModelForCausalLM.from_pretrained(windowed, dtype=torch.float64,
-                                                      sliding_window=1024).eval()
+    unwindowed = AutoModelForCausalLM.from_pretrained(
+        windowed, dtype=torch.float64, attn_implementation=REFERENCE_ATTENTION,
+        sliding_window=1024).eval()
     assert prompt_logprob_error(llm, unwindowed, prompts[1]) > 1e-2
 
 

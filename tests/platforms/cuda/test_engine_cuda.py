@@ -10,7 +10,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from tests.devices import HAS_NVIDIA, NVIDIA_REASON
-from tests.tiny_models import VOCAB, write_tiny_model
+from tests.tiny_models import REFERENCE_ATTENTION, VOCAB, write_tiny_model
 
 pytestmark = [
     pytest.mark.cuda,
@@ -37,7 +37,8 @@ def _greedy(llm, prompts, **extra):
 def _hf_greedy(folder, prompt):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation=REFERENCE_ATTENTION).cuda().eval()
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW,
