@@ -29,7 +29,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default loopback only; 0.0.0.0 exposes the server)")
     g.add_argument("--port", type=port, default=8000,
-                   help="TCP port to listen on (checked free before any model loads)")
+                   help="TCP port to listen on (bound before any model loads and held while they "
+                        "load; 0 picks a free one, which the log names)")
     g.add_argument("--models-config", default=None, metavar="FILE",
                    help="a YAML or JSON file of the models to serve, one engine core each: "
                         "'models:', a list of entries of engine options by their names with "
