@@ -251,35 +251,53 @@ _JOINED = "pagedserve/joined"  # how many ranks but the driver have reached the 
 _POLL_S = 0.1
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """The driver's side of the rendezvous: its store, and ``dead_peer``, its way to learn
+    that a rank died before joining."""
+
+    store: torch.distributed.TCPStore
+    dead_peer: DeadPeer
+
+
+def host_store(host: str, size: int, timeout_s: float) -> torch.distributed.TCPStore:
+    """The driver's rendezvous store for ``size`` ranks, bound at ``host`` on a port the system
+    picks (its ``port``), before any other rank starts: a port found free and let go could
+    be bound by another process before the store took it."""
+    return torch.distributed.TCPStore(host, 0, size, is_master=True,
+                                      timeout=timedelta(seconds=timeout_s),
+                                      wait_for_workers=False)
+
+
 def init(backend: str, address: str, rank: int, size: int, timeout_s: float,
-         dead_peer: DeadPeer | None = None, driver: int = 0) -> None:
+         rendezvous: Rendezvous | None = None) -> None:
     """Join the default process group through the driver's store at ``address``
     (``host:port``). ``timeout_s`` bounds every collective, so a rank whose peer died stops
-    waiting. The driver (rank ``driver``) passes ``dead_peer``: while it waits for the others
-    to join, a rank that died first (it could not read its options, its setup failed) fails
-    this at once with its reason, rather than after ``timeout_s``."""
+    waiting. The driver passes its ``rendezvous`` (its store already serves ``address``):
+    while it waits for the others to join, a rank that died first (it could not read its
+    options, its setup failed) fails this at once with its reason, rather than after
+    ``timeout_s``."""
     timeout = timedelta(seconds=timeout_s)
-    host, port = address.rsplit(":", 1)
-    store = torch.distributed.TCPStore(host, int(port), size, is_master=rank == driver,
-                                       timeout=timeout, wait_for_workers=False)
-    if rank == driver:
-        _wait_for_peers(store, size, timeout_s, dead_peer)
+    if rendezvous is not None:
+        store = rendezvous.store
+        _wait_for_peers(store, size, timeout_s, rendezvous.dead_peer)
     else:
+        host, port = address.rsplit(":", 1)
+        store = torch.distributed.TCPStore(host, int(port), size, is_master=False,
+                                           timeout=timeout, wait_for_workers=False)
         store.add(_JOINED, 1)
     torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=size,
                                          timeout=timeout)
 
 
 def _wait_for_peers(store: torch.distributed.Store, size: int, timeout_s: float,
-                    dead_peer: DeadPeer | None) -> None:
+                    dead_peer: DeadPeer) -> None:
     """The driver: wait until the other ranks have all reached the store, asking between
     short polls whether one has died instead (``init_process_group`` would wait
     ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     while (joined := store.add(_JOINED, 0)) < size - 1:
-        if dead_peer is None:  # no one to ask: wait as init_process_group would
-            time.sleep(_POLL_S)
-        elif (reason := dead_peer(_POLL_S)) is not None:
+        if (reason := dead_peer(_POLL_S)) is not None:
             raise RuntimeError(reason)
         if time.monotonic() > deadline:
             raise RuntimeError(f"{joined} of {size - 1} other ranks joined within "

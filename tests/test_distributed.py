@@ -3,6 +3,7 @@ waits for the other ranks to join."""
 
 from __future__ import annotations
 
+import errno
 import socket
 
 import pytest
@@ -53,10 +54,11 @@ def test_a_cut_inside_a_group_is_refused():
         take_columns(weight, 32, 32)
 
 
-def _free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+def _init_driver(dead_peer: distributed.DeadPeer, timeout_s: float) -> None:
+    """Rank 0 of 2 joining, its store bound at a port of the system's choosing."""
+    store = distributed.host_store("127.0.0.1", 2, timeout_s)
+    distributed.init("gloo", f"127.0.0.1:{store.port}", 0, 2, timeout_s,
+                     distributed.Rendezvous(store, dead_peer))
 
 
 def test_rank_0_stops_waiting_when_a_peer_is_reported_dead():
@@ -69,7 +71,7 @@ def test_rank_0_stops_waiting_when_a_peer_is_reported_dead():
         return "tensor-parallel rank 1 failed: no such class" if len(waits) == 3 else None
 
     with pytest.raises(RuntimeError, match="^tensor-parallel rank 1 failed: no such class$"):
-        distributed.init("gloo", _free_address(), 0, 2, 600.0, dead_peer)
+        _init_driver(dead_peer, 600.0)
     assert len(waits) == 3 and max(waits) <= 0.1
     assert not torch.distributed.is_initialized()
 
@@ -77,4 +79,14 @@ def test_rank_0_stops_waiting_when_a_peer_is_reported_dead():
 def test_rank_0_gives_up_when_no_peer_joins_in_time():
     with pytest.raises(RuntimeError, match=r"0 of 1 other ranks joined within 0.3s "
                                            r"\(PAGEDSERVE_DIST_TIMEOUT_S\)"):
-        distributed.init("gloo", _free_address(), 0, 2, 0.3, lambda wait_s: None)
+        _init_driver(lambda wait_s: None, 0.3)
+
+
+def test_the_drivers_store_holds_its_port_before_any_other_rank_starts():
+    """The port was found free and let go, and the store bound it only after the other ranks
+    were started: a process binding meanwhile could take it."""
+    store = distributed.host_store("127.0.0.1", 2, 5.0)
+    with socket.socket() as rival:
+        with pytest.raises(OSError) as exc:
+            rival.bind(("127.0.0.1", store.port))
+    assert exc.value.errno == errno.EADDRINUSE

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import socket
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
@@ -186,12 +185,13 @@ class Executor:
             self.driver = Worker(WorkerSpec(config, 0, "", 0, 1, layer_split))
             self.step = LocalStep(self.driver.runner)
             return
-        envs.dist_timeout_s()  # a bad value fails here, not in every rank
+        timeout_s = envs.dist_timeout_s()  # a bad value fails here, not in every rank
         if config.distributed_executor_backend == "mp":
             _check_devices(config, layout)
         backend = _backend(config.distributed_executor_backend)
         host = backend.driver_ip()
-        address = f"{host}:{_free_port(host)}"
+        store = distributed.host_store(host, layout.size, timeout_s)
+        address = f"{host}:{store.port}"
         self.remote = backend.start(config, address, layer_split)
         self._group = _RankGroup(self.remote)
         # The ranks must leave the process group together, also when the engine is dropped or
@@ -200,7 +200,8 @@ class Executor:
         try:
             self.driver = self._group.driver = Worker(WorkerSpec(
                 config, layout.driver, address, self.remote.driver_device_index(),
-                backend.ranks_on_host(layout.size), layer_split), self.remote.dead_reason)
+                backend.ranks_on_host(layout.size), layer_split),
+                distributed.Rendezvous(store, self.remote.dead_reason))
             self.remote.wait_ready()
             self.step = MultiRankStep(self.driver.runner, self._group)
         except Exception as exc:
@@ -312,8 +313,3 @@ def _check_devices(config: EngineConfig, layout: Layout) -> None:
                           f"{len(devices)}: lower them, make more devices visible, or spread "
                           "the ranks over hosts with --distributed-executor-backend ray")
 
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

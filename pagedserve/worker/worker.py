@@ -17,7 +17,7 @@ import torch
 
 from pagedserve import distributed, envs
 from pagedserve.config import EngineConfig, ResolvedConfig
-from pagedserve.distributed import DeadPeer, Layout, TensorParallel, split_heads
+from pagedserve.distributed import Layout, Rendezvous, TensorParallel, split_heads
 from pagedserve.errors import ConfigError
 from pagedserve.logger import get_logger
 from pagedserve.models import loader
@@ -60,9 +60,10 @@ class WorkerSpec:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, dead_peer: DeadPeer | None = None) -> None:
-        """``dead_peer``: the driver's way to learn that another rank died before joining
-        (it stays in the driver's process; the spec is sent to the other ranks)."""
+    def __init__(self, spec: WorkerSpec, rendezvous: Rendezvous | None = None) -> None:
+        """``rendezvous``: the driver's store and its way to learn that another rank died
+        before joining (they stay in the driver's process; the spec is sent to the other
+        ranks)."""
         config = spec.config
         start = time.perf_counter()
         self.platform = resolve_platform(config.device)
@@ -71,8 +72,7 @@ class Worker:
         if self.layout.size > 1:
             self.platform.bind_device(spec.device_index, spec.ranks_on_host)
             distributed.init(self.platform.dist_backend, spec.dist_address, spec.rank,
-                             self.layout.size, envs.dist_timeout_s(), dead_peer,
-                             self.layout.driver)
+                             self.layout.size, envs.dist_timeout_s(), rendezvous)
         self.tp = self.layout.tensor_parallel(spec.rank)
         stage = self.layout.stage(spec.rank, spec.layer_split)
         self.platform.seed_everything(config.seed)
